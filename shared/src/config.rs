@@ -1,0 +1,307 @@
+//! The one configuration of a tally deployment.
+//!
+//! Every service reads the same TOML file (`tally.toml`), each using its own section
+//! plus the common ones. Layers, later wins: built-in defaults → the file →
+//! `TALLY__SECTION__KEY` environment variables. Unknown keys are errors, so a typo
+//! never silently falls back to a default. Environment variables that name a section
+//! this config does not have are ignored (they may belong to another tool).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use figment::providers::{Format, Serialized, Toml};
+use figment::Figment;
+use serde::{Deserialize, Serialize};
+
+use crate::time::{Resolution, Resolutions};
+use crate::{Error, Result};
+
+/// Prefix of environment overrides.
+pub const ENV_PREFIX: &str = "TALLY__";
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TallyConfig {
+    pub kafka: KafkaConfig,
+    pub counting: CountingConfig,
+    pub log: LogConfig,
+    pub ingester: IngesterConfig,
+    pub counter: CounterConfig,
+    pub query: QueryConfig,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KafkaConfig {
+    /// `host:port,…`; empty means "start a local broker" for `tally up`.
+    pub bootstrap_servers: String,
+    /// Replaces `tally.` in every topic name.
+    pub topic_prefix: String,
+    /// Passed through to librdkafka as is (`security.protocol`, `sasl.*`, `ssl.*`…).
+    pub client: BTreeMap<String, String>,
+}
+
+impl Default for KafkaConfig {
+    fn default() -> Self {
+        Self { bootstrap_servers: String::new(), topic_prefix: "tally.".into(), client: BTreeMap::new() }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResolutionConfig {
+    /// Bucket width: `1m`, `1h`, `1d`.
+    pub width: String,
+    /// How long buckets are kept: `6h`, `35d`.
+    pub retention: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CountingConfig {
+    pub resolutions: Vec<ResolutionConfig>,
+    /// How long an idempotency `id` is remembered.
+    pub dedupe_window: String,
+}
+
+impl Default for CountingConfig {
+    fn default() -> Self {
+        let resolution = |w: &str, r: &str| ResolutionConfig { width: w.into(), retention: r.into() };
+        Self {
+            resolutions: vec![resolution("1m", "6h"), resolution("1h", "35d"), resolution("1d", "400d")],
+            dedupe_window: "24h".into(),
+        }
+    }
+}
+
+impl CountingConfig {
+    pub fn resolutions(&self) -> Result<Resolutions> {
+        let list = self
+            .resolutions
+            .iter()
+            .map(|r| Resolution::new(&r.width, &r.retention))
+            .collect::<Result<Vec<_>>>()?;
+        Resolutions::new(list)
+    }
+
+    pub fn dedupe_window_ms(&self) -> Result<i64> {
+        Ok(crate::time::parse_duration(&self.dedupe_window)? as i64)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    pub format: LogFormat,
+    /// A tracing filter: `info`, `tally_counter=debug,info`.
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self { format: LogFormat::Text, level: "info".into() }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IngesterConfig {
+    /// Prometheus metrics and health endpoints.
+    pub admin_listen: String,
+    pub group_id: String,
+    /// Most input records handled in one batch.
+    pub batch_max_records: usize,
+    /// Longest wait for a batch to fill, in ms.
+    pub batch_linger_ms: u64,
+}
+
+impl Default for IngesterConfig {
+    fn default() -> Self {
+        Self {
+            admin_listen: "127.0.0.1:9101".into(),
+            group_id: "tally-ingester".into(),
+            batch_max_records: 2_000,
+            batch_linger_ms: 20,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CounterConfig {
+    /// Prometheus metrics and health endpoints.
+    pub admin_listen: String,
+    /// The internal read API `tally-query` calls; port 0 picks a free one, which is
+    /// announced on the shard-owners topic.
+    pub read_listen: String,
+    /// Host announced for the read API when `read_listen` binds a wildcard address.
+    pub advertise_host: Option<String>,
+    /// One RocksDB per shard under this directory.
+    pub data_dir: PathBuf,
+    pub group_id: String,
+    /// Most shard records applied in one write batch.
+    pub batch_max_records: usize,
+    /// Longest wait for a batch to fill, in ms.
+    pub batch_linger_ms: u64,
+    /// Publish `tally.rollups` after each batch.
+    pub rollups: bool,
+    /// fsync the RocksDB WAL on every batch (survives power loss, not just `kill -9`).
+    pub sync_writes: bool,
+}
+
+impl Default for CounterConfig {
+    fn default() -> Self {
+        Self {
+            admin_listen: "127.0.0.1:9102".into(),
+            read_listen: "127.0.0.1:0".into(),
+            advertise_host: None,
+            data_dir: PathBuf::from("data/counter"),
+            group_id: "tally-counter".into(),
+            batch_max_records: 500,
+            batch_linger_ms: 20,
+            rollups: true,
+            sync_writes: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QueryConfig {
+    /// The public read API and dashboard.
+    pub listen: String,
+    /// Prometheus metrics and health endpoints.
+    pub admin_listen: String,
+    /// When set, every `/v1` request needs `Authorization: Bearer <token>`.
+    pub auth_token: Option<String>,
+    /// Most queries in one `POST /v1/query`.
+    pub max_batch: usize,
+    /// How long a read waits for a shard owner to appear, in ms.
+    pub owner_wait_ms: u64,
+}
+
+impl Default for QueryConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8080".into(),
+            admin_listen: "127.0.0.1:9103".into(),
+            auth_token: None,
+            max_batch: 1_000,
+            owner_wait_ms: 3_000,
+        }
+    }
+}
+
+impl TallyConfig {
+    /// Loads defaults, then `path` (when given), then the environment.
+    pub fn load(path: Option<&Path>) -> Result<Self> {
+        Self::load_with_env(path, std::env::vars())
+    }
+
+    /// [`TallyConfig::load`] with an explicit environment, for tests.
+    pub fn load_with_env(path: Option<&Path>, env: impl IntoIterator<Item = (String, String)>) -> Result<Self> {
+        let mut figment = Figment::from(Serialized::defaults(TallyConfig::default()));
+        if let Some(path) = path {
+            if !path.exists() {
+                return Err(Error::Config(format!("config file {} does not exist", path.display())));
+            }
+            figment = figment.merge(Toml::file(path));
+        }
+        let sections = ["kafka", "counting", "log", "ingester", "counter", "query"];
+        let overrides: Vec<(String, String)> = env
+            .into_iter()
+            .filter_map(|(key, value)| {
+                let rest = key.strip_prefix(ENV_PREFIX)?;
+                let section = rest.split("__").next()?.to_ascii_lowercase();
+                sections.contains(&section.as_str()).then(|| (rest.to_string(), value))
+            })
+            .collect();
+        for (key, value) in overrides {
+            let dotted = key.to_ascii_lowercase().replace("__", ".");
+            figment = figment.merge(Serialized::global(&dotted, parse_env_value(&value)));
+        }
+        let config: TallyConfig = figment.extract().map_err(|err| {
+            let all: Vec<String> = err.into_iter().map(|e| e.to_string()).collect();
+            Error::Config(all.join("; "))
+        })?;
+        config.counting.resolutions()?;
+        config.counting.dedupe_window_ms()?;
+        Ok(config)
+    }
+}
+
+/// Environment values are typed like TOML scalars: `8` is a number, `true` a bool,
+/// anything else a string.
+fn parse_env_value(value: &str) -> figment::value::Value {
+    use figment::value::Value;
+    if let Ok(n) = value.parse::<i64>() {
+        return Value::from(n);
+    }
+    match value {
+        "true" => Value::from(true),
+        "false" => Value::from(false),
+        _ => Value::from(value.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn defaults_load_without_a_file() {
+        let config = TallyConfig::load_with_env(None, env(&[])).unwrap();
+        assert_eq!(config.kafka.topic_prefix, "tally.");
+        assert_eq!(config.counting.resolutions().unwrap(), Resolutions::default());
+    }
+
+    #[test]
+    fn file_then_env_override() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tally.toml");
+        std::fs::write(
+            &path,
+            "[kafka]\nbootstrap_servers = \"h:1\"\n[kafka.client]\n\"security.protocol\" = \"SASL_SSL\"\n[counter]\nbatch_max_records = 7\n",
+        )
+        .unwrap();
+        let config = TallyConfig::load_with_env(
+            Some(&path),
+            env(&[("TALLY__COUNTER__BATCH_MAX_RECORDS", "9"), ("TALLY__KAFKA__TOPIC_PREFIX", "t1."), ("TALLY__OTHER__X", "1"), ("HOME", "/")]),
+        )
+        .unwrap();
+        assert_eq!(config.kafka.bootstrap_servers, "h:1");
+        assert_eq!(config.kafka.client["security.protocol"], "SASL_SSL");
+        assert_eq!(config.counter.batch_max_records, 9);
+        assert_eq!(config.kafka.topic_prefix, "t1.");
+    }
+
+    #[test]
+    fn unknown_keys_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tally.toml");
+        std::fs::write(&path, "[counter]\nbatch_max_recrods = 7\n").unwrap();
+        let err = TallyConfig::load_with_env(Some(&path), env(&[])).unwrap_err().to_string();
+        assert!(err.contains("batch_max_recrods"), "{err}");
+        let err = TallyConfig::load_with_env(None, env(&[("TALLY__QUERY__LISTN", "x")])).unwrap_err().to_string();
+        assert!(err.contains("listn"), "{err}");
+        let err = TallyConfig::load_with_env(None, env(&[("TALLY__COUNTING__DEDUPE_WINDOW", "forever")])).unwrap_err().to_string();
+        assert!(err.contains("forever"), "{err}");
+    }
+
+    #[test]
+    fn missing_file_is_an_error() {
+        assert!(TallyConfig::load_with_env(Some(Path::new("/nonexistent/tally.toml")), env(&[])).is_err());
+    }
+}

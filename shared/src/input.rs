@@ -1,0 +1,192 @@
+//! Parsing and validation of producer messages (SPEC §4).
+//!
+//! A message holds one JSON object or an array of them. Every element is either
+//! accepted as a typed [`Increment`] or rejected with a precise reason; a bad element
+//! in an array rejects that element only.
+
+use std::borrow::Cow;
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use crate::validate::{check_entity, check_id, check_metric};
+use crate::wire::Increment;
+
+/// One element (or the whole message) a producer got wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection<'a> {
+    /// Position in the array, `None` when the message itself was rejected or was a
+    /// single object.
+    pub index: Option<u32>,
+    /// What is wrong, naming the field: `metric: must match [a-z0-9_.:-]{1,64}`.
+    pub reason: String,
+    /// The bytes of the rejected element (the whole message when `index` is `None`).
+    pub raw: &'a [u8],
+}
+
+/// The increment as producers write it, before the naming rules are checked.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawIncrement<'a> {
+    #[serde(borrow)]
+    entity: Cow<'a, str>,
+    #[serde(borrow)]
+    metric: Cow<'a, str>,
+    #[serde(default)]
+    delta: Option<i64>,
+    #[serde(default)]
+    ts: Option<i64>,
+    #[serde(default, borrow)]
+    id: Option<Cow<'a, str>>,
+}
+
+/// Parses an increments message, calling `accept(index, increment)` for each valid
+/// element and `reject(rejection)` for each invalid one, in message order.
+///
+/// `record_ts` is the Kafka record's timestamp: the event time of increments that
+/// carry no `ts`.
+pub fn parse_increments<'a>(
+    payload: &'a [u8],
+    record_ts: i64,
+    mut accept: impl FnMut(u32, Increment),
+    mut reject: impl FnMut(Rejection<'a>),
+) {
+    let whole = |reason: String| Rejection { index: None, reason, raw: payload };
+    match first_significant_byte(payload) {
+        Some(b'{') => match parse_one(payload, record_ts) {
+            Ok(increment) => accept(0, increment),
+            Err(reason) => reject(whole(reason)),
+        },
+        Some(b'[') => {
+            let elements: Vec<&RawValue> = match serde_json::from_slice(payload) {
+                Ok(elements) => elements,
+                Err(err) => return reject(whole(format!("message: invalid JSON array: {err}"))),
+            };
+            for (index, element) in elements.into_iter().enumerate() {
+                let index = u32::try_from(index).unwrap_or(u32::MAX);
+                let raw = element.get().as_bytes();
+                match parse_one(raw, record_ts) {
+                    Ok(increment) => accept(index, increment),
+                    Err(reason) => reject(Rejection { index: Some(index), reason, raw }),
+                }
+            }
+        }
+        _ => reject(whole("message: expected a JSON object or an array of objects".into())),
+    }
+}
+
+fn first_significant_byte(payload: &[u8]) -> Option<u8> {
+    payload.iter().copied().find(|b| !b.is_ascii_whitespace())
+}
+
+fn parse_one(raw: &[u8], record_ts: i64) -> Result<Increment, String> {
+    if first_significant_byte(raw) != Some(b'{') {
+        return Err("element: expected a JSON object".into());
+    }
+    let text = std::str::from_utf8(raw).map_err(|err| format!("message: invalid UTF-8: {err}"))?;
+    let mut deserializer = serde_json::Deserializer::from_str(text);
+    let parsed: RawIncrement = serde_path_to_error::deserialize(&mut deserializer).map_err(|err| {
+        let path = err.path().to_string();
+        let inner = err.into_inner();
+        if path == "." || path.is_empty() {
+            format!("element: {inner}")
+        } else {
+            format!("{path}: {inner}")
+        }
+    })?;
+    deserializer.end().map_err(|err| format!("element: {err}"))?;
+    check_entity(&parsed.entity)?;
+    check_metric(&parsed.metric)?;
+    if let Some(id) = &parsed.id {
+        check_id(id)?;
+    }
+    let ts = parsed.ts.unwrap_or(record_ts);
+    if ts < 0 {
+        return Err("ts: must be milliseconds since the epoch (>= 0)".into());
+    }
+    Ok(Increment {
+        entity: parsed.entity.into_owned(),
+        metric: parsed.metric.into_owned(),
+        delta: parsed.delta.unwrap_or(1),
+        ts,
+        id: parsed.id.map(Cow::into_owned),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(payload: &str) -> (Vec<(u32, Increment)>, Vec<(Option<u32>, String, String)>) {
+        let mut accepted = Vec::new();
+        let mut rejected = Vec::new();
+        parse_increments(
+            payload.as_bytes(),
+            1_000,
+            |i, inc| accepted.push((i, inc)),
+            |r| rejected.push((r.index, r.reason, String::from_utf8(r.raw.to_vec()).unwrap())),
+        );
+        (accepted, rejected)
+    }
+
+    #[test]
+    fn single_object_with_defaults() {
+        let (ok, bad) = run(r#"{"entity":"answer:42","metric":"views"}"#);
+        assert!(bad.is_empty());
+        assert_eq!(ok.len(), 1);
+        let inc = &ok[0].1;
+        assert_eq!((inc.entity.as_str(), inc.metric.as_str(), inc.delta, inc.ts), ("answer:42", "views", 1, 1_000));
+        assert_eq!(inc.id, None);
+    }
+
+    #[test]
+    fn all_fields_and_escapes() {
+        let (ok, _) = run(r#"{"entity":"a\"b","metric":"v","delta":-5,"ts":7,"id":"e-1"}"#);
+        assert_eq!(ok[0].1, Increment { entity: "a\"b".into(), metric: "v".into(), delta: -5, ts: 7, id: Some("e-1".into()) });
+    }
+
+    #[test]
+    fn bad_element_in_array_rejects_only_it() {
+        let (ok, bad) = run(r#"[{"entity":"a","metric":"v"}, {"entity":"a","metric":"BAD"}, 5, {"entity":"b","metric":"v"}]"#);
+        assert_eq!(ok.iter().map(|(i, _)| *i).collect::<Vec<_>>(), vec![0, 3]);
+        assert_eq!(bad.len(), 2);
+        assert_eq!(bad[0].0, Some(1));
+        assert_eq!(bad[0].1, "metric: must match [a-z0-9_.:-]{1,64}");
+        assert_eq!(bad[0].2, r#"{"entity":"a","metric":"BAD"}"#);
+        assert_eq!(bad[1].1, "element: expected a JSON object");
+    }
+
+    #[test]
+    fn reasons_name_the_field() {
+        let reason = |p: &str| run(p).1.remove(0).1;
+        assert!(reason(r#"{"entity":"a","metric":"v","delta":"x"}"#).starts_with("delta: invalid type"));
+        assert!(reason(r#"{"entity":"a","metric":"v","delta":1.5}"#).starts_with("delta: invalid type"));
+        assert!(reason(r#"{"entity":"a","metric":"v","delta":99999999999999999999}"#).starts_with("delta:"));
+        assert!(reason(r#"{"metric":"v"}"#).contains("missing field `entity`"));
+        assert!(reason(r#"{"entity":"a","metric":"v","colour":1}"#).contains("unknown field `colour`"));
+        assert_eq!(reason(r#"{"entity":"","metric":"v"}"#), "entity: must be 1-256 bytes of UTF-8");
+        assert_eq!(reason(r#"{"entity":"a","metric":"v","id":""}"#), "id: must be 1-128 bytes");
+        assert_eq!(reason(r#"{"entity":"a","metric":"v","ts":-1}"#), "ts: must be milliseconds since the epoch (>= 0)");
+        assert!(reason(r#"{"entity":"a","metric":"v"} trailing"#).starts_with("element:"));
+    }
+
+    #[test]
+    fn whole_message_rejections() {
+        for payload in ["", "   ", "null", "42", "\"str\"", "[{\"entity\":", "{not json", "\u{fffd}"] {
+            let (ok, bad) = run(payload);
+            assert!(ok.is_empty(), "{payload:?}");
+            assert_eq!(bad.len(), 1, "{payload:?}");
+            assert_eq!(bad[0].0, None, "{payload:?}");
+            assert_eq!(bad[0].2, payload);
+        }
+        let mut rejected = Vec::new();
+        parse_increments(&[0xff, 0xfe], 0, |_, _| {}, |r| rejected.push(r.reason));
+        assert_eq!(rejected.len(), 1);
+    }
+
+    #[test]
+    fn empty_array_is_nothing() {
+        let (ok, bad) = run("[]");
+        assert!(ok.is_empty() && bad.is_empty());
+    }
+}

@@ -1,0 +1,112 @@
+//! Kafka glue: topic names, client configuration and small metadata helpers.
+
+use std::time::Duration;
+
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+use rdkafka::ClientConfig;
+
+use crate::config::KafkaConfig;
+use crate::{Error, Result};
+
+/// The names of tally's topics under the configured prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopicNames {
+    pub prefix: String,
+}
+
+impl TopicNames {
+    pub fn new(prefix: &str) -> Self {
+        Self { prefix: prefix.to_string() }
+    }
+
+    /// `<prefix><short>`, e.g. `tally.increments`.
+    pub fn name(&self, short: &str) -> String {
+        format!("{}{short}", self.prefix)
+    }
+
+    /// Producer increments (SPEC §4).
+    pub fn increments(&self) -> String {
+        self.name("increments")
+    }
+
+    /// Rejected input with reasons (SPEC §4).
+    pub fn dead_letter(&self) -> String {
+        self.name("dead-letter")
+    }
+
+    /// Internal: validated increments routed to counter shards, one partition per shard.
+    pub fn shards(&self) -> String {
+        self.name("shards")
+    }
+
+    /// Latest bucket values for downstream consumers (SPEC §4).
+    pub fn rollups(&self) -> String {
+        self.name("rollups")
+    }
+
+    /// Internal: which counter process serves reads for which shard.
+    pub fn shard_owners(&self) -> String {
+        self.name("shard-owners")
+    }
+}
+
+/// A client configuration with the bootstrap servers and the pass-through settings.
+pub fn client_config(kafka: &KafkaConfig) -> Result<ClientConfig> {
+    if kafka.bootstrap_servers.trim().is_empty() {
+        return Err(Error::Config("kafka.bootstrap_servers is empty (set it or use `tally up`, which starts a local broker)".into()));
+    }
+    let mut config = ClientConfig::new();
+    config.set("bootstrap.servers", &kafka.bootstrap_servers);
+    for (key, value) in &kafka.client {
+        config.set(key, value);
+    }
+    Ok(config)
+}
+
+/// Settings of a producer whose writes are idempotent and ordered per partition:
+/// a retried send never duplicates or reorders, which the stamps rely on.
+pub fn producer_config(kafka: &KafkaConfig) -> Result<ClientConfig> {
+    let mut config = client_config(kafka)?;
+    config
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "5")
+        .set("message.timeout.ms", "30000");
+    Ok(config)
+}
+
+/// The number of partitions of `topic`, or an error when it does not exist.
+pub fn partition_count<X: ConsumerContext>(consumer: &BaseConsumer<X>, topic: &str, timeout: Duration) -> Result<u32> {
+    let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
+    let partitions = metadata
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic && t.error().is_none())
+        .map(|t| t.partitions().len())
+        .unwrap_or(0);
+    if partitions == 0 {
+        return Err(Error::Topics(format!("topic {topic} does not exist; run `tally topics apply`")));
+    }
+    Ok(partitions as u32)
+}
+
+/// Waits until `topic` exists with at least one partition, up to `timeout`.
+pub fn wait_for_topic(kafka: &KafkaConfig, topic: &str, timeout: Duration) -> Result<u32> {
+    let consumer: BaseConsumer = client_config(kafka)?.create()?;
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        match partition_count(&consumer, topic, Duration::from_secs(5)) {
+            Ok(n) => return Ok(n),
+            Err(err) if std::time::Instant::now() >= deadline => return Err(err),
+            Err(_) => std::thread::sleep(Duration::from_millis(250)),
+        }
+    }
+}
+
+/// Wall-clock milliseconds since the epoch.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}

@@ -1,0 +1,162 @@
+//! Byte layout of RocksDB keys and values in a counter shard.
+//!
+//! A count key is `entity 0x00 metric 0x00 width(u64 BE) bucket(i64 BE, sign-flipped)`.
+//! Entities and metrics hold no NUL, so keys of one entity are contiguous and sorted
+//! by metric, then resolution (the all-time bucket, width 0, first), then bucket time:
+//! an entity's metrics and a counter's buckets are prefix scans.
+
+/// Width used for the all-time bucket.
+pub const ALL_TIME_WIDTH: i64 = 0;
+
+const SEPARATOR: u8 = 0;
+const SIGN_BIT: u64 = 1 << 63;
+
+/// Appends the key of one bucket of one counter to `buf`.
+pub fn encode_count_key(buf: &mut Vec<u8>, entity: &str, metric: &str, width_ms: i64, bucket: i64) {
+    encode_resolution_prefix(buf, entity, metric, width_ms);
+    buf.extend_from_slice(&((bucket as u64) ^ SIGN_BIT).to_be_bytes());
+}
+
+/// Appends the prefix shared by every bucket of one resolution of one counter.
+pub fn encode_resolution_prefix(buf: &mut Vec<u8>, entity: &str, metric: &str, width_ms: i64) {
+    encode_metric_prefix(buf, entity, metric);
+    buf.extend_from_slice(&(width_ms as u64).to_be_bytes());
+}
+
+/// Appends the prefix shared by every key of one counter.
+pub fn encode_metric_prefix(buf: &mut Vec<u8>, entity: &str, metric: &str) {
+    encode_entity_prefix(buf, entity);
+    buf.extend_from_slice(metric.as_bytes());
+    buf.push(SEPARATOR);
+}
+
+/// Appends the prefix shared by every key of one entity.
+pub fn encode_entity_prefix(buf: &mut Vec<u8>, entity: &str) {
+    buf.extend_from_slice(entity.as_bytes());
+    buf.push(SEPARATOR);
+}
+
+/// A decoded count key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CountKey<'a> {
+    pub entity: &'a str,
+    pub metric: &'a str,
+    pub width_ms: i64,
+    pub bucket: i64,
+}
+
+/// Decodes a count key; `None` when the bytes are not one.
+pub fn decode_count_key(key: &[u8]) -> Option<CountKey<'_>> {
+    let entity_end = key.iter().position(|&b| b == SEPARATOR)?;
+    let rest = &key[entity_end + 1..];
+    let metric_end = rest.iter().position(|&b| b == SEPARATOR)?;
+    let tail = &rest[metric_end + 1..];
+    if tail.len() != 16 {
+        return None;
+    }
+    let width = u64::from_be_bytes(tail[..8].try_into().ok()?);
+    let bucket = u64::from_be_bytes(tail[8..].try_into().ok()?) ^ SIGN_BIT;
+    Some(CountKey {
+        entity: std::str::from_utf8(&key[..entity_end]).ok()?,
+        metric: std::str::from_utf8(&rest[..metric_end]).ok()?,
+        width_ms: width as i64,
+        bucket: bucket as i64,
+    })
+}
+
+/// Appends the key of an idempotency mark: `entity 0x00 id`.
+pub fn encode_dedupe_key(buf: &mut Vec<u8>, entity: &str, id: &str) {
+    encode_entity_prefix(buf, entity);
+    buf.extend_from_slice(id.as_bytes());
+}
+
+/// The stored value of a bucket: its direct and total counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub direct: i64,
+    pub total: i64,
+}
+
+impl Counts {
+    pub const ENCODED_LEN: usize = 16;
+
+    pub fn encode(self) -> [u8; 16] {
+        let mut out = [0u8; 16];
+        out[..8].copy_from_slice(&self.direct.to_le_bytes());
+        out[8..].copy_from_slice(&self.total.to_le_bytes());
+        out
+    }
+
+    /// Decodes a value; malformed bytes read as zero rather than failing a read.
+    pub fn decode(bytes: &[u8]) -> Self {
+        if bytes.len() != Self::ENCODED_LEN {
+            return Self::default();
+        }
+        let mut direct = [0u8; 8];
+        let mut total = [0u8; 8];
+        direct.copy_from_slice(&bytes[..8]);
+        total.copy_from_slice(&bytes[8..]);
+        Self { direct: i64::from_le_bytes(direct), total: i64::from_le_bytes(total) }
+    }
+
+    /// Adds component-wise; wrapping keeps the merge associative.
+    pub fn add(self, other: Self) -> Self {
+        Self { direct: self.direct.wrapping_add(other.direct), total: self.total.wrapping_add(other.total) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn key(entity: &str, metric: &str, width: i64, bucket: i64) -> Vec<u8> {
+        let mut buf = Vec::new();
+        encode_count_key(&mut buf, entity, metric, width, bucket);
+        buf
+    }
+
+    #[test]
+    fn all_time_sorts_first_within_a_metric() {
+        assert!(key("e", "m", ALL_TIME_WIDTH, 0) < key("e", "m", 60_000, -5));
+        assert!(key("e", "m", 60_000, 1) < key("e", "m2", ALL_TIME_WIDTH, 0));
+        assert!(key("e", "z", 60_000, 1) < key("e2", "a", ALL_TIME_WIDTH, 0));
+    }
+
+    proptest! {
+        #[test]
+        fn count_keys_round_trip(entity in "[^\\x00]{1,40}", metric in "[a-z0-9_.:-]{1,64}", width in 0i64..i64::MAX, bucket in any::<i64>()) {
+            let bytes = key(&entity, &metric, width, bucket);
+            let decoded = decode_count_key(&bytes).unwrap();
+            prop_assert_eq!(decoded, CountKey { entity: &entity, metric: &metric, width_ms: width, bucket });
+        }
+
+        #[test]
+        fn buckets_sort_in_time_order(a in any::<i64>(), b in any::<i64>()) {
+            prop_assert_eq!(key("e", "m", 60_000, a).cmp(&key("e", "m", 60_000, b)), a.cmp(&b));
+        }
+
+        #[test]
+        fn keys_of_an_entity_share_its_prefix(entity in "[a-z:0-9]{1,10}", other in "[a-z:0-9]{1,10}", metric in "[a-z]{1,5}") {
+            let mut prefix = Vec::new();
+            encode_entity_prefix(&mut prefix, &entity);
+            prop_assert!(key(&entity, &metric, 0, 0).starts_with(&prefix));
+            prop_assert_eq!(key(&other, &metric, 0, 0).starts_with(&prefix), other == entity);
+        }
+
+        #[test]
+        fn counts_round_trip_and_add(d in any::<i64>(), t in any::<i64>(), d2 in any::<i64>(), t2 in any::<i64>()) {
+            let a = Counts { direct: d, total: t };
+            prop_assert_eq!(Counts::decode(&a.encode()), a);
+            let b = Counts { direct: d2, total: t2 };
+            prop_assert_eq!(a.add(b), b.add(a));
+        }
+    }
+
+    #[test]
+    fn garbage_keys_do_not_decode() {
+        assert!(decode_count_key(b"no separators").is_none());
+        assert!(decode_count_key(b"e\0m\0short").is_none());
+        assert_eq!(Counts::decode(b"bad"), Counts::default());
+    }
+}

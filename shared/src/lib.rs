@@ -1,0 +1,25 @@
+//! Code the tally services share.
+//!
+//! The pure parts — [`validate`], [`input`], [`time`], [`keys`], [`counting`],
+//! [`sharding`], [`wire`] and the brute-force [`model`] — know nothing of Kafka,
+//! RocksDB or tokio and are proved with property tests. The glue — [`config`],
+//! [`telemetry`], [`shutdown`], [`kafka`], [`topics`] and [`local_broker`] — is what
+//! every binary needs to run as a well-behaved service.
+
+pub mod config;
+pub mod counting;
+pub mod error;
+pub mod input;
+pub mod kafka;
+pub mod keys;
+pub mod local_broker;
+pub mod model;
+pub mod sharding;
+pub mod shutdown;
+pub mod telemetry;
+pub mod time;
+pub mod topics;
+pub mod validate;
+pub mod wire;
+
+pub use error::{Error, Result};

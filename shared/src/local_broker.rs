@@ -1,0 +1,127 @@
+//! A local Kafka-protocol broker for `tally up` and the tests: Tansu 0.6.0 with sqlite
+//! storage (see LOCAL_KAFKA.md for why this one).
+//!
+//! Installed once per machine with `cargo install` into a cache directory outside the
+//! repository (`$TALLY_TANSU_ROOT`, default `~/.cache/tally/tansu-0.6.0`), started on a
+//! chosen port with its data in a chosen directory, and stopped with SIGTERM on drop.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::{Error, Result};
+
+/// The Tansu release tally is tested with.
+pub const TANSU_VERSION: &str = "0.6.0";
+
+/// Where Tansu is installed: `$TALLY_TANSU_ROOT`, else `~/.cache/tally/tansu-0.6.0`.
+pub fn install_root() -> PathBuf {
+    if let Some(root) = std::env::var_os("TALLY_TANSU_ROOT") {
+        return PathBuf::from(root);
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    home.join(".cache").join("tally").join(format!("tansu-{TANSU_VERSION}"))
+}
+
+/// The Tansu binary, installing it first when missing (about 16 minutes on 2 cores,
+/// once per machine; cargo prints its progress).
+pub fn ensure_installed() -> Result<PathBuf> {
+    let root = install_root();
+    let binary = root.join("bin").join("tansu");
+    if binary.exists() {
+        return Ok(binary);
+    }
+    eprintln!("tally: installing the local Kafka-protocol broker (Tansu {TANSU_VERSION}) into {} — once per machine, ~16 min on 2 cores", root.display());
+    let status = Command::new("cargo")
+        .args(["install", "tansu", "--version", TANSU_VERSION, "--locked", "--features", "libsql", "--root"])
+        .arg(&root)
+        .status()
+        .map_err(|err| Error::LocalBroker(format!("running cargo install: {err}")))?;
+    if !status.success() || !binary.exists() {
+        return Err(Error::LocalBroker(format!("cargo install tansu failed ({status})")));
+    }
+    Ok(binary)
+}
+
+/// A port nobody listens on right now.
+pub fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// A running local broker; stopped (SIGTERM, then SIGKILL after 5 s) when dropped.
+pub struct LocalBroker {
+    child: Child,
+    /// `127.0.0.1:<port>`, for `bootstrap.servers`.
+    pub bootstrap_servers: String,
+}
+
+impl LocalBroker {
+    /// Starts Tansu on `127.0.0.1:port` with its sqlite database and log in
+    /// `data_dir`, and waits until it accepts connections.
+    pub fn start(binary: &Path, port: u16, data_dir: &Path) -> Result<Self> {
+        std::fs::create_dir_all(data_dir)?;
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(data_dir.join("tansu.log"))?;
+        let url = format!("tcp://127.0.0.1:{port}");
+        let child = Command::new(binary)
+            .arg("broker")
+            .args(["--listener-url", &url, "--advertised-listener-url", &url, "--storage-engine", "sqlite://tansu.db"])
+            .current_dir(data_dir)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .map_err(|err| Error::LocalBroker(format!("starting {}: {err}", binary.display())))?;
+        let mut broker = Self { child, bootstrap_servers: format!("127.0.0.1:{port}") };
+        broker.wait_ready(port, Duration::from_secs(60))?;
+        Ok(broker)
+    }
+
+    fn wait_ready(&mut self, port: u16, timeout: Duration) -> Result<()> {
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let deadline = Instant::now() + timeout;
+        loop {
+            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+                return Ok(());
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Err(Error::LocalBroker(format!("tansu exited during start-up ({status}); see its tansu.log")));
+            }
+            if Instant::now() > deadline {
+                return Err(Error::LocalBroker(format!("tansu did not accept connections on {addr} within {timeout:?}")));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The broker's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Stops the broker gracefully and waits for it.
+    pub fn stop(&mut self) {
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
+        // SAFETY: kill(2) on our own child's pid has no memory-safety preconditions.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for LocalBroker {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,104 @@
+//! Logs, metrics and health endpoints every service exposes.
+//!
+//! Logs go through tracing (text or JSON). Metrics are Prometheus, registered once per
+//! service in its `metrics.rs` into the [`Registry`] handed to [`serve_admin`], which
+//! serves `/metrics`, `/healthz` (the process is alive) and `/readyz` (it does its job:
+//! connected and owning what it should).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use axum::Router;
+use prometheus::{Encoder, Registry, TextEncoder};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing_subscriber::EnvFilter;
+
+use crate::config::{LogConfig, LogFormat};
+use crate::Result;
+
+/// Installs the global tracing subscriber. `RUST_LOG`, when set, wins over the
+/// configured level. Safe to call twice (the second call does nothing).
+pub fn init_logging(config: &LogConfig) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&config.level));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = match config.format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    };
+}
+
+/// Whether the service is ready to serve; flipped by the service as it connects.
+#[derive(Clone, Default)]
+pub struct Readiness(Arc<AtomicBool>);
+
+impl Readiness {
+    pub fn set(&self, ready: bool) {
+        self.0.store(ready, Ordering::Relaxed);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+#[derive(Clone)]
+struct AdminState {
+    registry: Registry,
+    readiness: Readiness,
+}
+
+/// Binds the admin port and serves it until `shutdown`; returns the bound address.
+pub async fn serve_admin(
+    listen: &str,
+    registry: Registry,
+    readiness: Readiness,
+    shutdown: CancellationToken,
+) -> Result<SocketAddr> {
+    let listener = TcpListener::bind(listen).await?;
+    let addr = listener.local_addr()?;
+    let app = admin_router(registry, readiness);
+    tokio::spawn(async move {
+        let served = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await;
+        if let Err(err) = served {
+            tracing::error!(error = %err, "admin server failed");
+        }
+    });
+    Ok(addr)
+}
+
+/// The admin routes, to merge into a service's own router when it has one port.
+pub fn admin_router(registry: Registry, readiness: Readiness) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready))
+        .with_state(AdminState { registry, readiness })
+}
+
+async fn metrics(State(state): State<AdminState>) -> (StatusCode, String) {
+    let mut buffer = Vec::new();
+    if let Err(err) = TextEncoder::new().encode(&state.registry.gather(), &mut buffer) {
+        return (StatusCode::INTERNAL_SERVER_ERROR, err.to_string());
+    }
+    (StatusCode::OK, String::from_utf8_lossy(&buffer).into_owned())
+}
+
+async fn ready(State(state): State<AdminState>) -> (StatusCode, &'static str) {
+    if state.readiness.is_ready() {
+        (StatusCode::OK, "ready\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    }
+}
+
+/// Registers a metric, tolerating double registration (tests start a service twice
+/// in one process).
+pub fn register<M: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: M) -> M {
+    let _ = registry.register(Box::new(metric.clone()));
+    metric
+}

@@ -1,0 +1,231 @@
+//! Declarative topics (`topics/topics.toml`) and `tally topics apply`.
+//!
+//! Applying is idempotent: missing topics are created, partition counts are raised
+//! (never lowered — Kafka cannot), and everything else that differs is reported as
+//! drift for an operator to decide on.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewPartitions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use serde::Deserialize;
+
+use crate::config::KafkaConfig;
+use crate::kafka::{client_config, TopicNames};
+use crate::{Error, Result};
+
+/// The declarations shipped with this release.
+pub const BUILTIN: &str = include_str!("../../topics/topics.toml");
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TopicDecl {
+    /// Name without the prefix.
+    pub name: String,
+    pub partitions: i32,
+    /// `-1` keeps forever; absent leaves the broker default.
+    #[serde(default)]
+    pub retention_ms: Option<i64>,
+    /// `delete` or `compact`.
+    pub cleanup_policy: String,
+    /// Partition count must not change (routing depends on it).
+    #[serde(default)]
+    pub fixed_partitions: bool,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Declarations {
+    #[serde(rename = "topic")]
+    pub topics: Vec<TopicDecl>,
+}
+
+impl Declarations {
+    pub fn parse(text: &str) -> Result<Self> {
+        let decls: Declarations = toml_from_str(text)?;
+        for topic in &decls.topics {
+            if topic.partitions < 1 {
+                return Err(Error::Topics(format!("{}: partitions must be at least 1", topic.name)));
+            }
+            if !matches!(topic.cleanup_policy.as_str(), "delete" | "compact") {
+                return Err(Error::Topics(format!("{}: cleanup_policy must be delete or compact", topic.name)));
+            }
+        }
+        Ok(decls)
+    }
+
+    pub fn load(path: Option<&Path>) -> Result<Self> {
+        match path {
+            Some(path) => Self::parse(&std::fs::read_to_string(path)?),
+            None => Self::parse(BUILTIN),
+        }
+    }
+
+    pub fn get(&self, name: &str) -> Option<&TopicDecl> {
+        self.topics.iter().find(|t| t.name == name)
+    }
+}
+
+fn toml_from_str<T: serde::de::DeserializeOwned>(text: &str) -> Result<T> {
+    use figment::providers::{Format, Toml};
+    figment::Figment::from(Toml::string(text)).extract().map_err(|err| Error::Topics(err.to_string()))
+}
+
+/// What applying will do to one topic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    Create { topic: String, partitions: i32 },
+    RaisePartitions { topic: String, from: i32, to: i32 },
+    Unchanged { topic: String },
+    /// A difference left for an operator.
+    Drift { topic: String, what: String },
+}
+
+/// Compares declarations with what exists (`name` → partition count).
+pub fn plan(decls: &Declarations, names: &TopicNames, existing: &HashMap<String, i32>) -> Vec<Action> {
+    decls
+        .topics
+        .iter()
+        .map(|decl| {
+            let topic = names.name(&decl.name);
+            match existing.get(&topic).copied() {
+                None => Action::Create { topic, partitions: decl.partitions },
+                Some(have) if have == decl.partitions => Action::Unchanged { topic },
+                Some(have) if have < decl.partitions && !decl.fixed_partitions => {
+                    Action::RaisePartitions { topic, from: have, to: decl.partitions }
+                }
+                Some(have) if decl.fixed_partitions => Action::Drift {
+                    topic,
+                    what: format!("has {have} partitions, declared {}; this count cannot change without resharding", decl.partitions),
+                },
+                Some(have) => Action::Drift {
+                    topic,
+                    what: format!("has {have} partitions, declared {} (Kafka cannot lower a partition count)", decl.partitions),
+                },
+            }
+        })
+        .collect()
+}
+
+/// Applies the declarations and returns what was done.
+pub async fn apply(kafka: &KafkaConfig, decls: &Declarations) -> Result<Vec<Action>> {
+    let names = TopicNames::new(&kafka.topic_prefix);
+    let admin: AdminClient<DefaultClientContext> = client_config(kafka)?.create()?;
+    let metadata = admin.inner().fetch_metadata(None, Duration::from_secs(10))?;
+    let existing: HashMap<String, i32> = metadata
+        .topics()
+        .iter()
+        .filter(|t| t.error().is_none() && !t.partitions().is_empty())
+        .map(|t| (t.name().to_string(), t.partitions().len() as i32))
+        .collect();
+    let actions = plan(decls, &names, &existing);
+    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+
+    let retention: Vec<(String, Option<String>, String)> = decls
+        .topics
+        .iter()
+        .map(|d| (names.name(&d.name), d.retention_ms.map(|r| r.to_string()), d.cleanup_policy.clone()))
+        .collect();
+    let mut new_topics = Vec::new();
+    for action in &actions {
+        if let Action::Create { topic, partitions } = action {
+            let (_, retention_ms, policy) = retention.iter().find(|(n, _, _)| n == topic).ok_or_else(|| {
+                Error::Topics(format!("{topic}: internal error, declaration vanished"))
+            })?;
+            let mut new_topic = NewTopic::new(topic, *partitions, TopicReplication::Fixed(-1)).set("cleanup.policy", policy);
+            if let Some(ms) = retention_ms {
+                new_topic = new_topic.set("retention.ms", ms);
+            }
+            new_topics.push(new_topic);
+        }
+    }
+    if !new_topics.is_empty() {
+        for result in admin.create_topics(&new_topics, &options).await? {
+            match result {
+                Ok(_) => {}
+                Err((topic, rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists)) => {
+                    tracing::info!(topic, "topic appeared concurrently");
+                }
+                Err((topic, code)) => return Err(Error::Topics(format!("creating {topic}: {code}"))),
+            }
+        }
+    }
+    let raises: Vec<NewPartitions> = actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::RaisePartitions { topic, to, .. } => Some(NewPartitions::new(topic, *to as usize)),
+            _ => None,
+        })
+        .collect();
+    if !raises.is_empty() {
+        for result in admin.create_partitions(&raises, &options).await? {
+            if let Err((topic, code)) = result {
+                return Err(Error::Topics(format!("raising partitions of {topic}: {code}")));
+            }
+        }
+    }
+    wait_until_visible(&admin, &actions).await;
+    Ok(actions)
+}
+
+/// Metadata of new topics can lag behind their creation; wait a little for it.
+async fn wait_until_visible(admin: &AdminClient<DefaultClientContext>, actions: &[Action]) {
+    for action in actions {
+        let Action::Create { topic, partitions } = action else { continue };
+        for _ in 0..40 {
+            let visible = admin
+                .inner()
+                .fetch_metadata(Some(topic), Duration::from_secs(5))
+                .map(|m| m.topics().iter().any(|t| t.name() == topic && t.partitions().len() == *partitions as usize))
+                .unwrap_or(false);
+            if visible {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtin_declarations_parse() {
+        let decls = Declarations::parse(BUILTIN).unwrap();
+        for name in ["increments", "dead-letter", "shards", "rollups", "shard-owners"] {
+            assert!(decls.get(name).is_some(), "{name} is declared");
+        }
+        assert!(decls.get("shards").unwrap().fixed_partitions);
+    }
+
+    #[test]
+    fn bad_declarations_are_rejected() {
+        assert!(Declarations::parse("[[topic]]\nname='a'\npartitions=0\ncleanup_policy='delete'\n").is_err());
+        assert!(Declarations::parse("[[topic]]\nname='a'\npartitions=1\ncleanup_policy='keep'\n").is_err());
+        assert!(Declarations::parse("[[topic]]\nname='a'\npartitions=1\ncleanup_policy='delete'\ncolour=1\n").is_err());
+    }
+
+    #[test]
+    fn plan_creates_raises_and_reports_drift() {
+        let decls = Declarations::parse(
+            "[[topic]]\nname='new'\npartitions=2\ncleanup_policy='delete'\n\
+             [[topic]]\nname='same'\npartitions=2\ncleanup_policy='delete'\n\
+             [[topic]]\nname='grow'\npartitions=4\ncleanup_policy='delete'\n\
+             [[topic]]\nname='shrink'\npartitions=1\ncleanup_policy='delete'\n\
+             [[topic]]\nname='fixed'\npartitions=8\ncleanup_policy='delete'\nfixed_partitions=true\n",
+        )
+        .unwrap();
+        let names = TopicNames::new("p.");
+        let existing: HashMap<String, i32> =
+            [("p.same", 2), ("p.grow", 2), ("p.shrink", 3), ("p.fixed", 4)].into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        let actions = plan(&decls, &names, &existing);
+        assert_eq!(actions[0], Action::Create { topic: "p.new".into(), partitions: 2 });
+        assert_eq!(actions[1], Action::Unchanged { topic: "p.same".into() });
+        assert_eq!(actions[2], Action::RaisePartitions { topic: "p.grow".into(), from: 2, to: 4 });
+        assert!(matches!(&actions[3], Action::Drift { what, .. } if what.contains("cannot lower")));
+        assert!(matches!(&actions[4], Action::Drift { what, .. } if what.contains("resharding")));
+    }
+}

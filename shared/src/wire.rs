@@ -1,0 +1,225 @@
+//! Messages that travel between tally services.
+//!
+//! Internal Kafka messages are bincode (compact and fast); messages that humans or
+//! other systems read — dead letters, rollups, shard ownership, the internal read API —
+//! are JSON.
+
+use serde::{Deserialize, Serialize};
+
+use crate::time::WindowSpec;
+use crate::{Error, Result};
+
+/// One validated increment.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Increment {
+    pub entity: String,
+    pub metric: String,
+    pub delta: i64,
+    /// Event time, ms since the epoch.
+    pub ts: i64,
+    /// The producer's idempotency key.
+    pub id: Option<String>,
+}
+
+/// Where an internal message's content comes from: the input stream and partition.
+/// Receivers keep one high-water mark per source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Source {
+    /// Which input stream ([`Source::INCREMENTS`]).
+    pub stream: u8,
+    pub partition: u32,
+}
+
+impl Source {
+    /// The producer topic `tally.increments`.
+    pub const INCREMENTS: u8 = 1;
+}
+
+/// The deterministic position of one element within its source: the input record's
+/// offset and the element's index in that record. Replays produce the same stamps,
+/// so a receiver drops every stamp at or below its high-water mark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Stamp {
+    pub offset: i64,
+    pub index: u32,
+}
+
+/// A message on the shard topic, consumed by the counter that owns the partition.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ShardMessage {
+    /// Increments from one source, in source order.
+    Increments { source: Source, entries: Vec<(Stamp, Increment)> },
+}
+
+fn bincode_config() -> bincode::config::Configuration {
+    bincode::config::standard()
+}
+
+impl ShardMessage {
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        bincode::serde::encode_to_vec(self, bincode_config()).map_err(|err| Error::Wire(err.to_string()))
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        let (message, used) = bincode::serde::decode_from_slice(bytes, bincode_config())
+            .map_err(|err| Error::Wire(err.to_string()))?;
+        if used != bytes.len() {
+            return Err(Error::Wire(format!("{} trailing bytes", bytes.len() - used)));
+        }
+        Ok(message)
+    }
+}
+
+/// A record of `tally.dead-letter` (SPEC §4).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeadLetter {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+    /// Position of the element in an array message; absent when the whole message
+    /// was rejected.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<u32>,
+    pub reason: String,
+    /// The original bytes, base64.
+    pub payload: String,
+}
+
+/// A record of `tally.rollups` (SPEC §4).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rollup {
+    pub entity: String,
+    pub metric: String,
+    /// A resolution name such as `1h`, or `all`.
+    pub resolution: String,
+    pub bucket: i64,
+    pub total: i64,
+    pub direct: i64,
+}
+
+/// A counter's claim on a shard, on the shard-owners topic: where to send reads.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardOwner {
+    pub shard: u32,
+    /// `host:port` of the owner's internal read API; `None` when it let go of the shard.
+    pub addr: Option<String>,
+    /// A random id per counter process, to tell owners apart.
+    pub instance: String,
+    /// Wall-clock ms of the claim; later claims win.
+    pub at_ms: i64,
+}
+
+/// `kind` of a read (SPEC §5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    #[default]
+    Total,
+    Direct,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Total => "total",
+            Kind::Direct => "direct",
+        }
+    }
+}
+
+/// One question to a counter shard.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardQuery {
+    pub entity: String,
+    pub metric: String,
+    pub kind: Kind,
+    pub spec: WindowSpec,
+}
+
+/// The internal read API: many questions to one shard, answered from one snapshot.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ShardReadRequest {
+    pub shard: u32,
+    /// The clock of the request, so every answer of a batch uses the same `now`.
+    pub now_ms: i64,
+    pub queries: Vec<ShardQuery>,
+}
+
+/// Answers in request order.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ShardReadResponse {
+    pub answers: Vec<ShardAnswer>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShardAnswer {
+    Window { value: i64, resolution: String, from: i64, to: i64 },
+    Series { resolution: String, points: Vec<(i64, i64)> },
+    Error { code: String, message: String },
+}
+
+/// The internal metrics-listing API of a shard.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ShardMetricsRequest {
+    pub shard: u32,
+    pub entity: String,
+    /// List metrics strictly after this one.
+    pub after: Option<String>,
+    pub limit: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetricTotals {
+    pub metric: String,
+    pub total: i64,
+    pub direct: i64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ShardMetricsResponse {
+    pub metrics: Vec<MetricTotals>,
+    /// Whether more metrics follow the last one returned.
+    pub more: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn shard_messages_round_trip(
+            partition in any::<u32>(),
+            entries in proptest::collection::vec(
+                (any::<i64>(), any::<u32>(), "\\PC{1,20}", "[a-z]{1,8}", any::<i64>(), any::<i64>(), proptest::option::of("[a-z0-9]{1,10}")),
+                0..20,
+            ),
+        ) {
+            let message = ShardMessage::Increments {
+                source: Source { stream: Source::INCREMENTS, partition },
+                entries: entries.into_iter().map(|(offset, index, entity, metric, delta, ts, id)| {
+                    (Stamp { offset, index }, Increment { entity, metric, delta, ts, id })
+                }).collect(),
+            };
+            let bytes = message.encode().unwrap();
+            prop_assert_eq!(ShardMessage::decode(&bytes).unwrap(), message);
+        }
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        assert!(ShardMessage::decode(&[0xff; 7]).is_err());
+        assert!(ShardMessage::decode(&[]).is_err());
+        let mut bytes = ShardMessage::Increments { source: Source { stream: 1, partition: 0 }, entries: vec![] }.encode().unwrap();
+        bytes.push(0);
+        assert!(ShardMessage::decode(&bytes).is_err());
+    }
+
+    #[test]
+    fn stamps_order_by_offset_then_index() {
+        assert!(Stamp { offset: 1, index: 9 } < Stamp { offset: 2, index: 0 });
+        assert!(Stamp { offset: 2, index: 0 } < Stamp { offset: 2, index: 1 });
+    }
+}
