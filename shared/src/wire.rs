@@ -51,6 +51,38 @@ pub enum ShardMessage {
     Increments { source: Source, entries: Vec<(Stamp, Increment)> },
 }
 
+/// The borrowed view of a [`ShardMessage`] the counter decodes: strings point into
+/// the Kafka payload, so decoding a batch allocates once per message, not per field.
+#[derive(Debug, Deserialize)]
+pub enum ShardMessageRef<'a> {
+    Increments {
+        source: Source,
+        #[serde(borrow)]
+        entries: Vec<(Stamp, IncrementRef<'a>)>,
+    },
+}
+
+/// Borrowed [`Increment`]; same encoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub struct IncrementRef<'a> {
+    pub entity: &'a str,
+    pub metric: &'a str,
+    pub delta: i64,
+    pub ts: i64,
+    pub id: Option<&'a str>,
+}
+
+impl<'a> ShardMessageRef<'a> {
+    pub fn decode(bytes: &'a [u8]) -> Result<Self> {
+        let (message, used) = bincode::serde::borrow_decode_from_slice(bytes, bincode_config())
+            .map_err(|err| Error::Wire(err.to_string()))?;
+        if used != bytes.len() {
+            return Err(Error::Wire(format!("{} trailing bytes", bytes.len() - used)));
+        }
+        Ok(message)
+    }
+}
+
 fn bincode_config() -> bincode::config::Configuration {
     bincode::config::standard()
 }
@@ -204,6 +236,14 @@ mod tests {
                 }).collect(),
             };
             let bytes = message.encode().unwrap();
+            let ShardMessageRef::Increments { source, entries } = ShardMessageRef::decode(&bytes).unwrap();
+            let ShardMessage::Increments { source: want_source, entries: want } = &message;
+            prop_assert_eq!(&source, want_source);
+            prop_assert_eq!(entries.len(), want.len());
+            for ((stamp, got), (want_stamp, want)) in entries.iter().zip(want) {
+                prop_assert_eq!(stamp, want_stamp);
+                prop_assert_eq!((got.entity, got.metric, got.delta, got.ts, got.id), (want.entity.as_str(), want.metric.as_str(), want.delta, want.ts, want.id.as_deref()));
+            }
             prop_assert_eq!(ShardMessage::decode(&bytes).unwrap(), message);
         }
     }

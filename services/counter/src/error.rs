@@ -1,0 +1,19 @@
+//! The counter's error type.
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("rocksdb: {0}")]
+    Rocks(#[from] rocksdb::Error),
+    #[error("kafka: {0}")]
+    Kafka(#[from] rdkafka::error::KafkaError),
+    #[error(transparent)]
+    Shared(#[from] tally_shared::Error),
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("shard {shard}: {message}")]
+    Shard { shard: u32, message: String },
+    #[error("consumer thread: {0}")]
+    Consumer(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

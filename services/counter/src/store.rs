@@ -1,0 +1,237 @@
+//! One counter shard's RocksDB: counts, idempotency marks and the consumer progress,
+//! always written together.
+//!
+//! Column families: `counts` (bucket values, summed by a merge operator so the write
+//! path never reads), `dedupe` (idempotency marks with their first-seen time), and the
+//! default one for progress: the next shard-topic offset to consume and the
+//! high-water stamp of every source. Expired buckets and marks are dropped by
+//! compaction filters; reads never look at them.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Mutex;
+
+use rocksdb::compaction_filter::Decision;
+use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, MergeOperands, Options, WriteBatch, WriteOptions, DB};
+use tally_shared::keys::{decode_count_key, Counts, ALL_TIME_WIDTH};
+use tally_shared::time::Resolutions;
+use tally_shared::wire::{Source, Stamp};
+
+use crate::error::{Error, Result};
+
+pub(crate) const CF_COUNTS: &str = "counts";
+pub(crate) const CF_DEDUPE: &str = "dedupe";
+const KEY_NEXT_OFFSET: &[u8] = b"next_offset";
+const HWM_PREFIX: &[u8] = b"hwm/";
+
+/// What has been applied so far: mirrors the progress keys of the last committed
+/// write batch, so it is never ahead of the data.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// The next shard-topic offset to apply; `None` for a new shard.
+    pub next_offset: Option<i64>,
+    /// The last applied stamp of every source.
+    pub high_water: HashMap<Source, Stamp>,
+}
+
+/// Settings of a shard store.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    pub resolutions: Resolutions,
+    pub dedupe_window_ms: i64,
+    /// fsync the WAL on each batch.
+    pub sync_writes: bool,
+}
+
+/// A shard's database.
+pub struct ShardStore {
+    pub shard: u32,
+    pub(crate) db: DB,
+    pub(crate) options: StoreOptions,
+    /// Only the consumer thread writes; readers use RocksDB snapshots, not this.
+    pub(crate) progress: Mutex<Progress>,
+}
+
+fn add_counts(_key: &[u8], existing: Option<&[u8]>, operands: &MergeOperands) -> Option<Vec<u8>> {
+    let start = existing.map(Counts::decode).unwrap_or_default();
+    let sum = operands.iter().fold(start, |acc, operand| acc.add(Counts::decode(operand)));
+    Some(sum.encode().to_vec())
+}
+
+fn wall_clock_ms() -> i64 {
+    tally_shared::kafka::now_ms()
+}
+
+impl ShardStore {
+    /// Opens (creating when missing) the store of `shard` at `path`.
+    pub fn open(shard: u32, path: &Path, options: StoreOptions) -> Result<Self> {
+        std::fs::create_dir_all(path)?;
+        let mut db_options = Options::default();
+        db_options.create_if_missing(true);
+        db_options.create_missing_column_families(true);
+        db_options.set_max_background_jobs(2);
+
+        let mut counts = Options::default();
+        counts.set_write_buffer_size(16 << 20);
+        counts.set_merge_operator_associative("tally_add_counts", add_counts);
+        let retention: HashMap<i64, i64> = options.resolutions.iter().map(|r| (r.width_ms, r.retention_ms)).collect();
+        counts.set_compaction_filter("tally_bucket_ttl", move |_level: u32, key: &[u8], _value: &[u8]| {
+            match decode_count_key(key) {
+                Some(k) if k.width_ms != ALL_TIME_WIDTH => match retention.get(&k.width_ms) {
+                    Some(&keep) if k.bucket.saturating_add(k.width_ms).saturating_add(keep) <= wall_clock_ms() => Decision::Remove,
+                    _ => Decision::Keep,
+                },
+                _ => Decision::Keep,
+            }
+        });
+
+        let mut dedupe = Options::default();
+        dedupe.set_write_buffer_size(4 << 20);
+        let window = options.dedupe_window_ms;
+        dedupe.set_compaction_filter("tally_dedupe_ttl", move |_level: u32, _key: &[u8], value: &[u8]| {
+            if mark_expired(value, window, wall_clock_ms()) {
+                Decision::Remove
+            } else {
+                Decision::Keep
+            }
+        });
+
+        let families = vec![ColumnFamilyDescriptor::new(CF_COUNTS, counts), ColumnFamilyDescriptor::new(CF_DEDUPE, dedupe)];
+        let db = DB::open_cf_descriptors(&db_options, path, families)?;
+        let progress = Self::load_progress(&db)?;
+        Ok(Self { shard, db, options, progress: Mutex::new(progress) })
+    }
+
+    fn load_progress(db: &DB) -> Result<Progress> {
+        let mut progress = Progress::default();
+        if let Some(bytes) = db.get(KEY_NEXT_OFFSET)? {
+            progress.next_offset = Some(decode_i64(&bytes));
+        }
+        for item in db.prefix_iterator(HWM_PREFIX) {
+            let (key, value) = item?;
+            if !key.starts_with(HWM_PREFIX) {
+                break;
+            }
+            if let (Some(source), Some(stamp)) = (decode_source(&key[HWM_PREFIX.len()..]), decode_stamp(&value)) {
+                progress.high_water.insert(source, stamp);
+            }
+        }
+        Ok(progress)
+    }
+
+    pub(crate) fn cf(&self, name: &str) -> Result<&ColumnFamily> {
+        self.db.cf_handle(name).ok_or_else(|| Error::Shard { shard: self.shard, message: format!("column family {name} missing") })
+    }
+
+    /// A copy of the committed progress.
+    pub fn progress(&self) -> Progress {
+        self.progress.lock().map(|p| p.clone()).unwrap_or_default()
+    }
+
+    /// Whether `(entity, id)` was seen within the dedupe window.
+    pub(crate) fn seen_recently(&self, key: &[u8], now: i64) -> Result<bool> {
+        let cf = self.cf(CF_DEDUPE)?;
+        Ok(match self.db.get_pinned_cf(cf, key)? {
+            Some(value) => !mark_expired(&value, self.options.dedupe_window_ms, now),
+            None => false,
+        })
+    }
+
+    /// Writes `batch` plus the new progress atomically, then publishes the progress.
+    pub(crate) fn commit(&self, mut batch: WriteBatch, progress: Progress) -> Result<()> {
+        if let Some(next) = progress.next_offset {
+            batch.put(KEY_NEXT_OFFSET, next.to_le_bytes());
+        }
+        let old = self.progress();
+        for (source, stamp) in &progress.high_water {
+            if old.high_water.get(source) != Some(stamp) {
+                batch.put(hwm_key(*source), encode_stamp(*stamp));
+            }
+        }
+        let mut write_options = WriteOptions::default();
+        write_options.set_sync(self.options.sync_writes);
+        self.db.write_opt(batch, &write_options)?;
+        if let Ok(mut current) = self.progress.lock() {
+            *current = progress;
+        }
+        Ok(())
+    }
+
+    /// The counts stored under each key (zero when absent).
+    pub fn get_counts(&self, keys: &[Vec<u8>]) -> Result<Vec<Counts>> {
+        let cf = self.cf(CF_COUNTS)?;
+        self.db
+            .batched_multi_get_cf(cf, keys.iter(), false)
+            .into_iter()
+            .map(|r| Ok(r?.map(|v| Counts::decode(&v)).unwrap_or_default()))
+            .collect()
+    }
+}
+
+/// A mark holds its first-seen time; it expires a window later.
+fn mark_expired(value: &[u8], window_ms: i64, now: i64) -> bool {
+    decode_i64(value).saturating_add(window_ms) <= now
+}
+
+fn decode_i64(bytes: &[u8]) -> i64 {
+    bytes.try_into().map(i64::from_le_bytes).unwrap_or(0)
+}
+
+fn hwm_key(source: Source) -> Vec<u8> {
+    let mut key = HWM_PREFIX.to_vec();
+    key.push(source.stream);
+    key.extend_from_slice(&source.partition.to_be_bytes());
+    key
+}
+
+fn decode_source(bytes: &[u8]) -> Option<Source> {
+    let (&stream, partition) = bytes.split_first()?;
+    Some(Source { stream, partition: u32::from_be_bytes(partition.try_into().ok()?) })
+}
+
+fn encode_stamp(stamp: Stamp) -> [u8; 12] {
+    let mut out = [0u8; 12];
+    out[..8].copy_from_slice(&stamp.offset.to_le_bytes());
+    out[8..].copy_from_slice(&stamp.index.to_le_bytes());
+    out
+}
+
+fn decode_stamp(bytes: &[u8]) -> Option<Stamp> {
+    if bytes.len() != 12 {
+        return None;
+    }
+    Some(Stamp { offset: i64::from_le_bytes(bytes[..8].try_into().ok()?), index: u32::from_le_bytes(bytes[8..].try_into().ok()?) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn options() -> StoreOptions {
+        StoreOptions { resolutions: Resolutions::default(), dedupe_window_ms: 86_400_000, sync_writes: false }
+    }
+
+    #[test]
+    fn progress_survives_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = Source { stream: Source::INCREMENTS, partition: 3 };
+        {
+            let store = ShardStore::open(0, dir.path(), options()).unwrap();
+            assert_eq!(store.progress(), Progress::default());
+            let mut progress = Progress { next_offset: Some(42), ..Default::default() };
+            progress.high_water.insert(source, Stamp { offset: 7, index: 2 });
+            store.commit(WriteBatch::default(), progress).unwrap();
+        }
+        let store = ShardStore::open(0, dir.path(), options()).unwrap();
+        let progress = store.progress();
+        assert_eq!(progress.next_offset, Some(42));
+        assert_eq!(progress.high_water[&source], Stamp { offset: 7, index: 2 });
+    }
+
+    #[test]
+    fn marks_expire_after_the_window() {
+        let now: i64 = 1_000_000;
+        assert!(!mark_expired(&now.to_le_bytes(), 10, now + 9));
+        assert!(mark_expired(&now.to_le_bytes(), 10, now + 10));
+    }
+}
