@@ -14,6 +14,7 @@ pub mod kafka;
 pub mod keys;
 pub mod local_broker;
 pub mod model;
+pub mod service;
 pub mod sharding;
 pub mod shutdown;
 pub mod telemetry;

@@ -1,9 +1,71 @@
 //! `tally-counter`: owns counter shards, applies their increments to RocksDB exactly
 //! once, serves reads for them and publishes rollups.
+//!
+//! - [`store`]: one shard's RocksDB (counts, idempotency marks, progress);
+//! - [`apply`]: a batch of shard records → one atomic write batch;
+//! - [`read`]: windows, series and metric listings from a snapshot;
+//! - [`consumer`]: the consumer-group thread that owns shards and applies batches;
+//! - [`http`]: the internal read API; [`metrics`]: what it exports.
 
 pub mod apply;
+pub mod bench;
+pub mod consumer;
 pub mod error;
+pub mod http;
+pub mod metrics;
 pub mod read;
+pub mod shards;
 pub mod store;
 
+use std::sync::Arc;
+
+use prometheus::Registry;
+use tally_shared::config::TallyConfig;
+use tally_shared::telemetry::{serve_admin, Readiness};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
 pub use error::{Error, Result};
+
+/// Runs a counter until `shutdown` is cancelled: the batch in hand is persisted
+/// before this returns.
+pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()> {
+    let registry = Registry::new();
+    let metrics = metrics::Metrics::new(&registry);
+    let readiness = Readiness::default();
+    let shards = Arc::new(shards::Shards::default());
+
+    let listener = TcpListener::bind(&config.counter.read_listen).await?;
+    let bound = listener.local_addr()?;
+    let host = match &config.counter.advertise_host {
+        Some(host) => host.clone(),
+        None if bound.ip().is_unspecified() => "127.0.0.1".to_string(),
+        None => bound.ip().to_string(),
+    };
+    let read_addr = format!("{host}:{}", bound.port());
+    let admin = serve_admin(&config.counter.admin_listen, registry, readiness.clone(), shutdown.clone()).await?;
+    tracing::info!(read_api = %read_addr, admin = %admin, data_dir = %config.counter.data_dir.display(), "tally-counter starting");
+
+    let app = http::router(http::ReadState { shards: shards.clone(), metrics: metrics.clone() });
+    let server_shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        if let Err(err) = axum::serve(listener, app).with_graceful_shutdown(server_shutdown.cancelled_owned()).await {
+            tracing::error!(error = %err, "read API failed");
+        }
+    });
+
+    let setup = consumer::ConsumerSetup {
+        config,
+        shards,
+        metrics,
+        read_addr,
+        instance: format!("{:016x}", rand::random::<u64>()),
+    };
+    let consumer_shutdown = shutdown.clone();
+    readiness.set(true);
+    let result = tokio::task::spawn_blocking(move || consumer::run(setup, consumer_shutdown))
+        .await
+        .map_err(|err| Error::Consumer(err.to_string()))?;
+    shutdown.cancel();
+    result
+}

@@ -1,1 +1,5 @@
-fn main() {}
+//! `tally-counter` binary: see the library crate.
+
+fn main() -> std::process::ExitCode {
+    tally_shared::service::service_main("tally-counter", tally_counter::run)
+}

@@ -1,0 +1,187 @@
+//! `tally bench counter`: the apply path on a Zipf-skewed workload, against a
+//! per-event, no-coalescing baseline run in the same process on the same data.
+//!
+//! Both paths decode the same shard messages and write the same buckets to a real
+//! RocksDB on disk; the baseline writes one RocksDB batch per increment, the real
+//! path one per batch of records with deltas coalesced per bucket.
+
+use std::path::Path;
+use std::time::Instant;
+
+use rand::{Rng, SeedableRng};
+use rocksdb::WriteBatch;
+use tally_shared::keys::{encode_count_key, Counts, ALL_TIME_WIDTH};
+use tally_shared::time::{bucket_start, Resolutions};
+use tally_shared::wire::{Increment, ShardMessage, ShardMessageRef, Source, Stamp};
+
+use crate::apply::ShardRecord;
+use crate::error::Result;
+use crate::store::{ShardStore, StoreOptions, CF_COUNTS};
+
+/// The shape of the workload.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// Increments through the coalescing path.
+    pub increments: usize,
+    /// Increments through the baseline (slower, so fewer).
+    pub baseline_increments: usize,
+    pub entities: usize,
+    pub metrics: usize,
+    /// Zipf exponent of entity popularity.
+    pub zipf_exponent: f64,
+    /// Increments per shard record (what the ingester packs together).
+    pub increments_per_record: usize,
+    /// Records per applied batch.
+    pub records_per_batch: usize,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        Self {
+            increments: 2_000_000,
+            baseline_increments: 200_000,
+            entities: 100_000,
+            metrics: 4,
+            zipf_exponent: 1.1,
+            increments_per_record: 100,
+            records_per_batch: 500,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct BenchReport {
+    pub coalesced_per_sec: f64,
+    pub baseline_per_sec: f64,
+    /// Mean distinct bucket keys written per coalesced batch.
+    pub keys_per_batch: f64,
+}
+
+impl BenchReport {
+    pub fn ratio(&self) -> f64 {
+        self.coalesced_per_sec / self.baseline_per_sec.max(f64::MIN_POSITIVE)
+    }
+}
+
+/// Encoded shard records of a Zipf workload.
+fn workload(options: &BenchOptions, count: usize, now: i64, seed: u64) -> Vec<Vec<u8>> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut cumulative = Vec::with_capacity(options.entities);
+    let mut sum = 0.0;
+    for rank in 1..=options.entities {
+        sum += 1.0 / (rank as f64).powf(options.zipf_exponent);
+        cumulative.push(sum);
+    }
+    let mut records = Vec::new();
+    let mut offset = 0i64;
+    let mut remaining = count;
+    while remaining > 0 {
+        let n = remaining.min(options.increments_per_record);
+        remaining -= n;
+        let entries = (0..n)
+            .map(|index| {
+                let draw = rng.random::<f64>() * sum;
+                let entity = cumulative.partition_point(|&c| c < draw);
+                let increment = Increment {
+                    entity: format!("answer:{entity}"),
+                    metric: format!("metric{}", rng.random_range(0..options.metrics)),
+                    delta: 1,
+                    ts: now - rng.random_range(0..3_600_000),
+                    id: None,
+                };
+                (Stamp { offset, index: index as u32 }, increment)
+            })
+            .collect();
+        offset += 1;
+        let message = ShardMessage::Increments { source: Source { stream: Source::INCREMENTS, partition: 0 }, entries };
+        records.push(message.encode().unwrap_or_default());
+    }
+    records
+}
+
+fn open(dir: &Path, name: &str) -> Result<ShardStore> {
+    let options = StoreOptions { resolutions: Resolutions::default(), dedupe_window_ms: 86_400_000, sync_writes: false };
+    ShardStore::open(0, &dir.join(name), options)
+}
+
+/// Runs both paths in `dir` (a scratch directory) and reports their rates.
+pub fn run(options: &BenchOptions, dir: &Path) -> Result<BenchReport> {
+    let now = tally_shared::kafka::now_ms();
+
+    let records = workload(options, options.increments, now, 7);
+    let store = open(dir, "coalesced")?;
+    let started = Instant::now();
+    let mut batches = 0usize;
+    let mut keys = 0usize;
+    for (batch_index, chunk) in records.chunks(options.records_per_batch).enumerate() {
+        let base = (batch_index * options.records_per_batch) as i64;
+        let shard_records: Vec<ShardRecord<'_>> =
+            chunk.iter().enumerate().map(|(i, payload)| ShardRecord { offset: base + i as i64, payload }).collect();
+        let report = store.apply(&shard_records, now, false)?;
+        batches += 1;
+        keys += report.keys;
+    }
+    let coalesced_per_sec = options.increments as f64 / started.elapsed().as_secs_f64();
+    drop(store);
+
+    let records = workload(options, options.baseline_increments, now, 7);
+    let store = open(dir, "baseline")?;
+    let started = Instant::now();
+    apply_per_event(&store, &records, now)?;
+    let baseline_per_sec = options.baseline_increments as f64 / started.elapsed().as_secs_f64();
+
+    Ok(BenchReport { coalesced_per_sec, baseline_per_sec, keys_per_batch: keys as f64 / batches.max(1) as f64 })
+}
+
+/// The baseline: every increment is its own RocksDB write of its buckets.
+fn apply_per_event(store: &ShardStore, records: &[Vec<u8>], now: i64) -> Result<()> {
+    let cf = store.cf(CF_COUNTS)?;
+    let resolutions = &store.options.resolutions;
+    let mut key = Vec::with_capacity(128);
+    for payload in records {
+        let ShardMessageRef::Increments { entries, .. } = ShardMessageRef::decode(payload)?;
+        for (_, increment) in entries {
+            let counts = Counts { direct: increment.delta, total: increment.delta }.encode();
+            let mut batch = WriteBatch::default();
+            key.clear();
+            encode_count_key(&mut key, increment.entity, increment.metric, ALL_TIME_WIDTH, 0);
+            batch.merge_cf(cf, &key, counts);
+            for resolution in resolutions.iter() {
+                let bucket = bucket_start(increment.ts, resolution.width_ms);
+                if resolution.retains(bucket, now) {
+                    key.clear();
+                    encode_count_key(&mut key, increment.entity, increment.metric, resolution.width_ms, bucket);
+                    batch.merge_cf(cf, &key, counts);
+                }
+            }
+            store.db.write(batch)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tiny run checks that both paths agree on what they wrote (the bench's
+    /// figures come from `tally bench counter`, never from a timed test).
+    #[test]
+    fn both_paths_write_the_same_counts() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = BenchOptions { increments: 5_000, baseline_increments: 5_000, entities: 50, ..Default::default() };
+        let report = run(&options, dir.path()).unwrap();
+        assert!(report.keys_per_batch > 0.0);
+        let coalesced = open(dir.path(), "coalesced").unwrap();
+        let baseline = open(dir.path(), "baseline").unwrap();
+        for entity in 0..50 {
+            for metric in 0..options.metrics {
+                let page_c = coalesced.metrics(&format!("answer:{entity}"), None, 10).unwrap();
+                let page_b = baseline.metrics(&format!("answer:{entity}"), None, 10).unwrap();
+                assert_eq!(page_c.metrics, page_b.metrics, "answer:{entity} metric{metric}");
+            }
+        }
+        let total: i64 = (0..50).flat_map(|e| coalesced.metrics(&format!("answer:{e}"), None, 10).unwrap().metrics).map(|m| m.total).sum();
+        assert_eq!(total, 5_000);
+    }
+}

@@ -1,0 +1,359 @@
+//! The consumer thread: owns shards through the consumer group, applies batches,
+//! announces ownership, publishes rollups.
+//!
+//! It is a plain thread over a `BaseConsumer`, not an async task: applying a batch is
+//! CPU and RocksDB work that must not block the async runtime. On assignment the
+//! shard's store is opened and the partition starts at the store's `next_offset`
+//! (the group's committed offset is only advisory, for lag tooling).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, CommitMode};
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rdkafka::types::RDKafkaRespErr;
+use rdkafka::{ClientContext, Message};
+use tally_shared::config::TallyConfig;
+use tally_shared::kafka::{client_config, now_ms, producer_config, TopicNames};
+use tally_shared::keys::ALL_TIME_WIDTH;
+use tally_shared::time::Resolutions;
+use tally_shared::wire::{Rollup, ShardOwner};
+use tokio_util::sync::CancellationToken;
+
+use crate::apply::{ApplyReport, ShardRecord};
+use crate::error::{Error, Result};
+use crate::metrics::Metrics;
+use crate::shards::Shards;
+use crate::store::{ShardStore, StoreOptions};
+
+const HEARTBEAT: Duration = Duration::from_secs(5);
+
+/// Everything the consumer thread needs.
+pub struct ConsumerSetup {
+    pub config: TallyConfig,
+    pub shards: Arc<Shards>,
+    pub metrics: Metrics,
+    /// Announced as the read address of owned shards.
+    pub read_addr: String,
+    pub instance: String,
+}
+
+struct CounterContext {
+    shards: Arc<Shards>,
+    /// Stores stay open across rebalances: the same shard usually comes back.
+    opened: Mutex<HashMap<u32, Arc<ShardStore>>>,
+    data_dir: PathBuf,
+    store_options: StoreOptions,
+    /// A failure inside the rebalance callback, reported by the loop.
+    fatal: Mutex<Option<String>>,
+}
+
+impl CounterContext {
+    fn open(&self, shard: u32) -> Result<Arc<ShardStore>> {
+        let mut opened = self.opened.lock().map_err(|_| Error::Consumer("store table poisoned".into()))?;
+        if let Some(store) = opened.get(&shard) {
+            return Ok(store.clone());
+        }
+        let path = self.data_dir.join(format!("shard-{shard:04}"));
+        let store = Arc::new(ShardStore::open(shard, &path, self.store_options.clone())?);
+        tracing::info!(shard, path = %path.display(), next_offset = ?store.progress().next_offset, "opened shard store");
+        opened.insert(shard, store.clone());
+        Ok(store)
+    }
+
+    fn fail(&self, message: String) {
+        tracing::error!(error = %message, "rebalance failed");
+        if let Ok(mut fatal) = self.fatal.lock() {
+            *fatal = Some(message);
+        }
+    }
+}
+
+impl ClientContext for CounterContext {}
+
+impl ConsumerContext for CounterContext {
+    fn rebalance(&self, consumer: &BaseConsumer<Self>, err: RDKafkaRespErr, tpl: &mut TopicPartitionList) {
+        match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
+                let partitions: Vec<(String, i32)> =
+                    tpl.elements().iter().map(|e| (e.topic().to_string(), e.partition())).collect();
+                let mut stores = HashMap::new();
+                for (topic, partition) in partitions {
+                    let shard = partition as u32;
+                    let store = match self.open(shard) {
+                        Ok(store) => store,
+                        Err(err) => return self.fail(format!("opening shard {shard}: {err}")),
+                    };
+                    let offset = store.progress().next_offset.map_or(Offset::Beginning, Offset::Offset);
+                    if let Err(err) = tpl.set_partition_offset(&topic, partition, offset) {
+                        return self.fail(format!("positioning shard {shard}: {err}"));
+                    }
+                    stores.insert(shard, store);
+                }
+                if let Err(err) = consumer.assign(tpl) {
+                    return self.fail(format!("assign: {err}"));
+                }
+                tracing::info!(shards = ?stores.keys().collect::<Vec<_>>(), "shards assigned");
+                self.shards.replace(stores);
+            }
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
+                if let Err(err) = consumer.unassign() {
+                    tracing::warn!(error = %err, "unassign failed");
+                }
+                tracing::info!("shards revoked");
+                self.shards.replace(HashMap::new());
+            }
+            other => tracing::warn!(error = ?other, "unexpected rebalance event"),
+        }
+    }
+}
+
+/// A record copied out of the consumer.
+struct Polled {
+    shard: u32,
+    offset: i64,
+    payload: Vec<u8>,
+}
+
+/// Runs until `shutdown`; finishes and persists the batch in hand before returning.
+pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
+    let ConsumerSetup { config, shards, metrics, read_addr, instance } = setup;
+    let names = TopicNames::new(&config.kafka.topic_prefix);
+    let shard_topic = names.shards();
+    let resolutions = config.counting.resolutions()?;
+    let context = CounterContext {
+        shards: shards.clone(),
+        opened: Mutex::new(HashMap::new()),
+        data_dir: config.counter.data_dir.clone(),
+        store_options: StoreOptions {
+            resolutions: resolutions.clone(),
+            dedupe_window_ms: config.counting.dedupe_window_ms()?,
+            sync_writes: config.counter.sync_writes,
+        },
+        fatal: Mutex::new(None),
+    };
+    let mut consumer_config = client_config(&config.kafka)?;
+    consumer_config
+        .set("group.id", &config.counter.group_id)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("partition.assignment.strategy", "range");
+    let consumer: BaseConsumer<CounterContext> = consumer_config.create_with_context(context)?;
+    consumer.subscribe(&[&shard_topic])?;
+    let producer: ThreadedProducer<DefaultProducerContext> = producer_config(&config.kafka)?.create()?;
+    let mut announcer = Announcer { producer: &producer, topic: names.shard_owners(), read_addr, instance, last: None };
+    let rollups_topic = config.counter.rollups.then(|| names.rollups());
+
+    let linger = Duration::from_millis(config.counter.batch_linger_ms);
+    let max_records = config.counter.batch_max_records.max(1);
+    let mut epoch = shards.epoch();
+    let mut batch: Vec<Polled> = Vec::with_capacity(max_records);
+    let mut last_lag_check = Instant::now();
+
+    while !shutdown.is_cancelled() {
+        batch.clear();
+        let deadline = Instant::now() + linger;
+        loop {
+            let wait = if batch.is_empty() { Duration::from_millis(100) } else { deadline.saturating_duration_since(Instant::now()) };
+            let polled = consumer.poll(wait);
+            if shards.epoch() != epoch {
+                // Positions were reset from the stores: what was collected before
+                // the rebalance will be delivered again.
+                epoch = shards.epoch();
+                batch.clear();
+                metrics.owned_shards.set(shards.owned().len() as i64);
+                announcer.announce(&shards.owned(), true);
+            }
+            match polled {
+                Some(Ok(message)) => batch.push(Polled {
+                    shard: message.partition() as u32,
+                    offset: message.offset(),
+                    payload: message.payload().unwrap_or_default().to_vec(),
+                }),
+                Some(Err(err)) => tracing::warn!(error = %err, "consumer error"),
+                None => {}
+            }
+            if batch.is_empty() && (shutdown.is_cancelled() || announcer.due()) {
+                break;
+            }
+            if batch.len() >= max_records || (!batch.is_empty() && Instant::now() >= deadline) {
+                break;
+            }
+        }
+        if let Some(message) = consumer.context().fatal.lock().ok().and_then(|mut f| f.take()) {
+            return Err(Error::Consumer(message));
+        }
+        if !batch.is_empty() {
+            apply_batch(&batch, &shards, &metrics, &resolutions, &producer, rollups_topic.as_deref())?;
+            commit_advisory(&consumer, &shard_topic, &shards);
+        }
+        if announcer.due() {
+            announcer.announce(&shards.owned(), false);
+        }
+        if last_lag_check.elapsed() >= HEARTBEAT {
+            last_lag_check = Instant::now();
+            report_lag(&consumer, &shard_topic, &shards, &metrics);
+        }
+    }
+    tracing::info!("counter consumer stopping: batch persisted, releasing shards");
+    announcer.release(&shards.owned());
+    let _ = producer.flush(Duration::from_secs(5));
+    consumer.unsubscribe();
+    Ok(())
+}
+
+fn apply_batch(
+    batch: &[Polled],
+    shards: &Shards,
+    metrics: &Metrics,
+    resolutions: &Resolutions,
+    producer: &ThreadedProducer<DefaultProducerContext>,
+    rollups_topic: Option<&str>,
+) -> Result<()> {
+    let mut by_shard: HashMap<u32, Vec<ShardRecord<'_>>> = HashMap::new();
+    for polled in batch {
+        by_shard.entry(polled.shard).or_default().push(ShardRecord { offset: polled.offset, payload: &polled.payload });
+    }
+    for (shard, mut records) in by_shard {
+        let Some(store) = shards.get(shard) else { continue };
+        records.sort_by_key(|r| r.offset);
+        let started = Instant::now();
+        let report = store.apply(&records, now_ms(), rollups_topic.is_some())?;
+        metrics.apply_seconds.observe(started.elapsed().as_secs_f64());
+        record_metrics(metrics, &report);
+        if let Some(topic) = rollups_topic {
+            publish_rollups(&store, &report, resolutions, producer, topic, metrics)?;
+        }
+    }
+    Ok(())
+}
+
+fn record_metrics(metrics: &Metrics, report: &ApplyReport) {
+    metrics.applied_increments.inc_by(report.increments);
+    metrics.duplicates.with_label_values(&["redelivered"]).inc_by(report.redelivered);
+    metrics.duplicates.with_label_values(&["id"]).inc_by(report.duplicate_ids);
+    metrics.undecodable_records.inc_by(report.undecodable_records as u64);
+    metrics.batch_records.observe(report.records as f64);
+    metrics.batch_keys.observe(report.keys as f64);
+}
+
+/// Publishes the latest value of every bucket the batch changed. At-least-once: the
+/// topic is compacted and each record carries the full value, so a repeat is harmless.
+fn publish_rollups(
+    store: &ShardStore,
+    report: &ApplyReport,
+    resolutions: &Resolutions,
+    producer: &ThreadedProducer<DefaultProducerContext>,
+    topic: &str,
+    metrics: &Metrics,
+) -> Result<()> {
+    if report.changed.is_empty() {
+        return Ok(());
+    }
+    let keys: Vec<Vec<u8>> = report.changed.iter().map(|c| c.key.clone()).collect();
+    let values = store.get_counts(&keys)?;
+    for (changed, counts) in report.changed.iter().zip(values) {
+        let resolution = if changed.width_ms == ALL_TIME_WIDTH {
+            "all".to_string()
+        } else {
+            resolutions.by_width(changed.width_ms).map_or_else(|| format!("{}ms", changed.width_ms), |r| r.name.clone())
+        };
+        let key = format!("{}/{}/{}/{}", changed.entity, changed.metric, resolution, changed.bucket);
+        let rollup = Rollup {
+            entity: changed.entity.clone(),
+            metric: changed.metric.clone(),
+            resolution,
+            bucket: changed.bucket,
+            total: counts.total,
+            direct: counts.direct,
+        };
+        let payload = serde_json::to_vec(&rollup).map_err(|err| Error::Consumer(err.to_string()))?;
+        send_with_backpressure(producer, topic, &key, &payload);
+        metrics.rollups_published.inc();
+    }
+    Ok(())
+}
+
+/// Sends, waiting while the producer's queue is full instead of dropping.
+fn send_with_backpressure(producer: &ThreadedProducer<DefaultProducerContext>, topic: &str, key: &str, payload: &[u8]) {
+    let mut record = BaseRecord::to(topic).key(key).payload(payload);
+    for _ in 0..1_000 {
+        match producer.send(record) {
+            Ok(()) => return,
+            Err((err, returned)) => {
+                if !matches!(err.rdkafka_error_code(), Some(rdkafka::types::RDKafkaErrorCode::QueueFull)) {
+                    tracing::warn!(topic, error = %err, "send failed");
+                    return;
+                }
+                record = returned;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+    }
+    tracing::warn!(topic, "producer queue stayed full; record dropped");
+}
+
+/// Commits the stores' offsets to the group, for lag tooling only.
+fn commit_advisory(consumer: &BaseConsumer<CounterContext>, topic: &str, shards: &Shards) {
+    let mut tpl = TopicPartitionList::new();
+    for shard in shards.owned() {
+        if let Some(next) = shards.get(shard).and_then(|s| s.progress().next_offset) {
+            let _ = tpl.add_partition_offset(topic, shard as i32, Offset::Offset(next));
+        }
+    }
+    if tpl.count() > 0 {
+        let _ = consumer.commit(&tpl, CommitMode::Async);
+    }
+}
+
+fn report_lag(consumer: &BaseConsumer<CounterContext>, topic: &str, shards: &Shards, metrics: &Metrics) {
+    for shard in shards.owned() {
+        let Some(store) = shards.get(shard) else { continue };
+        if let Ok((_, high)) = consumer.fetch_watermarks(topic, shard as i32, Duration::from_secs(1)) {
+            let next = store.progress().next_offset.unwrap_or(0);
+            metrics.consumer_lag.with_label_values(&[&shard.to_string()]).set((high - next).max(0));
+        }
+    }
+}
+
+/// Publishes this process's claims on the shard-owners topic.
+struct Announcer<'a> {
+    producer: &'a ThreadedProducer<DefaultProducerContext>,
+    topic: String,
+    read_addr: String,
+    instance: String,
+    last: Option<Instant>,
+}
+
+impl Announcer<'_> {
+    fn due(&self) -> bool {
+        self.last.is_none_or(|at| at.elapsed() >= HEARTBEAT)
+    }
+
+    fn announce(&mut self, owned: &[u32], changed: bool) {
+        if changed {
+            tracing::info!(shards = ?owned, addr = %self.read_addr, "announcing shard ownership");
+        }
+        for &shard in owned {
+            self.publish(shard, Some(self.read_addr.clone()));
+        }
+        self.last = Some(Instant::now());
+    }
+
+    fn release(&mut self, owned: &[u32]) {
+        for &shard in owned {
+            self.publish(shard, None);
+        }
+    }
+
+    fn publish(&self, shard: u32, addr: Option<String>) {
+        let claim = ShardOwner { shard, addr, instance: self.instance.clone(), at_ms: now_ms() };
+        if let Ok(payload) = serde_json::to_vec(&claim) {
+            send_with_backpressure(self.producer, &self.topic, &shard.to_string(), &payload);
+        }
+    }
+}

@@ -1,0 +1,84 @@
+//! The common `main` of every tally service binary: parse `--config`, load the
+//! configuration, start logging, turn signals into a cancellation token, run the
+//! service and turn its result into an exit code.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::config::TallyConfig;
+
+/// Runs a service binary. `run` receives the loaded config and the shutdown token.
+pub fn service_main<F, Fut, E>(name: &str, run: F) -> ExitCode
+where
+    F: FnOnce(TallyConfig, CancellationToken) -> Fut,
+    Fut: Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
+    let config_path = match parse_args(name) {
+        Ok(path) => path,
+        Err(code) => return code,
+    };
+    let config = match TallyConfig::load(config_path.as_deref()) {
+        Ok(config) => config,
+        Err(err) => {
+            eprintln!("{name}: {err}");
+            return ExitCode::from(2);
+        }
+    };
+    crate::telemetry::init_logging(&config.log);
+    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("{name}: starting the async runtime: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async move {
+        let shutdown = crate::shutdown::on_signals();
+        run(config, shutdown).await
+    });
+    match result {
+        Ok(()) => {
+            tracing::info!(service = name, "stopped");
+            ExitCode::SUCCESS
+        }
+        Err(err) => {
+            tracing::error!(service = name, error = %err, "failed");
+            eprintln!("{name}: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `--config PATH` (or `TALLY_CONFIG`), `--help`, `--version`.
+fn parse_args(name: &str) -> Result<Option<PathBuf>, ExitCode> {
+    let mut path = std::env::var_os("TALLY_CONFIG").map(PathBuf::from);
+    let mut args = std::env::args_os().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.to_str() {
+            Some("--config" | "-c") => match args.next() {
+                Some(value) => path = Some(PathBuf::from(value)),
+                None => {
+                    eprintln!("{name}: --config needs a path");
+                    return Err(ExitCode::from(2));
+                }
+            },
+            Some("--help" | "-h") => {
+                println!("usage: {name} [--config tally.toml]\n\nConfiguration: the TOML file (or $TALLY_CONFIG), overridden by TALLY__SECTION__KEY variables.");
+                return Err(ExitCode::SUCCESS);
+            }
+            Some("--version" | "-V") => {
+                println!("{name} {}", env!("CARGO_PKG_VERSION"));
+                return Err(ExitCode::SUCCESS);
+            }
+            _ => {
+                eprintln!("{name}: unexpected argument {arg:?} (try --help)");
+                return Err(ExitCode::from(2));
+            }
+        }
+    }
+    Ok(path)
+}
