@@ -1,0 +1,15 @@
+//! The ingester's error type.
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("kafka: {0}")]
+    Kafka(#[from] rdkafka::error::KafkaError),
+    #[error(transparent)]
+    Shared(#[from] tally_shared::Error),
+    #[error("delivery failed: {0}")]
+    Delivery(String),
+    #[error("internal: {0}")]
+    Internal(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

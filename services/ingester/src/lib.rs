@@ -1,0 +1,153 @@
+//! `tally-ingester`: consumes `tally.increments`, validates every element, routes the
+//! valid ones to the counter shard that owns their entity and writes each bad one to
+//! `tally.dead-letter` with its reason. Stateless; scales as a consumer group.
+//!
+//! Exactly-once effect downstream without Kafka transactions: every routed entry
+//! carries a deterministic stamp (input partition, offset, index in the message), so
+//! when a restart replays input from the last committed offset the counter drops the
+//! entries it already applied. Input offsets are committed only after every output
+//! record of the batch is acknowledged, so nothing is lost either.
+
+pub mod error;
+pub mod metrics;
+pub mod route;
+
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use prometheus::Registry;
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::message::BorrowedMessage;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rdkafka::Message;
+use tally_shared::config::TallyConfig;
+use tally_shared::kafka::{client_config, producer_config, wait_for_topic, TopicNames};
+use tally_shared::telemetry::{serve_admin, Readiness};
+use tokio_util::sync::CancellationToken;
+
+pub use error::{Error, Result};
+use route::{Outgoing, Router};
+
+/// Runs an ingester until `shutdown`; the batch in hand is delivered and committed
+/// first.
+pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()> {
+    let registry = Registry::new();
+    let metrics = metrics::Metrics::new(&registry);
+    let readiness = Readiness::default();
+    let admin = serve_admin(&config.ingester.admin_listen, registry, readiness.clone(), shutdown.clone()).await?;
+    let names = TopicNames::new(&config.kafka.topic_prefix);
+    let kafka = config.kafka.clone();
+    let shard_topic = names.shards();
+    let shards = tokio::task::spawn_blocking(move || wait_for_topic(&kafka, &shard_topic, Duration::from_secs(60)))
+        .await
+        .map_err(|err| Error::Internal(err.to_string()))??;
+    tracing::info!(admin = %admin, shards, "tally-ingester starting");
+
+    let mut consumer_config = client_config(&config.kafka)?;
+    consumer_config
+        .set("group.id", &config.ingester.group_id)
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest");
+    let consumer: StreamConsumer = consumer_config.create()?;
+    consumer.subscribe(&[&names.increments()])?;
+    let producer: FutureProducer = producer_config(&config.kafka)?.create()?;
+    readiness.set(true);
+
+    let router = Router::new(names.clone(), shards);
+    let linger = Duration::from_millis(config.ingester.batch_linger_ms);
+    let max_records = config.ingester.batch_max_records.max(1);
+    let mut last_lag_check = Instant::now();
+    loop {
+        let first = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            message = consumer.recv() => message,
+        };
+        let mut batch: Vec<BorrowedMessage<'_>> = Vec::with_capacity(max_records);
+        match first {
+            Ok(message) => batch.push(message),
+            Err(err) => {
+                tracing::warn!(error = %err, "consumer error");
+                continue;
+            }
+        }
+        let deadline = tokio::time::Instant::now() + linger;
+        while batch.len() < max_records {
+            match tokio::time::timeout_at(deadline, consumer.recv()).await {
+                Ok(Ok(message)) => batch.push(message),
+                Ok(Err(err)) => tracing::warn!(error = %err, "consumer error"),
+                Err(_) => break,
+            }
+        }
+        let outgoing = router.route(&batch, &metrics);
+        deliver(&producer, outgoing).await?;
+        commit(&consumer, &batch)?;
+        metrics.batch_records.observe(batch.len() as f64);
+        if last_lag_check.elapsed() > Duration::from_secs(5) {
+            last_lag_check = Instant::now();
+            tokio::task::block_in_place(|| report_lag(&consumer, &metrics));
+        }
+    }
+    tracing::info!("tally-ingester stopping");
+    Ok(())
+}
+
+/// Sends every output record and waits until all are acknowledged.
+async fn deliver(producer: &FutureProducer, outgoing: Vec<Outgoing>) -> Result<()> {
+    let mut deliveries = Vec::with_capacity(outgoing.len());
+    for out in &outgoing {
+        let mut record = FutureRecord::to(&out.topic).payload(&out.payload).key(&out.key);
+        if let Some(partition) = out.partition {
+            record = record.partition(partition);
+        }
+        loop {
+            match producer.send_result(record) {
+                Ok(delivery) => {
+                    deliveries.push(delivery);
+                    break;
+                }
+                Err((err, returned)) if matches!(err.rdkafka_error_code(), Some(rdkafka::types::RDKafkaErrorCode::QueueFull)) => {
+                    record = returned;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err((err, _)) => return Err(err.into()),
+            }
+        }
+    }
+    for delivery in join_all(deliveries).await {
+        match delivery {
+            Ok(Ok(_)) => {}
+            Ok(Err((err, _))) => return Err(Error::Delivery(err.to_string())),
+            Err(_) => return Err(Error::Delivery("producer dropped a delivery".into())),
+        }
+    }
+    Ok(())
+}
+
+/// Commits the next offset of every input partition of the batch.
+fn commit(consumer: &StreamConsumer, batch: &[BorrowedMessage<'_>]) -> Result<()> {
+    let mut next: std::collections::BTreeMap<(String, i32), i64> = std::collections::BTreeMap::new();
+    for message in batch {
+        let entry = next.entry((message.topic().to_string(), message.partition())).or_insert(0);
+        *entry = (*entry).max(message.offset() + 1);
+    }
+    let mut tpl = TopicPartitionList::new();
+    for ((topic, partition), offset) in next {
+        tpl.add_partition_offset(&topic, partition, Offset::Offset(offset))?;
+    }
+    if let Err(err) = consumer.commit(&tpl, CommitMode::Async) {
+        // After a rebalance the new owner replays; stamps make that harmless.
+        tracing::warn!(error = %err, "offset commit failed");
+    }
+    Ok(())
+}
+
+fn report_lag(consumer: &StreamConsumer, metrics: &metrics::Metrics) {
+    let Ok(positions) = consumer.position() else { return };
+    for element in positions.elements() {
+        let Offset::Offset(position) = element.offset() else { continue };
+        if let Ok((_, high)) = consumer.fetch_watermarks(element.topic(), element.partition(), Duration::from_secs(1)) {
+            metrics.consumer_lag.with_label_values(&[&element.partition().to_string()]).set((high - position).max(0));
+        }
+    }
+}

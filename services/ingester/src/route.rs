@@ -1,0 +1,184 @@
+//! Turning a batch of producer records into output records: shard messages for the
+//! valid increments (grouped per input partition and shard, in input order) and
+//! dead letters for everything rejected.
+
+use std::collections::BTreeMap;
+
+use base64::Engine;
+use rdkafka::message::BorrowedMessage;
+use rdkafka::Message;
+use tally_shared::input::parse_increments;
+use tally_shared::kafka::{now_ms, TopicNames};
+use tally_shared::sharding::shard_of;
+use tally_shared::wire::{DeadLetter, Increment, ShardMessage, Source, Stamp};
+
+use crate::metrics::Metrics;
+
+/// Most entries in one shard message (keeps records well under Kafka's 1 MB).
+pub const MAX_ENTRIES_PER_MESSAGE: usize = 2_000;
+
+/// A producer record as the router sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct InputRecord<'a> {
+    pub topic: &'a str,
+    pub partition: i32,
+    pub offset: i64,
+    /// The record's timestamp, when it has one.
+    pub timestamp: Option<i64>,
+    pub payload: &'a [u8],
+}
+
+impl<'a> From<&'a BorrowedMessage<'a>> for InputRecord<'a> {
+    fn from(message: &'a BorrowedMessage<'a>) -> Self {
+        Self {
+            topic: message.topic(),
+            partition: message.partition(),
+            offset: message.offset(),
+            timestamp: message.timestamp().to_millis(),
+            payload: message.payload().unwrap_or_default(),
+        }
+    }
+}
+
+/// One record to produce.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outgoing {
+    pub topic: String,
+    /// Explicit partition (shard messages); `None` lets the key decide.
+    pub partition: Option<i32>,
+    pub key: Vec<u8>,
+    pub payload: Vec<u8>,
+}
+
+pub struct Router {
+    names: TopicNames,
+    shards: u32,
+}
+
+impl Router {
+    pub fn new(names: TopicNames, shards: u32) -> Self {
+        Self { names, shards }
+    }
+
+    /// Routes a batch of consumer messages.
+    pub fn route(&self, batch: &[BorrowedMessage<'_>], metrics: &Metrics) -> Vec<Outgoing> {
+        let records: Vec<InputRecord<'_>> = batch.iter().map(InputRecord::from).collect();
+        let (outgoing, accepted, rejected) = self.route_records(&records);
+        metrics.input_records.inc_by(records.len() as u64);
+        metrics.accepted_increments.inc_by(accepted);
+        metrics.dead_letters.inc_by(rejected);
+        outgoing
+    }
+
+    /// Routes records; returns the output and the accepted and rejected counts.
+    pub fn route_records(&self, records: &[InputRecord<'_>]) -> (Vec<Outgoing>, u64, u64) {
+        let mut per_shard: BTreeMap<(i32, u32), Vec<(Stamp, Increment)>> = BTreeMap::new();
+        let mut outgoing = Vec::new();
+        let (mut accepted, mut rejected) = (0u64, 0u64);
+        let dead_letter_topic = self.names.dead_letter();
+        for record in records {
+            let default_ts = record.timestamp.filter(|ts| *ts >= 0).unwrap_or_else(now_ms);
+            parse_increments(
+                record.payload,
+                default_ts,
+                |index, increment| {
+                    accepted += 1;
+                    let shard = shard_of(&increment.entity, self.shards);
+                    per_shard
+                        .entry((record.partition, shard))
+                        .or_default()
+                        .push((Stamp { offset: record.offset, index }, increment));
+                },
+                |rejection| {
+                    rejected += 1;
+                    let letter = DeadLetter {
+                        topic: record.topic.to_string(),
+                        partition: record.partition,
+                        offset: record.offset,
+                        index: rejection.index,
+                        reason: rejection.reason,
+                        payload: base64::engine::general_purpose::STANDARD.encode(rejection.raw),
+                    };
+                    let key = format!("{}/{}/{}", record.topic, record.partition, record.offset).into_bytes();
+                    match serde_json::to_vec(&letter) {
+                        Ok(payload) => outgoing.push(Outgoing { topic: dead_letter_topic.clone(), partition: None, key, payload }),
+                        Err(err) => tracing::error!(error = %err, "cannot encode a dead letter"),
+                    }
+                },
+            );
+        }
+        let shard_topic = self.names.shards();
+        for ((partition, shard), entries) in per_shard {
+            let source = Source { stream: Source::INCREMENTS, partition: partition as u32 };
+            for chunk in entries.chunks(MAX_ENTRIES_PER_MESSAGE) {
+                let message = ShardMessage::Increments { source, entries: chunk.to_vec() };
+                match message.encode() {
+                    Ok(payload) => outgoing.push(Outgoing {
+                        topic: shard_topic.clone(),
+                        partition: Some(shard as i32),
+                        key: partition.to_string().into_bytes(),
+                        payload,
+                    }),
+                    Err(err) => tracing::error!(error = %err, "cannot encode a shard message"),
+                }
+            }
+        }
+        (outgoing, accepted, rejected)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tally_shared::wire::ShardMessage;
+
+    use super::*;
+
+    fn record(partition: i32, offset: i64, payload: &str) -> InputRecord<'_> {
+        InputRecord { topic: "tally.increments", partition, offset, timestamp: Some(5), payload: payload.as_bytes() }
+    }
+
+    #[test]
+    fn routes_valid_entries_by_entity_and_bad_ones_to_dead_letter() {
+        let router = Router::new(TopicNames::new("tally."), 4);
+        let records = [
+            record(0, 10, r#"[{"entity":"a","metric":"v"},{"entity":"b","metric":"BAD"},{"entity":"c","metric":"v","delta":3}]"#),
+            record(1, 7, r#"{"entity":"a","metric":"v","ts":99}"#),
+            record(1, 8, "not json"),
+        ];
+        let (out, accepted, rejected) = router.route_records(&records);
+        assert_eq!((accepted, rejected), (3, 2));
+        let letters: Vec<DeadLetter> =
+            out.iter().filter(|o| o.topic == "tally.dead-letter").map(|o| serde_json::from_slice(&o.payload).unwrap()).collect();
+        assert_eq!(letters.len(), 2);
+        assert_eq!((letters[0].partition, letters[0].offset, letters[0].index), (0, 10, Some(1)));
+        assert_eq!(letters[0].reason, "metric: must match [a-z0-9_.:-]{1,64}");
+        let raw = base64::engine::general_purpose::STANDARD.decode(&letters[0].payload).unwrap();
+        assert_eq!(raw, br#"{"entity":"b","metric":"BAD"}"#);
+        assert_eq!((letters[1].offset, letters[1].index), (8, None));
+
+        let mut routed = Vec::new();
+        for o in out.iter().filter(|o| o.topic == "tally.shards") {
+            let ShardMessage::Increments { source, entries } = ShardMessage::decode(&o.payload).unwrap();
+            for (stamp, inc) in entries {
+                assert_eq!(o.partition, Some(shard_of(&inc.entity, 4) as i32));
+                routed.push((source.partition, stamp.offset, stamp.index, inc.entity, inc.ts));
+            }
+        }
+        routed.sort();
+        assert_eq!(
+            routed,
+            vec![(0, 10, 0, "a".to_string(), 5), (0, 10, 2, "c".to_string(), 5), (1, 7, 0, "a".to_string(), 99)]
+        );
+    }
+
+    #[test]
+    fn routing_is_deterministic_for_replays() {
+        let router = Router::new(TopicNames::new("tally."), 8);
+        let payload: String = format!("[{}]", (0..9000).map(|i| format!(r#"{{"entity":"e{}","metric":"v"}}"#, i % 3)).collect::<Vec<_>>().join(","));
+        let records = [record(0, 1, &payload)];
+        let (first, _, _) = router.route_records(&records);
+        let (second, _, _) = router.route_records(&records);
+        assert_eq!(first, second);
+        assert!(first.len() > 3, "large groups are split into several messages");
+    }
+}
