@@ -195,7 +195,7 @@ impl Default for QueryConfig {
             admin_listen: "127.0.0.1:9103".into(),
             auth_token: None,
             max_batch: 1_000,
-            owner_wait_ms: 3_000,
+            owner_wait_ms: 6_000,
         }
     }
 }

@@ -1,0 +1,281 @@
+//! The public read API (SPEC §5): parsing and validating requests, and shaping the
+//! answers. Every mistake in a request is a 400 with a JSON error; nothing a client
+//! sends can cause a 500.
+
+use std::sync::Arc;
+
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::extract::{Path, Query, Request, State};
+use axum::http::header::AUTHORIZATION;
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tally_shared::time::{format_duration, parse_duration, WindowSpec};
+use tally_shared::validate::{check_entity, check_metric};
+use tally_shared::wire::{Kind, ShardAnswer, ShardQuery};
+
+use crate::error::ApiError;
+use crate::fanout::Fanout;
+use crate::metrics::Metrics;
+
+/// Largest request body accepted.
+pub const MAX_BODY_BYTES: usize = 1 << 20;
+
+pub struct ApiState {
+    pub fanout: Fanout,
+    pub metrics: Metrics,
+    pub auth_token: Option<String>,
+    pub max_batch: usize,
+}
+
+pub fn router(state: Arc<ApiState>) -> Router {
+    let v1 = Router::new()
+        .route("/v1/counters/{entity}/{metric}", get(counter))
+        .route("/v1/counters/{entity}/{metric}/series", get(series))
+        .route("/v1/query", post(batch))
+        .route("/v1/entities/{entity}/metrics", get(entity_metrics))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), authorize));
+    Router::new()
+        .route("/", get(|| async { Html(include_str!("dashboard.html")) }))
+        .merge(v1)
+        .fallback(|| async { ApiError { status: StatusCode::NOT_FOUND, code: "not_found", message: "no such endpoint".into() } })
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+async fn authorize(State(state): State<Arc<ApiState>>, request: Request, next: Next) -> Response {
+    if let Some(token) = &state.auth_token {
+        let expected = format!("Bearer {token}");
+        let given = request.headers().get(AUTHORIZATION).and_then(|v| v.to_str().ok());
+        if given != Some(expected.as_str()) {
+            return ApiError { status: StatusCode::UNAUTHORIZED, code: "unauthorized", message: "a valid bearer token is required".into() }
+                .into_response();
+        }
+    }
+    next.run(request).await
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WindowParams {
+    window: Option<String>,
+    kind: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SeriesParams {
+    step: Option<String>,
+    range: Option<String>,
+    kind: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MetricsParams {
+    limit: Option<usize>,
+    page_token: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BatchBody {
+    queries: Vec<BatchQuery>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BatchQuery {
+    entity: String,
+    metric: String,
+    window: Option<String>,
+    kind: Option<String>,
+}
+
+fn path_error(rejection: PathRejection) -> ApiError {
+    ApiError::bad_request("invalid_path", rejection.body_text())
+}
+
+fn query_error(rejection: QueryRejection) -> ApiError {
+    ApiError::bad_request("invalid_parameter", rejection.body_text())
+}
+
+fn parse_kind(kind: Option<&str>) -> Result<Kind, ApiError> {
+    match kind.unwrap_or("total") {
+        "total" => Ok(Kind::Total),
+        "direct" => Ok(Kind::Direct),
+        other => Err(ApiError::bad_request("invalid_kind", format!("kind: must be total or direct, not `{other}`"))),
+    }
+}
+
+fn parse_window(window: Option<&str>) -> Result<(WindowSpec, String), ApiError> {
+    match window.unwrap_or("all") {
+        "all" => Ok((WindowSpec::All, "all".into())),
+        text => {
+            let ms = parse_duration(text).map_err(|err| ApiError::bad_request("invalid_window", format!("window: {err}")))?;
+            Ok((WindowSpec::Last { window_ms: ms }, format_duration(ms)))
+        }
+    }
+}
+
+fn check_counter(entity: &str, metric: &str) -> Result<(), ApiError> {
+    check_entity(entity).map_err(|m| ApiError::bad_request("invalid_entity", m))?;
+    check_metric(metric).map_err(|m| ApiError::bad_request("invalid_metric", m))
+}
+
+fn now_ms() -> i64 {
+    tally_shared::kafka::now_ms()
+}
+
+/// A shard's per-query error becomes the client's 400.
+fn answer_error(answer: &ShardAnswer) -> Option<ApiError> {
+    match answer {
+        ShardAnswer::Error { message, .. } => Some(ApiError::bad_request("invalid_window", message.clone())),
+        _ => None,
+    }
+}
+
+fn window_json(query: &ShardQuery, window: &str, answer: ShardAnswer) -> Value {
+    match answer {
+        ShardAnswer::Window { value, resolution, from, to } => json!({
+            "entity": query.entity, "metric": query.metric, "kind": query.kind.as_str(), "window": window,
+            "value": value, "resolution": resolution, "from": from, "to": to,
+        }),
+        ShardAnswer::Error { code, message } => json!({"error": {"code": code, "message": message}}),
+        ShardAnswer::Series { .. } => json!({"error": {"code": "internal", "message": "unexpected series answer"}}),
+    }
+}
+
+async fn counter(
+    State(state): State<Arc<ApiState>>,
+    path: Result<Path<(String, String)>, PathRejection>,
+    params: Result<Query<WindowParams>, QueryRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let Path((entity, metric)) = path.map_err(path_error)?;
+    let Query(params) = params.map_err(query_error)?;
+    check_counter(&entity, &metric)?;
+    let kind = parse_kind(params.kind.as_deref())?;
+    let (spec, window) = parse_window(params.window.as_deref())?;
+    let query = ShardQuery { entity, metric, kind, spec };
+    let timer = state.metrics.request_seconds.with_label_values(&["counter"]).start_timer();
+    let mut answers = state.fanout.read(vec![query.clone()], now_ms()).await?;
+    timer.observe_duration();
+    let answer = answers.pop().ok_or_else(|| ApiError::unavailable("no answer"))?;
+    if let Some(err) = answer_error(&answer) {
+        return Err(err);
+    }
+    Ok(Json(window_json(&query, &window, answer)))
+}
+
+async fn series(
+    State(state): State<Arc<ApiState>>,
+    path: Result<Path<(String, String)>, PathRejection>,
+    params: Result<Query<SeriesParams>, QueryRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let Path((entity, metric)) = path.map_err(path_error)?;
+    let Query(params) = params.map_err(query_error)?;
+    check_counter(&entity, &metric)?;
+    let kind = parse_kind(params.kind.as_deref())?;
+    let step_ms = parse_duration(params.step.as_deref().unwrap_or("1h")).map_err(|e| ApiError::bad_request("invalid_step", format!("step: {e}")))?;
+    let range_ms = parse_duration(params.range.as_deref().unwrap_or("24h")).map_err(|e| ApiError::bad_request("invalid_range", format!("range: {e}")))?;
+    let query = ShardQuery { entity, metric, kind, spec: WindowSpec::Series { step_ms, range_ms } };
+    let timer = state.metrics.request_seconds.with_label_values(&["series"]).start_timer();
+    let mut answers = state.fanout.read(vec![query.clone()], now_ms()).await?;
+    timer.observe_duration();
+    match answers.pop() {
+        Some(ShardAnswer::Series { resolution, points }) => Ok(Json(json!({
+            "entity": query.entity, "metric": query.metric, "kind": kind.as_str(),
+            "step": format_duration(step_ms), "range": format_duration(range_ms), "resolution": resolution,
+            "points": points.into_iter().map(|(t, value)| json!({"t": t, "value": value})).collect::<Vec<_>>(),
+        }))),
+        Some(answer) => Err(answer_error(&answer).unwrap_or_else(|| ApiError::unavailable("unexpected answer"))),
+        None => Err(ApiError::unavailable("no answer")),
+    }
+}
+
+async fn batch(State(state): State<Arc<ApiState>>, body: Result<Json<BatchBody>, JsonRejection>) -> Result<Json<Value>, ApiError> {
+    let Json(body) = body.map_err(|rejection| ApiError::bad_request("invalid_body", rejection.body_text()))?;
+    if body.queries.len() > state.max_batch {
+        return Err(ApiError::bad_request("batch_too_large", format!("at most {} queries per request", state.max_batch)));
+    }
+    let mut queries = Vec::with_capacity(body.queries.len());
+    let mut windows = Vec::with_capacity(body.queries.len());
+    for (index, q) in body.queries.into_iter().enumerate() {
+        let in_query = |err: ApiError| ApiError { message: format!("queries[{index}]: {}", err.message), ..err };
+        check_counter(&q.entity, &q.metric).map_err(in_query)?;
+        let kind = parse_kind(q.kind.as_deref()).map_err(in_query)?;
+        let (spec, window) = parse_window(q.window.as_deref()).map_err(in_query)?;
+        queries.push(ShardQuery { entity: q.entity, metric: q.metric, kind, spec });
+        windows.push(window);
+    }
+    let timer = state.metrics.request_seconds.with_label_values(&["batch"]).start_timer();
+    let answers = state.fanout.read(queries.clone(), now_ms()).await?;
+    timer.observe_duration();
+    let results: Vec<Value> =
+        queries.iter().zip(windows).zip(answers).map(|((query, window), answer)| window_json(query, &window, answer)).collect();
+    Ok(Json(json!({ "results": results })))
+}
+
+async fn entity_metrics(
+    State(state): State<Arc<ApiState>>,
+    path: Result<Path<String>, PathRejection>,
+    params: Result<Query<MetricsParams>, QueryRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let Path(entity) = path.map_err(path_error)?;
+    let Query(params) = params.map_err(query_error)?;
+    check_entity(&entity).map_err(|m| ApiError::bad_request("invalid_entity", m))?;
+    let limit = params.limit.unwrap_or(100);
+    if !(1..=1_000).contains(&limit) {
+        return Err(ApiError::bad_request("invalid_limit", "limit: must be 1-1000"));
+    }
+    let after = match params.page_token.as_deref() {
+        None | Some("") => None,
+        Some(token) => Some(decode_token(token)?),
+    };
+    let page = state.fanout.metrics(&entity, after, limit).await?;
+    let next_page_token = if page.more { page.metrics.last().map(|m| encode_token(&m.metric)) } else { None };
+    Ok(Json(json!({
+        "entity": entity,
+        "metrics": page.metrics.iter().map(|m| json!({"metric": m.metric, "total": m.total, "direct": m.direct})).collect::<Vec<_>>(),
+        "next_page_token": next_page_token,
+    })))
+}
+
+fn encode_token(metric: &str) -> String {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(metric)
+}
+
+fn decode_token(token: &str) -> Result<String, ApiError> {
+    let invalid = || ApiError::bad_request("invalid_page_token", "page_token: not a token this API issued");
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(token).map_err(|_| invalid())?;
+    let metric = String::from_utf8(bytes).map_err(|_| invalid())?;
+    check_metric(&metric).map_err(|_| invalid())?;
+    Ok(metric)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_and_kinds_parse() {
+        assert_eq!(parse_window(None).unwrap().0, WindowSpec::All);
+        assert_eq!(parse_window(Some("7d")).unwrap(), (WindowSpec::Last { window_ms: 604_800_000 }, "7d".into()));
+        assert_eq!(parse_window(Some("90s")).unwrap().1, "90s");
+        assert_eq!(parse_window(Some("7 days")).unwrap_err().code, "invalid_window");
+        assert_eq!(parse_kind(Some("direct")).unwrap(), Kind::Direct);
+        assert_eq!(parse_kind(Some("sum")).unwrap_err().status, StatusCode::BAD_REQUEST);
+    }
+
+    #[test]
+    fn page_tokens_round_trip_and_reject_forgeries() {
+        assert_eq!(decode_token(&encode_token("views.total")).unwrap(), "views.total");
+        assert!(decode_token("!!!").is_err());
+        assert!(decode_token(&encode_token("NOT A METRIC")).is_err());
+    }
+}

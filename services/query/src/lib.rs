@@ -1,0 +1,58 @@
+//! `tally-query`: the stateless HTTP front door for reads (SPEC §5) and the dashboard.
+//!
+//! It learns which counter owns which shard from the shard-owners topic ([`owners`]),
+//! validates requests and shapes answers ([`api`]), and sends each request's queries
+//! to their shards, one call per shard ([`fanout`]).
+
+pub mod api;
+pub mod error;
+pub mod fanout;
+pub mod metrics;
+pub mod owners;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus::Registry;
+use tally_shared::config::TallyConfig;
+use tally_shared::kafka::{wait_for_topic, TopicNames};
+use tally_shared::telemetry::{serve_admin, Readiness};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+pub use error::{Error, Result};
+
+/// Runs the query service until `shutdown`.
+pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()> {
+    let registry = Registry::new();
+    let metrics = metrics::Metrics::new(&registry);
+    let readiness = Readiness::default();
+    let admin = serve_admin(&config.query.admin_listen, registry, readiness.clone(), shutdown.clone()).await?;
+    let names = TopicNames::new(&config.kafka.topic_prefix);
+    let (kafka, shard_topic) = (config.kafka.clone(), names.shards());
+    let shards = tokio::task::spawn_blocking(move || wait_for_topic(&kafka, &shard_topic, Duration::from_secs(60)))
+        .await
+        .map_err(|err| Error::Internal(err.to_string()))??;
+
+    let owners = Arc::new(owners::Owners::default());
+    let follower = owners::follow(&config.kafka, &names.shard_owners(), owners.clone(), shutdown.clone())?;
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .pool_max_idle_per_host(64)
+        .build()
+        .map_err(|err| Error::Internal(err.to_string()))?;
+    let state = Arc::new(api::ApiState {
+        fanout: fanout::Fanout { owners, client, shards, owner_wait: Duration::from_millis(config.query.owner_wait_ms) },
+        metrics,
+        auth_token: config.query.auth_token.clone(),
+        max_batch: config.query.max_batch,
+    });
+    let listener = TcpListener::bind(&config.query.listen).await?;
+    let addr = listener.local_addr()?;
+    tracing::info!(api = %addr, admin = %admin, shards, "tally-query serving");
+    readiness.set(true);
+    axum::serve(listener, api::router(state)).with_graceful_shutdown(shutdown.clone().cancelled_owned()).await?;
+    shutdown.cancel();
+    let _ = tokio::task::spawn_blocking(move || follower.join()).await;
+    Ok(())
+}

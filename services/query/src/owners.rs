@@ -1,0 +1,93 @@
+//! Which counter serves which shard, learned from the shard-owners topic.
+//!
+//! A background thread reads the topic from the beginning and keeps the latest claim
+//! per shard (log order: a later record wins). Readers that find a claim stale — the
+//! owner answered `not_owner` or did not answer — wait for a newer one.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rdkafka::Message;
+use tally_shared::config::KafkaConfig;
+use tally_shared::kafka::client_config;
+use tally_shared::wire::ShardOwner;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::Result;
+
+/// A claim: the read address and its position in the owners log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    pub addr: Option<String>,
+    pub version: u64,
+}
+
+#[derive(Default)]
+pub struct Owners {
+    claims: RwLock<HashMap<u32, Claim>>,
+    changed: Notify,
+}
+
+impl Owners {
+    pub fn get(&self, shard: u32) -> Option<Claim> {
+        self.claims.read().ok()?.get(&shard).cloned()
+    }
+
+    pub fn record(&self, owner: ShardOwner, version: u64) {
+        if let Ok(mut claims) = self.claims.write() {
+            let current = claims.get(&owner.shard);
+            if current.is_none_or(|c| c.addr != owner.addr) {
+                tracing::info!(shard = owner.shard, addr = ?owner.addr, "shard owner changed");
+            }
+            claims.insert(owner.shard, Claim { addr: owner.addr, version });
+        }
+        self.changed.notify_waiters();
+    }
+
+    /// Waits up to `timeout` for a claim of `shard` newer than `than` (any claim
+    /// with an address when `than` is `None`).
+    pub async fn wait_newer(&self, shard: u32, than: Option<u64>, timeout: Duration) -> Option<Claim> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.changed.notified();
+            if let Some(claim) = self.get(shard) {
+                if claim.addr.is_some() && than.is_none_or(|v| claim.version > v) {
+                    return Some(claim);
+                }
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return None;
+            }
+        }
+    }
+}
+
+/// Follows the owners topic until `shutdown`.
+pub fn follow(kafka: &KafkaConfig, topic: &str, owners: Arc<Owners>, shutdown: CancellationToken) -> Result<std::thread::JoinHandle<()>> {
+    let mut config = client_config(kafka)?;
+    config
+        .set("group.id", format!("tally-query-{:016x}", rand::random::<u64>()))
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest");
+    let consumer: BaseConsumer = config.create()?;
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, 0, Offset::Beginning)?;
+    consumer.assign(&tpl)?;
+    let handle = std::thread::Builder::new().name("owners".into()).spawn(move || {
+        while !shutdown.is_cancelled() {
+            match consumer.poll(Duration::from_millis(200)) {
+                Some(Ok(message)) => match serde_json::from_slice::<ShardOwner>(message.payload().unwrap_or_default()) {
+                    Ok(owner) => owners.record(owner, message.offset() as u64 + 1),
+                    Err(err) => tracing::warn!(error = %err, "ignoring a malformed shard-owner record"),
+                },
+                Some(Err(err)) => tracing::warn!(error = %err, "owners consumer error"),
+                None => {}
+            }
+        }
+    })?;
+    Ok(handle)
+}
