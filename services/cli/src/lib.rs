@@ -1,0 +1,222 @@
+//! `tally`, the command line: `up` runs the whole pipeline on one machine; the other
+//! subcommands apply topics, produce test input, read counters and run benchmarks.
+
+pub mod up;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand};
+use percent_encoding::{utf8_percent_encode, NON_ALPHANUMERIC};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use tally_shared::config::TallyConfig;
+use tally_shared::kafka::{producer_config, TopicNames};
+use tally_shared::topics::{self, Action, Declarations};
+
+#[derive(Parser)]
+#[command(name = "tally", version, about = "Real-time hierarchical counters and job queues on Kafka")]
+struct Cli {
+    /// The TOML config (also $TALLY_CONFIG); TALLY__SECTION__KEY variables override it.
+    #[arg(long, short, global = true, env = "TALLY_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the whole pipeline on this machine (a local broker when none is configured).
+    Up(up::UpArgs),
+    /// Manage the declared topics.
+    Topics {
+        #[command(subcommand)]
+        command: TopicsCommand,
+    },
+    /// Produce test input.
+    Produce {
+        #[command(subcommand)]
+        command: ProduceCommand,
+    },
+    /// Read a counter through tally-query.
+    Query(QueryArgs),
+    /// Run a benchmark and print its figures.
+    Bench {
+        #[command(subcommand)]
+        command: BenchCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum TopicsCommand {
+    /// Create missing topics and raise partition counts; report drift.
+    Apply {
+        /// Declarations file (default: the ones built into this release).
+        #[arg(long)]
+        file: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
+enum ProduceCommand {
+    /// Produce one increment to the increments topic.
+    Increment {
+        entity: String,
+        metric: String,
+        #[arg(long, default_value_t = 1, allow_hyphen_values = true)]
+        delta: i64,
+        /// Event time, ms since the epoch (default: now).
+        #[arg(long)]
+        ts: Option<i64>,
+        /// Idempotency key.
+        #[arg(long)]
+        id: Option<String>,
+    },
+}
+
+#[derive(clap::Args)]
+struct QueryArgs {
+    entity: String,
+    metric: String,
+    /// A duration (90s, 15m, 24h, 7d) or `all`.
+    #[arg(long, default_value = "all")]
+    window: String,
+    /// total or direct.
+    #[arg(long, default_value = "total")]
+    kind: String,
+    /// Read a series instead of one window.
+    #[arg(long)]
+    series: bool,
+    #[arg(long, default_value = "1h")]
+    step: String,
+    #[arg(long, default_value = "24h")]
+    range: String,
+    /// tally-query's base URL (default: from the config's query.listen).
+    #[arg(long)]
+    url: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// The counter apply path vs a per-event, no-coalescing baseline.
+    Counter {
+        #[arg(long, default_value_t = 2_000_000)]
+        increments: usize,
+        #[arg(long, default_value_t = 200_000)]
+        baseline_increments: usize,
+        #[arg(long, default_value_t = 100_000)]
+        entities: usize,
+    },
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+        .and_then(|runtime| runtime.block_on(dispatch(cli)));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("tally: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    let config = TallyConfig::load(cli.config.as_deref())?;
+    match cli.command {
+        Command::Up(args) => up::run(config, cli.config, args).await,
+        Command::Topics { command: TopicsCommand::Apply { file } } => topics_apply(&config, file).await,
+        Command::Produce { command: ProduceCommand::Increment { entity, metric, delta, ts, id } } => {
+            let mut body = serde_json::json!({"entity": entity, "metric": metric, "delta": delta});
+            if let Some(ts) = ts {
+                body["ts"] = ts.into();
+            }
+            if let Some(id) = id {
+                body["id"] = id.into();
+            }
+            produce(&config, &entity, &serde_json::to_vec(&body)?).await
+        }
+        Command::Query(args) => query(&config, args).await,
+        Command::Bench { command: BenchCommand::Counter { increments, baseline_increments, entities } } => {
+            bench_counter(increments, baseline_increments, entities).await
+        }
+    }
+}
+
+async fn topics_apply(config: &TallyConfig, file: Option<PathBuf>) -> anyhow::Result<()> {
+    let decls = Declarations::load(file.as_deref())?;
+    let actions = topics::apply(&config.kafka, &decls).await?;
+    let mut drift = false;
+    for action in actions {
+        match action {
+            Action::Create { topic, partitions } => println!("created   {topic} ({partitions} partitions)"),
+            Action::RaisePartitions { topic, from, to } => println!("raised    {topic} {from} → {to} partitions"),
+            Action::Unchanged { topic } => println!("unchanged {topic}"),
+            Action::Drift { topic, what } => {
+                drift = true;
+                println!("DRIFT     {topic}: {what}");
+            }
+        }
+    }
+    if drift {
+        println!("some topics differ from their declarations; tally will not change them");
+    }
+    Ok(())
+}
+
+async fn produce(config: &TallyConfig, key: &str, payload: &[u8]) -> anyhow::Result<()> {
+    let producer: FutureProducer = producer_config(&config.kafka)?.create()?;
+    let topic = TopicNames::new(&config.kafka.topic_prefix).increments();
+    let record = FutureRecord::to(&topic).key(key).payload(payload);
+    match producer.send(record, Duration::from_secs(30)).await {
+        Ok(delivery) => {
+            println!("produced to {topic} partition {} offset {}", delivery.partition, delivery.offset);
+            Ok(())
+        }
+        Err((err, _)) => bail!("producing to {topic}: {err}"),
+    }
+}
+
+async fn query(config: &TallyConfig, args: QueryArgs) -> anyhow::Result<()> {
+    let base = args.url.unwrap_or_else(|| format!("http://{}", config.query.listen));
+    let entity = utf8_percent_encode(&args.entity, NON_ALPHANUMERIC);
+    let metric = utf8_percent_encode(&args.metric, NON_ALPHANUMERIC);
+    let url = if args.series {
+        format!("{base}/v1/counters/{entity}/{metric}/series?step={}&range={}&kind={}", args.step, args.range, args.kind)
+    } else {
+        format!("{base}/v1/counters/{entity}/{metric}?window={}&kind={}", args.window, args.kind)
+    };
+    let mut request = reqwest::Client::new().get(&url);
+    if let Some(token) = &config.query.auth_token {
+        request = request.bearer_auth(token);
+    }
+    let response = request.send().await.with_context(|| format!("GET {url}"))?;
+    let status = response.status();
+    let body: serde_json::Value = response.json().await.context("reading the answer")?;
+    println!("{}", serde_json::to_string_pretty(&body)?);
+    if !status.is_success() {
+        bail!("{status}");
+    }
+    Ok(())
+}
+
+async fn bench_counter(increments: usize, baseline_increments: usize, entities: usize) -> anyhow::Result<()> {
+    let options = tally_counter::bench::BenchOptions { increments, baseline_increments, entities, ..Default::default() };
+    println!(
+        "counter apply bench: {} increments (baseline {}), {} entities, Zipf s={}, {} increments/record, {} records/batch, RocksDB on disk",
+        options.increments, options.baseline_increments, options.entities, options.zipf_exponent, options.increments_per_record, options.records_per_batch
+    );
+    let dir = tempfile::Builder::new().prefix("tally-bench").tempdir_in(".")?;
+    let path = dir.path().to_path_buf();
+    let report = tokio::task::spawn_blocking(move || tally_counter::bench::run(&options, &path)).await??;
+    println!("coalesced batches : {:>12.0} increments/s ({:.0} keys written per batch)", report.coalesced_per_sec, report.keys_per_batch);
+    println!("per-event baseline: {:>12.0} increments/s", report.baseline_per_sec);
+    println!("ratio             : {:>12.1}x", report.ratio());
+    Ok(())
+}

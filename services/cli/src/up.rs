@@ -1,0 +1,130 @@
+//! `tally up`: the whole pipeline on one machine.
+//!
+//! Starts a local broker when no bootstrap servers are configured (data under
+//! `./data/kafka`), applies the topics, runs every service as its own process with
+//! data under `./data`, restarts a service that dies (with backoff, and says so), and
+//! on Ctrl-C stops the services gracefully (SIGTERM, each persists its batch), then
+//! the broker. A second `tally up` resumes with the data intact.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tally_shared::config::TallyConfig;
+use tally_shared::local_broker::{ensure_installed, LocalBroker};
+use tally_shared::topics::{self, Declarations};
+use tokio::process::{Child, Command};
+use tokio_util::sync::CancellationToken;
+
+#[derive(clap::Args)]
+pub struct UpArgs {
+    /// Where the broker's and the services' data live.
+    #[arg(long, default_value = "data")]
+    pub data_dir: PathBuf,
+    /// Port of the local broker (used only when no bootstrap servers are configured).
+    #[arg(long, default_value_t = 9092)]
+    pub kafka_port: u16,
+}
+
+const SERVICES: [&str; 3] = ["tally-ingester", "tally-counter", "tally-query"];
+
+pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: UpArgs) -> anyhow::Result<()> {
+    let shutdown = tally_shared::shutdown::on_signals();
+    std::fs::create_dir_all(&args.data_dir).with_context(|| format!("creating {}", args.data_dir.display()))?;
+    let data_dir = std::fs::canonicalize(&args.data_dir)?;
+
+    let mut broker = None;
+    if config.kafka.bootstrap_servers.trim().is_empty() {
+        let kafka_dir = data_dir.join("kafka");
+        let port = args.kafka_port;
+        let started = tokio::task::spawn_blocking(move || -> anyhow::Result<LocalBroker> {
+            let binary = ensure_installed()?;
+            Ok(LocalBroker::start(&binary, port, &kafka_dir)?)
+        })
+        .await??;
+        println!("tally: local Kafka-protocol broker (Tansu) on {} — data in {}", started.bootstrap_servers, data_dir.join("kafka").display());
+        config.kafka.bootstrap_servers = started.bootstrap_servers.clone();
+        broker = Some(started);
+    }
+
+    let actions = topics::apply(&config.kafka, &Declarations::load(None)?).await.context("applying topics")?;
+    let created = actions.iter().filter(|a| matches!(a, topics::Action::Create { .. })).count();
+    println!("tally: topics ready ({created} created)");
+
+    let counter_dir = if config.counter.data_dir == Path::new("data/counter") { data_dir.join("counter") } else { config.counter.data_dir.clone() };
+    let mut env = vec![
+        ("TALLY__KAFKA__BOOTSTRAP_SERVERS".to_string(), config.kafka.bootstrap_servers.clone()),
+        ("TALLY__COUNTER__DATA_DIR".to_string(), counter_dir.display().to_string()),
+    ];
+    if let Some(path) = &config_path {
+        env.push(("TALLY_CONFIG".to_string(), std::fs::canonicalize(path)?.display().to_string()));
+    }
+    let bin_dir = std::env::current_exe()?.parent().map(Path::to_path_buf).context("locating the service binaries")?;
+
+    println!("tally: read API and dashboard  http://{}/", config.query.listen);
+    println!("tally: metrics  ingester http://{}/metrics  counter http://{}/metrics  query http://{}/metrics", config.ingester.admin_listen, config.counter.admin_listen, config.query.admin_listen);
+    println!("tally: try  tally produce increment user:7 views  then  tally query user:7 views --window 1h   (Ctrl-C stops everything)");
+
+    let supervisors: Vec<_> = SERVICES
+        .iter()
+        .map(|name| tokio::spawn(supervise(name, bin_dir.join(name), env.clone(), shutdown.clone())))
+        .collect();
+    for supervisor in supervisors {
+        let _ = supervisor.await;
+    }
+    if let Some(mut broker) = broker {
+        tokio::task::spawn_blocking(move || broker.stop()).await?;
+    }
+    println!("tally: stopped");
+    Ok(())
+}
+
+/// Keeps one service running until `shutdown`, restarting it with backoff.
+async fn supervise(name: &'static str, binary: PathBuf, env: Vec<(String, String)>, shutdown: CancellationToken) {
+    let mut backoff = Duration::from_secs(1);
+    loop {
+        let mut child = match Command::new(&binary).envs(env.iter().cloned()).kill_on_drop(true).spawn() {
+            Ok(child) => child,
+            Err(err) => {
+                eprintln!("tally: cannot start {name} ({}): {err}", binary.display());
+                return;
+            }
+        };
+        let started = Instant::now();
+        tokio::select! {
+            status = child.wait() => {
+                if shutdown.is_cancelled() {
+                    return;
+                }
+                if started.elapsed() > Duration::from_secs(60) {
+                    backoff = Duration::from_secs(1);
+                }
+                let status = status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
+                eprintln!("tally: {name} exited ({status}); restarting in {}s", backoff.as_secs());
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = shutdown.cancelled() => return,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(30));
+            }
+            _ = shutdown.cancelled() => {
+                stop(name, &mut child).await;
+                return;
+            }
+        }
+    }
+}
+
+/// SIGTERM, then SIGKILL after 20 s.
+async fn stop(name: &str, child: &mut Child) {
+    if let Some(pid) = child.id() {
+        // SAFETY: kill(2) on our own child's pid has no memory-safety preconditions.
+        unsafe {
+            libc::kill(pid as libc::pid_t, libc::SIGTERM);
+        }
+    }
+    if tokio::time::timeout(Duration::from_secs(20), child.wait()).await.is_err() {
+        eprintln!("tally: {name} did not stop within 20 s; killing it");
+        let _ = child.kill().await;
+    }
+}
