@@ -1,0 +1,322 @@
+//! The sandbox every end-to-end test runs in: its own Tansu broker on a free port,
+//! its own topic prefix, the real service binaries as child processes, and helpers
+//! to produce input, kill and restart services, read topics and call the HTTP API.
+
+pub mod workload;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rdkafka::Message;
+use tally_shared::config::KafkaConfig;
+use tally_shared::kafka::{client_config, producer_config, TopicNames};
+use tally_shared::local_broker::{ensure_installed, free_port, LocalBroker};
+use tally_shared::topics::{self, Declarations};
+
+/// A broker, a topic prefix and the running services of one test.
+pub struct Sandbox {
+    pub dir: tempfile::TempDir,
+    pub kafka: KafkaConfig,
+    pub names: TopicNames,
+    pub query_url: String,
+    env: Vec<(String, String)>,
+    children: HashMap<&'static str, Child>,
+    _broker: LocalBroker,
+}
+
+/// Where cargo put the service binaries: next to this test's `deps/` directory.
+fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let deps = exe.parent().expect("deps directory");
+    deps.parent().expect("target profile directory").to_path_buf()
+}
+
+impl Sandbox {
+    /// Starts a broker and applies the topics; no service runs yet.
+    pub async fn start() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let binary = tokio::task::spawn_blocking(ensure_installed).await.unwrap().expect("tansu installed");
+        let port = free_port().unwrap();
+        let kafka_dir = dir.path().join("kafka");
+        let broker = tokio::task::spawn_blocking(move || LocalBroker::start(&binary, port, &kafka_dir)).await.unwrap().expect("broker starts");
+        let prefix = format!("t{:08x}.", rand::random::<u32>());
+        let kafka = KafkaConfig { bootstrap_servers: broker.bootstrap_servers.clone(), topic_prefix: prefix.clone(), ..Default::default() };
+        topics::apply(&kafka, &Declarations::load(None).unwrap()).await.expect("topics apply");
+        let query_port = free_port().unwrap();
+        let env = vec![
+            ("TALLY__KAFKA__BOOTSTRAP_SERVERS".into(), kafka.bootstrap_servers.clone()),
+            ("TALLY__KAFKA__TOPIC_PREFIX".into(), prefix.clone()),
+            ("TALLY__INGESTER__ADMIN_LISTEN".into(), "127.0.0.1:0".into()),
+            ("TALLY__INGESTER__GROUP_ID".into(), format!("{prefix}ingester")),
+            ("TALLY__COUNTER__ADMIN_LISTEN".into(), "127.0.0.1:0".into()),
+            ("TALLY__COUNTER__GROUP_ID".into(), format!("{prefix}counter")),
+            ("TALLY__COUNTER__DATA_DIR".into(), dir.path().join("counter").display().to_string()),
+            ("TALLY__QUERY__ADMIN_LISTEN".into(), "127.0.0.1:0".into()),
+            ("TALLY__QUERY__LISTEN".into(), format!("127.0.0.1:{query_port}")),
+            ("RUST_LOG".into(), "warn".into()),
+        ];
+        Self {
+            names: TopicNames::new(&prefix),
+            kafka,
+            query_url: format!("http://127.0.0.1:{query_port}"),
+            env,
+            children: HashMap::new(),
+            dir,
+            _broker: broker,
+        }
+    }
+
+    /// Starts (or restarts) a service binary: `tally-ingester`, `tally-counter`, `tally-query`.
+    pub fn spawn(&mut self, name: &'static str) {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join(format!("{name}.log"))).unwrap();
+        let child = Command::new(bin_dir().join(name))
+            .envs(self.env.iter().cloned())
+            .env_remove("TALLY_CONFIG")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|err| panic!("starting {name} (run `cargo build --workspace --bins` first): {err}"));
+        self.children.insert(name, child);
+    }
+
+    /// `kill -9` a service and reap it.
+    pub fn kill9(&mut self, name: &'static str) {
+        if let Some(mut child) = self.children.remove(name) {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// The log a service wrote so far (for failure messages).
+    pub fn log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))).unwrap_or_default()
+    }
+
+    /// Produces records to the increments topic and waits until all are acknowledged.
+    pub async fn produce_increments(&self, records: &[workload::Record]) {
+        let producer: FutureProducer = producer_config(&self.kafka).unwrap().create().unwrap();
+        let topic = self.names.increments();
+        let sends = records.iter().map(|r| {
+            producer.send(FutureRecord::to(&topic).key(&r.key).payload(&r.payload).timestamp(r.timestamp), Duration::from_secs(30))
+        });
+        for result in futures::future::join_all(sends).await {
+            result.map_err(|(err, _)| err).expect("produce");
+        }
+    }
+
+    /// Reads every record of `topic` (all partitions) until `expected` are seen or
+    /// `timeout` passes.
+    pub fn read_topic(&self, topic: &str, expected: usize, timeout: Duration) -> Vec<Vec<u8>> {
+        let mut config = client_config(&self.kafka).unwrap();
+        config.set("group.id", format!("reader-{:08x}", rand::random::<u32>())).set("enable.auto.commit", "false");
+        let consumer: BaseConsumer = config.create().unwrap();
+        let metadata = consumer.fetch_metadata(Some(topic), Duration::from_secs(10)).unwrap();
+        let mut tpl = TopicPartitionList::new();
+        for partition in metadata.topics()[0].partitions() {
+            tpl.add_partition_offset(topic, partition.id(), Offset::Beginning).unwrap();
+        }
+        consumer.assign(&tpl).unwrap();
+        let deadline = std::time::Instant::now() + timeout;
+        let mut records = Vec::new();
+        while records.len() < expected && std::time::Instant::now() < deadline {
+            if let Some(Ok(message)) = consumer.poll(Duration::from_millis(200)) {
+                records.push(message.payload().unwrap_or_default().to_vec());
+            }
+        }
+        records
+    }
+
+    /// GET a path of the read API: status and JSON body.
+    pub async fn get(&self, path: &str) -> (u16, serde_json::Value) {
+        let response = reqwest::get(format!("{}{path}", self.query_url)).await.expect("GET");
+        let status = response.status().as_u16();
+        (status, response.json().await.unwrap_or(serde_json::Value::Null))
+    }
+
+    /// POST JSON to a path of the read API.
+    pub async fn post(&self, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+        let response = reqwest::Client::new().post(format!("{}{path}", self.query_url)).json(body).send().await.expect("POST");
+        let status = response.status().as_u16();
+        (status, response.json().await.unwrap_or(serde_json::Value::Null))
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        for (_, mut child) in self.children.drain() {
+            // SAFETY: kill(2) on our own child's pid has no memory-safety preconditions.
+            unsafe {
+                libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+            }
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Percent-encodes a path segment.
+pub fn encode(segment: &str) -> String {
+    segment.bytes().map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") }).collect()
+}
+
+/// Comparisons of the HTTP answers with the model.
+pub mod check {
+    use serde_json::{json, Value};
+    use tally_shared::model::Model;
+    use tally_shared::time::{parse_duration, Resolutions, WindowSpec};
+
+    use crate::{encode, Sandbox};
+
+    /// Every (entity, metric) all-time total and direct equals the model's; the
+    /// mismatches otherwise.
+    pub async fn all_time(sandbox: &Sandbox, model: &Model, entities: &[String], metrics: &[String]) -> Result<(), String> {
+        let mut queries = Vec::new();
+        let mut expected = Vec::new();
+        for entity in entities {
+            let sums = model.metrics(entity);
+            for metric in metrics {
+                for kind in ["total", "direct"] {
+                    queries.push(json!({"entity": entity, "metric": metric, "window": "all", "kind": kind}));
+                    expected.push(sums.get(metric).copied().unwrap_or(0));
+                }
+            }
+        }
+        let (status, body) = sandbox.post("/v1/query", &json!({ "queries": queries })).await;
+        if status != 200 {
+            return Err(format!("batch read failed: {status} {body}"));
+        }
+        let mut mismatches = Vec::new();
+        for ((query, want), got) in queries.iter().zip(&expected).zip(body["results"].as_array().cloned().unwrap_or_default()) {
+            if got["value"].as_i64() != Some(*want) {
+                mismatches.push(format!("{query}: want {want}, got {}", got["value"]));
+            }
+        }
+        if mismatches.is_empty() { Ok(()) } else { Err(mismatches.join("\n")) }
+    }
+
+    /// Waits until [`all_time`] holds; panics with the mismatches after `timeout`.
+    pub async fn wait_for_all_time(sandbox: &Sandbox, model: &Model, entities: &[String], metrics: &[String], timeout: std::time::Duration) {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let result = all_time(sandbox, model, entities, metrics).await;
+            match result {
+                Ok(()) => return,
+                Err(mismatches) if std::time::Instant::now() > deadline => {
+                    panic!("counts never matched the model:\n{mismatches}\n--- counter log ---\n{}\n--- ingester log ---\n{}", sandbox.log("tally-counter"), sandbox.log("tally-ingester"))
+                }
+                Err(_) => tokio::time::sleep(std::time::Duration::from_millis(500)).await,
+            }
+        }
+    }
+
+    /// Windows of every counter, both kinds, through one batch request.
+    pub async fn windows(sandbox: &Sandbox, model: &Model, entities: &[String], metrics: &[String]) {
+        let resolutions = Resolutions::default();
+        let windows = ["90s", "5m", "1h", "6h", "24h", "7d", "30d"];
+        let mut queries = Vec::new();
+        for entity in entities {
+            for metric in metrics {
+                for window in windows {
+                    queries.push(json!({"entity": entity, "metric": metric, "window": window, "kind": "direct"}));
+                }
+            }
+        }
+        for chunk in queries.chunks(1_000) {
+            let (status, body) = sandbox.post("/v1/query", &json!({ "queries": chunk })).await;
+            assert_eq!(status, 200, "{body}");
+            for (query, result) in chunk.iter().zip(body["results"].as_array().expect("results")) {
+                let window_ms = parse_duration(query["window"].as_str().unwrap()).unwrap();
+                let to = result["to"].as_i64().expect("to");
+                let plan = resolutions.plan(WindowSpec::Last { window_ms }, to).unwrap();
+                assert_eq!(result["resolution"], plan.resolution_name(), "{query}");
+                assert_eq!(result["from"].as_i64(), Some(plan.start), "{query}");
+                let want = model.sums(query["entity"].as_str().unwrap(), query["metric"].as_str().unwrap(), &plan)[0];
+                assert_eq!(result["value"].as_i64(), Some(want), "{query} → {result}");
+            }
+        }
+    }
+
+    /// Series at several steps for each counter, both kinds.
+    pub async fn series(sandbox: &Sandbox, model: &Model, entities: &[String], metrics: &[String]) {
+        let resolutions = Resolutions::default();
+        for entity in entities {
+            for metric in metrics {
+                for (step, range, kind) in [("5m", "2h", "total"), ("1h", "24h", "direct"), ("1d", "7d", "total"), ("2h", "3d", "direct")] {
+                    let path = format!("/v1/counters/{}/{}/series?step={step}&range={range}&kind={kind}", encode(entity), encode(metric));
+                    let (status, body) = sandbox.get(&path).await;
+                    assert_eq!(status, 200, "{path}: {body}");
+                    let points = body["points"].as_array().expect("points");
+                    let last_t = points.last().and_then(|p| p["t"].as_i64()).expect("a point");
+                    let spec = WindowSpec::Series { step_ms: parse_duration(step).unwrap(), range_ms: parse_duration(range).unwrap() };
+                    let plan = resolutions.plan(spec, last_t).unwrap();
+                    let want = model.sums(entity, metric, &plan);
+                    let got: Vec<i64> = points.iter().map(|p| p["value"].as_i64().unwrap()).collect();
+                    let times: Vec<i64> = points.iter().map(|p| p["t"].as_i64().unwrap()).collect();
+                    let want_times: Vec<i64> = (0..plan.points as i64).map(|i| plan.start + i * plan.step).collect();
+                    assert_eq!(times, want_times, "{path}");
+                    assert_eq!(got, want, "{path}");
+                }
+            }
+        }
+    }
+
+    /// Metric listings, paginated two at a time.
+    pub async fn listings(sandbox: &Sandbox, model: &Model, entities: &[String]) {
+        for entity in entities {
+            let mut listed: Vec<(String, i64)> = Vec::new();
+            let mut token: Option<String> = None;
+            loop {
+                let mut path = format!("/v1/entities/{}/metrics?limit=2", encode(entity));
+                if let Some(token) = &token {
+                    path.push_str(&format!("&page_token={token}"));
+                }
+                let (status, body) = sandbox.get(&path).await;
+                assert_eq!(status, 200, "{path}: {body}");
+                for m in body["metrics"].as_array().unwrap() {
+                    listed.push((m["metric"].as_str().unwrap().to_string(), m["total"].as_i64().unwrap()));
+                }
+                match body["next_page_token"].as_str() {
+                    Some(next) => token = Some(next.to_string()),
+                    None => break,
+                }
+            }
+            let want: Vec<(String, i64)> = model.metrics(entity).into_iter().collect();
+            assert_eq!(listed, want, "{entity}");
+        }
+    }
+
+    /// Bad requests are 400s with a JSON error, never 500s.
+    pub async fn bad_requests(sandbox: &Sandbox) {
+        let gets = [
+            "/v1/counters/user:1/views?window=7x",
+            "/v1/counters/user:1/views?window=1000d",
+            "/v1/counters/user:1/Views",
+            "/v1/counters/user:1/views?kind=sum",
+            "/v1/counters/user:1/views?colour=red",
+            "/v1/counters/user:1/views/series?step=90s&range=1h",
+            "/v1/counters/user:1/views/series?step=1m&range=30d",
+            "/v1/counters/user:1/views/series?step=1s&range=1000d",
+            "/v1/counters/%09tab/views",
+            "/v1/entities/user:1/metrics?limit=0",
+            "/v1/entities/user:1/metrics?page_token=%21%21",
+        ];
+        for path in gets {
+            let (status, body) = sandbox.get(path).await;
+            assert_eq!(status, 400, "{path}: {body}");
+            assert!(body["error"]["code"].is_string() && body["error"]["message"].is_string(), "{path}: {body}");
+        }
+        let too_many: Vec<Value> = (0..1_001).map(|i| json!({"entity": format!("e{i}"), "metric": "m"})).collect();
+        for body in [json!({"queries": too_many}), json!({"queries": [{"entity": "e"}]}), json!({"nope": 1}), json!([1, 2])] {
+            let (status, answer) = sandbox.post("/v1/query", &body).await;
+            assert_eq!(status, 400, "{answer}");
+            assert!(answer["error"]["code"].is_string(), "{answer}");
+        }
+        let (status, _) = sandbox.get("/v1/counters/never-written/views?window=7d").await;
+        assert_eq!(status, 200);
+    }
+}

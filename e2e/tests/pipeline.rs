@@ -1,0 +1,37 @@
+//! The counting pipeline end to end: a random workload through Kafka, every HTTP
+//! answer compared with the brute-force model, every rejection in the dead-letter
+//! topic.
+
+use std::time::Duration;
+
+use base64::Engine;
+use tally_e2e::workload::Workload;
+use tally_e2e::{check, Sandbox};
+use tally_shared::wire::DeadLetter;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counts_windows_series_and_dead_letters_match_the_model() {
+    let mut sandbox = Sandbox::start().await;
+    for service in ["tally-ingester", "tally-counter", "tally-query"] {
+        sandbox.spawn(service);
+    }
+    let workload = Workload::generate(1, 400, tally_shared::kafka::now_ms());
+    sandbox.produce_increments(&workload.records).await;
+
+    let (model, entities, metrics) = (&workload.model, &workload.entities, &workload.metrics);
+    check::wait_for_all_time(&sandbox, model, entities, metrics, Duration::from_secs(120)).await;
+    check::windows(&sandbox, model, entities, metrics).await;
+    check::series(&sandbox, model, &entities[..6], metrics).await;
+    check::series(&sandbox, model, &entities[entities.len() - 2..], metrics).await;
+    check::listings(&sandbox, model, entities).await;
+    check::bad_requests(&sandbox).await;
+
+    let letters = sandbox.read_topic(&sandbox.names.dead_letter(), workload.rejections + 1, Duration::from_secs(20));
+    assert_eq!(letters.len(), workload.rejections, "every rejection, once");
+    for raw in letters {
+        let letter: DeadLetter = serde_json::from_slice(&raw).expect("dead letters are JSON");
+        assert_eq!(letter.topic, sandbox.names.increments());
+        assert!(!letter.reason.is_empty());
+        base64::engine::general_purpose::STANDARD.decode(&letter.payload).expect("payload is base64");
+    }
+}
