@@ -57,8 +57,11 @@ impl Sandbox {
             ("TALLY__COUNTER__GROUP_ID".into(), format!("{prefix}counter")),
             ("TALLY__COUNTER__DATA_DIR".into(), dir.path().join("counter").display().to_string()),
             ("TALLY__QUERY__ADMIN_LISTEN".into(), "127.0.0.1:0".into()),
+            // Tansu 0.6 never evicts a member killed with -9 from a consumer group.
+            ("TALLY__INGESTER__STATIC_ASSIGNMENT".into(), "true".into()),
+            ("TALLY__COUNTER__STATIC_ASSIGNMENT".into(), "true".into()),
             ("TALLY__QUERY__LISTEN".into(), format!("127.0.0.1:{query_port}")),
-            ("RUST_LOG".into(), "warn".into()),
+            ("RUST_LOG".into(), std::env::var("TALLY_E2E_LOG").unwrap_or_else(|_| "info".into())),
         ];
         Self {
             names: TopicNames::new(&prefix),

@@ -121,6 +121,10 @@ pub struct IngesterConfig {
     pub batch_max_records: usize,
     /// Longest wait for a batch to fill, in ms.
     pub batch_linger_ms: u64,
+    /// Consume every input partition without joining the consumer group (one
+    /// instance only). For brokers whose group coordinator cannot evict a killed
+    /// member, such as the local Tansu; offsets are still committed to the group.
+    pub static_assignment: bool,
 }
 
 impl Default for IngesterConfig {
@@ -130,6 +134,7 @@ impl Default for IngesterConfig {
             group_id: "tally-ingester".into(),
             batch_max_records: 2_000,
             batch_linger_ms: 20,
+            static_assignment: false,
         }
     }
 }
@@ -155,6 +160,9 @@ pub struct CounterConfig {
     pub rollups: bool,
     /// fsync the RocksDB WAL on every batch (survives power loss, not just `kill -9`).
     pub sync_writes: bool,
+    /// Own every shard without joining the consumer group (one instance only); see
+    /// `ingester.static_assignment`.
+    pub static_assignment: bool,
 }
 
 impl Default for CounterConfig {
@@ -169,6 +177,7 @@ impl Default for CounterConfig {
             batch_linger_ms: 20,
             rollups: true,
             sync_writes: false,
+            static_assignment: false,
         }
     }
 }

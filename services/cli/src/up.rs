@@ -56,6 +56,12 @@ pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: Up
         ("TALLY__KAFKA__BOOTSTRAP_SERVERS".to_string(), config.kafka.bootstrap_servers.clone()),
         ("TALLY__COUNTER__DATA_DIR".to_string(), counter_dir.display().to_string()),
     ];
+    if broker.is_some() {
+        // The local broker's group coordinator never evicts a member killed with -9,
+        // so the single local instances own every partition without a group.
+        env.push(("TALLY__INGESTER__STATIC_ASSIGNMENT".to_string(), "true".to_string()));
+        env.push(("TALLY__COUNTER__STATIC_ASSIGNMENT".to_string(), "true".to_string()));
+    }
     if let Some(path) = &config_path {
         env.push(("TALLY_CONFIG".to_string(), std::fs::canonicalize(path)?.display().to_string()));
     }

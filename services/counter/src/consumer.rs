@@ -64,6 +64,24 @@ impl CounterContext {
         Ok(store)
     }
 
+    /// Opens the stores of the partitions in `tpl`, positions each at its store's
+    /// next offset, assigns them and publishes the new ownership.
+    fn assign(&self, consumer: &BaseConsumer<Self>, tpl: &mut TopicPartitionList) -> Result<()> {
+        let partitions: Vec<(String, i32)> = tpl.elements().iter().map(|e| (e.topic().to_string(), e.partition())).collect();
+        let mut stores = HashMap::new();
+        for (topic, partition) in partitions {
+            let shard = partition as u32;
+            let store = self.open(shard)?;
+            let offset = store.progress().next_offset.map_or(Offset::Beginning, Offset::Offset);
+            tpl.set_partition_offset(&topic, partition, offset)?;
+            stores.insert(shard, store);
+        }
+        consumer.assign(tpl)?;
+        tracing::info!(shards = ?stores.keys().collect::<Vec<_>>(), "shards assigned");
+        self.shards.replace(stores);
+        Ok(())
+    }
+
     fn fail(&self, message: String) {
         tracing::error!(error = %message, "rebalance failed");
         if let Ok(mut fatal) = self.fatal.lock() {
@@ -78,26 +96,9 @@ impl ConsumerContext for CounterContext {
     fn rebalance(&self, consumer: &BaseConsumer<Self>, err: RDKafkaRespErr, tpl: &mut TopicPartitionList) {
         match err {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
-                let partitions: Vec<(String, i32)> =
-                    tpl.elements().iter().map(|e| (e.topic().to_string(), e.partition())).collect();
-                let mut stores = HashMap::new();
-                for (topic, partition) in partitions {
-                    let shard = partition as u32;
-                    let store = match self.open(shard) {
-                        Ok(store) => store,
-                        Err(err) => return self.fail(format!("opening shard {shard}: {err}")),
-                    };
-                    let offset = store.progress().next_offset.map_or(Offset::Beginning, Offset::Offset);
-                    if let Err(err) = tpl.set_partition_offset(&topic, partition, offset) {
-                        return self.fail(format!("positioning shard {shard}: {err}"));
-                    }
-                    stores.insert(shard, store);
+                if let Err(err) = self.assign(consumer, tpl) {
+                    self.fail(err.to_string());
                 }
-                if let Err(err) = consumer.assign(tpl) {
-                    return self.fail(format!("assign: {err}"));
-                }
-                tracing::info!(shards = ?stores.keys().collect::<Vec<_>>(), "shards assigned");
-                self.shards.replace(stores);
             }
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
                 if let Err(err) = consumer.unassign() {
@@ -143,7 +144,16 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         .set("auto.offset.reset", "earliest")
         .set("partition.assignment.strategy", "range");
     let consumer: BaseConsumer<CounterContext> = consumer_config.create_with_context(context)?;
-    consumer.subscribe(&[&shard_topic])?;
+    if config.counter.static_assignment {
+        let partitions = tally_shared::kafka::partition_count(&consumer, &shard_topic, Duration::from_secs(10))?;
+        let mut tpl = TopicPartitionList::new();
+        for partition in 0..partitions as i32 {
+            tpl.add_partition(&shard_topic, partition);
+        }
+        consumer.context().assign(&consumer, &mut tpl)?;
+    } else {
+        consumer.subscribe(&[&shard_topic])?;
+    }
     let producer: ThreadedProducer<DefaultProducerContext> = producer_config(&config.kafka)?.create()?;
     let mut announcer = Announcer { producer: &producer, topic: names.shard_owners(), read_addr, instance, last: None };
     let rollups_topic = config.counter.rollups.then(|| names.rollups());
@@ -202,7 +212,9 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     tracing::info!("counter consumer stopping: batch persisted, releasing shards");
     announcer.release(&shards.owned());
     let _ = producer.flush(Duration::from_secs(5));
-    consumer.unsubscribe();
+    if !config.counter.static_assignment {
+        consumer.unsubscribe();
+    }
     Ok(())
 }
 

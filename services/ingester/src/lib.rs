@@ -50,7 +50,21 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         .set("enable.auto.commit", "false")
         .set("auto.offset.reset", "earliest");
     let consumer: StreamConsumer = consumer_config.create()?;
-    consumer.subscribe(&[&names.increments()])?;
+    let input = names.increments();
+    if config.ingester.static_assignment {
+        let kafka = config.kafka.clone();
+        let topic = input.clone();
+        let partitions = tokio::task::spawn_blocking(move || wait_for_topic(&kafka, &topic, Duration::from_secs(60)))
+            .await
+            .map_err(|err| Error::Internal(err.to_string()))??;
+        let mut tpl = TopicPartitionList::new();
+        for partition in 0..partitions as i32 {
+            tpl.add_partition_offset(&input, partition, Offset::Stored)?;
+        }
+        consumer.assign(&tpl)?;
+    } else {
+        consumer.subscribe(&[&input])?;
+    }
     let producer: FutureProducer = producer_config(&config.kafka)?.create()?;
     readiness.set(true);
 
