@@ -43,9 +43,16 @@ impl Sandbox {
         let binary = tokio::task::spawn_blocking(ensure_installed).await.unwrap().expect("tansu installed");
         let port = free_port().unwrap();
         let kafka_dir = dir.path().join("kafka");
-        let broker = tokio::task::spawn_blocking(move || LocalBroker::start(&binary, port, &kafka_dir)).await.unwrap().expect("broker starts");
+        let broker = tokio::task::spawn_blocking(move || LocalBroker::start(&binary, port, &kafka_dir))
+            .await
+            .unwrap()
+            .expect("broker starts");
         let prefix = format!("t{:08x}.", rand::random::<u32>());
-        let kafka = KafkaConfig { bootstrap_servers: broker.bootstrap_servers.clone(), topic_prefix: prefix.clone(), ..Default::default() };
+        let kafka = KafkaConfig {
+            bootstrap_servers: broker.bootstrap_servers.clone(),
+            topic_prefix: prefix.clone(),
+            ..Default::default()
+        };
         topics::apply(&kafka, &Declarations::load(None).unwrap()).await.expect("topics apply");
         let query_port = free_port().unwrap();
         let env = vec![
@@ -76,7 +83,11 @@ impl Sandbox {
 
     /// Starts (or restarts) a service binary: `tally-ingester`, `tally-counter`, `tally-query`.
     pub fn spawn(&mut self, name: &'static str) {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join(format!("{name}.log"))).unwrap();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join(format!("{name}.log")))
+            .unwrap();
         let child = Command::new(bin_dir().join(name))
             .envs(self.env.iter().cloned())
             .env_remove("TALLY_CONFIG")
@@ -106,7 +117,10 @@ impl Sandbox {
         let producer: FutureProducer = producer_config(&self.kafka).unwrap().create().unwrap();
         let topic = self.names.increments();
         let sends = records.iter().map(|r| {
-            producer.send(FutureRecord::to(&topic).key(&r.key).payload(&r.payload).timestamp(r.timestamp), Duration::from_secs(30))
+            producer.send(
+                FutureRecord::to(&topic).key(&r.key).payload(&r.payload).timestamp(r.timestamp),
+                Duration::from_secs(30),
+            )
         });
         for result in futures::future::join_all(sends).await {
             result.map_err(|(err, _)| err).expect("produce");
@@ -144,7 +158,8 @@ impl Sandbox {
 
     /// POST JSON to a path of the read API.
     pub async fn post(&self, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
-        let response = reqwest::Client::new().post(format!("{}{path}", self.query_url)).json(body).send().await.expect("POST");
+        let response =
+            reqwest::Client::new().post(format!("{}{path}", self.query_url)).json(body).send().await.expect("POST");
         let status = response.status().as_u16();
         (status, response.json().await.unwrap_or(serde_json::Value::Null))
     }
@@ -164,7 +179,10 @@ impl Drop for Sandbox {
 
 /// Percent-encodes a path segment.
 pub fn encode(segment: &str) -> String {
-    segment.bytes().map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") }).collect()
+    segment
+        .bytes()
+        .map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") })
+        .collect()
 }
 
 /// Comparisons of the HTTP answers with the model.
@@ -177,7 +195,12 @@ pub mod check {
 
     /// Every (entity, metric) all-time total and direct equals the model's; the
     /// mismatches otherwise.
-    pub async fn all_time(sandbox: &Sandbox, model: &Model, entities: &[String], metrics: &[String]) -> Result<(), String> {
+    pub async fn all_time(
+        sandbox: &Sandbox,
+        model: &Model,
+        entities: &[String],
+        metrics: &[String],
+    ) -> Result<(), String> {
         let mut queries = Vec::new();
         let mut expected = Vec::new();
         for entity in entities {
@@ -194,16 +217,28 @@ pub mod check {
             return Err(format!("batch read failed: {status} {body}"));
         }
         let mut mismatches = Vec::new();
-        for ((query, want), got) in queries.iter().zip(&expected).zip(body["results"].as_array().cloned().unwrap_or_default()) {
+        for ((query, want), got) in
+            queries.iter().zip(&expected).zip(body["results"].as_array().cloned().unwrap_or_default())
+        {
             if got["value"].as_i64() != Some(*want) {
                 mismatches.push(format!("{query}: want {want}, got {}", got["value"]));
             }
         }
-        if mismatches.is_empty() { Ok(()) } else { Err(mismatches.join("\n")) }
+        if mismatches.is_empty() {
+            Ok(())
+        } else {
+            Err(mismatches.join("\n"))
+        }
     }
 
     /// Waits until [`all_time`] holds; panics with the mismatches after `timeout`.
-    pub async fn wait_for_all_time(sandbox: &Sandbox, model: &Model, entities: &[String], metrics: &[String], timeout: std::time::Duration) {
+    pub async fn wait_for_all_time(
+        sandbox: &Sandbox,
+        model: &Model,
+        entities: &[String],
+        metrics: &[String],
+        timeout: std::time::Duration,
+    ) {
         let deadline = std::time::Instant::now() + timeout;
         loop {
             let result = all_time(sandbox, model, entities, metrics).await;
@@ -249,13 +284,22 @@ pub mod check {
         let resolutions = Resolutions::default();
         for entity in entities {
             for metric in metrics {
-                for (step, range, kind) in [("5m", "2h", "total"), ("1h", "24h", "direct"), ("1d", "7d", "total"), ("2h", "3d", "direct")] {
-                    let path = format!("/v1/counters/{}/{}/series?step={step}&range={range}&kind={kind}", encode(entity), encode(metric));
+                for (step, range, kind) in
+                    [("5m", "2h", "total"), ("1h", "24h", "direct"), ("1d", "7d", "total"), ("2h", "3d", "direct")]
+                {
+                    let path = format!(
+                        "/v1/counters/{}/{}/series?step={step}&range={range}&kind={kind}",
+                        encode(entity),
+                        encode(metric)
+                    );
                     let (status, body) = sandbox.get(&path).await;
                     assert_eq!(status, 200, "{path}: {body}");
                     let points = body["points"].as_array().expect("points");
                     let last_t = points.last().and_then(|p| p["t"].as_i64()).expect("a point");
-                    let spec = WindowSpec::Series { step_ms: parse_duration(step).unwrap(), range_ms: parse_duration(range).unwrap() };
+                    let spec = WindowSpec::Series {
+                        step_ms: parse_duration(step).unwrap(),
+                        range_ms: parse_duration(range).unwrap(),
+                    };
                     let plan = resolutions.plan(spec, last_t).unwrap();
                     let want = model.sums(entity, metric, &plan);
                     let got: Vec<i64> = points.iter().map(|p| p["value"].as_i64().unwrap()).collect();
@@ -314,7 +358,9 @@ pub mod check {
             assert!(body["error"]["code"].is_string() && body["error"]["message"].is_string(), "{path}: {body}");
         }
         let too_many: Vec<Value> = (0..1_001).map(|i| json!({"entity": format!("e{i}"), "metric": "m"})).collect();
-        for body in [json!({"queries": too_many}), json!({"queries": [{"entity": "e"}]}), json!({"nope": 1}), json!([1, 2])] {
+        for body in
+            [json!({"queries": too_many}), json!({"queries": [{"entity": "e"}]}), json!({"nope": 1}), json!([1, 2])]
+        {
             let (status, answer) = sandbox.post("/v1/query", &body).await;
             assert_eq!(status, 400, "{answer}");
             assert!(answer["error"]["code"].is_string(), "{answer}");

@@ -45,7 +45,8 @@ impl Workload {
     /// `messages` records around `now`, deterministic for a `seed`.
     pub fn generate(seed: u64, messages: usize, now: i64) -> Self {
         let mut rng = StdRng::seed_from_u64(seed);
-        let entities: Vec<String> = (0..24).map(|i| format!("user:{i}")).chain(["ünï:1".to_string(), "a/b c".to_string()]).collect();
+        let entities: Vec<String> =
+            (0..24).map(|i| format!("user:{i}")).chain(["ünï:1".to_string(), "a/b c".to_string()]).collect();
         let metrics: Vec<String> = ["views", "clicks", "a.b:c-d_1"].iter().map(|s| s.to_string()).collect();
         let mut model = Model::default();
         let mut records = Vec::with_capacity(messages);

@@ -76,11 +76,8 @@ impl Default for CountingConfig {
 
 impl CountingConfig {
     pub fn resolutions(&self) -> Result<Resolutions> {
-        let list = self
-            .resolutions
-            .iter()
-            .map(|r| Resolution::new(&r.width, &r.retention))
-            .collect::<Result<Vec<_>>>()?;
+        let list =
+            self.resolutions.iter().map(|r| Resolution::new(&r.width, &r.retention)).collect::<Result<Vec<_>>>()?;
         Resolutions::new(list)
     }
 
@@ -287,7 +284,12 @@ mod tests {
         .unwrap();
         let config = TallyConfig::load_with_env(
             Some(&path),
-            env(&[("TALLY__COUNTER__BATCH_MAX_RECORDS", "9"), ("TALLY__KAFKA__TOPIC_PREFIX", "t1."), ("TALLY__OTHER__X", "1"), ("HOME", "/")]),
+            env(&[
+                ("TALLY__COUNTER__BATCH_MAX_RECORDS", "9"),
+                ("TALLY__KAFKA__TOPIC_PREFIX", "t1."),
+                ("TALLY__OTHER__X", "1"),
+                ("HOME", "/"),
+            ]),
         )
         .unwrap();
         assert_eq!(config.kafka.bootstrap_servers, "h:1");
@@ -305,8 +307,20 @@ mod tests {
         assert!(err.contains("batch_max_recrods"), "{err}");
         let err = TallyConfig::load_with_env(None, env(&[("TALLY__QUERY__LISTN", "x")])).unwrap_err().to_string();
         assert!(err.contains("listn"), "{err}");
-        let err = TallyConfig::load_with_env(None, env(&[("TALLY__COUNTING__DEDUPE_WINDOW", "forever")])).unwrap_err().to_string();
+        let err = TallyConfig::load_with_env(None, env(&[("TALLY__COUNTING__DEDUPE_WINDOW", "forever")]))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("forever"), "{err}");
+    }
+
+    #[test]
+    fn the_example_config_is_complete_and_valid() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tally.toml");
+        std::fs::write(&path, include_str!("../../tally.example.toml")).unwrap();
+        let config = TallyConfig::load_with_env(Some(&path), env(&[])).unwrap();
+        assert_eq!(config.counting.resolutions().unwrap(), Resolutions::default());
+        assert_eq!(config.query.max_batch, QueryConfig::default().max_batch);
     }
 
     #[test]

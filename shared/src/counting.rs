@@ -33,10 +33,8 @@ impl<'a> Coalescer<'a> {
     /// Adds `counts` at event time `ts` to every bucket of (entity, metric).
     pub fn add(&mut self, entity: &'a str, metric: &'a str, ts: i64, counts: Counts) {
         self.increments += 1;
-        let deltas = self
-            .counters
-            .entry((entity, metric))
-            .or_insert_with(|| vec![(ALL_TIME_WIDTH, 0, Counts::default())]);
+        let deltas =
+            self.counters.entry((entity, metric)).or_insert_with(|| vec![(ALL_TIME_WIDTH, 0, Counts::default())]);
         deltas[0].2 = deltas[0].2.add(counts);
         for resolution in self.resolutions.iter() {
             let bucket = bucket_start(ts, resolution.width_ms);
@@ -166,7 +164,11 @@ mod tests {
         }
         assert_eq!(coalescer.keys(), 4);
         let mut all_time = Counts::default();
-        coalescer.for_each(|_, _, w, _, c| if w == 0 { all_time = c });
+        coalescer.for_each(|_, _, w, _, c| {
+            if w == 0 {
+                all_time = c
+            }
+        });
         assert_eq!(all_time, Counts { direct: 1000, total: 1000 });
     }
 }

@@ -142,12 +142,16 @@ mod tests {
     #[test]
     fn all_fields_and_escapes() {
         let (ok, _) = run(r#"{"entity":"a\"b","metric":"v","delta":-5,"ts":7,"id":"e-1"}"#);
-        assert_eq!(ok[0].1, Increment { entity: "a\"b".into(), metric: "v".into(), delta: -5, ts: 7, id: Some("e-1".into()) });
+        assert_eq!(
+            ok[0].1,
+            Increment { entity: "a\"b".into(), metric: "v".into(), delta: -5, ts: 7, id: Some("e-1".into()) }
+        );
     }
 
     #[test]
     fn bad_element_in_array_rejects_only_it() {
-        let (ok, bad) = run(r#"[{"entity":"a","metric":"v"}, {"entity":"a","metric":"BAD"}, 5, {"entity":"b","metric":"v"}]"#);
+        let (ok, bad) =
+            run(r#"[{"entity":"a","metric":"v"}, {"entity":"a","metric":"BAD"}, 5, {"entity":"b","metric":"v"}]"#);
         assert_eq!(ok.iter().map(|(i, _)| *i).collect::<Vec<_>>(), vec![0, 3]);
         assert_eq!(bad.len(), 2);
         assert_eq!(bad[0].0, Some(1));

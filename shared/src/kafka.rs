@@ -53,7 +53,9 @@ impl TopicNames {
 /// A client configuration with the bootstrap servers and the pass-through settings.
 pub fn client_config(kafka: &KafkaConfig) -> Result<ClientConfig> {
     if kafka.bootstrap_servers.trim().is_empty() {
-        return Err(Error::Config("kafka.bootstrap_servers is empty (set it or use `tally up`, which starts a local broker)".into()));
+        return Err(Error::Config(
+            "kafka.bootstrap_servers is empty (set it or use `tally up`, which starts a local broker)".into(),
+        ));
     }
     let mut config = ClientConfig::new();
     config.set("bootstrap.servers", &kafka.bootstrap_servers);
@@ -105,8 +107,5 @@ pub fn wait_for_topic(kafka: &KafkaConfig, topic: &str, timeout: Duration) -> Re
 
 /// Wall-clock milliseconds since the epoch.
 pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
 }

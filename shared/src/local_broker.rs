@@ -88,7 +88,9 @@ impl LocalBroker {
                 return Err(Error::LocalBroker(format!("tansu exited during start-up ({status}); see its tansu.log")));
             }
             if Instant::now() > deadline {
-                return Err(Error::LocalBroker(format!("tansu did not accept connections on {addr} within {timeout:?}")));
+                return Err(Error::LocalBroker(format!(
+                    "tansu did not accept connections on {addr} within {timeout:?}"
+                )));
             }
             std::thread::sleep(Duration::from_millis(50));
         }

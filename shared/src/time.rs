@@ -249,9 +249,18 @@ mod tests {
         assert_eq!(plan.resolution_name(), "1m");
         assert_eq!(plan.step, 15 * 60_000);
         assert_eq!(plan.start + plan.step, bucket_start(now, 60_000) + 60_000);
-        assert_eq!(r.plan(WindowSpec::Last { window_ms: parse_duration("6h").unwrap() }, now).unwrap().resolution_name(), "1m");
-        assert_eq!(r.plan(WindowSpec::Last { window_ms: parse_duration("7d").unwrap() }, now).unwrap().resolution_name(), "1h");
-        assert_eq!(r.plan(WindowSpec::Last { window_ms: parse_duration("90d").unwrap() }, now).unwrap().resolution_name(), "1d");
+        assert_eq!(
+            r.plan(WindowSpec::Last { window_ms: parse_duration("6h").unwrap() }, now).unwrap().resolution_name(),
+            "1m"
+        );
+        assert_eq!(
+            r.plan(WindowSpec::Last { window_ms: parse_duration("7d").unwrap() }, now).unwrap().resolution_name(),
+            "1h"
+        );
+        assert_eq!(
+            r.plan(WindowSpec::Last { window_ms: parse_duration("90d").unwrap() }, now).unwrap().resolution_name(),
+            "1d"
+        );
         assert!(r.plan(WindowSpec::Last { window_ms: parse_duration("401d").unwrap() }, now).is_err());
         assert_eq!(r.plan(WindowSpec::All, now).unwrap().resolution_name(), "all");
     }

@@ -76,11 +76,23 @@ fn toml_from_str<T: serde::de::DeserializeOwned>(text: &str) -> Result<T> {
 /// What applying will do to one topic.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
-    Create { topic: String, partitions: i32 },
-    RaisePartitions { topic: String, from: i32, to: i32 },
-    Unchanged { topic: String },
+    Create {
+        topic: String,
+        partitions: i32,
+    },
+    RaisePartitions {
+        topic: String,
+        from: i32,
+        to: i32,
+    },
+    Unchanged {
+        topic: String,
+    },
     /// A difference left for an operator.
-    Drift { topic: String, what: String },
+    Drift {
+        topic: String,
+        what: String,
+    },
 }
 
 /// Compares declarations with what exists (`name` → partition count).
@@ -98,11 +110,17 @@ pub fn plan(decls: &Declarations, names: &TopicNames, existing: &HashMap<String,
                 }
                 Some(have) if decl.fixed_partitions => Action::Drift {
                     topic,
-                    what: format!("has {have} partitions, declared {}; this count cannot change without resharding", decl.partitions),
+                    what: format!(
+                        "has {have} partitions, declared {}; this count cannot change without resharding",
+                        decl.partitions
+                    ),
                 },
                 Some(have) => Action::Drift {
                     topic,
-                    what: format!("has {have} partitions, declared {} (Kafka cannot lower a partition count)", decl.partitions),
+                    what: format!(
+                        "has {have} partitions, declared {} (Kafka cannot lower a partition count)",
+                        decl.partitions
+                    ),
                 },
             }
         })
@@ -131,10 +149,12 @@ pub async fn apply(kafka: &KafkaConfig, decls: &Declarations) -> Result<Vec<Acti
     let mut new_topics = Vec::new();
     for action in &actions {
         if let Action::Create { topic, partitions } = action {
-            let (_, retention_ms, policy) = retention.iter().find(|(n, _, _)| n == topic).ok_or_else(|| {
-                Error::Topics(format!("{topic}: internal error, declaration vanished"))
-            })?;
-            let mut new_topic = NewTopic::new(topic, *partitions, TopicReplication::Fixed(-1)).set("cleanup.policy", policy);
+            let (_, retention_ms, policy) = retention
+                .iter()
+                .find(|(n, _, _)| n == topic)
+                .ok_or_else(|| Error::Topics(format!("{topic}: internal error, declaration vanished")))?;
+            let mut new_topic =
+                NewTopic::new(topic, *partitions, TopicReplication::Fixed(-1)).set("cleanup.policy", policy);
             if let Some(ms) = retention_ms {
                 new_topic = new_topic.set("retention.ms", ms);
             }
@@ -219,8 +239,10 @@ mod tests {
         )
         .unwrap();
         let names = TopicNames::new("p.");
-        let existing: HashMap<String, i32> =
-            [("p.same", 2), ("p.grow", 2), ("p.shrink", 3), ("p.fixed", 4)].into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        let existing: HashMap<String, i32> = [("p.same", 2), ("p.grow", 2), ("p.shrink", 3), ("p.fixed", 4)]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
         let actions = plan(&decls, &names, &existing);
         assert_eq!(actions[0], Action::Create { topic: "p.new".into(), partitions: 2 });
         assert_eq!(actions[1], Action::Unchanged { topic: "p.same".into() });

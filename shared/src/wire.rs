@@ -93,8 +93,8 @@ impl ShardMessage {
     }
 
     pub fn decode(bytes: &[u8]) -> Result<Self> {
-        let (message, used) = bincode::serde::decode_from_slice(bytes, bincode_config())
-            .map_err(|err| Error::Wire(err.to_string()))?;
+        let (message, used) =
+            bincode::serde::decode_from_slice(bytes, bincode_config()).map_err(|err| Error::Wire(err.to_string()))?;
         if used != bytes.len() {
             return Err(Error::Wire(format!("{} trailing bytes", bytes.len() - used)));
         }
@@ -252,7 +252,8 @@ mod tests {
     fn garbage_is_an_error_not_a_panic() {
         assert!(ShardMessage::decode(&[0xff; 7]).is_err());
         assert!(ShardMessage::decode(&[]).is_err());
-        let mut bytes = ShardMessage::Increments { source: Source { stream: 1, partition: 0 }, entries: vec![] }.encode().unwrap();
+        let mut bytes =
+            ShardMessage::Increments { source: Source { stream: 1, partition: 0 }, entries: vec![] }.encode().unwrap();
         bytes.push(0);
         assert!(ShardMessage::decode(&bytes).is_err());
     }

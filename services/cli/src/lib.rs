@@ -188,7 +188,10 @@ async fn query(config: &TallyConfig, args: QueryArgs) -> anyhow::Result<()> {
     let entity = utf8_percent_encode(&args.entity, NON_ALPHANUMERIC);
     let metric = utf8_percent_encode(&args.metric, NON_ALPHANUMERIC);
     let url = if args.series {
-        format!("{base}/v1/counters/{entity}/{metric}/series?step={}&range={}&kind={}", args.step, args.range, args.kind)
+        format!(
+            "{base}/v1/counters/{entity}/{metric}/series?step={}&range={}&kind={}",
+            args.step, args.range, args.kind
+        )
     } else {
         format!("{base}/v1/counters/{entity}/{metric}?window={}&kind={}", args.window, args.kind)
     };
@@ -207,7 +210,8 @@ async fn query(config: &TallyConfig, args: QueryArgs) -> anyhow::Result<()> {
 }
 
 async fn bench_counter(increments: usize, baseline_increments: usize, entities: usize) -> anyhow::Result<()> {
-    let options = tally_counter::bench::BenchOptions { increments, baseline_increments, entities, ..Default::default() };
+    let options =
+        tally_counter::bench::BenchOptions { increments, baseline_increments, entities, ..Default::default() };
     println!(
         "counter apply bench: {} increments (baseline {}), {} entities, Zipf s={}, {} increments/record, {} records/batch, RocksDB on disk",
         options.increments, options.baseline_increments, options.entities, options.zipf_exponent, options.increments_per_record, options.records_per_batch
@@ -215,7 +219,10 @@ async fn bench_counter(increments: usize, baseline_increments: usize, entities: 
     let dir = tempfile::Builder::new().prefix("tally-bench").tempdir_in(".")?;
     let path = dir.path().to_path_buf();
     let report = tokio::task::spawn_blocking(move || tally_counter::bench::run(&options, &path)).await??;
-    println!("coalesced batches : {:>12.0} increments/s ({:.0} keys written per batch)", report.coalesced_per_sec, report.keys_per_batch);
+    println!(
+        "coalesced batches : {:>12.0} increments/s ({:.0} keys written per batch)",
+        report.coalesced_per_sec, report.keys_per_batch
+    );
     println!("per-event baseline: {:>12.0} increments/s", report.baseline_per_sec);
     println!("ratio             : {:>12.1}x", report.ratio());
     Ok(())

@@ -42,7 +42,11 @@ pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: Up
             Ok(LocalBroker::start(&binary, port, &kafka_dir)?)
         })
         .await??;
-        println!("tally: local Kafka-protocol broker (Tansu) on {} — data in {}", started.bootstrap_servers, data_dir.join("kafka").display());
+        println!(
+            "tally: local Kafka-protocol broker (Tansu) on {} — data in {}",
+            started.bootstrap_servers,
+            data_dir.join("kafka").display()
+        );
         config.kafka.bootstrap_servers = started.bootstrap_servers.clone();
         broker = Some(started);
     }
@@ -51,7 +55,11 @@ pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: Up
     let created = actions.iter().filter(|a| matches!(a, topics::Action::Create { .. })).count();
     println!("tally: topics ready ({created} created)");
 
-    let counter_dir = if config.counter.data_dir == Path::new("data/counter") { data_dir.join("counter") } else { config.counter.data_dir.clone() };
+    let counter_dir = if config.counter.data_dir == Path::new("data/counter") {
+        data_dir.join("counter")
+    } else {
+        config.counter.data_dir.clone()
+    };
     let mut env = vec![
         ("TALLY__KAFKA__BOOTSTRAP_SERVERS".to_string(), config.kafka.bootstrap_servers.clone()),
         ("TALLY__COUNTER__DATA_DIR".to_string(), counter_dir.display().to_string()),
@@ -68,7 +76,10 @@ pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: Up
     let bin_dir = std::env::current_exe()?.parent().map(Path::to_path_buf).context("locating the service binaries")?;
 
     println!("tally: read API and dashboard  http://{}/", config.query.listen);
-    println!("tally: metrics  ingester http://{}/metrics  counter http://{}/metrics  query http://{}/metrics", config.ingester.admin_listen, config.counter.admin_listen, config.query.admin_listen);
+    println!(
+        "tally: metrics  ingester http://{}/metrics  counter http://{}/metrics  query http://{}/metrics",
+        config.ingester.admin_listen, config.counter.admin_listen, config.query.admin_listen
+    );
     println!("tally: try  tally produce increment user:7 views  then  tally query user:7 views --window 1h   (Ctrl-C stops everything)");
 
     let supervisors: Vec<_> = SERVICES

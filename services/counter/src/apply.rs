@@ -95,7 +95,12 @@ impl ShardStore {
                     batch.put_cf(dedupe_cf, &key, now.to_le_bytes());
                 }
                 report.increments += 1;
-                coalescer.add(increment.entity, increment.metric, increment.ts, Counts { direct: increment.delta, total: increment.delta });
+                coalescer.add(
+                    increment.entity,
+                    increment.metric,
+                    increment.ts,
+                    Counts { direct: increment.delta, total: increment.delta },
+                );
             }
         }
 
@@ -106,7 +111,13 @@ impl ShardStore {
             encode_count_key(&mut key, entity, metric, width_ms, bucket);
             batch.merge_cf(counts_cf, &key, counts.encode());
             if collect_changes {
-                report.changed.push(ChangedBucket { entity: entity.into(), metric: metric.into(), width_ms, bucket, key: key.clone() });
+                report.changed.push(ChangedBucket {
+                    entity: entity.into(),
+                    metric: metric.into(),
+                    width_ms,
+                    bucket,
+                    key: key.clone(),
+                });
             }
         });
         self.commit(batch, progress)?;
@@ -135,7 +146,16 @@ mod tests {
             entries: entries
                 .iter()
                 .map(|&(offset, index, entity, delta, id)| {
-                    (Stamp { offset, index }, Increment { entity: entity.into(), metric: "views".into(), delta, ts: NOW, id: id.map(Into::into) })
+                    (
+                        Stamp { offset, index },
+                        Increment {
+                            entity: entity.into(),
+                            metric: "views".into(),
+                            delta,
+                            ts: NOW,
+                            id: id.map(Into::into),
+                        },
+                    )
                 })
                 .collect(),
         }
@@ -188,7 +208,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let store = ShardStore::open(0, dir.path(), options()).unwrap();
-            let payload = message(0, &[(1, 0, "a", 1, Some("x")), (2, 0, "a", 1, Some("x")), (3, 0, "b", 1, Some("x"))]);
+            let payload =
+                message(0, &[(1, 0, "a", 1, Some("x")), (2, 0, "a", 1, Some("x")), (3, 0, "b", 1, Some("x"))]);
             let report = store.apply(&[ShardRecord { offset: 0, payload: &payload }], NOW, false).unwrap();
             assert_eq!((report.increments, report.duplicate_ids), (2, 1));
         }

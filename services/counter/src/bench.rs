@@ -100,7 +100,8 @@ fn workload(options: &BenchOptions, count: usize, now: i64, seed: u64) -> Vec<Ve
 }
 
 fn open(dir: &Path, name: &str) -> Result<ShardStore> {
-    let options = StoreOptions { resolutions: Resolutions::default(), dedupe_window_ms: 86_400_000, sync_writes: false };
+    let options =
+        StoreOptions { resolutions: Resolutions::default(), dedupe_window_ms: 86_400_000, sync_writes: false };
     ShardStore::open(0, &dir.join(name), options)
 }
 
@@ -169,7 +170,8 @@ mod tests {
     #[test]
     fn both_paths_write_the_same_counts() {
         let dir = tempfile::tempdir().unwrap();
-        let options = BenchOptions { increments: 5_000, baseline_increments: 5_000, entities: 50, ..Default::default() };
+        let options =
+            BenchOptions { increments: 5_000, baseline_increments: 5_000, entities: 50, ..Default::default() };
         let report = run(&options, dir.path()).unwrap();
         assert!(report.keys_per_batch > 0.0);
         let coalesced = open(dir.path(), "coalesced").unwrap();
@@ -181,7 +183,10 @@ mod tests {
                 assert_eq!(page_c.metrics, page_b.metrics, "answer:{entity} metric{metric}");
             }
         }
-        let total: i64 = (0..50).flat_map(|e| coalesced.metrics(&format!("answer:{e}"), None, 10).unwrap().metrics).map(|m| m.total).sum();
+        let total: i64 = (0..50)
+            .flat_map(|e| coalesced.metrics(&format!("answer:{e}"), None, 10).unwrap().metrics)
+            .map(|m| m.total)
+            .sum();
         assert_eq!(total, 5_000);
     }
 }

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, CommitMode};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext};
 use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaRespErr;
@@ -67,7 +67,8 @@ impl CounterContext {
     /// Opens the stores of the partitions in `tpl`, positions each at its store's
     /// next offset, assigns them and publishes the new ownership.
     fn assign(&self, consumer: &BaseConsumer<Self>, tpl: &mut TopicPartitionList) -> Result<()> {
-        let partitions: Vec<(String, i32)> = tpl.elements().iter().map(|e| (e.topic().to_string(), e.partition())).collect();
+        let partitions: Vec<(String, i32)> =
+            tpl.elements().iter().map(|e| (e.topic().to_string(), e.partition())).collect();
         let mut stores = HashMap::new();
         for (topic, partition) in partitions {
             let shard = partition as u32;
@@ -168,7 +169,11 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         batch.clear();
         let deadline = Instant::now() + linger;
         loop {
-            let wait = if batch.is_empty() { Duration::from_millis(100) } else { deadline.saturating_duration_since(Instant::now()) };
+            let wait = if batch.is_empty() {
+                Duration::from_millis(100)
+            } else {
+                deadline.saturating_duration_since(Instant::now())
+            };
             let polled = consumer.poll(wait);
             if shards.epoch() != epoch {
                 // Positions were reset from the stores: what was collected before

@@ -22,10 +22,7 @@ pub struct ReadState {
 }
 
 pub fn router(state: ReadState) -> Router {
-    Router::new()
-        .route("/internal/v1/read", post(read))
-        .route("/internal/v1/metrics", post(metrics))
-        .with_state(state)
+    Router::new().route("/internal/v1/read", post(read)).route("/internal/v1/metrics", post(metrics)).with_state(state)
 }
 
 fn error(status: StatusCode, code: &str, message: String) -> Response {
@@ -49,7 +46,9 @@ async fn read(State(state): State<ReadState>, Json(request): Json<ShardReadReque
 
 async fn metrics(State(state): State<ReadState>, Json(request): Json<ShardMetricsRequest>) -> Response {
     let Some(store) = state.shards.get(request.shard) else { return not_owner(request.shard) };
-    let answered = tokio::task::spawn_blocking(move || store.metrics(&request.entity, request.after.as_deref(), request.limit)).await;
+    let answered =
+        tokio::task::spawn_blocking(move || store.metrics(&request.entity, request.after.as_deref(), request.limit))
+            .await;
     match answered {
         Ok(Ok(page)) => Json(page).into_response(),
         Ok(Err(err)) => error(StatusCode::INTERNAL_SERVER_ERROR, "storage", err.to_string()),

@@ -21,25 +21,58 @@ impl Metrics {
     pub fn new(registry: &Registry) -> Self {
         let sizes = vec![1.0, 10.0, 100.0, 1_000.0, 10_000.0, 100_000.0];
         let histogram = |name: &str, help: &str, buckets: Vec<f64>| {
-            register(registry, Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets)).expect("valid histogram options"))
+            register(
+                registry,
+                Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets)).expect("valid histogram options"),
+            )
         };
         Self {
-            applied_increments: register(registry, IntCounter::new("tally_counter_applied_increments_total", "Increments applied to shard stores").expect("valid metric")),
+            applied_increments: register(
+                registry,
+                IntCounter::new("tally_counter_applied_increments_total", "Increments applied to shard stores")
+                    .expect("valid metric"),
+            ),
             duplicates: register(
                 registry,
-                IntCounterVec::new(Opts::new("tally_counter_duplicates_total", "Increments dropped as duplicates"), &["reason"]).expect("valid metric"),
+                IntCounterVec::new(
+                    Opts::new("tally_counter_duplicates_total", "Increments dropped as duplicates"),
+                    &["reason"],
+                )
+                .expect("valid metric"),
             ),
             batch_records: histogram("tally_counter_batch_records", "Shard records per applied batch", sizes.clone()),
             batch_keys: histogram("tally_counter_batch_keys", "Distinct bucket keys written per batch", sizes),
-            apply_seconds: histogram("tally_counter_apply_seconds", "Time to apply and persist one shard batch", prometheus::exponential_buckets(0.0001, 4.0, 9).expect("valid buckets")),
-            undecodable_records: register(registry, IntCounter::new("tally_counter_undecodable_records_total", "Shard records that could not be decoded").expect("valid metric")),
+            apply_seconds: histogram(
+                "tally_counter_apply_seconds",
+                "Time to apply and persist one shard batch",
+                prometheus::exponential_buckets(0.0001, 4.0, 9).expect("valid buckets"),
+            ),
+            undecodable_records: register(
+                registry,
+                IntCounter::new("tally_counter_undecodable_records_total", "Shard records that could not be decoded")
+                    .expect("valid metric"),
+            ),
             consumer_lag: register(
                 registry,
-                IntGaugeVec::new(Opts::new("tally_counter_consumer_lag_records", "Shard-topic records not yet applied"), &["shard"]).expect("valid metric"),
+                IntGaugeVec::new(
+                    Opts::new("tally_counter_consumer_lag_records", "Shard-topic records not yet applied"),
+                    &["shard"],
+                )
+                .expect("valid metric"),
             ),
-            owned_shards: register(registry, IntGauge::new("tally_counter_owned_shards", "Shards this process owns").expect("valid metric")),
-            reads: register(registry, IntCounter::new("tally_counter_read_queries_total", "Queries answered").expect("valid metric")),
-            rollups_published: register(registry, IntCounter::new("tally_counter_rollups_published_total", "Rollup records published").expect("valid metric")),
+            owned_shards: register(
+                registry,
+                IntGauge::new("tally_counter_owned_shards", "Shards this process owns").expect("valid metric"),
+            ),
+            reads: register(
+                registry,
+                IntCounter::new("tally_counter_read_queries_total", "Queries answered").expect("valid metric"),
+            ),
+            rollups_published: register(
+                registry,
+                IntCounter::new("tally_counter_rollups_published_total", "Rollup records published")
+                    .expect("valid metric"),
+            ),
         }
     }
 }

@@ -2,7 +2,9 @@
 //! request from one RocksDB snapshot.
 
 use rocksdb::{Direction, IteratorMode, ReadOptions};
-use tally_shared::keys::{decode_count_key, encode_count_key, encode_entity_prefix, encode_resolution_prefix, Counts, ALL_TIME_WIDTH};
+use tally_shared::keys::{
+    decode_count_key, encode_count_key, encode_entity_prefix, encode_resolution_prefix, Counts, ALL_TIME_WIDTH,
+};
 use tally_shared::wire::{Kind, MetricTotals, ShardAnswer, ShardMetricsResponse, ShardQuery};
 
 use crate::error::Result;
@@ -37,7 +39,12 @@ impl ShardStore {
                 key.clear();
                 encode_count_key(&mut key, &query.entity, &query.metric, ALL_TIME_WIDTH, 0);
                 let counts = snapshot.get_pinned_cf(cf, &key)?.map(|v| Counts::decode(&v)).unwrap_or_default();
-                answers.push(ShardAnswer::Window { value: pick(counts, query.kind), resolution: "all".into(), from: 0, to: plan.to });
+                answers.push(ShardAnswer::Window {
+                    value: pick(counts, query.kind),
+                    resolution: "all".into(),
+                    from: 0,
+                    to: plan.to,
+                });
                 continue;
             };
             let end = plan.start + plan.step * plan.points as i64;
@@ -66,7 +73,12 @@ impl ShardStore {
                     resolution: resolution.name.clone(),
                     points: points.iter().enumerate().map(|(i, v)| (plan.start + i as i64 * plan.step, *v)).collect(),
                 },
-                _ => ShardAnswer::Window { value: points[0], resolution: resolution.name.clone(), from: plan.start, to: plan.to },
+                _ => ShardAnswer::Window {
+                    value: points[0],
+                    resolution: resolution.name.clone(),
+                    from: plan.start,
+                    to: plan.to,
+                },
             };
             answers.push(answer);
         }
@@ -139,7 +151,10 @@ mod tests {
                 .iter()
                 .enumerate()
                 .map(|(i, &(entity, metric, delta, ts))| {
-                    (Stamp { offset: i as i64, index: 0 }, Increment { entity: entity.into(), metric: metric.into(), delta, ts, id: None })
+                    (
+                        Stamp { offset: i as i64, index: 0 },
+                        Increment { entity: entity.into(), metric: metric.into(), delta, ts, id: None },
+                    )
                 })
                 .collect(),
         }
@@ -155,7 +170,13 @@ mod tests {
 
     #[test]
     fn windows_series_and_all_time() {
-        let (_dir, store) = store_with(&[("e", "v", 1, NOW), ("e", "v", 2, NOW - 120_000), ("e", "v", 4, NOW - 7_200_000), ("e", "w", 8, NOW), ("f", "v", 16, NOW)]);
+        let (_dir, store) = store_with(&[
+            ("e", "v", 1, NOW),
+            ("e", "v", 2, NOW - 120_000),
+            ("e", "v", 4, NOW - 7_200_000),
+            ("e", "w", 8, NOW),
+            ("f", "v", 16, NOW),
+        ]);
         let answers = store
             .read(
                 &[
@@ -181,11 +202,19 @@ mod tests {
 
     #[test]
     fn metrics_paginate_in_name_order() {
-        let events: Vec<(&str, &str, i64, i64)> =
-            vec![("e", "c", 3, NOW), ("e", "a", 1, NOW), ("e", "b", 2, NOW), ("e", "b", 2, NOW - 3_600_000), ("e2", "a", 9, NOW)];
+        let events: Vec<(&str, &str, i64, i64)> = vec![
+            ("e", "c", 3, NOW),
+            ("e", "a", 1, NOW),
+            ("e", "b", 2, NOW),
+            ("e", "b", 2, NOW - 3_600_000),
+            ("e2", "a", 9, NOW),
+        ];
         let (_dir, store) = store_with(&events);
         let page = store.metrics("e", None, 2).unwrap();
-        assert_eq!(page.metrics.iter().map(|m| (m.metric.as_str(), m.total)).collect::<Vec<_>>(), vec![("a", 1), ("b", 4)]);
+        assert_eq!(
+            page.metrics.iter().map(|m| (m.metric.as_str(), m.total)).collect::<Vec<_>>(),
+            vec![("a", 1), ("b", 4)]
+        );
         assert!(page.more);
         let page = store.metrics("e", Some("b"), 2).unwrap();
         assert_eq!(page.metrics.iter().map(|m| m.metric.as_str()).collect::<Vec<_>>(), vec!["c"]);

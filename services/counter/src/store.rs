@@ -78,7 +78,9 @@ impl ShardStore {
         counts.set_compaction_filter("tally_bucket_ttl", move |_level: u32, key: &[u8], _value: &[u8]| {
             match decode_count_key(key) {
                 Some(k) if k.width_ms != ALL_TIME_WIDTH => match retention.get(&k.width_ms) {
-                    Some(&keep) if k.bucket.saturating_add(k.width_ms).saturating_add(keep) <= wall_clock_ms() => Decision::Remove,
+                    Some(&keep) if k.bucket.saturating_add(k.width_ms).saturating_add(keep) <= wall_clock_ms() => {
+                        Decision::Remove
+                    }
                     _ => Decision::Keep,
                 },
                 _ => Decision::Keep,
@@ -96,7 +98,8 @@ impl ShardStore {
             }
         });
 
-        let families = vec![ColumnFamilyDescriptor::new(CF_COUNTS, counts), ColumnFamilyDescriptor::new(CF_DEDUPE, dedupe)];
+        let families =
+            vec![ColumnFamilyDescriptor::new(CF_COUNTS, counts), ColumnFamilyDescriptor::new(CF_DEDUPE, dedupe)];
         let db = DB::open_cf_descriptors(&db_options, path, families)?;
         let progress = Self::load_progress(&db)?;
         Ok(Self { shard, db, options, progress: Mutex::new(progress) })
@@ -120,7 +123,9 @@ impl ShardStore {
     }
 
     pub(crate) fn cf(&self, name: &str) -> Result<&ColumnFamily> {
-        self.db.cf_handle(name).ok_or_else(|| Error::Shard { shard: self.shard, message: format!("column family {name} missing") })
+        self.db
+            .cf_handle(name)
+            .ok_or_else(|| Error::Shard { shard: self.shard, message: format!("column family {name} missing") })
     }
 
     /// A copy of the committed progress.
@@ -200,7 +205,10 @@ fn decode_stamp(bytes: &[u8]) -> Option<Stamp> {
     if bytes.len() != 12 {
         return None;
     }
-    Some(Stamp { offset: i64::from_le_bytes(bytes[..8].try_into().ok()?), index: u32::from_le_bytes(bytes[8..].try_into().ok()?) })
+    Some(Stamp {
+        offset: i64::from_le_bytes(bytes[..8].try_into().ok()?),
+        index: u32::from_le_bytes(bytes[8..].try_into().ok()?),
+    })
 }
 
 #[cfg(test)]

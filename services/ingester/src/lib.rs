@@ -120,7 +120,9 @@ async fn deliver(producer: &FutureProducer, outgoing: Vec<Outgoing>) -> Result<(
                     deliveries.push(delivery);
                     break;
                 }
-                Err((err, returned)) if matches!(err.rdkafka_error_code(), Some(rdkafka::types::RDKafkaErrorCode::QueueFull)) => {
+                Err((err, returned))
+                    if matches!(err.rdkafka_error_code(), Some(rdkafka::types::RDKafkaErrorCode::QueueFull)) =>
+                {
                     record = returned;
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }

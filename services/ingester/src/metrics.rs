@@ -15,16 +15,36 @@ pub struct Metrics {
 impl Metrics {
     pub fn new(registry: &Registry) -> Self {
         Self {
-            input_records: register(registry, IntCounter::new("tally_ingester_input_records_total", "Producer records consumed").expect("valid metric")),
-            accepted_increments: register(registry, IntCounter::new("tally_ingester_accepted_increments_total", "Valid increments routed to shards").expect("valid metric")),
-            dead_letters: register(registry, IntCounter::new("tally_ingester_dead_letters_total", "Rejected elements sent to the dead-letter topic").expect("valid metric")),
+            input_records: register(
+                registry,
+                IntCounter::new("tally_ingester_input_records_total", "Producer records consumed")
+                    .expect("valid metric"),
+            ),
+            accepted_increments: register(
+                registry,
+                IntCounter::new("tally_ingester_accepted_increments_total", "Valid increments routed to shards")
+                    .expect("valid metric"),
+            ),
+            dead_letters: register(
+                registry,
+                IntCounter::new("tally_ingester_dead_letters_total", "Rejected elements sent to the dead-letter topic")
+                    .expect("valid metric"),
+            ),
             batch_records: register(
                 registry,
-                Histogram::with_opts(HistogramOpts::new("tally_ingester_batch_records", "Input records per batch").buckets(vec![1.0, 10.0, 100.0, 1_000.0, 10_000.0])).expect("valid metric"),
+                Histogram::with_opts(
+                    HistogramOpts::new("tally_ingester_batch_records", "Input records per batch")
+                        .buckets(vec![1.0, 10.0, 100.0, 1_000.0, 10_000.0]),
+                )
+                .expect("valid metric"),
             ),
             consumer_lag: register(
                 registry,
-                IntGaugeVec::new(Opts::new("tally_ingester_consumer_lag_records", "Input records not yet consumed"), &["partition"]).expect("valid metric"),
+                IntGaugeVec::new(
+                    Opts::new("tally_ingester_consumer_lag_records", "Input records not yet consumed"),
+                    &["partition"],
+                )
+                .expect("valid metric"),
             ),
         }
     }

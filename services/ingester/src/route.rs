@@ -101,7 +101,9 @@ impl Router {
                     };
                     let key = format!("{}/{}/{}", record.topic, record.partition, record.offset).into_bytes();
                     match serde_json::to_vec(&letter) {
-                        Ok(payload) => outgoing.push(Outgoing { topic: dead_letter_topic.clone(), partition: None, key, payload }),
+                        Ok(payload) => {
+                            outgoing.push(Outgoing { topic: dead_letter_topic.clone(), partition: None, key, payload })
+                        }
                         Err(err) => tracing::error!(error = %err, "cannot encode a dead letter"),
                     }
                 },
@@ -141,14 +143,21 @@ mod tests {
     fn routes_valid_entries_by_entity_and_bad_ones_to_dead_letter() {
         let router = Router::new(TopicNames::new("tally."), 4);
         let records = [
-            record(0, 10, r#"[{"entity":"a","metric":"v"},{"entity":"b","metric":"BAD"},{"entity":"c","metric":"v","delta":3}]"#),
+            record(
+                0,
+                10,
+                r#"[{"entity":"a","metric":"v"},{"entity":"b","metric":"BAD"},{"entity":"c","metric":"v","delta":3}]"#,
+            ),
             record(1, 7, r#"{"entity":"a","metric":"v","ts":99}"#),
             record(1, 8, "not json"),
         ];
         let (out, accepted, rejected) = router.route_records(&records);
         assert_eq!((accepted, rejected), (3, 2));
-        let letters: Vec<DeadLetter> =
-            out.iter().filter(|o| o.topic == "tally.dead-letter").map(|o| serde_json::from_slice(&o.payload).unwrap()).collect();
+        let letters: Vec<DeadLetter> = out
+            .iter()
+            .filter(|o| o.topic == "tally.dead-letter")
+            .map(|o| serde_json::from_slice(&o.payload).unwrap())
+            .collect();
         assert_eq!(letters.len(), 2);
         assert_eq!((letters[0].partition, letters[0].offset, letters[0].index), (0, 10, Some(1)));
         assert_eq!(letters[0].reason, "metric: must match [a-z0-9_.:-]{1,64}");
@@ -174,7 +183,10 @@ mod tests {
     #[test]
     fn routing_is_deterministic_for_replays() {
         let router = Router::new(TopicNames::new("tally."), 8);
-        let payload: String = format!("[{}]", (0..9000).map(|i| format!(r#"{{"entity":"e{}","metric":"v"}}"#, i % 3)).collect::<Vec<_>>().join(","));
+        let payload: String = format!(
+            "[{}]",
+            (0..9000).map(|i| format!(r#"{{"entity":"e{}","metric":"v"}}"#, i % 3)).collect::<Vec<_>>().join(",")
+        );
         let records = [record(0, 1, &payload)];
         let (first, _, _) = router.route_records(&records);
         let (second, _, _) = router.route_records(&records);

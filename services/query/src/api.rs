@@ -43,7 +43,9 @@ pub fn router(state: Arc<ApiState>) -> Router {
     Router::new()
         .route("/", get(|| async { Html(include_str!("dashboard.html")) }))
         .merge(v1)
-        .fallback(|| async { ApiError { status: StatusCode::NOT_FOUND, code: "not_found", message: "no such endpoint".into() } })
+        .fallback(|| async {
+            ApiError { status: StatusCode::NOT_FOUND, code: "not_found", message: "no such endpoint".into() }
+        })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
@@ -53,8 +55,12 @@ async fn authorize(State(state): State<Arc<ApiState>>, request: Request, next: N
         let expected = format!("Bearer {token}");
         let given = request.headers().get(AUTHORIZATION).and_then(|v| v.to_str().ok());
         if given != Some(expected.as_str()) {
-            return ApiError { status: StatusCode::UNAUTHORIZED, code: "unauthorized", message: "a valid bearer token is required".into() }
-                .into_response();
+            return ApiError {
+                status: StatusCode::UNAUTHORIZED,
+                code: "unauthorized",
+                message: "a valid bearer token is required".into(),
+            }
+            .into_response();
         }
     }
     next.run(request).await
@@ -117,7 +123,8 @@ fn parse_window(window: Option<&str>) -> Result<(WindowSpec, String), ApiError> 
     match window.unwrap_or("all") {
         "all" => Ok((WindowSpec::All, "all".into())),
         text => {
-            let ms = parse_duration(text).map_err(|err| ApiError::bad_request("invalid_window", format!("window: {err}")))?;
+            let ms = parse_duration(text)
+                .map_err(|err| ApiError::bad_request("invalid_window", format!("window: {err}")))?;
             Ok((WindowSpec::Last { window_ms: ms }, format_duration(ms)))
         }
     }
@@ -181,8 +188,10 @@ async fn series(
     let Query(params) = params.map_err(query_error)?;
     check_counter(&entity, &metric)?;
     let kind = parse_kind(params.kind.as_deref())?;
-    let step_ms = parse_duration(params.step.as_deref().unwrap_or("1h")).map_err(|e| ApiError::bad_request("invalid_step", format!("step: {e}")))?;
-    let range_ms = parse_duration(params.range.as_deref().unwrap_or("24h")).map_err(|e| ApiError::bad_request("invalid_range", format!("range: {e}")))?;
+    let step_ms = parse_duration(params.step.as_deref().unwrap_or("1h"))
+        .map_err(|e| ApiError::bad_request("invalid_step", format!("step: {e}")))?;
+    let range_ms = parse_duration(params.range.as_deref().unwrap_or("24h"))
+        .map_err(|e| ApiError::bad_request("invalid_range", format!("range: {e}")))?;
     let query = ShardQuery { entity, metric, kind, spec: WindowSpec::Series { step_ms, range_ms } };
     let timer = state.metrics.request_seconds.with_label_values(&["series"]).start_timer();
     let mut answers = state.fanout.read(vec![query.clone()], now_ms()).await?;
@@ -198,10 +207,16 @@ async fn series(
     }
 }
 
-async fn batch(State(state): State<Arc<ApiState>>, body: Result<Json<BatchBody>, JsonRejection>) -> Result<Json<Value>, ApiError> {
+async fn batch(
+    State(state): State<Arc<ApiState>>,
+    body: Result<Json<BatchBody>, JsonRejection>,
+) -> Result<Json<Value>, ApiError> {
     let Json(body) = body.map_err(|rejection| ApiError::bad_request("invalid_body", rejection.body_text()))?;
     if body.queries.len() > state.max_batch {
-        return Err(ApiError::bad_request("batch_too_large", format!("at most {} queries per request", state.max_batch)));
+        return Err(ApiError::bad_request(
+            "batch_too_large",
+            format!("at most {} queries per request", state.max_batch),
+        ));
     }
     let mut queries = Vec::with_capacity(body.queries.len());
     let mut windows = Vec::with_capacity(body.queries.len());
@@ -216,8 +231,12 @@ async fn batch(State(state): State<Arc<ApiState>>, body: Result<Json<BatchBody>,
     let timer = state.metrics.request_seconds.with_label_values(&["batch"]).start_timer();
     let answers = state.fanout.read(queries.clone(), now_ms()).await?;
     timer.observe_duration();
-    let results: Vec<Value> =
-        queries.iter().zip(windows).zip(answers).map(|((query, window), answer)| window_json(query, &window, answer)).collect();
+    let results: Vec<Value> = queries
+        .iter()
+        .zip(windows)
+        .zip(answers)
+        .map(|((query, window), answer)| window_json(query, &window, answer))
+        .collect();
     Ok(Json(json!({ "results": results })))
 }
 

@@ -10,7 +10,9 @@ use futures::future::join_all;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tally_shared::sharding::shard_of;
-use tally_shared::wire::{ShardAnswer, ShardMetricsRequest, ShardMetricsResponse, ShardQuery, ShardReadRequest, ShardReadResponse};
+use tally_shared::wire::{
+    ShardAnswer, ShardMetricsRequest, ShardMetricsResponse, ShardQuery, ShardReadRequest, ShardReadResponse,
+};
 
 use crate::error::ApiError;
 use crate::owners::{Claim, Owners};
@@ -58,28 +60,39 @@ impl Fanout {
     }
 
     /// One page of an entity's metrics.
-    pub async fn metrics(&self, entity: &str, after: Option<String>, limit: usize) -> Result<ShardMetricsResponse, ApiError> {
+    pub async fn metrics(
+        &self,
+        entity: &str,
+        after: Option<String>,
+        limit: usize,
+    ) -> Result<ShardMetricsResponse, ApiError> {
         let shard = self.shard_of(entity);
         let request = ShardMetricsRequest { shard, entity: entity.to_string(), after, limit };
         self.call(shard, "/internal/v1/metrics", &request).await
     }
 
-    async fn call<Req: Serialize, Resp: DeserializeOwned>(&self, shard: u32, path: &str, body: &Req) -> Result<Resp, ApiError> {
+    async fn call<Req: Serialize, Resp: DeserializeOwned>(
+        &self,
+        shard: u32,
+        path: &str,
+        body: &Req,
+    ) -> Result<Resp, ApiError> {
         let mut claim: Option<Claim> = self.owners.get(shard).filter(|c| c.addr.is_some());
         for _ in 0..ATTEMPTS {
             let current = match claim.take() {
                 Some(current) => current,
-                None => self
-                    .owners
-                    .wait_newer(shard, None, self.owner_wait)
-                    .await
-                    .ok_or_else(|| ApiError::unavailable(format!("no counter owns shard {shard} right now; retry shortly")))?,
+                None => self.owners.wait_newer(shard, None, self.owner_wait).await.ok_or_else(|| {
+                    ApiError::unavailable(format!("no counter owns shard {shard} right now; retry shortly"))
+                })?,
             };
             let Some(addr) = &current.addr else { continue };
             let sent = self.client.post(format!("http://{addr}{path}")).json(body).send().await;
             match sent {
                 Ok(response) if response.status().is_success() => {
-                    return response.json::<Resp>().await.map_err(|err| ApiError::unavailable(format!("shard {shard}: bad answer: {err}")));
+                    return response
+                        .json::<Resp>()
+                        .await
+                        .map_err(|err| ApiError::unavailable(format!("shard {shard}: bad answer: {err}")));
                 }
                 Ok(response) if response.status() == reqwest::StatusCode::CONFLICT => {
                     tracing::debug!(shard, addr, "owner moved; waiting for a newer claim");

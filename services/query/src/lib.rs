@@ -42,7 +42,12 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         .build()
         .map_err(|err| Error::Internal(err.to_string()))?;
     let state = Arc::new(api::ApiState {
-        fanout: fanout::Fanout { owners, client, shards, owner_wait: Duration::from_millis(config.query.owner_wait_ms) },
+        fanout: fanout::Fanout {
+            owners,
+            client,
+            shards,
+            owner_wait: Duration::from_millis(config.query.owner_wait_ms),
+        },
         metrics,
         auth_token: config.query.auth_token.clone(),
         max_batch: config.query.max_batch,

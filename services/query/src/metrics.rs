@@ -15,8 +15,11 @@ impl Metrics {
         Self {
             request_seconds: register(
                 registry,
-                HistogramVec::new(HistogramOpts::new("tally_query_request_seconds", "Read latency per endpoint").buckets(buckets), &["endpoint"])
-                    .expect("valid metric"),
+                HistogramVec::new(
+                    HistogramOpts::new("tally_query_request_seconds", "Read latency per endpoint").buckets(buckets),
+                    &["endpoint"],
+                )
+                .expect("valid metric"),
             ),
         }
     }

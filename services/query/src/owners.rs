@@ -67,7 +67,12 @@ impl Owners {
 }
 
 /// Follows the owners topic until `shutdown`.
-pub fn follow(kafka: &KafkaConfig, topic: &str, owners: Arc<Owners>, shutdown: CancellationToken) -> Result<std::thread::JoinHandle<()>> {
+pub fn follow(
+    kafka: &KafkaConfig,
+    topic: &str,
+    owners: Arc<Owners>,
+    shutdown: CancellationToken,
+) -> Result<std::thread::JoinHandle<()>> {
     let mut config = client_config(kafka)?;
     config
         .set("group.id", format!("tally-query-{:016x}", rand::random::<u64>()))
@@ -80,10 +85,12 @@ pub fn follow(kafka: &KafkaConfig, topic: &str, owners: Arc<Owners>, shutdown: C
     let handle = std::thread::Builder::new().name("owners".into()).spawn(move || {
         while !shutdown.is_cancelled() {
             match consumer.poll(Duration::from_millis(200)) {
-                Some(Ok(message)) => match serde_json::from_slice::<ShardOwner>(message.payload().unwrap_or_default()) {
-                    Ok(owner) => owners.record(owner, message.offset() as u64 + 1),
-                    Err(err) => tracing::warn!(error = %err, "ignoring a malformed shard-owner record"),
-                },
+                Some(Ok(message)) => {
+                    match serde_json::from_slice::<ShardOwner>(message.payload().unwrap_or_default()) {
+                        Ok(owner) => owners.record(owner, message.offset() as u64 + 1),
+                        Err(err) => tracing::warn!(error = %err, "ignoring a malformed shard-owner record"),
+                    }
+                }
                 Some(Err(err)) => tracing::warn!(error = %err, "owners consumer error"),
                 None => {}
             }
