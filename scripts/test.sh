@@ -27,4 +27,11 @@ export TALLY_TANSU_ROOT="$TANSU_ROOT"
 echo "==> building"
 cargo build --workspace --bins --tests
 echo "==> testing"
-cargo test --workspace -- --test-threads=2
+log="$(mktemp)"
+status=0
+cargo test --workspace -- --test-threads=2 2>&1 | tee "$log" || status=$?
+# One closing line for the whole run (cargo prints one per test binary).
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed;?$/) p += $(i-1); if ($i ~ /^failed;?$/) f += $(i-1) } }
+     END { printf "%d passed, %d failed\n", p, f }' "$log"
+rm -f "$log"
+exit "$status"
