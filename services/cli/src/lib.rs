@@ -107,6 +107,9 @@ enum BenchCommand {
         baseline_increments: usize,
         #[arg(long, default_value_t = 100_000)]
         entities: usize,
+        /// Spread of event times before now, in ms (10 s: a live stream; 3600000: an hour of backfill).
+        #[arg(long, default_value_t = 10_000)]
+        event_spread_ms: i64,
     },
 }
 
@@ -143,8 +146,17 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
             produce(&config, &entity, &serde_json::to_vec(&body)?).await
         }
         Command::Query(args) => query(&config, args).await,
-        Command::Bench { command: BenchCommand::Counter { increments, baseline_increments, entities } } => {
-            bench_counter(increments, baseline_increments, entities).await
+        Command::Bench {
+            command: BenchCommand::Counter { increments, baseline_increments, entities, event_spread_ms },
+        } => {
+            let options = tally_counter::bench::BenchOptions {
+                increments,
+                baseline_increments,
+                entities,
+                event_spread_ms,
+                ..Default::default()
+            };
+            bench_counter(options).await
         }
     }
 }
@@ -209,12 +221,10 @@ async fn query(config: &TallyConfig, args: QueryArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn bench_counter(increments: usize, baseline_increments: usize, entities: usize) -> anyhow::Result<()> {
-    let options =
-        tally_counter::bench::BenchOptions { increments, baseline_increments, entities, ..Default::default() };
+async fn bench_counter(options: tally_counter::bench::BenchOptions) -> anyhow::Result<()> {
     println!(
-        "counter apply bench: {} increments (baseline {}), {} entities, Zipf s={}, {} increments/record, {} records/batch, RocksDB on disk",
-        options.increments, options.baseline_increments, options.entities, options.zipf_exponent, options.increments_per_record, options.records_per_batch
+        "counter apply bench: {} increments (baseline {}), {} entities, Zipf s={}, {} increments/record, {} records/batch, events over the last {} ms, RocksDB on disk",
+        options.increments, options.baseline_increments, options.entities, options.zipf_exponent, options.increments_per_record, options.records_per_batch, options.event_spread_ms
     );
     let dir = tempfile::Builder::new().prefix("tally-bench").tempdir_in(".")?;
     let path = dir.path().to_path_buf();

@@ -33,6 +33,8 @@ pub struct BenchOptions {
     pub increments_per_record: usize,
     /// Records per applied batch.
     pub records_per_batch: usize,
+    /// Event times are spread over this many ms before now (a live stream: seconds).
+    pub event_spread_ms: i64,
 }
 
 impl Default for BenchOptions {
@@ -45,6 +47,7 @@ impl Default for BenchOptions {
             zipf_exponent: 1.1,
             increments_per_record: 100,
             records_per_batch: 500,
+            event_spread_ms: 10_000,
         }
     }
 }
@@ -86,7 +89,7 @@ fn workload(options: &BenchOptions, count: usize, now: i64, seed: u64) -> Vec<Ve
                     entity: format!("answer:{entity}"),
                     metric: format!("metric{}", rng.random_range(0..options.metrics)),
                     delta: 1,
-                    ts: now - rng.random_range(0..3_600_000),
+                    ts: now - rng.random_range(0..options.event_spread_ms.max(1)),
                     id: None,
                 };
                 (Stamp { offset, index: index as u32 }, increment)
