@@ -5,18 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(cmake libclang-dev libcurl4-openssl-dev librocksdb-dev)
-missing=()
-for p in "${packages[@]}"; do
-  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "==> installing ${missing[*]}"
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq
-  $SUDO DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
-fi
+source scripts/common.sh
+install_native_packages
 
+# The e2e tests start Tansu themselves and would install it too; installing it here
+# first keeps parallel tests from racing to install it (same path and version as
+# shared/src/local_broker.rs).
 TANSU_ROOT="${TALLY_TANSU_ROOT:-$HOME/.cache/tally/tansu-0.6.0}"
 if [ ! -x "$TANSU_ROOT/bin/tansu" ]; then
   echo "==> installing Tansu 0.6.0 into $TANSU_ROOT (once per machine, ~16-25 min on 2 cores)"

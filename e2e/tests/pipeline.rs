@@ -7,7 +7,7 @@ use std::time::Duration;
 use base64::Engine;
 use tally_e2e::workload::Workload;
 use tally_e2e::{check, Sandbox};
-use tally_shared::wire::DeadLetter;
+use tally_shared::wire::{DeadLetter, Rollup};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn counts_windows_series_and_dead_letters_match_the_model() {
@@ -25,6 +25,23 @@ async fn counts_windows_series_and_dead_letters_match_the_model() {
     check::series(&sandbox, model, &entities[entities.len() - 2..], metrics).await;
     check::listings(&sandbox, model, entities).await;
     check::bad_requests(&sandbox).await;
+
+    // The latest all-time rollup of every counter equals the model.
+    let mut latest = std::collections::HashMap::new();
+    for raw in sandbox.read_topic(&sandbox.names.rollups(), usize::MAX, Duration::from_secs(10)) {
+        let rollup: Rollup = serde_json::from_slice(&raw).expect("rollups are JSON");
+        if rollup.resolution == "all" {
+            latest.insert((rollup.entity.clone(), rollup.metric.clone()), rollup);
+        }
+    }
+    for entity in entities {
+        for (metric, total) in model.metrics(entity) {
+            let rollup = latest
+                .get(&(entity.clone(), metric.clone()))
+                .unwrap_or_else(|| panic!("no rollup for {entity} {metric}"));
+            assert_eq!((rollup.total, rollup.direct), (total, total), "{entity} {metric}");
+        }
+    }
 
     let letters = sandbox.read_topic(&sandbox.names.dead_letter(), workload.rejections + 1, Duration::from_secs(20));
     assert_eq!(letters.len(), workload.rejections, "every rejection, once");

@@ -221,7 +221,10 @@ impl TallyConfig {
             }
             figment = figment.merge(Toml::file(path));
         }
-        let sections = ["kafka", "counting", "log", "ingester", "counter", "query"];
+        // The top-level sections, read off the struct so the list cannot drift.
+        let defaults = serde_json::to_value(TallyConfig::default()).map_err(|err| Error::Config(err.to_string()))?;
+        let sections: Vec<&str> =
+            defaults.as_object().map(|o| o.keys().map(String::as_str).collect()).unwrap_or_default();
         let overrides: Vec<(String, String)> = env
             .into_iter()
             .filter_map(|(key, value)| {

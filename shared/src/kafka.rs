@@ -92,17 +92,23 @@ pub fn partition_count<X: ConsumerContext>(consumer: &BaseConsumer<X>, topic: &s
     Ok(partitions as u32)
 }
 
-/// Waits until `topic` exists with at least one partition, up to `timeout`.
-pub fn wait_for_topic(kafka: &KafkaConfig, topic: &str, timeout: Duration) -> Result<u32> {
+/// Waits until `topic` exists with at least one partition, up to `timeout`; returns
+/// its partition count. The metadata calls block, so they run off the async runtime.
+pub async fn wait_for_topic(kafka: &KafkaConfig, topic: &str, timeout: Duration) -> Result<u32> {
     let consumer: BaseConsumer = client_config(kafka)?.create()?;
-    let deadline = std::time::Instant::now() + timeout;
-    loop {
-        match partition_count(&consumer, topic, Duration::from_secs(5)) {
-            Ok(n) => return Ok(n),
-            Err(err) if std::time::Instant::now() >= deadline => return Err(err),
-            Err(_) => std::thread::sleep(Duration::from_millis(250)),
+    let topic = topic.to_string();
+    let waited = tokio::task::spawn_blocking(move || {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            match partition_count(&consumer, &topic, Duration::from_secs(5)) {
+                Ok(n) => return Ok(n),
+                Err(err) if std::time::Instant::now() >= deadline => return Err(err),
+                Err(_) => std::thread::sleep(Duration::from_millis(250)),
+            }
         }
-    }
+    })
+    .await;
+    waited.map_err(|err| Error::Topics(format!("waiting for a topic: {err}")))?
 }
 
 /// Wall-clock milliseconds since the epoch.

@@ -3,8 +3,8 @@
 //! The pure parts — [`validate`], [`input`], [`time`], [`keys`], [`counting`],
 //! [`sharding`], [`wire`] and the brute-force [`model`] — know nothing of Kafka,
 //! RocksDB or tokio and are proved with property tests. The glue — [`config`],
-//! [`telemetry`], [`shutdown`], [`kafka`], [`topics`] and [`local_broker`] — is what
-//! every binary needs to run as a well-behaved service.
+//! [`telemetry`], [`shutdown`], [`service`], [`kafka`], [`topics`] and
+//! [`local_broker`] — is what every binary needs to run as a well-behaved service.
 
 pub mod config;
 pub mod counting;

@@ -21,7 +21,7 @@ mod tests {
     #[test]
     fn hash_is_stable_across_releases() {
         // Pinned values: changing the hash reshuffles every deployed shard.
-        assert_eq!(shard_of("answer:42", 8), shard_of("answer:42", 8));
+        assert_eq!(shard_of("answer:42", 8), (0xafd7_3d82_4d64_c379_u64 % 8) as u32);
         assert_eq!(shard_of("", 1), 0);
         assert_eq!(shard_of("a", 1_000_000), (0xaf63_dc4c_8601_ec8c_u64 % 1_000_000) as u32);
     }

@@ -141,20 +141,13 @@ pub async fn apply(kafka: &KafkaConfig, decls: &Declarations) -> Result<Vec<Acti
     let actions = plan(decls, &names, &existing);
     let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
 
-    let retention: Vec<(String, Option<String>, String)> = decls
-        .topics
-        .iter()
-        .map(|d| (names.name(&d.name), d.retention_ms.map(|r| r.to_string()), d.cleanup_policy.clone()))
-        .collect();
+    // `plan` yields one action per declaration, in order.
+    let retention: Vec<Option<String>> = decls.topics.iter().map(|d| d.retention_ms.map(|ms| ms.to_string())).collect();
     let mut new_topics = Vec::new();
-    for action in &actions {
+    for ((action, decl), retention_ms) in actions.iter().zip(&decls.topics).zip(&retention) {
         if let Action::Create { topic, partitions } = action {
-            let (_, retention_ms, policy) = retention
-                .iter()
-                .find(|(n, _, _)| n == topic)
-                .ok_or_else(|| Error::Topics(format!("{topic}: internal error, declaration vanished")))?;
-            let mut new_topic =
-                NewTopic::new(topic, *partitions, TopicReplication::Fixed(-1)).set("cleanup.policy", policy);
+            let mut new_topic = NewTopic::new(topic, *partitions, TopicReplication::Fixed(-1))
+                .set("cleanup.policy", &decl.cleanup_policy);
             if let Some(ms) = retention_ms {
                 new_topic = new_topic.set("retention.ms", ms);
             }

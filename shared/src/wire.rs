@@ -89,7 +89,21 @@ fn bincode_config() -> bincode::config::Configuration {
 
 impl ShardMessage {
     pub fn encode(&self) -> Result<Vec<u8>> {
-        bincode::serde::encode_to_vec(self, bincode_config()).map_err(|err| Error::Wire(err.to_string()))
+        match self {
+            ShardMessage::Increments { source, entries } => Self::encode_increments(*source, entries),
+        }
+    }
+
+    /// The bytes of `ShardMessage::Increments { source, entries }` without building
+    /// it, so the ingester encodes its entries in place instead of cloning them.
+    pub fn encode_increments(source: Source, entries: &[(Stamp, Increment)]) -> Result<Vec<u8>> {
+        /// Same shape as [`ShardMessage`] (bincode writes the variant's index, not its name).
+        #[derive(Serialize)]
+        enum Borrowed<'a> {
+            Increments { source: Source, entries: &'a [(Stamp, Increment)] },
+        }
+        bincode::serde::encode_to_vec(Borrowed::Increments { source, entries }, bincode_config())
+            .map_err(|err| Error::Wire(err.to_string()))
     }
 
     pub fn decode(bytes: &[u8]) -> Result<Self> {

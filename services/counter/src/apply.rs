@@ -24,16 +24,6 @@ pub struct ShardRecord<'a> {
     pub payload: &'a [u8],
 }
 
-/// A bucket a batch changed, for rollups.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChangedBucket {
-    pub entity: String,
-    pub metric: String,
-    pub width_ms: i64,
-    pub bucket: i64,
-    pub key: Vec<u8>,
-}
-
 /// What one batch did.
 #[derive(Debug, Default)]
 pub struct ApplyReport {
@@ -49,8 +39,8 @@ pub struct ApplyReport {
     pub duplicate_ids: u64,
     /// Distinct bucket keys written.
     pub keys: usize,
-    /// Filled only when asked for.
-    pub changed: Vec<ChangedBucket>,
+    /// The count keys the batch changed (for rollups); filled only when asked for.
+    pub changed: Vec<Vec<u8>>,
 }
 
 impl ShardStore {
@@ -111,13 +101,7 @@ impl ShardStore {
             encode_count_key(&mut key, entity, metric, width_ms, bucket);
             batch.merge_cf(counts_cf, &key, counts.encode());
             if collect_changes {
-                report.changed.push(ChangedBucket {
-                    entity: entity.into(),
-                    metric: metric.into(),
-                    width_ms,
-                    bucket,
-                    key: key.clone(),
-                });
+                report.changed.push(key.clone());
             }
         });
         self.commit(batch, progress)?;

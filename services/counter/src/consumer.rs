@@ -18,7 +18,7 @@ use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, Message};
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{client_config, now_ms, producer_config, TopicNames};
-use tally_shared::keys::ALL_TIME_WIDTH;
+use tally_shared::keys::{decode_count_key, ALL_TIME_WIDTH};
 use tally_shared::time::Resolutions;
 use tally_shared::wire::{Rollup, ShardOwner};
 use tokio_util::sync::CancellationToken;
@@ -271,9 +271,9 @@ fn publish_rollups(
     if report.changed.is_empty() {
         return Ok(());
     }
-    let keys: Vec<Vec<u8>> = report.changed.iter().map(|c| c.key.clone()).collect();
-    let values = store.get_counts(&keys)?;
-    for (changed, counts) in report.changed.iter().zip(values) {
+    let values = store.get_counts(&report.changed)?;
+    for (stored_key, counts) in report.changed.iter().zip(values) {
+        let Some(changed) = decode_count_key(stored_key) else { continue };
         let resolution = if changed.width_ms == ALL_TIME_WIDTH {
             "all".to_string()
         } else {
@@ -281,8 +281,8 @@ fn publish_rollups(
         };
         let key = format!("{}/{}/{}/{}", changed.entity, changed.metric, resolution, changed.bucket);
         let rollup = Rollup {
-            entity: changed.entity.clone(),
-            metric: changed.metric.clone(),
+            entity: changed.entity.to_string(),
+            metric: changed.metric.to_string(),
             resolution,
             bucket: changed.bucket,
             total: counts.total,

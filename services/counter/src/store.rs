@@ -163,10 +163,10 @@ impl ShardStore {
     }
 
     /// The counts stored under each key (zero when absent).
-    pub fn get_counts(&self, keys: &[Vec<u8>]) -> Result<Vec<Counts>> {
+    pub fn get_counts<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Counts>> {
         let cf = self.cf(CF_COUNTS)?;
         self.db
-            .batched_multi_get_cf(cf, keys.iter(), false)
+            .batched_multi_get_cf(cf, keys.iter().map(AsRef::as_ref), false)
             .into_iter()
             .map(|r| Ok(r?.map(|v| Counts::decode(&v)).unwrap_or_default()))
             .collect()

@@ -8,8 +8,6 @@ pub enum Error {
     Shared(#[from] tally_shared::Error),
     #[error("delivery failed: {0}")]
     Delivery(String),
-    #[error("internal: {0}")]
-    Internal(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -37,11 +37,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let readiness = Readiness::default();
     let admin = serve_admin(&config.ingester.admin_listen, registry, readiness.clone(), shutdown.clone()).await?;
     let names = TopicNames::new(&config.kafka.topic_prefix);
-    let kafka = config.kafka.clone();
-    let shard_topic = names.shards();
-    let shards = tokio::task::spawn_blocking(move || wait_for_topic(&kafka, &shard_topic, Duration::from_secs(60)))
-        .await
-        .map_err(|err| Error::Internal(err.to_string()))??;
+    let shards = wait_for_topic(&config.kafka, &names.shards(), Duration::from_secs(60)).await?;
     tracing::info!(admin = %admin, shards, "tally-ingester starting");
 
     let mut consumer_config = client_config(&config.kafka)?;
@@ -52,11 +48,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let consumer: StreamConsumer = consumer_config.create()?;
     let input = names.increments();
     if config.ingester.static_assignment {
-        let kafka = config.kafka.clone();
-        let topic = input.clone();
-        let partitions = tokio::task::spawn_blocking(move || wait_for_topic(&kafka, &topic, Duration::from_secs(60)))
-            .await
-            .map_err(|err| Error::Internal(err.to_string()))??;
+        let partitions = wait_for_topic(&config.kafka, &input, Duration::from_secs(60)).await?;
         let mut tpl = TopicPartitionList::new();
         for partition in 0..partitions as i32 {
             tpl.add_partition_offset(&input, partition, Offset::Stored)?;
@@ -142,14 +134,14 @@ async fn deliver(producer: &FutureProducer, outgoing: Vec<Outgoing>) -> Result<(
 
 /// Commits the next offset of every input partition of the batch.
 fn commit(consumer: &StreamConsumer, batch: &[BorrowedMessage<'_>]) -> Result<()> {
-    let mut next: std::collections::BTreeMap<(String, i32), i64> = std::collections::BTreeMap::new();
+    let mut next: std::collections::BTreeMap<(&str, i32), i64> = std::collections::BTreeMap::new();
     for message in batch {
-        let entry = next.entry((message.topic().to_string(), message.partition())).or_insert(0);
+        let entry = next.entry((message.topic(), message.partition())).or_insert(0);
         *entry = (*entry).max(message.offset() + 1);
     }
     let mut tpl = TopicPartitionList::new();
     for ((topic, partition), offset) in next {
-        tpl.add_partition_offset(&topic, partition, Offset::Offset(offset))?;
+        tpl.add_partition_offset(topic, partition, Offset::Offset(offset))?;
     }
     if let Err(err) = consumer.commit(&tpl, CommitMode::Async) {
         // After a rebalance the new owner replays; stamps make that harmless.

@@ -113,8 +113,7 @@ impl Router {
         for ((partition, shard), entries) in per_shard {
             let source = Source { stream: Source::INCREMENTS, partition: partition as u32 };
             for chunk in entries.chunks(MAX_ENTRIES_PER_MESSAGE) {
-                let message = ShardMessage::Increments { source, entries: chunk.to_vec() };
-                match message.encode() {
+                match ShardMessage::encode_increments(source, chunk) {
                     Ok(payload) => outgoing.push(Outgoing {
                         topic: shard_topic.clone(),
                         partition: Some(shard as i32),

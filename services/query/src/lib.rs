@@ -29,10 +29,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let readiness = Readiness::default();
     let admin = serve_admin(&config.query.admin_listen, registry, readiness.clone(), shutdown.clone()).await?;
     let names = TopicNames::new(&config.kafka.topic_prefix);
-    let (kafka, shard_topic) = (config.kafka.clone(), names.shards());
-    let shards = tokio::task::spawn_blocking(move || wait_for_topic(&kafka, &shard_topic, Duration::from_secs(60)))
-        .await
-        .map_err(|err| Error::Internal(err.to_string()))??;
+    let shards = wait_for_topic(&config.kafka, &names.shards(), Duration::from_secs(60)).await?;
 
     let owners = Arc::new(owners::Owners::default());
     let follower = owners::follow(&config.kafka, &names.shard_owners(), owners.clone(), shutdown.clone())?;
