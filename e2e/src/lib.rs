@@ -26,7 +26,9 @@ pub struct Sandbox {
     pub query_url: String,
     env: Vec<(String, String)>,
     children: HashMap<&'static str, Child>,
-    _broker: LocalBroker,
+    broker: LocalBroker,
+    broker_binary: PathBuf,
+    broker_port: u16,
 }
 
 /// Where cargo put the service binaries: next to this test's `deps/` directory.
@@ -42,11 +44,7 @@ impl Sandbox {
         let dir = tempfile::tempdir().expect("temp dir");
         let binary = tokio::task::spawn_blocking(ensure_installed).await.unwrap().expect("tansu installed");
         let port = free_port().unwrap();
-        let kafka_dir = dir.path().join("kafka");
-        let broker = tokio::task::spawn_blocking(move || LocalBroker::start(&binary, port, &kafka_dir))
-            .await
-            .unwrap()
-            .expect("broker starts");
+        let broker = start_broker(binary.clone(), port, dir.path().join("kafka")).await;
         let prefix = format!("t{:08x}.", rand::random::<u32>());
         let kafka = KafkaConfig {
             bootstrap_servers: broker.bootstrap_servers.clone(),
@@ -77,8 +75,22 @@ impl Sandbox {
             env,
             children: HashMap::new(),
             dir,
-            _broker: broker,
+            broker,
+            broker_binary: binary,
+            broker_port: port,
         }
+    }
+
+    /// Stops the broker gracefully and starts it again on the same port and data.
+    pub async fn restart_broker(&mut self) {
+        self.broker.stop();
+        self.broker = start_broker(self.broker_binary.clone(), self.broker_port, self.dir.path().join("kafka")).await;
+    }
+
+    /// Deletes a stopped counter's RocksDB: its shards must rebuild from the log.
+    pub fn wipe_counter_data(&self) {
+        assert!(!self.children.contains_key("tally-counter"), "stop the counter first");
+        let _ = std::fs::remove_dir_all(self.dir.path().join("counter"));
     }
 
     /// Starts (or restarts) a service binary: `tally-ingester`, `tally-counter`, `tally-query`.
@@ -175,6 +187,10 @@ impl Drop for Sandbox {
             let _ = child.wait();
         }
     }
+}
+
+async fn start_broker(binary: PathBuf, port: u16, dir: PathBuf) -> LocalBroker {
+    tokio::task::spawn_blocking(move || LocalBroker::start(&binary, port, &dir)).await.unwrap().expect("broker starts")
 }
 
 /// Percent-encodes a path segment.

@@ -40,3 +40,25 @@ async fn kill9_of_counter_and_ingester_mid_workload_counts_exactly_once() {
     check::windows(&sandbox, model, entities, metrics).await;
     check::series(&sandbox, model, &entities[..4], metrics).await;
 }
+
+/// A counter that loses its disk rebuilds every shard from the shard topic, which is
+/// kept forever — also across a broker restart (the broker runs its retention sweep
+/// on start).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counter_rebuilds_from_the_shard_log_after_losing_its_data() {
+    let mut sandbox = Sandbox::start().await;
+    for service in ["tally-ingester", "tally-counter", "tally-query"] {
+        sandbox.spawn(service);
+    }
+    let workload = Workload::generate(3, 300, tally_shared::kafka::now_ms());
+    sandbox.produce_increments(&workload.records).await;
+    let (model, entities, metrics) = (&workload.model, &workload.entities, &workload.metrics);
+    check::wait_for_all_time(&sandbox, model, entities, metrics, Duration::from_secs(120)).await;
+
+    sandbox.kill9("tally-counter");
+    sandbox.wipe_counter_data();
+    sandbox.restart_broker().await;
+    sandbox.spawn("tally-counter");
+    check::wait_for_all_time(&sandbox, model, entities, metrics, Duration::from_secs(120)).await;
+    check::windows(&sandbox, model, entities, metrics).await;
+}

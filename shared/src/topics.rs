@@ -211,7 +211,10 @@ mod tests {
         for name in ["increments", "dead-letter", "shards", "rollups", "shard-owners"] {
             assert!(decls.get(name).is_some(), "{name} is declared");
         }
-        assert!(decls.get("shards").unwrap().fixed_partitions);
+        let shards = decls.get("shards").unwrap();
+        assert!(shards.fixed_partitions);
+        // -1 would mean "delete everything" to the local broker's retention sweep.
+        assert!(shards.retention_ms.is_some_and(|ms| ms >= 100 * 365 * 86_400_000));
     }
 
     #[test]
