@@ -151,7 +151,11 @@ pub struct CounterConfig {
     pub group_id: String,
     /// Most shard records applied in one write batch.
     pub batch_max_records: usize,
-    /// Longest wait for a batch to fill, in ms.
+    /// Most shard-record payload bytes in one batch (about 30 bytes an increment).
+    /// Large batches are what make a backlog fast: each hot bucket is written once.
+    pub batch_max_bytes: usize,
+    /// Longest wait for a batch to fill, in ms: under light load batches are small
+    /// and reads see increments within about this long.
     pub batch_linger_ms: u64,
     /// Publish `tally.rollups` after each batch.
     pub rollups: bool,
@@ -170,7 +174,8 @@ impl Default for CounterConfig {
             advertise_host: None,
             data_dir: PathBuf::from("data/counter"),
             group_id: "tally-counter".into(),
-            batch_max_records: 500,
+            batch_max_records: 20_000,
+            batch_max_bytes: 16 << 20,
             batch_linger_ms: 20,
             rollups: true,
             sync_writes: false,

@@ -101,7 +101,7 @@ struct QueryArgs {
 enum BenchCommand {
     /// The counter apply path vs a per-event, no-coalescing baseline.
     Counter {
-        #[arg(long, default_value_t = 2_000_000)]
+        #[arg(long, default_value_t = 5_000_000)]
         increments: usize,
         #[arg(long, default_value_t = 200_000)]
         baseline_increments: usize,
@@ -110,6 +110,9 @@ enum BenchCommand {
         /// Spread of event times before now, in ms (10 s: a live stream; 3600000: an hour of backfill).
         #[arg(long, default_value_t = 10_000)]
         event_spread_ms: i64,
+        /// Payload bytes per applied batch (default: `counter.batch_max_bytes` of the config).
+        #[arg(long)]
+        batch_max_bytes: Option<usize>,
     },
 }
 
@@ -147,13 +150,14 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Query(args) => query(&config, args).await,
         Command::Bench {
-            command: BenchCommand::Counter { increments, baseline_increments, entities, event_spread_ms },
+            command: BenchCommand::Counter { increments, baseline_increments, entities, event_spread_ms, batch_max_bytes },
         } => {
             let options = tally_counter::bench::BenchOptions {
                 increments,
                 baseline_increments,
                 entities,
                 event_spread_ms,
+                batch_max_bytes: batch_max_bytes.unwrap_or(config.counter.batch_max_bytes),
                 ..Default::default()
             };
             bench_counter(options).await
@@ -223,16 +227,17 @@ async fn query(config: &TallyConfig, args: QueryArgs) -> anyhow::Result<()> {
 
 async fn bench_counter(options: tally_counter::bench::BenchOptions) -> anyhow::Result<()> {
     println!(
-        "counter apply bench: {} increments (baseline {}), {} entities, Zipf s={}, {} increments/record, {} records/batch, events over the last {} ms, RocksDB on disk",
-        options.increments, options.baseline_increments, options.entities, options.zipf_exponent, options.increments_per_record, options.records_per_batch, options.event_spread_ms
+        "counter apply bench: {} increments (baseline {}), {} entities, Zipf s={}, {} increments/record, batches of {} bytes, events over the last {} ms, RocksDB on disk",
+        options.increments, options.baseline_increments, options.entities, options.zipf_exponent, options.increments_per_record, options.batch_max_bytes, options.event_spread_ms
     );
     let dir = tempfile::Builder::new().prefix("tally-bench").tempdir_in(".")?;
     let path = dir.path().to_path_buf();
     let report = tokio::task::spawn_blocking(move || tally_counter::bench::run(&options, &path)).await??;
     println!(
-        "coalesced batches : {:>12.0} increments/s ({:.0} keys written per batch)",
-        report.coalesced_per_sec, report.keys_per_batch
+        "coalesced batches : {:>12.0} increments/s ({:.0} increments and {:.0} keys written per batch)",
+        report.coalesced_per_sec, report.increments_per_batch, report.keys_per_batch
     );
+    println!("  on the apply thread: {:>10.0} increments per CPU-second", report.coalesced_per_cpu_sec);
     println!("per-event baseline: {:>12.0} increments/s", report.baseline_per_sec);
     println!("ratio             : {:>12.1}x", report.ratio());
     Ok(())

@@ -31,8 +31,8 @@ pub struct BenchOptions {
     pub zipf_exponent: f64,
     /// Increments per shard record (what the ingester packs together).
     pub increments_per_record: usize,
-    /// Records per applied batch.
-    pub records_per_batch: usize,
+    /// Shard-record payload bytes per applied batch (`counter.batch_max_bytes`).
+    pub batch_max_bytes: usize,
     /// Event times are spread over this many ms before now (a live stream: seconds).
     pub event_spread_ms: i64,
 }
@@ -40,13 +40,13 @@ pub struct BenchOptions {
 impl Default for BenchOptions {
     fn default() -> Self {
         Self {
-            increments: 2_000_000,
+            increments: 5_000_000,
             baseline_increments: 200_000,
             entities: 100_000,
             metrics: 4,
             zipf_exponent: 1.1,
             increments_per_record: 100,
-            records_per_batch: 500,
+            batch_max_bytes: tally_shared::config::CounterConfig::default().batch_max_bytes,
             event_spread_ms: 10_000,
         }
     }
@@ -55,7 +55,12 @@ impl Default for BenchOptions {
 #[derive(Debug, Clone)]
 pub struct BenchReport {
     pub coalesced_per_sec: f64,
+    /// Coalesced increments per CPU-second of the applying thread alone (RocksDB's
+    /// flushes and compactions run on background threads).
+    pub coalesced_per_cpu_sec: f64,
     pub baseline_per_sec: f64,
+    /// Mean increments per coalesced batch.
+    pub increments_per_batch: f64,
     /// Mean distinct bucket keys written per coalesced batch.
     pub keys_per_batch: f64,
 }
@@ -115,17 +120,24 @@ pub fn run(options: &BenchOptions, dir: &Path) -> Result<BenchReport> {
     let records = workload(options, options.increments, now, 7);
     let store = open(dir, "coalesced")?;
     let started = Instant::now();
+    let started_cpu = thread_cpu_seconds();
     let mut batches = 0usize;
     let mut keys = 0usize;
-    for (batch_index, chunk) in records.chunks(options.records_per_batch).enumerate() {
-        let base = (batch_index * options.records_per_batch) as i64;
-        let shard_records: Vec<ShardRecord<'_>> =
-            chunk.iter().enumerate().map(|(i, payload)| ShardRecord { offset: base + i as i64, payload }).collect();
+    let mut offset = 0i64;
+    for chunk in batches_of(&records, options.batch_max_bytes) {
+        let shard_records: Vec<ShardRecord<'_>> = chunk
+            .iter()
+            .map(|payload| {
+                offset += 1;
+                ShardRecord { offset, payload }
+            })
+            .collect();
         let report = store.apply(&shard_records, now, false)?;
         batches += 1;
         keys += report.keys;
     }
     let coalesced_per_sec = options.increments as f64 / started.elapsed().as_secs_f64();
+    let coalesced_per_cpu_sec = options.increments as f64 / (thread_cpu_seconds() - started_cpu).max(1e-9);
     drop(store);
 
     let records = workload(options, options.baseline_increments, now, 7);
@@ -134,7 +146,41 @@ pub fn run(options: &BenchOptions, dir: &Path) -> Result<BenchReport> {
     apply_per_event(&store, &records, now)?;
     let baseline_per_sec = options.baseline_increments as f64 / started.elapsed().as_secs_f64();
 
-    Ok(BenchReport { coalesced_per_sec, baseline_per_sec, keys_per_batch: keys as f64 / batches.max(1) as f64 })
+    let batches = batches.max(1) as f64;
+    Ok(BenchReport {
+        coalesced_per_sec,
+        coalesced_per_cpu_sec,
+        baseline_per_sec,
+        increments_per_batch: options.increments as f64 / batches,
+        keys_per_batch: keys as f64 / batches,
+    })
+}
+
+/// CPU time the calling thread has used.
+fn thread_cpu_seconds() -> f64 {
+    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `now` is a valid timespec for the call to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
+    now.tv_sec as f64 + now.tv_nsec as f64 * 1e-9
+}
+
+/// Splits `records` the way the consumer does: a batch closes once it holds
+/// `max_bytes` of payload.
+fn batches_of(records: &[Vec<u8>], max_bytes: usize) -> impl Iterator<Item = &[Vec<u8>]> {
+    let mut rest = records;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut bytes = 0;
+        let end = rest.iter().position(|r| {
+            bytes += r.len();
+            bytes >= max_bytes
+        });
+        let (batch, tail) = rest.split_at(end.map_or(rest.len(), |i| i + 1));
+        rest = tail;
+        Some(batch)
+    })
 }
 
 /// The baseline: every increment is its own RocksDB write of its buckets.
@@ -174,9 +220,10 @@ mod tests {
     fn both_paths_write_the_same_counts() {
         let dir = tempfile::tempdir().unwrap();
         let options =
-            BenchOptions { increments: 5_000, baseline_increments: 5_000, entities: 50, ..Default::default() };
+            BenchOptions { increments: 5_000, baseline_increments: 5_000, entities: 50, batch_max_bytes: 20_000, ..Default::default() };
         let report = run(&options, dir.path()).unwrap();
         assert!(report.keys_per_batch > 0.0);
+        assert!(report.increments_per_batch < 5_000.0, "several batches: {}", report.increments_per_batch);
         let coalesced = open(dir.path(), "coalesced").unwrap();
         let baseline = open(dir.path(), "baseline").unwrap();
         for entity in 0..50 {

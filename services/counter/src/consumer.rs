@@ -161,12 +161,14 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
 
     let linger = Duration::from_millis(config.counter.batch_linger_ms);
     let max_records = config.counter.batch_max_records.max(1);
+    let max_bytes = config.counter.batch_max_bytes.max(1);
     let mut epoch = shards.epoch();
-    let mut batch: Vec<Polled> = Vec::with_capacity(max_records);
+    let mut batch: Vec<Polled> = Vec::new();
     let mut last_lag_check = Instant::now();
 
     while !shutdown.is_cancelled() {
         batch.clear();
+        let mut batch_bytes = 0usize;
         let deadline = Instant::now() + linger;
         loop {
             let wait = if batch.is_empty() {
@@ -180,22 +182,24 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
                 // the rebalance will be delivered again.
                 epoch = shards.epoch();
                 batch.clear();
+                batch_bytes = 0;
                 metrics.owned_shards.set(shards.owned().len() as i64);
                 announcer.announce(&shards.owned(), true);
             }
             match polled {
-                Some(Ok(message)) => batch.push(Polled {
-                    shard: message.partition() as u32,
-                    offset: message.offset(),
-                    payload: message.payload().unwrap_or_default().to_vec(),
-                }),
+                Some(Ok(message)) => {
+                    let payload = message.payload().unwrap_or_default().to_vec();
+                    batch_bytes += payload.len();
+                    batch.push(Polled { shard: message.partition() as u32, offset: message.offset(), payload });
+                }
                 Some(Err(err)) => tracing::warn!(error = %err, "consumer error"),
                 None => {}
             }
             if batch.is_empty() && (shutdown.is_cancelled() || announcer.due()) {
                 break;
             }
-            if batch.len() >= max_records || (!batch.is_empty() && Instant::now() >= deadline) {
+            let full = batch.len() >= max_records || batch_bytes >= max_bytes;
+            if full || (!batch.is_empty() && Instant::now() >= deadline) {
                 break;
             }
         }
