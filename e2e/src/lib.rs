@@ -24,6 +24,8 @@ pub struct Sandbox {
     pub kafka: KafkaConfig,
     pub names: TopicNames,
     pub query_url: String,
+    /// Each service's admin address (`/metrics`, `/healthz`, `/readyz`).
+    admin: HashMap<&'static str, String>,
     env: Vec<(String, String)>,
     children: HashMap<&'static str, Child>,
     broker: LocalBroker,
@@ -53,15 +55,19 @@ impl Sandbox {
         };
         topics::apply(&kafka, &Declarations::load(None).unwrap()).await.expect("topics apply");
         let query_port = free_port().unwrap();
+        let admin: HashMap<&'static str, String> = ["tally-ingester", "tally-counter", "tally-query"]
+            .into_iter()
+            .map(|name| (name, format!("127.0.0.1:{}", free_port().unwrap())))
+            .collect();
         let env = vec![
             ("TALLY__KAFKA__BOOTSTRAP_SERVERS".into(), kafka.bootstrap_servers.clone()),
             ("TALLY__KAFKA__TOPIC_PREFIX".into(), prefix.clone()),
-            ("TALLY__INGESTER__ADMIN_LISTEN".into(), "127.0.0.1:0".into()),
+            ("TALLY__INGESTER__ADMIN_LISTEN".into(), admin["tally-ingester"].clone()),
             ("TALLY__INGESTER__GROUP_ID".into(), format!("{prefix}ingester")),
-            ("TALLY__COUNTER__ADMIN_LISTEN".into(), "127.0.0.1:0".into()),
+            ("TALLY__COUNTER__ADMIN_LISTEN".into(), admin["tally-counter"].clone()),
             ("TALLY__COUNTER__GROUP_ID".into(), format!("{prefix}counter")),
             ("TALLY__COUNTER__DATA_DIR".into(), dir.path().join("counter").display().to_string()),
-            ("TALLY__QUERY__ADMIN_LISTEN".into(), "127.0.0.1:0".into()),
+            ("TALLY__QUERY__ADMIN_LISTEN".into(), admin["tally-query"].clone()),
             // Tansu 0.6 never evicts a member killed with -9 from a consumer group.
             ("TALLY__INGESTER__STATIC_ASSIGNMENT".into(), "true".into()),
             ("TALLY__COUNTER__STATIC_ASSIGNMENT".into(), "true".into()),
@@ -72,6 +78,7 @@ impl Sandbox {
             names: TopicNames::new(&prefix),
             kafka,
             query_url: format!("http://127.0.0.1:{query_port}"),
+            admin,
             env,
             children: HashMap::new(),
             dir,
@@ -159,6 +166,23 @@ impl Sandbox {
             }
         }
         records
+    }
+
+    /// The status of a service's `/readyz` (0 when it does not answer).
+    pub async fn readyz(&self, name: &str) -> u16 {
+        match reqwest::get(format!("http://{}/readyz", self.admin[name])).await {
+            Ok(response) => response.status().as_u16(),
+            Err(_) => 0,
+        }
+    }
+
+    /// Waits until a service reports ready; panics with its log after `timeout`.
+    pub async fn wait_ready(&self, name: &str, timeout: Duration) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.readyz(name).await != 200 {
+            assert!(tokio::time::Instant::now() < deadline, "{name} not ready after {timeout:?}:\n{}", self.log(name));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// GET a path of the read API: status and JSON body.

@@ -12,8 +12,15 @@ use tally_shared::wire::{DeadLetter, Rollup};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn counts_windows_series_and_dead_letters_match_the_model() {
     let mut sandbox = Sandbox::start().await;
-    for service in ["tally-ingester", "tally-counter", "tally-query"] {
+    // The query service is not ready while no counter owns the shards; it is once one does.
+    sandbox.spawn("tally-query");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(sandbox.readyz("tally-query").await, 503, "query ready without any shard owner");
+    for service in ["tally-ingester", "tally-counter"] {
         sandbox.spawn(service);
+    }
+    for service in ["tally-ingester", "tally-counter", "tally-query"] {
+        sandbox.wait_ready(service, Duration::from_secs(60)).await;
     }
     let workload = Workload::generate(1, 400, tally_shared::kafka::now_ms());
     sandbox.produce_increments(&workload.records).await;

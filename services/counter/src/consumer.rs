@@ -19,6 +19,7 @@ use rdkafka::{ClientContext, Message};
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{client_config, now_ms, producer_config, TopicNames};
 use tally_shared::keys::{decode_count_key, ALL_TIME_WIDTH};
+use tally_shared::telemetry::Readiness;
 use tally_shared::time::Resolutions;
 use tally_shared::wire::{Rollup, ShardOwner};
 use tokio_util::sync::CancellationToken;
@@ -36,6 +37,8 @@ pub struct ConsumerSetup {
     pub config: TallyConfig,
     pub shards: Arc<Shards>,
     pub metrics: Metrics,
+    /// Ready while this counter owns shards and has announced them.
+    pub readiness: Readiness,
     /// Announced as the read address of owned shards.
     pub read_addr: String,
     pub instance: String,
@@ -122,7 +125,7 @@ struct Polled {
 
 /// Runs until `shutdown`; finishes and persists the batch in hand before returning.
 pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
-    let ConsumerSetup { config, shards, metrics, read_addr, instance } = setup;
+    let ConsumerSetup { config, shards, metrics, readiness, read_addr, instance } = setup;
     let names = TopicNames::new(&config.kafka.topic_prefix);
     let shard_topic = names.shards();
     let resolutions = config.counting.resolutions()?;
@@ -185,6 +188,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
                 batch_bytes = 0;
                 metrics.owned_shards.set(shards.owned().len() as i64);
                 announcer.announce(&shards.owned(), true);
+                readiness.set(!shards.owned().is_empty());
             }
             match polled {
                 Some(Ok(message)) => {
@@ -212,6 +216,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         }
         if announcer.due() {
             announcer.announce(&shards.owned(), false);
+            readiness.set(!shards.owned().is_empty());
         }
         if last_lag_check.elapsed() >= HEARTBEAT {
             last_lag_check = Instant::now();
@@ -219,6 +224,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         }
     }
     tracing::info!("counter consumer stopping: batch persisted, releasing shards");
+    readiness.set(false);
     announcer.release(&shards.owned());
     let _ = producer.flush(Duration::from_secs(5));
     if !config.counter.static_assignment {

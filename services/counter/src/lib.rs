@@ -58,11 +58,11 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         config,
         shards,
         metrics,
+        readiness,
         read_addr,
         instance: format!("{:016x}", rand::random::<u64>()),
     };
     let consumer_shutdown = shutdown.clone();
-    readiness.set(true);
     let result = tokio::task::spawn_blocking(move || consumer::run(setup, consumer_shutdown))
         .await
         .map_err(|err| Error::Consumer(err.to_string()))?;

@@ -33,6 +33,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
 
     let owners = Arc::new(owners::Owners::default());
     let follower = owners::follow(&config.kafka, &names.shard_owners(), owners.clone(), shutdown.clone())?;
+    tokio::spawn(owners::track_readiness(owners.clone(), shards, readiness.clone(), shutdown.clone()));
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
         .pool_max_idle_per_host(64)
@@ -52,7 +53,6 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let listener = TcpListener::bind(&config.query.listen).await?;
     let addr = listener.local_addr()?;
     tracing::info!(api = %addr, admin = %admin, shards, "tally-query serving");
-    readiness.set(true);
     axum::serve(listener, api::router(state)).with_graceful_shutdown(shutdown.clone().cancelled_owned()).await?;
     shutdown.cancel();
     let _ = tokio::task::spawn_blocking(move || follower.join()).await;

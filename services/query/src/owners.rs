@@ -13,6 +13,7 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::Message;
 use tally_shared::config::KafkaConfig;
 use tally_shared::kafka::client_config;
+use tally_shared::telemetry::Readiness;
 use tally_shared::wire::ShardOwner;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -67,6 +68,18 @@ impl Owners {
 }
 
 /// Follows the owners topic until `shutdown`.
+/// Keeps `readiness` true while every one of `shards` has an owner to read from.
+pub async fn track_readiness(owners: Arc<Owners>, shards: u32, readiness: Readiness, shutdown: CancellationToken) {
+    while !shutdown.is_cancelled() {
+        readiness.set((0..shards).all(|shard| owners.get(shard).is_some_and(|claim| claim.addr.is_some())));
+        tokio::select! {
+            _ = shutdown.cancelled() => {}
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+        }
+    }
+    readiness.set(false);
+}
+
 pub fn follow(
     kafka: &KafkaConfig,
     topic: &str,
