@@ -8,7 +8,9 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
 
-use rdkafka::admin::{AdminClient, AdminOptions, NewPartitions, NewTopic, TopicReplication};
+use rdkafka::admin::{
+    AdminClient, AdminOptions, NewPartitions, NewTopic, OwnedResourceSpecifier, ResourceSpecifier, TopicReplication,
+};
 use rdkafka::client::DefaultClientContext;
 use serde::Deserialize;
 
@@ -127,6 +129,40 @@ pub fn plan(decls: &Declarations, names: &TopicNames, existing: &HashMap<String,
         .collect()
 }
 
+/// The topic settings `tally topics apply` declares, as the broker names them.
+fn declared_configs(decl: &TopicDecl) -> Vec<(&'static str, String)> {
+    let mut configs = vec![("cleanup.policy", decl.cleanup_policy.clone())];
+    if let Some(ms) = decl.retention_ms {
+        configs.push(("retention.ms", ms.to_string()));
+    }
+    configs
+}
+
+/// Compares the declared settings of existing topics with the broker's
+/// (`topic` → setting → value): one drift per differing setting. Settings are left
+/// for an operator: changing retention or compaction of a live topic can lose data.
+pub fn config_drift(
+    decls: &Declarations,
+    names: &TopicNames,
+    existing: &HashMap<String, HashMap<String, String>>,
+) -> Vec<Action> {
+    let mut drift = Vec::new();
+    for decl in &decls.topics {
+        let topic = names.name(&decl.name);
+        let Some(have) = existing.get(&topic) else { continue };
+        for (setting, want) in declared_configs(decl) {
+            match have.get(setting) {
+                Some(value) if *value == want => {}
+                value => drift.push(Action::Drift {
+                    topic: topic.clone(),
+                    what: format!("{setting} is {}, declared {want}", value.map_or("unset", String::as_str)),
+                }),
+            }
+        }
+    }
+    drift
+}
+
 /// Applies the declarations and returns what was done.
 pub async fn apply(kafka: &KafkaConfig, decls: &Declarations) -> Result<Vec<Action>> {
     let names = TopicNames::new(&kafka.topic_prefix);
@@ -165,22 +201,72 @@ pub async fn apply(kafka: &KafkaConfig, decls: &Declarations) -> Result<Vec<Acti
             }
         }
     }
-    let raises: Vec<NewPartitions> = actions
+    let raises: Vec<(String, usize)> = actions
         .iter()
         .filter_map(|a| match a {
-            Action::RaisePartitions { topic, to, .. } => Some(NewPartitions::new(topic, *to as usize)),
+            Action::RaisePartitions { topic, to, .. } => Some((topic.clone(), *to as usize)),
             _ => None,
         })
         .collect();
+    let raises: Vec<NewPartitions> = raises.iter().map(|(topic, to)| NewPartitions::new(topic, *to)).collect();
+    let mut actions = actions;
     if !raises.is_empty() {
-        for result in admin.create_partitions(&raises, &options).await? {
-            if let Err((topic, code)) = result {
-                return Err(Error::Topics(format!("raising partitions of {topic}: {code}")));
+        match admin.create_partitions(&raises, &options).await {
+            Ok(results) => {
+                for result in results {
+                    if let Err((topic, code)) = result {
+                        return Err(Error::Topics(format!("raising partitions of {topic}: {code}")));
+                    }
+                }
             }
+            // Some Kafka-protocol brokers (Tansu 0.6) cannot add partitions.
+            Err(rdkafka::error::KafkaError::AdminOp(rdkafka::types::RDKafkaErrorCode::UnsupportedFeature)) => {
+                for action in &mut actions {
+                    if let Action::RaisePartitions { topic, from, to } = action {
+                        let what = format!("has {from} partitions, declared {to}; this broker cannot add partitions");
+                        *action = Action::Drift { topic: std::mem::take(topic), what };
+                    }
+                }
+            }
+            Err(err) => return Err(err.into()),
         }
     }
     wait_until_visible(&admin, &actions).await;
+    actions.extend(config_drift(decls, &names, &existing_configs(&admin, &actions, &options).await?));
     Ok(actions)
+}
+
+/// The current settings of the topics that existed before this apply.
+async fn existing_configs(
+    admin: &AdminClient<DefaultClientContext>,
+    actions: &[Action],
+    options: &AdminOptions,
+) -> Result<HashMap<String, HashMap<String, String>>> {
+    let specifiers: Vec<ResourceSpecifier<'_>> = actions
+        .iter()
+        .filter_map(|action| match action {
+            Action::Unchanged { topic } | Action::RaisePartitions { topic, .. } | Action::Drift { topic, .. } => {
+                Some(ResourceSpecifier::Topic(topic))
+            }
+            Action::Create { .. } => None,
+        })
+        .collect();
+    if specifiers.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let mut configs = HashMap::new();
+    for result in admin.describe_configs(&specifiers, options).await? {
+        match result {
+            Ok(resource) => {
+                let OwnedResourceSpecifier::Topic(topic) = resource.specifier else { continue };
+                let values =
+                    resource.entries.into_iter().filter_map(|entry| Some((entry.name, entry.value?))).collect();
+                configs.insert(topic, values);
+            }
+            Err(code) => tracing::warn!(%code, "cannot read topic settings; config drift not checked"),
+        }
+    }
+    Ok(configs)
 }
 
 /// Metadata of new topics can lag behind their creation; wait a little for it.
@@ -245,5 +331,30 @@ mod tests {
         assert_eq!(actions[2], Action::RaisePartitions { topic: "p.grow".into(), from: 2, to: 4 });
         assert!(matches!(&actions[3], Action::Drift { what, .. } if what.contains("cannot lower")));
         assert!(matches!(&actions[4], Action::Drift { what, .. } if what.contains("resharding")));
+    }
+
+    #[test]
+    fn config_drift_names_each_differing_setting() {
+        let decls = Declarations::parse(
+            "[[topic]]\nname='kept'\npartitions=1\ncleanup_policy='delete'\nretention_ms=100\n\
+             [[topic]]\nname='wrong'\npartitions=1\ncleanup_policy='compact'\nretention_ms=100\n\
+             [[topic]]\nname='absent'\npartitions=1\ncleanup_policy='delete'\n",
+        )
+        .unwrap();
+        let names = TopicNames::new("p.");
+        let settings = |policy: &str, retention: &str| -> HashMap<String, String> {
+            [("cleanup.policy", policy), ("retention.ms", retention)].map(|(k, v)| (k.into(), v.into())).into()
+        };
+        let existing: HashMap<String, HashMap<String, String>> =
+            [("p.kept".to_string(), settings("delete", "100")), ("p.wrong".to_string(), settings("delete", "-1"))]
+                .into();
+        let drift = config_drift(&decls, &names, &existing);
+        assert_eq!(
+            drift,
+            vec![
+                Action::Drift { topic: "p.wrong".into(), what: "cleanup.policy is delete, declared compact".into() },
+                Action::Drift { topic: "p.wrong".into(), what: "retention.ms is -1, declared 100".into() },
+            ]
+        );
     }
 }

@@ -150,7 +150,8 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Query(args) => query(&config, args).await,
         Command::Bench {
-            command: BenchCommand::Counter { increments, baseline_increments, entities, event_spread_ms, batch_max_bytes },
+            command:
+                BenchCommand::Counter { increments, baseline_increments, entities, event_spread_ms, batch_max_bytes },
         } => {
             let options = tally_counter::bench::BenchOptions {
                 increments,

@@ -219,8 +219,13 @@ mod tests {
     #[test]
     fn both_paths_write_the_same_counts() {
         let dir = tempfile::tempdir().unwrap();
-        let options =
-            BenchOptions { increments: 5_000, baseline_increments: 5_000, entities: 50, batch_max_bytes: 20_000, ..Default::default() };
+        let options = BenchOptions {
+            increments: 5_000,
+            baseline_increments: 5_000,
+            entities: 50,
+            batch_max_bytes: 20_000,
+            ..Default::default()
+        };
         let report = run(&options, dir.path()).unwrap();
         assert!(report.keys_per_batch > 0.0);
         assert!(report.increments_per_batch < 5_000.0, "several batches: {}", report.increments_per_batch);
