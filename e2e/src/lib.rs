@@ -185,6 +185,23 @@ impl Sandbox {
         }
     }
 
+    /// The samples of one metric family on a service's `/metrics`: labels → value.
+    pub async fn metric(&self, name: &str, family: &str) -> Vec<(String, f64)> {
+        let text = reqwest::get(format!("http://{}/metrics", self.admin[name]))
+            .await
+            .expect("GET /metrics")
+            .text()
+            .await
+            .expect("metrics text");
+        text.lines()
+            .filter(|line| line.starts_with(family) && line[family.len()..].starts_with(['{', ' ']))
+            .filter_map(|line| {
+                let (series, value) = line.rsplit_once(' ')?;
+                Some((series[family.len()..].to_string(), value.parse().ok()?))
+            })
+            .collect()
+    }
+
     /// GET a path of the read API: status and JSON body.
     pub async fn get(&self, path: &str) -> (u16, serde_json::Value) {
         let response = reqwest::get(format!("{}{path}", self.query_url)).await.expect("GET");

@@ -33,6 +33,19 @@ async fn counts_windows_series_and_dead_letters_match_the_model() {
     check::listings(&sandbox, model, entities).await;
     check::bad_requests(&sandbox).await;
 
+    // The counter's metrics agree: every shard caught up, every accepted increment applied once.
+    let applied = sandbox.metric("tally-counter", "tally_counter_applied_increments_total").await;
+    assert_eq!(applied.iter().map(|(_, v)| *v).sum::<f64>(), workload.model.events().len() as f64, "{applied:?}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let lag = sandbox.metric("tally-counter", "tally_counter_consumer_lag_records").await;
+        if lag.len() == 8 && lag.iter().all(|(_, v)| *v == 0.0) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "lag never reached 0 on 8 shards: {lag:?}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
     // The latest all-time rollup of every counter equals the model.
     let mut latest = std::collections::HashMap::new();
     for raw in sandbox.read_topic(&sandbox.names.rollups(), usize::MAX, Duration::from_secs(10)) {

@@ -162,12 +162,13 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     let mut announcer = Announcer { producer: &producer, topic: names.shard_owners(), read_addr, instance, last: None };
     let rollups_topic = config.counter.rollups.then(|| names.rollups());
 
+    let lag_reporter =
+        spawn_lag_reporter(&config, shard_topic.clone(), shards.clone(), metrics.clone(), shutdown.clone())?;
     let linger = Duration::from_millis(config.counter.batch_linger_ms);
     let max_records = config.counter.batch_max_records.max(1);
     let max_bytes = config.counter.batch_max_bytes.max(1);
     let mut epoch = shards.epoch();
     let mut batch: Vec<Polled> = Vec::new();
-    let mut last_lag_check = Instant::now();
 
     while !shutdown.is_cancelled() {
         batch.clear();
@@ -218,15 +219,12 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             announcer.announce(&shards.owned(), false);
             readiness.set(!shards.owned().is_empty());
         }
-        if last_lag_check.elapsed() >= HEARTBEAT {
-            last_lag_check = Instant::now();
-            report_lag(&consumer, &shard_topic, &shards, &metrics);
-        }
     }
     tracing::info!("counter consumer stopping: batch persisted, releasing shards");
     readiness.set(false);
     announcer.release(&shards.owned());
     let _ = producer.flush(Duration::from_secs(5));
+    let _ = lag_reporter.join();
     if !config.counter.static_assignment {
         consumer.unsubscribe();
     }
@@ -337,14 +335,33 @@ fn commit_advisory(consumer: &BaseConsumer<CounterContext>, topic: &str, shards:
     }
 }
 
-fn report_lag(consumer: &BaseConsumer<CounterContext>, topic: &str, shards: &Shards, metrics: &Metrics) {
-    for shard in shards.owned() {
-        let Some(store) = shards.get(shard) else { continue };
-        if let Ok((_, high)) = consumer.fetch_watermarks(topic, shard as i32, Duration::from_secs(1)) {
-            let next = store.progress().next_offset.unwrap_or(0);
-            metrics.consumer_lag.with_label_values(&[&shard.to_string()]).set((high - next).max(0));
+/// Reports the lag of every owned shard (high watermark minus the store's applied
+/// offset) every few seconds, on its own thread and client so the broker round
+/// trips never hold up the apply thread.
+fn spawn_lag_reporter(
+    config: &TallyConfig,
+    topic: String,
+    shards: Arc<Shards>,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+) -> Result<std::thread::JoinHandle<()>> {
+    let client: BaseConsumer = client_config(&config.kafka)?.create()?;
+    let thread = std::thread::Builder::new().name("counter-lag".into()).spawn(move || {
+        while !shutdown.is_cancelled() {
+            for shard in shards.owned() {
+                let Some(store) = shards.get(shard) else { continue };
+                if let Ok((_, high)) = client.fetch_watermarks(&topic, shard as i32, Duration::from_secs(1)) {
+                    let next = store.progress().next_offset.unwrap_or(0);
+                    metrics.consumer_lag.with_label_values(&[&shard.to_string()]).set((high - next).max(0));
+                }
+            }
+            let deadline = Instant::now() + HEARTBEAT;
+            while !shutdown.is_cancelled() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(100));
+            }
         }
-    }
+    })?;
+    Ok(thread)
 }
 
 /// Publishes this process's claims on the shard-owners topic.
