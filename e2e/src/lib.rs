@@ -102,20 +102,39 @@ impl Sandbox {
 
     /// Starts (or restarts) a service binary: `tally-ingester`, `tally-counter`, `tally-query`.
     pub fn spawn(&mut self, name: &'static str) {
+        self.spawn_instance(name, name, &[]);
+    }
+
+    /// Starts `binary` as the instance `name` (its log is `name.log`) with extra
+    /// environment on top of the sandbox's.
+    pub fn spawn_instance(&mut self, name: &'static str, binary: &str, env: &[(&str, String)]) {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.dir.path().join(format!("{name}.log")))
             .unwrap();
-        let child = Command::new(bin_dir().join(name))
+        let child = Command::new(bin_dir().join(binary))
             .envs(self.env.iter().cloned())
+            .envs(env.iter().map(|(k, v)| (k.to_string(), v.clone())))
             .env_remove("TALLY_CONFIG")
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
-            .unwrap_or_else(|err| panic!("starting {name} (run `cargo build --workspace --bins` first): {err}"));
+            .unwrap_or_else(|err| panic!("starting {binary} (run `cargo build --workspace --bins` first): {err}"));
         self.children.insert(name, child);
+    }
+
+    /// A scratch directory of this sandbox (for an extra instance's data).
+    pub fn path(&self, name: &str) -> String {
+        self.dir.path().join(name).display().to_string()
+    }
+
+    /// Stops an instance with SIGTERM and waits for it to exit.
+    pub fn stop(&mut self, name: &str) {
+        if let Some(mut child) = self.children.remove(name) {
+            terminate(&mut child);
+        }
     }
 
     /// `kill -9` a service and reap it.
@@ -221,13 +240,17 @@ impl Sandbox {
 impl Drop for Sandbox {
     fn drop(&mut self) {
         for (_, mut child) in self.children.drain() {
-            // SAFETY: kill(2) on our own child's pid has no memory-safety preconditions.
-            unsafe {
-                libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
-            }
-            let _ = child.wait();
+            terminate(&mut child);
         }
     }
+}
+
+fn terminate(child: &mut Child) {
+    // SAFETY: kill(2) on our own child's pid has no memory-safety preconditions.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+    }
+    let _ = child.wait();
 }
 
 async fn start_broker(binary: PathBuf, port: u16, dir: PathBuf) -> LocalBroker {
