@@ -134,7 +134,7 @@ mod tests {
                 for e in 0..4 {
                     for m in 0..3 {
                         let (entity, metric) = (format!("e{e}"), format!("m{m}"));
-                        let expected = model.sums(&entity, &metric, &plan);
+                        let expected = model.sums(&entity, &metric, crate::wire::Kind::Direct, &plan);
                         let width = plan.resolution.as_ref().map_or(ALL_TIME_WIDTH, |r| r.width_ms);
                         let got: Vec<i64> = (0..plan.points as i64).map(|i| {
                             if width == ALL_TIME_WIDTH {

@@ -1,7 +1,7 @@
 //! Code the tally services share.
 //!
-//! The pure parts — [`validate`], [`input`], [`time`], [`keys`], [`counting`],
-//! [`sharding`], [`wire`] and the brute-force [`model`] — know nothing of Kafka,
+//! The pure parts — [`validate`], [`input`], [`time`], [`keys`], [`counting`], [`graph`],
+//! [`propagation`], [`sharding`], [`wire`] and the brute-force [`model`] — know nothing of Kafka,
 //! RocksDB or tokio and are proved with property tests. The glue — [`config`],
 //! [`telemetry`], [`shutdown`], [`service`], [`kafka`], [`topics`] and
 //! [`local_broker`] — is what every binary needs to run as a well-behaved service.
@@ -9,11 +9,13 @@
 pub mod config;
 pub mod counting;
 pub mod error;
+pub mod graph;
 pub mod input;
 pub mod kafka;
 pub mod keys;
 pub mod local_broker;
 pub mod model;
+pub mod propagation;
 pub mod service;
 pub mod sharding;
 pub mod shutdown;

@@ -1,16 +1,18 @@
 //! The brute-force model every test compares with: it keeps the raw event log and
 //! recomputes any answer from it, with none of the cleverness of the real path.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use crate::time::Plan;
-use crate::wire::Increment;
+use crate::wire::{Increment, Kind};
 
-/// What tally must answer, recomputed from the accepted events.
+/// What tally must answer, recomputed from the accepted events and the final graph.
 #[derive(Debug, Default, Clone)]
 pub struct Model {
     events: Vec<Increment>,
     seen_ids: HashSet<(String, String)>,
+    edges: BTreeSet<(String, String)>,
+    seen_graph_ids: HashSet<(String, String)>,
 }
 
 impl Model {
@@ -24,10 +26,60 @@ impl Model {
         self.events.push(increment);
     }
 
-    /// The value of each point of `plan` for (entity, metric): the sum of the deltas
-    /// whose event time falls in the point's span (all of them for all-time).
-    pub fn sums(&self, entity: &str, metric: &str, plan: &Plan) -> Vec<i64> {
-        let own = self.events.iter().filter(|e| e.entity == entity && e.metric == metric);
+    /// Records a graph update; a repeated `(from, id)` takes effect once.
+    pub fn apply_edge(&mut self, add: bool, from: &str, to: &str, id: Option<&str>) {
+        if let Some(id) = id {
+            if !self.seen_graph_ids.insert((from.to_string(), id.to_string())) {
+                return;
+            }
+        }
+        let edge = (from.to_string(), to.to_string());
+        if add && from != to {
+            self.edges.insert(edge);
+        } else if !add {
+            self.edges.remove(&edge);
+        }
+    }
+
+    /// The edges of the final graph.
+    pub fn edges(&self) -> &BTreeSet<(String, String)> {
+        &self.edges
+    }
+
+    /// desc(origin) on the final graph, by brute force.
+    pub fn descendants(&self, origin: &str) -> BTreeSet<String> {
+        let mut reached = BTreeSet::new();
+        let mut frontier = vec![origin.to_string()];
+        while let Some(node) = frontier.pop() {
+            for (from, to) in &self.edges {
+                if *from == node && to != origin && reached.insert(to.clone()) {
+                    frontier.push(to.clone());
+                }
+            }
+        }
+        reached
+    }
+
+    /// The origins whose events count in `entity`'s `kind`: itself, plus for `total`
+    /// every entity that reaches it.
+    fn origins(&self, entity: &str, kind: Kind) -> BTreeSet<String> {
+        let mut origins = BTreeSet::from([entity.to_string()]);
+        if kind == Kind::Total {
+            let candidates: BTreeSet<&String> = self.events.iter().map(|e| &e.entity).collect();
+            for origin in candidates {
+                if self.descendants(origin).contains(entity) {
+                    origins.insert(origin.clone());
+                }
+            }
+        }
+        origins
+    }
+
+    /// The value of each point of `plan` for (entity, metric, kind): the sum of the
+    /// deltas whose event time falls in the point's span (all of them for all-time).
+    pub fn sums(&self, entity: &str, metric: &str, kind: Kind, plan: &Plan) -> Vec<i64> {
+        let origins = self.origins(entity, kind);
+        let own = self.events.iter().filter(|e| e.metric == metric && origins.contains(&e.entity));
         if plan.resolution.is_none() {
             return vec![own.map(|e| e.delta).sum()];
         }
@@ -44,11 +96,17 @@ impl Model {
         points
     }
 
-    /// Every metric of `entity` with its all-time sum, sorted by metric.
-    pub fn metrics(&self, entity: &str) -> BTreeMap<String, i64> {
+    /// Every metric counted on `entity` (directly or through the graph) with its
+    /// all-time `(direct, total)`, sorted by metric.
+    pub fn metrics(&self, entity: &str) -> BTreeMap<String, (i64, i64)> {
+        let origins = self.origins(entity, Kind::Total);
         let mut metrics = BTreeMap::new();
-        for event in self.events.iter().filter(|e| e.entity == entity) {
-            *metrics.entry(event.metric.clone()).or_insert(0) += event.delta;
+        for event in self.events.iter().filter(|e| origins.contains(&e.entity)) {
+            let slot = metrics.entry(event.metric.clone()).or_insert((0, 0));
+            if event.entity == entity {
+                slot.0 += event.delta;
+            }
+            slot.1 += event.delta;
         }
         metrics
     }

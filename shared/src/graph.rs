@@ -1,0 +1,367 @@
+//! The graph algorithm: which entities' descendant sets a batch of edge updates
+//! changes, and by how much (SPEC §3, Quanta's eager propagation).
+//!
+//! desc(a) is every entity reachable from `a` by one or more edges, `a` excluded;
+//! cycles are allowed. A batch of updates is applied to the graph as a whole and
+//! yields, for every origin `a` whose descendant set changed, the net change
+//! `added(a)` / `removed(a)` between the graph before and after the batch.
+//!
+//! Only the origins that reach a node whose out-edges changed can see their
+//! descendant set change, and the ancestors of those nodes are the same before and
+//! after the batch up to the nodes themselves (a path's first changed edge leaves a
+//! changed node, and the path up to it is unchanged). So the batch computes
+//! `T ∪ ancestors(T)` once on the old graph, each origin's descendants on the old
+//! and the new graph, and their differences.
+//!
+//! Work is split by connected component (a union-find that only ever merges, so its
+//! sets contain the true components): components are independent, and their
+//! traversals run in parallel on scoped threads.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use rustc_hash::{FxHashMap, FxHashSet};
+use serde::{Deserialize, Serialize};
+
+/// `add_edge` or `remove_edge`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum EdgeOp {
+    Add,
+    Remove,
+}
+
+/// One validated graph update.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct EdgeUpdate {
+    pub op: EdgeOp,
+    pub from: String,
+    pub to: String,
+}
+
+/// The net change of one origin's descendant set; both lists sorted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DescChange {
+    pub origin: String,
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+}
+
+type NodeId = u32;
+
+/// A directed graph over interned entity names, with out- and in-edges.
+#[derive(Debug, Default, Clone)]
+pub struct Graph {
+    ids: FxHashMap<Arc<str>, NodeId>,
+    names: Vec<Arc<str>>,
+    out: Vec<FxHashSet<NodeId>>,
+    inn: Vec<FxHashSet<NodeId>>,
+    /// Union-find parents: nodes ever joined by an edge share a root.
+    parent: Vec<NodeId>,
+    edges: usize,
+}
+
+impl Graph {
+    fn intern(&mut self, name: &str) -> NodeId {
+        if let Some(&id) = self.ids.get(name) {
+            return id;
+        }
+        let id = self.names.len() as NodeId;
+        let name: Arc<str> = Arc::from(name);
+        self.ids.insert(name.clone(), id);
+        self.names.push(name);
+        self.out.push(FxHashSet::default());
+        self.inn.push(FxHashSet::default());
+        self.parent.push(id);
+        id
+    }
+
+    fn id(&self, name: &str) -> Option<NodeId> {
+        self.ids.get(name).copied()
+    }
+
+    fn name(&self, id: NodeId) -> &str {
+        &self.names[id as usize]
+    }
+
+    fn root(&self, mut id: NodeId) -> NodeId {
+        while self.parent[id as usize] != id {
+            id = self.parent[id as usize];
+        }
+        id
+    }
+
+    fn union(&mut self, a: NodeId, b: NodeId) {
+        let (ra, rb) = (self.root(a), self.root(b));
+        if ra != rb {
+            self.parent[ra.max(rb) as usize] = ra.min(rb);
+        }
+        // Path compression for the two nodes just joined.
+        let root = self.root(a);
+        self.parent[a as usize] = root;
+        self.parent[b as usize] = root;
+    }
+
+    /// Adds `from → to`; false when it already existed.
+    pub fn add_edge(&mut self, from: &str, to: &str) -> bool {
+        let (f, t) = (self.intern(from), self.intern(to));
+        if !self.out[f as usize].insert(t) {
+            return false;
+        }
+        self.inn[t as usize].insert(f);
+        self.union(f, t);
+        self.edges += 1;
+        true
+    }
+
+    /// Removes `from → to`; false when it did not exist.
+    pub fn remove_edge(&mut self, from: &str, to: &str) -> bool {
+        let (Some(f), Some(t)) = (self.id(from), self.id(to)) else { return false };
+        if !self.out[f as usize].remove(&t) {
+            return false;
+        }
+        self.inn[t as usize].remove(&f);
+        self.edges -= 1;
+        true
+    }
+
+    pub fn has_edge(&self, from: &str, to: &str) -> bool {
+        match (self.id(from), self.id(to)) {
+            (Some(f), Some(t)) => self.out[f as usize].contains(&t),
+            _ => false,
+        }
+    }
+
+    /// How many edges the graph holds.
+    pub fn edge_count(&self) -> usize {
+        self.edges
+    }
+
+    /// Direct neighbours of `entity`, sorted: its out-edges (`descendants`
+    /// direction) or in-edges (`ancestors`).
+    pub fn neighbours(&self, entity: &str, outgoing: bool) -> Vec<&str> {
+        let Some(id) = self.id(entity) else { return Vec::new() };
+        let edges = if outgoing { &self.out[id as usize] } else { &self.inn[id as usize] };
+        let mut names: Vec<&str> = edges.iter().map(|&n| self.name(n)).collect();
+        names.sort_unstable();
+        names
+    }
+
+    /// desc(entity), sorted.
+    pub fn descendants(&self, entity: &str) -> Vec<String> {
+        let Some(id) = self.id(entity) else { return Vec::new() };
+        let mut names: Vec<String> = self.reach(id, true).into_iter().map(|n| self.name(n).to_string()).collect();
+        names.sort_unstable();
+        names
+    }
+
+    /// Every node reachable from `start` by one or more edges (forward or backward),
+    /// `start` excluded.
+    fn reach(&self, start: NodeId, forward: bool) -> FxHashSet<NodeId> {
+        let adjacency = if forward { &self.out } else { &self.inn };
+        let mut seen = FxHashSet::default();
+        let mut queue = VecDeque::from([start]);
+        while let Some(node) = queue.pop_front() {
+            for &next in &adjacency[node as usize] {
+                if next != start && seen.insert(next) {
+                    queue.push_back(next);
+                }
+            }
+        }
+        seen
+    }
+
+    /// Applies `updates` in order and returns the net descendant-set change of every
+    /// origin whose set changed, sorted by origin. No-op updates change nothing.
+    pub fn apply_batch(&mut self, updates: &[EdgeUpdate]) -> Vec<DescChange> {
+        // Which nodes' out-edges may change; grouped by component after the adds join them.
+        let mut touched: Vec<NodeId> = Vec::new();
+        for update in updates {
+            let effective = match update.op {
+                EdgeOp::Add => !self.has_edge(&update.from, &update.to) && update.from != update.to,
+                EdgeOp::Remove => self.has_edge(&update.from, &update.to),
+            };
+            if effective {
+                let (f, t) = (self.intern(&update.from), self.intern(&update.to));
+                if update.op == EdgeOp::Add {
+                    self.union(f, t);
+                }
+                touched.push(f);
+            }
+        }
+        if touched.is_empty() {
+            return Vec::new();
+        }
+        let mut groups: FxHashMap<NodeId, Vec<NodeId>> = FxHashMap::default();
+        for &node in &touched {
+            groups.entry(self.root(node)).or_default().push(node);
+        }
+        let groups: Vec<Vec<NodeId>> = groups.into_values().collect();
+
+        // Before: each group's origins and their descendant sets.
+        let before: Vec<Vec<(NodeId, FxHashSet<NodeId>)>> = self.per_group(&groups, |graph, touched| {
+            let mut origins: FxHashSet<NodeId> = touched.iter().copied().collect();
+            for &node in touched {
+                origins.extend(graph.reach(node, false));
+            }
+            origins.into_iter().map(|origin| (origin, graph.reach(origin, true))).collect()
+        });
+
+        for update in updates {
+            match update.op {
+                EdgeOp::Add if update.from != update.to => {
+                    self.add_edge(&update.from, &update.to);
+                }
+                EdgeOp::Add => {}
+                EdgeOp::Remove => {
+                    self.remove_edge(&update.from, &update.to);
+                }
+            }
+        }
+
+        // After: the same origins' new sets, and the differences.
+        let mut changes: Vec<DescChange> = self
+            .per_group(&before, |graph, group| {
+                let mut changes = Vec::new();
+                for (origin, old) in group {
+                    let new = graph.reach(*origin, true);
+                    let mut added: Vec<String> =
+                        new.difference(old).map(|&n| graph.name(n).to_string()).collect();
+                    let mut removed: Vec<String> =
+                        old.difference(&new).map(|&n| graph.name(n).to_string()).collect();
+                    if added.is_empty() && removed.is_empty() {
+                        continue;
+                    }
+                    added.sort_unstable();
+                    removed.sort_unstable();
+                    changes.push(DescChange { origin: graph.name(*origin).to_string(), added, removed });
+                }
+                changes
+            })
+            .into_iter()
+            .flatten()
+            .collect();
+        changes.sort_unstable_by(|a, b| a.origin.cmp(&b.origin));
+        changes
+    }
+
+    /// Runs `work` on every group, on up to two scoped threads when there are
+    /// several groups (the graph is only read).
+    fn per_group<G: Sync, T: Send>(&self, groups: &[G], work: impl Fn(&Graph, &G) -> T + Sync) -> Vec<T> {
+        if groups.len() < 2 {
+            return groups.iter().map(|group| work(self, group)).collect();
+        }
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).min(groups.len());
+        let chunk = groups.len().div_ceil(threads);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = groups
+                .chunks(chunk)
+                .map(|part| {
+                    let work = &work;
+                    scope.spawn(move || part.iter().map(|group| work(self, group)).collect::<Vec<T>>())
+                })
+                .collect();
+            handles.into_iter().flat_map(|handle| handle.join().unwrap_or_default()).collect()
+        })
+    }
+}
+
+/// Applies a change to a sorted descendant list, keeping it sorted.
+pub fn apply_change(desc: &mut Vec<String>, added: &[String], removed: &[String]) {
+    desc.retain(|d| removed.binary_search(d).is_err());
+    for d in added {
+        if let Err(at) = desc.binary_search(d) {
+            desc.insert(at, d.clone());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// Brute force: reachability by repeated relaxation over an edge set.
+    fn brute_desc(edges: &BTreeSet<(String, String)>, origin: &str) -> Vec<String> {
+        let mut reached: BTreeSet<String> = BTreeSet::new();
+        let mut frontier = vec![origin.to_string()];
+        while let Some(node) = frontier.pop() {
+            for (from, to) in edges {
+                if *from == node && to != origin && reached.insert(to.clone()) {
+                    frontier.push(to.clone());
+                }
+            }
+        }
+        reached.into_iter().collect()
+    }
+
+    fn updates() -> impl Strategy<Value = Vec<Vec<EdgeUpdate>>> {
+        let update = (any::<bool>(), 0..8u8, 0..8u8).prop_map(|(add, f, t)| EdgeUpdate {
+            op: if add { EdgeOp::Add } else { EdgeOp::Remove },
+            from: format!("n{f}"),
+            to: format!("n{t}"),
+        });
+        proptest::collection::vec(proptest::collection::vec(update, 0..12), 1..8)
+    }
+
+    proptest! {
+        /// Applying each batch's changes to every origin's descendant list keeps the
+        /// lists equal to brute-force reachability on the current graph — with
+        /// diamonds, chains, cycles, self-loops, removals and re-adds.
+        #[test]
+        fn changes_track_reachability(batches in updates()) {
+            let mut graph = Graph::default();
+            let mut edges: BTreeSet<(String, String)> = BTreeSet::new();
+            let mut views: BTreeMap<String, Vec<String>> = BTreeMap::new();
+            for batch in &batches {
+                for update in batch {
+                    let edge = (update.from.clone(), update.to.clone());
+                    match update.op {
+                        EdgeOp::Add if update.from != update.to => { edges.insert(edge); }
+                        EdgeOp::Add => {}
+                        EdgeOp::Remove => { edges.remove(&edge); }
+                    }
+                }
+                let changes = graph.apply_batch(batch);
+                let mut origins = BTreeSet::new();
+                for change in &changes {
+                    prop_assert!(origins.insert(change.origin.clone()), "one change per origin");
+                    prop_assert!(!change.added.contains(&change.origin) && !change.removed.contains(&change.origin));
+                    apply_change(views.entry(change.origin.clone()).or_default(), &change.added, &change.removed);
+                }
+                for n in 0..8 {
+                    let origin = format!("n{n}");
+                    let view = views.get(&origin).cloned().unwrap_or_default();
+                    prop_assert_eq!(&view, &brute_desc(&edges, &origin), "origin {}", origin);
+                    prop_assert_eq!(graph.descendants(&origin), view);
+                }
+                prop_assert_eq!(graph.edge_count(), edges.len());
+            }
+        }
+    }
+
+    #[test]
+    fn no_op_updates_change_nothing() {
+        let mut graph = Graph::default();
+        let add = |f: &str, t: &str| EdgeUpdate { op: EdgeOp::Add, from: f.into(), to: t.into() };
+        let remove = |f: &str, t: &str| EdgeUpdate { op: EdgeOp::Remove, from: f.into(), to: t.into() };
+        assert_eq!(graph.apply_batch(&[add("a", "b")]).len(), 1);
+        assert!(graph.apply_batch(&[add("a", "b"), remove("x", "y"), add("c", "c")]).is_empty());
+        // Add then remove within one batch nets to nothing.
+        assert!(graph.apply_batch(&[add("b", "c"), remove("b", "c")]).is_empty());
+    }
+
+    #[test]
+    fn independent_components_are_processed_together() {
+        let mut graph = Graph::default();
+        let batch: Vec<EdgeUpdate> = (0..50)
+            .map(|i| EdgeUpdate { op: EdgeOp::Add, from: format!("a{i}"), to: format!("u{i}") })
+            .collect();
+        let changes = graph.apply_batch(&batch);
+        assert_eq!(changes.len(), 50);
+        assert!(changes.iter().all(|c| c.added.len() == 1 && c.removed.is_empty()));
+        assert_eq!(graph.neighbours("u7", false), vec!["a7"]);
+    }
+}

@@ -1,0 +1,162 @@
+//! How a counter shard keeps totals eagerly (SPEC §3): the rule the counter applies
+//! to each message of its log, as pure functions.
+//!
+//! A shard keeps, for each origin `a` it owns, a view of desc(a). An increment on `a`
+//! adds to direct(a) and total(a), and to total(d) for every d in the view. A
+//! [`DescChange`] for `a` switches the view at that point of the log and moves a's
+//! retained direct counts: added to each new descendant's totals, subtracted from
+//! each lost one's. Every origin switches in its own log, so whatever the
+//! interleaving of increments and graph updates, once every change has been applied
+//! total(d) = direct(d) + Σ direct(a) over the a whose current view holds d.
+
+use crate::graph::DescChange;
+
+/// The total deltas a change makes, given the origin's direct value under each key
+/// (`(key, value)`, for every metric and retained bucket): `(descendant, key, delta)`.
+pub fn change_deltas<'a, K: Copy + 'a>(
+    change: &'a DescChange,
+    direct: &'a [(K, i64)],
+) -> impl Iterator<Item = (&'a str, K, i64)> + 'a {
+    let signed = change.added.iter().map(|d| (d, 1)).chain(change.removed.iter().map(|d| (d, -1)));
+    signed.flat_map(move |(d, sign)| {
+        direct.iter().filter(|(_, value)| *value != 0).map(move |&(key, value)| (d.as_str(), key, sign * value))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, HashMap, VecDeque};
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::counting::Coalescer;
+    use crate::graph::{apply_change, EdgeOp, EdgeUpdate, Graph};
+    use crate::keys::Counts;
+    use crate::model::Model;
+    use crate::time::Resolutions;
+    use crate::wire::Increment;
+
+    const NOW: i64 = 1_763_780_000_000;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Increment(Increment),
+        Graph(Vec<EdgeUpdate>),
+        /// The shards catch up on this many pending descendant-set changes.
+        Deliver(usize),
+    }
+
+    fn ops() -> impl Strategy<Value = Vec<Op>> {
+        let increment = (0..6u8, 0..2u8, -3i64..10, 0i64..3 * 86_400_000).prop_map(|(e, m, delta, age)| {
+            Op::Increment(Increment {
+                entity: format!("e{e}"),
+                metric: format!("m{m}"),
+                delta,
+                ts: NOW - age,
+                id: None,
+            })
+        });
+        let update = (any::<bool>(), 0..6u8, 0..6u8).prop_map(|(add, f, t)| EdgeUpdate {
+            op: if add { EdgeOp::Add } else { EdgeOp::Remove },
+            from: format!("e{f}"),
+            to: format!("e{t}"),
+        });
+        let op = prop_oneof![
+            4 => increment,
+            2 => proptest::collection::vec(update, 1..5).prop_map(Op::Graph),
+            1 => (0usize..6).prop_map(Op::Deliver),
+        ];
+        proptest::collection::vec(op, 0..120)
+    }
+
+    type Key = (String, String, i64, i64);
+
+    /// Every bucket key an increment touches (all-time and each retained resolution).
+    fn bucket_keys(resolutions: &Resolutions, increment: &Increment) -> Vec<(String, i64, i64)> {
+        let mut coalescer = Coalescer::new(resolutions, NOW);
+        coalescer.add(&increment.entity, &increment.metric, increment.ts, Counts::default());
+        let mut keys = Vec::new();
+        coalescer.for_each(|_, metric, width, bucket, _| keys.push((metric.to_string(), width, bucket)));
+        keys
+    }
+
+    fn add(store: &mut BTreeMap<Key, Counts>, entity: &str, key: &(String, i64, i64), counts: Counts) {
+        let slot = store.entry((entity.to_string(), key.0.clone(), key.1, key.2)).or_default();
+        *slot = slot.add(counts);
+    }
+
+    proptest! {
+        /// Shards that switch views in their own logs, with graph changes arriving
+        /// late and interleaved at random with increments, end with every bucket's
+        /// direct and total equal to the model's recomputation on the final graph.
+        #[test]
+        fn eager_totals_equal_the_model(ops in ops()) {
+            let resolutions = Resolutions::default();
+            let mut graph = Graph::default();
+            let mut views: HashMap<String, Vec<String>> = HashMap::new();
+            let mut pending: VecDeque<DescChange> = VecDeque::new();
+            let mut store: BTreeMap<Key, Counts> = BTreeMap::new();
+            let mut model = Model::default();
+
+            let deliver = |change: DescChange, views: &mut HashMap<String, Vec<String>>, store: &mut BTreeMap<Key, Counts>| {
+                apply_change(views.entry(change.origin.clone()).or_default(), &change.added, &change.removed);
+                let direct: Vec<((String, i64, i64), i64)> = store
+                    .iter()
+                    .filter(|((entity, ..), _)| *entity == change.origin)
+                    .map(|((_, metric, width, bucket), counts)| ((metric.clone(), *width, *bucket), counts.direct))
+                    .collect();
+                let keys: Vec<(usize, i64)> = direct.iter().enumerate().map(|(i, (_, v))| (i, *v)).collect();
+                for (d, i, delta) in change_deltas(&change, &keys) {
+                    add(store, d, &direct[i].0, Counts { direct: 0, total: delta });
+                }
+            };
+
+            for op in ops {
+                match op {
+                    Op::Increment(increment) => {
+                        let view = views.get(&increment.entity).cloned().unwrap_or_default();
+                        for key in bucket_keys(&resolutions, &increment) {
+                            add(&mut store, &increment.entity, &key, Counts { direct: increment.delta, total: increment.delta });
+                            for d in &view {
+                                add(&mut store, d, &key, Counts { direct: 0, total: increment.delta });
+                            }
+                        }
+                        model.apply(increment);
+                    }
+                    Op::Graph(batch) => {
+                        for update in &batch {
+                            model.apply_edge(update.op == EdgeOp::Add, &update.from, &update.to, None);
+                        }
+                        pending.extend(graph.apply_batch(&batch));
+                    }
+                    Op::Deliver(n) => {
+                        for _ in 0..n {
+                            if let Some(change) = pending.pop_front() {
+                                deliver(change, &mut views, &mut store);
+                            }
+                        }
+                    }
+                }
+            }
+            while let Some(change) = pending.pop_front() {
+                deliver(change, &mut views, &mut store);
+            }
+
+            // The model's buckets: every event counts directly on its entity and in
+            // the total of its entity and every final descendant.
+            let mut expected: BTreeMap<Key, Counts> = BTreeMap::new();
+            for event in model.events() {
+                for key in bucket_keys(&resolutions, event) {
+                    add(&mut expected, &event.entity, &key, Counts { direct: event.delta, total: event.delta });
+                    for d in model.descendants(&event.entity) {
+                        add(&mut expected, &d, &key, Counts { direct: 0, total: event.delta });
+                    }
+                }
+            }
+            store.retain(|_, counts| *counts != Counts::default());
+            expected.retain(|_, counts| *counts != Counts::default());
+            prop_assert_eq!(store, expected);
+        }
+    }
+}
