@@ -1,16 +1,18 @@
-//! Parsing and validation of producer messages (SPEC §4).
+//! Parsing and validation of producer messages (SPEC §4): increments and graph
+//! updates.
 //!
 //! A message holds one JSON object or an array of them. Every element is either
-//! accepted as a typed [`Increment`] or rejected with a precise reason; a bad element
-//! in an array rejects that element only.
+//! accepted as a typed [`Increment`] / [`GraphUpdate`] or rejected with a precise
+//! reason; a bad element in an array rejects that element only.
 
 use std::borrow::Cow;
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
+use crate::graph::{EdgeOp, EdgeUpdate};
 use crate::validate::{check_entity, check_id, check_metric};
-use crate::wire::Increment;
+use crate::wire::{GraphUpdate, Increment};
 
 /// One element (or the whole message) a producer got wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,13 +50,33 @@ struct RawIncrement<'a> {
 pub fn parse_increments<'a>(
     payload: &'a [u8],
     record_ts: i64,
-    mut accept: impl FnMut(u32, Increment),
+    accept: impl FnMut(u32, Increment),
+    reject: impl FnMut(Rejection<'a>),
+) {
+    parse_elements(payload, |raw| parse_one(raw, record_ts), accept, reject);
+}
+
+/// Parses a graph message (`add_edge` / `remove_edge` objects) like
+/// [`parse_increments`].
+pub fn parse_graph_updates<'a>(
+    payload: &'a [u8],
+    accept: impl FnMut(u32, GraphUpdate),
+    reject: impl FnMut(Rejection<'a>),
+) {
+    parse_elements(payload, parse_graph_update, accept, reject);
+}
+
+/// One object or an array of objects, each parsed by `parse`.
+fn parse_elements<'a, T>(
+    payload: &'a [u8],
+    parse: impl Fn(&[u8]) -> Result<T, String>,
+    mut accept: impl FnMut(u32, T),
     mut reject: impl FnMut(Rejection<'a>),
 ) {
     let whole = |reason: String| Rejection { index: None, reason, raw: payload };
     match first_significant_byte(payload) {
-        Some(b'{') => match parse_one(payload, record_ts) {
-            Ok(increment) => accept(0, increment),
+        Some(b'{') => match parse(payload) {
+            Ok(element) => accept(0, element),
             Err(reason) => reject(whole(reason)),
         },
         Some(b'[') => {
@@ -65,8 +87,8 @@ pub fn parse_increments<'a>(
             for (index, element) in elements.into_iter().enumerate() {
                 let index = u32::try_from(index).unwrap_or(u32::MAX);
                 let raw = element.get().as_bytes();
-                match parse_one(raw, record_ts) {
-                    Ok(increment) => accept(index, increment),
+                match parse(raw) {
+                    Ok(parsed) => accept(index, parsed),
                     Err(reason) => reject(Rejection { index: Some(index), reason, raw }),
                 }
             }
@@ -79,13 +101,14 @@ fn first_significant_byte(payload: &[u8]) -> Option<u8> {
     payload.iter().copied().find(|b| !b.is_ascii_whitespace())
 }
 
-fn parse_one(raw: &[u8], record_ts: i64) -> Result<Increment, String> {
+/// Deserializes one JSON object, naming the field that is wrong.
+fn deserialize_object<'a, T: Deserialize<'a>>(raw: &'a [u8]) -> Result<T, String> {
     if first_significant_byte(raw) != Some(b'{') {
         return Err("element: expected a JSON object".into());
     }
     let text = std::str::from_utf8(raw).map_err(|err| format!("message: invalid UTF-8: {err}"))?;
     let mut deserializer = serde_json::Deserializer::from_str(text);
-    let parsed: RawIncrement = serde_path_to_error::deserialize(&mut deserializer).map_err(|err| {
+    let parsed: T = serde_path_to_error::deserialize(&mut deserializer).map_err(|err| {
         let path = err.path().to_string();
         let inner = err.into_inner();
         if path == "." || path.is_empty() {
@@ -95,6 +118,46 @@ fn parse_one(raw: &[u8], record_ts: i64) -> Result<Increment, String> {
         }
     })?;
     deserializer.end().map_err(|err| format!("element: {err}"))?;
+    Ok(parsed)
+}
+
+/// A graph update as producers write it.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawGraphUpdate<'a> {
+    #[serde(borrow)]
+    op: Cow<'a, str>,
+    #[serde(borrow)]
+    from: Cow<'a, str>,
+    #[serde(borrow)]
+    to: Cow<'a, str>,
+    #[serde(default, borrow)]
+    id: Option<Cow<'a, str>>,
+}
+
+fn parse_graph_update(raw: &[u8]) -> Result<GraphUpdate, String> {
+    let parsed: RawGraphUpdate = deserialize_object(raw)?;
+    let op = match parsed.op.as_ref() {
+        "add_edge" => EdgeOp::Add,
+        "remove_edge" => EdgeOp::Remove,
+        _ => return Err("op: must be add_edge or remove_edge".into()),
+    };
+    check_entity(&parsed.from).map_err(|reason| reason.replacen("entity", "from", 1))?;
+    check_entity(&parsed.to).map_err(|reason| reason.replacen("entity", "to", 1))?;
+    if parsed.from == parsed.to {
+        return Err("to: must differ from from (an entity never counts into itself)".into());
+    }
+    if let Some(id) = &parsed.id {
+        check_id(id)?;
+    }
+    Ok(GraphUpdate {
+        edge: EdgeUpdate { op, from: parsed.from.into_owned(), to: parsed.to.into_owned() },
+        id: parsed.id.map(Cow::into_owned),
+    })
+}
+
+fn parse_one(raw: &[u8], record_ts: i64) -> Result<Increment, String> {
+    let parsed: RawIncrement = deserialize_object(raw)?;
     check_entity(&parsed.entity)?;
     check_metric(&parsed.metric)?;
     if let Some(id) = &parsed.id {
@@ -127,6 +190,42 @@ mod tests {
             |r| rejected.push((r.index, r.reason, String::from_utf8(r.raw.to_vec()).unwrap())),
         );
         (accepted, rejected)
+    }
+
+    fn graph(payload: &str) -> (Vec<(u32, GraphUpdate)>, Vec<(Option<u32>, String)>) {
+        let mut accepted = Vec::new();
+        let mut rejected = Vec::new();
+        parse_graph_updates(payload.as_bytes(), |i, u| accepted.push((i, u)), |r| rejected.push((r.index, r.reason)));
+        (accepted, rejected)
+    }
+
+    #[test]
+    fn graph_updates_and_their_rejections() {
+        let (ok, bad) = graph(
+            r#"[{"op":"add_edge","from":"answer:42","to":"user:7","id":"g-77"},
+                {"op":"remove_edge","from":"answer:42","to":"user:7"},
+                {"op":"rename","from":"a","to":"b"},
+                {"op":"add_edge","from":"a","to":"a"},
+                {"op":"add_edge","from":"","to":"b"},
+                {"op":"add_edge","from":"a","to":"tab\there"},
+                {"op":"add_edge","from":"a"}]"#,
+        );
+        assert_eq!(ok.len(), 2);
+        assert_eq!(
+            ok[0].1,
+            GraphUpdate {
+                edge: EdgeUpdate { op: EdgeOp::Add, from: "answer:42".into(), to: "user:7".into() },
+                id: Some("g-77".into())
+            }
+        );
+        assert_eq!((ok[1].0, ok[1].1.edge.op, ok[1].1.id.as_deref()), (1, EdgeOp::Remove, None));
+        let reasons: Vec<&str> = bad.iter().map(|(_, r)| r.as_str()).collect();
+        assert_eq!(reasons[0], "op: must be add_edge or remove_edge");
+        assert!(reasons[1].starts_with("to: must differ from from"));
+        assert_eq!(reasons[2], "from: must be 1-256 bytes of UTF-8");
+        assert_eq!(reasons[3], "to: must not contain control characters");
+        assert!(reasons[4].contains("missing field `to`"), "{}", reasons[4]);
+        assert_eq!(bad.iter().map(|(i, _)| *i).collect::<Vec<_>>(), vec![Some(2), Some(3), Some(4), Some(5), Some(6)]);
     }
 
     #[test]

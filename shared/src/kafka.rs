@@ -44,6 +44,16 @@ impl TopicNames {
         self.name("rollups")
     }
 
+    /// Producer graph updates (SPEC §4).
+    pub fn graph(&self) -> String {
+        self.name("graph")
+    }
+
+    /// Internal: validated graph updates for `tally-graph`.
+    pub fn graph_updates(&self) -> String {
+        self.name("graph-updates")
+    }
+
     /// Internal: which counter process serves reads for which shard.
     pub fn shard_owners(&self) -> String {
         self.name("shard-owners")

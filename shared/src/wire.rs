@@ -6,6 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::graph::{DescChange, EdgeUpdate};
 use crate::time::WindowSpec;
 use crate::{Error, Result};
 
@@ -31,8 +32,72 @@ pub struct Source {
 }
 
 impl Source {
-    /// The producer topic `tally.increments`.
+    /// The producer topic `tally.increments` (partition: the input partition).
     pub const INCREMENTS: u8 = 1;
+    /// The producer topic `tally.graph` (partition: the input partition).
+    pub const GRAPH: u8 = 2;
+    /// `tally-graph`'s outbox (partition 0).
+    pub const GRAPH_PROCESSOR: u8 = 3;
+    /// A counter shard's outbox (partition: the sending shard).
+    pub const SHARD: u8 = 4;
+}
+
+/// One validated graph update with the producer's idempotency key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GraphUpdate {
+    pub edge: EdgeUpdate,
+    pub id: Option<String>,
+}
+
+/// A message on the internal graph-updates topic, consumed by `tally-graph`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum GraphMessage {
+    /// Graph updates from one source, in source order.
+    Updates { source: Source, entries: Vec<(Stamp, GraphUpdate)> },
+}
+
+impl GraphMessage {
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        encode(self)
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        decode(bytes)
+    }
+}
+
+/// A change to a counter's total made by another shard: `delta` for one bucket of
+/// one counter (`width_ms` 0 is all-time).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TotalDelta {
+    pub entity: String,
+    pub metric: String,
+    pub width_ms: i64,
+    pub bucket: i64,
+    pub delta: i64,
+}
+
+/// Borrowed [`TotalDelta`]; same encoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub struct TotalDeltaRef<'a> {
+    pub entity: &'a str,
+    pub metric: &'a str,
+    pub width_ms: i64,
+    pub bucket: i64,
+    pub delta: i64,
+}
+
+fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
+    bincode::serde::encode_to_vec(value, bincode_config()).map_err(|err| Error::Wire(err.to_string()))
+}
+
+fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T> {
+    let (message, used) =
+        bincode::serde::decode_from_slice(bytes, bincode_config()).map_err(|err| Error::Wire(err.to_string()))?;
+    if used != bytes.len() {
+        return Err(Error::Wire(format!("{} trailing bytes", bytes.len() - used)));
+    }
+    Ok(message)
 }
 
 /// The deterministic position of one element within its source: the input record's
@@ -49,6 +114,10 @@ pub struct Stamp {
 pub enum ShardMessage {
     /// Increments from one source, in source order.
     Increments { source: Source, entries: Vec<(Stamp, Increment)> },
+    /// From `tally-graph`: new descendant sets of origins this shard owns.
+    DescChanges { source: Source, entries: Vec<(Stamp, DescChange)> },
+    /// From another shard: changes to totals of counters this shard owns.
+    Totals { source: Source, entries: Vec<(Stamp, TotalDelta)> },
 }
 
 /// The borrowed view of a [`ShardMessage`] the counter decodes: strings point into
@@ -59,6 +128,15 @@ pub enum ShardMessageRef<'a> {
         source: Source,
         #[serde(borrow)]
         entries: Vec<(Stamp, IncrementRef<'a>)>,
+    },
+    DescChanges {
+        source: Source,
+        entries: Vec<(Stamp, DescChange)>,
+    },
+    Totals {
+        source: Source,
+        #[serde(borrow)]
+        entries: Vec<(Stamp, TotalDeltaRef<'a>)>,
     },
 }
 
@@ -91,6 +169,7 @@ impl ShardMessage {
     pub fn encode(&self) -> Result<Vec<u8>> {
         match self {
             ShardMessage::Increments { source, entries } => Self::encode_increments(*source, entries),
+            other => encode(other),
         }
     }
 
@@ -107,12 +186,7 @@ impl ShardMessage {
     }
 
     pub fn decode(bytes: &[u8]) -> Result<Self> {
-        let (message, used) =
-            bincode::serde::decode_from_slice(bytes, bincode_config()).map_err(|err| Error::Wire(err.to_string()))?;
-        if used != bytes.len() {
-            return Err(Error::Wire(format!("{} trailing bytes", bytes.len() - used)));
-        }
-        Ok(message)
+        decode(bytes)
     }
 }
 
@@ -144,6 +218,8 @@ pub struct Rollup {
 }
 
 /// A counter's claim on a shard, on the shard-owners topic: where to send reads.
+/// `tally-graph` announces its read address on the same topic under
+/// [`ShardOwner::GRAPH`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardOwner {
     pub shard: u32,
@@ -153,6 +229,11 @@ pub struct ShardOwner {
     pub instance: String,
     /// Wall-clock ms of the claim; later claims win.
     pub at_ms: i64,
+}
+
+impl ShardOwner {
+    /// The `shard` of `tally-graph`'s claim.
+    pub const GRAPH: u32 = u32::MAX;
 }
 
 /// `kind` of a read (SPEC §5).
@@ -250,8 +331,10 @@ mod tests {
                 }).collect(),
             };
             let bytes = message.encode().unwrap();
-            let ShardMessageRef::Increments { source, entries } = ShardMessageRef::decode(&bytes).unwrap();
-            let ShardMessage::Increments { source: want_source, entries: want } = &message;
+            let ShardMessageRef::Increments { source, entries } = ShardMessageRef::decode(&bytes).unwrap() else {
+                panic!("decoded another variant");
+            };
+            let ShardMessage::Increments { source: want_source, entries: want } = &message else { unreachable!() };
             prop_assert_eq!(&source, want_source);
             prop_assert_eq!(entries.len(), want.len());
             for ((stamp, got), (want_stamp, want)) in entries.iter().zip(want) {
@@ -260,6 +343,28 @@ mod tests {
             }
             prop_assert_eq!(ShardMessage::decode(&bytes).unwrap(), message);
         }
+    }
+
+    #[test]
+    fn graph_and_totals_messages_round_trip_borrowed() {
+        let source = Source { stream: Source::SHARD, partition: 3 };
+        let delta = TotalDelta { entity: "user:7".into(), metric: "views".into(), width_ms: 60_000, bucket: -60_000, delta: -4 };
+        let totals = ShardMessage::Totals { source, entries: vec![(Stamp { offset: 9, index: 2 }, delta)] };
+        let bytes = totals.encode().unwrap();
+        assert_eq!(ShardMessage::decode(&bytes).unwrap(), totals);
+        let Ok(ShardMessageRef::Totals { entries, .. }) = ShardMessageRef::decode(&bytes) else { panic!("totals") };
+        assert_eq!((entries[0].1.entity, entries[0].1.bucket, entries[0].1.delta), ("user:7", -60_000, -4));
+
+        let change = DescChange { origin: "a".into(), added: vec!["b".into()], removed: vec![] };
+        let changes = ShardMessage::DescChanges { source, entries: vec![(Stamp { offset: 1, index: 0 }, change.clone())] };
+        let Ok(ShardMessageRef::DescChanges { entries, .. }) = ShardMessageRef::decode(&changes.encode().unwrap()) else {
+            panic!("changes")
+        };
+        assert_eq!(entries[0].1, change);
+
+        let edge = EdgeUpdate { op: crate::graph::EdgeOp::Remove, from: "a".into(), to: "b".into() };
+        let graph = GraphMessage::Updates { source, entries: vec![(Stamp { offset: 1, index: 0 }, GraphUpdate { edge, id: None })] };
+        assert_eq!(GraphMessage::decode(&graph.encode().unwrap()).unwrap(), graph);
     }
 
     #[test]

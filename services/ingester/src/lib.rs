@@ -1,5 +1,6 @@
-//! `tally-ingester`: consumes `tally.increments`, validates every element, routes the
-//! valid ones to the counter shard that owns their entity and writes each bad one to
+//! `tally-ingester`: consumes `tally.increments` and `tally.graph`, validates every
+//! element, routes valid increments to the counter shard that owns their entity and
+//! valid graph updates to `tally-graph`'s topic, and writes each bad element to
 //! `tally.dead-letter` with its reason. Stateless; scales as a consumer group.
 //!
 //! Exactly-once effect downstream without Kafka transactions: every routed entry
@@ -46,16 +47,18 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         .set("enable.auto.commit", "false")
         .set("auto.offset.reset", "earliest");
     let consumer: StreamConsumer = consumer_config.create()?;
-    let input = names.increments();
+    let inputs = [names.increments(), names.graph()];
     if config.ingester.static_assignment {
-        let partitions = wait_for_topic(&config.kafka, &input, Duration::from_secs(60)).await?;
         let mut tpl = TopicPartitionList::new();
-        for partition in 0..partitions as i32 {
-            tpl.add_partition_offset(&input, partition, Offset::Stored)?;
+        for input in &inputs {
+            let partitions = wait_for_topic(&config.kafka, input, Duration::from_secs(60)).await?;
+            for partition in 0..partitions as i32 {
+                tpl.add_partition_offset(input, partition, Offset::Stored)?;
+            }
         }
         consumer.assign(&tpl)?;
     } else {
-        consumer.subscribe(&[&input])?;
+        consumer.subscribe(&[&inputs[0], &inputs[1]])?;
     }
     let producer: FutureProducer = producer_config(&config.kafka)?.create()?;
     readiness.set(true);

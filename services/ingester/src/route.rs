@@ -1,5 +1,6 @@
 //! Turning a batch of producer records into output records: shard messages for the
-//! valid increments (grouped per input partition and shard, in input order) and
+//! valid increments (grouped per input partition and shard, in input order), graph
+//! messages for the valid graph updates (per input partition, in input order) and
 //! dead letters for everything rejected.
 
 use std::collections::BTreeMap;
@@ -7,10 +8,10 @@ use std::collections::BTreeMap;
 use base64::Engine;
 use rdkafka::message::BorrowedMessage;
 use rdkafka::Message;
-use tally_shared::input::parse_increments;
+use tally_shared::input::{parse_graph_updates, parse_increments, Rejection};
 use tally_shared::kafka::{now_ms, TopicNames};
 use tally_shared::sharding::shard_of;
-use tally_shared::wire::{DeadLetter, Increment, ShardMessage, Source, Stamp};
+use tally_shared::wire::{DeadLetter, GraphMessage, GraphUpdate, Increment, ShardMessage, Source, Stamp};
 
 use crate::metrics::Metrics;
 
@@ -73,10 +74,26 @@ impl Router {
     /// Routes records; returns the output and the accepted and rejected counts.
     pub fn route_records(&self, records: &[InputRecord<'_>]) -> (Vec<Outgoing>, u64, u64) {
         let mut per_shard: BTreeMap<(i32, u32), Vec<(Stamp, Increment)>> = BTreeMap::new();
+        let mut graph: BTreeMap<i32, Vec<(Stamp, GraphUpdate)>> = BTreeMap::new();
         let mut outgoing = Vec::new();
         let (mut accepted, mut rejected) = (0u64, 0u64);
-        let dead_letter_topic = self.names.dead_letter();
+        let graph_topic = self.names.graph();
         for record in records {
+            let reject = |rejection: Rejection<'_>| {
+                rejected += 1;
+                outgoing.extend(self.dead_letter(record, rejection));
+            };
+            if record.topic == graph_topic {
+                parse_graph_updates(
+                    record.payload,
+                    |index, update| {
+                        accepted += 1;
+                        graph.entry(record.partition).or_default().push((Stamp { offset: record.offset, index }, update));
+                    },
+                    reject,
+                );
+                continue;
+            }
             let default_ts = record.timestamp.filter(|ts| *ts >= 0).unwrap_or_else(now_ms);
             parse_increments(
                 record.payload,
@@ -89,24 +106,7 @@ impl Router {
                         .or_default()
                         .push((Stamp { offset: record.offset, index }, increment));
                 },
-                |rejection| {
-                    rejected += 1;
-                    let letter = DeadLetter {
-                        topic: record.topic.to_string(),
-                        partition: record.partition,
-                        offset: record.offset,
-                        index: rejection.index,
-                        reason: rejection.reason,
-                        payload: base64::engine::general_purpose::STANDARD.encode(rejection.raw),
-                    };
-                    let key = format!("{}/{}/{}", record.topic, record.partition, record.offset).into_bytes();
-                    match serde_json::to_vec(&letter) {
-                        Ok(payload) => {
-                            outgoing.push(Outgoing { topic: dead_letter_topic.clone(), partition: None, key, payload })
-                        }
-                        Err(err) => tracing::error!(error = %err, "cannot encode a dead letter"),
-                    }
-                },
+                reject,
             );
         }
         let shard_topic = self.names.shards();
@@ -124,7 +124,42 @@ impl Router {
                 }
             }
         }
+        let updates_topic = self.names.graph_updates();
+        for (partition, entries) in graph {
+            let source = Source { stream: Source::GRAPH, partition: partition as u32 };
+            for chunk in entries.chunks(MAX_ENTRIES_PER_MESSAGE) {
+                match (GraphMessage::Updates { source, entries: chunk.to_vec() }).encode() {
+                    Ok(payload) => outgoing.push(Outgoing {
+                        topic: updates_topic.clone(),
+                        partition: Some(0),
+                        key: partition.to_string().into_bytes(),
+                        payload,
+                    }),
+                    Err(err) => tracing::error!(error = %err, "cannot encode a graph message"),
+                }
+            }
+        }
         (outgoing, accepted, rejected)
+    }
+
+    /// The dead letter of a rejected element of `record`.
+    fn dead_letter(&self, record: &InputRecord<'_>, rejection: Rejection<'_>) -> Option<Outgoing> {
+        let letter = DeadLetter {
+            topic: record.topic.to_string(),
+            partition: record.partition,
+            offset: record.offset,
+            index: rejection.index,
+            reason: rejection.reason,
+            payload: base64::engine::general_purpose::STANDARD.encode(rejection.raw),
+        };
+        let key = format!("{}/{}/{}", record.topic, record.partition, record.offset).into_bytes();
+        match serde_json::to_vec(&letter) {
+            Ok(payload) => Some(Outgoing { topic: self.names.dead_letter(), partition: None, key, payload }),
+            Err(err) => {
+                tracing::error!(error = %err, "cannot encode a dead letter");
+                None
+            }
+        }
     }
 }
 
@@ -166,7 +201,9 @@ mod tests {
 
         let mut routed = Vec::new();
         for o in out.iter().filter(|o| o.topic == "tally.shards") {
-            let ShardMessage::Increments { source, entries } = ShardMessage::decode(&o.payload).unwrap();
+            let ShardMessage::Increments { source, entries } = ShardMessage::decode(&o.payload).unwrap() else {
+                panic!("the ingester only sends increments to shards")
+            };
             for (stamp, inc) in entries {
                 assert_eq!(o.partition, Some(shard_of(&inc.entity, 4) as i32));
                 routed.push((source.partition, stamp.offset, stamp.index, inc.entity, inc.ts));
@@ -177,6 +214,34 @@ mod tests {
             routed,
             vec![(0, 10, 0, "a".to_string(), 5), (0, 10, 2, "c".to_string(), 5), (1, 7, 0, "a".to_string(), 99)]
         );
+    }
+
+    #[test]
+    fn graph_updates_go_to_the_graph_topic_in_order() {
+        let router = Router::new(TopicNames::new("tally."), 4);
+        let graph = |partition, offset, payload: &'static str| InputRecord {
+            topic: "tally.graph",
+            partition,
+            offset,
+            timestamp: Some(5),
+            payload: payload.as_bytes(),
+        };
+        let records = [
+            graph(2, 4, r#"[{"op":"add_edge","from":"a","to":"b"},{"op":"add_edge","from":"a","to":"a"}]"#),
+            graph(2, 5, r#"{"op":"remove_edge","from":"a","to":"b","id":"g-1"}"#),
+        ];
+        let (out, accepted, rejected) = router.route_records(&records);
+        assert_eq!((accepted, rejected), (2, 1));
+        let letter: DeadLetter =
+            serde_json::from_slice(&out.iter().find(|o| o.topic == "tally.dead-letter").unwrap().payload).unwrap();
+        assert_eq!((letter.topic.as_str(), letter.offset, letter.index), ("tally.graph", 4, Some(1)));
+        let updates: Vec<&Outgoing> = out.iter().filter(|o| o.topic == "tally.graph-updates").collect();
+        assert_eq!(updates.len(), 1);
+        let GraphMessage::Updates { source, entries } = GraphMessage::decode(&updates[0].payload).unwrap();
+        assert_eq!(source, Source { stream: Source::GRAPH, partition: 2 });
+        let stamps: Vec<(i64, u32)> = entries.iter().map(|(s, _)| (s.offset, s.index)).collect();
+        assert_eq!(stamps, vec![(4, 0), (5, 0)]);
+        assert_eq!(entries[1].1.id.as_deref(), Some("g-1"));
     }
 
     #[test]
