@@ -51,6 +51,28 @@ impl<'a> Coalescer<'a> {
         }
     }
 
+    /// Adds `counts` to one given bucket of (entity, metric) — a total that another
+    /// shard computed. Skipped when the bucket is no longer retained.
+    pub fn add_bucket(&mut self, entity: &'a str, metric: &'a str, width_ms: i64, bucket: i64, counts: Counts) {
+        if width_ms != ALL_TIME_WIDTH {
+            match self.resolutions.by_width(width_ms) {
+                Some(resolution) if resolution.retains(bucket, self.now_ms) => {}
+                _ => return,
+            }
+        }
+        let deltas =
+            self.counters.entry((entity, metric)).or_insert_with(|| vec![(ALL_TIME_WIDTH, 0, Counts::default())]);
+        match deltas.iter_mut().find(|(w, b, _)| *w == width_ms && *b == bucket) {
+            Some(entry) => entry.2 = entry.2.add(counts),
+            None => deltas.push((width_ms, bucket, counts)),
+        }
+    }
+
+    /// Whether nothing was added.
+    pub fn is_empty(&self) -> bool {
+        self.counters.is_empty()
+    }
+
     /// How many increments were added.
     pub fn increments(&self) -> u64 {
         self.increments
@@ -185,6 +207,20 @@ mod tests {
         coalescer.for_each(|_, _, w, _, _| widths.push(w));
         widths.sort();
         assert_eq!(widths, vec![0, 3_600_000, 86_400_000]);
+    }
+
+    #[test]
+    fn given_buckets_add_up_and_expired_ones_are_skipped() {
+        let resolutions = Resolutions::default();
+        let mut coalescer = Coalescer::new(&resolutions, NOW);
+        let minute = crate::time::bucket_start(NOW, 60_000);
+        coalescer.add_bucket("e", "m", 60_000, minute, Counts { direct: 0, total: 2 });
+        coalescer.add_bucket("e", "m", 60_000, minute, Counts { direct: 0, total: 3 });
+        coalescer.add_bucket("e", "m", 60_000, minute - 86_400_000, Counts { direct: 0, total: 1 });
+        coalescer.add_bucket("e", "m", 7, 0, Counts { direct: 0, total: 1 });
+        let mut seen = Vec::new();
+        coalescer.for_each(|_, _, w, b, c| seen.push((w, b, c.total)));
+        assert_eq!(seen, vec![(0, 0, 0), (60_000, minute, 5)]);
     }
 
     #[test]

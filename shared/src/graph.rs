@@ -224,10 +224,8 @@ impl Graph {
                 let mut changes = Vec::new();
                 for (origin, old) in group {
                     let new = graph.reach(*origin, true);
-                    let mut added: Vec<String> =
-                        new.difference(old).map(|&n| graph.name(n).to_string()).collect();
-                    let mut removed: Vec<String> =
-                        old.difference(&new).map(|&n| graph.name(n).to_string()).collect();
+                    let mut added: Vec<String> = new.difference(old).map(|&n| graph.name(n).to_string()).collect();
+                    let mut removed: Vec<String> = old.difference(&new).map(|&n| graph.name(n).to_string()).collect();
                     if added.is_empty() && removed.is_empty() {
                         continue;
                     }
@@ -356,9 +354,8 @@ mod tests {
     #[test]
     fn independent_components_are_processed_together() {
         let mut graph = Graph::default();
-        let batch: Vec<EdgeUpdate> = (0..50)
-            .map(|i| EdgeUpdate { op: EdgeOp::Add, from: format!("a{i}"), to: format!("u{i}") })
-            .collect();
+        let batch: Vec<EdgeUpdate> =
+            (0..50).map(|i| EdgeUpdate { op: EdgeOp::Add, from: format!("a{i}"), to: format!("u{i}") }).collect();
         let changes = graph.apply_batch(&batch);
         assert_eq!(changes.len(), 50);
         assert!(changes.iter().all(|c| c.added.len() == 1 && c.removed.is_empty()));

@@ -348,7 +348,13 @@ mod tests {
     #[test]
     fn graph_and_totals_messages_round_trip_borrowed() {
         let source = Source { stream: Source::SHARD, partition: 3 };
-        let delta = TotalDelta { entity: "user:7".into(), metric: "views".into(), width_ms: 60_000, bucket: -60_000, delta: -4 };
+        let delta = TotalDelta {
+            entity: "user:7".into(),
+            metric: "views".into(),
+            width_ms: 60_000,
+            bucket: -60_000,
+            delta: -4,
+        };
         let totals = ShardMessage::Totals { source, entries: vec![(Stamp { offset: 9, index: 2 }, delta)] };
         let bytes = totals.encode().unwrap();
         assert_eq!(ShardMessage::decode(&bytes).unwrap(), totals);
@@ -356,14 +362,19 @@ mod tests {
         assert_eq!((entries[0].1.entity, entries[0].1.bucket, entries[0].1.delta), ("user:7", -60_000, -4));
 
         let change = DescChange { origin: "a".into(), added: vec!["b".into()], removed: vec![] };
-        let changes = ShardMessage::DescChanges { source, entries: vec![(Stamp { offset: 1, index: 0 }, change.clone())] };
-        let Ok(ShardMessageRef::DescChanges { entries, .. }) = ShardMessageRef::decode(&changes.encode().unwrap()) else {
+        let changes =
+            ShardMessage::DescChanges { source, entries: vec![(Stamp { offset: 1, index: 0 }, change.clone())] };
+        let Ok(ShardMessageRef::DescChanges { entries, .. }) = ShardMessageRef::decode(&changes.encode().unwrap())
+        else {
             panic!("changes")
         };
         assert_eq!(entries[0].1, change);
 
         let edge = EdgeUpdate { op: crate::graph::EdgeOp::Remove, from: "a".into(), to: "b".into() };
-        let graph = GraphMessage::Updates { source, entries: vec![(Stamp { offset: 1, index: 0 }, GraphUpdate { edge, id: None })] };
+        let graph = GraphMessage::Updates {
+            source,
+            entries: vec![(Stamp { offset: 1, index: 0 }, GraphUpdate { edge, id: None })],
+        };
         assert_eq!(GraphMessage::decode(&graph.encode().unwrap()).unwrap(), graph);
     }
 

@@ -2,20 +2,40 @@
 //!
 //! A record is skipped when its offset is below the store's `next_offset` (Kafka
 //! redelivered it); an entry is skipped when its stamp is at or below its source's
-//! high-water mark (the ingester sent it again after a restart) or when its
-//! `(entity, id)` was seen within the dedupe window (the producer retried). What
-//! remains is coalesced per bucket and written with the new progress in one RocksDB
-//! write batch, so a crash at any moment leaves either all of it or none.
+//! high-water mark (its sender sent it again after a restart) or when its
+//! `(entity, id)` was seen within the dedupe window (the producer retried).
+//!
+//! Three kinds of records (see [`ShardMessage`](tally_shared::wire::ShardMessage)):
+//! - increments add to direct and total of their counter and, through the shard's
+//!   descendant view of the entity, to the totals of its descendants;
+//! - totals from other shards add to totals here;
+//! - descendant changes from `tally-graph` switch an origin's view and move its
+//!   retained direct counts into the totals of the descendants gained and out of
+//!   those lost ([`tally_shared::propagation`]).
+//!
+//! Runs of increment and totals records are coalesced per bucket and written with
+//! the new progress in one RocksDB write batch; a descendant-change record is its
+//! own write batch, after the run before it is committed, because it reads the
+//! origin's direct counts. Totals for descendants on other shards go into the
+//! `outbox` in the same write batch, stamped with the record's offset and their
+//! index: a replay of the same log — after a crash, or on another counter that
+//! rebuilds the shard — produces the same stamps, which the receivers drop.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 
 use rocksdb::WriteBatch;
 use tally_shared::counting::Coalescer;
-use tally_shared::keys::{encode_count_key, encode_dedupe_key, Counts};
-use tally_shared::wire::ShardMessageRef;
+use tally_shared::graph::apply_change;
+use tally_shared::graph::DescChange;
+use tally_shared::keys::{
+    decode_count_key, encode_count_key, encode_dedupe_key, encode_entity_prefix, Counts, ALL_TIME_WIDTH,
+};
+use tally_shared::propagation::change_deltas;
+use tally_shared::sharding::shard_of;
+use tally_shared::wire::{ShardMessage, ShardMessageRef, Source, Stamp, TotalDelta};
 
 use crate::error::Result;
-use crate::store::{ShardStore, CF_COUNTS, CF_DEDUPE};
+use crate::store::{encode_names, outbox_key, Progress, ShardStore, CF_COUNTS, CF_DEDUPE, CF_DESC, CF_OUTBOX};
 
 /// One record of the shard topic.
 #[derive(Debug, Clone, Copy)]
@@ -37,65 +57,144 @@ pub struct ApplyReport {
     pub redelivered: u64,
     /// Entries whose `(entity, id)` was seen within the dedupe window.
     pub duplicate_ids: u64,
+    /// Descendant-set changes applied.
+    pub desc_changes: u64,
+    /// Totals entries received from other shards and applied.
+    pub totals_received: u64,
+    /// Outbox messages written for other shards.
+    pub outbox_messages: u64,
     /// Distinct bucket keys written.
     pub keys: usize,
     /// The count keys the batch changed (for rollups); filled only when asked for.
     pub changed: Vec<Vec<u8>>,
 }
 
+/// A decoded record waiting in a run.
+type Decoded<'a> = (i64, ShardMessageRef<'a>);
+
 impl ShardStore {
     /// Applies `records` (in offset order) at wall-clock `now`.
     pub fn apply(&self, records: &[ShardRecord<'_>], now: i64, collect_changes: bool) -> Result<ApplyReport> {
         let mut report = ApplyReport { records: records.len(), ..Default::default() };
         let mut progress = self.progress();
-        let mut coalescer = Coalescer::new(&self.options.resolutions, now);
-        let mut batch = WriteBatch::default();
-        let mut ids_in_batch: HashSet<(&str, &str)> = HashSet::new();
-        let mut key = Vec::with_capacity(128);
-        let dedupe_cf = self.cf(CF_DEDUPE)?;
-
+        let mut run: Vec<Decoded<'_>> = Vec::new();
         for record in records {
             if progress.next_offset.is_some_and(|next| record.offset < next) {
                 report.stale_records += 1;
                 continue;
             }
             progress.next_offset = Some(record.offset + 1);
-            let message = match ShardMessageRef::decode(record.payload) {
-                Ok(message) => message,
+            match ShardMessageRef::decode(record.payload) {
+                Ok(ShardMessageRef::DescChanges { source, entries }) => {
+                    self.apply_counts(&run, &mut progress, now, collect_changes, &mut report)?;
+                    run.clear();
+                    self.apply_desc_changes(
+                        record.offset,
+                        source,
+                        entries,
+                        &mut progress,
+                        now,
+                        collect_changes,
+                        &mut report,
+                    )?;
+                }
+                Ok(message) => run.push((record.offset, message)),
                 Err(err) => {
                     tracing::error!(shard = self.shard, offset = record.offset, error = %err, "skipping undecodable shard record");
                     report.undecodable_records += 1;
-                    continue;
                 }
-            };
-            let ShardMessageRef::Increments { source, entries } = message;
-            for (stamp, increment) in entries {
-                if progress.high_water.get(&source).is_some_and(|high_water| stamp <= *high_water) {
-                    report.redelivered += 1;
-                    continue;
-                }
-                progress.high_water.insert(source, stamp);
-                if let Some(id) = increment.id {
-                    key.clear();
-                    encode_dedupe_key(&mut key, increment.entity, id);
-                    if !ids_in_batch.insert((increment.entity, id)) || self.seen_recently(&key, now)? {
-                        report.duplicate_ids += 1;
-                        continue;
+            }
+        }
+        // Also commits the progress past stale or undecodable records.
+        self.apply_counts(&run, &mut progress, now, collect_changes, &mut report)?;
+        Ok(report)
+    }
+
+    /// Applies a run of increment and totals records in one write batch.
+    fn apply_counts(
+        &self,
+        run: &[Decoded<'_>],
+        progress: &mut Progress,
+        now: i64,
+        collect_changes: bool,
+        report: &mut ApplyReport,
+    ) -> Result<()> {
+        let descendants = self.descendants.lock().map_err(|_| self.poisoned())?;
+        let mut coalescer = Coalescer::new(&self.options.resolutions, now);
+        let mut batch = WriteBatch::default();
+        let mut ids_in_batch: HashSet<(&str, &str)> = HashSet::new();
+        let mut key = Vec::with_capacity(128);
+        let dedupe_cf = self.cf(CF_DEDUPE)?;
+        let outbox_cf = self.cf(CF_OUTBOX)?;
+
+        for (offset, message) in run {
+            // Totals this record sends to other shards, coalesced within the record.
+            let mut remote: BTreeMap<u32, Coalescer<'_>> = BTreeMap::new();
+            match message {
+                ShardMessageRef::Increments { source, entries } => {
+                    for (stamp, increment) in entries {
+                        if !advance(progress, *source, *stamp) {
+                            report.redelivered += 1;
+                            continue;
+                        }
+                        if let Some(id) = increment.id {
+                            key.clear();
+                            encode_dedupe_key(&mut key, increment.entity, id);
+                            if !ids_in_batch.insert((increment.entity, id)) || self.seen_recently(&key, now)? {
+                                report.duplicate_ids += 1;
+                                continue;
+                            }
+                            batch.put_cf(dedupe_cf, &key, now.to_le_bytes());
+                        }
+                        report.increments += 1;
+                        let (entity, metric, ts, delta) =
+                            (increment.entity, increment.metric, increment.ts, increment.delta);
+                        coalescer.add(entity, metric, ts, Counts { direct: delta, total: delta });
+                        for d in descendants.get(entity).into_iter().flatten() {
+                            let counts = Counts { direct: 0, total: delta };
+                            match shard_of(d, self.options.shards) {
+                                target if target == self.shard => coalescer.add(d, metric, ts, counts),
+                                target => remote
+                                    .entry(target)
+                                    .or_insert_with(|| Coalescer::new(&self.options.resolutions, now))
+                                    .add(d, metric, ts, counts),
+                            }
+                        }
                     }
-                    batch.put_cf(dedupe_cf, &key, now.to_le_bytes());
                 }
-                report.increments += 1;
-                coalescer.add(
-                    increment.entity,
-                    increment.metric,
-                    increment.ts,
-                    Counts { direct: increment.delta, total: increment.delta },
-                );
+                ShardMessageRef::Totals { source, entries } => {
+                    for (stamp, delta) in entries {
+                        if !advance(progress, *source, *stamp) {
+                            report.redelivered += 1;
+                            continue;
+                        }
+                        report.totals_received += 1;
+                        let counts = Counts { direct: 0, total: delta.delta };
+                        coalescer.add_bucket(delta.entity, delta.metric, delta.width_ms, delta.bucket, counts);
+                    }
+                }
+                ShardMessageRef::DescChanges { .. } => {}
+            }
+            let mut index = 0u32;
+            for (target, totals) in &mut remote {
+                let mut entries = Vec::with_capacity(totals.keys());
+                totals.for_each(|entity, metric, width_ms, bucket, counts| {
+                    let delta = TotalDelta {
+                        entity: entity.into(),
+                        metric: metric.into(),
+                        width_ms,
+                        bucket,
+                        delta: counts.total,
+                    };
+                    entries.push((Stamp { offset: *offset, index }, delta));
+                    index += 1;
+                });
+                self.put_outbox(&mut batch, outbox_cf, *offset, *target, entries, report)?;
             }
         }
 
         let counts_cf = self.cf(CF_COUNTS)?;
-        report.keys = coalescer.keys();
+        report.keys += coalescer.keys();
         coalescer.for_each(|entity, metric, width_ms, bucket, counts| {
             key.clear();
             encode_count_key(&mut key, entity, metric, width_ms, bucket);
@@ -104,16 +203,150 @@ impl ShardStore {
                 report.changed.push(key.clone());
             }
         });
-        self.commit(batch, progress)?;
-        Ok(report)
+        drop(descendants);
+        self.commit(batch, progress.clone())
     }
+
+    /// Applies one record of descendant changes in its own write batch.
+    #[allow(clippy::too_many_arguments)]
+    fn apply_desc_changes(
+        &self,
+        offset: i64,
+        source: Source,
+        entries: Vec<(Stamp, DescChange)>,
+        progress: &mut Progress,
+        now: i64,
+        collect_changes: bool,
+        report: &mut ApplyReport,
+    ) -> Result<()> {
+        let mut batch = WriteBatch::default();
+        let (counts_cf, desc_cf, outbox_cf) = (self.cf(CF_COUNTS)?, self.cf(CF_DESC)?, self.cf(CF_OUTBOX)?);
+        let mut local: BTreeMap<Vec<u8>, i64> = BTreeMap::new();
+        let mut remote: BTreeMap<u32, Vec<TotalDelta>> = BTreeMap::new();
+        let mut descendants = self.descendants.lock().map_err(|_| self.poisoned())?;
+        for (stamp, change) in entries {
+            if !advance(progress, source, stamp) {
+                report.redelivered += 1;
+                continue;
+            }
+            report.desc_changes += 1;
+            let direct = self.retained_direct(&change.origin, now)?;
+            let direct: Vec<((&str, i64, i64), i64)> = direct
+                .iter()
+                .map(|((metric, width, bucket), value)| ((metric.as_str(), *width, *bucket), *value))
+                .collect();
+            for (d, (metric, width_ms, bucket), delta) in change_deltas(&change, &direct) {
+                match shard_of(d, self.options.shards) {
+                    target if target == self.shard => {
+                        let mut key = Vec::new();
+                        encode_count_key(&mut key, d, metric, width_ms, bucket);
+                        *local.entry(key).or_default() += delta;
+                    }
+                    target => remote.entry(target).or_default().push(TotalDelta {
+                        entity: d.to_string(),
+                        metric: metric.to_string(),
+                        width_ms,
+                        bucket,
+                        delta,
+                    }),
+                }
+            }
+            let view = descendants.entry(change.origin.clone()).or_default();
+            apply_change(view, &change.added, &change.removed);
+            if view.is_empty() {
+                descendants.remove(&change.origin);
+                batch.delete_cf(desc_cf, change.origin.as_bytes());
+            } else {
+                batch.put_cf(desc_cf, change.origin.as_bytes(), encode_names(view));
+            }
+        }
+        drop(descendants);
+        report.keys += local.len();
+        for (key, delta) in local {
+            batch.merge_cf(counts_cf, &key, Counts { direct: 0, total: delta }.encode());
+            if collect_changes {
+                report.changed.push(key);
+            }
+        }
+        let mut index = 0u32;
+        for (target, deltas) in remote {
+            let entries = deltas
+                .into_iter()
+                .map(|delta| {
+                    index += 1;
+                    (Stamp { offset, index: index - 1 }, delta)
+                })
+                .collect();
+            self.put_outbox(&mut batch, outbox_cf, offset, target, entries, report)?;
+        }
+        self.commit(batch, progress.clone())
+    }
+
+    /// The origin's direct value in every bucket still retained at `now`, keyed by
+    /// `(metric, width_ms, bucket)`.
+    fn retained_direct(&self, origin: &str, now: i64) -> Result<Vec<((String, i64, i64), i64)>> {
+        let mut prefix = Vec::new();
+        encode_entity_prefix(&mut prefix, origin);
+        let counts_cf = self.cf(CF_COUNTS)?;
+        let mut direct = Vec::new();
+        for item in self.db.prefix_iterator_cf(counts_cf, &prefix) {
+            let (key, value) = item?;
+            if !key.starts_with(&prefix) {
+                break;
+            }
+            let Some(count_key) = decode_count_key(&key) else { continue };
+            let retained = count_key.width_ms == ALL_TIME_WIDTH
+                || self
+                    .options
+                    .resolutions
+                    .by_width(count_key.width_ms)
+                    .is_some_and(|r| r.retains(count_key.bucket, now));
+            let value = Counts::decode(&value).direct;
+            if retained && value != 0 {
+                direct.push(((count_key.metric.to_string(), count_key.width_ms, count_key.bucket), value));
+            }
+        }
+        Ok(direct)
+    }
+
+    fn put_outbox(
+        &self,
+        batch: &mut WriteBatch,
+        outbox_cf: &rocksdb::ColumnFamily,
+        offset: i64,
+        target: u32,
+        entries: Vec<(Stamp, TotalDelta)>,
+        report: &mut ApplyReport,
+    ) -> Result<()> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        let source = Source { stream: Source::SHARD, partition: self.shard };
+        let payload = ShardMessage::Totals { source, entries }.encode()?;
+        batch.put_cf(outbox_cf, outbox_key(offset, target), payload);
+        report.outbox_messages += 1;
+        Ok(())
+    }
+
+    fn poisoned(&self) -> crate::Error {
+        crate::Error::Shard { shard: self.shard, message: "descendant table poisoned".into() }
+    }
+}
+
+/// Moves `source`'s high-water mark to `stamp`; false when the stamp was already
+/// applied.
+fn advance(progress: &mut Progress, source: Source, stamp: Stamp) -> bool {
+    if progress.high_water.get(&source).is_some_and(|high_water| stamp <= *high_water) {
+        return false;
+    }
+    progress.high_water.insert(source, stamp);
+    true
 }
 
 #[cfg(test)]
 mod tests {
     use tally_shared::keys::ALL_TIME_WIDTH;
-    use tally_shared::time::Resolutions;
-    use tally_shared::wire::{Increment, ShardMessage, Source, Stamp};
+    use tally_shared::wire::Increment;
 
     use super::*;
     use crate::store::StoreOptions;
@@ -121,7 +354,7 @@ mod tests {
     const NOW: i64 = 1_763_780_000_000;
 
     fn options() -> StoreOptions {
-        StoreOptions { resolutions: Resolutions::default(), dedupe_window_ms: 86_400_000, sync_writes: false }
+        StoreOptions::default()
     }
 
     fn message(partition: u32, entries: &[(i64, u32, &str, i64, Option<&str>)]) -> Vec<u8> {
@@ -206,6 +439,95 @@ mod tests {
         let report = store.apply(&[ShardRecord { offset: 2, payload: &payload }], NOW + 86_400_000, false).unwrap();
         assert_eq!(report.increments, 1);
         assert_eq!(all_time(&store, "a"), 3);
+    }
+
+    fn counts(store: &ShardStore, entity: &str) -> Counts {
+        let mut key = Vec::new();
+        encode_count_key(&mut key, entity, "views", ALL_TIME_WIDTH, 0);
+        store.get_counts(&[key]).unwrap()[0]
+    }
+
+    fn desc_change(seq: i64, origin: &str, added: &[&str], removed: &[&str]) -> Vec<u8> {
+        let change = DescChange {
+            origin: origin.into(),
+            added: added.iter().map(|s| s.to_string()).collect(),
+            removed: removed.iter().map(|s| s.to_string()).collect(),
+        };
+        let source = Source { stream: Source::GRAPH_PROCESSOR, partition: 0 };
+        ShardMessage::DescChanges { source, entries: vec![(Stamp { offset: seq, index: 0 }, change)] }.encode().unwrap()
+    }
+
+    #[test]
+    fn descendant_changes_move_direct_counts_and_route_increments() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ShardStore::open(0, dir.path(), options()).unwrap();
+        let before = message(0, &[(1, 0, "a", 5, None), (1, 1, "b", 1, None)]);
+        let gain = desc_change(0, "a", &["b", "c"], &[]);
+        let during = message(0, &[(2, 0, "a", 2, None)]);
+        let lose = desc_change(1, "a", &[], &["c"]);
+        let records = [
+            ShardRecord { offset: 0, payload: &before },
+            ShardRecord { offset: 1, payload: &gain },
+            ShardRecord { offset: 2, payload: &during },
+            ShardRecord { offset: 3, payload: &lose },
+        ];
+        let report = store.apply(&records, NOW, false).unwrap();
+        assert_eq!((report.increments, report.desc_changes), (3, 2));
+        assert_eq!(counts(&store, "a"), Counts { direct: 7, total: 7 });
+        assert_eq!(counts(&store, "b"), Counts { direct: 1, total: 8 });
+        assert_eq!(counts(&store, "c"), Counts { direct: 0, total: 0 });
+        assert_eq!(store.descendants_of("a"), vec!["b".to_string()]);
+        // A redelivered change is dropped; the view survives a restart.
+        let report = store.apply(&[ShardRecord { offset: 4, payload: &gain }], NOW, false).unwrap();
+        assert_eq!((report.desc_changes, report.redelivered), (0, 1));
+        drop(store);
+        let store = ShardStore::open(0, dir.path(), options()).unwrap();
+        assert_eq!(store.descendants_of("a"), vec!["b".to_string()]);
+    }
+
+    #[test]
+    fn totals_for_other_shards_go_through_the_outbox_exactly_once() {
+        let two = StoreOptions { shards: 2, ..options() };
+        let (remote_entity, local_shard) = ("far", 1 - shard_of("far", 2));
+        let dir = tempfile::tempdir().unwrap();
+        let sender = ShardStore::open(local_shard, &dir.path().join("s"), two.clone()).unwrap();
+        let receiver = ShardStore::open(1 - local_shard, &dir.path().join("r"), two).unwrap();
+        let inc = message(0, &[(1, 0, "o", 4, None)]);
+        let gain = desc_change(0, "o", &[remote_entity], &[]);
+        let more = message(0, &[(2, 0, "o", 1, None)]);
+        let records = [
+            ShardRecord { offset: 0, payload: &inc },
+            ShardRecord { offset: 1, payload: &gain },
+            ShardRecord { offset: 2, payload: &more },
+        ];
+        sender.apply(&records, NOW, false).unwrap();
+        let outbox = sender.outbox().unwrap();
+        assert_eq!(outbox.len(), 2, "one message per source record with remote totals");
+        assert!(outbox.iter().all(|e| e.target == 1 - local_shard));
+        // Delivered twice (a relay that crashed before deleting): counted once.
+        let delivered: Vec<ShardRecord<'_>> = outbox
+            .iter()
+            .chain(&outbox)
+            .enumerate()
+            .map(|(i, e)| ShardRecord { offset: i as i64, payload: &e.payload })
+            .collect();
+        let report = receiver.apply(&delivered, NOW, false).unwrap();
+        assert_eq!(report.redelivered, report.totals_received);
+        assert_eq!(counts(&receiver, remote_entity), Counts { direct: 0, total: 5 });
+        sender.delete_outbox(&outbox).unwrap();
+        assert!(sender.outbox().unwrap().is_empty());
+        // Replaying the sender's log from scratch produces the same stamps: dropped.
+        let rebuilt =
+            ShardStore::open(local_shard, &dir.path().join("s2"), StoreOptions { shards: 2, ..options() }).unwrap();
+        rebuilt.apply(&records, NOW, false).unwrap();
+        let replayed = rebuilt.outbox().unwrap();
+        let replayed: Vec<ShardRecord<'_>> = replayed
+            .iter()
+            .enumerate()
+            .map(|(i, e)| ShardRecord { offset: 10 + i as i64, payload: &e.payload })
+            .collect();
+        receiver.apply(&replayed, NOW, false).unwrap();
+        assert_eq!(counts(&receiver, remote_entity), Counts { direct: 0, total: 5 });
     }
 
     #[test]

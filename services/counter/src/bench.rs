@@ -11,7 +11,7 @@ use std::time::Instant;
 use rand::{Rng, SeedableRng};
 use rocksdb::WriteBatch;
 use tally_shared::keys::{encode_count_key, Counts, ALL_TIME_WIDTH};
-use tally_shared::time::{bucket_start, Resolutions};
+use tally_shared::time::bucket_start;
 use tally_shared::wire::{Increment, ShardMessage, ShardMessageRef, Source, Stamp};
 
 use crate::apply::ShardRecord;
@@ -108,9 +108,7 @@ fn workload(options: &BenchOptions, count: usize, now: i64, seed: u64) -> Vec<Ve
 }
 
 fn open(dir: &Path, name: &str) -> Result<ShardStore> {
-    let options =
-        StoreOptions { resolutions: Resolutions::default(), dedupe_window_ms: 86_400_000, sync_writes: false };
-    ShardStore::open(0, &dir.join(name), options)
+    ShardStore::open(0, &dir.join(name), StoreOptions::default())
 }
 
 /// Runs both paths in `dir` (a scratch directory) and reports their rates.
@@ -189,7 +187,7 @@ fn apply_per_event(store: &ShardStore, records: &[Vec<u8>], now: i64) -> Result<
     let resolutions = &store.options.resolutions;
     let mut key = Vec::with_capacity(128);
     for payload in records {
-        let ShardMessageRef::Increments { entries, .. } = ShardMessageRef::decode(payload)?;
+        let ShardMessageRef::Increments { entries, .. } = ShardMessageRef::decode(payload)? else { continue };
         for (_, increment) in entries {
             let counts = Counts { direct: increment.delta, total: increment.delta }.encode();
             let mut batch = WriteBatch::default();

@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use crate::apply::{ApplyReport, ShardRecord};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
+use crate::relay::Relay;
 use crate::shards::Shards;
 use crate::store::{ShardStore, StoreOptions};
 
@@ -39,6 +40,8 @@ pub struct ConsumerSetup {
     pub metrics: Metrics,
     /// Ready while this counter owns shards and has announced them.
     pub readiness: Readiness,
+    /// Partitions of the shard topic: where a descendant's totals live.
+    pub shard_count: u32,
     /// Announced as the read address of owned shards.
     pub read_addr: String,
     pub instance: String,
@@ -125,7 +128,7 @@ struct Polled {
 
 /// Runs until `shutdown`; finishes and persists the batch in hand before returning.
 pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
-    let ConsumerSetup { config, shards, metrics, readiness, read_addr, instance } = setup;
+    let ConsumerSetup { config, shards, metrics, readiness, read_addr, instance, shard_count } = setup;
     let names = TopicNames::new(&config.kafka.topic_prefix);
     let shard_topic = names.shards();
     let resolutions = config.counting.resolutions()?;
@@ -137,6 +140,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             resolutions: resolutions.clone(),
             dedupe_window_ms: config.counting.dedupe_window_ms()?,
             sync_writes: config.counter.sync_writes,
+            shards: shard_count,
         },
         fatal: Mutex::new(None),
     };
@@ -162,6 +166,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     let mut announcer = Announcer { producer: &producer, topic: names.shard_owners(), read_addr, instance, last: None };
     let rollups_topic = config.counter.rollups.then(|| names.rollups());
 
+    let relay = Relay::new(&config.kafka, shard_topic.clone())?;
     let lag_reporter =
         spawn_lag_reporter(&config, shard_topic.clone(), shards.clone(), metrics.clone(), shutdown.clone())?;
     let linger = Duration::from_millis(config.counter.batch_linger_ms);
@@ -215,10 +220,19 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             apply_batch(&batch, &shards, &metrics, &resolutions, &producer, rollups_topic.as_deref())?;
             commit_advisory(&consumer, &shard_topic, &shards);
         }
+        // Also after a restart or a new assignment: what a store still holds goes out.
+        if !batch.is_empty() || announcer.due() {
+            if let Err(err) = relay.relay(&shards, &metrics) {
+                tracing::warn!(error = %err, "relaying the outbox");
+            }
+        }
         if announcer.due() {
             announcer.announce(&shards.owned(), false);
             readiness.set(!shards.owned().is_empty());
         }
+    }
+    if let Err(err) = relay.relay(&shards, &metrics) {
+        tracing::warn!(error = %err, "relaying the outbox before stopping; the next owner sends it");
     }
     tracing::info!("counter consumer stopping: batch persisted, releasing shards");
     readiness.set(false);
@@ -264,6 +278,8 @@ fn record_metrics(metrics: &Metrics, report: &ApplyReport) {
     metrics.undecodable_records.inc_by(report.undecodable_records as u64);
     metrics.batch_records.observe(report.records as f64);
     metrics.batch_keys.observe(report.keys as f64);
+    metrics.graph_entries.with_label_values(&["desc_change"]).inc_by(report.desc_changes);
+    metrics.graph_entries.with_label_values(&["remote_total"]).inc_by(report.totals_received);
 }
 
 /// Publishes the latest value of every bucket the batch changed. At-least-once: the

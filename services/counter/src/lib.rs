@@ -1,10 +1,12 @@
-//! `tally-counter`: owns counter shards, applies their increments to RocksDB exactly
-//! once, serves reads for them and publishes rollups.
+//! `tally-counter`: owns counter shards, applies their increments, descendant changes
+//! and remote totals to RocksDB exactly once, serves reads for them and publishes
+//! rollups.
 //!
 //! - [`store`]: one shard's RocksDB (counts, idempotency marks, progress);
 //! - [`apply`]: a batch of shard records → one atomic write batch;
 //! - [`read`]: windows, series and metric listings from a snapshot;
 //! - [`consumer`]: the consumer-group thread that owns shards and applies batches;
+//! - [`relay`]: sends each shard's outbox of totals to the shards of descendants;
 //! - [`http`]: the internal read API; [`metrics`]: what it exports.
 
 pub mod apply;
@@ -14,6 +16,7 @@ pub mod error;
 pub mod http;
 pub mod metrics;
 pub mod read;
+pub mod relay;
 pub mod shards;
 pub mod store;
 
@@ -32,6 +35,9 @@ pub use error::{Error, Result};
 pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()> {
     let registry = Registry::new();
     let metrics = metrics::Metrics::new(&registry);
+    let shard_topic = tally_shared::kafka::TopicNames::new(&config.kafka.topic_prefix).shards();
+    let shard_count =
+        tally_shared::kafka::wait_for_topic(&config.kafka, &shard_topic, std::time::Duration::from_secs(60)).await?;
     let readiness = Readiness::default();
     let shards = Arc::new(shards::Shards::default());
 
@@ -59,6 +65,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         shards,
         metrics,
         readiness,
+        shard_count,
         read_addr,
         instance: format!("{:016x}", rand::random::<u64>()),
     };

@@ -15,6 +15,9 @@ pub struct Metrics {
     pub owned_shards: IntGauge,
     pub reads: IntCounter,
     pub rollups_published: IntCounter,
+    /// Descendant-set changes applied, totals received from other shards.
+    pub graph_entries: IntCounterVec,
+    pub outbox_relayed: IntCounter,
 }
 
 impl Metrics {
@@ -71,6 +74,19 @@ impl Metrics {
             rollups_published: register(
                 registry,
                 IntCounter::new("tally_counter_rollups_published_total", "Rollup records published")
+                    .expect("valid metric"),
+            ),
+            graph_entries: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new("tally_counter_graph_entries_total", "Descendant changes and remote totals applied"),
+                    &["kind"],
+                )
+                .expect("valid metric"),
+            ),
+            outbox_relayed: register(
+                registry,
+                IntCounter::new("tally_counter_outbox_relayed_total", "Totals messages relayed to other shards")
                     .expect("valid metric"),
             ),
         }

@@ -128,7 +128,7 @@ impl ShardStore {
 
 #[cfg(test)]
 mod tests {
-    use tally_shared::time::{Resolutions, WindowSpec};
+    use tally_shared::time::WindowSpec;
     use tally_shared::wire::{Increment, ShardMessage, Source, Stamp};
 
     use super::*;
@@ -139,12 +139,7 @@ mod tests {
 
     fn store_with(events: &[(&str, &str, i64, i64)]) -> (tempfile::TempDir, ShardStore) {
         let dir = tempfile::tempdir().unwrap();
-        let store = ShardStore::open(
-            0,
-            dir.path(),
-            StoreOptions { resolutions: Resolutions::default(), dedupe_window_ms: 86_400_000, sync_writes: false },
-        )
-        .unwrap();
+        let store = ShardStore::open(0, dir.path(), StoreOptions::default()).unwrap();
         let payload = ShardMessage::Increments {
             source: Source { stream: Source::INCREMENTS, partition: 0 },
             entries: events

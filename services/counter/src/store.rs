@@ -2,10 +2,12 @@
 //! always written together.
 //!
 //! Column families: `counts` (bucket values, summed by a merge operator so the write
-//! path never reads), `dedupe` (idempotency marks with their first-seen time), and the
-//! default one for progress: the next shard-topic offset to consume and the
-//! high-water stamp of every source. Expired buckets and marks are dropped by
-//! compaction filters; reads never look at them.
+//! path never reads), `dedupe` (idempotency marks with their first-seen time), `desc`
+//! (the current descendant view of each origin this shard owns), `outbox` (totals
+//! for other shards, written with the state that produced them and deleted once
+//! relayed), and the default one for progress: the next shard-topic offset to
+//! consume and the high-water stamp of every source. Expired buckets and marks are
+//! dropped by compaction filters; reads never look at them.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -21,6 +23,8 @@ use crate::error::{Error, Result};
 
 pub(crate) const CF_COUNTS: &str = "counts";
 pub(crate) const CF_DEDUPE: &str = "dedupe";
+pub(crate) const CF_DESC: &str = "desc";
+pub(crate) const CF_OUTBOX: &str = "outbox";
 const KEY_NEXT_OFFSET: &[u8] = b"next_offset";
 const HWM_PREFIX: &[u8] = b"hwm/";
 
@@ -41,6 +45,22 @@ pub struct StoreOptions {
     pub dedupe_window_ms: i64,
     /// fsync the WAL on each batch.
     pub sync_writes: bool,
+    /// How many shards there are (where a descendant's totals live).
+    pub shards: u32,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        Self { resolutions: Resolutions::default(), dedupe_window_ms: 86_400_000, sync_writes: false, shards: 1 }
+    }
+}
+
+/// A record of the outbox: totals for another shard, ready to send.
+#[derive(Debug, Clone)]
+pub struct OutboxEntry {
+    pub key: Vec<u8>,
+    pub target: u32,
+    pub payload: Vec<u8>,
 }
 
 /// A shard's database.
@@ -50,6 +70,9 @@ pub struct ShardStore {
     pub(crate) options: StoreOptions,
     /// Only the consumer thread writes; readers use RocksDB snapshots, not this.
     pub(crate) progress: Mutex<Progress>,
+    /// desc(origin) of every origin with descendants, sorted; mirrors the `desc`
+    /// column family. Only the consumer thread touches it.
+    pub(crate) descendants: Mutex<HashMap<String, Vec<String>>>,
 }
 
 fn add_counts(_key: &[u8], existing: Option<&[u8]>, operands: &MergeOperands) -> Option<Vec<u8>> {
@@ -98,11 +121,57 @@ impl ShardStore {
             }
         });
 
-        let families =
-            vec![ColumnFamilyDescriptor::new(CF_COUNTS, counts), ColumnFamilyDescriptor::new(CF_DEDUPE, dedupe)];
+        let families = vec![
+            ColumnFamilyDescriptor::new(CF_COUNTS, counts),
+            ColumnFamilyDescriptor::new(CF_DEDUPE, dedupe),
+            ColumnFamilyDescriptor::new(CF_DESC, Options::default()),
+            ColumnFamilyDescriptor::new(CF_OUTBOX, Options::default()),
+        ];
         let db = DB::open_cf_descriptors(&db_options, path, families)?;
         let progress = Self::load_progress(&db)?;
-        Ok(Self { shard, db, options, progress: Mutex::new(progress) })
+        let descendants = Self::load_descendants(&db)?;
+        Ok(Self { shard, db, options, progress: Mutex::new(progress), descendants: Mutex::new(descendants) })
+    }
+
+    fn load_descendants(db: &DB) -> Result<HashMap<String, Vec<String>>> {
+        let cf = db.cf_handle(CF_DESC).ok_or_else(|| Error::Consumer("column family desc missing".into()))?;
+        let mut descendants = HashMap::new();
+        for item in db.iterator_cf(cf, rocksdb::IteratorMode::Start) {
+            let (key, value) = item?;
+            let origin = String::from_utf8_lossy(&key).into_owned();
+            descendants.insert(origin, decode_names(&value));
+        }
+        Ok(descendants)
+    }
+
+    /// desc(origin) as this shard currently sees it.
+    pub fn descendants_of(&self, origin: &str) -> Vec<String> {
+        self.descendants.lock().ok().and_then(|map| map.get(origin).cloned()).unwrap_or_default()
+    }
+
+    /// The outbox in send order (by source offset, then target shard).
+    pub fn outbox(&self) -> Result<Vec<OutboxEntry>> {
+        let cf = self.cf(CF_OUTBOX)?;
+        let mut entries = Vec::new();
+        for item in self.db.iterator_cf(cf, rocksdb::IteratorMode::Start) {
+            let (key, payload) = item?;
+            let Some(target) = key.get(8..12).and_then(|b| b.try_into().ok()).map(u32::from_be_bytes) else {
+                continue;
+            };
+            entries.push(OutboxEntry { key: key.to_vec(), target, payload: payload.to_vec() });
+        }
+        Ok(entries)
+    }
+
+    /// Drops relayed outbox entries.
+    pub fn delete_outbox(&self, entries: &[OutboxEntry]) -> Result<()> {
+        let cf = self.cf(CF_OUTBOX)?;
+        let mut batch = WriteBatch::default();
+        for entry in entries {
+            batch.delete_cf(cf, &entry.key);
+        }
+        self.db.write(batch)?;
+        Ok(())
     }
 
     fn load_progress(db: &DB) -> Result<Progress> {
@@ -173,6 +242,23 @@ impl ShardStore {
     }
 }
 
+/// The outbox key of the totals a source record at `offset` sends to `target`.
+pub(crate) fn outbox_key(offset: i64, target: u32) -> [u8; 12] {
+    let mut key = [0u8; 12];
+    key[..8].copy_from_slice(&(offset as u64).to_be_bytes());
+    key[8..].copy_from_slice(&target.to_be_bytes());
+    key
+}
+
+/// A sorted list of entity names, as stored in the `desc` column family.
+pub(crate) fn encode_names(names: &[String]) -> Vec<u8> {
+    bincode::serde::encode_to_vec(names, bincode::config::standard()).unwrap_or_default()
+}
+
+fn decode_names(bytes: &[u8]) -> Vec<String> {
+    bincode::serde::decode_from_slice(bytes, bincode::config::standard()).map(|(names, _)| names).unwrap_or_default()
+}
+
 /// A mark holds its first-seen time; it expires a window later.
 fn mark_expired(value: &[u8], window_ms: i64, now: i64) -> bool {
     decode_i64(value).saturating_add(window_ms) <= now
@@ -216,7 +302,7 @@ mod tests {
     use super::*;
 
     pub(crate) fn options() -> StoreOptions {
-        StoreOptions { resolutions: Resolutions::default(), dedupe_window_ms: 86_400_000, sync_writes: false }
+        StoreOptions::default()
     }
 
     #[test]

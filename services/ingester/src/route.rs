@@ -88,7 +88,10 @@ impl Router {
                     record.payload,
                     |index, update| {
                         accepted += 1;
-                        graph.entry(record.partition).or_default().push((Stamp { offset: record.offset, index }, update));
+                        graph
+                            .entry(record.partition)
+                            .or_default()
+                            .push((Stamp { offset: record.offset, index }, update));
                     },
                     reject,
                 );
