@@ -35,7 +35,9 @@ use tally_shared::sharding::shard_of;
 use tally_shared::wire::{ShardMessage, ShardMessageRef, Source, Stamp, TotalDelta};
 
 use crate::error::Result;
-use crate::store::{encode_names, outbox_key, Progress, ShardStore, CF_COUNTS, CF_DEDUPE, CF_DESC, CF_OUTBOX};
+use tally_shared::outbox::outbox_key;
+
+use crate::store::{encode_names, Progress, ShardStore, CF_COUNTS, CF_DEDUPE, CF_DESC, CF_OUTBOX};
 
 /// One record of the shard topic.
 #[derive(Debug, Clone, Copy)]
@@ -323,7 +325,7 @@ impl ShardStore {
         }
         let source = Source { stream: Source::SHARD, partition: self.shard };
         let payload = ShardMessage::Totals { source, entries }.encode()?;
-        batch.put_cf(outbox_cf, outbox_key(offset, target), payload);
+        batch.put_cf(outbox_cf, outbox_key(offset, target, 0), payload);
         report.outbox_messages += 1;
         Ok(())
     }
@@ -503,7 +505,7 @@ mod tests {
         sender.apply(&records, NOW, false).unwrap();
         let outbox = sender.outbox().unwrap();
         assert_eq!(outbox.len(), 2, "one message per source record with remote totals");
-        assert!(outbox.iter().all(|e| e.target == 1 - local_shard));
+        assert!(outbox.iter().all(|e| e.partition == 1 - local_shard));
         // Delivered twice (a relay that crashed before deleting): counted once.
         let delivered: Vec<ShardRecord<'_>> = outbox
             .iter()

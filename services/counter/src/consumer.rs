@@ -27,9 +27,10 @@ use tokio_util::sync::CancellationToken;
 use crate::apply::{ApplyReport, ShardRecord};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
-use crate::relay::Relay;
+use crate::relay::relay_outboxes;
 use crate::shards::Shards;
 use crate::store::{ShardStore, StoreOptions};
+use tally_shared::outbox::Relay;
 
 const HEARTBEAT: Duration = Duration::from_secs(5);
 
@@ -222,7 +223,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         }
         // Also after a restart or a new assignment: what a store still holds goes out.
         if !batch.is_empty() || announcer.due() {
-            if let Err(err) = relay.relay(&shards, &metrics) {
+            if let Err(err) = relay_outboxes(&relay, &shards, &metrics) {
                 tracing::warn!(error = %err, "relaying the outbox");
             }
         }
@@ -231,7 +232,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             readiness.set(!shards.owned().is_empty());
         }
     }
-    if let Err(err) = relay.relay(&shards, &metrics) {
+    if let Err(err) = relay_outboxes(&relay, &shards, &metrics) {
         tracing::warn!(error = %err, "relaying the outbox before stopping; the next owner sends it");
     }
     tracing::info!("counter consumer stopping: batch persisted, releasing shards");

@@ -16,6 +16,7 @@ use std::sync::Mutex;
 use rocksdb::compaction_filter::Decision;
 use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, MergeOperands, Options, WriteBatch, WriteOptions, DB};
 use tally_shared::keys::{decode_count_key, Counts, ALL_TIME_WIDTH};
+use tally_shared::outbox::{outbox_partition, OutboxEntry};
 use tally_shared::time::Resolutions;
 use tally_shared::wire::{Source, Stamp};
 
@@ -53,14 +54,6 @@ impl Default for StoreOptions {
     fn default() -> Self {
         Self { resolutions: Resolutions::default(), dedupe_window_ms: 86_400_000, sync_writes: false, shards: 1 }
     }
-}
-
-/// A record of the outbox: totals for another shard, ready to send.
-#[derive(Debug, Clone)]
-pub struct OutboxEntry {
-    pub key: Vec<u8>,
-    pub target: u32,
-    pub payload: Vec<u8>,
 }
 
 /// A shard's database.
@@ -155,10 +148,8 @@ impl ShardStore {
         let mut entries = Vec::new();
         for item in self.db.iterator_cf(cf, rocksdb::IteratorMode::Start) {
             let (key, payload) = item?;
-            let Some(target) = key.get(8..12).and_then(|b| b.try_into().ok()).map(u32::from_be_bytes) else {
-                continue;
-            };
-            entries.push(OutboxEntry { key: key.to_vec(), target, payload: payload.to_vec() });
+            let Some(partition) = outbox_partition(&key) else { continue };
+            entries.push(OutboxEntry { key: key.to_vec(), partition, payload: payload.to_vec() });
         }
         Ok(entries)
     }
@@ -240,14 +231,6 @@ impl ShardStore {
             .map(|r| Ok(r?.map(|v| Counts::decode(&v)).unwrap_or_default()))
             .collect()
     }
-}
-
-/// The outbox key of the totals a source record at `offset` sends to `target`.
-pub(crate) fn outbox_key(offset: i64, target: u32) -> [u8; 12] {
-    let mut key = [0u8; 12];
-    key[..8].copy_from_slice(&(offset as u64).to_be_bytes());
-    key[8..].copy_from_slice(&target.to_be_bytes());
-    key
 }
 
 /// A sorted list of entity names, as stored in the `desc` column family.

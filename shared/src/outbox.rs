@@ -1,0 +1,111 @@
+//! The transactional outbox of a stateful service: messages for the shard topic
+//! written in the same RocksDB write batch as the state that produced them, then
+//! relayed here and deleted once the broker acknowledged them.
+//!
+//! Entries go out in key order on an idempotent producer, so each receiver sees one
+//! sender's stamps in increasing order; an entry sent twice (the service stopped
+//! before deleting it) is at or below the receiver's high-water stamp and dropped.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer, ProducerContext};
+use rdkafka::ClientContext;
+
+use crate::config::KafkaConfig;
+use crate::kafka::producer_config;
+use crate::{Error, Result};
+
+/// One outbox record: its key in the store, the partition it goes to, the bytes.
+#[derive(Debug, Clone)]
+pub struct OutboxEntry {
+    pub key: Vec<u8>,
+    pub partition: u32,
+    pub payload: Vec<u8>,
+}
+
+/// The outbox key of the `chunk`-th message for `partition` produced at sender
+/// position `position`: sorts by position, then partition, then chunk.
+pub fn outbox_key(position: i64, partition: u32, chunk: u32) -> [u8; 16] {
+    let mut key = [0u8; 16];
+    key[..8].copy_from_slice(&(position as u64).to_be_bytes());
+    key[8..12].copy_from_slice(&partition.to_be_bytes());
+    key[12..].copy_from_slice(&chunk.to_be_bytes());
+    key
+}
+
+/// The partition an outbox key sends to.
+pub fn outbox_partition(key: &[u8]) -> Option<u32> {
+    key.get(8..12).and_then(|b| b.try_into().ok()).map(u32::from_be_bytes)
+}
+
+/// Counts failed deliveries of the current round.
+#[derive(Default)]
+pub struct RelayContext {
+    failures: AtomicU64,
+}
+
+impl ClientContext for RelayContext {}
+
+impl ProducerContext for RelayContext {
+    type DeliveryOpaque = ();
+
+    fn delivery(&self, result: &DeliveryResult<'_>, _: Self::DeliveryOpaque) {
+        if let Err((err, _)) = result {
+            tracing::warn!(error = %err, "outbox delivery failed; it will be sent again");
+            self.failures.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Sends outbox entries to one topic.
+pub struct Relay {
+    producer: BaseProducer<RelayContext>,
+    topic: String,
+}
+
+impl Relay {
+    pub fn new(kafka: &KafkaConfig, topic: String) -> Result<Self> {
+        Ok(Self { producer: producer_config(kafka)?.create_with_context(RelayContext::default())?, topic })
+    }
+
+    /// Sends `entries` in order, keyed by `key`, and waits until every one is
+    /// acknowledged; an error means some may not have been (send them all again).
+    pub fn send_all(&self, key: &str, entries: &[OutboxEntry]) -> Result<()> {
+        self.producer.context().failures.store(0, Ordering::Relaxed);
+        for entry in entries {
+            let mut record =
+                BaseRecord::to(&self.topic).partition(entry.partition as i32).key(key).payload(&entry.payload);
+            loop {
+                match self.producer.send(record) {
+                    Ok(()) => break,
+                    Err((err, returned))
+                        if matches!(err.rdkafka_error_code(), Some(rdkafka::types::RDKafkaErrorCode::QueueFull)) =>
+                    {
+                        record = returned;
+                        self.producer.poll(Duration::from_millis(5));
+                    }
+                    Err((err, _)) => return Err(err.into()),
+                }
+            }
+        }
+        self.producer.flush(Duration::from_secs(30))?;
+        match self.producer.context().failures.load(Ordering::Relaxed) {
+            0 => Ok(()),
+            failed => Err(Error::Relay(format!("{failed} outbox messages were not delivered"))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_sort_by_position_then_partition_then_chunk() {
+        assert!(outbox_key(1, 7, 9) < outbox_key(2, 0, 0));
+        assert!(outbox_key(2, 0, 9) < outbox_key(2, 1, 0));
+        assert!(outbox_key(2, 1, 0) < outbox_key(2, 1, 1));
+        assert_eq!(outbox_partition(&outbox_key(5, 3, 1)), Some(3));
+    }
+}
