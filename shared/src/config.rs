@@ -27,7 +27,42 @@ pub struct TallyConfig {
     pub log: LogConfig,
     pub ingester: IngesterConfig,
     pub counter: CounterConfig,
+    pub graph: GraphConfig,
     pub query: QueryConfig,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GraphConfig {
+    /// Prometheus metrics and health endpoints.
+    pub admin_listen: String,
+    /// The internal graph read API `tally-query` calls; port 0 picks a free one,
+    /// which is announced on the shard-owners topic.
+    pub read_listen: String,
+    /// Host announced for the read API when `read_listen` binds a wildcard address.
+    pub advertise_host: Option<String>,
+    /// The graph's RocksDB.
+    pub data_dir: PathBuf,
+    /// Most graph-update records handled in one batch.
+    pub batch_max_records: usize,
+    /// Longest wait for a batch to fill, in ms.
+    pub batch_linger_ms: u64,
+    /// fsync the RocksDB WAL on every batch.
+    pub sync_writes: bool,
+}
+
+impl Default for GraphConfig {
+    fn default() -> Self {
+        Self {
+            admin_listen: "127.0.0.1:9104".into(),
+            read_listen: "127.0.0.1:0".into(),
+            advertise_host: None,
+            data_dir: PathBuf::from("data/graph"),
+            batch_max_records: 1_000,
+            batch_linger_ms: 20,
+            sync_writes: false,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -16,6 +16,8 @@ pub enum Error {
     Wire(String),
     #[error("topics: {0}")]
     Topics(String),
+    #[error("rocksdb: {0}")]
+    Store(String),
     #[error("outbox relay: {0}")]
     Relay(String),
     #[error("local broker: {0}")]

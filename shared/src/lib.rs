@@ -3,7 +3,7 @@
 //! The pure parts — [`validate`], [`input`], [`time`], [`keys`], [`counting`], [`graph`],
 //! [`propagation`], [`sharding`], [`wire`] and the brute-force [`model`] — know nothing of Kafka,
 //! RocksDB or tokio and are proved with property tests. The glue — [`config`],
-//! [`telemetry`], [`shutdown`], [`service`], [`kafka`], [`outbox`], [`topics`] and
+//! [`telemetry`], [`shutdown`], [`service`], [`kafka`], [`outbox`], [`progress`], [`topics`] and
 //! [`local_broker`] — is what every binary needs to run as a well-behaved service.
 
 pub mod config;
@@ -16,6 +16,7 @@ pub mod keys;
 pub mod local_broker;
 pub mod model;
 pub mod outbox;
+pub mod progress;
 pub mod propagation;
 pub mod service;
 pub mod sharding;

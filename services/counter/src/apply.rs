@@ -37,7 +37,9 @@ use tally_shared::wire::{ShardMessage, ShardMessageRef, Source, Stamp, TotalDelt
 use crate::error::Result;
 use tally_shared::outbox::outbox_key;
 
-use crate::store::{encode_names, Progress, ShardStore, CF_COUNTS, CF_DEDUPE, CF_DESC, CF_OUTBOX};
+use tally_shared::progress::Progress;
+
+use crate::store::{encode_names, ShardStore, CF_COUNTS, CF_DEDUPE, CF_DESC, CF_OUTBOX};
 
 /// One record of the shard topic.
 #[derive(Debug, Clone, Copy)]
@@ -135,7 +137,7 @@ impl ShardStore {
             match message {
                 ShardMessageRef::Increments { source, entries } => {
                     for (stamp, increment) in entries {
-                        if !advance(progress, *source, *stamp) {
+                        if !progress.advance(*source, *stamp) {
                             report.redelivered += 1;
                             continue;
                         }
@@ -166,7 +168,7 @@ impl ShardStore {
                 }
                 ShardMessageRef::Totals { source, entries } => {
                     for (stamp, delta) in entries {
-                        if !advance(progress, *source, *stamp) {
+                        if !progress.advance(*source, *stamp) {
                             report.redelivered += 1;
                             continue;
                         }
@@ -227,7 +229,7 @@ impl ShardStore {
         let mut remote: BTreeMap<u32, Vec<TotalDelta>> = BTreeMap::new();
         let mut descendants = self.descendants.lock().map_err(|_| self.poisoned())?;
         for (stamp, change) in entries {
-            if !advance(progress, source, stamp) {
+            if !progress.advance(source, stamp) {
                 report.redelivered += 1;
                 continue;
             }
@@ -333,16 +335,6 @@ impl ShardStore {
     fn poisoned(&self) -> crate::Error {
         crate::Error::Shard { shard: self.shard, message: "descendant table poisoned".into() }
     }
-}
-
-/// Moves `source`'s high-water mark to `stamp`; false when the stamp was already
-/// applied.
-fn advance(progress: &mut Progress, source: Source, stamp: Stamp) -> bool {
-    if progress.high_water.get(&source).is_some_and(|high_water| stamp <= *high_water) {
-        return false;
-    }
-    progress.high_water.insert(source, stamp);
-    true
 }
 
 #[cfg(test)]

@@ -17,8 +17,8 @@ use rocksdb::compaction_filter::Decision;
 use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, MergeOperands, Options, WriteBatch, WriteOptions, DB};
 use tally_shared::keys::{decode_count_key, Counts, ALL_TIME_WIDTH};
 use tally_shared::outbox::{outbox_partition, OutboxEntry};
+use tally_shared::progress::{decode_i64, Progress};
 use tally_shared::time::Resolutions;
-use tally_shared::wire::{Source, Stamp};
 
 use crate::error::{Error, Result};
 
@@ -26,18 +26,6 @@ pub(crate) const CF_COUNTS: &str = "counts";
 pub(crate) const CF_DEDUPE: &str = "dedupe";
 pub(crate) const CF_DESC: &str = "desc";
 pub(crate) const CF_OUTBOX: &str = "outbox";
-const KEY_NEXT_OFFSET: &[u8] = b"next_offset";
-const HWM_PREFIX: &[u8] = b"hwm/";
-
-/// What has been applied so far: mirrors the progress keys of the last committed
-/// write batch, so it is never ahead of the data.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Progress {
-    /// The next shard-topic offset to apply; `None` for a new shard.
-    pub next_offset: Option<i64>,
-    /// The last applied stamp of every source.
-    pub high_water: HashMap<Source, Stamp>,
-}
 
 /// Settings of a shard store.
 #[derive(Debug, Clone)]
@@ -121,7 +109,7 @@ impl ShardStore {
             ColumnFamilyDescriptor::new(CF_OUTBOX, Options::default()),
         ];
         let db = DB::open_cf_descriptors(&db_options, path, families)?;
-        let progress = Self::load_progress(&db)?;
+        let progress = Progress::load(&db)?;
         let descendants = Self::load_descendants(&db)?;
         Ok(Self { shard, db, options, progress: Mutex::new(progress), descendants: Mutex::new(descendants) })
     }
@@ -165,23 +153,6 @@ impl ShardStore {
         Ok(())
     }
 
-    fn load_progress(db: &DB) -> Result<Progress> {
-        let mut progress = Progress::default();
-        if let Some(bytes) = db.get(KEY_NEXT_OFFSET)? {
-            progress.next_offset = Some(decode_i64(&bytes));
-        }
-        for item in db.prefix_iterator(HWM_PREFIX) {
-            let (key, value) = item?;
-            if !key.starts_with(HWM_PREFIX) {
-                break;
-            }
-            if let (Some(source), Some(stamp)) = (decode_source(&key[HWM_PREFIX.len()..]), decode_stamp(&value)) {
-                progress.high_water.insert(source, stamp);
-            }
-        }
-        Ok(progress)
-    }
-
     pub(crate) fn cf(&self, name: &str) -> Result<&ColumnFamily> {
         self.db
             .cf_handle(name)
@@ -204,15 +175,7 @@ impl ShardStore {
 
     /// Writes `batch` plus the new progress atomically, then publishes the progress.
     pub(crate) fn commit(&self, mut batch: WriteBatch, progress: Progress) -> Result<()> {
-        if let Some(next) = progress.next_offset {
-            batch.put(KEY_NEXT_OFFSET, next.to_le_bytes());
-        }
-        let old = self.progress();
-        for (source, stamp) in &progress.high_water {
-            if old.high_water.get(source) != Some(stamp) {
-                batch.put(hwm_key(*source), encode_stamp(*stamp));
-            }
-        }
+        progress.write(&self.progress(), &mut batch);
         let mut write_options = WriteOptions::default();
         write_options.set_sync(self.options.sync_writes);
         self.db.write_opt(batch, &write_options)?;
@@ -247,41 +210,10 @@ fn mark_expired(value: &[u8], window_ms: i64, now: i64) -> bool {
     decode_i64(value).saturating_add(window_ms) <= now
 }
 
-fn decode_i64(bytes: &[u8]) -> i64 {
-    bytes.try_into().map(i64::from_le_bytes).unwrap_or(0)
-}
-
-fn hwm_key(source: Source) -> Vec<u8> {
-    let mut key = HWM_PREFIX.to_vec();
-    key.push(source.stream);
-    key.extend_from_slice(&source.partition.to_be_bytes());
-    key
-}
-
-fn decode_source(bytes: &[u8]) -> Option<Source> {
-    let (&stream, partition) = bytes.split_first()?;
-    Some(Source { stream, partition: u32::from_be_bytes(partition.try_into().ok()?) })
-}
-
-fn encode_stamp(stamp: Stamp) -> [u8; 12] {
-    let mut out = [0u8; 12];
-    out[..8].copy_from_slice(&stamp.offset.to_le_bytes());
-    out[8..].copy_from_slice(&stamp.index.to_le_bytes());
-    out
-}
-
-fn decode_stamp(bytes: &[u8]) -> Option<Stamp> {
-    if bytes.len() != 12 {
-        return None;
-    }
-    Some(Stamp {
-        offset: i64::from_le_bytes(bytes[..8].try_into().ok()?),
-        index: u32::from_le_bytes(bytes[8..].try_into().ok()?),
-    })
-}
-
 #[cfg(test)]
 mod tests {
+    use tally_shared::wire::{Source, Stamp};
+
     use super::*;
 
     pub(crate) fn options() -> StoreOptions {
