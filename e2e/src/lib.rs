@@ -55,7 +55,7 @@ impl Sandbox {
         };
         topics::apply(&kafka, &Declarations::load(None).unwrap()).await.expect("topics apply");
         let query_port = free_port().unwrap();
-        let admin: HashMap<&'static str, String> = ["tally-ingester", "tally-counter", "tally-query"]
+        let admin: HashMap<&'static str, String> = ["tally-ingester", "tally-counter", "tally-graph", "tally-query"]
             .into_iter()
             .map(|name| (name, format!("127.0.0.1:{}", free_port().unwrap())))
             .collect();
@@ -68,6 +68,8 @@ impl Sandbox {
             ("TALLY__COUNTER__GROUP_ID".into(), format!("{prefix}counter")),
             ("TALLY__COUNTER__DATA_DIR".into(), dir.path().join("counter").display().to_string()),
             ("TALLY__QUERY__ADMIN_LISTEN".into(), admin["tally-query"].clone()),
+            ("TALLY__GRAPH__ADMIN_LISTEN".into(), admin["tally-graph"].clone()),
+            ("TALLY__GRAPH__DATA_DIR".into(), dir.path().join("graph").display().to_string()),
             // Tansu 0.6 never evicts a member killed with -9 from a consumer group.
             ("TALLY__INGESTER__STATIC_ASSIGNMENT".into(), "true".into()),
             ("TALLY__COUNTER__STATIC_ASSIGNMENT".into(), "true".into()),
@@ -150,13 +152,15 @@ impl Sandbox {
         std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))).unwrap_or_default()
     }
 
-    /// Produces records to the increments topic and waits until all are acknowledged.
-    pub async fn produce_increments(&self, records: &[workload::Record]) {
+    /// Produces records to their topics (increments or graph) and waits until all are
+    /// acknowledged.
+    pub async fn produce(&self, records: &[workload::Record]) {
         let producer: FutureProducer = producer_config(&self.kafka).unwrap().create().unwrap();
-        let topic = self.names.increments();
+        let (increments, graph) = (self.names.increments(), self.names.graph());
         let sends = records.iter().map(|r| {
+            let topic = if r.graph { &graph } else { &increments };
             producer.send(
-                FutureRecord::to(&topic).key(&r.key).payload(&r.payload).timestamp(r.timestamp),
+                FutureRecord::to(topic).key(&r.key).payload(&r.payload).timestamp(r.timestamp),
                 Duration::from_secs(30),
             )
         });
@@ -270,6 +274,7 @@ pub mod check {
     use serde_json::{json, Value};
     use tally_shared::model::Model;
     use tally_shared::time::{parse_duration, Resolutions, WindowSpec};
+    use tally_shared::wire::Kind;
 
     use crate::{encode, Sandbox};
 
@@ -286,9 +291,10 @@ pub mod check {
         for entity in entities {
             let sums = model.metrics(entity);
             for metric in metrics {
-                for kind in ["total", "direct"] {
+                let (direct, total) = sums.get(metric).copied().unwrap_or((0, 0));
+                for (kind, want) in [("total", total), ("direct", direct)] {
                     queries.push(json!({"entity": entity, "metric": metric, "window": "all", "kind": kind}));
-                    expected.push(sums.get(metric).copied().unwrap_or(0));
+                    expected.push(want);
                 }
             }
         }
@@ -325,7 +331,12 @@ pub mod check {
             match result {
                 Ok(()) => return,
                 Err(mismatches) if std::time::Instant::now() > deadline => {
-                    panic!("counts never matched the model:\n{mismatches}\n--- counter log ---\n{}\n--- ingester log ---\n{}", sandbox.log("tally-counter"), sandbox.log("tally-ingester"))
+                    panic!(
+                        "counts never matched the model:\n{mismatches}\n--- counter log ---\n{}\n--- graph log ---\n{}\n--- ingester log ---\n{}",
+                        sandbox.log("tally-counter"),
+                        sandbox.log("tally-graph"),
+                        sandbox.log("tally-ingester")
+                    )
                 }
                 Err(_) => tokio::time::sleep(std::time::Duration::from_millis(500)).await,
             }
@@ -340,7 +351,9 @@ pub mod check {
         for entity in entities {
             for metric in metrics {
                 for window in windows {
-                    queries.push(json!({"entity": entity, "metric": metric, "window": window, "kind": "direct"}));
+                    for kind in ["direct", "total"] {
+                        queries.push(json!({"entity": entity, "metric": metric, "window": window, "kind": kind}));
+                    }
                 }
             }
         }
@@ -353,7 +366,9 @@ pub mod check {
                 let plan = resolutions.plan(WindowSpec::Last { window_ms }, to).unwrap();
                 assert_eq!(result["resolution"], plan.resolution_name(), "{query}");
                 assert_eq!(result["from"].as_i64(), Some(plan.start), "{query}");
-                let want = model.sums(query["entity"].as_str().unwrap(), query["metric"].as_str().unwrap(), &plan)[0];
+                let kind = if query["kind"] == "total" { Kind::Total } else { Kind::Direct };
+                let (entity, metric) = (query["entity"].as_str().unwrap(), query["metric"].as_str().unwrap());
+                let want = model.sums(entity, metric, kind, &plan)[0];
                 assert_eq!(result["value"].as_i64(), Some(want), "{query} → {result}");
             }
         }
@@ -381,7 +396,8 @@ pub mod check {
                         range_ms: parse_duration(range).unwrap(),
                     };
                     let plan = resolutions.plan(spec, last_t).unwrap();
-                    let want = model.sums(entity, metric, &plan);
+                    let kind = if kind == "total" { Kind::Total } else { Kind::Direct };
+                    let want = model.sums(entity, metric, kind, &plan);
                     let got: Vec<i64> = points.iter().map(|p| p["value"].as_i64().unwrap()).collect();
                     let times: Vec<i64> = points.iter().map(|p| p["t"].as_i64().unwrap()).collect();
                     let want_times: Vec<i64> = (0..plan.points as i64).map(|i| plan.start + i * plan.step).collect();
@@ -395,7 +411,7 @@ pub mod check {
     /// Metric listings, paginated two at a time.
     pub async fn listings(sandbox: &Sandbox, model: &Model, entities: &[String]) {
         for entity in entities {
-            let mut listed: Vec<(String, i64)> = Vec::new();
+            let mut listed: Vec<(String, (i64, i64))> = Vec::new();
             let mut token: Option<String> = None;
             loop {
                 let mut path = format!("/v1/entities/{}/metrics?limit=2", encode(entity));
@@ -405,14 +421,15 @@ pub mod check {
                 let (status, body) = sandbox.get(&path).await;
                 assert_eq!(status, 200, "{path}: {body}");
                 for m in body["metrics"].as_array().unwrap() {
-                    listed.push((m["metric"].as_str().unwrap().to_string(), m["total"].as_i64().unwrap()));
+                    let counts = (m["direct"].as_i64().unwrap(), m["total"].as_i64().unwrap());
+                    listed.push((m["metric"].as_str().unwrap().to_string(), counts));
                 }
                 match body["next_page_token"].as_str() {
                     Some(next) => token = Some(next.to_string()),
                     None => break,
                 }
             }
-            let want: Vec<(String, i64)> = model.metrics(entity).into_iter().collect();
+            let want: Vec<(String, (i64, i64))> = model.metrics(entity).into_iter().collect();
             assert_eq!(listed, want, "{entity}");
         }
     }
@@ -431,6 +448,9 @@ pub mod check {
             "/v1/counters/%09tab/views",
             "/v1/entities/user:1/metrics?limit=0",
             "/v1/entities/user:1/metrics?page_token=%21%21",
+            "/v1/graph/user:1?direction=sideways",
+            "/v1/graph/user:1?limit=0",
+            "/v1/graph/%09tab",
         ];
         for path in gets {
             let (status, body) = sandbox.get(path).await;

@@ -15,7 +15,7 @@ async fn kill9_of_counter_and_ingester_mid_workload_counts_exactly_once() {
     let workload = Workload::generate(2, 900, tally_shared::kafka::now_ms());
     let waves: Vec<_> = workload.records.chunks(100).collect();
     for (wave, records) in waves.iter().enumerate() {
-        sandbox.produce_increments(records).await;
+        sandbox.produce(records).await;
         tokio::time::sleep(Duration::from_millis(150 + 70 * wave as u64)).await;
         match wave {
             1 | 5 => {
@@ -51,7 +51,7 @@ async fn counter_rebuilds_from_the_shard_log_after_losing_its_data() {
         sandbox.spawn(service);
     }
     let workload = Workload::generate(3, 300, tally_shared::kafka::now_ms());
-    sandbox.produce_increments(&workload.records).await;
+    sandbox.produce(&workload.records).await;
     let (model, entities, metrics) = (&workload.model, &workload.entities, &workload.metrics);
     check::wait_for_all_time(&sandbox, model, entities, metrics, Duration::from_secs(120)).await;
 

@@ -38,7 +38,7 @@ async fn two_counters_split_the_shards_and_hand_them_over() {
     sandbox.spawn_instance("counter-b", "tally-counter", &second);
 
     let before = Workload::generate(4, 150, tally_shared::kafka::now_ms());
-    sandbox.produce_increments(&before.records).await;
+    sandbox.produce(&before.records).await;
     let (entities, metrics) = (&before.entities, &before.metrics);
     check::wait_for_all_time(&sandbox, &before.model, entities, metrics, Duration::from_secs(120)).await;
 
@@ -63,7 +63,7 @@ async fn two_counters_split_the_shards_and_hand_them_over() {
     // One instance leaves; the other takes every shard and rebuilds what it lacks.
     sandbox.stop("counter-a");
     let after = Workload::generate(5, 150, tally_shared::kafka::now_ms());
-    sandbox.produce_increments(&after.records).await;
+    sandbox.produce(&after.records).await;
     let mut model = before.model.clone();
     for increment in after.model.events() {
         model.apply(increment.clone());

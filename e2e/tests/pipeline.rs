@@ -23,7 +23,7 @@ async fn counts_windows_series_and_dead_letters_match_the_model() {
         sandbox.wait_ready(service, Duration::from_secs(60)).await;
     }
     let workload = Workload::generate(1, 400, tally_shared::kafka::now_ms());
-    sandbox.produce_increments(&workload.records).await;
+    sandbox.produce(&workload.records).await;
 
     let (model, entities, metrics) = (&workload.model, &workload.entities, &workload.metrics);
     check::wait_for_all_time(&sandbox, model, entities, metrics, Duration::from_secs(120)).await;
@@ -55,7 +55,7 @@ async fn counts_windows_series_and_dead_letters_match_the_model() {
         }
     }
     for entity in entities {
-        for (metric, total) in model.metrics(entity) {
+        for (metric, (_, total)) in model.metrics(entity) {
             let rollup = latest
                 .get(&(entity.clone(), metric.clone()))
                 .unwrap_or_else(|| panic!("no rollup for {entity} {metric}"));

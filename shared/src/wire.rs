@@ -310,6 +310,24 @@ pub struct ShardMetricsResponse {
     pub more: bool,
 }
 
+/// The internal neighbours API of `tally-graph`: one page of an entity's direct
+/// neighbours, sorted, strictly after `after`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GraphNeighboursRequest {
+    pub entity: String,
+    /// Out-edges (`descendants` direction) when true, in-edges otherwise.
+    pub outgoing: bool,
+    pub after: Option<String>,
+    pub limit: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GraphNeighboursResponse {
+    pub entities: Vec<String>,
+    /// Whether more neighbours follow the last one returned.
+    pub more: bool,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -17,7 +17,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tally_shared::time::{format_duration, parse_duration, WindowSpec};
 use tally_shared::validate::{check_entity, check_metric};
-use tally_shared::wire::{Kind, ShardAnswer, ShardQuery};
+use tally_shared::wire::{GraphNeighboursRequest, Kind, ShardAnswer, ShardQuery};
 
 use crate::error::ApiError;
 use crate::fanout::Fanout;
@@ -39,6 +39,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/v1/counters/{entity}/{metric}/series", get(series))
         .route("/v1/query", post(batch))
         .route("/v1/entities/{entity}/metrics", get(entity_metrics))
+        .route("/v1/graph/{entity}", get(graph_neighbours))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), authorize));
     Router::new()
         .route("/", get(|| async { Html(include_str!("dashboard.html")) }))
@@ -254,7 +255,7 @@ async fn entity_metrics(
     }
     let after = match params.page_token.as_deref() {
         None | Some("") => None,
-        Some(token) => Some(decode_token(token)?),
+        Some(token) => Some(decode_token(token, check_metric)?),
     };
     let page = state.fanout.metrics(&entity, after, limit).await?;
     let next_page_token = if page.more { page.metrics.last().map(|m| encode_token(&m.metric)) } else { None };
@@ -265,16 +266,57 @@ async fn entity_metrics(
     })))
 }
 
-fn encode_token(metric: &str) -> String {
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(metric)
+#[derive(Deserialize)]
+struct GraphParams {
+    direction: Option<String>,
+    limit: Option<usize>,
+    page_token: Option<String>,
 }
 
-fn decode_token(token: &str) -> Result<String, ApiError> {
+async fn graph_neighbours(
+    State(state): State<Arc<ApiState>>,
+    path: Result<Path<String>, PathRejection>,
+    params: Result<Query<GraphParams>, QueryRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let Path(entity) = path.map_err(path_error)?;
+    let Query(params) = params.map_err(query_error)?;
+    check_entity(&entity).map_err(|m| ApiError::bad_request("invalid_entity", m))?;
+    let direction = params.direction.unwrap_or_else(|| "descendants".into());
+    let outgoing = match direction.as_str() {
+        "descendants" => true,
+        "ancestors" => false,
+        _ => return Err(ApiError::bad_request("invalid_direction", "direction: must be descendants or ancestors")),
+    };
+    let limit = params.limit.unwrap_or(100);
+    if !(1..=1_000).contains(&limit) {
+        return Err(ApiError::bad_request("invalid_limit", "limit: must be 1-1000"));
+    }
+    let after = match params.page_token.as_deref() {
+        None | Some("") => None,
+        Some(token) => Some(decode_token(token, check_entity)?),
+    };
+    let request = GraphNeighboursRequest { entity: entity.clone(), outgoing, after, limit };
+    let page = state.fanout.neighbours(&request).await?;
+    let next_page_token = if page.more { page.entities.last().map(|e| encode_token(e)) } else { None };
+    Ok(Json(json!({
+        "entity": entity,
+        "direction": direction,
+        "entities": page.entities,
+        "next_page_token": next_page_token,
+    })))
+}
+
+fn encode_token(name: &str) -> String {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(name)
+}
+
+/// The name a page token carries, checked like the names it stands for.
+fn decode_token(token: &str, check: fn(&str) -> Result<(), &'static str>) -> Result<String, ApiError> {
     let invalid = || ApiError::bad_request("invalid_page_token", "page_token: not a token this API issued");
     let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(token).map_err(|_| invalid())?;
-    let metric = String::from_utf8(bytes).map_err(|_| invalid())?;
-    check_metric(&metric).map_err(|_| invalid())?;
-    Ok(metric)
+    let name = String::from_utf8(bytes).map_err(|_| invalid())?;
+    check(&name).map_err(|_| invalid())?;
+    Ok(name)
 }
 
 #[cfg(test)]
@@ -293,8 +335,8 @@ mod tests {
 
     #[test]
     fn page_tokens_round_trip_and_reject_forgeries() {
-        assert_eq!(decode_token(&encode_token("views.total")).unwrap(), "views.total");
-        assert!(decode_token("!!!").is_err());
-        assert!(decode_token(&encode_token("NOT A METRIC")).is_err());
+        assert_eq!(decode_token(&encode_token("views.total"), check_metric).unwrap(), "views.total");
+        assert!(decode_token("!!!", check_metric).is_err());
+        assert!(decode_token(&encode_token("NOT A METRIC"), check_metric).is_err());
     }
 }

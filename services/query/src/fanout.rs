@@ -11,7 +11,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tally_shared::sharding::shard_of;
 use tally_shared::wire::{
-    ShardAnswer, ShardMetricsRequest, ShardMetricsResponse, ShardQuery, ShardReadRequest, ShardReadResponse,
+    GraphNeighboursRequest, GraphNeighboursResponse, ShardAnswer, ShardMetricsRequest, ShardMetricsResponse,
+    ShardOwner, ShardQuery, ShardReadRequest, ShardReadResponse,
 };
 
 use crate::error::ApiError;
@@ -71,6 +72,11 @@ impl Fanout {
         self.call(shard, "/internal/v1/metrics", &request).await
     }
 
+    /// One page of an entity's neighbours, from `tally-graph`.
+    pub async fn neighbours(&self, request: &GraphNeighboursRequest) -> Result<GraphNeighboursResponse, ApiError> {
+        self.call(ShardOwner::GRAPH, "/internal/v1/graph", request).await
+    }
+
     async fn call<Req: Serialize, Resp: DeserializeOwned>(
         &self,
         shard: u32,
@@ -82,7 +88,7 @@ impl Fanout {
             let current = match claim.take() {
                 Some(current) => current,
                 None => self.owners.wait_newer(shard, None, self.owner_wait).await.ok_or_else(|| {
-                    ApiError::unavailable(format!("no counter owns shard {shard} right now; retry shortly"))
+                    ApiError::unavailable(format!("nothing serves {} right now; retry shortly", owner_name(shard)))
                 })?,
             };
             let Some(addr) = &current.addr else { continue };
@@ -109,6 +115,14 @@ impl Fanout {
                 break;
             }
         }
-        Err(ApiError::unavailable(format!("shard {shard} is unavailable; retry shortly")))
+        Err(ApiError::unavailable(format!("{} is unavailable; retry shortly", owner_name(shard))))
+    }
+}
+
+fn owner_name(shard: u32) -> String {
+    if shard == ShardOwner::GRAPH {
+        "the graph (tally-graph)".into()
+    } else {
+        format!("shard {shard}")
     }
 }

@@ -1,0 +1,93 @@
+//! Hierarchical totals end to end: increments and graph updates (chains, diamonds,
+//! cycles, removals, re-adds, retried ids, bad elements) through Kafka; every total
+//! and direct over HTTP equals the model on the final graph — also when the graph
+//! processor and a counter are killed with -9 in the middle.
+
+use std::time::Duration;
+
+use tally_e2e::workload::Workload;
+use tally_e2e::{check, encode, Sandbox};
+
+const SERVICES: [&str; 4] = ["tally-ingester", "tally-counter", "tally-graph", "tally-query"];
+
+/// The neighbours the read API lists for `entity`, two per page.
+async fn neighbours(sandbox: &Sandbox, entity: &str, direction: &str) -> Vec<String> {
+    let mut listed = Vec::new();
+    let mut token: Option<String> = None;
+    loop {
+        let mut path = format!("/v1/graph/{}?direction={direction}&limit=2", encode(entity));
+        if let Some(token) = &token {
+            path.push_str(&format!("&page_token={token}"));
+        }
+        let (status, body) = sandbox.get(&path).await;
+        assert_eq!(status, 200, "{path}: {body}");
+        listed.extend(body["entities"].as_array().unwrap().iter().map(|e| e.as_str().unwrap().to_string()));
+        match body["next_page_token"].as_str() {
+            Some(next) => token = Some(next.to_string()),
+            None => return listed,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn totals_follow_the_graph_and_match_the_model() {
+    let mut sandbox = Sandbox::start().await;
+    for service in SERVICES {
+        sandbox.spawn(service);
+    }
+    let workload = Workload::generate_mixed(11, 500, tally_shared::kafka::now_ms(), 0.2);
+    assert!(workload.model.edges().len() > 5, "the workload builds a graph");
+    sandbox.produce(&workload.records).await;
+
+    let (model, entities, metrics) = (&workload.model, &workload.entities, &workload.metrics);
+    check::wait_for_all_time(&sandbox, model, entities, metrics, Duration::from_secs(180)).await;
+    check::windows(&sandbox, model, entities, metrics).await;
+    check::series(&sandbox, model, &entities[..6], metrics).await;
+    check::listings(&sandbox, model, entities).await;
+
+    for entity in entities {
+        let out: Vec<String> = model.edges().iter().filter(|(f, _)| f == entity).map(|(_, t)| t.clone()).collect();
+        let inn: Vec<String> = model.edges().iter().filter(|(_, t)| t == entity).map(|(f, _)| f.clone()).collect();
+        let mut inn_sorted = inn.clone();
+        inn_sorted.sort();
+        assert_eq!(neighbours(&sandbox, entity, "descendants").await, out, "{entity} descendants");
+        assert_eq!(neighbours(&sandbox, entity, "ancestors").await, inn_sorted, "{entity} ancestors");
+    }
+
+    let letters = sandbox.read_topic(&sandbox.names.dead_letter(), workload.rejections + 1, Duration::from_secs(20));
+    assert_eq!(letters.len(), workload.rejections, "every rejection, once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill9_of_graph_and_counter_mid_workload_counts_exactly_once() {
+    let mut sandbox = Sandbox::start().await;
+    for service in SERVICES {
+        sandbox.spawn(service);
+    }
+    let workload = Workload::generate_mixed(12, 800, tally_shared::kafka::now_ms(), 0.2);
+    let waves: Vec<_> = workload.records.chunks(100).collect();
+    for (wave, records) in waves.iter().enumerate() {
+        sandbox.produce(records).await;
+        tokio::time::sleep(Duration::from_millis(200 + 80 * wave as u64)).await;
+        match wave {
+            1 | 5 => {
+                sandbox.kill9("tally-graph");
+                sandbox.spawn("tally-graph");
+            }
+            3 => {
+                sandbox.kill9("tally-counter");
+                sandbox.spawn("tally-counter");
+            }
+            6 => {
+                sandbox.kill9("tally-graph");
+                sandbox.kill9("tally-counter");
+                sandbox.spawn("tally-counter");
+                sandbox.spawn("tally-graph");
+            }
+            _ => {}
+        }
+    }
+    let (model, entities, metrics) = (&workload.model, &workload.entities, &workload.metrics);
+    check::wait_for_all_time(&sandbox, model, entities, metrics, Duration::from_secs(240)).await;
+    check::windows(&sandbox, model, entities, metrics).await;
+}

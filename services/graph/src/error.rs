@@ -1,0 +1,17 @@
+//! The graph processor's error type.
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("rocksdb: {0}")]
+    Rocks(#[from] rocksdb::Error),
+    #[error("kafka: {0}")]
+    Kafka(#[from] rdkafka::error::KafkaError),
+    #[error(transparent)]
+    Shared(#[from] tally_shared::Error),
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("graph processor: {0}")]
+    Processor(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,75 @@
+//! `tally-graph`: keeps the entity graph and tells counter shards how each origin's
+//! descendant set changes (SPEC §3).
+//!
+//! - [`store`]: the graph's RocksDB, loaded into a [`Graph`](tally_shared::graph::Graph)
+//!   in memory; a batch of updates → net descendant changes in the outbox, with the
+//!   edges and the progress, in one write batch;
+//! - [`processor`]: the thread that consumes graph updates and relays the outbox;
+//! - [`http`]: the internal neighbours API; [`metrics`]: what it exports.
+//!
+//! One instance owns the whole graph (the graph-updates topic has one partition).
+
+pub mod error;
+pub mod http;
+pub mod metrics;
+pub mod processor;
+pub mod store;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus::Registry;
+use tally_shared::config::TallyConfig;
+use tally_shared::kafka::{wait_for_topic, TopicNames};
+use tally_shared::telemetry::{serve_admin, Readiness};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+pub use error::{Error, Result};
+
+/// Runs the graph processor until `shutdown`.
+pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()> {
+    let registry = Registry::new();
+    let metrics = metrics::Metrics::new(&registry);
+    let readiness = Readiness::default();
+    let admin = serve_admin(&config.graph.admin_listen, registry, readiness.clone(), shutdown.clone()).await?;
+    let names = TopicNames::new(&config.kafka.topic_prefix);
+    let shards = wait_for_topic(&config.kafka, &names.shards(), Duration::from_secs(60)).await?;
+    wait_for_topic(&config.kafka, &names.graph_updates(), Duration::from_secs(60)).await?;
+    let options = store::GraphOptions {
+        shards,
+        dedupe_window_ms: config.counting.dedupe_window_ms()?,
+        sync_writes: config.graph.sync_writes,
+    };
+    let data_dir = config.graph.data_dir.clone();
+    let store = Arc::new(
+        tokio::task::spawn_blocking(move || store::GraphStore::open(&data_dir, options))
+            .await
+            .map_err(|err| Error::Processor(err.to_string()))??,
+    );
+
+    let listener = TcpListener::bind(&config.graph.read_listen).await?;
+    let bound = listener.local_addr()?;
+    let host = match &config.graph.advertise_host {
+        Some(host) => host.clone(),
+        None if bound.ip().is_unspecified() => "127.0.0.1".to_string(),
+        None => bound.ip().to_string(),
+    };
+    let read_addr = format!("{host}:{}", bound.port());
+    tracing::info!(read_api = %read_addr, admin = %admin, data_dir = %config.graph.data_dir.display(), "tally-graph starting");
+    let app = http::router(store.clone());
+    let server_shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        if let Err(err) = axum::serve(listener, app).with_graceful_shutdown(server_shutdown.cancelled_owned()).await {
+            tracing::error!(error = %err, "graph read API failed");
+        }
+    });
+
+    let setup = processor::ProcessorSetup { config, store, metrics, readiness, read_addr };
+    let processor_shutdown = shutdown.clone();
+    let result = tokio::task::spawn_blocking(move || processor::run(setup, processor_shutdown))
+        .await
+        .map_err(|err| Error::Processor(err.to_string()))?;
+    shutdown.cancel();
+    result
+}

@@ -1,0 +1,129 @@
+//! The processor thread: consumes `tally.graph-updates` (one partition, one
+//! `tally-graph` instance), applies batches to the [`GraphStore`], relays the
+//! outbox to the counter shards, and announces its read address.
+//!
+//! A plain thread over a `BaseConsumer`: graph traversals are CPU work that must not
+//! block the async runtime. It resumes from the store's offset, never a group's.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rdkafka::Message;
+use tally_shared::config::TallyConfig;
+use tally_shared::kafka::{client_config, now_ms, producer_config, TopicNames};
+use tally_shared::outbox::Relay;
+use tally_shared::telemetry::Readiness;
+use tally_shared::wire::ShardOwner;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::Result;
+use crate::metrics::Metrics;
+use crate::store::{GraphStore, UpdateRecord};
+
+const HEARTBEAT: Duration = Duration::from_secs(5);
+
+pub struct ProcessorSetup {
+    pub config: TallyConfig,
+    pub store: Arc<GraphStore>,
+    pub metrics: Metrics,
+    pub readiness: Readiness,
+    pub read_addr: String,
+}
+
+/// Runs until `shutdown`; the batch in hand is persisted and relayed first.
+pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
+    let ProcessorSetup { config, store, metrics, readiness, read_addr } = setup;
+    let names = TopicNames::new(&config.kafka.topic_prefix);
+    let input = names.graph_updates();
+    let mut consumer_config = client_config(&config.kafka)?;
+    consumer_config.set("group.id", "tally-graph").set("enable.auto.commit", "false");
+    let consumer: BaseConsumer = consumer_config.create()?;
+    let start = store.progress().next_offset.map_or(Offset::Beginning, Offset::Offset);
+    let mut assignment = TopicPartitionList::new();
+    assignment.add_partition_offset(&input, 0, start)?;
+    consumer.assign(&assignment)?;
+
+    let relay = Relay::new(&config.kafka, names.shards())?;
+    let announcer: ThreadedProducer<DefaultProducerContext> = producer_config(&config.kafka)?.create()?;
+    let instance = format!("{:016x}", rand::random::<u64>());
+    let announce = |addr: Option<String>| {
+        let claim = ShardOwner { shard: ShardOwner::GRAPH, addr, instance: instance.clone(), at_ms: now_ms() };
+        if let Ok(payload) = serde_json::to_vec(&claim) {
+            let topic = names.shard_owners();
+            let record = BaseRecord::to(&topic).key("graph").payload(&payload);
+            if let Err((err, _)) = announcer.send(record) {
+                tracing::warn!(error = %err, "announcing the graph read API");
+            }
+        }
+    };
+    tracing::info!(start = ?start, addr = %read_addr, "graph processor consuming");
+    relay_outbox(&store, &relay, &metrics);
+    let linger = Duration::from_millis(config.graph.batch_linger_ms);
+    let max_records = config.graph.batch_max_records.max(1);
+    let mut last_heartbeat: Option<Instant> = None;
+    let mut batch: Vec<(i64, Vec<u8>)> = Vec::new();
+    while !shutdown.is_cancelled() {
+        batch.clear();
+        let deadline = Instant::now() + linger;
+        while batch.len() < max_records {
+            let wait = if batch.is_empty() { Duration::from_millis(100) } else { deadline.saturating_duration_since(Instant::now()) };
+            match consumer.poll(wait) {
+                Some(Ok(message)) => batch.push((message.offset(), message.payload().unwrap_or_default().to_vec())),
+                Some(Err(err)) => tracing::warn!(error = %err, "consumer error"),
+                None if batch.is_empty() => break,
+                None => {}
+            }
+            if !batch.is_empty() && Instant::now() >= deadline {
+                break;
+            }
+        }
+        if !batch.is_empty() {
+            let records: Vec<UpdateRecord<'_>> =
+                batch.iter().map(|(offset, payload)| UpdateRecord { offset: *offset, payload }).collect();
+            let report = store.apply(&records, now_ms())?;
+            metrics.applied_updates.inc_by(report.updates);
+            metrics.dropped.with_label_values(&["redelivered"]).inc_by(report.redelivered);
+            metrics.dropped.with_label_values(&["id"]).inc_by(report.duplicate_ids);
+            metrics.dropped.with_label_values(&["undecodable"]).inc_by(report.undecodable_records);
+            metrics.desc_changes.inc_by(report.changes);
+            if let Ok(graph) = store.graph.read() {
+                metrics.edges.set(graph.edge_count() as i64);
+            }
+            relay_outbox(&store, &relay, &metrics);
+        }
+        if last_heartbeat.is_none_or(|at| at.elapsed() >= HEARTBEAT) {
+            last_heartbeat = Some(Instant::now());
+            announce(Some(read_addr.clone()));
+            readiness.set(true);
+            relay_outbox(&store, &relay, &metrics);
+            if let Ok((_, high)) = consumer.fetch_watermarks(&input, 0, Duration::from_secs(1)) {
+                metrics.consumer_lag.set((high - store.progress().next_offset.unwrap_or(0)).max(0));
+            }
+        }
+    }
+    readiness.set(false);
+    relay_outbox(&store, &relay, &metrics);
+    announce(None);
+    let _ = announcer.flush(Duration::from_secs(5));
+    tracing::info!("graph processor stopped: batch persisted and relayed");
+    Ok(())
+}
+
+/// Sends what the outbox holds; on failure it stays for the next round.
+fn relay_outbox(store: &GraphStore, relay: &Relay, metrics: &Metrics) {
+    let sent = store.outbox().map_err(crate::Error::from).and_then(|entries| {
+        if entries.is_empty() {
+            return Ok(0);
+        }
+        relay.send_all("graph", &entries)?;
+        store.delete_outbox(&entries)?;
+        Ok(entries.len() as u64)
+    });
+    match sent {
+        Ok(count) => metrics.outbox_relayed.inc_by(count),
+        Err(err) => tracing::warn!(error = %err, "relaying the outbox; retrying later"),
+    }
+}

@@ -1,0 +1,319 @@
+//! The graph's RocksDB and the batch step: edges, idempotency marks, the outbox of
+//! descendant changes and the progress, always written together.
+//!
+//! Column families: `edges` (`from 0x00 to` → empty; the whole graph is loaded into
+//! memory at start), `dedupe` (`from 0x00 id` → first-seen ms, dropped by a compaction
+//! filter after the window), `outbox` (descendant changes for the counter shards,
+//! deleted once relayed) and the default one for [`Progress`].
+
+use std::path::Path;
+use std::sync::{Mutex, RwLock};
+
+use rocksdb::compaction_filter::Decision;
+use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, Options, WriteBatch, WriteOptions, DB};
+use tally_shared::graph::{DescChange, EdgeUpdate, Graph};
+use tally_shared::outbox::{outbox_key, outbox_partition, OutboxEntry};
+use tally_shared::progress::{decode_i64, Progress};
+use tally_shared::sharding::shard_of;
+use tally_shared::wire::{GraphMessage, ShardMessage, Source, Stamp};
+
+use crate::error::{Error, Result};
+
+const CF_EDGES: &str = "edges";
+const CF_DEDUPE: &str = "dedupe";
+const CF_OUTBOX: &str = "outbox";
+/// Most descendant changes in one shard-topic message.
+const CHANGES_PER_MESSAGE: usize = 500;
+
+/// Settings of the graph store.
+#[derive(Debug, Clone)]
+pub struct GraphOptions {
+    /// Partitions of the shard topic: where each origin's changes go.
+    pub shards: u32,
+    pub dedupe_window_ms: i64,
+    pub sync_writes: bool,
+}
+
+/// One record of the graph-updates topic.
+#[derive(Debug, Clone, Copy)]
+pub struct UpdateRecord<'a> {
+    pub offset: i64,
+    pub payload: &'a [u8],
+}
+
+/// What one batch did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct BatchReport {
+    pub updates: u64,
+    pub redelivered: u64,
+    pub duplicate_ids: u64,
+    pub undecodable_records: u64,
+    /// Origins whose descendant set changed.
+    pub changes: u64,
+    pub outbox_messages: u64,
+}
+
+pub struct GraphStore {
+    db: DB,
+    options: GraphOptions,
+    /// The graph in memory; readers take the read lock.
+    pub graph: RwLock<Graph>,
+    progress: Mutex<Progress>,
+}
+
+fn wall_clock_ms() -> i64 {
+    tally_shared::kafka::now_ms()
+}
+
+impl GraphStore {
+    /// Opens (creating when missing) the store at `path` and loads the graph.
+    pub fn open(path: &Path, options: GraphOptions) -> Result<Self> {
+        std::fs::create_dir_all(path)?;
+        let mut db_options = Options::default();
+        db_options.create_if_missing(true);
+        db_options.create_missing_column_families(true);
+        let mut dedupe = Options::default();
+        let window = options.dedupe_window_ms;
+        dedupe.set_compaction_filter("tally_graph_dedupe_ttl", move |_level: u32, _key: &[u8], value: &[u8]| {
+            if decode_i64(value).saturating_add(window) <= wall_clock_ms() {
+                Decision::Remove
+            } else {
+                Decision::Keep
+            }
+        });
+        let families = vec![
+            ColumnFamilyDescriptor::new(CF_EDGES, Options::default()),
+            ColumnFamilyDescriptor::new(CF_DEDUPE, dedupe),
+            ColumnFamilyDescriptor::new(CF_OUTBOX, Options::default()),
+        ];
+        let db = DB::open_cf_descriptors(&db_options, path, families)?;
+        let progress = Progress::load(&db)?;
+        let mut graph = Graph::default();
+        {
+            let edges = db.cf_handle(CF_EDGES).ok_or_else(|| Error::Processor("edges missing".into()))?;
+            for item in db.iterator_cf(edges, rocksdb::IteratorMode::Start) {
+                let (key, _) = item?;
+                let Some((from, to)) = decode_edge(&key) else { continue };
+                graph.add_edge(from, to);
+            }
+        }
+        tracing::info!(edges = graph.edge_count(), next_offset = ?progress.next_offset, "graph loaded");
+        Ok(Self { db, options, graph: RwLock::new(graph), progress: Mutex::new(progress) })
+    }
+
+    fn cf(&self, name: &str) -> Result<&ColumnFamily> {
+        self.db.cf_handle(name).ok_or_else(|| Error::Processor(format!("column family {name} missing")))
+    }
+
+    /// A copy of the committed progress.
+    pub fn progress(&self) -> Progress {
+        self.progress.lock().map(|p| p.clone()).unwrap_or_default()
+    }
+
+    /// Applies a batch of records (in offset order) at wall-clock `now`: the net
+    /// descendant changes of the whole batch go into the outbox, with the edges and
+    /// the progress, in one write batch.
+    pub fn apply(&self, records: &[UpdateRecord<'_>], now: i64) -> Result<BatchReport> {
+        let mut report = BatchReport::default();
+        let mut progress = self.progress();
+        let mut batch = WriteBatch::default();
+        let dedupe_cf = self.cf(CF_DEDUPE)?;
+        let mut ids_in_batch = std::collections::HashSet::new();
+        let mut updates: Vec<EdgeUpdate> = Vec::new();
+        for record in records {
+            if progress.next_offset.is_some_and(|next| record.offset < next) {
+                continue;
+            }
+            progress.next_offset = Some(record.offset + 1);
+            let GraphMessage::Updates { source, entries } = match GraphMessage::decode(record.payload) {
+                Ok(message) => message,
+                Err(err) => {
+                    tracing::error!(offset = record.offset, error = %err, "skipping undecodable graph record");
+                    report.undecodable_records += 1;
+                    continue;
+                }
+            };
+            for (stamp, update) in entries {
+                if !progress.advance(source, stamp) {
+                    report.redelivered += 1;
+                    continue;
+                }
+                if let Some(id) = &update.id {
+                    let key = dedupe_key(&update.edge.from, id);
+                    if !ids_in_batch.insert(key.clone()) || self.seen_recently(&key, now)? {
+                        report.duplicate_ids += 1;
+                        continue;
+                    }
+                    batch.put_cf(dedupe_cf, &key, now.to_le_bytes());
+                }
+                report.updates += 1;
+                updates.push(update.edge);
+            }
+        }
+
+        let changes = {
+            let mut graph = self.graph.write().map_err(|_| Error::Processor("graph lock poisoned".into()))?;
+            let changes = graph.apply_batch(&updates);
+            let edges_cf = self.cf(CF_EDGES)?;
+            for update in &updates {
+                let key = encode_edge(&update.from, &update.to);
+                if graph.has_edge(&update.from, &update.to) {
+                    batch.put_cf(edges_cf, &key, []);
+                } else {
+                    batch.delete_cf(edges_cf, &key);
+                }
+            }
+            changes
+        };
+        report.changes = changes.len() as u64;
+        if !changes.is_empty() {
+            report.outbox_messages = self.put_outbox(&mut batch, progress.next_sequence, changes)?;
+            progress.next_sequence += 1;
+        }
+        progress.write(&self.progress(), &mut batch);
+        let mut write_options = WriteOptions::default();
+        write_options.set_sync(self.options.sync_writes);
+        self.db.write_opt(batch, &write_options)?;
+        if let Ok(mut current) = self.progress.lock() {
+            *current = progress;
+        }
+        Ok(report)
+    }
+
+    /// Each change goes to the shard that owns its origin, stamped (sequence of the
+    /// batch, index) so a counter drops what it already applied.
+    fn put_outbox(&self, batch: &mut WriteBatch, sequence: i64, changes: Vec<DescChange>) -> Result<u64> {
+        let outbox_cf = self.cf(CF_OUTBOX)?;
+        let mut per_shard: std::collections::BTreeMap<u32, Vec<(Stamp, DescChange)>> = Default::default();
+        for (index, change) in changes.into_iter().enumerate() {
+            let stamp = Stamp { offset: sequence, index: index as u32 };
+            per_shard.entry(shard_of(&change.origin, self.options.shards)).or_default().push((stamp, change));
+        }
+        let source = Source { stream: Source::GRAPH_PROCESSOR, partition: 0 };
+        let mut messages = 0;
+        for (shard, entries) in per_shard {
+            for (chunk, part) in entries.chunks(CHANGES_PER_MESSAGE).enumerate() {
+                let payload = ShardMessage::DescChanges { source, entries: part.to_vec() }.encode()?;
+                batch.put_cf(outbox_cf, outbox_key(sequence, shard, chunk as u32), payload);
+                messages += 1;
+            }
+        }
+        Ok(messages)
+    }
+
+    fn seen_recently(&self, key: &[u8], now: i64) -> Result<bool> {
+        Ok(match self.db.get_pinned_cf(self.cf(CF_DEDUPE)?, key)? {
+            Some(value) => decode_i64(&value).saturating_add(self.options.dedupe_window_ms) > now,
+            None => false,
+        })
+    }
+
+    /// The outbox in send order.
+    pub fn outbox(&self) -> Result<Vec<OutboxEntry>> {
+        let mut entries = Vec::new();
+        for item in self.db.iterator_cf(self.cf(CF_OUTBOX)?, rocksdb::IteratorMode::Start) {
+            let (key, payload) = item?;
+            let Some(partition) = outbox_partition(&key) else { continue };
+            entries.push(OutboxEntry { key: key.to_vec(), partition, payload: payload.to_vec() });
+        }
+        Ok(entries)
+    }
+
+    /// Drops relayed outbox entries.
+    pub fn delete_outbox(&self, entries: &[OutboxEntry]) -> Result<()> {
+        let cf = self.cf(CF_OUTBOX)?;
+        let mut batch = WriteBatch::default();
+        for entry in entries {
+            batch.delete_cf(cf, &entry.key);
+        }
+        self.db.write(batch)?;
+        Ok(())
+    }
+}
+
+fn encode_edge(from: &str, to: &str) -> Vec<u8> {
+    let mut key = Vec::with_capacity(from.len() + to.len() + 1);
+    key.extend_from_slice(from.as_bytes());
+    key.push(0);
+    key.extend_from_slice(to.as_bytes());
+    key
+}
+
+fn decode_edge(key: &[u8]) -> Option<(&str, &str)> {
+    let split = key.iter().position(|&b| b == 0)?;
+    Some((std::str::from_utf8(&key[..split]).ok()?, std::str::from_utf8(&key[split + 1..]).ok()?))
+}
+
+fn dedupe_key(from: &str, id: &str) -> Vec<u8> {
+    encode_edge(from, id)
+}
+
+#[cfg(test)]
+mod tests {
+    use tally_shared::graph::EdgeOp;
+    use tally_shared::wire::{GraphUpdate, ShardMessageRef};
+
+    use super::*;
+
+    const NOW: i64 = 1_763_780_000_000;
+
+    fn options() -> GraphOptions {
+        GraphOptions { shards: 4, dedupe_window_ms: 86_400_000, sync_writes: false }
+    }
+
+    fn record(offset: i64, updates: &[(bool, &str, &str, Option<&str>)]) -> Vec<u8> {
+        let source = Source { stream: Source::GRAPH, partition: 0 };
+        let entries = updates
+            .iter()
+            .enumerate()
+            .map(|(index, &(add, from, to, id))| {
+                let op = if add { EdgeOp::Add } else { EdgeOp::Remove };
+                let edge = EdgeUpdate { op, from: from.into(), to: to.into() };
+                (Stamp { offset, index: index as u32 }, GraphUpdate { edge, id: id.map(Into::into) })
+            })
+            .collect();
+        GraphMessage::Updates { source, entries }.encode().unwrap()
+    }
+
+    fn changes(store: &GraphStore) -> Vec<DescChange> {
+        let mut all = Vec::new();
+        for entry in store.outbox().unwrap() {
+            let ShardMessageRef::DescChanges { entries, .. } = ShardMessageRef::decode(&entry.payload).unwrap() else {
+                panic!("the graph only sends descendant changes");
+            };
+            for (_, change) in entries {
+                assert_eq!(entry.partition, shard_of(&change.origin, 4));
+                all.push(change);
+            }
+        }
+        all.sort_by(|a, b| a.origin.cmp(&b.origin));
+        all
+    }
+
+    #[test]
+    fn batches_persist_edges_changes_and_progress_together() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = GraphStore::open(dir.path(), options()).unwrap();
+            let first = record(0, &[(true, "a", "b", Some("g1")), (true, "b", "c", None)]);
+            let report = store.apply(&[UpdateRecord { offset: 0, payload: &first }], NOW).unwrap();
+            assert_eq!((report.updates, report.changes), (2, 2));
+            let got = changes(&store);
+            assert_eq!(got[0], DescChange { origin: "a".into(), added: vec!["b".into(), "c".into()], removed: vec![] });
+            assert_eq!(got[1], DescChange { origin: "b".into(), added: vec!["c".into()], removed: vec![] });
+            store.delete_outbox(&store.outbox().unwrap()).unwrap();
+        }
+        let store = GraphStore::open(dir.path(), options()).unwrap();
+        assert_eq!(store.graph.read().unwrap().descendants("a"), vec!["b".to_string(), "c".to_string()]);
+        assert_eq!(store.progress().next_offset, Some(1));
+        // A redelivered record, a retried id and a fresh removal.
+        let again = record(0, &[(true, "a", "b", Some("g1"))]);
+        let retry = record(1, &[(false, "a", "b", Some("g1")), (false, "b", "c", None)]);
+        let records = [UpdateRecord { offset: 0, payload: &again }, UpdateRecord { offset: 1, payload: &retry }];
+        let report = store.apply(&records, NOW).unwrap();
+        assert_eq!((report.updates, report.duplicate_ids), (1, 1));
+        let got = changes(&store);
+        assert_eq!(got[0], DescChange { origin: "a".into(), added: vec![], removed: vec!["c".into()] });
+        assert_eq!(got[1], DescChange { origin: "b".into(), added: vec![], removed: vec!["c".into()] });
+    }
+}
