@@ -73,7 +73,8 @@ impl Workload {
         for index in 0..messages {
             let timestamp = now - rng.random_range(0..60_000);
             if rng.random_bool(graph_share) {
-                let (record, rejected) = graph_record(&mut rng, &entities, &mut model, &mut graph_ids, seed, index, timestamp);
+                let (record, rejected) =
+                    graph_record(&mut rng, &entities, &mut model, &mut graph_ids, seed, index, timestamp);
                 rejections += rejected;
                 records.push(record);
                 continue;
@@ -162,7 +163,8 @@ fn graph_record(
             elements.push(copy.to_string());
             continue;
         }
-        let to_index = if rng.random_bool(0.85) { rng.random_range(0..from_index) } else { rng.random_range(0..entities.len()) };
+        let to_index =
+            if rng.random_bool(0.85) { rng.random_range(0..from_index) } else { rng.random_range(0..entities.len()) };
         if to_index == from_index {
             continue;
         }
@@ -180,14 +182,22 @@ fn graph_record(
         // Nothing left (a skipped self-loop): send a harmless removal instead.
         let element = json!({"op": "remove_edge", "from": from, "to": "nobody"});
         apply_edge(model, &element);
-        return (Record { graph: true, key: from.clone(), payload: element.to_string().into_bytes(), timestamp }, rejected);
+        return (
+            Record { graph: true, key: from.clone(), payload: element.to_string().into_bytes(), timestamp },
+            rejected,
+        );
     }
     (Record { graph: true, key: from.clone(), payload: payload.into_bytes(), timestamp }, rejected)
 }
 
 fn apply_edge(model: &mut Model, element: &Value) {
     let text = |field: &str| element[field].as_str().unwrap_or_default().to_string();
-    model.apply_edge(element["op"] == "add_edge", &text("from"), &text("to"), element.get("id").and_then(Value::as_str));
+    model.apply_edge(
+        element["op"] == "add_edge",
+        &text("from"),
+        &text("to"),
+        element.get("id").and_then(Value::as_str),
+    );
 }
 
 /// Picks an index with a skew towards the first ones.

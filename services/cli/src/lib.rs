@@ -41,6 +41,8 @@ enum Command {
     },
     /// Read a counter through tally-query.
     Query(QueryArgs),
+    /// List an entity's neighbours in the graph through tally-query.
+    Graph(GraphArgs),
     /// Run a benchmark and print its figures.
     Bench {
         #[command(subcommand)]
@@ -73,6 +75,29 @@ enum ProduceCommand {
         #[arg(long)]
         id: Option<String>,
     },
+    /// Produce one graph update (`add` or `remove` the edge from → to) to the graph topic.
+    Edge {
+        #[arg(value_parser = ["add", "remove"])]
+        op: String,
+        from: String,
+        to: String,
+        /// Idempotency key.
+        #[arg(long)]
+        id: Option<String>,
+    },
+}
+
+#[derive(clap::Args)]
+struct GraphArgs {
+    entity: String,
+    /// descendants (out-edges) or ancestors (in-edges).
+    #[arg(long, default_value = "descendants")]
+    direction: String,
+    #[arg(long, default_value_t = 100)]
+    limit: usize,
+    /// tally-query's base URL (default: from the config's query.listen).
+    #[arg(long)]
+    url: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -99,6 +124,18 @@ struct QueryArgs {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// What hierarchy costs: an edge add with many ancestors, increments with three levels of ancestors.
+    Graph {
+        #[arg(long, default_value_t = 10_000)]
+        ancestors: usize,
+        /// Unaffected edges elsewhere in the graph.
+        #[arg(long, default_value_t = 100_000)]
+        bystanders: usize,
+        #[arg(long, default_value_t = 10_000)]
+        increments: usize,
+        #[arg(long, default_value_t = 8)]
+        shards: u32,
+    },
     /// The counter apply path vs a per-event, no-coalescing baseline.
     Counter {
         #[arg(long, default_value_t = 5_000_000)]
@@ -146,8 +183,24 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
             if let Some(id) = id {
                 body["id"] = id.into();
             }
-            produce(&config, &entity, &serde_json::to_vec(&body)?).await
+            produce(
+                &config,
+                &TopicNames::new(&config.kafka.topic_prefix).increments(),
+                &entity,
+                &serde_json::to_vec(&body)?,
+            )
+            .await
         }
+        Command::Produce { command: ProduceCommand::Edge { op, from, to, id } } => {
+            let mut body = serde_json::json!({"op": format!("{op}_edge"), "from": from, "to": to});
+            if let Some(id) = id {
+                body["id"] = id.into();
+            }
+            // Keyed by `from`: one entity's graph updates stay in order.
+            produce(&config, &TopicNames::new(&config.kafka.topic_prefix).graph(), &from, &serde_json::to_vec(&body)?)
+                .await
+        }
+        Command::Graph(args) => graph(&config, args).await,
         Command::Query(args) => query(&config, args).await,
         Command::Bench {
             command:
@@ -162,6 +215,10 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 ..Default::default()
             };
             bench_counter(options).await
+        }
+        Command::Bench { command: BenchCommand::Graph { ancestors, bystanders, increments, shards } } => {
+            bench_graph(tally_counter::bench_graph::GraphBenchOptions { ancestors, bystanders, increments, shards })
+                .await
         }
     }
 }
@@ -187,10 +244,9 @@ async fn topics_apply(config: &TallyConfig, file: Option<PathBuf>) -> anyhow::Re
     Ok(())
 }
 
-async fn produce(config: &TallyConfig, key: &str, payload: &[u8]) -> anyhow::Result<()> {
+async fn produce(config: &TallyConfig, topic: &str, key: &str, payload: &[u8]) -> anyhow::Result<()> {
     let producer: FutureProducer = producer_config(&config.kafka)?.create()?;
-    let topic = TopicNames::new(&config.kafka.topic_prefix).increments();
-    let record = FutureRecord::to(&topic).key(key).payload(payload);
+    let record = FutureRecord::to(topic).key(key).payload(payload);
     match producer.send(record, Duration::from_secs(30)).await {
         Ok(delivery) => {
             println!("produced to {topic} partition {} offset {}", delivery.partition, delivery.offset);
@@ -212,7 +268,19 @@ async fn query(config: &TallyConfig, args: QueryArgs) -> anyhow::Result<()> {
     } else {
         format!("{base}/v1/counters/{entity}/{metric}?window={}&kind={}", args.window, args.kind)
     };
-    let mut request = reqwest::Client::new().get(&url);
+    get_and_print(config, &url).await
+}
+
+async fn graph(config: &TallyConfig, args: GraphArgs) -> anyhow::Result<()> {
+    let base = args.url.unwrap_or_else(|| format!("http://{}", config.query.listen));
+    let entity = utf8_percent_encode(&args.entity, NON_ALPHANUMERIC);
+    let url = format!("{base}/v1/graph/{entity}?direction={}&limit={}", args.direction, args.limit);
+    get_and_print(config, &url).await
+}
+
+/// GETs `url` from tally-query (with the configured token) and prints the JSON.
+async fn get_and_print(config: &TallyConfig, url: &str) -> anyhow::Result<()> {
+    let mut request = reqwest::Client::new().get(url);
     if let Some(token) = &config.query.auth_token {
         request = request.bearer_auth(token);
     }
@@ -223,6 +291,39 @@ async fn query(config: &TallyConfig, args: QueryArgs) -> anyhow::Result<()> {
     if !status.is_success() {
         bail!("{status}");
     }
+    Ok(())
+}
+
+async fn bench_graph(options: tally_counter::bench_graph::GraphBenchOptions) -> anyhow::Result<()> {
+    println!(
+        "graph bench: an edge add with {} ancestors in a graph with {} other edges; {} increments on leaves with 3 levels of ancestors; {} shards; RocksDB on disk",
+        options.ancestors, options.bystanders, options.increments, options.shards
+    );
+    let dir = tempfile::Builder::new().prefix("tally-bench").tempdir_in(".")?;
+    let path = dir.path().to_path_buf();
+    let r = tokio::task::spawn_blocking(move || tally_counter::bench_graph::run(&options, &path)).await??;
+    let ms = |s: f64| s * 1_000.0;
+    println!("edge add, graph processor : {:>9.2} ms for {} descendant changes", ms(r.incremental_seconds), r.changes);
+    println!(
+        "  recompute-everything baseline: {:>9.2} ms  ratio {:.1}x",
+        ms(r.recompute_seconds),
+        r.recompute_seconds / r.incremental_seconds.max(1e-9)
+    );
+    println!(
+        "edge add, counter shard   : {:>9.2} ms to apply them ({:.0} changes/s)",
+        ms(r.shard_apply_seconds),
+        r.changes as f64 / r.shard_apply_seconds.max(1e-9)
+    );
+    println!(
+        "increments, 3 levels up   : {:>9.2} ms  ({} outbox messages for other shards)",
+        ms(r.hierarchy_seconds),
+        r.outbox_messages
+    );
+    println!(
+        "  same batch, no ancestors: {:>9.2} ms  hierarchy costs {:.1}x",
+        ms(r.flat_seconds),
+        r.hierarchy_seconds / r.flat_seconds.max(1e-9)
+    );
     Ok(())
 }
 

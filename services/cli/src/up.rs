@@ -26,7 +26,7 @@ pub struct UpArgs {
     pub kafka_port: u16,
 }
 
-const SERVICES: [&str; 3] = ["tally-ingester", "tally-counter", "tally-query"];
+const SERVICES: [&str; 4] = ["tally-ingester", "tally-counter", "tally-graph", "tally-query"];
 
 pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: UpArgs) -> anyhow::Result<()> {
     let shutdown = tally_shared::shutdown::on_signals();
@@ -60,9 +60,15 @@ pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: Up
     } else {
         config.counter.data_dir.clone()
     };
+    let graph_dir = if config.graph.data_dir == Path::new("data/graph") {
+        data_dir.join("graph")
+    } else {
+        config.graph.data_dir.clone()
+    };
     let mut env = vec![
         ("TALLY__KAFKA__BOOTSTRAP_SERVERS".to_string(), config.kafka.bootstrap_servers.clone()),
         ("TALLY__COUNTER__DATA_DIR".to_string(), counter_dir.display().to_string()),
+        ("TALLY__GRAPH__DATA_DIR".to_string(), graph_dir.display().to_string()),
     ];
     if broker.is_some() {
         // The local broker's group coordinator never evicts a member killed with -9,
@@ -77,8 +83,8 @@ pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: Up
 
     println!("tally: read API and dashboard  http://{}/", config.query.listen);
     println!(
-        "tally: metrics  ingester http://{}/metrics  counter http://{}/metrics  query http://{}/metrics",
-        config.ingester.admin_listen, config.counter.admin_listen, config.query.admin_listen
+        "tally: metrics  ingester http://{}/metrics  counter http://{}/metrics  graph http://{}/metrics  query http://{}/metrics",
+        config.ingester.admin_listen, config.counter.admin_listen, config.graph.admin_listen, config.query.admin_listen
     );
     println!("tally: try  tally produce increment user:7 views  then  tally query user:7 views --window 1h   (Ctrl-C stops everything)");
 

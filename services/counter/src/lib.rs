@@ -11,6 +11,7 @@
 
 pub mod apply;
 pub mod bench;
+pub mod bench_graph;
 pub mod consumer;
 pub mod error;
 pub mod http;

@@ -21,7 +21,10 @@ impl Metrics {
             dropped: register(
                 registry,
                 IntCounterVec::new(
-                    Opts::new("tally_graph_dropped_updates_total", "Graph updates dropped as duplicates or undecodable"),
+                    Opts::new(
+                        "tally_graph_dropped_updates_total",
+                        "Graph updates dropped as duplicates or undecodable",
+                    ),
                     &["reason"],
                 )
                 .expect("valid metric"),

@@ -69,7 +69,11 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
         batch.clear();
         let deadline = Instant::now() + linger;
         while batch.len() < max_records {
-            let wait = if batch.is_empty() { Duration::from_millis(100) } else { deadline.saturating_duration_since(Instant::now()) };
+            let wait = if batch.is_empty() {
+                Duration::from_millis(100)
+            } else {
+                deadline.saturating_duration_since(Instant::now())
+            };
             match consumer.poll(wait) {
                 Some(Ok(message)) => batch.push((message.offset(), message.payload().unwrap_or_default().to_vec())),
                 Some(Err(err)) => tracing::warn!(error = %err, "consumer error"),
