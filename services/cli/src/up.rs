@@ -86,7 +86,7 @@ pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: Up
         "tally: metrics  ingester http://{}/metrics  counter http://{}/metrics  graph http://{}/metrics  query http://{}/metrics",
         config.ingester.admin_listen, config.counter.admin_listen, config.graph.admin_listen, config.query.admin_listen
     );
-    println!("tally: try  tally produce increment user:7 views  then  tally query user:7 views --window 1h   (Ctrl-C stops everything)");
+    println!("tally: try  tally produce increment answer:42 views;  tally produce edge add answer:42 user:7;  tally query user:7 views   (Ctrl-C stops everything)");
 
     let supervisors: Vec<_> = SERVICES
         .iter()
