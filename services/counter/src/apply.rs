@@ -87,11 +87,13 @@ impl ShardStore {
                 report.stale_records += 1;
                 continue;
             }
-            progress.next_offset = Some(record.offset + 1);
             match ShardMessageRef::decode(record.payload) {
                 Ok(ShardMessageRef::DescChanges { source, entries }) => {
+                    // The run before is committed first, with the progress up to it:
+                    // a crash in between re-applies this record, never skips it.
                     self.apply_counts(&run, &mut progress, now, collect_changes, &mut report)?;
                     run.clear();
+                    progress.next_offset = Some(record.offset + 1);
                     self.apply_desc_changes(
                         record.offset,
                         source,
@@ -101,6 +103,7 @@ impl ShardStore {
                         collect_changes,
                         &mut report,
                     )?;
+                    continue;
                 }
                 Ok(message) => run.push((record.offset, message)),
                 Err(err) => {
@@ -108,6 +111,7 @@ impl ShardStore {
                     report.undecodable_records += 1;
                 }
             }
+            progress.next_offset = Some(record.offset + 1);
         }
         // Also commits the progress past stale or undecodable records.
         self.apply_counts(&run, &mut progress, now, collect_changes, &mut report)?;
