@@ -38,14 +38,14 @@ impl<'a> Coalescer<'a> {
         self.increments += 1;
         let deltas =
             self.counters.entry((entity, metric)).or_insert_with(|| vec![(ALL_TIME_WIDTH, 0, Counts::default())]);
-        deltas[0].2 = deltas[0].2.add(counts);
+        deltas[0].2 = deltas[0].2 + counts;
         for resolution in self.resolutions.iter() {
             let bucket = bucket_start(ts, resolution.width_ms);
             if !resolution.retains(bucket, self.now_ms) {
                 continue;
             }
             match deltas.iter_mut().find(|(w, b, _)| *w == resolution.width_ms && *b == bucket) {
-                Some(entry) => entry.2 = entry.2.add(counts),
+                Some(entry) => entry.2 = entry.2 + counts,
                 None => deltas.push((resolution.width_ms, bucket, counts)),
             }
         }
@@ -63,7 +63,7 @@ impl<'a> Coalescer<'a> {
         let deltas =
             self.counters.entry((entity, metric)).or_insert_with(|| vec![(ALL_TIME_WIDTH, 0, Counts::default())]);
         match deltas.iter_mut().find(|(w, b, _)| *w == width_ms && *b == bucket) {
-            Some(entry) => entry.2 = entry.2.add(counts),
+            Some(entry) => entry.2 = entry.2 + counts,
             None => deltas.push((width_ms, bucket, counts)),
         }
     }
@@ -138,7 +138,7 @@ mod tests {
                 prop_assert_eq!(coalescer.increments(), batch.len() as u64);
                 coalescer.for_each(|e, m, w, b, c| {
                     let slot = store.entry((e.into(), m.into(), w, b)).or_default();
-                    *slot = slot.add(c);
+                    *slot = *slot + c;
                 });
             }
             let mut model = Model::default();

@@ -39,6 +39,26 @@ pub fn outbox_partition(key: &[u8]) -> Option<u32> {
     key.get(8..12).and_then(|b| b.try_into().ok()).map(u32::from_be_bytes)
 }
 
+/// The outbox held in column family `cf`, in send order.
+pub fn read_outbox(db: &rocksdb::DB, cf: &rocksdb::ColumnFamily) -> Result<Vec<OutboxEntry>> {
+    let mut entries = Vec::new();
+    for item in db.iterator_cf(cf, rocksdb::IteratorMode::Start) {
+        let (key, payload) = item.map_err(|err| Error::Store(err.to_string()))?;
+        let Some(partition) = outbox_partition(&key) else { continue };
+        entries.push(OutboxEntry { key: key.to_vec(), partition, payload: payload.to_vec() });
+    }
+    Ok(entries)
+}
+
+/// Drops relayed entries from the outbox in `cf`.
+pub fn delete_outbox(db: &rocksdb::DB, cf: &rocksdb::ColumnFamily, entries: &[OutboxEntry]) -> Result<()> {
+    let mut batch = rocksdb::WriteBatch::default();
+    for entry in entries {
+        batch.delete_cf(cf, &entry.key);
+    }
+    db.write(batch).map_err(|err| Error::Store(err.to_string()))
+}
+
 /// Counts failed deliveries of the current round.
 #[derive(Default)]
 pub struct RelayContext {

@@ -83,7 +83,7 @@ mod tests {
 
     fn add(store: &mut BTreeMap<Key, Counts>, entity: &str, key: &(String, i64, i64), counts: Counts) {
         let slot = store.entry((entity.to_string(), key.0.clone(), key.1, key.2)).or_default();
-        *slot = slot.add(counts);
+        *slot = *slot + counts;
     }
 
     proptest! {

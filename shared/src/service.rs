@@ -82,3 +82,14 @@ fn parse_args(name: &str) -> Result<Option<PathBuf>, ExitCode> {
     }
     Ok(path)
 }
+
+/// The `host:port` other services reach a listener bound at `bound` on: the
+/// configured advertised host, else the bound IP (loopback for a wildcard bind).
+pub fn advertised_addr(bound: std::net::SocketAddr, advertise_host: Option<&str>) -> String {
+    let host = match advertise_host {
+        Some(host) => host.to_string(),
+        None if bound.ip().is_unspecified() => "127.0.0.1".to_string(),
+        None => bound.ip().to_string(),
+    };
+    format!("{host}:{}", bound.port())
+}

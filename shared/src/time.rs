@@ -37,7 +37,7 @@ pub fn parse_duration(text: &str) -> Result<u64> {
 /// Formats milliseconds in the largest unit that divides them: `3600000` → `1h`.
 pub fn format_duration(ms: u64) -> String {
     for (unit, unit_ms) in [("d", DAY), ("h", HOUR), ("m", MINUTE), ("s", SECOND)] {
-        if ms >= unit_ms && ms % unit_ms == 0 {
+        if ms >= unit_ms && ms.is_multiple_of(unit_ms) {
             return format!("{}{unit}", ms / unit_ms);
         }
     }

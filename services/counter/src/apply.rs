@@ -73,6 +73,9 @@ pub struct ApplyReport {
     pub changed: Vec<Vec<u8>>,
 }
 
+/// An origin's direct value per `(metric, width_ms, bucket)`.
+type DirectBuckets = Vec<((String, i64, i64), i64)>;
+
 /// A decoded record waiting in a run.
 type Decoded<'a> = (i64, ShardMessageRef<'a>);
 
@@ -292,7 +295,7 @@ impl ShardStore {
 
     /// The origin's direct value in every bucket still retained at `now`, keyed by
     /// `(metric, width_ms, bucket)`.
-    fn retained_direct(&self, origin: &str, now: i64) -> Result<Vec<((String, i64, i64), i64)>> {
+    fn retained_direct(&self, origin: &str, now: i64) -> Result<DirectBuckets> {
         let mut prefix = Vec::new();
         encode_entity_prefix(&mut prefix, origin);
         let counts_cf = self.cf(CF_COUNTS)?;

@@ -44,12 +44,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
 
     let listener = TcpListener::bind(&config.counter.read_listen).await?;
     let bound = listener.local_addr()?;
-    let host = match &config.counter.advertise_host {
-        Some(host) => host.clone(),
-        None if bound.ip().is_unspecified() => "127.0.0.1".to_string(),
-        None => bound.ip().to_string(),
-    };
-    let read_addr = format!("{host}:{}", bound.port());
+    let read_addr = tally_shared::service::advertised_addr(bound, config.counter.advertise_host.as_deref());
     let admin = serve_admin(&config.counter.admin_listen, registry, readiness.clone(), shutdown.clone()).await?;
     tracing::info!(read_api = %read_addr, admin = %admin, data_dir = %config.counter.data_dir.display(), "tally-counter starting");
 

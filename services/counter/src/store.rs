@@ -16,7 +16,7 @@ use std::sync::Mutex;
 use rocksdb::compaction_filter::Decision;
 use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, MergeOperands, Options, WriteBatch, WriteOptions, DB};
 use tally_shared::keys::{decode_count_key, Counts, ALL_TIME_WIDTH};
-use tally_shared::outbox::{outbox_partition, OutboxEntry};
+use tally_shared::outbox::{delete_outbox, read_outbox, OutboxEntry};
 use tally_shared::progress::{decode_i64, Progress};
 use tally_shared::time::Resolutions;
 
@@ -58,7 +58,7 @@ pub struct ShardStore {
 
 fn add_counts(_key: &[u8], existing: Option<&[u8]>, operands: &MergeOperands) -> Option<Vec<u8>> {
     let start = existing.map(Counts::decode).unwrap_or_default();
-    let sum = operands.iter().fold(start, |acc, operand| acc.add(Counts::decode(operand)));
+    let sum = operands.iter().fold(start, |acc, operand| acc + Counts::decode(operand));
     Some(sum.encode().to_vec())
 }
 
@@ -132,25 +132,12 @@ impl ShardStore {
 
     /// The outbox in send order (by source offset, then target shard).
     pub fn outbox(&self) -> Result<Vec<OutboxEntry>> {
-        let cf = self.cf(CF_OUTBOX)?;
-        let mut entries = Vec::new();
-        for item in self.db.iterator_cf(cf, rocksdb::IteratorMode::Start) {
-            let (key, payload) = item?;
-            let Some(partition) = outbox_partition(&key) else { continue };
-            entries.push(OutboxEntry { key: key.to_vec(), partition, payload: payload.to_vec() });
-        }
-        Ok(entries)
+        Ok(read_outbox(&self.db, self.cf(CF_OUTBOX)?)?)
     }
 
     /// Drops relayed outbox entries.
     pub fn delete_outbox(&self, entries: &[OutboxEntry]) -> Result<()> {
-        let cf = self.cf(CF_OUTBOX)?;
-        let mut batch = WriteBatch::default();
-        for entry in entries {
-            batch.delete_cf(cf, &entry.key);
-        }
-        self.db.write(batch)?;
-        Ok(())
+        Ok(delete_outbox(&self.db, self.cf(CF_OUTBOX)?, entries)?)
     }
 
     pub(crate) fn cf(&self, name: &str) -> Result<&ColumnFamily> {

@@ -50,12 +50,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
 
     let listener = TcpListener::bind(&config.graph.read_listen).await?;
     let bound = listener.local_addr()?;
-    let host = match &config.graph.advertise_host {
-        Some(host) => host.clone(),
-        None if bound.ip().is_unspecified() => "127.0.0.1".to_string(),
-        None => bound.ip().to_string(),
-    };
-    let read_addr = format!("{host}:{}", bound.port());
+    let read_addr = tally_shared::service::advertised_addr(bound, config.graph.advertise_host.as_deref());
     tracing::info!(read_api = %read_addr, admin = %admin, data_dir = %config.graph.data_dir.display(), "tally-graph starting");
     let app = http::router(store.clone());
     let server_shutdown = shutdown.clone();

@@ -118,7 +118,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
 
 /// Sends what the outbox holds; on failure it stays for the next round.
 fn relay_outbox(store: &GraphStore, relay: &Relay, metrics: &Metrics) {
-    let sent = store.outbox().map_err(crate::Error::from).and_then(|entries| {
+    let sent = store.outbox().and_then(|entries| {
         if entries.is_empty() {
             return Ok(0);
         }

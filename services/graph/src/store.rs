@@ -12,7 +12,7 @@ use std::sync::{Mutex, RwLock};
 use rocksdb::compaction_filter::Decision;
 use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, Options, WriteBatch, WriteOptions, DB};
 use tally_shared::graph::{DescChange, EdgeUpdate, Graph};
-use tally_shared::outbox::{outbox_key, outbox_partition, OutboxEntry};
+use tally_shared::outbox::{delete_outbox, outbox_key, read_outbox, OutboxEntry};
 use tally_shared::progress::{decode_i64, Progress};
 use tally_shared::sharding::shard_of;
 use tally_shared::wire::{GraphMessage, ShardMessage, Source, Stamp};
@@ -210,24 +210,12 @@ impl GraphStore {
 
     /// The outbox in send order.
     pub fn outbox(&self) -> Result<Vec<OutboxEntry>> {
-        let mut entries = Vec::new();
-        for item in self.db.iterator_cf(self.cf(CF_OUTBOX)?, rocksdb::IteratorMode::Start) {
-            let (key, payload) = item?;
-            let Some(partition) = outbox_partition(&key) else { continue };
-            entries.push(OutboxEntry { key: key.to_vec(), partition, payload: payload.to_vec() });
-        }
-        Ok(entries)
+        Ok(read_outbox(&self.db, self.cf(CF_OUTBOX)?)?)
     }
 
     /// Drops relayed outbox entries.
     pub fn delete_outbox(&self, entries: &[OutboxEntry]) -> Result<()> {
-        let cf = self.cf(CF_OUTBOX)?;
-        let mut batch = WriteBatch::default();
-        for entry in entries {
-            batch.delete_cf(cf, &entry.key);
-        }
-        self.db.write(batch)?;
-        Ok(())
+        Ok(delete_outbox(&self.db, self.cf(CF_OUTBOX)?, entries)?)
     }
 }
 
