@@ -10,6 +10,7 @@ pub mod config;
 pub mod counting;
 pub mod error;
 pub mod graph;
+pub mod jobs;
 pub mod input;
 pub mod kafka;
 pub mod keys;

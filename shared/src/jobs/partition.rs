@@ -1,0 +1,437 @@
+//! One queue partition in a dequeue broker's memory: the jobs fetched from Kafka and
+//! not yet finished, handed out to workers under leases.
+//!
+//! A job is *finished* when it is acked, or when it has failed `max_attempts` times
+//! and its dead record is acknowledged by the dead topic. The commit watermark is the
+//! lowest offset not finished: everything below it is done, so a broker that dies
+//! and restarts from the committed offset loses nothing (and may run finished jobs
+//! above the watermark again — at-least-once).
+//!
+//! Rules of [`PartitionQueue::dequeue`]: a job is handed out only when it is not
+//! leased, its `ready_at` (its `run_at`, or the retry time after a failure) has come,
+//! and — on a FIFO queue — no earlier unfinished job has the same key. Capacity
+//! bounds the jobs held, so the consumer pauses instead of buffering without end.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use super::schedule::RetrySchedule;
+use super::Job;
+
+/// The settings of a queue that the buffer applies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueuePolicy {
+    pub max_attempts: u32,
+    pub backoff: RetrySchedule,
+    pub fifo: bool,
+    /// Most unfinished jobs held (fetching pauses at this size).
+    pub capacity: usize,
+}
+
+impl Default for QueuePolicy {
+    fn default() -> Self {
+        Self { max_attempts: 5, backoff: RetrySchedule::default(), fifo: false, capacity: 10_000 }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Waiting,
+    Leased { lease: u64, deadline: i64 },
+    /// Gave up; waiting for the dead topic to acknowledge its record.
+    Dying,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    job: Job,
+    /// Attempts handed out so far.
+    attempts: u32,
+    ready_at: i64,
+    state: State,
+    last_error: Option<String>,
+}
+
+/// A job handed to a worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Handout {
+    pub offset: i64,
+    pub lease: u64,
+    /// 1 for the first try.
+    pub attempt: u32,
+    pub deadline: i64,
+    pub job: Job,
+}
+
+/// What became of a failed attempt.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Failure {
+    /// Runs again at `at`.
+    Retry { offset: i64, at: i64 },
+    /// Out of attempts: publish it to the dead topic, then call
+    /// [`PartitionQueue::finish_dead`].
+    Dead { offset: i64, attempts: u32, error: String, job: Job },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum LeaseError {
+    #[error("lease unknown or expired")]
+    Unknown,
+}
+
+/// Counts for the stats endpoint.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PartitionStats {
+    /// Waiting and ready now.
+    pub ready: usize,
+    /// Waiting for `run_at` or a retry time.
+    pub delayed: usize,
+    pub in_flight: usize,
+    /// Held in memory, unfinished.
+    pub held: usize,
+}
+
+#[derive(Debug)]
+pub struct PartitionQueue {
+    policy: QueuePolicy,
+    entries: BTreeMap<i64, Entry>,
+    leases: HashMap<u64, i64>,
+    next_lease: u64,
+    /// The offset after the last one pushed (where the watermark sits when empty).
+    next_offset: i64,
+}
+
+impl PartitionQueue {
+    /// A partition whose next offset to fetch is `start` (the committed offset).
+    pub fn new(policy: QueuePolicy, start: i64) -> Self {
+        Self { policy, entries: BTreeMap::new(), leases: HashMap::new(), next_lease: 1, next_offset: start }
+    }
+
+    pub fn policy(&self) -> &QueuePolicy {
+        &self.policy
+    }
+
+    /// Whether another job fits.
+    pub fn has_capacity(&self) -> bool {
+        self.entries.len() < self.policy.capacity
+    }
+
+    /// Adds a fetched job. Offsets arrive in increasing order; a repeat is ignored.
+    pub fn push(&mut self, offset: i64, job: Job) {
+        if offset < self.next_offset && self.entries.contains_key(&offset) {
+            return;
+        }
+        let ready_at = job.run_at.unwrap_or(i64::MIN);
+        self.entries.insert(offset, Entry { job, attempts: 0, ready_at, state: State::Waiting, last_error: None });
+        self.next_offset = self.next_offset.max(offset + 1);
+    }
+
+    /// Marks an offset the broker will not hold (a malformed record sent to the dead
+    /// letters): only moves the watermark.
+    pub fn skip(&mut self, offset: i64) {
+        self.next_offset = self.next_offset.max(offset + 1);
+    }
+
+    /// Hands out up to `max` jobs at `now`, leased until `now + lease_ms`.
+    pub fn dequeue(&mut self, max: usize, now: i64, lease_ms: i64) -> Vec<Handout> {
+        let mut handed = Vec::new();
+        let mut blocked_keys: HashSet<&str> = HashSet::new();
+        let mut chosen = Vec::new();
+        for (&offset, entry) in &self.entries {
+            if chosen.len() >= max {
+                break;
+            }
+            let key = if self.policy.fifo { entry.job.key.as_deref() } else { None };
+            let available = entry.state == State::Waiting && entry.ready_at <= now;
+            if let Some(key) = key {
+                // The first unfinished job of a key decides for all later ones.
+                if !blocked_keys.insert(key) {
+                    continue;
+                }
+            }
+            if available {
+                chosen.push(offset);
+            }
+        }
+        for offset in chosen {
+            let lease = self.next_lease;
+            self.next_lease += 1;
+            let deadline = now.saturating_add(lease_ms);
+            let Some(entry) = self.entries.get_mut(&offset) else { continue };
+            entry.attempts += 1;
+            entry.state = State::Leased { lease, deadline };
+            self.leases.insert(lease, offset);
+            handed.push(Handout { offset, lease, attempt: entry.attempts, deadline, job: entry.job.clone() });
+        }
+        handed
+    }
+
+    /// The job is done: it is finished.
+    pub fn ack(&mut self, lease: u64) -> Result<i64, LeaseError> {
+        let offset = self.leases.remove(&lease).ok_or(LeaseError::Unknown)?;
+        self.entries.remove(&offset);
+        Ok(offset)
+    }
+
+    /// The attempt failed: retry after `retry_in_ms` (default: the backoff), or give
+    /// up after `max_attempts`.
+    pub fn nack(&mut self, lease: u64, retry_in_ms: Option<i64>, error: &str, now: i64) -> Result<Failure, LeaseError> {
+        let offset = self.leases.remove(&lease).ok_or(LeaseError::Unknown)?;
+        Ok(self.fail(offset, retry_in_ms, error, now))
+    }
+
+    fn fail(&mut self, offset: i64, retry_in_ms: Option<i64>, error: &str, now: i64) -> Failure {
+        let policy = &self.policy;
+        let Some(entry) = self.entries.get_mut(&offset) else {
+            return Failure::Retry { offset, at: now };
+        };
+        entry.last_error = Some(error.to_string());
+        if entry.attempts >= policy.max_attempts {
+            entry.state = State::Dying;
+            return Failure::Dead { offset, attempts: entry.attempts, error: error.to_string(), job: entry.job.clone() };
+        }
+        let wait = retry_in_ms.unwrap_or_else(|| policy.backoff.delay_ms(entry.attempts)).max(0);
+        let at = now.saturating_add(wait);
+        entry.state = State::Waiting;
+        entry.ready_at = at;
+        Failure::Retry { offset, at }
+    }
+
+    /// Moves a lease's deadline to `now + lease_ms`.
+    pub fn extend(&mut self, lease: u64, lease_ms: i64, now: i64) -> Result<i64, LeaseError> {
+        let offset = *self.leases.get(&lease).ok_or(LeaseError::Unknown)?;
+        let entry = self.entries.get_mut(&offset).ok_or(LeaseError::Unknown)?;
+        let deadline = now.saturating_add(lease_ms);
+        entry.state = State::Leased { lease, deadline };
+        Ok(deadline)
+    }
+
+    /// Fails every lease past its deadline at `now` ("lease expired").
+    pub fn expire(&mut self, now: i64) -> Vec<Failure> {
+        let expired: Vec<(u64, i64)> = self
+            .entries
+            .iter()
+            .filter_map(|(&offset, entry)| match entry.state {
+                State::Leased { lease, deadline } if deadline <= now => Some((lease, offset)),
+                _ => None,
+            })
+            .collect();
+        expired
+            .into_iter()
+            .map(|(lease, offset)| {
+                self.leases.remove(&lease);
+                self.fail(offset, None, "lease expired", now)
+            })
+            .collect()
+    }
+
+    /// The dead record of `offset` is safely in the dead topic: the job is finished.
+    pub fn finish_dead(&mut self, offset: i64) {
+        if self.entries.get(&offset).is_some_and(|e| e.state == State::Dying) {
+            self.entries.remove(&offset);
+        }
+    }
+
+    /// The offset to commit: the lowest unfinished one.
+    pub fn commit_offset(&self) -> i64 {
+        self.entries.keys().next().copied().unwrap_or(self.next_offset)
+    }
+
+    /// The earliest time a waiting job becomes ready (for long polls).
+    pub fn next_ready_at(&self) -> Option<i64> {
+        self.entries.values().filter(|e| e.state == State::Waiting).map(|e| e.ready_at).min()
+    }
+
+    pub fn stats(&self, now: i64) -> PartitionStats {
+        let mut stats = PartitionStats { held: self.entries.len(), ..Default::default() };
+        for entry in self.entries.values() {
+            match entry.state {
+                State::Waiting if entry.ready_at <= now => stats.ready += 1,
+                State::Waiting => stats.delayed += 1,
+                State::Leased { .. } => stats.in_flight += 1,
+                State::Dying => {}
+            }
+        }
+        stats
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn job(id: usize, key: Option<u8>, run_at: Option<i64>) -> Job {
+        Job {
+            id: format!("j{id}"),
+            payload: serde_json::value::to_raw_value(&id).unwrap(),
+            run_at,
+            key: key.map(|k| format!("k{k}")),
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Step {
+        Push { key: Option<u8>, delay: Option<i64> },
+        Dequeue(usize),
+        Ack(usize),
+        Nack(usize),
+        Tick(i64),
+        FinishDead,
+    }
+
+    fn steps() -> impl Strategy<Value = Vec<Step>> {
+        let step = prop_oneof![
+            3 => (proptest::option::of(0..3u8), proptest::option::of(0i64..500)).prop_map(|(key, delay)| Step::Push { key, delay }),
+            3 => (1usize..4).prop_map(Step::Dequeue),
+            3 => (0usize..8).prop_map(Step::Ack),
+            1 => (0usize..8).prop_map(Step::Nack),
+            2 => (1i64..400).prop_map(Step::Tick),
+            1 => Just(Step::FinishDead),
+        ];
+        proptest::collection::vec(step, 0..150)
+    }
+
+    proptest! {
+        /// Whatever workers do: the watermark never passes an unfinished job, a job
+        /// never runs before `run_at`, no job is leased twice at once, a FIFO key
+        /// never has two jobs out at once nor runs a later job before an earlier one
+        /// is finished, and every job ends acked or dead.
+        #[test]
+        fn the_buffer_keeps_its_promises(steps in steps(), fifo in any::<bool>()) {
+            let policy = QueuePolicy { max_attempts: 3, backoff: RetrySchedule { base_ms: 50, max_ms: 200 }, fifo, capacity: 1_000 };
+            let mut queue = PartitionQueue::new(policy, 100);
+            let mut now = 1_000i64;
+            let mut next_offset = 100i64;
+            let mut pushed: BTreeMap<i64, Job> = BTreeMap::new();
+            let mut finished: BTreeSet<i64> = BTreeSet::new();
+            let mut out: Vec<Handout> = Vec::new();
+            let mut dying: Vec<i64> = Vec::new();
+            let mut committed = 100i64;
+
+            let mut check = |queue: &PartitionQueue, finished: &BTreeSet<i64>, pushed: &BTreeMap<i64, Job>| -> Result<(), TestCaseError> {
+                let watermark = queue.commit_offset();
+                for offset in pushed.keys().filter(|o| **o < watermark) {
+                    prop_assert!(finished.contains(offset), "watermark {} passed unfinished {}", watermark, offset);
+                }
+                prop_assert!(watermark >= committed);
+                committed = watermark;
+                Ok(())
+            };
+            for step in steps {
+                match step {
+                    Step::Push { key, delay } => {
+                        let j = job(next_offset as usize, key, delay.map(|d| now + d));
+                        pushed.insert(next_offset, j.clone());
+                        queue.push(next_offset, j);
+                        next_offset += 1;
+                    }
+                    Step::Dequeue(max) => {
+                        for handout in queue.dequeue(max, now, 300) {
+                            prop_assert!(handout.job.run_at.is_none_or(|at| at <= now), "ran before run_at");
+                            prop_assert!(!out.iter().any(|o| o.offset == handout.offset), "leased twice");
+                            prop_assert!(!finished.contains(&handout.offset));
+                            if fifo {
+                                if let Some(key) = &handout.job.key {
+                                    prop_assert!(!out.iter().any(|o| o.job.key.as_ref() == Some(key)), "two of {} at once", key);
+                                    let earlier_unfinished = pushed.range(..handout.offset)
+                                        .any(|(o, j)| j.key.as_ref() == Some(key) && !finished.contains(o));
+                                    prop_assert!(!earlier_unfinished, "{} ran before an earlier job of {}", handout.offset, key);
+                                }
+                            }
+                            out.push(handout);
+                        }
+                    }
+                    Step::Ack(i) if i < out.len() => {
+                        let handout = out.remove(i);
+                        prop_assert_eq!(queue.ack(handout.lease), Ok(handout.offset));
+                        prop_assert_eq!(queue.ack(handout.lease), Err(LeaseError::Unknown), "acked twice");
+                        finished.insert(handout.offset);
+                    }
+                    Step::Nack(i) if i < out.len() => {
+                        let handout = out.remove(i);
+                        match queue.nack(handout.lease, None, "boom", now).unwrap() {
+                            Failure::Dead { offset, attempts, .. } => {
+                                prop_assert_eq!(attempts, 3);
+                                dying.push(offset);
+                            }
+                            Failure::Retry { at, .. } => prop_assert!(at > now),
+                        }
+                    }
+                    Step::Ack(_) | Step::Nack(_) => {}
+                    Step::Tick(ms) => {
+                        now += ms;
+                        for failure in queue.expire(now) {
+                            let offset = match &failure { Failure::Dead { offset, .. } | Failure::Retry { offset, .. } => *offset };
+                            let position = out.iter().position(|o| o.offset == offset);
+                            prop_assert!(position.is_some_and(|p| out[p].deadline <= now), "expired a live lease");
+                            out.remove(position.unwrap());
+                            if let Failure::Dead { offset, .. } = failure {
+                                dying.push(offset);
+                            }
+                        }
+                    }
+                    Step::FinishDead => {
+                        for offset in dying.drain(..) {
+                            queue.finish_dead(offset);
+                            finished.insert(offset);
+                        }
+                    }
+                }
+                check(&queue, &finished, &pushed)?;
+            }
+            // Drain: workers ack everything from now on; every job ends finished.
+            for offset in dying.drain(..) {
+                queue.finish_dead(offset);
+                finished.insert(offset);
+            }
+            for handout in out.drain(..) {
+                queue.ack(handout.lease).unwrap();
+                finished.insert(handout.offset);
+            }
+            for _ in 0..100 {
+                now += 1_000;
+                for handout in queue.dequeue(100, now, 300) {
+                    queue.ack(handout.lease).unwrap();
+                    finished.insert(handout.offset);
+                }
+            }
+            prop_assert_eq!(finished.len(), pushed.len());
+            prop_assert_eq!(queue.commit_offset(), next_offset);
+        }
+    }
+
+    #[test]
+    fn failures_back_off_then_go_dead_and_extend_keeps_a_lease() {
+        let policy = QueuePolicy { max_attempts: 2, backoff: RetrySchedule { base_ms: 100, max_ms: 1_000 }, ..Default::default() };
+        let mut queue = PartitionQueue::new(policy, 0);
+        queue.push(0, job(0, None, None));
+        let first = queue.dequeue(10, 0, 50).remove(0);
+        assert_eq!(queue.extend(first.lease, 500, 40), Ok(540));
+        assert!(queue.expire(100).is_empty(), "extended");
+        assert_eq!(queue.nack(first.lease, None, "x", 100), Ok(Failure::Retry { offset: 0, at: 200 }));
+        assert!(queue.dequeue(10, 150, 50).is_empty(), "backing off");
+        let second = queue.dequeue(10, 200, 50).remove(0);
+        assert_eq!(second.attempt, 2);
+        let dead = queue.expire(250);
+        assert!(matches!(&dead[..], [Failure::Dead { offset: 0, attempts: 2, error, .. }] if error == "lease expired"));
+        assert_eq!(queue.commit_offset(), 0, "not finished until the dead topic has it");
+        queue.finish_dead(0);
+        assert_eq!(queue.commit_offset(), 1);
+    }
+
+    #[test]
+    fn capacity_bounds_the_buffer() {
+        let mut queue = PartitionQueue::new(QueuePolicy { capacity: 2, ..Default::default() }, 0);
+        queue.push(0, job(0, None, None));
+        assert!(queue.has_capacity());
+        queue.push(1, job(1, None, None));
+        assert!(!queue.has_capacity());
+        let handout = queue.dequeue(1, 0, 10).remove(0);
+        queue.ack(handout.lease).unwrap();
+        assert!(queue.has_capacity());
+        assert_eq!(queue.stats(0), PartitionStats { ready: 1, delayed: 0, in_flight: 0, held: 1 });
+    }
+}
