@@ -54,6 +54,21 @@ impl TopicNames {
         self.name("graph-updates")
     }
 
+    /// Internal: dequeue brokers' heartbeats.
+    pub fn queue_brokers(&self) -> String {
+        self.name("queue-brokers")
+    }
+
+    /// A job queue's topic (SPEC §6).
+    pub fn jobs(&self, queue: &str) -> String {
+        self.name(&format!("jobs.{queue}"))
+    }
+
+    /// A job queue's dead topic.
+    pub fn dead_jobs(&self, queue: &str) -> String {
+        self.name(&format!("jobs.{queue}.dead"))
+    }
+
     /// Internal: which counter process serves reads for which shard.
     pub fn shard_owners(&self) -> String {
         self.name("shard-owners")

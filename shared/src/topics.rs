@@ -37,16 +37,127 @@ pub struct TopicDecl {
     pub fixed_partitions: bool,
 }
 
+/// A job queue (SPEC §6): its topic `jobs.<name>`, its dead topic `jobs.<name>.dead`
+/// and how brokers serve it.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QueueDecl {
+    /// `[a-z0-9_-]{1,64}`.
+    pub name: String,
+    pub partitions: i32,
+    /// Dequeues per second over all brokers' share of the queue; none = unlimited.
+    #[serde(default)]
+    pub rate_limit_per_sec: Option<u32>,
+    /// Run one job of a key at a time, in order.
+    #[serde(default)]
+    pub fifo: bool,
+    #[serde(default = "default_max_attempts")]
+    pub max_attempts: u32,
+    /// First retry delay; doubles each attempt up to `backoff_max_ms`.
+    #[serde(default = "default_backoff_ms")]
+    pub backoff_ms: i64,
+    #[serde(default = "default_backoff_max_ms")]
+    pub backoff_max_ms: i64,
+    /// Default lease of a dequeued job.
+    #[serde(default = "default_lease_ms")]
+    pub lease_ms: i64,
+    /// Most unfinished jobs a broker holds per partition.
+    #[serde(default = "default_buffer")]
+    pub buffer: usize,
+    /// How long enqueued jobs stay in the topic.
+    #[serde(default = "default_queue_retention_ms")]
+    pub retention_ms: i64,
+}
+
+fn default_max_attempts() -> u32 {
+    5
+}
+fn default_backoff_ms() -> i64 {
+    1_000
+}
+fn default_backoff_max_ms() -> i64 {
+    300_000
+}
+fn default_lease_ms() -> i64 {
+    30_000
+}
+fn default_buffer() -> usize {
+    10_000
+}
+fn default_queue_retention_ms() -> i64 {
+    7 * 86_400_000
+}
+
+impl QueueDecl {
+    /// The topic producers enqueue to, without the prefix.
+    pub fn topic(&self) -> String {
+        format!("jobs.{}", self.name)
+    }
+
+    /// Where jobs go after `max_attempts`, without the prefix.
+    pub fn dead_topic(&self) -> String {
+        format!("jobs.{}.dead", self.name)
+    }
+
+    /// What the broker's buffer applies.
+    pub fn policy(&self) -> crate::jobs::partition::QueuePolicy {
+        crate::jobs::partition::QueuePolicy {
+            max_attempts: self.max_attempts.max(1),
+            backoff: crate::jobs::schedule::RetrySchedule { base_ms: self.backoff_ms, max_ms: self.backoff_max_ms },
+            fifo: self.fifo,
+            capacity: self.buffer.max(1),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Declarations {
     #[serde(rename = "topic")]
     pub topics: Vec<TopicDecl>,
+    /// Job queues; each also adds its two topics to `topics`.
+    #[serde(rename = "queue", default)]
+    pub queues: Vec<QueueDecl>,
 }
 
 impl Declarations {
     pub fn parse(text: &str) -> Result<Self> {
-        let decls: Declarations = toml_from_str(text)?;
+        let mut decls: Declarations = toml_from_str(text)?;
+        for queue in &decls.queues {
+            let valid = |b: u8| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-');
+            if queue.name.is_empty() || queue.name.len() > 64 || !queue.name.bytes().all(valid) {
+                return Err(Error::Topics(format!("queue {:?}: name must match [a-z0-9_-]{{1,64}}", queue.name)));
+            }
+            if queue.lease_ms < 1 || queue.backoff_ms < 0 || queue.backoff_max_ms < queue.backoff_ms {
+                return Err(Error::Topics(format!(
+                    "queue {}: lease_ms must be positive, 0 <= backoff_ms <= backoff_max_ms",
+                    queue.name
+                )));
+            }
+        }
+        let queue_topics: Vec<TopicDecl> = decls
+            .queues
+            .iter()
+            .flat_map(|queue| {
+                [
+                    TopicDecl {
+                        name: queue.topic(),
+                        partitions: queue.partitions,
+                        retention_ms: Some(queue.retention_ms),
+                        cleanup_policy: "delete".into(),
+                        fixed_partitions: false,
+                    },
+                    TopicDecl {
+                        name: queue.dead_topic(),
+                        partitions: 1,
+                        retention_ms: Some(30 * 86_400_000),
+                        cleanup_policy: "delete".into(),
+                        fixed_partitions: false,
+                    },
+                ]
+            })
+            .collect();
+        decls.topics.extend(queue_topics);
         for topic in &decls.topics {
             if topic.partitions < 1 {
                 return Err(Error::Topics(format!("{}: partitions must be at least 1", topic.name)));
@@ -67,6 +178,10 @@ impl Declarations {
 
     pub fn get(&self, name: &str) -> Option<&TopicDecl> {
         self.topics.iter().find(|t| t.name == name)
+    }
+
+    pub fn queue(&self, name: &str) -> Option<&QueueDecl> {
+        self.queues.iter().find(|q| q.name == name)
     }
 }
 
@@ -301,6 +416,26 @@ mod tests {
         assert!(shards.fixed_partitions);
         // -1 would mean "delete everything" to the local broker's retention sweep.
         assert!(shards.retention_ms.is_some_and(|ms| ms >= 100 * 365 * 86_400_000));
+    }
+
+    #[test]
+    fn queues_add_their_topics_and_policies() {
+        let decls = Declarations::parse(
+            "[[topic]]\nname='a'\npartitions=1\ncleanup_policy='delete'\n\
+             [[queue]]\nname='emails'\npartitions=4\nfifo=true\nrate_limit_per_sec=50\nmax_attempts=3\n",
+        )
+        .unwrap();
+        let queue = decls.queue("emails").unwrap();
+        assert_eq!((queue.partitions, queue.lease_ms, queue.buffer), (4, 30_000, 10_000));
+        assert!(queue.policy().fifo);
+        assert_eq!(queue.policy().max_attempts, 3);
+        assert_eq!(decls.get("jobs.emails").unwrap().partitions, 4);
+        assert_eq!(decls.get("jobs.emails.dead").unwrap().partitions, 1);
+        assert!(Declarations::parse(
+            "[[topic]]\nname='a'\npartitions=1\ncleanup_policy='delete'\n[[queue]]\nname='Bad Name'\npartitions=1\n"
+        )
+        .is_err());
+        assert!(Declarations::parse("[[topic]]\nname='a'\npartitions=1\ncleanup_policy='delete'\n[[queue]]\nname='q'\npartitions=1\nlease_ms=0\n").is_err());
     }
 
     #[test]

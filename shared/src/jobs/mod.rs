@@ -32,7 +32,10 @@ pub struct Job {
 
 impl PartialEq for Job {
     fn eq(&self, other: &Self) -> bool {
-        self.id == other.id && self.payload.get() == other.payload.get() && self.run_at == other.run_at && self.key == other.key
+        self.id == other.id
+            && self.payload.get() == other.payload.get()
+            && self.run_at == other.run_at
+            && self.key == other.key
     }
 }
 
@@ -71,7 +74,10 @@ mod tests {
     #[test]
     fn jobs_parse_and_bad_ones_say_why() {
         let job = Job::parse(br#"{"id":"job-1","payload":{"to":"a@b"},"run_at":5,"key":"user:7"}"#).unwrap();
-        assert_eq!((job.id.as_str(), job.payload.get(), job.run_at, job.key.as_deref()), ("job-1", r#"{"to":"a@b"}"#, Some(5), Some("user:7")));
+        assert_eq!(
+            (job.id.as_str(), job.payload.get(), job.run_at, job.key.as_deref()),
+            ("job-1", r#"{"to":"a@b"}"#, Some(5), Some("user:7"))
+        );
         assert!(Job::parse(br#"{"payload":1}"#).unwrap_err().contains("missing field `id`"));
         assert_eq!(Job::parse(br#"{"id":"","payload":1}"#).unwrap_err(), "id: must be 1-128 bytes");
         assert!(Job::parse(br#"{"id":"j","payload":1,"colour":2}"#).unwrap_err().contains("unknown field"));

@@ -36,7 +36,10 @@ impl Default for QueuePolicy {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     Waiting,
-    Leased { lease: u64, deadline: i64 },
+    Leased {
+        lease: u64,
+        deadline: i64,
+    },
     /// Gave up; waiting for the dead topic to acknowledge its record.
     Dying,
 }
@@ -187,7 +190,12 @@ impl PartitionQueue {
         entry.last_error = Some(error.to_string());
         if entry.attempts >= policy.max_attempts {
             entry.state = State::Dying;
-            return Failure::Dead { offset, attempts: entry.attempts, error: error.to_string(), job: entry.job.clone() };
+            return Failure::Dead {
+                offset,
+                attempts: entry.attempts,
+                error: error.to_string(),
+                job: entry.job.clone(),
+            };
         }
         let wait = retry_in_ms.unwrap_or_else(|| policy.backoff.delay_ms(entry.attempts)).max(0);
         let at = now.saturating_add(wait);
@@ -405,7 +413,11 @@ mod tests {
 
     #[test]
     fn failures_back_off_then_go_dead_and_extend_keeps_a_lease() {
-        let policy = QueuePolicy { max_attempts: 2, backoff: RetrySchedule { base_ms: 100, max_ms: 1_000 }, ..Default::default() };
+        let policy = QueuePolicy {
+            max_attempts: 2,
+            backoff: RetrySchedule { base_ms: 100, max_ms: 1_000 },
+            ..Default::default()
+        };
         let mut queue = PartitionQueue::new(policy, 0);
         queue.push(0, job(0, None, None));
         let first = queue.dequeue(10, 0, 50).remove(0);
