@@ -29,6 +29,79 @@ pub struct TallyConfig {
     pub counter: CounterConfig,
     pub graph: GraphConfig,
     pub query: QueryConfig,
+    pub broker: BrokerConfig,
+    pub worker: WorkerConfig,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BrokerConfig {
+    /// The worker API (dequeue, ack, nack, extend, stats).
+    pub listen: String,
+    /// Prometheus metrics and health endpoints.
+    pub admin_listen: String,
+    /// Host announced to workers when `listen` binds a wildcard address.
+    pub advertise_host: Option<String>,
+    /// Consumer group whose committed offsets hold each partition's watermark.
+    pub group_id: String,
+    /// Queue declarations (default: the ones built into this release).
+    pub declarations: Option<PathBuf>,
+    /// How often a broker says it is alive.
+    pub heartbeat_ms: u64,
+    /// A broker silent this long is gone; its partitions move.
+    pub member_timeout_ms: u64,
+    /// Optional bearer token workers must send.
+    pub auth_token: Option<String>,
+}
+
+impl Default for BrokerConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8090".into(),
+            admin_listen: "127.0.0.1:9105".into(),
+            advertise_host: None,
+            group_id: "tally-broker".into(),
+            declarations: None,
+            heartbeat_ms: 1_000,
+            member_timeout_ms: 6_000,
+            auth_token: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerConfig {
+    /// Any brokers' worker API URLs (`http://host:port`); the owners are found from them.
+    pub brokers: Vec<String>,
+    pub queue: String,
+    /// Jobs run at once.
+    pub concurrency: usize,
+    /// Lease asked for each job (0: the queue's default); extended while a job runs.
+    pub lease_ms: i64,
+    /// POST each job's payload here: 2xx acks, anything else retries.
+    pub webhook_url: Option<String>,
+    /// Or run this program with the payload on stdin: exit 0 acks.
+    pub command: Option<Vec<String>>,
+    /// Prometheus metrics and health endpoints.
+    pub admin_listen: String,
+    /// Bearer token for the brokers.
+    pub auth_token: Option<String>,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        Self {
+            brokers: vec!["http://127.0.0.1:8090".into()],
+            queue: "default".into(),
+            concurrency: 8,
+            lease_ms: 0,
+            webhook_url: None,
+            command: None,
+            admin_listen: "127.0.0.1:9106".into(),
+            auth_token: None,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -20,6 +20,8 @@ pub enum Error {
     Store(String),
     #[error("outbox relay: {0}")]
     Relay(String),
+    #[error("worker: {0}")]
+    Worker(String),
     #[error("local broker: {0}")]
     LocalBroker(String),
     #[error("i/o: {0}")]

@@ -205,6 +205,14 @@ pub struct DeadLetter {
     pub payload: String,
 }
 
+impl DeadLetter {
+    /// The `payload` field for rejected bytes: base64.
+    pub fn payload_of(raw: &[u8]) -> String {
+        use base64::Engine;
+        base64::engine::general_purpose::STANDARD.encode(raw)
+    }
+}
+
 /// A record of `tally.rollups` (SPEC §4).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Rollup {

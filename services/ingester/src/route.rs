@@ -5,7 +5,6 @@
 
 use std::collections::BTreeMap;
 
-use base64::Engine;
 use rdkafka::message::BorrowedMessage;
 use rdkafka::Message;
 use tally_shared::input::{parse_graph_updates, parse_increments, Rejection};
@@ -153,7 +152,7 @@ impl Router {
             offset: record.offset,
             index: rejection.index,
             reason: rejection.reason,
-            payload: base64::engine::general_purpose::STANDARD.encode(rejection.raw),
+            payload: DeadLetter::payload_of(rejection.raw),
         };
         let key = format!("{}/{}/{}", record.topic, record.partition, record.offset).into_bytes();
         match serde_json::to_vec(&letter) {
@@ -168,6 +167,7 @@ impl Router {
 
 #[cfg(test)]
 mod tests {
+    use base64::Engine;
     use tally_shared::wire::ShardMessage;
 
     use super::*;

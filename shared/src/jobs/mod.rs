@@ -7,8 +7,11 @@
 //! They know nothing of Kafka, HTTP or clocks: time is passed in, so the property
 //! tests can drive them through any history.
 
+pub mod api;
+pub mod assignment;
 pub mod partition;
 pub mod schedule;
+pub mod worker;
 
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;

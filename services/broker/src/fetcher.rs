@@ -1,0 +1,274 @@
+//! The fetcher thread: follows the membership to decide which queue partitions this
+//! broker serves, fetches them into their buffers (pausing a partition whose buffer
+//! is full), and commits each partition's watermark.
+//!
+//! A partition that moves away stops being served at once; one that moves here is
+//! taken after a short settling delay (so its previous owner has let go) from the
+//! committed offset — everything below it is finished, everything above runs again
+//! if it was not (at-least-once).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rdkafka::Message;
+use tally_shared::config::TallyConfig;
+use tally_shared::jobs::assignment::owner;
+use tally_shared::jobs::partition::PartitionQueue;
+use tally_shared::jobs::Job;
+use tally_shared::kafka::{client_config, now_ms, producer_config, TopicNames};
+use tally_shared::wire::DeadLetter;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::Result;
+use crate::membership::Membership;
+use crate::state::{Broker, QueueRuntime};
+
+const COMMIT_EVERY: Duration = Duration::from_secs(1);
+
+pub struct FetcherSetup {
+    pub config: TallyConfig,
+    pub broker: Arc<Broker>,
+    pub membership: Arc<Membership>,
+}
+
+type Key = (String, i32);
+
+pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
+    let FetcherSetup { config, broker, membership } = setup;
+    let mut consumer_config = client_config(&config.kafka)?;
+    consumer_config
+        .set("group.id", &config.broker.group_id)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest");
+    let consumer: BaseConsumer = consumer_config.create()?;
+    let letters: ThreadedProducer<DefaultProducerContext> = producer_config(&config.kafka)?.create()?;
+    let dead_letter_topic = TopicNames::new(&config.kafka.topic_prefix).dead_letter();
+    let by_topic: HashMap<String, Arc<QueueRuntime>> =
+        broker.queues.values().map(|q| (q.topic.clone(), q.clone())).collect();
+    let settle = Duration::from_millis(config.broker.heartbeat_ms * 2);
+
+    let mut pending: HashMap<Key, Instant> = HashMap::new();
+    let mut paused: HashSet<Key> = HashSet::new();
+    let mut last_commit = Instant::now();
+    let mut last_reconcile = Instant::now() - Duration::from_secs(1);
+    while !shutdown.is_cancelled() {
+        if last_reconcile.elapsed() >= Duration::from_millis(200) {
+            last_reconcile = Instant::now();
+            let live = membership.live(now_ms(), config.broker.member_timeout_ms);
+            for queue in broker.queues.values() {
+                let mut desired = Vec::new();
+                let mut owners = BTreeMap::new();
+                for partition in 0..queue.decl.partitions {
+                    if let Some(member) = owner(&live, &queue.decl.name, partition) {
+                        owners.insert(partition, member.addr.clone());
+                        if member.instance == broker.instance {
+                            desired.push(partition);
+                        }
+                    }
+                }
+                if let Ok(mut current) = queue.owners.lock() {
+                    *current = owners;
+                }
+                reconcile(&consumer, queue, &desired, &mut pending, &mut paused, settle)?;
+            }
+        }
+        if let Some(polled) = consumer.poll(Duration::from_millis(20)) {
+            match polled {
+                Ok(message) => {
+                    let Some(queue) = by_topic.get(message.topic()) else { continue };
+                    let partition = message.partition();
+                    let Some(buffer) = queue.partitions.lock().ok().and_then(|p| p.get(&partition).cloned()) else {
+                        continue; // revoked meanwhile
+                    };
+                    let payload = message.payload().unwrap_or_default();
+                    let full = {
+                        let Ok(mut buffer) = buffer.lock() else { continue };
+                        match Job::parse(payload) {
+                            Ok(job) => buffer.push(message.offset(), job),
+                            Err(reason) => {
+                                dead_letter(&letters, &dead_letter_topic, &queue.topic, &message, reason);
+                                buffer.skip(message.offset());
+                            }
+                        }
+                        !buffer.has_capacity()
+                    };
+                    queue.changed.notify_waiters();
+                    if full && paused.insert((queue.decl.name.clone(), partition)) {
+                        let mut tpl = TopicPartitionList::new();
+                        tpl.add_partition(&queue.topic, partition);
+                        consumer.pause(&tpl)?;
+                    }
+                }
+                Err(err) => tracing::warn!(error = %err, "consumer error"),
+            }
+        }
+        resume_drained(&consumer, &broker, &mut paused)?;
+        if last_commit.elapsed() >= COMMIT_EVERY {
+            last_commit = Instant::now();
+            commit(&consumer, &broker, CommitMode::Async);
+            report(&consumer, &broker);
+        }
+    }
+    commit(&consumer, &broker, CommitMode::Sync);
+    let _ = letters.flush(Duration::from_secs(5));
+    Ok(())
+}
+
+/// Serves what this broker should own, and stops serving what it should not.
+fn reconcile(
+    consumer: &BaseConsumer,
+    queue: &QueueRuntime,
+    desired: &[i32],
+    pending: &mut HashMap<Key, Instant>,
+    paused: &mut HashSet<Key>,
+    settle: Duration,
+) -> Result<()> {
+    let served: Vec<i32> = queue.partitions.lock().map(|p| p.keys().copied().collect()).unwrap_or_default();
+    let mut changed = false;
+    for partition in served.iter().filter(|p| !desired.contains(p)) {
+        let removed = queue.partitions.lock().ok().and_then(|mut p| p.remove(partition));
+        if let Some(buffer) = removed {
+            let offset = buffer.lock().map(|b| b.commit_offset()).unwrap_or(0);
+            let mut tpl = TopicPartitionList::new();
+            tpl.add_partition_offset(&queue.topic, *partition, Offset::Offset(offset))?;
+            if let Err(err) = consumer.commit(&tpl, CommitMode::Sync) {
+                tracing::warn!(error = %err, "committing a released partition");
+            }
+            consumer.incremental_unassign(&tpl)?;
+            paused.remove(&(queue.decl.name.clone(), *partition));
+            tracing::info!(queue = %queue.decl.name, partition, offset, "released partition");
+            changed = true;
+        }
+    }
+    for &partition in desired.iter().filter(|p| !served.contains(p)) {
+        let key = (queue.decl.name.clone(), partition);
+        let since = *pending.entry(key.clone()).or_insert_with(Instant::now);
+        if since.elapsed() < settle {
+            continue;
+        }
+        pending.remove(&key);
+        let start = committed_offset(consumer, &queue.topic, partition)?;
+        let buffer = PartitionQueue::new(queue.decl.policy(), start);
+        if let Ok(mut partitions) = queue.partitions.lock() {
+            partitions.insert(partition, Arc::new(Mutex::new(buffer)));
+        }
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&queue.topic, partition, Offset::Offset(start))?;
+        consumer.incremental_assign(&tpl)?;
+        tracing::info!(queue = %queue.decl.name, partition, start, "serving partition");
+        changed = true;
+    }
+    pending.retain(|(name, partition), _| name != &queue.decl.name || desired.contains(partition));
+    if changed {
+        let owned = queue.partitions.lock().map(|p| p.len()).unwrap_or(0);
+        queue.set_rate_share(owned);
+    }
+    Ok(())
+}
+
+/// Where a partition resumes: its committed offset, else its first record.
+fn committed_offset(consumer: &BaseConsumer, topic: &str, partition: i32) -> Result<i64> {
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition(topic, partition);
+    let committed = consumer.committed_offsets(tpl, Duration::from_secs(10))?;
+    if let Some(Offset::Offset(offset)) = committed.find_partition(topic, partition).map(|e| e.offset()) {
+        return Ok(offset);
+    }
+    Ok(consumer.fetch_watermarks(topic, partition, Duration::from_secs(10))?.0)
+}
+
+fn resume_drained(consumer: &BaseConsumer, broker: &Broker, paused: &mut HashSet<Key>) -> Result<()> {
+    let mut resumed = Vec::new();
+    for (name, partition) in paused.iter() {
+        let Some(queue) = broker.queue(name) else { continue };
+        let buffer = queue.partitions.lock().ok().and_then(|p| p.get(partition).cloned());
+        let has_room = buffer.is_none_or(|b| b.lock().map(|b| b.has_capacity()).unwrap_or(true));
+        if has_room {
+            let mut tpl = TopicPartitionList::new();
+            tpl.add_partition(&queue.topic, *partition);
+            consumer.resume(&tpl)?;
+            resumed.push((name.clone(), *partition));
+        }
+    }
+    for key in resumed {
+        paused.remove(&key);
+    }
+    Ok(())
+}
+
+/// Commits every served partition's watermark.
+fn commit(consumer: &BaseConsumer, broker: &Broker, mode: CommitMode) {
+    let mut tpl = TopicPartitionList::new();
+    for queue in broker.queues.values() {
+        let Ok(partitions) = queue.partitions.lock() else { continue };
+        for (partition, buffer) in partitions.iter() {
+            let Ok(buffer) = buffer.lock() else { continue };
+            let _ = tpl.add_partition_offset(&queue.topic, *partition, Offset::Offset(buffer.commit_offset()));
+        }
+    }
+    if tpl.count() > 0 {
+        if let Err(err) = consumer.commit(&tpl, mode) {
+            tracing::warn!(error = %err, "committing watermarks");
+        }
+    }
+}
+
+/// Lag per served partition, and the queue gauges.
+fn report(consumer: &BaseConsumer, broker: &Broker) {
+    for queue in broker.queues.values() {
+        let served: Vec<i32> = queue.partitions.lock().map(|p| p.keys().copied().collect()).unwrap_or_default();
+        let positions = consumer.position().ok();
+        let mut lag = HashMap::new();
+        for partition in served {
+            let position = positions.as_ref().and_then(|p| p.find_partition(&queue.topic, partition)).and_then(|e| {
+                match e.offset() {
+                    Offset::Offset(o) => Some(o),
+                    _ => None,
+                }
+            });
+            if let (Some(position), Ok((_, high))) =
+                (position, consumer.fetch_watermarks(&queue.topic, partition, Duration::from_millis(500)))
+            {
+                lag.insert(partition, (high - position).max(0));
+            }
+        }
+        let total: i64 = lag.values().sum();
+        if let Ok(mut current) = queue.lag.lock() {
+            *current = lag;
+        }
+        let name = &queue.decl.name;
+        let stats = broker.stats(queue);
+        broker.metrics.consumer_lag.with_label_values(&[name]).set(total);
+        broker.metrics.depth.with_label_values(&[name]).set(stats.depth);
+        broker.metrics.in_flight.with_label_values(&[name]).set(stats.in_flight as i64);
+        broker.metrics.delayed.with_label_values(&[name]).set(stats.delayed as i64);
+    }
+}
+
+fn dead_letter(
+    producer: &ThreadedProducer<DefaultProducerContext>,
+    topic: &str,
+    source_topic: &str,
+    message: &rdkafka::message::BorrowedMessage<'_>,
+    reason: String,
+) {
+    let letter = DeadLetter {
+        topic: source_topic.to_string(),
+        partition: message.partition(),
+        offset: message.offset(),
+        index: None,
+        reason,
+        payload: DeadLetter::payload_of(message.payload().unwrap_or_default()),
+    };
+    if let Ok(payload) = serde_json::to_vec(&letter) {
+        let key = format!("{source_topic}/{}/{}", message.partition(), message.offset());
+        if let Err((err, _)) = producer.send(BaseRecord::to(topic).key(&key).payload(&payload)) {
+            tracing::error!(error = %err, "cannot send a dead letter");
+        }
+    }
+}

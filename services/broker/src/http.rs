@@ -1,0 +1,177 @@
+//! The worker API (SPEC §6): dequeue (long poll), ack, nack, extend, and the queue
+//! stats. Every error is a JSON `{"error":{"code","message"}}` with a 4xx status.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path, Request, State};
+use axum::http::header::AUTHORIZATION;
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::json;
+use tally_shared::jobs::api::{
+    AckRequest, AckResponse, DequeueRequest, DequeueResponse, ExtendRequest, NackRequest, MAX_DEQUEUE, MAX_WAIT_MS,
+};
+use tally_shared::kafka::now_ms;
+
+use crate::state::{Broker, QueueRuntime};
+
+#[derive(Clone)]
+pub struct ApiState {
+    pub broker: Arc<Broker>,
+    pub auth_token: Option<String>,
+}
+
+pub fn router(state: ApiState) -> Router {
+    Router::new()
+        .route("/v1/queues", get(list))
+        .route("/v1/queues/{queue}", get(stats))
+        .route("/v1/queues/{queue}/dequeue", post(dequeue))
+        .route("/v1/queues/{queue}/ack", post(ack))
+        .route("/v1/queues/{queue}/nack", post(nack))
+        .route("/v1/queues/{queue}/extend", post(extend))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), authorize))
+        .layer(axum::extract::DefaultBodyLimit::max(1 << 20))
+        .with_state(state)
+}
+
+fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
+    (status, Json(json!({"error": {"code": code, "message": message.into()}}))).into_response()
+}
+
+async fn authorize(State(state): State<ApiState>, request: Request, next: Next) -> Response {
+    if let Some(token) = &state.auth_token {
+        let expected = format!("Bearer {token}");
+        if request.headers().get(AUTHORIZATION).and_then(|v| v.to_str().ok()) != Some(expected.as_str()) {
+            return error(StatusCode::UNAUTHORIZED, "unauthorized", "a valid bearer token is required");
+        }
+    }
+    next.run(request).await
+}
+
+fn find(state: &ApiState, queue: &str) -> Result<Arc<QueueRuntime>, Response> {
+    state
+        .broker
+        .queue(queue)
+        .cloned()
+        .ok_or_else(|| error(StatusCode::NOT_FOUND, "unknown_queue", format!("no queue named {queue:?} is declared")))
+}
+
+fn body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, Response> {
+    body.map(|Json(b)| b).map_err(|err| error(StatusCode::BAD_REQUEST, "invalid_body", err.body_text()))
+}
+
+async fn list(State(state): State<ApiState>) -> Response {
+    let queues: Vec<_> = state.broker.queues.values().map(|q| state.broker.stats(q)).collect();
+    Json(json!({ "queues": queues })).into_response()
+}
+
+async fn stats(State(state): State<ApiState>, Path(queue): Path<String>) -> Response {
+    match find(&state, &queue) {
+        Ok(queue) => Json(state.broker.stats(&queue)).into_response(),
+        Err(response) => response,
+    }
+}
+
+async fn dequeue(
+    State(state): State<ApiState>,
+    Path(queue): Path<String>,
+    request: Result<Json<DequeueRequest>, JsonRejection>,
+) -> Response {
+    let (queue, request) = match (find(&state, &queue), body(request)) {
+        (Ok(queue), Ok(request)) => (queue, request),
+        (Err(response), _) | (_, Err(response)) => return response,
+    };
+    if !(1..=MAX_DEQUEUE).contains(&request.max) {
+        return error(StatusCode::BAD_REQUEST, "invalid_max", format!("max: must be 1-{MAX_DEQUEUE}"));
+    }
+    if request.wait_ms > MAX_WAIT_MS {
+        return error(StatusCode::BAD_REQUEST, "invalid_wait", format!("wait_ms: must be at most {MAX_WAIT_MS}"));
+    }
+    let lease_ms = request.lease_ms.unwrap_or(queue.decl.lease_ms);
+    if lease_ms < 1 {
+        return error(StatusCode::BAD_REQUEST, "invalid_lease", "lease_ms: must be positive");
+    }
+    let deadline = Instant::now() + Duration::from_millis(request.wait_ms);
+    loop {
+        let started = Instant::now();
+        let notified = queue.changed.notified();
+        let jobs = state.broker.dequeue(&queue, request.max, lease_ms, now_ms());
+        if !jobs.is_empty() {
+            state
+                .broker
+                .metrics
+                .dequeue_seconds
+                .with_label_values(&[&queue.decl.name])
+                .observe(started.elapsed().as_secs_f64());
+            return Json(DequeueResponse { jobs }).into_response();
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Json(DequeueResponse { jobs }).into_response();
+        }
+        // New jobs notify; delayed jobs and rate-limit tokens come with time.
+        let _ = tokio::time::timeout(left.min(Duration::from_millis(50)), notified).await;
+    }
+}
+
+async fn ack(
+    State(state): State<ApiState>,
+    Path(queue): Path<String>,
+    request: Result<Json<AckRequest>, JsonRejection>,
+) -> Response {
+    let (queue, request) = match (find(&state, &queue), body(request)) {
+        (Ok(queue), Ok(request)) => (queue, request),
+        (Err(response), _) | (_, Err(response)) => return response,
+    };
+    if request.leases.len() > MAX_DEQUEUE {
+        return error(StatusCode::BAD_REQUEST, "too_many_leases", format!("leases: at most {MAX_DEQUEUE}"));
+    }
+    let unknown = state.broker.ack(&queue, &request.leases);
+    Json(AckResponse { acked: request.leases.len() - unknown.len(), unknown }).into_response()
+}
+
+fn unknown_lease() -> Response {
+    error(StatusCode::CONFLICT, "unknown_lease", "lease unknown, expired, or held by another broker")
+}
+
+async fn nack(
+    State(state): State<ApiState>,
+    Path(queue): Path<String>,
+    request: Result<Json<NackRequest>, JsonRejection>,
+) -> Response {
+    let (queue, request) = match (find(&state, &queue), body(request)) {
+        (Ok(queue), Ok(request)) => (queue, request),
+        (Err(response), _) | (_, Err(response)) => return response,
+    };
+    if request.retry_in_ms.is_some_and(|ms| ms < 0) {
+        return error(StatusCode::BAD_REQUEST, "invalid_retry", "retry_in_ms: must not be negative");
+    }
+    let reason = request.error.as_deref().unwrap_or("nacked by the worker");
+    match state.broker.nack(&queue, &request.lease, request.retry_in_ms, reason) {
+        Ok(()) => Json(json!({"nacked": true})).into_response(),
+        Err(_) => unknown_lease(),
+    }
+}
+
+async fn extend(
+    State(state): State<ApiState>,
+    Path(queue): Path<String>,
+    request: Result<Json<ExtendRequest>, JsonRejection>,
+) -> Response {
+    let (queue, request) = match (find(&state, &queue), body(request)) {
+        (Ok(queue), Ok(request)) => (queue, request),
+        (Err(response), _) | (_, Err(response)) => return response,
+    };
+    if request.lease_ms < 1 {
+        return error(StatusCode::BAD_REQUEST, "invalid_lease", "lease_ms: must be positive");
+    }
+    match state.broker.extend(&queue, &request.lease, request.lease_ms) {
+        Ok(deadline) => Json(json!({"lease_deadline": deadline})).into_response(),
+        Err(_) => unknown_lease(),
+    }
+}

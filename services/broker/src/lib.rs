@@ -1,0 +1,98 @@
+//! `tally-broker`: a dequeue broker (SPEC §6, Pinterest's Pacer on Kafka).
+//!
+//! - [`membership`]: which brokers are alive (heartbeats on `tally.queue-brokers`);
+//!   every broker derives the same partition owners from it;
+//! - [`fetcher`]: serves the partitions this broker owns: fetches them into bounded
+//!   buffers and commits watermarks that never pass an unfinished job;
+//! - [`state`]: the queues and their buffers: dequeue, ack, nack, extend, expiry,
+//!   dead jobs;
+//! - [`http`]: the worker API; [`metrics`]: what it exports.
+
+pub mod error;
+pub mod fetcher;
+pub mod http;
+pub mod membership;
+pub mod metrics;
+pub mod state;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus::Registry;
+use rdkafka::producer::FutureProducer;
+use tally_shared::config::TallyConfig;
+use tally_shared::jobs::assignment::Member;
+use tally_shared::kafka::{producer_config, wait_for_topic, TopicNames};
+use tally_shared::telemetry::{serve_admin, Readiness};
+use tally_shared::topics::Declarations;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+pub use error::{Error, Result};
+
+/// Runs a broker until `shutdown`: it stops serving, commits its watermarks and
+/// tells the others it is leaving.
+pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()> {
+    let registry = Registry::new();
+    let metrics = metrics::Metrics::new(&registry);
+    let readiness = Readiness::default();
+    let admin = serve_admin(&config.broker.admin_listen, registry, readiness.clone(), shutdown.clone()).await?;
+    let names = TopicNames::new(&config.kafka.topic_prefix);
+    let declarations = Declarations::load(config.broker.declarations.as_deref())?;
+    let mut queues = BTreeMap::new();
+    for decl in &declarations.queues {
+        let topic = names.jobs(&decl.name);
+        wait_for_topic(&config.kafka, &topic, Duration::from_secs(60)).await?;
+        let runtime = state::QueueRuntime::new(decl.clone(), topic, names.dead_jobs(&decl.name));
+        queues.insert(decl.name.clone(), Arc::new(runtime));
+    }
+    wait_for_topic(&config.kafka, &names.queue_brokers(), Duration::from_secs(60)).await?;
+
+    let listener = TcpListener::bind(&config.broker.listen).await?;
+    let addr = tally_shared::service::advertised_addr(listener.local_addr()?, config.broker.advertise_host.as_deref());
+    let instance = format!("{:016x}", rand::random::<u64>());
+    let dead_producer: FutureProducer = producer_config(&config.kafka)?.create()?;
+    let broker = Arc::new(state::Broker { instance: instance.clone(), queues, metrics, dead_producer });
+    tracing::info!(api = %addr, admin = %admin, instance, queues = ?broker.queues.keys().collect::<Vec<_>>(), "tally-broker starting");
+
+    let membership = Arc::new(membership::Membership::default());
+    let member = Member { instance, addr };
+    let every = Duration::from_millis(config.broker.heartbeat_ms.max(50));
+    let heartbeat = membership::heartbeat(&config.kafka, names.queue_brokers(), member, every, shutdown.clone())?;
+    let follower = membership::follow(&config.kafka, names.queue_brokers(), membership.clone(), shutdown.clone())?;
+
+    let expiry_broker = broker.clone();
+    let expiry_shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        while !expiry_shutdown.is_cancelled() {
+            tick.tick().await;
+            expiry_broker.expire_leases();
+        }
+    });
+
+    let api = http::router(http::ApiState { broker: broker.clone(), auth_token: config.broker.auth_token.clone() });
+    let server_shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        if let Err(err) = axum::serve(listener, api).with_graceful_shutdown(server_shutdown.cancelled_owned()).await {
+            tracing::error!(error = %err, "worker API failed");
+        }
+    });
+    readiness.set(true);
+
+    let setup = fetcher::FetcherSetup { config, broker, membership };
+    let fetcher_shutdown = shutdown.clone();
+    let result = tokio::task::spawn_blocking(move || fetcher::run(setup, fetcher_shutdown))
+        .await
+        .map_err(|err| Error::Broker(err.to_string()))?;
+    shutdown.cancel();
+    readiness.set(false);
+    let _ = tokio::task::spawn_blocking(move || {
+        let _ = heartbeat.join();
+        let _ = follower.join();
+    })
+    .await;
+    tracing::info!("tally-broker stopped");
+    result
+}

@@ -1,0 +1,49 @@
+//! The broker's Prometheus metrics, declared once; every family is labelled by queue.
+
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+use tally_shared::telemetry::register;
+
+#[derive(Clone)]
+pub struct Metrics {
+    pub dequeued: IntCounterVec,
+    pub acked: IntCounterVec,
+    pub nacked: IntCounterVec,
+    pub expired: IntCounterVec,
+    pub dead: IntCounterVec,
+    pub depth: IntGaugeVec,
+    pub in_flight: IntGaugeVec,
+    pub delayed: IntGaugeVec,
+    pub consumer_lag: IntGaugeVec,
+    pub dequeue_seconds: HistogramVec,
+}
+
+impl Metrics {
+    pub fn new(registry: &Registry) -> Self {
+        let counter = |name: &str, help: &str| {
+            register(registry, IntCounterVec::new(Opts::new(name, help), &["queue"]).expect("valid metric"))
+        };
+        let gauge = |name: &str, help: &str| {
+            register(registry, IntGaugeVec::new(Opts::new(name, help), &["queue"]).expect("valid metric"))
+        };
+        Self {
+            dequeued: counter("tally_broker_dequeued_total", "Jobs handed to workers"),
+            acked: counter("tally_broker_acked_total", "Jobs acked"),
+            nacked: counter("tally_broker_nacked_total", "Attempts nacked by workers"),
+            expired: counter("tally_broker_lease_expired_total", "Leases that expired"),
+            dead: counter("tally_broker_dead_total", "Jobs sent to the dead topic"),
+            depth: gauge("tally_broker_depth_jobs", "Jobs waiting (in memory and not yet fetched)"),
+            in_flight: gauge("tally_broker_in_flight_jobs", "Jobs leased to workers"),
+            delayed: gauge("tally_broker_delayed_jobs", "Jobs waiting for run_at or a retry"),
+            consumer_lag: gauge("tally_broker_consumer_lag_records", "Queue records not yet fetched"),
+            dequeue_seconds: register(
+                registry,
+                HistogramVec::new(
+                    HistogramOpts::new("tally_broker_dequeue_seconds", "Time to serve a dequeue that handed out jobs")
+                        .buckets(prometheus::exponential_buckets(0.00005, 2.0, 16).expect("valid buckets")),
+                    &["queue"],
+                )
+                .expect("valid metric"),
+            ),
+        }
+    }
+}

@@ -1,0 +1,303 @@
+//! The broker's queues and the partitions it serves: dequeue, ack, nack, extend,
+//! lease expiry and dead jobs, over the pure [`PartitionQueue`] of each partition.
+
+use std::collections::{BTreeMap, HashMap};
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use tally_shared::jobs::api::{DequeuedJob, PartitionInfo, QueueStats};
+use tally_shared::jobs::partition::{Failure, LeaseError, PartitionQueue};
+use tally_shared::jobs::DeadJob;
+use tally_shared::kafka::now_ms;
+use tally_shared::topics::QueueDecl;
+use tokio::sync::Notify;
+
+use crate::metrics::Metrics;
+
+/// One queue on this broker.
+pub struct QueueRuntime {
+    pub decl: QueueDecl,
+    pub topic: String,
+    pub dead_topic: String,
+    /// The partitions this broker serves now; a revoked one is removed at once.
+    pub partitions: Mutex<BTreeMap<i32, Arc<Mutex<PartitionQueue>>>>,
+    /// Woken when jobs may have become available.
+    pub changed: Notify,
+    limiter: Mutex<Option<Arc<DefaultDirectRateLimiter>>>,
+    cursor: AtomicUsize,
+    pub dead: AtomicU64,
+    /// Jobs handed out, for the rate in the stats.
+    handed: AtomicU64,
+    rate_window: Mutex<(i64, u64, f64)>,
+    /// Records not yet fetched, per partition (from the fetcher).
+    pub lag: Mutex<HashMap<i32, i64>>,
+    /// Owner address of every partition, from the membership.
+    pub owners: Mutex<BTreeMap<i32, String>>,
+}
+
+impl QueueRuntime {
+    pub fn new(decl: QueueDecl, topic: String, dead_topic: String) -> Self {
+        Self {
+            decl,
+            topic,
+            dead_topic,
+            partitions: Mutex::new(BTreeMap::new()),
+            changed: Notify::new(),
+            limiter: Mutex::new(None),
+            cursor: AtomicUsize::new(0),
+            dead: AtomicU64::new(0),
+            handed: AtomicU64::new(0),
+            rate_window: Mutex::new((now_ms(), 0, 0.0)),
+            lag: Mutex::new(HashMap::new()),
+            owners: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// This broker's share of the queue's rate limit: in proportion to the
+    /// partitions it owns.
+    pub fn set_rate_share(&self, owned: usize) {
+        let limiter = self.decl.rate_limit_per_sec.and_then(|rate| {
+            let share = (rate as usize * owned).div_ceil(self.decl.partitions.max(1) as usize) as u32;
+            let per_second = NonZeroU32::new(share)?;
+            // A tenth of a second of burst: the limit holds over any second.
+            let burst = NonZeroU32::new((share / 10).max(1))?;
+            Some(Arc::new(RateLimiter::direct(Quota::per_second(per_second).allow_burst(burst))))
+        });
+        if let Ok(mut current) = self.limiter.lock() {
+            *current = limiter;
+        }
+    }
+
+    fn served(&self) -> Vec<(i32, Arc<Mutex<PartitionQueue>>)> {
+        self.partitions.lock().map(|p| p.iter().map(|(k, v)| (*k, v.clone())).collect()).unwrap_or_default()
+    }
+
+    fn partition(&self, partition: i32) -> Option<Arc<Mutex<PartitionQueue>>> {
+        self.partitions.lock().ok()?.get(&partition).cloned()
+    }
+}
+
+/// The lease token a worker holds: `partition.lease.instance`.
+pub fn encode_lease(partition: i32, lease: u64, instance: &str) -> String {
+    format!("{partition}.{lease}.{instance}")
+}
+
+/// `(partition, lease)` of a token this broker issued.
+pub fn decode_lease(token: &str, instance: &str) -> Option<(i32, u64)> {
+    let mut parts = token.splitn(3, '.');
+    let partition = parts.next()?.parse().ok()?;
+    let lease = parts.next()?.parse().ok()?;
+    (parts.next()? == instance).then_some((partition, lease))
+}
+
+pub struct Broker {
+    pub instance: String,
+    pub queues: BTreeMap<String, Arc<QueueRuntime>>,
+    pub metrics: Metrics,
+    pub dead_producer: FutureProducer,
+}
+
+impl Broker {
+    pub fn queue(&self, name: &str) -> Option<&Arc<QueueRuntime>> {
+        self.queues.get(name)
+    }
+
+    /// Hands out up to `max` ready jobs of `queue` from the partitions served here,
+    /// within the rate limit.
+    pub fn dequeue(&self, queue: &QueueRuntime, max: usize, lease_ms: i64, now: i64) -> Vec<DequeuedJob> {
+        let limiter = queue.limiter.lock().ok().and_then(|l| l.clone());
+        let mut allowed = max;
+        if let Some(limiter) = &limiter {
+            allowed = (0..max).take_while(|_| limiter.check().is_ok()).count();
+        }
+        let served = queue.served();
+        let mut jobs = Vec::new();
+        if served.is_empty() || allowed == 0 {
+            return jobs;
+        }
+        let start = queue.cursor.fetch_add(1, Ordering::Relaxed);
+        for i in 0..served.len() {
+            if jobs.len() >= allowed {
+                break;
+            }
+            let (partition, buffer) = &served[(start + i) % served.len()];
+            let Ok(mut buffer) = buffer.lock() else { continue };
+            for handout in buffer.dequeue(allowed - jobs.len(), now, lease_ms) {
+                jobs.push(DequeuedJob {
+                    id: handout.job.id,
+                    payload: handout.job.payload,
+                    attempt: handout.attempt,
+                    lease: encode_lease(*partition, handout.lease, &self.instance),
+                    key: handout.job.key,
+                    lease_deadline: handout.deadline,
+                });
+            }
+        }
+        queue.handed.fetch_add(jobs.len() as u64, Ordering::Relaxed);
+        self.metrics.dequeued.with_label_values(&[&queue.decl.name]).inc_by(jobs.len() as u64);
+        jobs
+    }
+
+    /// Acks leases; returns the unknown ones.
+    pub fn ack(&self, queue: &QueueRuntime, leases: &[String]) -> Vec<String> {
+        let mut unknown = Vec::new();
+        let mut acked = 0u64;
+        for token in leases {
+            let done = decode_lease(token, &self.instance)
+                .and_then(|(partition, lease)| Some((queue.partition(partition)?, lease)))
+                .and_then(|(buffer, lease)| buffer.lock().ok()?.ack(lease).ok());
+            match done {
+                Some(_) => acked += 1,
+                None => unknown.push(token.clone()),
+            }
+        }
+        self.metrics.acked.with_label_values(&[&queue.decl.name]).inc_by(acked);
+        if acked > 0 && queue.decl.fifo {
+            queue.changed.notify_waiters();
+        }
+        unknown
+    }
+
+    /// Nacks a lease: retried later, or dead after `max_attempts`.
+    pub fn nack(
+        self: &Arc<Self>,
+        queue: &Arc<QueueRuntime>,
+        token: &str,
+        retry_in_ms: Option<i64>,
+        error: &str,
+    ) -> Result<(), LeaseError> {
+        let (partition, lease) = decode_lease(token, &self.instance).ok_or(LeaseError::Unknown)?;
+        let buffer = queue.partition(partition).ok_or(LeaseError::Unknown)?;
+        let failure = buffer.lock().map_err(|_| LeaseError::Unknown)?.nack(lease, retry_in_ms, error, now_ms())?;
+        self.metrics.nacked.with_label_values(&[&queue.decl.name]).inc();
+        self.handle_failure(queue, partition, failure);
+        Ok(())
+    }
+
+    /// Extends a lease; returns the new deadline.
+    pub fn extend(&self, queue: &QueueRuntime, token: &str, lease_ms: i64) -> Result<i64, LeaseError> {
+        let (partition, lease) = decode_lease(token, &self.instance).ok_or(LeaseError::Unknown)?;
+        let buffer = queue.partition(partition).ok_or(LeaseError::Unknown)?;
+        let mut buffer = buffer.lock().map_err(|_| LeaseError::Unknown)?;
+        buffer.extend(lease, lease_ms, now_ms())
+    }
+
+    /// Fails the expired leases of every served partition.
+    pub fn expire_leases(self: &Arc<Self>) {
+        let now = now_ms();
+        for queue in self.queues.values() {
+            for (partition, buffer) in queue.served() {
+                let failures = match buffer.lock() {
+                    Ok(mut buffer) => buffer.expire(now),
+                    Err(_) => continue,
+                };
+                for failure in failures {
+                    if let Failure::Retry { offset, .. } = &failure {
+                        tracing::info!(queue = %queue.decl.name, partition, offset, "lease expired; the job will run again");
+                    }
+                    self.metrics.expired.with_label_values(&[&queue.decl.name]).inc();
+                    self.handle_failure(queue, partition, failure);
+                }
+            }
+        }
+    }
+
+    fn handle_failure(self: &Arc<Self>, queue: &Arc<QueueRuntime>, partition: i32, failure: Failure) {
+        match failure {
+            Failure::Retry { .. } => queue.changed.notify_waiters(),
+            Failure::Dead { offset, attempts, error, job } => {
+                tracing::warn!(queue = %queue.decl.name, partition, offset, attempts, %error, job = %job.id, "job is dead");
+                let dead = DeadJob { queue: queue.decl.name.clone(), partition, offset, attempts, error, job };
+                let broker = self.clone();
+                let queue = queue.clone();
+                tokio::spawn(async move { broker.publish_dead(&queue, partition, dead).await });
+            }
+        }
+    }
+
+    /// Writes a dead job to the dead topic (retrying until it is acknowledged), then
+    /// finishes it so the watermark can pass it.
+    async fn publish_dead(&self, queue: &QueueRuntime, partition: i32, dead: DeadJob) {
+        let Ok(payload) = serde_json::to_vec(&dead) else { return };
+        loop {
+            let record = FutureRecord::to(&queue.dead_topic).key(&dead.job.id).payload(&payload);
+            match self.dead_producer.send(record, Duration::from_secs(10)).await {
+                Ok(_) => break,
+                Err((err, _)) => {
+                    tracing::warn!(error = %err, queue = %queue.decl.name, "writing a dead job; retrying");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+        if let Some(buffer) = queue.partition(partition) {
+            if let Ok(mut buffer) = buffer.lock() {
+                buffer.finish_dead(dead.offset);
+            }
+        }
+        queue.dead.fetch_add(1, Ordering::Relaxed);
+        self.metrics.dead.with_label_values(&[&queue.decl.name]).inc();
+    }
+
+    /// The stats of a queue as this broker sees it.
+    pub fn stats(&self, queue: &QueueRuntime) -> QueueStats {
+        let now = now_ms();
+        let served: BTreeMap<i32, _> = queue.served().into_iter().collect();
+        let lag = queue.lag.lock().map(|l| l.clone()).unwrap_or_default();
+        let owners = queue.owners.lock().map(|o| o.clone()).unwrap_or_default();
+        let mut stats = QueueStats {
+            queue: queue.decl.name.clone(),
+            dead: queue.dead.load(Ordering::Relaxed),
+            rate: self.rate(queue, now),
+            rate_limit_per_sec: queue.decl.rate_limit_per_sec,
+            fifo: queue.decl.fifo,
+            ..Default::default()
+        };
+        for partition in 0..queue.decl.partitions {
+            let mut info = PartitionInfo { partition, owner: owners.get(&partition).cloned(), ..Default::default() };
+            if let Some(buffer) = served.get(&partition) {
+                if let Ok(buffer) = buffer.lock() {
+                    let s = buffer.stats(now);
+                    info = PartitionInfo { ready: s.ready, delayed: s.delayed, in_flight: s.in_flight, ..info };
+                }
+                info.owned_here = true;
+                info.lag = lag.get(&partition).copied().unwrap_or(0);
+                stats.depth += (info.ready + info.delayed) as i64 + info.lag;
+                stats.in_flight += info.in_flight;
+                stats.delayed += info.delayed;
+            }
+            stats.partitions.push(info);
+        }
+        stats
+    }
+
+    /// Jobs handed out per second since the last call (at least a second apart).
+    fn rate(&self, queue: &QueueRuntime, now: i64) -> f64 {
+        let handed = queue.handed.load(Ordering::Relaxed);
+        let Ok(mut window) = queue.rate_window.lock() else { return 0.0 };
+        let (since, count, rate) = *window;
+        if now - since >= 1_000 {
+            let fresh = (handed - count) as f64 * 1_000.0 / (now - since) as f64;
+            *window = (now, handed, fresh);
+            return fresh;
+        }
+        rate
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lease_tokens_name_their_broker() {
+        let token = encode_lease(3, 42, "abc");
+        assert_eq!(decode_lease(&token, "abc"), Some((3, 42)));
+        assert_eq!(decode_lease(&token, "xyz"), None);
+        assert_eq!(decode_lease("junk", "abc"), None);
+        assert_eq!(decode_lease("1.x.abc", "abc"), None);
+    }
+}

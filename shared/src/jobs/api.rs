@@ -1,0 +1,120 @@
+//! The HTTP API of a dequeue broker (SPEC §6), as types shared by `tally-broker`,
+//! the worker library and the CLI.
+
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+
+/// Longest long poll a dequeue may ask for.
+pub const MAX_WAIT_MS: u64 = 30_000;
+/// Most jobs one dequeue hands out.
+pub const MAX_DEQUEUE: usize = 1_000;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DequeueRequest {
+    #[serde(default = "default_max")]
+    pub max: usize,
+    /// Lease length; the queue's `lease_ms` when absent.
+    #[serde(default)]
+    pub lease_ms: Option<i64>,
+    /// Long-poll up to this long when nothing is ready.
+    #[serde(default)]
+    pub wait_ms: u64,
+}
+
+fn default_max() -> usize {
+    10
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DequeuedJob {
+    pub id: String,
+    pub payload: Box<RawValue>,
+    /// 1 for the first try.
+    pub attempt: u32,
+    /// Ack, nack or extend with this.
+    pub lease: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// When the lease ends unless extended (ms since the epoch).
+    pub lease_deadline: i64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DequeueResponse {
+    pub jobs: Vec<DequeuedJob>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AckRequest {
+    pub leases: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AckResponse {
+    pub acked: usize,
+    /// Leases this broker does not know (expired, already acked, or from another broker).
+    pub unknown: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NackRequest {
+    pub lease: String,
+    /// Retry after this long; the queue's backoff when absent.
+    #[serde(default)]
+    pub retry_in_ms: Option<i64>,
+    #[serde(default)]
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExtendRequest {
+    pub lease: String,
+    pub lease_ms: i64,
+}
+
+/// One partition in the stats.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartitionInfo {
+    pub partition: i32,
+    /// The broker that serves it (`host:port`), from the shared membership.
+    pub owner: Option<String>,
+    /// Counts below are known for the partitions the answering broker owns.
+    pub owned_here: bool,
+    pub ready: usize,
+    pub delayed: usize,
+    pub in_flight: usize,
+    /// Records in the topic not yet fetched.
+    pub lag: i64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct QueueStats {
+    pub queue: String,
+    /// Jobs waiting: ready and delayed in memory, plus not yet fetched.
+    pub depth: i64,
+    pub in_flight: usize,
+    pub delayed: usize,
+    /// Jobs sent to the dead topic by this broker since it started.
+    pub dead: u64,
+    /// Dequeues per second handed out by this broker, recently.
+    pub rate: f64,
+    pub rate_limit_per_sec: Option<u32>,
+    pub fifo: bool,
+    pub partitions: Vec<PartitionInfo>,
+}
+
+/// A dequeue broker's heartbeat on the queue-brokers topic.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BrokerHeartbeat {
+    pub instance: String,
+    /// `host:port` of its worker API.
+    pub addr: String,
+    pub at_ms: i64,
+    /// Sent once on a clean stop: hand its partitions over at once.
+    #[serde(default)]
+    pub leaving: bool,
+}

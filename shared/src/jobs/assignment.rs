@@ -1,0 +1,81 @@
+//! Which dequeue broker owns which queue partition: rendezvous hashing over the live
+//! brokers. Every broker computes the same answer from the same membership, so a
+//! worker can ask any of them, and when a broker joins or leaves only the partitions
+//! it wins or held move.
+
+use std::collections::BTreeMap;
+
+/// A live broker: its instance id and where workers reach it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Member {
+    pub instance: String,
+    pub addr: String,
+}
+
+fn score(instance: &str, queue: &str, partition: i32) -> u64 {
+    // FNV-1a over the three parts, then a final mix: stable across builds.
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for bytes in [instance.as_bytes(), &[0], queue.as_bytes(), &[0], &partition.to_be_bytes()] {
+        for &b in bytes {
+            hash ^= u64::from(b);
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    hash ^= hash >> 33;
+    hash = hash.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    hash ^ (hash >> 33)
+}
+
+/// The owner of `queue`'s `partition` among `members` (none when there are none).
+pub fn owner<'a>(members: &'a [Member], queue: &str, partition: i32) -> Option<&'a Member> {
+    members.iter().max_by_key(|m| (score(&m.instance, queue, partition), &m.instance))
+}
+
+/// Every partition of every queue (`queue` → partition count) `instance` owns.
+pub fn owned_by(members: &[Member], queues: &BTreeMap<String, i32>, instance: &str) -> Vec<(String, i32)> {
+    queues
+        .iter()
+        .flat_map(|(queue, &partitions)| (0..partitions).map(move |p| (queue.clone(), p)))
+        .filter(|(queue, p)| owner(members, queue, *p).is_some_and(|m| m.instance == instance))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn members(n: usize) -> Vec<Member> {
+        (0..n).map(|i| Member { instance: format!("b{i}"), addr: format!("h:{i}") }).collect()
+    }
+
+    proptest! {
+        /// Every partition has exactly one owner; removing a broker moves only the
+        /// partitions it owned.
+        #[test]
+        fn one_owner_and_minimal_moves(n in 1usize..6, gone in 0usize..6, partitions in 1i32..40) {
+            let all = members(n);
+            let queues = BTreeMap::from([("q".to_string(), partitions)]);
+            let total: usize = all.iter().map(|m| owned_by(&all, &queues, &m.instance).len()).sum();
+            prop_assert_eq!(total, partitions as usize);
+            let gone = gone % n;
+            let rest: Vec<Member> = all.iter().enumerate().filter(|(i, _)| *i != gone).map(|(_, m)| m.clone()).collect();
+            for p in 0..partitions {
+                let before = owner(&all, "q", p).unwrap();
+                if before.instance != all[gone].instance {
+                    prop_assert_eq!(owner(&rest, "q", p), Some(before));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn partitions_spread_over_brokers() {
+        let all = members(2);
+        let queues = BTreeMap::from([("jobs".to_string(), 16)]);
+        let first = owned_by(&all, &queues, "b0").len();
+        assert!((3..=13).contains(&first), "{first} of 16 on b0");
+        assert!(owner(&[], "jobs", 0).is_none());
+    }
+}

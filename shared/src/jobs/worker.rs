@@ -1,0 +1,259 @@
+//! The worker library: dequeues a queue's jobs from the brokers that own its
+//! partitions, runs a handler on each with bounded concurrency, extends the lease
+//! while a job runs, and acks or nacks it.
+//!
+//! Any broker knows every partition's owner, so the worker starts from any broker
+//! URL and refreshes the owners every few seconds (and at once when a broker stops
+//! answering): when a partition moves, its jobs come from the new owner.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use super::api::{AckRequest, DequeueRequest, DequeueResponse, DequeuedJob, ExtendRequest, NackRequest, QueueStats};
+use crate::{Error, Result};
+
+/// How a worker runs a queue.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    /// Base URLs of any brokers (`http://host:port`).
+    pub brokers: Vec<String>,
+    pub queue: String,
+    /// Jobs run at once.
+    pub concurrency: usize,
+    /// Lease asked for each job; the queue's default when `None`.
+    pub lease_ms: Option<i64>,
+    pub auth_token: Option<String>,
+}
+
+/// What a handler says about a job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Ack,
+    /// Failed: run again after `in_ms` (the queue's backoff when `None`).
+    Retry {
+        in_ms: Option<i64>,
+        error: String,
+    },
+}
+
+/// Counts of what a worker did.
+#[derive(Debug, Default)]
+pub struct WorkerCounts {
+    pub acked: AtomicU64,
+    pub nacked: AtomicU64,
+    /// Acks or nacks the broker refused (the lease had expired or moved).
+    pub lost_leases: AtomicU64,
+}
+
+/// Calls the broker API of one queue.
+#[derive(Clone)]
+pub struct BrokerClient {
+    http: reqwest::Client,
+    queue: String,
+    auth_token: Option<String>,
+}
+
+fn http_error(err: reqwest::Error) -> Error {
+    Error::Worker(err.to_string())
+}
+
+impl BrokerClient {
+    pub fn new(queue: &str, auth_token: Option<String>) -> Result<Self> {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(40))
+            .pool_max_idle_per_host(64)
+            .build()
+            .map_err(http_error)?;
+        Ok(Self { http, queue: queue.to_string(), auth_token })
+    }
+
+    async fn post<T: Serialize, R: DeserializeOwned>(&self, base: &str, action: &str, body: &T) -> Result<R> {
+        let url = format!("{base}/v1/queues/{}/{action}", self.queue);
+        let mut request = self.http.post(&url).json(body);
+        if let Some(token) = &self.auth_token {
+            request = request.bearer_auth(token);
+        }
+        let response = request.send().await.map_err(http_error)?;
+        let status = response.status();
+        if !status.is_success() {
+            let text = response.text().await.unwrap_or_default();
+            return Err(Error::Worker(format!("{url}: {status} {text}")));
+        }
+        response.json().await.map_err(http_error)
+    }
+
+    /// The queue's stats from `base` (with every partition's owner).
+    pub async fn stats(&self, base: &str) -> Result<QueueStats> {
+        let url = format!("{base}/v1/queues/{}", self.queue);
+        let mut request = self.http.get(&url);
+        if let Some(token) = &self.auth_token {
+            request = request.bearer_auth(token);
+        }
+        let response = request.send().await.map_err(http_error)?;
+        if !response.status().is_success() {
+            return Err(Error::Worker(format!("{url}: {}", response.status())));
+        }
+        response.json().await.map_err(http_error)
+    }
+
+    /// The base URLs of the brokers that own the queue's partitions, asking the
+    /// seeds in turn.
+    pub async fn owners(&self, seeds: &[String]) -> Vec<String> {
+        for seed in seeds {
+            if let Ok(stats) = self.stats(seed).await {
+                let mut owners: Vec<String> = stats
+                    .partitions
+                    .iter()
+                    .filter_map(|p| p.owner.as_ref())
+                    .map(|addr| format!("http://{addr}"))
+                    .collect();
+                owners.sort();
+                owners.dedup();
+                return owners;
+            }
+        }
+        Vec::new()
+    }
+
+    pub async fn dequeue(
+        &self,
+        base: &str,
+        max: usize,
+        lease_ms: Option<i64>,
+        wait_ms: u64,
+    ) -> Result<Vec<DequeuedJob>> {
+        let response: DequeueResponse = self.post(base, "dequeue", &DequeueRequest { max, lease_ms, wait_ms }).await?;
+        Ok(response.jobs)
+    }
+
+    /// Acks; `Ok(false)` when the broker no longer knew the lease.
+    pub async fn ack(&self, base: &str, lease: &str) -> Result<bool> {
+        let response: super::api::AckResponse =
+            self.post(base, "ack", &AckRequest { leases: vec![lease.to_string()] }).await?;
+        Ok(response.unknown.is_empty())
+    }
+
+    pub async fn nack(&self, base: &str, lease: &str, retry_in_ms: Option<i64>, error: &str) -> Result<()> {
+        let request = NackRequest { lease: lease.to_string(), retry_in_ms, error: Some(error.to_string()) };
+        let _: serde_json::Value = self.post(base, "nack", &request).await?;
+        Ok(())
+    }
+
+    pub async fn extend(&self, base: &str, lease: &str, lease_ms: i64) -> Result<()> {
+        let _: serde_json::Value =
+            self.post(base, "extend", &ExtendRequest { lease: lease.to_string(), lease_ms }).await?;
+        Ok(())
+    }
+}
+
+/// Runs `handler` on the queue's jobs until `shutdown`; jobs in hand finish first.
+pub async fn run<H, F>(options: WorkerOptions, handler: H, shutdown: CancellationToken) -> Result<Arc<WorkerCounts>>
+where
+    H: Fn(DequeuedJob) -> F + Send + Sync + 'static,
+    F: Future<Output = Outcome> + Send + 'static,
+{
+    let client = BrokerClient::new(&options.queue, options.auth_token.clone())?;
+    let handler = Arc::new(handler);
+    let counts = Arc::new(WorkerCounts::default());
+    let concurrency = options.concurrency.max(1);
+    let slots = Arc::new(Semaphore::new(concurrency));
+    let mut owners: Vec<String> = Vec::new();
+    let mut refreshed: Option<Instant> = None;
+    let mut next = 0usize;
+    while !shutdown.is_cancelled() {
+        if owners.is_empty() || refreshed.is_none_or(|at| at.elapsed() > Duration::from_secs(2)) {
+            owners = client.owners(&options.brokers).await;
+            refreshed = Some(Instant::now());
+            if owners.is_empty() {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(Duration::from_millis(200)) => continue,
+                }
+            }
+        }
+        let base = owners[next % owners.len()].clone();
+        next += 1;
+        // Wait for a free slot, then ask for as many jobs as there are free slots.
+        let Ok(first) = slots.clone().acquire_owned().await else { break };
+        let free = 1 + slots.available_permits();
+        let wait_ms = if owners.len() > 1 { 100 } else { 1_000 };
+        let jobs = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            jobs = client.dequeue(&base, free, options.lease_ms, wait_ms) => jobs,
+        };
+        let jobs = match jobs {
+            Ok(jobs) => jobs,
+            Err(err) => {
+                tracing::debug!(broker = %base, error = %err, "dequeue failed; refreshing the owners");
+                refreshed = None;
+                drop(first);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let mut first = Some(first);
+        for job in jobs {
+            let permit = match first.take() {
+                Some(permit) => permit,
+                None => match slots.clone().acquire_owned().await {
+                    Ok(permit) => permit,
+                    Err(_) => break,
+                },
+            };
+            let (client, handler, counts, base) = (client.clone(), handler.clone(), counts.clone(), base.clone());
+            tokio::spawn(async move {
+                run_one(&client, &base, job, handler.as_ref(), &counts).await;
+                drop(permit);
+            });
+        }
+    }
+    // Let the jobs in hand finish.
+    let _ = slots.acquire_many(concurrency as u32).await;
+    Ok(counts)
+}
+
+async fn run_one<H, F>(client: &BrokerClient, base: &str, job: DequeuedJob, handler: &H, counts: &WorkerCounts)
+where
+    H: Fn(DequeuedJob) -> F,
+    F: Future<Output = Outcome>,
+{
+    let lease = job.lease.clone();
+    let lease_ms = (job.lease_deadline - crate::kafka::now_ms()).max(1_000);
+    let work = handler(job);
+    tokio::pin!(work);
+    // Extend at half the lease while the handler runs.
+    let outcome = loop {
+        tokio::select! {
+            outcome = &mut work => break outcome,
+            _ = tokio::time::sleep(Duration::from_millis(lease_ms as u64 / 2)) => {
+                if let Err(err) = client.extend(base, &lease, lease_ms).await {
+                    tracing::warn!(error = %err, "extending a lease");
+                }
+            }
+        }
+    };
+    let settled = match &outcome {
+        Outcome::Ack => client.ack(base, &lease).await.map(|known| {
+            counts.acked.fetch_add(1, Ordering::Relaxed);
+            known
+        }),
+        Outcome::Retry { in_ms, error } => client.nack(base, &lease, *in_ms, error).await.map(|()| {
+            counts.nacked.fetch_add(1, Ordering::Relaxed);
+            true
+        }),
+    };
+    match settled {
+        Ok(true) => {}
+        Ok(false) | Err(_) => {
+            counts.lost_leases.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(lease, "the broker no longer holds this lease; the job will run again");
+        }
+    }
+}
