@@ -127,6 +127,48 @@ impl Sandbox {
         self.children.insert(name, child);
     }
 
+    /// Applies more declarations (e.g. test queues) on top of the built-in ones and
+    /// returns the path of a file holding them all, for the brokers.
+    pub async fn declare(&self, extra: &str) -> PathBuf {
+        let text = format!("{}\n{extra}", tally_shared::topics::BUILTIN);
+        let decls = Declarations::parse(&text).expect("declarations parse");
+        topics::apply(&self.kafka, &decls).await.expect("topics apply");
+        let path = self.dir.path().join("topics.toml");
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    /// Starts a dequeue broker instance serving the queues declared in `declarations`;
+    /// returns its worker API URL.
+    pub fn spawn_broker(&mut self, name: &'static str, declarations: &std::path::Path) -> String {
+        let port = free_port().unwrap();
+        let env = [
+            ("TALLY__BROKER__LISTEN", format!("127.0.0.1:{port}")),
+            ("TALLY__BROKER__ADMIN_LISTEN", format!("127.0.0.1:{}", free_port().unwrap())),
+            ("TALLY__BROKER__DECLARATIONS", declarations.display().to_string()),
+            ("TALLY__BROKER__GROUP_ID", format!("{}broker", self.names.name(""))),
+            ("TALLY__BROKER__HEARTBEAT_MS", "500".to_string()),
+            ("TALLY__BROKER__MEMBER_TIMEOUT_MS", "3000".to_string()),
+        ];
+        self.spawn_instance(name, "tally-broker", &env);
+        format!("http://127.0.0.1:{port}")
+    }
+
+    /// Produces raw records to `topic` (keyed) and waits for every acknowledgement.
+    pub async fn produce_to(&self, topic: &str, records: &[(Option<String>, Vec<u8>)]) {
+        let producer: FutureProducer = producer_config(&self.kafka).unwrap().create().unwrap();
+        let sends = records.iter().map(|(key, payload)| {
+            let mut record = FutureRecord::to(topic).payload(payload);
+            if let Some(key) = key {
+                record = record.key(key);
+            }
+            producer.send(record, Duration::from_secs(30))
+        });
+        for result in futures::future::join_all(sends).await {
+            result.map_err(|(err, _)| err).expect("produce");
+        }
+    }
+
     /// A scratch directory of this sandbox (for an extra instance's data).
     pub fn path(&self, name: &str) -> String {
         self.dir.path().join(name).display().to_string()

@@ -51,6 +51,7 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
     let by_topic: HashMap<String, Arc<QueueRuntime>> =
         broker.queues.values().map(|q| (q.topic.clone(), q.clone())).collect();
     let settle = Duration::from_millis(config.broker.heartbeat_ms * 2);
+    let reporter = spawn_reporter(&config, broker.clone(), shutdown.clone())?;
 
     let mut pending: HashMap<Key, Instant> = HashMap::new();
     let mut paused: HashSet<Key> = HashSet::new();
@@ -111,11 +112,11 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
         if last_commit.elapsed() >= COMMIT_EVERY {
             last_commit = Instant::now();
             commit(&consumer, &broker, CommitMode::Async);
-            report(&consumer, &broker);
         }
     }
     commit(&consumer, &broker, CommitMode::Sync);
     let _ = letters.flush(Duration::from_secs(5));
+    let _ = reporter.join();
     Ok(())
 }
 
@@ -218,36 +219,42 @@ fn commit(consumer: &BaseConsumer, broker: &Broker, mode: CommitMode) {
     }
 }
 
-/// Lag per served partition, and the queue gauges.
-fn report(consumer: &BaseConsumer, broker: &Broker) {
-    for queue in broker.queues.values() {
-        let served: Vec<i32> = queue.partitions.lock().map(|p| p.keys().copied().collect()).unwrap_or_default();
-        let positions = consumer.position().ok();
-        let mut lag = HashMap::new();
-        for partition in served {
-            let position = positions.as_ref().and_then(|p| p.find_partition(&queue.topic, partition)).and_then(|e| {
-                match e.offset() {
-                    Offset::Offset(o) => Some(o),
-                    _ => None,
+/// Reports lag (high watermark minus what was fetched) and the queue gauges every
+/// second, on its own thread and client: broker round trips never hold up fetching.
+pub fn spawn_reporter(config: &TallyConfig, broker: Arc<Broker>, shutdown: CancellationToken) -> Result<std::thread::JoinHandle<()>> {
+    let client: BaseConsumer = client_config(&config.kafka)?.create()?;
+    let thread = std::thread::Builder::new().name("broker-report".into()).spawn(move || {
+        while !shutdown.is_cancelled() {
+            for queue in broker.queues.values() {
+                let served: Vec<(i32, i64)> = queue
+                    .partitions
+                    .lock()
+                    .map(|p| p.iter().map(|(k, b)| (*k, b.lock().map(|b| b.fetched_until()).unwrap_or(0))).collect())
+                    .unwrap_or_default();
+                let mut lag = HashMap::new();
+                for (partition, fetched) in served {
+                    if let Ok((_, high)) = client.fetch_watermarks(&queue.topic, partition, Duration::from_secs(2)) {
+                        lag.insert(partition, (high - fetched).max(0));
+                    }
                 }
-            });
-            if let (Some(position), Ok((_, high))) =
-                (position, consumer.fetch_watermarks(&queue.topic, partition, Duration::from_millis(500)))
-            {
-                lag.insert(partition, (high - position).max(0));
+                let total: i64 = lag.values().sum();
+                if let Ok(mut current) = queue.lag.lock() {
+                    *current = lag;
+                }
+                let name = &queue.decl.name;
+                let stats = broker.stats(queue);
+                broker.metrics.consumer_lag.with_label_values(&[name]).set(total);
+                broker.metrics.depth.with_label_values(&[name]).set(stats.depth);
+                broker.metrics.in_flight.with_label_values(&[name]).set(stats.in_flight as i64);
+                broker.metrics.delayed.with_label_values(&[name]).set(stats.delayed as i64);
+            }
+            let until = Instant::now() + Duration::from_secs(1);
+            while !shutdown.is_cancelled() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(50));
             }
         }
-        let total: i64 = lag.values().sum();
-        if let Ok(mut current) = queue.lag.lock() {
-            *current = lag;
-        }
-        let name = &queue.decl.name;
-        let stats = broker.stats(queue);
-        broker.metrics.consumer_lag.with_label_values(&[name]).set(total);
-        broker.metrics.depth.with_label_values(&[name]).set(stats.depth);
-        broker.metrics.in_flight.with_label_values(&[name]).set(stats.in_flight as i64);
-        broker.metrics.delayed.with_label_values(&[name]).set(stats.delayed as i64);
-    }
+    })?;
+    Ok(thread)
 }
 
 fn dead_letter(

@@ -244,6 +244,11 @@ impl PartitionQueue {
         self.entries.keys().next().copied().unwrap_or(self.next_offset)
     }
 
+    /// The next offset to fetch (everything below was pushed or skipped).
+    pub fn fetched_until(&self) -> i64 {
+        self.next_offset
+    }
+
     /// The earliest time a waiting job becomes ready (for long polls).
     pub fn next_ready_at(&self) -> Option<i64> {
         self.entries.values().filter(|e| e.state == State::Waiting).map(|e| e.ready_at).min()

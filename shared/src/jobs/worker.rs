@@ -41,6 +41,9 @@ pub enum Outcome {
         in_ms: Option<i64>,
         error: String,
     },
+    /// Neither: stop extending the lease and let it expire (what a crashed worker
+    /// does; the broker hands the job out again).
+    Abandon,
 }
 
 /// Counts of what a worker did.
@@ -248,6 +251,7 @@ where
             counts.nacked.fetch_add(1, Ordering::Relaxed);
             true
         }),
+        Outcome::Abandon => Ok(true),
     };
     match settled {
         Ok(true) => {}
