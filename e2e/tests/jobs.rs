@@ -86,7 +86,8 @@ async fn work_until<H, F>(
 async fn every_job_runs_at_least_once_with_nacks_timeouts_and_dead_jobs() {
     let mut sandbox = Sandbox::start().await;
     let declarations = sandbox.declare(QUEUES).await;
-    let brokers = vec![sandbox.spawn_broker("broker-a", &declarations), sandbox.spawn_broker("broker-b", &declarations)];
+    let brokers =
+        vec![sandbox.spawn_broker("broker-a", &declarations), sandbox.spawn_broker("broker-b", &declarations)];
 
     const JOBS: usize = 20_000;
     let mut records: Vec<(Option<String>, Vec<u8>)> =
@@ -119,8 +120,15 @@ async fn every_job_runs_at_least_once_with_nacks_timeouts_and_dead_jobs() {
     };
     let expected_done = (0..JOBS).filter(|n| !always_fails(*n)).count();
     let finished = done.clone();
-    work_until(brokers, "work", 64, handler, move || finished.lock().unwrap().len() >= expected_done, Duration::from_secs(240))
-        .await;
+    work_until(
+        brokers,
+        "work",
+        64,
+        handler,
+        move || finished.lock().unwrap().len() >= expected_done,
+        Duration::from_secs(240),
+    )
+    .await;
 
     let done = done.lock().unwrap();
     let missing: Vec<usize> = (0..JOBS).filter(|n| !always_fails(*n) && !done.contains_key(n)).take(10).collect();
@@ -150,7 +158,8 @@ async fn every_job_runs_at_least_once_with_nacks_timeouts_and_dead_jobs() {
 async fn delays_fifo_order_and_rate_limits_hold() {
     let mut sandbox = Sandbox::start().await;
     let declarations = sandbox.declare(QUEUES).await;
-    let brokers = vec![sandbox.spawn_broker("broker-a", &declarations), sandbox.spawn_broker("broker-b", &declarations)];
+    let brokers =
+        vec![sandbox.spawn_broker("broker-a", &declarations), sandbox.spawn_broker("broker-b", &declarations)];
 
     // Delayed jobs never run before run_at.
     let now = now_ms();
@@ -173,8 +182,15 @@ async fn delays_fifo_order_and_rate_limits_hold() {
         }
     };
     let seen_all = seen.clone();
-    work_until(brokers.clone(), "later", 16, handler, move || seen_all.lock().unwrap().len() >= 200, Duration::from_secs(60))
-        .await;
+    work_until(
+        brokers.clone(),
+        "later",
+        16,
+        handler,
+        move || seen_all.lock().unwrap().len() >= 200,
+        Duration::from_secs(60),
+    )
+    .await;
     assert_eq!(seen.lock().unwrap().len(), 200);
     assert!(early.lock().unwrap().is_empty(), "ran before run_at: {:?}", early.lock().unwrap());
 
@@ -183,7 +199,9 @@ async fn delays_fifo_order_and_rate_limits_hold() {
     let per_key = 40;
     let ordered: Vec<_> = (0..per_key)
         .flat_map(|seq| (0..keys).map(move |k| (k, seq)))
-        .map(|(k, seq)| job(&format!("o{k}-{seq}"), serde_json::json!({"key": k, "seq": seq}), None, Some(&format!("key{k}"))))
+        .map(|(k, seq)| {
+            job(&format!("o{k}-{seq}"), serde_json::json!({"key": k, "seq": seq}), None, Some(&format!("key{k}")))
+        })
         .collect();
     sandbox.produce_to(&sandbox.names.jobs("ordered"), &ordered).await;
     let violations: Arc<Mutex<Vec<String>>> = Arc::default();
@@ -231,8 +249,15 @@ async fn delays_fifo_order_and_rate_limits_hold() {
         }
     };
     let times_all = times.clone();
-    work_until(brokers, "limited", 64, handler, move || times_all.lock().unwrap().len() >= 1_500, Duration::from_secs(60))
-        .await;
+    work_until(
+        brokers,
+        "limited",
+        64,
+        handler,
+        move || times_all.lock().unwrap().len() >= 1_500,
+        Duration::from_secs(60),
+    )
+    .await;
     let times = times.lock().unwrap();
     assert_eq!(times.len(), 1_500);
     // Skip the first second (the buckets start full); measure the steady rate.
@@ -247,7 +272,8 @@ async fn delays_fifo_order_and_rate_limits_hold() {
 async fn a_broker_killed_mid_run_loses_no_job() {
     let mut sandbox = Sandbox::start().await;
     let declarations = sandbox.declare(QUEUES).await;
-    let brokers = vec![sandbox.spawn_broker("broker-a", &declarations), sandbox.spawn_broker("broker-b", &declarations)];
+    let brokers =
+        vec![sandbox.spawn_broker("broker-a", &declarations), sandbox.spawn_broker("broker-b", &declarations)];
     const JOBS: usize = 5_000;
     let records: Vec<_> = (0..JOBS).map(|i| job(&format!("k{i}"), serde_json::json!(i), None, None)).collect();
     sandbox.produce_to(&sandbox.names.jobs("work"), &records).await;
@@ -263,7 +289,13 @@ async fn a_broker_killed_mid_run_loses_no_job() {
         }
     };
     let shutdown = CancellationToken::new();
-    let options = WorkerOptions { brokers: brokers.clone(), queue: "work".into(), concurrency: 16, lease_ms: None, auth_token: None };
+    let options = WorkerOptions {
+        brokers: brokers.clone(),
+        queue: "work".into(),
+        concurrency: 16,
+        lease_ms: None,
+        auth_token: None,
+    };
     let running = tokio::spawn(worker::run(options, handler, shutdown.clone()));
     let deadline = Instant::now() + Duration::from_secs(60);
     while done.lock().unwrap().len() < JOBS / 3 && Instant::now() < deadline {
@@ -279,5 +311,41 @@ async fn a_broker_killed_mid_run_loses_no_job() {
     let _ = running.await;
     let done = done.lock().unwrap();
     let missing: Vec<usize> = (0..JOBS).filter(|n| !done.contains(n)).take(10).collect();
-    assert!(missing.is_empty(), "{} of {JOBS} done after the kill; missing e.g. {missing:?}\n{}", done.len(), sandbox.log("broker-b"));
+    assert!(
+        missing.is_empty(),
+        "{} of {JOBS} done after the kill; missing e.g. {missing:?}\n{}",
+        done.len(),
+        sandbox.log("broker-b")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_generic_worker_runs_jobs_with_a_command() {
+    let mut sandbox = Sandbox::start().await;
+    let declarations = sandbox.declare(QUEUES).await;
+    let broker = sandbox.spawn_broker("broker-a", &declarations);
+    let out = sandbox.path("ran");
+    std::fs::create_dir_all(&out).unwrap();
+    // Each job writes its payload to a file named after the job; job "c7" fails once.
+    let script = format!(
+        r#"if [ "$TALLY_JOB_ID" = c7 ] && [ "$TALLY_JOB_ATTEMPT" = 1 ]; then echo flaky >&2; exit 1; fi; cat > {out}/$TALLY_JOB_ID"#
+    );
+    let env = [
+        ("TALLY__WORKER__BROKERS", serde_json::json!([broker]).to_string()),
+        ("TALLY__WORKER__QUEUE", "work".to_string()),
+        ("TALLY__WORKER__COMMAND", serde_json::json!(["sh", "-c", script]).to_string()),
+        ("TALLY__WORKER__ADMIN_LISTEN", "127.0.0.1:0".to_string()),
+    ];
+    sandbox.spawn_instance("worker", "tally-worker", &env);
+    let records: Vec<_> = (0..50).map(|i| job(&format!("c{i}"), serde_json::json!({"n": i}), None, None)).collect();
+    sandbox.produce_to(&sandbox.names.jobs("work"), &records).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::fs::read_dir(&out).unwrap().count() < 50 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for i in 0..50 {
+        let written = std::fs::read_to_string(format!("{out}/c{i}"))
+            .unwrap_or_else(|_| panic!("job c{i} never ran\n{}", tail(&sandbox.log("worker"))));
+        assert_eq!(written, format!(r#"{{"n":{i}}}"#));
+    }
 }

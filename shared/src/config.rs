@@ -361,11 +361,16 @@ impl TallyConfig {
 }
 
 /// Environment values are typed like TOML scalars: `8` is a number, `true` a bool,
-/// anything else a string.
+/// a JSON array of strings (`["a","b"]`) a list, anything else a string.
 fn parse_env_value(value: &str) -> figment::value::Value {
     use figment::value::Value;
     if let Ok(n) = value.parse::<i64>() {
         return Value::from(n);
+    }
+    if value.trim_start().starts_with('[') {
+        if let Ok(list) = serde_json::from_str::<Vec<String>>(value) {
+            return Value::from(list);
+        }
     }
     match value {
         "true" => Value::from(true),
@@ -380,6 +385,20 @@ mod tests {
 
     fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn lists_come_from_json_arrays_in_the_environment() {
+        let config = TallyConfig::load_with_env(
+            None,
+            env(&[
+                ("TALLY__WORKER__BROKERS", r#"["http://a:1","http://b:2"]"#),
+                ("TALLY__WORKER__COMMAND", r#"["sh","-c","cat"]"#),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(config.worker.brokers, vec!["http://a:1".to_string(), "http://b:2".to_string()]);
+        assert_eq!(config.worker.command.unwrap(), vec!["sh", "-c", "cat"]);
     }
 
     #[test]

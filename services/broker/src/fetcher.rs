@@ -221,7 +221,11 @@ fn commit(consumer: &BaseConsumer, broker: &Broker, mode: CommitMode) {
 
 /// Reports lag (high watermark minus what was fetched) and the queue gauges every
 /// second, on its own thread and client: broker round trips never hold up fetching.
-pub fn spawn_reporter(config: &TallyConfig, broker: Arc<Broker>, shutdown: CancellationToken) -> Result<std::thread::JoinHandle<()>> {
+pub fn spawn_reporter(
+    config: &TallyConfig,
+    broker: Arc<Broker>,
+    shutdown: CancellationToken,
+) -> Result<std::thread::JoinHandle<()>> {
     let client: BaseConsumer = client_config(&config.kafka)?.create()?;
     let thread = std::thread::Builder::new().name("broker-report".into()).spawn(move || {
         while !shutdown.is_cancelled() {

@@ -1,0 +1,192 @@
+//! `tally-worker`: a generic worker for one queue (SPEC §6). Each job's payload is
+//! either POSTed to `worker.webhook_url` (a 2xx answer acks it; anything else, or no
+//! answer, retries it with the queue's backoff) or given on stdin to
+//! `worker.command` (exit status 0 acks; otherwise it retries with the command's
+//! stderr as the error). Dequeueing, concurrency, lease extension and acks come
+//! from the worker library in `tally_shared::jobs::worker`.
+
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus::{IntCounterVec, Opts, Registry};
+use tally_shared::config::{TallyConfig, WorkerConfig};
+use tally_shared::jobs::api::DequeuedJob;
+use tally_shared::jobs::worker::{self, Outcome, WorkerOptions};
+use tally_shared::telemetry::{register, serve_admin, Readiness};
+use tokio::io::AsyncWriteExt;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Shared(#[from] tally_shared::Error),
+    #[error("worker config: {0}")]
+    Config(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// How a job is run.
+#[derive(Debug, Clone)]
+pub enum Handler {
+    Webhook { client: reqwest::Client, url: String },
+    Command { program: Vec<String> },
+}
+
+impl Handler {
+    pub fn from_config(config: &WorkerConfig) -> Result<Self> {
+        match (&config.webhook_url, &config.command) {
+            (Some(url), None) => {
+                let client = reqwest::Client::builder()
+                    .timeout(Duration::from_secs(300))
+                    .build()
+                    .map_err(|err| Error::Config(err.to_string()))?;
+                Ok(Handler::Webhook { client, url: url.clone() })
+            }
+            (None, Some(program)) if !program.is_empty() => Ok(Handler::Command { program: program.clone() }),
+            _ => Err(Error::Config("set exactly one of worker.webhook_url and worker.command".into())),
+        }
+    }
+
+    /// Runs one job.
+    pub async fn run(&self, job: &DequeuedJob) -> Outcome {
+        match self {
+            Handler::Webhook { client, url } => {
+                let request = client
+                    .post(url)
+                    .header("content-type", "application/json")
+                    .header("x-tally-job-id", &job.id)
+                    .header("x-tally-attempt", job.attempt.to_string())
+                    .body(job.payload.get().to_string());
+                match request.send().await {
+                    Ok(response) if response.status().is_success() => Outcome::Ack,
+                    Ok(response) => {
+                        Outcome::Retry { in_ms: None, error: format!("webhook answered {}", response.status()) }
+                    }
+                    Err(err) => Outcome::Retry { in_ms: None, error: format!("webhook: {err}") },
+                }
+            }
+            Handler::Command { program } => run_command(program, job).await,
+        }
+    }
+}
+
+async fn run_command(program: &[String], job: &DequeuedJob) -> Outcome {
+    let spawned = tokio::process::Command::new(&program[0])
+        .args(&program[1..])
+        .env("TALLY_JOB_ID", &job.id)
+        .env("TALLY_JOB_ATTEMPT", job.attempt.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn();
+    let mut child = match spawned {
+        Ok(child) => child,
+        Err(err) => return Outcome::Retry { in_ms: None, error: format!("starting {}: {err}", program[0]) },
+    };
+    if let Some(mut stdin) = child.stdin.take() {
+        let _ = stdin.write_all(job.payload.get().as_bytes()).await;
+    }
+    match child.wait_with_output().await {
+        Ok(output) if output.status.success() => Outcome::Ack,
+        Ok(output) => {
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            let error: String = stderr.trim().chars().take(500).collect();
+            Outcome::Retry { in_ms: None, error: format!("{} ({})", error, output.status) }
+        }
+        Err(err) => Outcome::Retry { in_ms: None, error: err.to_string() },
+    }
+}
+
+/// Runs the worker until `shutdown`; jobs in hand finish first.
+pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()> {
+    let handler = Arc::new(Handler::from_config(&config.worker)?);
+    let registry = Registry::new();
+    let outcomes = register(
+        &registry,
+        IntCounterVec::new(Opts::new("tally_worker_jobs_total", "Jobs run, by outcome"), &["outcome"])
+            .expect("valid metric"),
+    );
+    let readiness = Readiness::default();
+    let admin = serve_admin(&config.worker.admin_listen, registry, readiness.clone(), shutdown.clone())
+        .await
+        .map_err(Error::Shared)?;
+    let options = WorkerOptions {
+        brokers: config.worker.brokers.clone(),
+        queue: config.worker.queue.clone(),
+        concurrency: config.worker.concurrency,
+        lease_ms: (config.worker.lease_ms > 0).then_some(config.worker.lease_ms),
+        auth_token: config.worker.auth_token.clone(),
+    };
+    tracing::info!(queue = %options.queue, brokers = ?options.brokers, concurrency = options.concurrency, admin = %admin, "tally-worker starting");
+    readiness.set(true);
+    let job_handler = move |job: DequeuedJob| {
+        let (handler, outcomes) = (handler.clone(), outcomes.clone());
+        async move {
+            let outcome = handler.run(&job).await;
+            let label = match &outcome {
+                Outcome::Ack => "ack",
+                Outcome::Retry { error, .. } => {
+                    tracing::info!(job = %job.id, attempt = job.attempt, %error, "job failed; it will be retried");
+                    "retry"
+                }
+                Outcome::Abandon => "abandon",
+            };
+            outcomes.with_label_values(&[label]).inc();
+            outcome
+        }
+    };
+    worker::run(options, job_handler, shutdown).await?;
+    tracing::info!("tally-worker stopped");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(payload: &str) -> DequeuedJob {
+        DequeuedJob {
+            id: "j1".into(),
+            payload: serde_json::value::RawValue::from_string(payload.into()).unwrap(),
+            attempt: 2,
+            lease: "0.1.x".into(),
+            key: None,
+            lease_deadline: 0,
+        }
+    }
+
+    #[tokio::test]
+    async fn commands_ack_on_exit_zero_and_retry_with_stderr_otherwise() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("seen");
+        let ok = Handler::Command {
+            program: vec![
+                "sh".into(),
+                "-c".into(),
+                format!("cat > {}; echo $TALLY_JOB_ATTEMPT >> {}", out.display(), out.display()),
+            ],
+        };
+        assert_eq!(ok.run(&job(r#"{"to":"a@b"}"#)).await, Outcome::Ack);
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), "{\"to\":\"a@b\"}2\n");
+        let failing = Handler::Command { program: vec!["sh".into(), "-c".into(), "echo nope >&2; exit 3".into()] };
+        match failing.run(&job("1")).await {
+            Outcome::Retry { error, .. } => assert!(error.contains("nope"), "{error}"),
+            other => panic!("{other:?}"),
+        }
+        let missing = Handler::Command { program: vec!["/no/such/program".into()] };
+        assert!(matches!(missing.run(&job("1")).await, Outcome::Retry { .. }));
+    }
+
+    #[test]
+    fn exactly_one_way_to_run_jobs() {
+        let mut config = WorkerConfig::default();
+        assert!(Handler::from_config(&config).is_err());
+        config.command = Some(vec!["true".into()]);
+        assert!(Handler::from_config(&config).is_ok());
+        config.webhook_url = Some("http://x".into());
+        assert!(Handler::from_config(&config).is_err());
+    }
+}
