@@ -169,6 +169,18 @@ impl Sandbox {
         }
     }
 
+    /// Runs the `tally` command line with the sandbox's settings; its success and output.
+    pub fn cli(&self, args: &[&str]) -> (bool, String) {
+        let output = Command::new(bin_dir().join("tally"))
+            .args(args)
+            .envs(self.env.iter().cloned())
+            .env_remove("TALLY_CONFIG")
+            .output()
+            .expect("running tally");
+        let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        (output.status.success(), text)
+    }
+
     /// A scratch directory of this sandbox (for an extra instance's data).
     pub fn path(&self, name: &str) -> String {
         self.dir.path().join(name).display().to_string()

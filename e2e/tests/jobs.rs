@@ -349,3 +349,71 @@ async fn the_generic_worker_runs_jobs_with_a_command() {
         assert_eq!(written, format!(r#"{{"n":{i}}}"#));
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_enqueues_shows_stats_and_requeues_dead_jobs() {
+    let mut sandbox = Sandbox::start().await;
+    let declarations = sandbox.declare(QUEUES).await;
+    let broker = sandbox.spawn_broker("broker-a", &declarations);
+    for i in 0..3 {
+        let (ok, out) = sandbox.cli(&[
+            "jobs",
+            "enqueue",
+            "work",
+            &format!(r#"{{"n":{i}}}"#),
+            "--id",
+            &format!("cli{i}"),
+            "--key",
+            "k",
+        ]);
+        assert!(ok, "{out}");
+    }
+    let (ok, out) = sandbox.cli(&["jobs", "enqueue", "work", "not json"]);
+    assert!(!ok && out.contains("JSON"), "{out}");
+
+    // Every attempt fails: after 3 attempts each job is dead.
+    let failures: Arc<Mutex<usize>> = Arc::default();
+    let counted = failures.clone();
+    let handler = move |_job: DequeuedJob| {
+        let failures = counted.clone();
+        async move {
+            *failures.lock().unwrap() += 1;
+            Outcome::Retry { in_ms: Some(10), error: "no luck".into() }
+        }
+    };
+    let seen = failures.clone();
+    work_until(vec![broker.clone()], "work", 4, handler, move || *seen.lock().unwrap() >= 9, Duration::from_secs(60))
+        .await;
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut listed = String::new();
+    while Instant::now() < deadline {
+        let (ok, out) = sandbox.cli(&["jobs", "dead", "work"]);
+        assert!(ok, "{out}");
+        listed = out;
+        if listed.contains("3 dead jobs") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(listed.contains("3 dead jobs") && listed.contains("no luck"), "{listed}");
+    let (ok, out) = sandbox.cli(&["jobs", "stats", "work", "--broker", &broker]);
+    assert!(ok && out.contains("work"), "{out}");
+    let (ok, out) = sandbox.cli(&["jobs", "dead", "work", "--requeue"]);
+    assert!(ok && out.contains("requeued 3"), "{out}");
+
+    // The requeued jobs run again.
+    let ran: Arc<Mutex<HashSet<String>>> = Arc::default();
+    let ran_h = ran.clone();
+    let handler = move |job: DequeuedJob| {
+        let ran = ran_h.clone();
+        async move {
+            ran.lock().unwrap().insert(job.id);
+            Outcome::Ack
+        }
+    };
+    let ran_all = ran.clone();
+    work_until(vec![broker], "work", 4, handler, move || ran_all.lock().unwrap().len() >= 3, Duration::from_secs(30))
+        .await;
+    assert_eq!(ran.lock().unwrap().len(), 3);
+}

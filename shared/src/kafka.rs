@@ -140,3 +140,38 @@ pub async fn wait_for_topic(kafka: &KafkaConfig, topic: &str, timeout: Duration)
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
 }
+
+/// Every record of `topic` up to its end when called (all partitions, from the
+/// beginning): for tools that list a topic, like `tally jobs dead`.
+pub fn read_to_end(kafka: &KafkaConfig, topic: &str, timeout: Duration) -> Result<Vec<Vec<u8>>> {
+    use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+    use rdkafka::Message;
+    let mut config = client_config(kafka)?;
+    config.set("group.id", "tally-reader").set("enable.auto.commit", "false");
+    let consumer: BaseConsumer = config.create()?;
+    let partitions = partition_count(&consumer, topic, timeout)?;
+    let mut assignment = TopicPartitionList::new();
+    let mut remaining = std::collections::HashMap::new();
+    for partition in 0..partitions as i32 {
+        let (low, high) = consumer.fetch_watermarks(topic, partition, timeout)?;
+        if high > low {
+            remaining.insert(partition, high);
+            assignment.add_partition_offset(topic, partition, Offset::Beginning)?;
+        }
+    }
+    let mut records = Vec::new();
+    if remaining.is_empty() {
+        return Ok(records);
+    }
+    consumer.assign(&assignment)?;
+    let deadline = std::time::Instant::now() + timeout;
+    while !remaining.is_empty() && std::time::Instant::now() < deadline {
+        if let Some(Ok(message)) = consumer.poll(Duration::from_millis(200)) {
+            records.push(message.payload().unwrap_or_default().to_vec());
+            if remaining.get(&message.partition()).is_some_and(|high| message.offset() + 1 >= *high) {
+                remaining.remove(&message.partition());
+            }
+        }
+    }
+    Ok(records)
+}

@@ -1,6 +1,7 @@
 //! `tally`, the command line: `up` runs the whole pipeline on one machine; the other
 //! subcommands apply topics, produce test input, read counters and run benchmarks.
 
+pub mod jobs;
 pub mod up;
 
 use std::path::PathBuf;
@@ -43,6 +44,11 @@ enum Command {
     Query(QueryArgs),
     /// List an entity's neighbours in the graph through tally-query.
     Graph(GraphArgs),
+    /// Job queues: enqueue, stats, dead jobs.
+    Jobs {
+        #[command(subcommand)]
+        command: jobs::JobsCommand,
+    },
     /// Run a benchmark and print its figures.
     Bench {
         #[command(subcommand)]
@@ -201,6 +207,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 .await
         }
         Command::Graph(args) => graph(&config, args).await,
+        Command::Jobs { command } => jobs::run(&config, command).await,
         Command::Query(args) => query(&config, args).await,
         Command::Bench {
             command:

@@ -26,7 +26,7 @@ pub struct UpArgs {
     pub kafka_port: u16,
 }
 
-const SERVICES: [&str; 4] = ["tally-ingester", "tally-counter", "tally-graph", "tally-query"];
+const SERVICES: [&str; 5] = ["tally-ingester", "tally-counter", "tally-graph", "tally-query", "tally-broker"];
 
 pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: UpArgs) -> anyhow::Result<()> {
     let shutdown = tally_shared::shutdown::on_signals();
@@ -82,9 +82,10 @@ pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: Up
     let bin_dir = std::env::current_exe()?.parent().map(Path::to_path_buf).context("locating the service binaries")?;
 
     println!("tally: read API and dashboard  http://{}/", config.query.listen);
+    println!("tally: job queues (dequeue brokers)  http://{}/v1/queues", config.broker.listen);
     println!(
-        "tally: metrics  ingester http://{}/metrics  counter http://{}/metrics  graph http://{}/metrics  query http://{}/metrics",
-        config.ingester.admin_listen, config.counter.admin_listen, config.graph.admin_listen, config.query.admin_listen
+        "tally: metrics  ingester http://{}/metrics  counter http://{}/metrics  graph http://{}/metrics  query http://{}/metrics  broker http://{}/metrics",
+        config.ingester.admin_listen, config.counter.admin_listen, config.graph.admin_listen, config.query.admin_listen, config.broker.admin_listen
     );
     println!("tally: try  tally produce increment answer:42 views;  tally produce edge add answer:42 user:7;  tally query user:7 views   (Ctrl-C stops everything)");
 

@@ -1,0 +1,137 @@
+//! `tally jobs`: enqueue a job, show queue stats, list or requeue dead jobs.
+
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use tally_shared::config::TallyConfig;
+use tally_shared::jobs::api::QueueStats;
+use tally_shared::jobs::{DeadJob, Job};
+use tally_shared::kafka::{producer_config, read_to_end, TopicNames};
+
+#[derive(clap::Subcommand)]
+pub enum JobsCommand {
+    /// Enqueue one job: `tally jobs enqueue emails '{"to":"a@b"}'`.
+    Enqueue {
+        queue: String,
+        /// The payload, any JSON.
+        payload: String,
+        /// Job id (default: a random one).
+        #[arg(long)]
+        id: Option<String>,
+        /// Not before this time, ms since the epoch.
+        #[arg(long)]
+        run_at: Option<i64>,
+        /// Ordering key (FIFO queues run one job of a key at a time).
+        #[arg(long)]
+        key: Option<String>,
+    },
+    /// Depth, in flight, delayed, dead, rate and owners of every queue (or one).
+    Stats {
+        queue: Option<String>,
+        /// A broker's worker API (default: from the config's broker.listen).
+        #[arg(long)]
+        broker: Option<String>,
+    },
+    /// List the dead jobs of a queue; `--requeue` enqueues them again.
+    Dead {
+        queue: String,
+        #[arg(long)]
+        requeue: bool,
+    },
+}
+
+pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<()> {
+    let names = TopicNames::new(&config.kafka.topic_prefix);
+    match command {
+        JobsCommand::Enqueue { queue, payload, id, run_at, key } => {
+            let payload: serde_json::Value = serde_json::from_str(&payload).context("the payload must be JSON")?;
+            let id = id.unwrap_or_else(|| format!("job-{:016x}", rand::random::<u64>()));
+            let mut job = serde_json::json!({"id": id, "payload": payload});
+            if let Some(at) = run_at {
+                job["run_at"] = at.into();
+            }
+            if let Some(key) = &key {
+                job["key"] = key.clone().into();
+            }
+            let bytes = serde_json::to_vec(&job)?;
+            Job::parse(&bytes).map_err(anyhow::Error::msg)?;
+            send(config, &names.jobs(&queue), key.as_deref().unwrap_or(&id), &bytes).await?;
+            println!("enqueued {id} on {queue}");
+            Ok(())
+        }
+        JobsCommand::Stats { queue, broker } => {
+            let base = broker.unwrap_or_else(|| format!("http://{}", config.broker.listen));
+            let url = match &queue {
+                Some(queue) => format!("{base}/v1/queues/{queue}"),
+                None => format!("{base}/v1/queues"),
+            };
+            let mut request = reqwest::Client::new().get(&url);
+            if let Some(token) = &config.broker.auth_token {
+                request = request.bearer_auth(token);
+            }
+            let response = request.send().await.with_context(|| format!("GET {url}"))?;
+            let status = response.status();
+            let body: serde_json::Value = response.json().await?;
+            if !status.is_success() {
+                bail!("{status}: {body}");
+            }
+            let stats: Vec<QueueStats> = match queue {
+                Some(_) => vec![serde_json::from_value(body)?],
+                None => serde_json::from_value(body["queues"].clone())?,
+            };
+            println!(
+                "{:<20} {:>8} {:>9} {:>8} {:>6} {:>8}  owners",
+                "queue", "depth", "in flight", "delayed", "dead", "rate/s"
+            );
+            for s in stats {
+                let mut owners: Vec<&str> = s.partitions.iter().filter_map(|p| p.owner.as_deref()).collect();
+                owners.sort();
+                owners.dedup();
+                println!(
+                    "{:<20} {:>8} {:>9} {:>8} {:>6} {:>8.1}  {}",
+                    s.queue,
+                    s.depth,
+                    s.in_flight,
+                    s.delayed,
+                    s.dead,
+                    s.rate,
+                    owners.join(", ")
+                );
+            }
+            println!("(counts are the answering broker's partitions; ask each owner for the rest)");
+            Ok(())
+        }
+        JobsCommand::Dead { queue, requeue } => {
+            let topic = names.dead_jobs(&queue);
+            let kafka = config.kafka.clone();
+            let records =
+                tokio::task::spawn_blocking(move || read_to_end(&kafka, &topic, Duration::from_secs(30))).await??;
+            let dead: Vec<DeadJob> = records.iter().filter_map(|r| serde_json::from_slice(r).ok()).collect();
+            for job in &dead {
+                println!(
+                    "{}  attempts {}  partition {} offset {}  error: {}",
+                    job.job.id, job.attempts, job.partition, job.offset, job.error
+                );
+            }
+            println!("{} dead jobs on {queue}", dead.len());
+            if requeue {
+                for job in &dead {
+                    let bytes = serde_json::to_vec(&job.job)?;
+                    send(config, &names.jobs(&queue), job.job.key.as_deref().unwrap_or(&job.job.id), &bytes).await?;
+                }
+                println!("requeued {} jobs (they stay listed in the dead topic)", dead.len());
+            }
+            Ok(())
+        }
+    }
+}
+
+async fn send(config: &TallyConfig, topic: &str, key: &str, payload: &[u8]) -> anyhow::Result<()> {
+    let producer: FutureProducer = producer_config(&config.kafka)?.create()?;
+    producer
+        .send(FutureRecord::to(topic).key(key).payload(payload), Duration::from_secs(30))
+        .await
+        .map_err(|(err, _)| anyhow::anyhow!("producing to {topic}: {err}"))?;
+    Ok(())
+}
