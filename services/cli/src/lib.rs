@@ -1,6 +1,7 @@
 //! `tally`, the command line: `up` runs the whole pipeline on one machine; the other
 //! subcommands apply topics, produce test input, read counters and run benchmarks.
 
+pub mod bench_jobs;
 pub mod jobs;
 pub mod up;
 
@@ -130,6 +131,8 @@ struct QueryArgs {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// A dequeue broker: dequeue latency, dequeue → ack round trips and jobs/s vs the raw consume rate.
+    Jobs(bench_jobs::JobsBenchArgs),
     /// What hierarchy costs: an edge add with many ancestors, increments with three levels of ancestors.
     Graph {
         #[arg(long, default_value_t = 10_000)]
@@ -223,6 +226,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
             };
             bench_counter(options).await
         }
+        Command::Bench { command: BenchCommand::Jobs(args) } => bench_jobs::run(config, args).await,
         Command::Bench { command: BenchCommand::Graph { ancestors, bystanders, increments, shards } } => {
             bench_graph(tally_counter::bench_graph::GraphBenchOptions { ancestors, bystanders, increments, shards })
                 .await

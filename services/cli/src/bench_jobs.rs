@@ -1,0 +1,184 @@
+//! `tally bench jobs`: a dequeue broker against the raw consume rate of its queue
+//! topic, in the same run on the same broker.
+//!
+//! 1. `jobs` jobs are produced to a one-partition queue.
+//! 2. Baseline: a plain consumer reads the topic from the start (records/s).
+//! 3. A `tally-broker` runs in this process; once its buffer holds every job,
+//!    single dequeues and acks go one after the other (latency of a dequeue served from the
+//!    buffer, and of the whole dequeue → ack round trip).
+//! 4. The worker library drains the rest with `concurrency` jobs at once (jobs/s).
+//!
+//! Uses the configured Kafka, or starts a local one when none is configured.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use tally_shared::config::TallyConfig;
+use tally_shared::jobs::worker::{self, BrokerClient, Outcome, WorkerOptions};
+use tally_shared::kafka::{client_config, producer_config, TopicNames};
+use tally_shared::local_broker::{ensure_installed, free_port, LocalBroker};
+use tally_shared::topics::{self, Declarations};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct JobsBenchArgs {
+    #[arg(long, default_value_t = 50_000)]
+    pub jobs: usize,
+    /// Sequential dequeue → ack round trips measured for latency.
+    #[arg(long, default_value_t = 2_000)]
+    pub round_trips: usize,
+    #[arg(long, default_value_t = 32)]
+    pub concurrency: usize,
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)]
+}
+
+pub async fn run(mut config: TallyConfig, args: JobsBenchArgs) -> anyhow::Result<()> {
+    let scratch = tempfile::Builder::new().prefix("tally-bench").tempdir_in(".")?;
+    let mut local = None;
+    if config.kafka.bootstrap_servers.trim().is_empty() {
+        let (port, dir) = (free_port()?, scratch.path().join("kafka"));
+        let broker = tokio::task::spawn_blocking(move || -> anyhow::Result<LocalBroker> {
+            Ok(LocalBroker::start(&ensure_installed()?, port, &dir)?)
+        })
+        .await??;
+        config.kafka.bootstrap_servers = broker.bootstrap_servers.clone();
+        local = Some(broker);
+    }
+    config.kafka.topic_prefix = format!("bench{:08x}.", rand::random::<u32>());
+    let names = TopicNames::new(&config.kafka.topic_prefix);
+    let queue = "bench";
+    let declarations = format!(
+        "{}\n[[queue]]\nname = \"{queue}\"\npartitions = 1\nbuffer = {}\nlease_ms = 60000\n",
+        topics::BUILTIN,
+        args.jobs
+    );
+    let declarations_path = scratch.path().join("topics.toml");
+    std::fs::write(&declarations_path, &declarations)?;
+    topics::apply(&config.kafka, &Declarations::parse(&declarations)?).await?;
+    let topic = names.jobs(queue);
+    println!(
+        "jobs bench: {} jobs on one partition, {} sequential round trips, then concurrency {}; broker {}",
+        args.jobs, args.round_trips, args.concurrency, config.kafka.bootstrap_servers
+    );
+
+    let producer: FutureProducer = producer_config(&config.kafka)?.create()?;
+    let sends = (0..args.jobs).map(|i| {
+        let payload = format!(r#"{{"id":"b{i}","payload":{{"n":{i}}}}}"#);
+        let producer = producer.clone();
+        let topic = topic.clone();
+        async move {
+            producer.send(FutureRecord::to(&topic).key("k").payload(&payload), Duration::from_secs(60)).await.map(|_| ())
+        }
+    });
+    for result in futures::future::join_all(sends).await {
+        result.map_err(|(err, _)| anyhow::anyhow!("producing: {err}"))?;
+    }
+
+    // Baseline: the raw consume rate of the same topic.
+    let kafka = config.kafka.clone();
+    let (raw_topic, total) = (topic.clone(), args.jobs);
+    let raw_per_sec = tokio::task::spawn_blocking(move || -> anyhow::Result<f64> {
+        let mut consumer_config = client_config(&kafka)?;
+        consumer_config.set("group.id", "tally-bench-raw").set("enable.auto.commit", "false");
+        let consumer: BaseConsumer = consumer_config.create()?;
+        let mut assignment = TopicPartitionList::new();
+        assignment.add_partition_offset(&raw_topic, 0, Offset::Beginning)?;
+        consumer.assign(&assignment)?;
+        let started = Instant::now();
+        let mut seen = 0;
+        while seen < total && started.elapsed() < Duration::from_secs(300) {
+            if let Some(Ok(_)) = consumer.poll(Duration::from_millis(100)) {
+                seen += 1;
+            }
+        }
+        Ok(seen as f64 / started.elapsed().as_secs_f64())
+    })
+    .await??;
+
+    // The broker, in this process.
+    let port = free_port()?;
+    let base = format!("http://127.0.0.1:{port}");
+    config.broker.listen = format!("127.0.0.1:{port}");
+    config.broker.admin_listen = format!("127.0.0.1:{}", free_port()?);
+    config.broker.declarations = Some(declarations_path);
+    config.broker.heartbeat_ms = 200;
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(tally_broker::run(config.clone(), shutdown.clone()));
+    let client = BrokerClient::new(queue, None)?;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let stats = client.stats(&base).await.ok();
+        let ready = stats.as_ref().map_or(0, |s| s.partitions.iter().map(|p| p.ready).sum::<usize>());
+        // Measure once everything is fetched: dequeues served from the buffer, not
+        // competing with the fetch.
+        if ready >= args.jobs {
+            break;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the broker never filled its buffer");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let mut dequeues = Vec::with_capacity(args.round_trips);
+    let mut trips = Vec::with_capacity(args.round_trips);
+    for _ in 0..args.round_trips.min(args.jobs) {
+        let started = Instant::now();
+        let jobs = client.dequeue(&base, 1, None, 0).await?;
+        dequeues.push(started.elapsed());
+        let job = jobs.first().context("the buffer ran dry")?;
+        client.ack(&base, &job.lease).await?;
+        trips.push(started.elapsed());
+    }
+    dequeues.sort();
+    trips.sort();
+
+    let remaining = args.jobs - args.round_trips.min(args.jobs);
+    let acked = Arc::new(AtomicU64::new(0));
+    let counter = acked.clone();
+    let handler = move |_job| {
+        counter.fetch_add(1, Ordering::Relaxed);
+        async { Outcome::Ack }
+    };
+    let options =
+        WorkerOptions { brokers: vec![base.clone()], queue: queue.into(), concurrency: args.concurrency, lease_ms: None, auth_token: None };
+    let stop_workers = CancellationToken::new();
+    let started = Instant::now();
+    let workers = tokio::spawn(worker::run(options, handler, stop_workers.clone()));
+    while (acked.load(Ordering::Relaxed) as usize) < remaining && started.elapsed() < Duration::from_secs(600) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let through_broker = acked.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
+    stop_workers.cancel();
+    let _ = workers.await;
+    shutdown.cancel();
+    let _ = running.await;
+    if let Some(mut broker) = local {
+        tokio::task::spawn_blocking(move || broker.stop()).await?;
+    }
+
+    let micros = |d: Duration| d.as_secs_f64() * 1e6;
+    println!("raw consume of the topic       : {raw_per_sec:>10.0} records/s");
+    println!(
+        "dequeue served from the buffer : p50 {:>7.0} µs   p99 {:>7.0} µs",
+        micros(percentile(&dequeues, 0.50)),
+        micros(percentile(&dequeues, 0.99))
+    );
+    println!(
+        "dequeue → ack round trip       : p50 {:>7.0} µs   p99 {:>7.0} µs",
+        micros(percentile(&trips, 0.50)),
+        micros(percentile(&trips, 0.99))
+    );
+    println!(
+        "through the broker, {} workers : {through_broker:>10.0} jobs/s  ({:.2}x the raw consume rate)",
+        args.concurrency,
+        through_broker / raw_per_sec.max(1e-9)
+    );
+    Ok(())
+}
