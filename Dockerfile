@@ -9,7 +9,8 @@ COPY . .
 RUN cargo build --release --workspace --bins \
  && mkdir /out \
  && cp target/release/tally target/release/tally-ingester target/release/tally-counter \
-       target/release/tally-graph target/release/tally-query /out/
+       target/release/tally-graph target/release/tally-query target/release/tally-broker \
+       target/release/tally-worker /out/
 
 FROM debian:bookworm-slim
 RUN apt-get update \
