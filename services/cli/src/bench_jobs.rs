@@ -75,7 +75,10 @@ pub async fn run(mut config: TallyConfig, args: JobsBenchArgs) -> anyhow::Result
         let producer = producer.clone();
         let topic = topic.clone();
         async move {
-            producer.send(FutureRecord::to(&topic).key("k").payload(&payload), Duration::from_secs(60)).await.map(|_| ())
+            producer
+                .send(FutureRecord::to(&topic).key("k").payload(&payload), Duration::from_secs(60))
+                .await
+                .map(|_| ())
         }
     });
     for result in futures::future::join_all(sends).await {
@@ -146,8 +149,13 @@ pub async fn run(mut config: TallyConfig, args: JobsBenchArgs) -> anyhow::Result
         counter.fetch_add(1, Ordering::Relaxed);
         async { Outcome::Ack }
     };
-    let options =
-        WorkerOptions { brokers: vec![base.clone()], queue: queue.into(), concurrency: args.concurrency, lease_ms: None, auth_token: None };
+    let options = WorkerOptions {
+        brokers: vec![base.clone()],
+        queue: queue.into(),
+        concurrency: args.concurrency,
+        lease_ms: None,
+        auth_token: None,
+    };
     let stop_workers = CancellationToken::new();
     let started = Instant::now();
     let workers = tokio::spawn(worker::run(options, handler, stop_workers.clone()));

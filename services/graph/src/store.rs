@@ -2,7 +2,8 @@
 //! descendant changes and the progress, always written together.
 //!
 //! Column families: `edges` (`from 0x00 to` → empty; the whole graph is loaded into
-//! memory at start), `dedupe` (`from 0x00 id` → first-seen ms, dropped by a compaction
+//! memory at start), `in_edges` (`to 0x00 from`, the same edges by target, for tools
+//! that read the store without loading it), `dedupe` (`from 0x00 id` → first-seen ms, dropped by a compaction
 //! filter after the window), `outbox` (descendant changes for the counter shards,
 //! deleted once relayed) and the default one for [`Progress`].
 
@@ -20,6 +21,7 @@ use tally_shared::wire::{GraphMessage, ShardMessage, Source, Stamp};
 use crate::error::{Error, Result};
 
 const CF_EDGES: &str = "edges";
+const CF_IN_EDGES: &str = "in_edges";
 const CF_DEDUPE: &str = "dedupe";
 const CF_OUTBOX: &str = "outbox";
 /// Most descendant changes in one shard-topic message.
@@ -83,6 +85,7 @@ impl GraphStore {
         });
         let families = vec![
             ColumnFamilyDescriptor::new(CF_EDGES, Options::default()),
+            ColumnFamilyDescriptor::new(CF_IN_EDGES, Options::default()),
             ColumnFamilyDescriptor::new(CF_DEDUPE, dedupe),
             ColumnFamilyDescriptor::new(CF_OUTBOX, Options::default()),
         ];
@@ -154,13 +157,15 @@ impl GraphStore {
         let changes = {
             let mut graph = self.graph.write().map_err(|_| Error::Processor("graph lock poisoned".into()))?;
             let changes = graph.apply_batch(&updates);
-            let edges_cf = self.cf(CF_EDGES)?;
+            let (edges_cf, in_edges_cf) = (self.cf(CF_EDGES)?, self.cf(CF_IN_EDGES)?);
             for update in &updates {
-                let key = encode_edge(&update.from, &update.to);
+                let (key, in_key) = (encode_edge(&update.from, &update.to), encode_edge(&update.to, &update.from));
                 if graph.has_edge(&update.from, &update.to) {
                     batch.put_cf(edges_cf, &key, []);
+                    batch.put_cf(in_edges_cf, &in_key, []);
                 } else {
                     batch.delete_cf(edges_cf, &key);
+                    batch.delete_cf(in_edges_cf, &in_key);
                 }
             }
             changes
@@ -293,6 +298,12 @@ mod tests {
         }
         let store = GraphStore::open(dir.path(), options()).unwrap();
         assert_eq!(store.graph.read().unwrap().descendants("a"), vec!["b".to_string(), "c".to_string()]);
+        let in_edges: Vec<Vec<u8>> = store
+            .db
+            .iterator_cf(store.cf(CF_IN_EDGES).unwrap(), rocksdb::IteratorMode::Start)
+            .map(|item| item.unwrap().0.to_vec())
+            .collect();
+        assert_eq!(in_edges, vec![b"b\0a".to_vec(), b"c\0b".to_vec()], "in-edges are stored too");
         assert_eq!(store.progress().next_offset, Some(1));
         // A redelivered record, a retried id and a fresh removal.
         let again = record(0, &[(true, "a", "b", Some("g1"))]);
