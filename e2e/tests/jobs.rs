@@ -98,7 +98,7 @@ async fn every_job_runs_at_least_once_with_nacks_timeouts_and_dead_jobs() {
 
     // j%97 always fails (dead after 3 attempts); j%10 fails its first attempt; j%13
     // is abandoned on its first attempt (the lease expires and it runs again).
-    let always_fails = |n: usize| n % 97 == 0;
+    let always_fails = |n: usize| n.is_multiple_of(97);
     let done: Arc<Mutex<HashMap<usize, u32>>> = Arc::default();
     let handler_done = done.clone();
     let handler = move |job: DequeuedJob| {
@@ -108,10 +108,10 @@ async fn every_job_runs_at_least_once_with_nacks_timeouts_and_dead_jobs() {
             if always_fails(n) {
                 return Outcome::Retry { in_ms: None, error: format!("job {n} always fails") };
             }
-            if job.attempt == 1 && n % 10 == 0 {
+            if job.attempt == 1 && n.is_multiple_of(10) {
                 return Outcome::Retry { in_ms: Some(20), error: "first attempt fails".into() };
             }
-            if job.attempt == 1 && n % 13 == 0 {
+            if job.attempt == 1 && n.is_multiple_of(13) {
                 return Outcome::Abandon;
             }
             *done.lock().unwrap().entry(n).or_default() += 1;
@@ -265,7 +265,7 @@ async fn delays_fifo_order_and_rate_limits_hold() {
     let steady: Vec<&Instant> = times.iter().filter(|t| **t >= start).collect();
     let span = steady.last().unwrap().duration_since(*steady[0]).as_secs_f64();
     let rate = steady.len() as f64 / span;
-    assert!(rate <= 220.0 && rate >= 150.0, "{rate:.0} jobs/s for a limit of 200/s");
+    assert!((150.0..=220.0).contains(&rate), "{rate:.0} jobs/s for a limit of 200/s");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -180,7 +180,9 @@ fn parse_one(raw: &[u8], record_ts: i64) -> Result<Increment, String> {
 mod tests {
     use super::*;
 
-    fn run(payload: &str) -> (Vec<(u32, Increment)>, Vec<(Option<u32>, String, String)>) {
+    type Rejected = Vec<(Option<u32>, String, String)>;
+
+    fn run(payload: &str) -> (Vec<(u32, Increment)>, Rejected) {
         let mut accepted = Vec::new();
         let mut rejected = Vec::new();
         parse_increments(
@@ -192,7 +194,9 @@ mod tests {
         (accepted, rejected)
     }
 
-    fn graph(payload: &str) -> (Vec<(u32, GraphUpdate)>, Vec<(Option<u32>, String)>) {
+    type Reasons = Vec<(Option<u32>, String)>;
+
+    fn graph(payload: &str) -> (Vec<(u32, GraphUpdate)>, Reasons) {
         let mut accepted = Vec::new();
         let mut rejected = Vec::new();
         parse_graph_updates(payload.as_bytes(), |i, u| accepted.push((i, u)), |r| rejected.push((r.index, r.reason)));

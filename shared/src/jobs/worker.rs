@@ -243,9 +243,8 @@ where
         }
     };
     let settled = match &outcome {
-        Outcome::Ack => client.ack(base, &lease).await.map(|known| {
+        Outcome::Ack => client.ack(base, &lease).await.inspect(|_| {
             counts.acked.fetch_add(1, Ordering::Relaxed);
-            known
         }),
         Outcome::Retry { in_ms, error } => client.nack(base, &lease, *in_ms, error).await.map(|()| {
             counts.nacked.fetch_add(1, Ordering::Relaxed);
