@@ -156,6 +156,53 @@ impl BrokerClient {
     }
 }
 
+/// Acks for one broker, sent together: whatever piles up while one ack request is
+/// in flight goes out in the next (no timer, no added latency when idle).
+#[derive(Clone)]
+struct Acker {
+    queue: tokio::sync::mpsc::UnboundedSender<(String, tokio::sync::oneshot::Sender<bool>)>,
+}
+
+impl Acker {
+    fn spawn(client: BrokerClient, base: String) -> Self {
+        let (queue, mut pending) =
+            tokio::sync::mpsc::unbounded_channel::<(String, tokio::sync::oneshot::Sender<bool>)>();
+        tokio::spawn(async move {
+            while let Some(first) = pending.recv().await {
+                let mut batch = vec![first];
+                while batch.len() < super::api::MAX_DEQUEUE {
+                    match pending.try_recv() {
+                        Ok(more) => batch.push(more),
+                        Err(_) => break,
+                    }
+                }
+                let leases: Vec<String> = batch.iter().map(|(lease, _)| lease.clone()).collect();
+                let answer: Result<super::api::AckResponse> = client.post(&base, "ack", &AckRequest { leases }).await;
+                let unknown: std::collections::HashSet<String> = match answer {
+                    Ok(response) => response.unknown.into_iter().collect(),
+                    Err(err) => {
+                        tracing::debug!(broker = %base, error = %err, "ack failed; the jobs will run again");
+                        batch.iter().map(|(lease, _)| lease.clone()).collect()
+                    }
+                };
+                for (lease, reply) in batch {
+                    let _ = reply.send(!unknown.contains(&lease));
+                }
+            }
+        });
+        Self { queue }
+    }
+
+    /// Acks `lease`; false when the broker no longer knew it.
+    async fn ack(&self, lease: String) -> bool {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        if self.queue.send((lease, reply)).is_err() {
+            return false;
+        }
+        answer.await.unwrap_or(false)
+    }
+}
+
 /// Runs `handler` on the queue's jobs until `shutdown`; jobs in hand finish first.
 pub async fn run<H, F>(options: WorkerOptions, handler: H, shutdown: CancellationToken) -> Result<Arc<WorkerCounts>>
 where
@@ -170,6 +217,7 @@ where
     let mut owners: Vec<String> = Vec::new();
     let mut refreshed: Option<Instant> = None;
     let mut next = 0usize;
+    let mut ackers: std::collections::HashMap<String, Acker> = std::collections::HashMap::new();
     while !shutdown.is_cancelled() {
         if owners.is_empty() || refreshed.is_none_or(|at| at.elapsed() > Duration::from_secs(2)) {
             owners = client.owners(&options.brokers).await;
@@ -210,9 +258,11 @@ where
                     Err(_) => break,
                 },
             };
+            let acker =
+                ackers.entry(base.clone()).or_insert_with(|| Acker::spawn(client.clone(), base.clone())).clone();
             let (client, handler, counts, base) = (client.clone(), handler.clone(), counts.clone(), base.clone());
             tokio::spawn(async move {
-                run_one(&client, &base, job, handler.as_ref(), &counts).await;
+                run_one(&client, &acker, &base, job, handler.as_ref(), &counts).await;
                 drop(permit);
             });
         }
@@ -222,8 +272,14 @@ where
     Ok(counts)
 }
 
-async fn run_one<H, F>(client: &BrokerClient, base: &str, job: DequeuedJob, handler: &H, counts: &WorkerCounts)
-where
+async fn run_one<H, F>(
+    client: &BrokerClient,
+    acker: &Acker,
+    base: &str,
+    job: DequeuedJob,
+    handler: &H,
+    counts: &WorkerCounts,
+) where
     H: Fn(DequeuedJob) -> F,
     F: Future<Output = Outcome>,
 {
@@ -243,9 +299,10 @@ where
         }
     };
     let settled = match &outcome {
-        Outcome::Ack => client.ack(base, &lease).await.inspect(|_| {
+        Outcome::Ack => {
             counts.acked.fetch_add(1, Ordering::Relaxed);
-        }),
+            Ok(acker.ack(lease.clone()).await)
+        }
         Outcome::Retry { in_ms, error } => client.nack(base, &lease, *in_ms, error).await.map(|()| {
             counts.nacked.fetch_add(1, Ordering::Relaxed);
             true
