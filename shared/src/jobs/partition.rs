@@ -118,9 +118,10 @@ impl PartitionQueue {
         self.entries.len() < self.policy.capacity
     }
 
-    /// Adds a fetched job. Offsets arrive in increasing order; a repeat is ignored.
+    /// Adds a fetched job. Offsets arrive in increasing order; one below the next
+    /// expected (a re-fetch: held, or already finished) is ignored.
     pub fn push(&mut self, offset: i64, job: Job) {
-        if offset < self.next_offset && self.entries.contains_key(&offset) {
+        if offset < self.next_offset {
             return;
         }
         let ready_at = job.run_at.unwrap_or(i64::MIN);
@@ -437,6 +438,19 @@ mod tests {
         assert_eq!(queue.commit_offset(), 0, "not finished until the dead topic has it");
         queue.finish_dead(0);
         assert_eq!(queue.commit_offset(), 1);
+    }
+
+    #[test]
+    fn a_refetched_offset_is_not_run_again() {
+        let mut queue = PartitionQueue::new(QueuePolicy::default(), 5);
+        queue.push(4, job(4, None, None));
+        assert_eq!(queue.stats(0).held, 0, "below the committed offset");
+        queue.push(5, job(5, None, None));
+        let handout = queue.dequeue(1, 0, 10).remove(0);
+        queue.ack(handout.lease).unwrap();
+        queue.push(5, job(5, None, None));
+        assert!(queue.dequeue(1, 0, 10).is_empty(), "finished, fetched again, not run again");
+        assert_eq!(queue.commit_offset(), 6);
     }
 
     #[test]
