@@ -146,22 +146,28 @@ fn reconcile(
             changed = true;
         }
     }
+    let mut acquire = Vec::new();
     for &partition in desired.iter().filter(|p| !served.contains(p)) {
         let key = (queue.decl.name.clone(), partition);
         let since = *pending.entry(key.clone()).or_insert_with(Instant::now);
-        if since.elapsed() < settle {
-            continue;
+        if since.elapsed() >= settle {
+            pending.remove(&key);
+            acquire.push(partition);
         }
-        pending.remove(&key);
-        let start = committed_offset(consumer, &queue.topic, partition)?;
-        let buffer = PartitionQueue::new(queue.decl.policy(), start);
-        if let Ok(mut partitions) = queue.partitions.lock() {
-            partitions.insert(partition, Arc::new(Mutex::new(buffer)));
-        }
+    }
+    if !acquire.is_empty() {
+        // One round trip for all the committed offsets, then one assignment.
+        let starts = committed_offsets(consumer, &queue.topic, &acquire)?;
         let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(&queue.topic, partition, Offset::Offset(start))?;
+        for (partition, start) in acquire.into_iter().zip(starts) {
+            let buffer = PartitionQueue::new(queue.decl.policy(), start);
+            if let Ok(mut partitions) = queue.partitions.lock() {
+                partitions.insert(partition, Arc::new(Mutex::new(buffer)));
+            }
+            tpl.add_partition_offset(&queue.topic, partition, Offset::Offset(start))?;
+            tracing::info!(queue = %queue.decl.name, partition, start, "serving partition");
+        }
         consumer.incremental_assign(&tpl)?;
-        tracing::info!(queue = %queue.decl.name, partition, start, "serving partition");
         changed = true;
     }
     pending.retain(|(name, partition), _| name != &queue.decl.name || desired.contains(partition));
@@ -172,15 +178,21 @@ fn reconcile(
     Ok(())
 }
 
-/// Where a partition resumes: its committed offset, else its first record.
-fn committed_offset(consumer: &BaseConsumer, topic: &str, partition: i32) -> Result<i64> {
+/// Where each partition resumes: its committed offset, else its first record.
+fn committed_offsets(consumer: &BaseConsumer, topic: &str, partitions: &[i32]) -> Result<Vec<i64>> {
     let mut tpl = TopicPartitionList::new();
-    tpl.add_partition(topic, partition);
-    let committed = consumer.committed_offsets(tpl, Duration::from_secs(10))?;
-    if let Some(Offset::Offset(offset)) = committed.find_partition(topic, partition).map(|e| e.offset()) {
-        return Ok(offset);
+    for &partition in partitions {
+        tpl.add_partition(topic, partition);
     }
-    Ok(consumer.fetch_watermarks(topic, partition, Duration::from_secs(10))?.0)
+    let committed = consumer.committed_offsets(tpl, Duration::from_secs(10))?;
+    let mut starts = Vec::with_capacity(partitions.len());
+    for &partition in partitions {
+        match committed.find_partition(topic, partition).map(|e| e.offset()) {
+            Some(Offset::Offset(offset)) => starts.push(offset),
+            _ => starts.push(consumer.fetch_watermarks(topic, partition, Duration::from_secs(10))?.0),
+        }
+    }
+    Ok(starts)
 }
 
 fn resume_drained(consumer: &BaseConsumer, broker: &Broker, paused: &mut HashSet<Key>) -> Result<()> {
