@@ -1,10 +1,12 @@
 //! Code the tally services share.
 //!
-//! The pure parts — [`validate`], [`input`], [`time`], [`keys`], [`counting`], [`graph`],
-//! [`propagation`], [`sharding`], [`wire`] and the brute-force [`model`] — know nothing of Kafka,
-//! RocksDB or tokio and are proved with property tests. The glue — [`config`],
-//! [`telemetry`], [`shutdown`], [`service`], [`kafka`], [`outbox`], [`progress`], [`topics`] and
-//! [`local_broker`] — is what every binary needs to run as a well-behaved service.
+//! The pure parts — [`validate`], [`input`], [`time`], [`keys`], [`counting`],
+//! [`graph`], [`propagation`], [`jobs`] (but its worker library), [`sharding`],
+//! [`wire`] and the brute-force [`model`] — know nothing of Kafka, RocksDB or tokio
+//! and are proved with property tests. The glue — [`config`], [`telemetry`],
+//! [`shutdown`], [`service`], [`kafka`], [`outbox`], [`progress`], [`topics`],
+//! [`jobs::worker`] and [`local_broker`] — is what every binary needs to run as a
+//! well-behaved service.
 
 pub mod config;
 pub mod counting;
