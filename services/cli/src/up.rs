@@ -55,16 +55,16 @@ pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: Up
     let created = actions.iter().filter(|a| matches!(a, topics::Action::Create { .. })).count();
     println!("tally: topics ready ({created} created)");
 
-    let counter_dir = if config.counter.data_dir == Path::new("data/counter") {
-        data_dir.join("counter")
-    } else {
-        config.counter.data_dir.clone()
+    // A service left at its default data dir keeps its data under `--data-dir`.
+    let under_data_dir = |configured: &Path, default: &str| {
+        if configured == Path::new("data").join(default) {
+            data_dir.join(default)
+        } else {
+            configured.to_path_buf()
+        }
     };
-    let graph_dir = if config.graph.data_dir == Path::new("data/graph") {
-        data_dir.join("graph")
-    } else {
-        config.graph.data_dir.clone()
-    };
+    let counter_dir = under_data_dir(&config.counter.data_dir, "counter");
+    let graph_dir = under_data_dir(&config.graph.data_dir, "graph");
     let mut env = vec![
         ("TALLY__KAFKA__BOOTSTRAP_SERVERS".to_string(), config.kafka.bootstrap_servers.clone()),
         ("TALLY__COUNTER__DATA_DIR".to_string(), counter_dir.display().to_string()),

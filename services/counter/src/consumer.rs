@@ -154,9 +154,8 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         .set("partition.assignment.strategy", "range");
     let consumer: BaseConsumer<CounterContext> = consumer_config.create_with_context(context)?;
     if config.counter.static_assignment {
-        let partitions = tally_shared::kafka::partition_count(&consumer, &shard_topic, Duration::from_secs(10))?;
         let mut tpl = TopicPartitionList::new();
-        for partition in 0..partitions as i32 {
+        for partition in 0..shard_count as i32 {
             tpl.add_partition(&shard_topic, partition);
         }
         consumer.context().assign(&consumer, &mut tpl)?;
@@ -217,12 +216,14 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         if let Some(message) = consumer.context().fatal.lock().ok().and_then(|mut f| f.take()) {
             return Err(Error::Consumer(message));
         }
+        let mut outbox_written = 0;
         if !batch.is_empty() {
-            apply_batch(&batch, &shards, &metrics, &resolutions, &producer, rollups_topic.as_deref())?;
+            outbox_written = apply_batch(&batch, &shards, &metrics, &resolutions, &producer, rollups_topic.as_deref())?;
             commit_advisory(&consumer, &shard_topic, &shards);
         }
-        // Also after a restart or a new assignment: what a store still holds goes out.
-        if !batch.is_empty() || announcer.due() {
+        // Right after a batch that wrote totals for other shards; and with every
+        // heartbeat, for what a store still held after a restart or a new assignment.
+        if outbox_written > 0 || announcer.due() {
             if let Err(err) = relay_outboxes(&relay, &shards, &metrics) {
                 tracing::warn!(error = %err, "relaying the outbox");
             }
@@ -246,6 +247,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     Ok(())
 }
 
+/// Applies a polled batch shard by shard; returns how many outbox messages it wrote.
 fn apply_batch(
     batch: &[Polled],
     shards: &Shards,
@@ -253,7 +255,8 @@ fn apply_batch(
     resolutions: &Resolutions,
     producer: &ThreadedProducer<DefaultProducerContext>,
     rollups_topic: Option<&str>,
-) -> Result<()> {
+) -> Result<u64> {
+    let mut outbox_written = 0;
     let mut by_shard: HashMap<u32, Vec<ShardRecord<'_>>> = HashMap::new();
     for polled in batch {
         by_shard.entry(polled.shard).or_default().push(ShardRecord { offset: polled.offset, payload: &polled.payload });
@@ -265,11 +268,12 @@ fn apply_batch(
         let report = store.apply(&records, now_ms(), rollups_topic.is_some())?;
         metrics.apply_seconds.observe(started.elapsed().as_secs_f64());
         record_metrics(metrics, &report);
+        outbox_written += report.outbox_messages;
         if let Some(topic) = rollups_topic {
             publish_rollups(&store, &report, resolutions, producer, topic, metrics)?;
         }
     }
-    Ok(())
+    Ok(outbox_written)
 }
 
 fn record_metrics(metrics: &Metrics, report: &ApplyReport) {
