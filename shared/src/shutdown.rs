@@ -1,7 +1,30 @@
 //! Graceful shutdown: signals become a [`CancellationToken`] that services receive
 //! as an argument, so tests can cancel them without signals.
 
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
 use tokio_util::sync::CancellationToken;
+
+/// Runs `tick` now and then every `period` on a thread named `name` until
+/// `shutdown` (noticed within 50 ms): for periodic blocking work, such as broker
+/// round trips for lag, that must not hold up a service's main loop.
+pub fn every(
+    name: &str,
+    period: Duration,
+    shutdown: CancellationToken,
+    mut tick: impl FnMut() + Send + 'static,
+) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new().name(name.into()).spawn(move || {
+        while !shutdown.is_cancelled() {
+            tick();
+            let until = Instant::now() + period;
+            while !shutdown.is_cancelled() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    })
+}
 
 /// A token cancelled on the first SIGINT or SIGTERM; a second signal exits at once
 /// with status 130.

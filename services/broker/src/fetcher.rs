@@ -239,35 +239,29 @@ pub fn spawn_reporter(
     shutdown: CancellationToken,
 ) -> Result<std::thread::JoinHandle<()>> {
     let client: BaseConsumer = client_config(&config.kafka)?.create()?;
-    let thread = std::thread::Builder::new().name("broker-report".into()).spawn(move || {
-        while !shutdown.is_cancelled() {
-            for queue in broker.queues.values() {
-                let served: Vec<(i32, i64)> = queue
-                    .partitions
-                    .lock()
-                    .map(|p| p.iter().map(|(k, b)| (*k, b.lock().map(|b| b.fetched_until()).unwrap_or(0))).collect())
-                    .unwrap_or_default();
-                let mut lag = HashMap::new();
-                for (partition, fetched) in served {
-                    if let Ok((_, high)) = client.fetch_watermarks(&queue.topic, partition, Duration::from_secs(2)) {
-                        lag.insert(partition, (high - fetched).max(0));
-                    }
+    let thread = tally_shared::shutdown::every("broker-report", Duration::from_secs(1), shutdown, move || {
+        for queue in broker.queues.values() {
+            let served: Vec<(i32, i64)> = queue
+                .partitions
+                .lock()
+                .map(|p| p.iter().map(|(k, b)| (*k, b.lock().map(|b| b.fetched_until()).unwrap_or(0))).collect())
+                .unwrap_or_default();
+            let mut lag = HashMap::new();
+            for (partition, fetched) in served {
+                if let Ok((_, high)) = client.fetch_watermarks(&queue.topic, partition, Duration::from_secs(2)) {
+                    lag.insert(partition, (high - fetched).max(0));
                 }
-                let total: i64 = lag.values().sum();
-                if let Ok(mut current) = queue.lag.lock() {
-                    *current = lag;
-                }
-                let name = &queue.decl.name;
-                let stats = broker.stats(queue);
-                broker.metrics.consumer_lag.with_label_values(&[name]).set(total);
-                broker.metrics.depth.with_label_values(&[name]).set(stats.depth);
-                broker.metrics.in_flight.with_label_values(&[name]).set(stats.in_flight as i64);
-                broker.metrics.delayed.with_label_values(&[name]).set(stats.delayed as i64);
             }
-            let until = Instant::now() + Duration::from_secs(1);
-            while !shutdown.is_cancelled() && Instant::now() < until {
-                std::thread::sleep(Duration::from_millis(50));
+            let total: i64 = lag.values().sum();
+            if let Ok(mut current) = queue.lag.lock() {
+                *current = lag;
             }
+            let name = &queue.decl.name;
+            let stats = broker.stats(queue);
+            broker.metrics.consumer_lag.with_label_values(&[name]).set(total);
+            broker.metrics.depth.with_label_values(&[name]).set(stats.depth);
+            broker.metrics.in_flight.with_label_values(&[name]).set(stats.in_flight as i64);
+            broker.metrics.delayed.with_label_values(&[name]).set(stats.delayed as i64);
         }
     })?;
     Ok(thread)

@@ -367,18 +367,12 @@ fn spawn_lag_reporter(
     shutdown: CancellationToken,
 ) -> Result<std::thread::JoinHandle<()>> {
     let client: BaseConsumer = client_config(&config.kafka)?.create()?;
-    let thread = std::thread::Builder::new().name("counter-lag".into()).spawn(move || {
-        while !shutdown.is_cancelled() {
-            for shard in shards.owned() {
-                let Some(store) = shards.get(shard) else { continue };
-                if let Ok((_, high)) = client.fetch_watermarks(&topic, shard as i32, Duration::from_secs(1)) {
-                    let next = store.progress().next_offset.unwrap_or(0);
-                    metrics.consumer_lag.with_label_values(&[&shard.to_string()]).set((high - next).max(0));
-                }
-            }
-            let deadline = Instant::now() + HEARTBEAT;
-            while !shutdown.is_cancelled() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(100));
+    let thread = tally_shared::shutdown::every("counter-lag", HEARTBEAT, shutdown, move || {
+        for shard in shards.owned() {
+            let Some(store) = shards.get(shard) else { continue };
+            if let Ok((_, high)) = client.fetch_watermarks(&topic, shard as i32, Duration::from_secs(1)) {
+                let next = store.progress().next_offset.unwrap_or(0);
+                metrics.consumer_lag.with_label_values(&[&shard.to_string()]).set((high - next).max(0));
             }
         }
     })?;

@@ -60,7 +60,14 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
         }
     };
     tracing::info!(start = ?start, addr = %read_addr, "graph processor consuming");
-    relay_outbox(&store, &relay, &metrics);
+    // Lag on its own thread and client: broker round trips never hold up the batches.
+    let lag_client: BaseConsumer = client_config(&config.kafka)?.create()?;
+    let (lag_store, lag_metrics, lag_topic) = (store.clone(), metrics.clone(), input.clone());
+    let lag_reporter = tally_shared::shutdown::every("graph-lag", HEARTBEAT, shutdown.clone(), move || {
+        if let Ok((_, high)) = lag_client.fetch_watermarks(&lag_topic, 0, Duration::from_secs(1)) {
+            lag_metrics.consumer_lag.set((high - lag_store.progress().next_offset.unwrap_or(0)).max(0));
+        }
+    })?;
     let linger = Duration::from_millis(config.graph.batch_linger_ms);
     let max_records = config.graph.batch_max_records.max(1);
     let mut last_heartbeat: Option<Instant> = None;
@@ -96,22 +103,22 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
             if let Ok(graph) = store.graph.read() {
                 metrics.edges.set(graph.edge_count() as i64);
             }
-            relay_outbox(&store, &relay, &metrics);
+            if report.outbox_messages > 0 {
+                relay_outbox(&store, &relay, &metrics);
+            }
         }
         if last_heartbeat.is_none_or(|at| at.elapsed() >= HEARTBEAT) {
             last_heartbeat = Some(Instant::now());
             announce(Some(read_addr.clone()));
             readiness.set(true);
             relay_outbox(&store, &relay, &metrics);
-            if let Ok((_, high)) = consumer.fetch_watermarks(&input, 0, Duration::from_secs(1)) {
-                metrics.consumer_lag.set((high - store.progress().next_offset.unwrap_or(0)).max(0));
-            }
         }
     }
     readiness.set(false);
     relay_outbox(&store, &relay, &metrics);
     announce(None);
     let _ = announcer.flush(Duration::from_secs(5));
+    let _ = lag_reporter.join();
     tracing::info!("graph processor stopped: batch persisted and relayed");
     Ok(())
 }
