@@ -156,14 +156,20 @@ impl Sandbox {
 
     /// Produces raw records to `topic` (keyed) and waits for every acknowledgement.
     pub async fn produce_to(&self, topic: &str, records: &[(Option<String>, Vec<u8>)]) {
-        let producer: FutureProducer = producer_config(&self.kafka).unwrap().create().unwrap();
-        let sends = records.iter().map(|(key, payload)| {
-            let mut record = FutureRecord::to(topic).payload(payload);
-            if let Some(key) = key {
-                record = record.key(key);
+        self.send_all(records.iter().map(|(key, payload)| {
+            let record = FutureRecord::to(topic).payload(payload.as_slice());
+            match key {
+                Some(key) => record.key(key.as_str()),
+                None => record,
             }
-            producer.send(record, Duration::from_secs(30))
-        });
+        }))
+        .await;
+    }
+
+    /// Sends records on one producer and waits until every one is acknowledged.
+    async fn send_all<'a>(&self, records: impl Iterator<Item = FutureRecord<'a, str, [u8]>>) {
+        let producer: FutureProducer = producer_config(&self.kafka).unwrap().create().unwrap();
+        let sends = records.map(|record| producer.send(record, Duration::from_secs(30)));
         for result in futures::future::join_all(sends).await {
             result.map_err(|(err, _)| err).expect("produce");
         }
@@ -209,18 +215,12 @@ impl Sandbox {
     /// Produces records to their topics (increments or graph) and waits until all are
     /// acknowledged.
     pub async fn produce(&self, records: &[workload::Record]) {
-        let producer: FutureProducer = producer_config(&self.kafka).unwrap().create().unwrap();
         let (increments, graph) = (self.names.increments(), self.names.graph());
-        let sends = records.iter().map(|r| {
+        self.send_all(records.iter().map(|r| {
             let topic = if r.graph { &graph } else { &increments };
-            producer.send(
-                FutureRecord::to(topic).key(&r.key).payload(&r.payload).timestamp(r.timestamp),
-                Duration::from_secs(30),
-            )
-        });
-        for result in futures::future::join_all(sends).await {
-            result.map_err(|(err, _)| err).expect("produce");
-        }
+            FutureRecord::to(topic).key(r.key.as_str()).payload(r.payload.as_slice()).timestamp(r.timestamp)
+        }))
+        .await;
     }
 
     /// Reads every record of `topic` (all partitions) until `expected` are seen or
