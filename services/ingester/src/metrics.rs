@@ -1,12 +1,13 @@
 //! The ingester's Prometheus metrics, declared once.
 
-use prometheus::{Histogram, HistogramOpts, IntCounter, IntGaugeVec, Opts, Registry};
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry};
 use tally_shared::telemetry::register;
 
 #[derive(Clone)]
 pub struct Metrics {
     pub input_records: IntCounter,
-    pub accepted_increments: IntCounter,
+    /// Valid elements routed on, by kind (`increment`, `graph_update`).
+    pub accepted: IntCounterVec,
     pub dead_letters: IntCounter,
     pub batch_records: Histogram,
     pub consumer_lag: IntGaugeVec,
@@ -20,10 +21,16 @@ impl Metrics {
                 IntCounter::new("tally_ingester_input_records_total", "Producer records consumed")
                     .expect("valid metric"),
             ),
-            accepted_increments: register(
+            accepted: register(
                 registry,
-                IntCounter::new("tally_ingester_accepted_increments_total", "Valid increments routed to shards")
-                    .expect("valid metric"),
+                IntCounterVec::new(
+                    Opts::new(
+                        "tally_ingester_accepted_total",
+                        "Valid elements routed on: increments and graph updates",
+                    ),
+                    &["kind"],
+                )
+                .expect("valid metric"),
             ),
             dead_letters: register(
                 registry,

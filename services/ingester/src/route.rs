@@ -50,6 +50,15 @@ pub struct Outgoing {
     pub payload: Vec<u8>,
 }
 
+/// What one batch held.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RouteCounts {
+    pub increments: u64,
+    pub graph_updates: u64,
+    /// Elements (or whole messages) sent to the dead-letter topic.
+    pub rejected: u64,
+}
+
 pub struct Router {
     names: TopicNames,
     shards: u32,
@@ -63,30 +72,31 @@ impl Router {
     /// Routes a batch of consumer messages.
     pub fn route(&self, batch: &[BorrowedMessage<'_>], metrics: &Metrics) -> Vec<Outgoing> {
         let records: Vec<InputRecord<'_>> = batch.iter().map(InputRecord::from).collect();
-        let (outgoing, accepted, rejected) = self.route_records(&records);
+        let (outgoing, counts) = self.route_records(&records);
         metrics.input_records.inc_by(records.len() as u64);
-        metrics.accepted_increments.inc_by(accepted);
-        metrics.dead_letters.inc_by(rejected);
+        metrics.accepted.with_label_values(&["increment"]).inc_by(counts.increments);
+        metrics.accepted.with_label_values(&["graph_update"]).inc_by(counts.graph_updates);
+        metrics.dead_letters.inc_by(counts.rejected);
         outgoing
     }
 
-    /// Routes records; returns the output and the accepted and rejected counts.
-    pub fn route_records(&self, records: &[InputRecord<'_>]) -> (Vec<Outgoing>, u64, u64) {
+    /// Routes records; returns the output and what was accepted and rejected.
+    pub fn route_records(&self, records: &[InputRecord<'_>]) -> (Vec<Outgoing>, RouteCounts) {
         let mut per_shard: BTreeMap<(i32, u32), Vec<(Stamp, Increment)>> = BTreeMap::new();
         let mut graph: BTreeMap<i32, Vec<(Stamp, GraphUpdate)>> = BTreeMap::new();
         let mut outgoing = Vec::new();
-        let (mut accepted, mut rejected) = (0u64, 0u64);
+        let mut counts = RouteCounts::default();
         let graph_topic = self.names.graph();
         for record in records {
             let reject = |rejection: Rejection<'_>| {
-                rejected += 1;
+                counts.rejected += 1;
                 outgoing.extend(self.dead_letter(record, rejection));
             };
             if record.topic == graph_topic {
                 parse_graph_updates(
                     record.payload,
                     |index, update| {
-                        accepted += 1;
+                        counts.graph_updates += 1;
                         graph
                             .entry(record.partition)
                             .or_default()
@@ -101,7 +111,7 @@ impl Router {
                 record.payload,
                 default_ts,
                 |index, increment| {
-                    accepted += 1;
+                    counts.increments += 1;
                     let shard = shard_of(&increment.entity, self.shards);
                     per_shard
                         .entry((record.partition, shard))
@@ -141,7 +151,7 @@ impl Router {
                 }
             }
         }
-        (outgoing, accepted, rejected)
+        (outgoing, counts)
     }
 
     /// The dead letter of a rejected element of `record`.
@@ -188,8 +198,8 @@ mod tests {
             record(1, 7, r#"{"entity":"a","metric":"v","ts":99}"#),
             record(1, 8, "not json"),
         ];
-        let (out, accepted, rejected) = router.route_records(&records);
-        assert_eq!((accepted, rejected), (3, 2));
+        let (out, counts) = router.route_records(&records);
+        assert_eq!(counts, RouteCounts { increments: 3, graph_updates: 0, rejected: 2 });
         let letters: Vec<DeadLetter> = out
             .iter()
             .filter(|o| o.topic == "tally.dead-letter")
@@ -233,8 +243,8 @@ mod tests {
             graph(2, 4, r#"[{"op":"add_edge","from":"a","to":"b"},{"op":"add_edge","from":"a","to":"a"}]"#),
             graph(2, 5, r#"{"op":"remove_edge","from":"a","to":"b","id":"g-1"}"#),
         ];
-        let (out, accepted, rejected) = router.route_records(&records);
-        assert_eq!((accepted, rejected), (2, 1));
+        let (out, counts) = router.route_records(&records);
+        assert_eq!(counts, RouteCounts { increments: 0, graph_updates: 2, rejected: 1 });
         let letter: DeadLetter =
             serde_json::from_slice(&out.iter().find(|o| o.topic == "tally.dead-letter").unwrap().payload).unwrap();
         assert_eq!((letter.topic.as_str(), letter.offset, letter.index), ("tally.graph", 4, Some(1)));
@@ -255,8 +265,8 @@ mod tests {
             (0..9000).map(|i| format!(r#"{{"entity":"e{}","metric":"v"}}"#, i % 3)).collect::<Vec<_>>().join(",")
         );
         let records = [record(0, 1, &payload)];
-        let (first, _, _) = router.route_records(&records);
-        let (second, _, _) = router.route_records(&records);
+        let (first, _) = router.route_records(&records);
+        let (second, _) = router.route_records(&records);
         assert_eq!(first, second);
         assert!(first.len() > 3, "large groups are split into several messages");
     }
