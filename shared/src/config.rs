@@ -147,11 +147,27 @@ pub struct KafkaConfig {
     pub topic_prefix: String,
     /// Passed through to librdkafka as is (`security.protocol`, `sasl.*`, `ssl.*`…).
     pub client: BTreeMap<String, String>,
+    /// The largest record the brokers accept (their `message.max.bytes`): every
+    /// record tally writes is split or truncated to fit ([`crate::records`]).
+    pub max_message_bytes: usize,
 }
 
 impl Default for KafkaConfig {
     fn default() -> Self {
-        Self { bootstrap_servers: String::new(), topic_prefix: "tally.".into(), client: BTreeMap::new() }
+        Self {
+            bootstrap_servers: String::new(),
+            topic_prefix: "tally.".into(),
+            client: BTreeMap::new(),
+            max_message_bytes: crate::records::DEFAULT_MAX_MESSAGE_BYTES,
+        }
+    }
+}
+
+impl KafkaConfig {
+    /// The bytes one record's payload may take: the broker's limit less room for
+    /// the key, headers and framing.
+    pub fn record_budget(&self) -> usize {
+        self.max_message_bytes.saturating_sub(crate::records::RECORD_OVERHEAD_BYTES).max(1_024)
     }
 }
 
@@ -224,6 +240,9 @@ pub struct IngesterConfig {
     pub group_id: String,
     /// Most input records handled in one batch.
     pub batch_max_records: usize,
+    /// Most input payload bytes held in one batch (memory stays bounded whatever
+    /// the records' sizes).
+    pub batch_max_bytes: usize,
     /// Longest wait for a batch to fill, in ms.
     pub batch_linger_ms: u64,
     /// Consume every input partition without joining the consumer group (one
@@ -238,6 +257,7 @@ impl Default for IngesterConfig {
             admin_listen: "127.0.0.1:9101".into(),
             group_id: "tally-ingester".into(),
             batch_max_records: 2_000,
+            batch_max_bytes: 16 << 20,
             batch_linger_ms: 20,
             static_assignment: false,
         }

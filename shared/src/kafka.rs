@@ -90,15 +90,27 @@ pub fn client_config(kafka: &KafkaConfig) -> Result<ClientConfig> {
     Ok(config)
 }
 
-/// Settings of a producer whose writes are idempotent and ordered per partition:
-/// a retried send never duplicates or reorders, which the stamps rely on.
+/// Settings of a producer whose writes are idempotent, ordered and gapless per
+/// partition: a retried send never duplicates or reorders, and no record lands after
+/// one that failed — which the stamps rely on (a receiver drops every stamp at or
+/// below the highest it has applied, so a gap would be lost for good).
+///
+/// librdkafka leaves a gap when a record times out locally and a later one is sent
+/// under a bumped epoch, and `enable.gapless.guarantee` does not cover timeouts; so
+/// records never time out locally (`message.timeout.ms = 0`: retried until delivered),
+/// and any other error that could leave a gap is fatal to the producer. A caller
+/// that stops waiting (shutdown) replays from its last committed position.
 pub fn producer_config(kafka: &KafkaConfig) -> Result<ClientConfig> {
     let mut config = client_config(kafka)?;
     config
         .set("enable.idempotence", "true")
+        .set("enable.gapless.guarantee", "true")
         .set("acks", "all")
         .set("linger.ms", "5")
-        .set("message.timeout.ms", "30000");
+        .set("message.timeout.ms", "0");
+    if !kafka.client.contains_key("message.max.bytes") {
+        config.set("message.max.bytes", kafka.max_message_bytes.to_string());
+    }
     Ok(config)
 }
 

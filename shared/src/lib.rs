@@ -2,14 +2,15 @@
 //!
 //! The pure parts — [`validate`], [`input`], [`time`], [`keys`], [`counting`],
 //! [`graph`], [`propagation`], [`jobs`] (but its worker library), [`sharding`],
-//! [`wire`] and the brute-force [`model`] — know nothing of Kafka, RocksDB or tokio
+//! [`records`], [`wire`] and the brute-force [`model`] — know nothing of Kafka, RocksDB or tokio
 //! and are proved with property tests. The glue — [`config`], [`telemetry`],
-//! [`shutdown`], [`service`], [`kafka`], [`outbox`], [`progress`], [`topics`],
+//! [`shutdown`], [`service`], [`kafka`], [`outbox`], [`progress`], [`dedupe`], [`topics`],
 //! [`jobs::worker`] and [`local_broker`] — is what every binary needs to run as a
 //! well-behaved service.
 
 pub mod config;
 pub mod counting;
+pub mod dedupe;
 pub mod error;
 pub mod graph;
 pub mod input;
@@ -21,6 +22,7 @@ pub mod model;
 pub mod outbox;
 pub mod progress;
 pub mod propagation;
+pub mod records;
 pub mod service;
 pub mod sharding;
 pub mod shutdown;

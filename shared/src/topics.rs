@@ -61,9 +61,17 @@ pub struct QueueDecl {
     /// Default lease of a dequeued job.
     #[serde(default = "default_lease_ms")]
     pub lease_ms: i64,
-    /// Most unfinished jobs a broker holds per partition.
+    /// Most jobs ready or running a broker holds per partition.
     #[serde(default = "default_buffer")]
     pub buffer: usize,
+    /// Most jobs waiting for their `run_at` (or a retry) a broker holds per
+    /// partition, apart from `buffer`: delayed jobs never hold back ready ones
+    /// until this many wait.
+    #[serde(default = "default_delayed_buffer")]
+    pub delayed_buffer: usize,
+    /// Most bytes of jobs a broker holds per partition.
+    #[serde(default = "default_buffer_bytes")]
+    pub buffer_bytes: usize,
     /// How long enqueued jobs stay in the topic.
     #[serde(default = "default_queue_retention_ms")]
     pub retention_ms: i64,
@@ -84,6 +92,12 @@ fn default_lease_ms() -> i64 {
 fn default_buffer() -> usize {
     10_000
 }
+fn default_delayed_buffer() -> usize {
+    100_000
+}
+fn default_buffer_bytes() -> usize {
+    64 << 20
+}
 fn default_queue_retention_ms() -> i64 {
     7 * 86_400_000
 }
@@ -99,6 +113,14 @@ impl QueueDecl {
         format!("jobs.{}.dead", self.name)
     }
 
+    /// The furthest a job's `run_at` may lie after its enqueue time: it must still
+    /// be in the topic when it runs (and a while after, if it fails), so a job
+    /// delayed beyond this is refused to the dead-letter topic rather than lost to
+    /// retention on a broker's next restart.
+    pub fn max_delay_ms(&self) -> i64 {
+        self.retention_ms - (self.retention_ms / 2).min(3_600_000)
+    }
+
     /// What the broker's buffer applies.
     pub fn policy(&self) -> crate::jobs::partition::QueuePolicy {
         crate::jobs::partition::QueuePolicy {
@@ -106,6 +128,8 @@ impl QueueDecl {
             backoff: crate::jobs::schedule::RetrySchedule { base_ms: self.backoff_ms, max_ms: self.backoff_max_ms },
             fifo: self.fifo,
             capacity: self.buffer.max(1),
+            delayed_capacity: self.delayed_buffer.max(1),
+            max_bytes: self.buffer_bytes.max(1),
         }
     }
 }
@@ -131,6 +155,12 @@ impl Declarations {
             if queue.lease_ms < 1 || queue.backoff_ms < 0 || queue.backoff_max_ms < queue.backoff_ms {
                 return Err(Error::Topics(format!(
                     "queue {}: lease_ms must be positive, 0 <= backoff_ms <= backoff_max_ms",
+                    queue.name
+                )));
+            }
+            if queue.rate_limit_per_sec == Some(0) {
+                return Err(Error::Topics(format!(
+                    "queue {}: rate_limit_per_sec must be at least 1 (leave it out for no limit)",
                     queue.name
                 )));
             }
@@ -436,6 +466,11 @@ mod tests {
         )
         .is_err());
         assert!(Declarations::parse("[[topic]]\nname='a'\npartitions=1\ncleanup_policy='delete'\n[[queue]]\nname='q'\npartitions=1\nlease_ms=0\n").is_err());
+        let zero_rate = "[[topic]]\nname='a'\npartitions=1\ncleanup_policy='delete'\n[[queue]]\nname='q'\npartitions=1\nrate_limit_per_sec=0\n";
+        assert!(Declarations::parse(zero_rate)
+            .unwrap_err()
+            .to_string()
+            .contains("rate_limit_per_sec must be at least 1"));
     }
 
     #[test]

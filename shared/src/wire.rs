@@ -7,6 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::graph::{DescChange, EdgeUpdate};
+use crate::records::{str_bound, truncate_utf8, Truncated, INT_BOUND};
 use crate::time::WindowSpec;
 use crate::{Error, Result};
 
@@ -20,6 +21,21 @@ pub struct Increment {
     pub ts: i64,
     /// The producer's idempotency key.
     pub id: Option<String>,
+}
+
+/// The bincode size of a [`Stamp`] at most.
+const STAMP_BOUND: usize = 2 * INT_BOUND;
+
+impl Increment {
+    /// An upper bound of its encoded size with its stamp, for [`crate::records::split_by_size`].
+    pub fn size_bound(&self) -> usize {
+        STAMP_BOUND
+            + str_bound(&self.entity)
+            + str_bound(&self.metric)
+            + 2 * INT_BOUND
+            + 1
+            + self.id.as_deref().map_or(0, str_bound)
+    }
 }
 
 /// Where an internal message's content comes from: the input stream and partition.
@@ -49,6 +65,43 @@ pub struct GraphUpdate {
     pub id: Option<String>,
 }
 
+impl GraphUpdate {
+    /// An upper bound of its encoded size with its stamp.
+    pub fn size_bound(&self) -> usize {
+        STAMP_BOUND
+            + INT_BOUND
+            + str_bound(&self.edge.from)
+            + str_bound(&self.edge.to)
+            + 1
+            + self.id.as_deref().map_or(0, str_bound)
+    }
+}
+
+/// An upper bound of a descendant change's encoded size with its stamp.
+pub fn desc_change_bound(change: &DescChange) -> usize {
+    let names = |list: &[String]| INT_BOUND + list.iter().map(|n| str_bound(n)).sum::<usize>();
+    STAMP_BOUND + str_bound(&change.origin) + names(&change.added) + names(&change.removed)
+}
+
+/// Splits a descendant change whose encoding would exceed `budget` into several
+/// changes of the same origin. Applied one after the other they do what the whole
+/// change does: `added` and `removed` are disjoint, and each piece moves the
+/// origin's counts into (out of) its own part of them.
+pub fn split_desc_change(change: DescChange, budget: usize) -> Vec<DescChange> {
+    if desc_change_bound(&change) <= budget {
+        return vec![change];
+    }
+    let room = budget.saturating_sub(STAMP_BOUND + str_bound(&change.origin) + 2 * INT_BOUND).max(1);
+    let mut pieces = Vec::new();
+    for (list, added) in [(&change.added, true), (&change.removed, false)] {
+        for run in crate::records::split_by_size(list, room, |name| str_bound(name)) {
+            let (added, removed) = if added { (run.to_vec(), vec![]) } else { (vec![], run.to_vec()) };
+            pieces.push(DescChange { origin: change.origin.clone(), added, removed });
+        }
+    }
+    pieces
+}
+
 /// A message on the internal graph-updates topic, consumed by `tally-graph`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum GraphMessage {
@@ -75,6 +128,13 @@ pub struct TotalDelta {
     pub width_ms: i64,
     pub bucket: i64,
     pub delta: i64,
+}
+
+impl TotalDelta {
+    /// An upper bound of its encoded size with its stamp.
+    pub fn size_bound(&self) -> usize {
+        STAMP_BOUND + str_bound(&self.entity) + str_bound(&self.metric) + 3 * INT_BOUND
+    }
 }
 
 /// Borrowed [`TotalDelta`]; same encoding.
@@ -203,14 +263,60 @@ pub struct DeadLetter {
     pub reason: String,
     /// The original bytes, base64.
     pub payload: String,
+    /// What was cut to fit the record under the broker's limit (`payload`: the
+    /// original length in bytes); absent when the payload is whole.
+    #[serde(default, skip_serializing_if = "Truncated::is_empty")]
+    pub truncated: Truncated,
 }
 
+/// The longest reason a dead letter keeps.
+const MAX_REASON_BYTES: usize = 1_024;
+
 impl DeadLetter {
+    /// The dead letter of `raw` (an element or a whole record at `topic`/`partition`/
+    /// `offset`), encoded as JSON in at most `budget` bytes: a payload too big for
+    /// that is cut, and the letter says so in `truncated`.
+    pub fn encode(
+        topic: &str,
+        partition: i32,
+        offset: i64,
+        index: Option<u32>,
+        reason: &str,
+        raw: &[u8],
+        budget: usize,
+    ) -> Result<Vec<u8>> {
+        let mut letter = DeadLetter {
+            topic: topic.to_string(),
+            partition,
+            offset,
+            index,
+            reason: truncate_utf8(reason, MAX_REASON_BYTES).to_string(),
+            payload: String::new(),
+            truncated: Truncated::new(),
+        };
+        let json = |letter: &DeadLetter| serde_json::to_vec(letter).map_err(|err| Error::Wire(err.to_string()));
+        let whole = base64_len(raw.len());
+        // Room for the payload once the rest (and a `truncated` note) is written.
+        let rest = json(&letter)?.len() + 64;
+        let mut kept = raw.len();
+        if rest + whole > budget {
+            kept = budget.saturating_sub(rest) / 4 * 3;
+            letter.truncated.insert("payload".into(), raw.len());
+        }
+        letter.payload = Self::payload_of(&raw[..kept.min(raw.len())]);
+        json(&letter)
+    }
+
     /// The `payload` field for rejected bytes: base64.
     pub fn payload_of(raw: &[u8]) -> String {
         use base64::Engine;
         base64::engine::general_purpose::STANDARD.encode(raw)
     }
+}
+
+/// The length of `n` bytes in padded base64.
+fn base64_len(n: usize) -> usize {
+    n.div_ceil(3) * 4
 }
 
 /// A record of `tally.rollups` (SPEC §4).
@@ -412,6 +518,63 @@ mod tests {
             ShardMessage::Increments { source: Source { stream: 1, partition: 0 }, entries: vec![] }.encode().unwrap();
         bytes.push(0);
         assert!(ShardMessage::decode(&bytes).is_err());
+    }
+
+    #[test]
+    fn size_bounds_hold_for_encoded_messages() {
+        let source = Source { stream: Source::INCREMENTS, partition: u32::MAX };
+        let entries: Vec<(Stamp, Increment)> = (0..50)
+            .map(|i| {
+                let increment = Increment {
+                    entity: "é".repeat(i * 3),
+                    metric: "m".repeat(i),
+                    delta: i64::MIN,
+                    ts: i64::MAX,
+                    id: (i % 2 == 0).then(|| "x".repeat(i)),
+                };
+                (Stamp { offset: i64::MIN, index: u32::MAX }, increment)
+            })
+            .collect();
+        let bound: usize = entries.iter().map(|(_, inc)| inc.size_bound()).sum();
+        let encoded = ShardMessage::encode_increments(source, &entries).unwrap().len();
+        assert!(encoded <= bound + 32, "{encoded} > {bound}");
+
+        let change = DescChange {
+            origin: "o".into(),
+            added: (0..3_000).map(|i| format!("added-{i:0>40}")).collect(),
+            removed: (0..1_000).map(|i| format!("removed-{i:0>40}")).collect(),
+        };
+        let pieces = split_desc_change(change.clone(), 20_000);
+        assert!(pieces.len() > 5);
+        let mut added: Vec<String> = pieces.iter().flat_map(|p| p.added.clone()).collect();
+        let mut removed: Vec<String> = pieces.iter().flat_map(|p| p.removed.clone()).collect();
+        added.sort();
+        removed.sort();
+        assert_eq!((added, removed), (change.added.clone(), change.removed.clone()));
+        for piece in &pieces {
+            let message =
+                ShardMessage::DescChanges { source, entries: vec![(Stamp { offset: 1, index: 1 }, piece.clone())] };
+            assert!(message.encode().unwrap().len() <= 20_000 + 32);
+            assert!(desc_change_bound(piece) <= 20_000);
+        }
+    }
+
+    #[test]
+    fn dead_letters_fit_the_budget_and_say_what_was_cut() {
+        use base64::Engine;
+        let raw = vec![b'x'; 800_000];
+        let bytes = DeadLetter::encode("t.increments", 3, 9, None, "not json", &raw, 500_000).unwrap();
+        assert!(bytes.len() <= 500_000, "{}", bytes.len());
+        let letter: DeadLetter = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(letter.truncated, Truncated::from([("payload".to_string(), 800_000)]));
+        let kept = base64::engine::general_purpose::STANDARD.decode(&letter.payload).unwrap();
+        assert!(kept.len() > 300_000 && raw.starts_with(&kept), "{}", kept.len());
+
+        let small = DeadLetter::encode("t.increments", 3, 9, Some(2), "bad", b"{}", 500_000).unwrap();
+        let letter: DeadLetter = serde_json::from_slice(&small).unwrap();
+        assert!(letter.truncated.is_empty());
+        assert_eq!(base64::engine::general_purpose::STANDARD.decode(&letter.payload).unwrap(), b"{}");
+        assert!(!String::from_utf8(small).unwrap().contains("truncated"));
     }
 
     #[test]

@@ -12,14 +12,16 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
-use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
-use rdkafka::Message;
+use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::{ClientContext, Message};
 use tally_shared::config::TallyConfig;
 use tally_shared::jobs::assignment::owner;
 use tally_shared::jobs::partition::PartitionQueue;
 use tally_shared::jobs::Job;
 use tally_shared::kafka::{client_config, now_ms, producer_config, TopicNames};
+use tally_shared::topics::QueueDecl;
 use tally_shared::wire::DeadLetter;
 use tokio_util::sync::CancellationToken;
 
@@ -46,7 +48,8 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
         .set("enable.auto.offset.store", "false")
         .set("auto.offset.reset", "earliest");
     let consumer: BaseConsumer = consumer_config.create()?;
-    let letters: ThreadedProducer<DefaultProducerContext> = producer_config(&config.kafka)?.create()?;
+    let letters: ThreadedProducer<LetterContext> =
+        producer_config(&config.kafka)?.create_with_context(LetterContext { broker: broker.clone() })?;
     let dead_letter_topic = TopicNames::new(&config.kafka.topic_prefix).dead_letter();
     let by_topic: HashMap<String, Arc<QueueRuntime>> =
         broker.queues.values().map(|q| (q.topic.clone(), q.clone())).collect();
@@ -75,7 +78,7 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                 if let Ok(mut current) = queue.owners.lock() {
                     *current = owners;
                 }
-                reconcile(&consumer, queue, &desired, &mut pending, &mut paused, settle)?;
+                reconcile(&consumer, &broker, queue, &desired, &mut pending, &mut paused, settle)?;
             }
         }
         if let Some(polled) = consumer.poll(Duration::from_millis(20)) {
@@ -87,16 +90,30 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                         continue; // revoked meanwhile
                     };
                     let payload = message.payload().unwrap_or_default();
+                    let now = now_ms();
                     let full = {
                         let Ok(mut buffer) = buffer.lock() else { continue };
-                        match Job::parse(payload) {
-                            Ok(job) => buffer.push(message.offset(), job),
+                        let enqueued_at = message.timestamp().to_millis().filter(|ts| *ts >= 0).unwrap_or(now);
+                        match Job::parse(payload).and_then(|job| check_delay(job, enqueued_at, &queue.decl)) {
+                            Ok(job) => buffer.push(message.offset(), job, now),
                             Err(reason) => {
-                                dead_letter(&letters, &dead_letter_topic, &queue.topic, &message, reason);
-                                buffer.skip(message.offset());
+                                // Held until the dead letter is acknowledged
+                                // (`LetterContext`): the watermark never passes it before.
+                                buffer.reject(message.offset());
+                                let letter =
+                                    Letter { queue: queue.decl.name.clone(), partition, offset: message.offset() };
+                                dead_letter(
+                                    &letters,
+                                    &dead_letter_topic,
+                                    &queue.topic,
+                                    &message,
+                                    &reason,
+                                    letter,
+                                    broker.record_budget,
+                                );
                             }
                         }
-                        !buffer.has_capacity()
+                        !buffer.has_room(now)
                     };
                     queue.changed.notify_waiters();
                     if full && paused.insert((queue.decl.name.clone(), partition)) {
@@ -123,6 +140,7 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
 /// Serves what this broker should own, and stops serving what it should not.
 fn reconcile(
     consumer: &BaseConsumer,
+    broker: &Broker,
     queue: &QueueRuntime,
     desired: &[i32],
     pending: &mut HashMap<Key, Instant>,
@@ -160,7 +178,7 @@ fn reconcile(
         let starts = committed_offsets(consumer, &queue.topic, &acquire)?;
         let mut tpl = TopicPartitionList::new();
         for (partition, start) in acquire.into_iter().zip(starts) {
-            let buffer = PartitionQueue::new(queue.decl.policy(), start);
+            let buffer = PartitionQueue::new(queue.decl.policy(), start, broker.next_tenure());
             if let Ok(mut partitions) = queue.partitions.lock() {
                 partitions.insert(partition, Arc::new(Mutex::new(buffer)));
             }
@@ -200,7 +218,7 @@ fn resume_drained(consumer: &BaseConsumer, broker: &Broker, paused: &mut HashSet
     for (name, partition) in paused.iter() {
         let Some(queue) = broker.queue(name) else { continue };
         let buffer = queue.partitions.lock().ok().and_then(|p| p.get(partition).cloned());
-        let has_room = buffer.is_none_or(|b| b.lock().map(|b| b.has_capacity()).unwrap_or(true));
+        let has_room = buffer.is_none_or(|b| b.lock().map(|mut b| b.has_room(now_ms())).unwrap_or(true));
         if has_room {
             let mut tpl = TopicPartitionList::new();
             tpl.add_partition(&queue.topic, *partition);
@@ -267,25 +285,89 @@ pub fn spawn_reporter(
     Ok(thread)
 }
 
+/// Refuses a job delayed further than its topic keeps it: it would be lost to
+/// retention before it runs (or when a broker restarts from a committed offset
+/// below it).
+fn check_delay(job: Job, enqueued_at: i64, decl: &QueueDecl) -> std::result::Result<Job, String> {
+    match job.run_at {
+        Some(at) if at.saturating_sub(enqueued_at) > decl.max_delay_ms() => Err(format!(
+            "run_at: {} ms after the job was enqueued, more than the {} ms this queue's topic keeps jobs \
+             (retention_ms {} less a margin); enqueue it closer to its time or raise retention_ms",
+            at.saturating_sub(enqueued_at),
+            decl.max_delay_ms(),
+            decl.retention_ms
+        )),
+        _ => Ok(job),
+    }
+}
+
+/// Which rejected record a dead letter is for.
+struct Letter {
+    queue: String,
+    partition: i32,
+    offset: i64,
+}
+
+/// Finishes a rejected record once its dead letter is acknowledged.
+struct LetterContext {
+    broker: Arc<Broker>,
+}
+
+impl ClientContext for LetterContext {}
+
+impl ProducerContext for LetterContext {
+    type DeliveryOpaque = Box<Letter>;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, letter: Self::DeliveryOpaque) {
+        if let Err((err, _)) = result {
+            // Only fatal errors end a delivery (records never time out): the record
+            // stays unfinished and its partition's watermark stays below it.
+            tracing::error!(error = %err, queue = %letter.queue, partition = letter.partition, offset = letter.offset,
+                "a dead letter was not written; the partition's offset stays below it");
+            return;
+        }
+        let buffer =
+            self.broker.queue(&letter.queue).and_then(|q| q.partitions.lock().ok()?.get(&letter.partition).cloned());
+        if let Some(buffer) = buffer {
+            if let Ok(mut buffer) = buffer.lock() {
+                buffer.finish_dead(letter.offset);
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 fn dead_letter(
-    producer: &ThreadedProducer<DefaultProducerContext>,
+    producer: &ThreadedProducer<LetterContext>,
     topic: &str,
     source_topic: &str,
     message: &rdkafka::message::BorrowedMessage<'_>,
-    reason: String,
+    reason: &str,
+    letter: Letter,
+    budget: usize,
 ) {
-    let letter = DeadLetter {
-        topic: source_topic.to_string(),
-        partition: message.partition(),
-        offset: message.offset(),
-        index: None,
-        reason,
-        payload: DeadLetter::payload_of(message.payload().unwrap_or_default()),
+    let raw = message.payload().unwrap_or_default();
+    let encoded = DeadLetter::encode(source_topic, message.partition(), message.offset(), None, reason, raw, budget);
+    let payload = match encoded {
+        Ok(payload) => payload,
+        Err(err) => {
+            tracing::error!(error = %err, "cannot encode a dead letter; the partition's offset stays below it");
+            return;
+        }
     };
-    if let Ok(payload) = serde_json::to_vec(&letter) {
-        let key = format!("{source_topic}/{}/{}", message.partition(), message.offset());
-        if let Err((err, _)) = producer.send(BaseRecord::to(topic).key(&key).payload(&payload)) {
-            tracing::error!(error = %err, "cannot send a dead letter");
+    let key = format!("{source_topic}/{}/{}", message.partition(), message.offset());
+    let mut record = BaseRecord::with_opaque_to(topic, Box::new(letter)).key(&key).payload(&payload);
+    loop {
+        match producer.send(record) {
+            Ok(()) => return,
+            Err((err, returned)) if matches!(err.rdkafka_error_code(), Some(RDKafkaErrorCode::QueueFull)) => {
+                record = returned;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err((err, _)) => {
+                tracing::error!(error = %err, "cannot send a dead letter; the partition's offset stays below it");
+                return;
+            }
         }
     }
 }

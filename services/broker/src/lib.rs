@@ -53,7 +53,14 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let addr = tally_shared::service::advertised_addr(listener.local_addr()?, config.broker.advertise_host.as_deref());
     let instance = format!("{:016x}", rand::random::<u64>());
     let dead_producer: FutureProducer = producer_config(&config.kafka)?.create()?;
-    let broker = Arc::new(state::Broker { instance: instance.clone(), queues, metrics, dead_producer });
+    let broker = Arc::new(state::Broker {
+        instance: instance.clone(),
+        queues,
+        metrics,
+        dead_producer,
+        record_budget: config.kafka.record_budget(),
+        tenures: Default::default(),
+    });
     tracing::info!(api = %addr, admin = %admin, instance, queues = ?broker.queues.keys().collect::<Vec<_>>(), "tally-broker starting");
 
     let membership = Arc::new(membership::Membership::default());

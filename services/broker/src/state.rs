@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -58,14 +58,18 @@ impl QueueRuntime {
     }
 
     /// This broker's share of the queue's rate limit: in proportion to the
-    /// partitions it owns.
+    /// partitions it owns, exactly (a fractional rate, never rounded up), so the
+    /// shares of all brokers add up to the limit.
     pub fn set_rate_share(&self, owned: usize) {
         let limiter = self.decl.rate_limit_per_sec.and_then(|rate| {
-            let share = (rate as usize * owned).div_ceil(self.decl.partitions.max(1) as usize) as u32;
-            let per_second = NonZeroU32::new(share)?;
+            if owned == 0 {
+                return None;
+            }
+            let share = f64::from(rate) * owned as f64 / f64::from(self.decl.partitions.max(1));
+            let period = Duration::from_secs_f64(1.0 / share);
             // A tenth of a second of burst: the limit holds over any second.
-            let burst = NonZeroU32::new((share / 10).max(1))?;
-            Some(Arc::new(RateLimiter::direct(Quota::per_second(per_second).allow_burst(burst))))
+            let burst = NonZeroU32::new(((share / 10.0) as u32).max(1))?;
+            Some(Arc::new(RateLimiter::direct(Quota::with_period(period)?.allow_burst(burst))))
         });
         if let Ok(mut current) = self.limiter.lock() {
             *current = limiter;
@@ -99,9 +103,19 @@ pub struct Broker {
     pub queues: BTreeMap<String, Arc<QueueRuntime>>,
     pub metrics: Metrics,
     pub dead_producer: FutureProducer,
+    /// The most bytes of one record this broker writes (dead jobs, dead letters).
+    pub record_budget: usize,
+    /// Tenures handed out so far: each partition taken gets the next one, so its
+    /// lease numbers never repeat those of an earlier tenure in this process.
+    pub tenures: AtomicU32,
 }
 
 impl Broker {
+    /// The tenure of a partition taken now.
+    pub fn next_tenure(&self) -> u32 {
+        self.tenures.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
     pub fn queue(&self, name: &str) -> Option<&Arc<QueueRuntime>> {
         self.queues.get(name)
     }
@@ -211,7 +225,15 @@ impl Broker {
             Failure::Retry { .. } => queue.changed.notify_waiters(),
             Failure::Dead { offset, attempts, error, job } => {
                 tracing::warn!(queue = %queue.decl.name, partition, offset, attempts, %error, job = %job.id, "job is dead");
-                let dead = DeadJob { queue: queue.decl.name.clone(), partition, offset, attempts, error, job };
+                let dead = DeadJob {
+                    queue: queue.decl.name.clone(),
+                    partition,
+                    offset,
+                    attempts,
+                    error,
+                    job,
+                    truncated: Default::default(),
+                };
                 let broker = self.clone();
                 let queue = queue.clone();
                 tokio::spawn(async move { broker.publish_dead(&queue, partition, dead).await });
@@ -222,9 +244,17 @@ impl Broker {
     /// Writes a dead job to the dead topic (retrying until it is acknowledged), then
     /// finishes it so the watermark can pass it.
     async fn publish_dead(&self, queue: &QueueRuntime, partition: i32, dead: DeadJob) {
-        let Ok(payload) = serde_json::to_vec(&dead) else { return };
+        let (id, offset) = (dead.job.id.clone(), dead.offset);
+        let payload = match dead.encode(self.record_budget) {
+            Ok(payload) => payload,
+            Err(err) => {
+                // Fail closed: the job stays unfinished (the watermark never passes it).
+                tracing::error!(error = %err, queue = %queue.decl.name, partition, offset, "cannot encode a dead job");
+                return;
+            }
+        };
         loop {
-            let record = FutureRecord::to(&queue.dead_topic).key(&dead.job.id).payload(&payload);
+            let record = FutureRecord::to(&queue.dead_topic).key(&id).payload(&payload);
             match self.dead_producer.send(record, Duration::from_secs(10)).await {
                 Ok(_) => break,
                 Err((err, _)) => {
@@ -235,7 +265,7 @@ impl Broker {
         }
         if let Some(buffer) = queue.partition(partition) {
             if let Ok(mut buffer) = buffer.lock() {
-                buffer.finish_dead(dead.offset);
+                buffer.finish_dead(offset);
             }
         }
         queue.dead.fetch_add(1, Ordering::Relaxed);

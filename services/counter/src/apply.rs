@@ -25,12 +25,14 @@ use std::collections::{BTreeMap, HashSet};
 
 use rocksdb::WriteBatch;
 use tally_shared::counting::Coalescer;
+use tally_shared::dedupe::DedupeWindow;
 use tally_shared::graph::apply_change;
 use tally_shared::graph::DescChange;
 use tally_shared::keys::{
     decode_count_key, encode_count_key, encode_dedupe_key, encode_entity_prefix, Counts, ALL_TIME_WIDTH,
 };
 use tally_shared::propagation::change_deltas;
+use tally_shared::records::split_by_size;
 use tally_shared::sharding::shard_of;
 use tally_shared::wire::{ShardMessage, ShardMessageRef, Source, Stamp, TotalDelta};
 
@@ -46,6 +48,9 @@ use crate::store::{encode_names, ShardStore, CF_COUNTS, CF_DEDUPE, CF_DESC, CF_O
 pub struct ShardRecord<'a> {
     pub offset: i64,
     pub payload: &'a [u8],
+    /// The record's timestamp: the time its input record was produced (the
+    /// ingester sets it), which the dedupe window runs on. `None`: the apply time.
+    pub timestamp: Option<i64>,
 }
 
 /// What one batch did.
@@ -76,11 +81,12 @@ pub struct ApplyReport {
 /// An origin's direct value per `(metric, width_ms, bucket)`.
 type DirectBuckets = Vec<((String, i64, i64), i64)>;
 
-/// A decoded record waiting in a run.
-type Decoded<'a> = (i64, ShardMessageRef<'a>);
+/// A decoded record waiting in a run: offset, record time, message.
+type Decoded<'a> = (i64, i64, ShardMessageRef<'a>);
 
 impl ShardStore {
-    /// Applies `records` (in offset order) at wall-clock `now`.
+    /// Applies `records` (in offset order) at wall-clock `now` (which decides the
+    /// buckets still retained); the dedupe window runs on each record's own time.
     pub fn apply(&self, records: &[ShardRecord<'_>], now: i64, collect_changes: bool) -> Result<ApplyReport> {
         let mut report = ApplyReport { records: records.len(), ..Default::default() };
         let mut progress = self.progress();
@@ -108,7 +114,7 @@ impl ShardStore {
                     )?;
                     continue;
                 }
-                Ok(message) => run.push((record.offset, message)),
+                Ok(message) => run.push((record.offset, record.timestamp.unwrap_or(now), message)),
                 Err(err) => {
                     tracing::error!(shard = self.shard, offset = record.offset, error = %err, "skipping undecodable shard record");
                     report.undecodable_records += 1;
@@ -138,7 +144,7 @@ impl ShardStore {
         let dedupe_cf = self.cf(CF_DEDUPE)?;
         let outbox_cf = self.cf(CF_OUTBOX)?;
 
-        for (offset, message) in run {
+        for (offset, record_time, message) in run {
             // Totals this record sends to other shards, coalesced within the record.
             let mut remote: BTreeMap<u32, Coalescer<'_>> = BTreeMap::new();
             match message {
@@ -151,11 +157,11 @@ impl ShardStore {
                         if let Some(id) = increment.id {
                             key.clear();
                             encode_dedupe_key(&mut key, increment.entity, id);
-                            if !ids_in_batch.insert((increment.entity, id)) || self.seen_recently(&key, now)? {
+                            if !ids_in_batch.insert((increment.entity, id)) || self.seen_recently(&key, *record_time)? {
                                 report.duplicate_ids += 1;
                                 continue;
                             }
-                            batch.put_cf(dedupe_cf, &key, now.to_le_bytes());
+                            batch.put_cf(dedupe_cf, &key, DedupeWindow::mark(*record_time));
                         }
                         report.increments += 1;
                         let (entity, metric, ts, delta) =
@@ -215,7 +221,11 @@ impl ShardStore {
             }
         });
         drop(descendants);
-        self.commit(batch, progress.clone())
+        self.commit(batch, progress.clone())?;
+        if let Some(latest) = run.iter().map(|(_, record_time, _)| *record_time).max() {
+            self.advance_stream_time(latest);
+        }
+        Ok(())
     }
 
     /// Applies one record of descendant changes in its own write batch.
@@ -329,13 +339,15 @@ impl ShardStore {
         entries: Vec<(Stamp, TotalDelta)>,
         report: &mut ApplyReport,
     ) -> Result<()> {
-        if entries.is_empty() {
-            return Ok(());
-        }
         let source = Source { stream: Source::SHARD, partition: self.shard };
-        let payload = ShardMessage::Totals { source, entries }.encode()?;
-        batch.put_cf(outbox_cf, outbox_key(offset, target, 0), payload);
-        report.outbox_messages += 1;
+        // Split to fit the broker's record limit; chunks keep the stamps' order.
+        for (chunk, run) in
+            split_by_size(&entries, self.options.record_budget, |(_, d)| d.size_bound()).into_iter().enumerate()
+        {
+            let payload = ShardMessage::Totals { source, entries: run.to_vec() }.encode()?;
+            batch.put_cf(outbox_cf, outbox_key(offset, target, chunk as u32), payload);
+            report.outbox_messages += 1;
+        }
         Ok(())
     }
 
@@ -392,20 +404,20 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = ShardStore::open(0, dir.path(), options()).unwrap();
         let first = message(0, &[(10, 0, "a", 1, None), (10, 1, "a", 2, None), (11, 0, "b", 5, None)]);
-        let report = store.apply(&[ShardRecord { offset: 0, payload: &first }], NOW, false).unwrap();
+        let report = store.apply(&[ShardRecord { offset: 0, payload: &first, timestamp: None }], NOW, false).unwrap();
         assert_eq!(report.increments, 3);
         // Kafka redelivers offset 0: skipped by offset.
-        let report = store.apply(&[ShardRecord { offset: 0, payload: &first }], NOW, false).unwrap();
+        let report = store.apply(&[ShardRecord { offset: 0, payload: &first, timestamp: None }], NOW, false).unwrap();
         assert_eq!(report.stale_records, 1);
         // The ingester re-sent the same entries plus a new one at a new offset.
         let again = message(0, &[(10, 1, "a", 2, None), (11, 0, "b", 5, None), (12, 0, "a", 100, None)]);
-        let report = store.apply(&[ShardRecord { offset: 1, payload: &again }], NOW, false).unwrap();
+        let report = store.apply(&[ShardRecord { offset: 1, payload: &again, timestamp: None }], NOW, false).unwrap();
         assert_eq!((report.redelivered, report.increments), (2, 1));
         assert_eq!(all_time(&store, "a"), 103);
         assert_eq!(all_time(&store, "b"), 5);
         // Another source's stamps are independent.
         let other = message(1, &[(10, 0, "a", 1000, None)]);
-        store.apply(&[ShardRecord { offset: 2, payload: &other }], NOW, false).unwrap();
+        store.apply(&[ShardRecord { offset: 2, payload: &other, timestamp: None }], NOW, false).unwrap();
         assert_eq!(all_time(&store, "a"), 1103);
     }
 
@@ -414,10 +426,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = ShardStore::open(0, dir.path(), options()).unwrap();
         let first = message(0, &[(0, 0, "a", 1, None)]);
-        let report = store.apply(&[ShardRecord { offset: 0, payload: &first }], NOW, false).unwrap();
+        let report = store.apply(&[ShardRecord { offset: 0, payload: &first, timestamp: None }], NOW, false).unwrap();
         assert_eq!((report.increments, report.redelivered), (1, 0));
         let same = message(0, &[(0, 0, "a", 1, None)]);
-        let report = store.apply(&[ShardRecord { offset: 1, payload: &same }], NOW, false).unwrap();
+        let report = store.apply(&[ShardRecord { offset: 1, payload: &same, timestamp: None }], NOW, false).unwrap();
         assert_eq!((report.increments, report.redelivered), (0, 1));
     }
 
@@ -428,16 +440,19 @@ mod tests {
             let store = ShardStore::open(0, dir.path(), options()).unwrap();
             let payload =
                 message(0, &[(1, 0, "a", 1, Some("x")), (2, 0, "a", 1, Some("x")), (3, 0, "b", 1, Some("x"))]);
-            let report = store.apply(&[ShardRecord { offset: 0, payload: &payload }], NOW, false).unwrap();
+            let report =
+                store.apply(&[ShardRecord { offset: 0, payload: &payload, timestamp: None }], NOW, false).unwrap();
             assert_eq!((report.increments, report.duplicate_ids), (2, 1));
         }
         let store = ShardStore::open(0, dir.path(), options()).unwrap();
         let payload = message(0, &[(4, 0, "a", 1, Some("x")), (5, 0, "a", 1, Some("y"))]);
-        let report = store.apply(&[ShardRecord { offset: 1, payload: &payload }], NOW, false).unwrap();
+        let report = store.apply(&[ShardRecord { offset: 1, payload: &payload, timestamp: None }], NOW, false).unwrap();
         assert_eq!((report.increments, report.duplicate_ids), (1, 1));
         // Past the window the id counts again.
         let payload = message(0, &[(6, 0, "a", 1, Some("x"))]);
-        let report = store.apply(&[ShardRecord { offset: 2, payload: &payload }], NOW + 86_400_000, false).unwrap();
+        let report = store
+            .apply(&[ShardRecord { offset: 2, payload: &payload, timestamp: None }], NOW + 86_400_000, false)
+            .unwrap();
         assert_eq!(report.increments, 1);
         assert_eq!(all_time(&store, "a"), 3);
     }
@@ -467,10 +482,10 @@ mod tests {
         let during = message(0, &[(2, 0, "a", 2, None)]);
         let lose = desc_change(1, "a", &[], &["c"]);
         let records = [
-            ShardRecord { offset: 0, payload: &before },
-            ShardRecord { offset: 1, payload: &gain },
-            ShardRecord { offset: 2, payload: &during },
-            ShardRecord { offset: 3, payload: &lose },
+            ShardRecord { offset: 0, payload: &before, timestamp: None },
+            ShardRecord { offset: 1, payload: &gain, timestamp: None },
+            ShardRecord { offset: 2, payload: &during, timestamp: None },
+            ShardRecord { offset: 3, payload: &lose, timestamp: None },
         ];
         let report = store.apply(&records, NOW, false).unwrap();
         assert_eq!((report.increments, report.desc_changes), (3, 2));
@@ -479,7 +494,7 @@ mod tests {
         assert_eq!(counts(&store, "c"), Counts { direct: 0, total: 0 });
         assert_eq!(store.descendants_of("a"), vec!["b".to_string()]);
         // A redelivered change is dropped; the view survives a restart.
-        let report = store.apply(&[ShardRecord { offset: 4, payload: &gain }], NOW, false).unwrap();
+        let report = store.apply(&[ShardRecord { offset: 4, payload: &gain, timestamp: None }], NOW, false).unwrap();
         assert_eq!((report.desc_changes, report.redelivered), (0, 1));
         drop(store);
         let store = ShardStore::open(0, dir.path(), options()).unwrap();
@@ -497,9 +512,9 @@ mod tests {
         let gain = desc_change(0, "o", &[remote_entity], &[]);
         let more = message(0, &[(2, 0, "o", 1, None)]);
         let records = [
-            ShardRecord { offset: 0, payload: &inc },
-            ShardRecord { offset: 1, payload: &gain },
-            ShardRecord { offset: 2, payload: &more },
+            ShardRecord { offset: 0, payload: &inc, timestamp: None },
+            ShardRecord { offset: 1, payload: &gain, timestamp: None },
+            ShardRecord { offset: 2, payload: &more, timestamp: None },
         ];
         sender.apply(&records, NOW, false).unwrap();
         let outbox = sender.outbox().unwrap();
@@ -510,7 +525,7 @@ mod tests {
             .iter()
             .chain(&outbox)
             .enumerate()
-            .map(|(i, e)| ShardRecord { offset: i as i64, payload: &e.payload })
+            .map(|(i, e)| ShardRecord { offset: i as i64, payload: &e.payload, timestamp: None })
             .collect();
         let report = receiver.apply(&delivered, NOW, false).unwrap();
         assert_eq!(report.redelivered, report.totals_received);
@@ -525,7 +540,7 @@ mod tests {
         let replayed: Vec<ShardRecord<'_>> = replayed
             .iter()
             .enumerate()
-            .map(|(i, e)| ShardRecord { offset: 10 + i as i64, payload: &e.payload })
+            .map(|(i, e)| ShardRecord { offset: 10 + i as i64, payload: &e.payload, timestamp: None })
             .collect();
         receiver.apply(&replayed, NOW, false).unwrap();
         assert_eq!(counts(&receiver, remote_entity), Counts { direct: 0, total: 5 });
@@ -536,7 +551,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = ShardStore::open(0, dir.path(), options()).unwrap();
         let good = message(0, &[(1, 0, "a", 1, None)]);
-        let records = [ShardRecord { offset: 5, payload: b"garbage" }, ShardRecord { offset: 6, payload: &good }];
+        let records = [
+            ShardRecord { offset: 5, payload: b"garbage", timestamp: None },
+            ShardRecord { offset: 6, payload: &good, timestamp: None },
+        ];
         let report = store.apply(&records, NOW, true).unwrap();
         assert_eq!((report.undecodable_records, report.increments), (1, 1));
         assert_eq!(store.progress().next_offset, Some(7));

@@ -127,7 +127,7 @@ pub fn run(options: &BenchOptions, dir: &Path) -> Result<BenchReport> {
             .iter()
             .map(|payload| {
                 offset += 1;
-                ShardRecord { offset, payload }
+                ShardRecord { offset, payload, timestamp: None }
             })
             .collect();
         let report = store.apply(&shard_records, now, false)?;

@@ -119,7 +119,10 @@ pub fn run(options: &GraphBenchOptions, dir: &Path) -> Result<GraphBenchReport> 
     let counted = increments_record(0, answers.iter().cloned(), now);
     let known = changes_record(initial);
     store.apply(
-        &[ShardRecord { offset: 0, payload: &counted }, ShardRecord { offset: 1, payload: &known }],
+        &[
+            ShardRecord { offset: 0, payload: &counted, timestamp: None },
+            ShardRecord { offset: 1, payload: &known, timestamp: None },
+        ],
         now,
         false,
     )?;
@@ -131,7 +134,7 @@ pub fn run(options: &GraphBenchOptions, dir: &Path) -> Result<GraphBenchReport> 
         moved = ShardMessage::DescChanges { source, entries }.encode()?;
     }
     let started = Instant::now();
-    store.apply(&[ShardRecord { offset: 2, payload: &moved }], now, false)?;
+    store.apply(&[ShardRecord { offset: 2, payload: &moved, timestamp: None }], now, false)?;
     let shard_apply_seconds = started.elapsed().as_secs_f64();
 
     // Increments on leaves with three levels of ancestors vs on leaves without.
@@ -148,19 +151,19 @@ pub fn run(options: &GraphBenchOptions, dir: &Path) -> Result<GraphBenchReport> 
         .map(|(from, to)| EdgeUpdate { op: EdgeOp::Add, from, to })
         .collect();
     let views = changes_record(levels.apply_batch(&chain));
-    hierarchical.apply(&[ShardRecord { offset: 0, payload: &views }], now, false)?;
+    hierarchical.apply(&[ShardRecord { offset: 0, payload: &views, timestamp: None }], now, false)?;
     let flat = ShardStore::open(0, &dir.join("flat"), StoreOptions { shards: options.shards, ..Default::default() })?;
     let batch =
         |offset| increments_record(offset, (0..options.increments).map(|i| format!("leaf:{}", i % leaves)), now);
     let (first, second) = (batch(1), batch(2));
-    flat.apply(&[ShardRecord { offset: 1, payload: &first }], now, false)?;
-    hierarchical.apply(&[ShardRecord { offset: 1, payload: &first }], now, false)?;
+    flat.apply(&[ShardRecord { offset: 1, payload: &first, timestamp: None }], now, false)?;
+    hierarchical.apply(&[ShardRecord { offset: 1, payload: &first, timestamp: None }], now, false)?;
 
     let started = Instant::now();
-    flat.apply(&[ShardRecord { offset: 2, payload: &second }], now, false)?;
+    flat.apply(&[ShardRecord { offset: 2, payload: &second, timestamp: None }], now, false)?;
     let flat_seconds = started.elapsed().as_secs_f64();
     let started = Instant::now();
-    let report = hierarchical.apply(&[ShardRecord { offset: 2, payload: &second }], now, false)?;
+    let report = hierarchical.apply(&[ShardRecord { offset: 2, payload: &second, timestamp: None }], now, false)?;
     let hierarchy_seconds = started.elapsed().as_secs_f64();
 
     Ok(GraphBenchReport {

@@ -125,6 +125,7 @@ struct Polled {
     shard: u32,
     offset: i64,
     payload: Vec<u8>,
+    timestamp: Option<i64>,
 }
 
 /// Runs until `shutdown`; finishes and persists the batch in hand before returning.
@@ -142,6 +143,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             dedupe_window_ms: config.counting.dedupe_window_ms()?,
             sync_writes: config.counter.sync_writes,
             shards: shard_count,
+            record_budget: config.kafka.record_budget(),
         },
         fatal: Mutex::new(None),
     };
@@ -200,7 +202,13 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
                 Some(Ok(message)) => {
                     let payload = message.payload().unwrap_or_default().to_vec();
                     batch_bytes += payload.len();
-                    batch.push(Polled { shard: message.partition() as u32, offset: message.offset(), payload });
+                    let timestamp = message.timestamp().to_millis().filter(|ts| *ts >= 0);
+                    batch.push(Polled {
+                        shard: message.partition() as u32,
+                        offset: message.offset(),
+                        payload,
+                        timestamp,
+                    });
                 }
                 Some(Err(err)) => tracing::warn!(error = %err, "consumer error"),
                 None => {}
@@ -259,7 +267,11 @@ fn apply_batch(
     let mut outbox_written = 0;
     let mut by_shard: HashMap<u32, Vec<ShardRecord<'_>>> = HashMap::new();
     for polled in batch {
-        by_shard.entry(polled.shard).or_default().push(ShardRecord { offset: polled.offset, payload: &polled.payload });
+        by_shard.entry(polled.shard).or_default().push(ShardRecord {
+            offset: polled.offset,
+            payload: &polled.payload,
+            timestamp: polled.timestamp,
+        });
     }
     for (shard, mut records) in by_shard {
         let Some(store) = shards.get(shard) else { continue };

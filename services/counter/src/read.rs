@@ -155,7 +155,7 @@ mod tests {
         }
         .encode()
         .unwrap();
-        store.apply(&[ShardRecord { offset: 0, payload: &payload }], NOW, false).unwrap();
+        store.apply(&[ShardRecord { offset: 0, payload: &payload, timestamp: None }], NOW, false).unwrap();
         (dir, store)
     }
 

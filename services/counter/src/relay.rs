@@ -9,18 +9,28 @@ use crate::metrics::Metrics;
 use crate::shards::Shards;
 
 /// Relays the outbox of every owned shard; returns how many messages went out.
+/// Shards are independent senders: one that fails does not hold up the others (its
+/// outbox is sent again next time); the first error is returned after all tried.
 pub fn relay_outboxes(relay: &Relay, shards: &Shards, metrics: &Metrics) -> Result<u64> {
     let mut relayed = 0;
+    let mut first_error = None;
     for shard in shards.owned() {
         let Some(store) = shards.get(shard) else { continue };
-        let entries = store.outbox()?;
-        if entries.is_empty() {
-            continue;
+        let sent = store.outbox().and_then(|entries| {
+            if !entries.is_empty() {
+                relay.send_all(&shard.to_string(), &entries)?;
+                store.delete_outbox(&entries)?;
+            }
+            Ok(entries.len() as u64)
+        });
+        match sent {
+            Ok(count) => relayed += count,
+            Err(err) => {
+                tracing::warn!(shard, error = %err, "relaying a shard's outbox; it is sent again next time");
+                first_error.get_or_insert(err);
+            }
         }
-        relay.send_all(&shard.to_string(), &entries)?;
-        store.delete_outbox(&entries)?;
-        relayed += entries.len() as u64;
     }
     metrics.outbox_relayed.inc_by(relayed);
-    Ok(relayed)
+    first_error.map_or(Ok(relayed), Err)
 }

@@ -2,7 +2,7 @@
 //! always written together.
 //!
 //! Column families: `counts` (bucket values, summed by a merge operator so the write
-//! path never reads), `dedupe` (idempotency marks with their first-seen time), `desc`
+//! path never reads), `dedupe` (idempotency marks with their first record's time, [`DedupeWindow`]), `desc`
 //! (the current descendant view of each origin this shard owns), `outbox` (totals
 //! for other shards, written with the state that produced them and deleted once
 //! relayed), and the default one for progress: the next shard-topic offset to
@@ -15,9 +15,10 @@ use std::sync::Mutex;
 
 use rocksdb::compaction_filter::Decision;
 use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, MergeOperands, Options, WriteBatch, WriteOptions, DB};
+use tally_shared::dedupe::DedupeWindow;
 use tally_shared::keys::{decode_count_key, Counts, ALL_TIME_WIDTH};
 use tally_shared::outbox::{delete_outbox, read_outbox, OutboxEntry};
-use tally_shared::progress::{decode_i64, Progress};
+use tally_shared::progress::Progress;
 use tally_shared::time::Resolutions;
 
 use crate::error::{Error, Result};
@@ -36,11 +37,19 @@ pub struct StoreOptions {
     pub sync_writes: bool,
     /// How many shards there are (where a descendant's totals live).
     pub shards: u32,
+    /// The most bytes of one outbox record ([`tally_shared::records`]).
+    pub record_budget: usize,
 }
 
 impl Default for StoreOptions {
     fn default() -> Self {
-        Self { resolutions: Resolutions::default(), dedupe_window_ms: 86_400_000, sync_writes: false, shards: 1 }
+        Self {
+            resolutions: Resolutions::default(),
+            dedupe_window_ms: 86_400_000,
+            sync_writes: false,
+            shards: 1,
+            record_budget: tally_shared::config::KafkaConfig::default().record_budget(),
+        }
     }
 }
 
@@ -54,6 +63,8 @@ pub struct ShardStore {
     /// desc(origin) of every origin with descendants, sorted; mirrors the `desc`
     /// column family. Only the consumer thread touches it.
     pub(crate) descendants: Mutex<HashMap<String, Vec<String>>>,
+    /// Idempotency marks live for this window of record time.
+    dedupe: DedupeWindow,
 }
 
 fn add_counts(_key: &[u8], existing: Option<&[u8]>, operands: &MergeOperands) -> Option<Vec<u8>> {
@@ -93,14 +104,8 @@ impl ShardStore {
 
         let mut dedupe = Options::default();
         dedupe.set_write_buffer_size(4 << 20);
-        let window = options.dedupe_window_ms;
-        dedupe.set_compaction_filter("tally_dedupe_ttl", move |_level: u32, _key: &[u8], value: &[u8]| {
-            if mark_expired(value, window, wall_clock_ms()) {
-                Decision::Remove
-            } else {
-                Decision::Keep
-            }
-        });
+        let dedupe_window = DedupeWindow::new(options.dedupe_window_ms);
+        dedupe.set_compaction_filter("tally_dedupe_ttl", dedupe_window.compaction_filter());
 
         let families = vec![
             ColumnFamilyDescriptor::new(CF_COUNTS, counts),
@@ -111,7 +116,14 @@ impl ShardStore {
         let db = DB::open_cf_descriptors(&db_options, path, families)?;
         let progress = Progress::load(&db)?;
         let descendants = Self::load_descendants(&db)?;
-        Ok(Self { shard, db, options, progress: Mutex::new(progress), descendants: Mutex::new(descendants) })
+        Ok(Self {
+            shard,
+            db,
+            options,
+            progress: Mutex::new(progress),
+            descendants: Mutex::new(descendants),
+            dedupe: dedupe_window,
+        })
     }
 
     fn load_descendants(db: &DB) -> Result<HashMap<String, Vec<String>>> {
@@ -151,13 +163,19 @@ impl ShardStore {
         self.progress.lock().map(|p| p.clone()).unwrap_or_default()
     }
 
-    /// Whether `(entity, id)` was seen within the dedupe window.
-    pub(crate) fn seen_recently(&self, key: &[u8], now: i64) -> Result<bool> {
+    /// Whether `(entity, id)` was seen within the dedupe window of a record at
+    /// `record_time` (both times are the records' own, not the apply time).
+    pub(crate) fn seen_recently(&self, key: &[u8], record_time: i64) -> Result<bool> {
         let cf = self.cf(CF_DEDUPE)?;
         Ok(match self.db.get_pinned_cf(cf, key)? {
-            Some(value) => !mark_expired(&value, self.options.dedupe_window_ms, now),
+            Some(mark) => self.dedupe.repeats(&mark, record_time),
             None => false,
         })
+    }
+
+    /// The dedupe window's stream time moves to `record_time` (a committed record's).
+    pub(crate) fn advance_stream_time(&self, record_time: i64) {
+        self.dedupe.advance(record_time);
     }
 
     /// Writes `batch` plus the new progress atomically, then publishes the progress.
@@ -192,11 +210,6 @@ fn decode_names(bytes: &[u8]) -> Vec<String> {
     bincode::serde::decode_from_slice(bytes, bincode::config::standard()).map(|(names, _)| names).unwrap_or_default()
 }
 
-/// A mark holds its first-seen time; it expires a window later.
-fn mark_expired(value: &[u8], window_ms: i64, now: i64) -> bool {
-    decode_i64(value).saturating_add(window_ms) <= now
-}
-
 #[cfg(test)]
 mod tests {
     use tally_shared::wire::{Source, Stamp};
@@ -222,12 +235,5 @@ mod tests {
         let progress = store.progress();
         assert_eq!(progress.next_offset, Some(42));
         assert_eq!(progress.high_water[&source], Stamp { offset: 7, index: 2 });
-    }
-
-    #[test]
-    fn marks_expire_after_the_window() {
-        let now: i64 = 1_000_000;
-        assert!(!mark_expired(&now.to_le_bytes(), 10, now + 9));
-        assert!(mark_expired(&now.to_le_bytes(), 10, now + 10));
     }
 }

@@ -40,6 +40,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         shards,
         dedupe_window_ms: config.counting.dedupe_window_ms()?,
         sync_writes: config.graph.sync_writes,
+        record_budget: config.kafka.record_budget(),
     };
     let data_dir = config.graph.data_dir.clone();
     let store = Arc::new(

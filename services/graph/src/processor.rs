@@ -71,7 +71,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
     let linger = Duration::from_millis(config.graph.batch_linger_ms);
     let max_records = config.graph.batch_max_records.max(1);
     let mut last_heartbeat: Option<Instant> = None;
-    let mut batch: Vec<(i64, Vec<u8>)> = Vec::new();
+    let mut batch: Vec<(i64, Option<i64>, Vec<u8>)> = Vec::new();
     while !shutdown.is_cancelled() {
         batch.clear();
         let deadline = Instant::now() + linger;
@@ -82,7 +82,10 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
                 deadline.saturating_duration_since(Instant::now())
             };
             match consumer.poll(wait) {
-                Some(Ok(message)) => batch.push((message.offset(), message.payload().unwrap_or_default().to_vec())),
+                Some(Ok(message)) => {
+                    let timestamp = message.timestamp().to_millis().filter(|ts| *ts >= 0);
+                    batch.push((message.offset(), timestamp, message.payload().unwrap_or_default().to_vec()))
+                }
                 Some(Err(err)) => tracing::warn!(error = %err, "consumer error"),
                 None if batch.is_empty() => break,
                 None => {}
@@ -92,8 +95,10 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
             }
         }
         if !batch.is_empty() {
-            let records: Vec<UpdateRecord<'_>> =
-                batch.iter().map(|(offset, payload)| UpdateRecord { offset: *offset, payload }).collect();
+            let records: Vec<UpdateRecord<'_>> = batch
+                .iter()
+                .map(|(offset, timestamp, payload)| UpdateRecord { offset: *offset, payload, timestamp: *timestamp })
+                .collect();
             let report = store.apply(&records, now_ms())?;
             metrics.applied_updates.inc_by(report.updates);
             metrics.dropped.with_label_values(&["redelivered"]).inc_by(report.redelivered);

@@ -3,20 +3,21 @@
 //!
 //! Column families: `edges` (`from 0x00 to` → empty; the whole graph is loaded into
 //! memory at start), `in_edges` (`to 0x00 from`, the same edges by target, for tools
-//! that read the store without loading it), `dedupe` (`from 0x00 id` → first-seen ms, dropped by a compaction
-//! filter after the window), `outbox` (descendant changes for the counter shards,
+//! that read the store without loading it), `dedupe` (`from 0x00 id` → its first record's time, dropped by a compaction
+//! filter after the window, [`DedupeWindow`]), `outbox` (descendant changes for the counter shards,
 //! deleted once relayed) and the default one for [`Progress`].
 
 use std::path::Path;
 use std::sync::{Mutex, RwLock};
 
-use rocksdb::compaction_filter::Decision;
 use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, Options, WriteBatch, WriteOptions, DB};
+use tally_shared::dedupe::DedupeWindow;
 use tally_shared::graph::{DescChange, EdgeUpdate, Graph};
 use tally_shared::outbox::{delete_outbox, outbox_key, read_outbox, OutboxEntry};
-use tally_shared::progress::{decode_i64, Progress};
+use tally_shared::progress::Progress;
+use tally_shared::records::split_by_size;
 use tally_shared::sharding::shard_of;
-use tally_shared::wire::{GraphMessage, ShardMessage, Source, Stamp};
+use tally_shared::wire::{desc_change_bound, split_desc_change, GraphMessage, ShardMessage, Source, Stamp};
 
 use crate::error::{Error, Result};
 
@@ -24,9 +25,6 @@ const CF_EDGES: &str = "edges";
 const CF_IN_EDGES: &str = "in_edges";
 const CF_DEDUPE: &str = "dedupe";
 const CF_OUTBOX: &str = "outbox";
-/// Most descendant changes in one shard-topic message.
-const CHANGES_PER_MESSAGE: usize = 500;
-
 /// Settings of the graph store.
 #[derive(Debug, Clone)]
 pub struct GraphOptions {
@@ -34,6 +32,8 @@ pub struct GraphOptions {
     pub shards: u32,
     pub dedupe_window_ms: i64,
     pub sync_writes: bool,
+    /// The most bytes of one outbox record ([`tally_shared::records`]).
+    pub record_budget: usize,
 }
 
 /// One record of the graph-updates topic.
@@ -41,6 +41,9 @@ pub struct GraphOptions {
 pub struct UpdateRecord<'a> {
     pub offset: i64,
     pub payload: &'a [u8],
+    /// The time of the producer's record (set by the ingester); the dedupe window
+    /// runs on it. `None`: the apply time.
+    pub timestamp: Option<i64>,
 }
 
 /// What one batch did.
@@ -61,10 +64,8 @@ pub struct GraphStore {
     /// The graph in memory; readers take the read lock.
     pub graph: RwLock<Graph>,
     progress: Mutex<Progress>,
-}
-
-fn wall_clock_ms() -> i64 {
-    tally_shared::kafka::now_ms()
+    /// Idempotency marks live for this window of record time.
+    dedupe: DedupeWindow,
 }
 
 impl GraphStore {
@@ -75,14 +76,8 @@ impl GraphStore {
         db_options.create_if_missing(true);
         db_options.create_missing_column_families(true);
         let mut dedupe = Options::default();
-        let window = options.dedupe_window_ms;
-        dedupe.set_compaction_filter("tally_graph_dedupe_ttl", move |_level: u32, _key: &[u8], value: &[u8]| {
-            if decode_i64(value).saturating_add(window) <= wall_clock_ms() {
-                Decision::Remove
-            } else {
-                Decision::Keep
-            }
-        });
+        let dedupe_window = DedupeWindow::new(options.dedupe_window_ms);
+        dedupe.set_compaction_filter("tally_graph_dedupe_ttl", dedupe_window.compaction_filter());
         let families = vec![
             ColumnFamilyDescriptor::new(CF_EDGES, Options::default()),
             ColumnFamilyDescriptor::new(CF_IN_EDGES, Options::default()),
@@ -101,7 +96,7 @@ impl GraphStore {
             }
         }
         tracing::info!(edges = graph.edge_count(), next_offset = ?progress.next_offset, "graph loaded");
-        Ok(Self { db, options, graph: RwLock::new(graph), progress: Mutex::new(progress) })
+        Ok(Self { db, options, graph: RwLock::new(graph), progress: Mutex::new(progress), dedupe: dedupe_window })
     }
 
     fn cf(&self, name: &str) -> Result<&ColumnFamily> {
@@ -123,6 +118,7 @@ impl GraphStore {
         let dedupe_cf = self.cf(CF_DEDUPE)?;
         let mut ids_in_batch = std::collections::HashSet::new();
         let mut updates: Vec<EdgeUpdate> = Vec::new();
+        let mut latest_record_time = i64::MIN;
         for record in records {
             if progress.next_offset.is_some_and(|next| record.offset < next) {
                 continue;
@@ -136,6 +132,8 @@ impl GraphStore {
                     continue;
                 }
             };
+            let record_time = record.timestamp.unwrap_or(now);
+            latest_record_time = latest_record_time.max(record_time);
             for (stamp, update) in entries {
                 if !progress.advance(source, stamp) {
                     report.redelivered += 1;
@@ -143,11 +141,11 @@ impl GraphStore {
                 }
                 if let Some(id) = &update.id {
                     let key = dedupe_key(&update.edge.from, id);
-                    if !ids_in_batch.insert(key.clone()) || self.seen_recently(&key, now)? {
+                    if !ids_in_batch.insert(key.clone()) || self.seen_recently(&key, record_time)? {
                         report.duplicate_ids += 1;
                         continue;
                     }
-                    batch.put_cf(dedupe_cf, &key, now.to_le_bytes());
+                    batch.put_cf(dedupe_cf, &key, DedupeWindow::mark(record_time));
                 }
                 report.updates += 1;
                 updates.push(update.edge);
@@ -182,22 +180,28 @@ impl GraphStore {
         if let Ok(mut current) = self.progress.lock() {
             *current = progress;
         }
+        self.dedupe.advance(latest_record_time);
         Ok(report)
     }
 
     /// Each change goes to the shard that owns its origin, stamped (sequence of the
-    /// batch, index) so a counter drops what it already applied.
+    /// batch, index) so a counter drops what it already applied. A change too big
+    /// for one record is split into several of the same origin, and a shard's
+    /// changes into as many records as their size needs.
     fn put_outbox(&self, batch: &mut WriteBatch, sequence: i64, changes: Vec<DescChange>) -> Result<u64> {
         let outbox_cf = self.cf(CF_OUTBOX)?;
+        let budget = self.options.record_budget;
         let mut per_shard: std::collections::BTreeMap<u32, Vec<(Stamp, DescChange)>> = Default::default();
-        for (index, change) in changes.into_iter().enumerate() {
+        let pieces = changes.into_iter().flat_map(|change| split_desc_change(change, budget));
+        for (index, change) in pieces.enumerate() {
             let stamp = Stamp { offset: sequence, index: index as u32 };
             per_shard.entry(shard_of(&change.origin, self.options.shards)).or_default().push((stamp, change));
         }
         let source = Source { stream: Source::GRAPH_PROCESSOR, partition: 0 };
         let mut messages = 0;
         for (shard, entries) in per_shard {
-            for (chunk, part) in entries.chunks(CHANGES_PER_MESSAGE).enumerate() {
+            for (chunk, part) in split_by_size(&entries, budget, |(_, c)| desc_change_bound(c)).into_iter().enumerate()
+            {
                 let payload = ShardMessage::DescChanges { source, entries: part.to_vec() }.encode()?;
                 batch.put_cf(outbox_cf, outbox_key(sequence, shard, chunk as u32), payload);
                 messages += 1;
@@ -206,9 +210,9 @@ impl GraphStore {
         Ok(messages)
     }
 
-    fn seen_recently(&self, key: &[u8], now: i64) -> Result<bool> {
+    fn seen_recently(&self, key: &[u8], record_time: i64) -> Result<bool> {
         Ok(match self.db.get_pinned_cf(self.cf(CF_DEDUPE)?, key)? {
-            Some(value) => decode_i64(&value).saturating_add(self.options.dedupe_window_ms) > now,
+            Some(mark) => self.dedupe.repeats(&mark, record_time),
             None => false,
         })
     }
@@ -251,7 +255,7 @@ mod tests {
     const NOW: i64 = 1_763_780_000_000;
 
     fn options() -> GraphOptions {
-        GraphOptions { shards: 4, dedupe_window_ms: 86_400_000, sync_writes: false }
+        GraphOptions { shards: 4, dedupe_window_ms: 86_400_000, sync_writes: false, record_budget: 900_000 }
     }
 
     fn record(offset: i64, updates: &[(bool, &str, &str, Option<&str>)]) -> Vec<u8> {
@@ -289,7 +293,7 @@ mod tests {
         {
             let store = GraphStore::open(dir.path(), options()).unwrap();
             let first = record(0, &[(true, "a", "b", Some("g1")), (true, "b", "c", None)]);
-            let report = store.apply(&[UpdateRecord { offset: 0, payload: &first }], NOW).unwrap();
+            let report = store.apply(&[UpdateRecord { offset: 0, payload: &first, timestamp: None }], NOW).unwrap();
             assert_eq!((report.updates, report.changes), (2, 2));
             let got = changes(&store);
             assert_eq!(got[0], DescChange { origin: "a".into(), added: vec!["b".into(), "c".into()], removed: vec![] });
@@ -308,7 +312,10 @@ mod tests {
         // A redelivered record, a retried id and a fresh removal.
         let again = record(0, &[(true, "a", "b", Some("g1"))]);
         let retry = record(1, &[(false, "a", "b", Some("g1")), (false, "b", "c", None)]);
-        let records = [UpdateRecord { offset: 0, payload: &again }, UpdateRecord { offset: 1, payload: &retry }];
+        let records = [
+            UpdateRecord { offset: 0, payload: &again, timestamp: None },
+            UpdateRecord { offset: 1, payload: &retry, timestamp: None },
+        ];
         let report = store.apply(&records, NOW).unwrap();
         assert_eq!((report.updates, report.duplicate_ids), (1, 1));
         let got = changes(&store);

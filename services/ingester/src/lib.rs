@@ -63,9 +63,10 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let producer: FutureProducer = producer_config(&config.kafka)?.create()?;
     readiness.set(true);
 
-    let router = Router::new(names.clone(), shards);
+    let router = Router::new(names.clone(), shards, config.kafka.record_budget());
     let linger = Duration::from_millis(config.ingester.batch_linger_ms);
     let max_records = config.ingester.batch_max_records.max(1);
+    let max_bytes = config.ingester.batch_max_bytes.max(1);
     let mut last_lag_check = Instant::now();
     loop {
         let first = tokio::select! {
@@ -73,17 +74,24 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
             message = consumer.recv() => message,
         };
         let mut batch: Vec<BorrowedMessage<'_>> = Vec::with_capacity(max_records);
+        let mut batch_bytes = 0usize;
         match first {
-            Ok(message) => batch.push(message),
+            Ok(message) => {
+                batch_bytes += message.payload_len();
+                batch.push(message);
+            }
             Err(err) => {
                 tracing::warn!(error = %err, "consumer error");
                 continue;
             }
         }
         let deadline = tokio::time::Instant::now() + linger;
-        while batch.len() < max_records {
+        while batch.len() < max_records && batch_bytes < max_bytes {
             match tokio::time::timeout_at(deadline, consumer.recv()).await {
-                Ok(Ok(message)) => batch.push(message),
+                Ok(Ok(message)) => {
+                    batch_bytes += message.payload_len();
+                    batch.push(message);
+                }
                 Ok(Err(err)) => tracing::warn!(error = %err, "consumer error"),
                 Err(_) => break,
             }
@@ -108,6 +116,9 @@ async fn deliver(producer: &FutureProducer, outgoing: Vec<Outgoing>) -> Result<(
         let mut record = FutureRecord::to(&out.topic).payload(&out.payload).key(&out.key);
         if let Some(partition) = out.partition {
             record = record.partition(partition);
+        }
+        if let Some(timestamp) = out.timestamp {
+            record = record.timestamp(timestamp);
         }
         loop {
             match producer.send_result(record) {

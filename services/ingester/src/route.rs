@@ -3,19 +3,17 @@
 //! messages for the valid graph updates (per input partition, in input order) and
 //! dead letters for everything rejected.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use rdkafka::message::BorrowedMessage;
 use rdkafka::Message;
 use tally_shared::input::{parse_graph_updates, parse_increments, Rejection};
 use tally_shared::kafka::{now_ms, TopicNames};
+use tally_shared::records::split_by_size;
 use tally_shared::sharding::shard_of;
 use tally_shared::wire::{DeadLetter, GraphMessage, GraphUpdate, Increment, ShardMessage, Source, Stamp};
 
 use crate::metrics::Metrics;
-
-/// Most entries in one shard message (keeps records well under Kafka's 1 MB).
-pub const MAX_ENTRIES_PER_MESSAGE: usize = 2_000;
 
 /// A producer record as the router sees it.
 #[derive(Debug, Clone, Copy)]
@@ -48,6 +46,10 @@ pub struct Outgoing {
     pub partition: Option<i32>,
     pub key: Vec<u8>,
     pub payload: Vec<u8>,
+    /// The record's timestamp: for routed entries, the time of the input record of
+    /// the last entry (receivers run their dedupe window on it); `None` lets the
+    /// producer stamp it.
+    pub timestamp: Option<i64>,
 }
 
 /// What one batch held.
@@ -62,11 +64,15 @@ pub struct RouteCounts {
 pub struct Router {
     names: TopicNames,
     shards: u32,
+    /// The most bytes one output record's payload may take
+    /// ([`KafkaConfig::record_budget`](tally_shared::config::KafkaConfig::record_budget)):
+    /// messages are split to fit, dead letters truncated.
+    record_budget: usize,
 }
 
 impl Router {
-    pub fn new(names: TopicNames, shards: u32) -> Self {
-        Self { names, shards }
+    pub fn new(names: TopicNames, shards: u32, record_budget: usize) -> Self {
+        Self { names, shards, record_budget }
     }
 
     /// Routes a batch of consumer messages.
@@ -84,10 +90,15 @@ impl Router {
     pub fn route_records(&self, records: &[InputRecord<'_>]) -> (Vec<Outgoing>, RouteCounts) {
         let mut per_shard: BTreeMap<(i32, u32), Vec<(Stamp, Increment)>> = BTreeMap::new();
         let mut graph: BTreeMap<i32, Vec<(Stamp, GraphUpdate)>> = BTreeMap::new();
+        // The time of every input record, by (partition, offset): a routed record
+        // carries the time of its last entry's input record.
+        let mut record_times: HashMap<(i32, i64), i64> = HashMap::with_capacity(records.len());
         let mut outgoing = Vec::new();
         let mut counts = RouteCounts::default();
         let graph_topic = self.names.graph();
         for record in records {
+            let record_time = record.timestamp.filter(|ts| *ts >= 0).unwrap_or_else(now_ms);
+            record_times.insert((record.partition, record.offset), record_time);
             let reject = |rejection: Rejection<'_>| {
                 counts.rejected += 1;
                 outgoing.extend(self.dead_letter(record, rejection));
@@ -106,10 +117,9 @@ impl Router {
                 );
                 continue;
             }
-            let default_ts = record.timestamp.filter(|ts| *ts >= 0).unwrap_or_else(now_ms);
             parse_increments(
                 record.payload,
-                default_ts,
+                record_time,
                 |index, increment| {
                     counts.increments += 1;
                     let shard = shard_of(&increment.entity, self.shards);
@@ -124,13 +134,14 @@ impl Router {
         let shard_topic = self.names.shards();
         for ((partition, shard), entries) in per_shard {
             let source = Source { stream: Source::INCREMENTS, partition: partition as u32 };
-            for chunk in entries.chunks(MAX_ENTRIES_PER_MESSAGE) {
+            for chunk in split_by_size(&entries, self.record_budget, |(_, increment)| increment.size_bound()) {
                 match ShardMessage::encode_increments(source, chunk) {
                     Ok(payload) => outgoing.push(Outgoing {
                         topic: shard_topic.clone(),
                         partition: Some(shard as i32),
                         key: partition.to_string().into_bytes(),
                         payload,
+                        timestamp: last_time(&record_times, partition, chunk),
                     }),
                     Err(err) => tracing::error!(error = %err, "cannot encode a shard message"),
                 }
@@ -139,13 +150,14 @@ impl Router {
         let updates_topic = self.names.graph_updates();
         for (partition, entries) in graph {
             let source = Source { stream: Source::GRAPH, partition: partition as u32 };
-            for chunk in entries.chunks(MAX_ENTRIES_PER_MESSAGE) {
+            for chunk in split_by_size(&entries, self.record_budget, |(_, update)| update.size_bound()) {
                 match (GraphMessage::Updates { source, entries: chunk.to_vec() }).encode() {
                     Ok(payload) => outgoing.push(Outgoing {
                         topic: updates_topic.clone(),
                         partition: Some(0),
                         key: partition.to_string().into_bytes(),
                         payload,
+                        timestamp: last_time(&record_times, partition, chunk),
                     }),
                     Err(err) => tracing::error!(error = %err, "cannot encode a graph message"),
                 }
@@ -156,23 +168,32 @@ impl Router {
 
     /// The dead letter of a rejected element of `record`.
     fn dead_letter(&self, record: &InputRecord<'_>, rejection: Rejection<'_>) -> Option<Outgoing> {
-        let letter = DeadLetter {
-            topic: record.topic.to_string(),
-            partition: record.partition,
-            offset: record.offset,
-            index: rejection.index,
-            reason: rejection.reason,
-            payload: DeadLetter::payload_of(rejection.raw),
-        };
         let key = format!("{}/{}/{}", record.topic, record.partition, record.offset).into_bytes();
-        match serde_json::to_vec(&letter) {
-            Ok(payload) => Some(Outgoing { topic: self.names.dead_letter(), partition: None, key, payload }),
+        let letter = DeadLetter::encode(
+            record.topic,
+            record.partition,
+            record.offset,
+            rejection.index,
+            &rejection.reason,
+            rejection.raw,
+            self.record_budget,
+        );
+        match letter {
+            Ok(payload) => {
+                Some(Outgoing { topic: self.names.dead_letter(), partition: None, key, payload, timestamp: None })
+            }
             Err(err) => {
                 tracing::error!(error = %err, "cannot encode a dead letter");
                 None
             }
         }
     }
+}
+
+/// The input time of the record that holds the last entry of `chunk`.
+fn last_time<T>(record_times: &HashMap<(i32, i64), i64>, partition: i32, chunk: &[(Stamp, T)]) -> Option<i64> {
+    let (stamp, _) = chunk.last()?;
+    record_times.get(&(partition, stamp.offset)).copied()
 }
 
 #[cfg(test)]
@@ -188,7 +209,7 @@ mod tests {
 
     #[test]
     fn routes_valid_entries_by_entity_and_bad_ones_to_dead_letter() {
-        let router = Router::new(TopicNames::new("tally."), 4);
+        let router = Router::new(TopicNames::new("tally."), 4, 900_000);
         let records = [
             record(
                 0,
@@ -231,7 +252,7 @@ mod tests {
 
     #[test]
     fn graph_updates_go_to_the_graph_topic_in_order() {
-        let router = Router::new(TopicNames::new("tally."), 4);
+        let router = Router::new(TopicNames::new("tally."), 4, 900_000);
         let graph = |partition, offset, payload: &'static str| InputRecord {
             topic: "tally.graph",
             partition,
@@ -258,8 +279,45 @@ mod tests {
     }
 
     #[test]
+    fn oversized_input_is_dead_lettered_within_the_budget_and_long_updates_split() {
+        let router = Router::new(TopicNames::new("tally."), 4, 100_000);
+        let garbage = "z".repeat(800_000);
+        let long = "n".repeat(250);
+        let updates: String = format!(
+            "[{}]",
+            (0..2_000)
+                .map(|i| format!(r#"{{"op":"add_edge","from":"{long}{i}","to":"{long}x{i}"}}"#))
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        let graph = InputRecord {
+            topic: "tally.graph",
+            partition: 1,
+            offset: 3,
+            timestamp: Some(5),
+            payload: updates.as_bytes(),
+        };
+        let (out, counts) = router.route_records(&[record(0, 1, &garbage), graph]);
+        assert_eq!(counts, RouteCounts { increments: 0, graph_updates: 2_000, rejected: 1 });
+        assert!(out.iter().all(|o| o.payload.len() <= 100_000), "every record fits the budget");
+        let letters: Vec<DeadLetter> = out
+            .iter()
+            .filter(|o| o.topic == "tally.dead-letter")
+            .map(|o| serde_json::from_slice(&o.payload).unwrap())
+            .collect();
+        assert_eq!(letters.len(), 1);
+        assert_eq!(letters[0].truncated.get("payload"), Some(&800_000));
+        let mut stamps = Vec::new();
+        for o in out.iter().filter(|o| o.topic == "tally.graph-updates") {
+            let GraphMessage::Updates { entries, .. } = GraphMessage::decode(&o.payload).unwrap();
+            stamps.extend(entries.iter().map(|(stamp, _)| stamp.index));
+        }
+        assert_eq!(stamps, (0..2_000).collect::<Vec<u32>>(), "every update once, in order, over several records");
+    }
+
+    #[test]
     fn routing_is_deterministic_for_replays() {
-        let router = Router::new(TopicNames::new("tally."), 8);
+        let router = Router::new(TopicNames::new("tally."), 8, 20_000);
         let payload: String = format!(
             "[{}]",
             (0..9000).map(|i| format!(r#"{{"entity":"e{}","metric":"v"}}"#, i % 3)).collect::<Vec<_>>().join(",")
@@ -269,5 +327,6 @@ mod tests {
         let (second, _) = router.route_records(&records);
         assert_eq!(first, second);
         assert!(first.len() > 3, "large groups are split into several messages");
+        assert!(first.iter().all(|o| o.payload.len() <= 20_000), "every record fits the budget");
     }
 }

@@ -16,6 +16,7 @@ pub mod worker;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
+use crate::records::{truncate_utf8, Truncated};
 use crate::validate::check_id;
 
 /// A job as producers enqueue it on `tally.jobs.<queue>`.
@@ -68,6 +69,57 @@ pub struct DeadJob {
     pub attempts: u32,
     pub error: String,
     pub job: Job,
+    /// What was cut to fit the broker's record limit (`error`, or the job's
+    /// `payload`, which is then a string of its first bytes): field → original
+    /// length in bytes. A job whose payload was cut cannot be requeued as it was.
+    #[serde(default, skip_serializing_if = "Truncated::is_empty")]
+    pub truncated: Truncated,
+}
+
+impl DeadJob {
+    /// The JSON record in at most `budget` bytes: the error is cut first, then —
+    /// only if the job alone is too big — its payload.
+    pub fn encode(mut self, budget: usize) -> serde_json::Result<Vec<u8>> {
+        let whole = serde_json::to_vec(&self)?;
+        if whole.len() <= budget {
+            return Ok(whole);
+        }
+        let error = std::mem::take(&mut self.error);
+        self.truncated.insert("error".into(), error.len());
+        let without_error = serde_json::to_vec(&self)?.len();
+        if without_error + 64 < budget {
+            self.error = fit(&error, budget - without_error, |text| {
+                serde_json::to_vec(&serde_json::Value::from(text)).map(|v| v.len()).unwrap_or(usize::MAX)
+            })
+            .to_string();
+            return serde_json::to_vec(&self);
+        }
+        self.error = fit(&error, 1_024, |text| text.len() * 6 + 2).to_string();
+        let payload = self.job.payload.get().to_string();
+        self.truncated.insert("payload".into(), payload.len());
+        self.job.payload = serde_json::value::to_raw_value("")?;
+        let rest = serde_json::to_vec(&self)?.len();
+        let kept = fit(&payload, budget.saturating_sub(rest + 64), |text| {
+            serde_json::to_vec(&serde_json::Value::from(text)).map(|v| v.len()).unwrap_or(usize::MAX)
+        });
+        self.job.payload = serde_json::value::to_raw_value(kept)?;
+        serde_json::to_vec(&self)
+    }
+}
+
+/// The longest prefix of `text` whose encoded size (`size_of`) is within `room`.
+fn fit(text: &str, room: usize, size_of: impl Fn(&str) -> usize) -> &str {
+    let mut keep = room.min(text.len());
+    loop {
+        let candidate = truncate_utf8(text, keep);
+        let size = size_of(candidate);
+        if size <= room || keep == 0 {
+            return candidate;
+        }
+        // Escapes make the encoding longer than the text: shrink in proportion.
+        let scaled = (keep as u128 * room as u128 / size as u128) as usize;
+        keep = scaled.min(keep.saturating_sub(16));
+    }
 }
 
 #[cfg(test)]
@@ -86,5 +138,48 @@ mod tests {
         assert!(Job::parse(br#"{"id":"j","payload":1,"colour":2}"#).unwrap_err().contains("unknown field"));
         assert!(Job::parse(br#"{"id":"j","payload":1,"run_at":-1}"#).is_err());
         assert!(Job::parse(b"not json").is_err());
+    }
+
+    fn dead(payload_bytes: usize, error_bytes: usize) -> DeadJob {
+        let payload = serde_json::json!({"blob": "p\n".repeat(payload_bytes / 2)});
+        DeadJob {
+            queue: "q".into(),
+            partition: 1,
+            offset: 2,
+            attempts: 3,
+            error: "e\"".repeat(error_bytes / 2),
+            job: Job {
+                id: "j".into(),
+                payload: serde_json::value::to_raw_value(&payload).unwrap(),
+                run_at: None,
+                key: None,
+            },
+            truncated: Truncated::new(),
+        }
+    }
+
+    #[test]
+    fn dead_jobs_fit_the_budget_cutting_the_error_first() {
+        let small = dead(100, 100);
+        let bytes = small.clone().encode(10_000).unwrap();
+        let back: DeadJob = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!((back.error, back.truncated), (small.error, Truncated::new()));
+
+        let long_error = dead(20_000, 2_000_000);
+        let payload = long_error.job.payload.get().to_string();
+        let bytes = long_error.encode(100_000).unwrap();
+        assert!(bytes.len() <= 100_000, "{}", bytes.len());
+        let back: DeadJob = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(back.job.payload.get(), payload, "the job is whole");
+        assert_eq!(back.truncated, Truncated::from([("error".to_string(), 2_000_000)]));
+        assert!(bytes.len() > 95_000, "the error keeps what fits: {}", bytes.len());
+        assert!(back.error.starts_with("e\"e\""), "{}", &back.error[..10]);
+
+        let huge_job = dead(400_000, 10);
+        let bytes = huge_job.encode(100_000).unwrap();
+        assert!(bytes.len() <= 100_000, "{}", bytes.len());
+        let back: DeadJob = serde_json::from_slice(&bytes).unwrap();
+        assert!(back.truncated.contains_key("payload"));
+        assert!(back.job.payload.get().starts_with("\"{\\\"blob\\\""), "{}", &back.job.payload.get()[..20]);
     }
 }

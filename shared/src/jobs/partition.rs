@@ -9,10 +9,19 @@
 //!
 //! Rules of [`PartitionQueue::dequeue`]: a job is handed out only when it is not
 //! leased, its `ready_at` (its `run_at`, or the retry time after a failure) has come,
-//! and — on a FIFO queue — no earlier unfinished job has the same key. Capacity
-//! bounds the jobs held, so the consumer pauses instead of buffering without end.
+//! and — on a FIFO queue — no earlier unfinished job has the same key.
+//!
+//! Room ([`PartitionQueue::has_room`]) bounds what is held, so the consumer pauses
+//! instead of buffering without end: jobs ready or running by `capacity`, jobs
+//! waiting for a time (a `run_at`, a retry) by `delayed_capacity` apart — so a
+//! buffer full of jobs due in an hour never holds back a ready one behind them —
+//! and everything together by `max_bytes`.
+//!
+//! Lease numbers start at `tenure << 32`: a broker that takes a partition back
+//! gives it a new tenure, so a stale lease from an earlier one is unknown, never
+//! mistaken for a lease of the same number handed out since.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use super::schedule::RetrySchedule;
 use super::Job;
@@ -23,13 +32,25 @@ pub struct QueuePolicy {
     pub max_attempts: u32,
     pub backoff: RetrySchedule,
     pub fifo: bool,
-    /// Most unfinished jobs held (fetching pauses at this size).
+    /// Most jobs held that are ready, running or finishing (fetching pauses here).
     pub capacity: usize,
+    /// Most jobs held while they wait for a time (`run_at`, a retry), apart from
+    /// `capacity`.
+    pub delayed_capacity: usize,
+    /// Most bytes of jobs held in all.
+    pub max_bytes: usize,
 }
 
 impl Default for QueuePolicy {
     fn default() -> Self {
-        Self { max_attempts: 5, backoff: RetrySchedule::default(), fifo: false, capacity: 10_000 }
+        Self {
+            max_attempts: 5,
+            backoff: RetrySchedule::default(),
+            fifo: false,
+            capacity: 10_000,
+            delayed_capacity: 100_000,
+            max_bytes: 64 << 20,
+        }
     }
 }
 
@@ -101,62 +122,122 @@ pub struct PartitionQueue {
     next_lease: u64,
     /// The offset after the last one pushed (where the watermark sits when empty).
     next_offset: i64,
+    /// Waiting jobs whose time has come, by offset.
+    ready: BTreeSet<i64>,
+    /// Waiting jobs whose time has not come yet, by `(ready_at, offset)`.
+    timed: BTreeSet<(i64, i64)>,
+    /// Offsets of malformed records whose dead letter is not acknowledged yet.
+    rejected: BTreeSet<i64>,
+    /// Bytes of the jobs held.
+    held_bytes: usize,
+}
+
+/// What a held job costs in memory, roughly.
+fn job_bytes(job: &Job) -> usize {
+    job.payload.get().len() + job.id.len() + job.key.as_ref().map_or(0, String::len) + 128
 }
 
 impl PartitionQueue {
-    /// A partition whose next offset to fetch is `start` (the committed offset).
-    pub fn new(policy: QueuePolicy, start: i64) -> Self {
-        Self { policy, entries: BTreeMap::new(), leases: HashMap::new(), next_lease: 1, next_offset: start }
+    /// A partition whose next offset to fetch is `start` (the committed offset),
+    /// served for the `tenure`-th time by this broker process.
+    pub fn new(policy: QueuePolicy, start: i64, tenure: u32) -> Self {
+        Self {
+            policy,
+            entries: BTreeMap::new(),
+            leases: HashMap::new(),
+            next_lease: (u64::from(tenure) << 32) | 1,
+            next_offset: start,
+            ready: BTreeSet::new(),
+            timed: BTreeSet::new(),
+            rejected: BTreeSet::new(),
+            held_bytes: 0,
+        }
     }
 
     pub fn policy(&self) -> &QueuePolicy {
         &self.policy
     }
 
-    /// Whether another job fits.
-    pub fn has_capacity(&self) -> bool {
-        self.entries.len() < self.policy.capacity
+    /// Whether another job fits at `now` (see the module doc).
+    pub fn has_room(&mut self, now: i64) -> bool {
+        self.promote(now);
+        let waiting_for_time = self.timed.len();
+        let others = self.entries.len() - waiting_for_time + self.rejected.len();
+        others < self.policy.capacity
+            && waiting_for_time < self.policy.delayed_capacity
+            && self.held_bytes < self.policy.max_bytes
     }
 
-    /// Adds a fetched job. Offsets arrive in increasing order; one below the next
-    /// expected (a re-fetch: held, or already finished) is ignored.
-    pub fn push(&mut self, offset: i64, job: Job) {
+    /// Moves the waiting jobs whose time has come at `now` to the ready set.
+    fn promote(&mut self, now: i64) {
+        while let Some(&(at, offset)) = self.timed.first() {
+            if at > now {
+                break;
+            }
+            self.timed.pop_first();
+            self.ready.insert(offset);
+        }
+    }
+
+    /// Files a waiting job under ready or timed.
+    fn wait(&mut self, offset: i64, ready_at: i64, now: i64) {
+        if ready_at <= now {
+            self.ready.insert(offset);
+        } else {
+            self.timed.insert((ready_at, offset));
+        }
+    }
+
+    /// Adds a job fetched at `now`. Offsets arrive in increasing order; one below
+    /// the next expected (a re-fetch: held, or already finished) is ignored.
+    pub fn push(&mut self, offset: i64, job: Job, now: i64) {
         if offset < self.next_offset {
             return;
         }
         let ready_at = job.run_at.unwrap_or(i64::MIN);
+        self.held_bytes += job_bytes(&job);
         self.entries.insert(offset, Entry { job, attempts: 0, ready_at, state: State::Waiting, last_error: None });
+        self.wait(offset, ready_at, now);
         self.next_offset = self.next_offset.max(offset + 1);
     }
 
-    /// Marks an offset the broker will not hold (a malformed record sent to the dead
-    /// letters): only moves the watermark.
-    pub fn skip(&mut self, offset: i64) {
-        self.next_offset = self.next_offset.max(offset + 1);
+    /// Holds the offset of a record the broker will not run (a malformed record)
+    /// until its dead letter is safely written: the watermark stays below it until
+    /// [`PartitionQueue::finish_dead`].
+    pub fn reject(&mut self, offset: i64) {
+        if offset < self.next_offset {
+            return;
+        }
+        self.rejected.insert(offset);
+        self.next_offset = offset + 1;
     }
 
     /// Hands out up to `max` jobs at `now`, leased until `now + lease_ms`.
     pub fn dequeue(&mut self, max: usize, now: i64, lease_ms: i64) -> Vec<Handout> {
+        self.promote(now);
         let mut handed = Vec::new();
-        let mut blocked_keys: HashSet<&str> = HashSet::new();
         let mut chosen = Vec::new();
-        for (&offset, entry) in &self.entries {
-            if chosen.len() >= max {
-                break;
-            }
-            let key = if self.policy.fifo { entry.job.key.as_deref() } else { None };
-            let available = entry.state == State::Waiting && entry.ready_at <= now;
-            if let Some(key) = key {
-                // The first unfinished job of a key decides for all later ones.
-                if !blocked_keys.insert(key) {
-                    continue;
+        if self.policy.fifo {
+            // The first unfinished job of a key decides for all later ones.
+            let mut blocked_keys: HashSet<&str> = HashSet::new();
+            for (&offset, entry) in &self.entries {
+                if chosen.len() >= max {
+                    break;
+                }
+                if let Some(key) = entry.job.key.as_deref() {
+                    if !blocked_keys.insert(key) {
+                        continue;
+                    }
+                }
+                if self.ready.contains(&offset) {
+                    chosen.push(offset);
                 }
             }
-            if available {
-                chosen.push(offset);
-            }
+        } else {
+            chosen.extend(self.ready.iter().take(max).copied());
         }
         for offset in chosen {
+            self.ready.remove(&offset);
             let lease = self.next_lease;
             self.next_lease += 1;
             let deadline = now.saturating_add(lease_ms);
@@ -172,8 +253,15 @@ impl PartitionQueue {
     /// The job is done: it is finished.
     pub fn ack(&mut self, lease: u64) -> Result<i64, LeaseError> {
         let offset = self.leases.remove(&lease).ok_or(LeaseError::Unknown)?;
-        self.entries.remove(&offset);
+        self.remove(offset);
         Ok(offset)
+    }
+
+    /// Drops a finished job (it is in no index: it was leased or dying).
+    fn remove(&mut self, offset: i64) {
+        if let Some(entry) = self.entries.remove(&offset) {
+            self.held_bytes -= job_bytes(&entry.job);
+        }
     }
 
     /// The attempt failed: retry after `retry_in_ms` (default: the backoff), or give
@@ -202,6 +290,7 @@ impl PartitionQueue {
         let at = now.saturating_add(wait);
         entry.state = State::Waiting;
         entry.ready_at = at;
+        self.wait(offset, at, now);
         Failure::Retry { offset, at }
     }
 
@@ -233,16 +322,19 @@ impl PartitionQueue {
             .collect()
     }
 
-    /// The dead record of `offset` is safely in the dead topic: the job is finished.
+    /// The dead record of `offset` (a dying job's, or a rejected record's dead
+    /// letter) is safely written: it is finished.
     pub fn finish_dead(&mut self, offset: i64) {
         if self.entries.get(&offset).is_some_and(|e| e.state == State::Dying) {
-            self.entries.remove(&offset);
+            self.remove(offset);
         }
+        self.rejected.remove(&offset);
     }
 
     /// The offset to commit: the lowest unfinished one.
     pub fn commit_offset(&self) -> i64 {
-        self.entries.keys().next().copied().unwrap_or(self.next_offset)
+        let held = self.entries.keys().next().copied().unwrap_or(self.next_offset);
+        self.rejected.first().map_or(held, |&rejected| rejected.min(held))
     }
 
     /// The next offset to fetch (everything below was pushed or skipped).
@@ -252,20 +344,20 @@ impl PartitionQueue {
 
     /// The earliest time a waiting job becomes ready (for long polls).
     pub fn next_ready_at(&self) -> Option<i64> {
-        self.entries.values().filter(|e| e.state == State::Waiting).map(|e| e.ready_at).min()
+        if !self.ready.is_empty() {
+            return Some(i64::MIN);
+        }
+        self.timed.first().map(|&(at, _)| at)
     }
 
     pub fn stats(&self, now: i64) -> PartitionStats {
-        let mut stats = PartitionStats { held: self.entries.len(), ..Default::default() };
-        for entry in self.entries.values() {
-            match entry.state {
-                State::Waiting if entry.ready_at <= now => stats.ready += 1,
-                State::Waiting => stats.delayed += 1,
-                State::Leased { .. } => stats.in_flight += 1,
-                State::Dying => {}
-            }
+        let due = self.timed.range(..=(now, i64::MAX)).count();
+        PartitionStats {
+            ready: self.ready.len() + due,
+            delayed: self.timed.len() - due,
+            in_flight: self.leases.len(),
+            held: self.entries.len(),
         }
-        stats
     }
 }
 
@@ -315,8 +407,8 @@ mod tests {
         /// is finished, and every job ends acked or dead.
         #[test]
         fn the_buffer_keeps_its_promises(steps in steps(), fifo in any::<bool>()) {
-            let policy = QueuePolicy { max_attempts: 3, backoff: RetrySchedule { base_ms: 50, max_ms: 200 }, fifo, capacity: 1_000 };
-            let mut queue = PartitionQueue::new(policy, 100);
+            let policy = QueuePolicy { max_attempts: 3, backoff: RetrySchedule { base_ms: 50, max_ms: 200 }, fifo, capacity: 1_000, ..Default::default() };
+            let mut queue = PartitionQueue::new(policy, 100, 0);
             let mut now = 1_000i64;
             let mut next_offset = 100i64;
             let mut pushed: BTreeMap<i64, Job> = BTreeMap::new();
@@ -339,7 +431,7 @@ mod tests {
                     Step::Push { key, delay } => {
                         let j = job(next_offset as usize, key, delay.map(|d| now + d));
                         pushed.insert(next_offset, j.clone());
-                        queue.push(next_offset, j);
+                        queue.push(next_offset, j, now);
                         next_offset += 1;
                     }
                     Step::Dequeue(max) => {
@@ -424,8 +516,8 @@ mod tests {
             backoff: RetrySchedule { base_ms: 100, max_ms: 1_000 },
             ..Default::default()
         };
-        let mut queue = PartitionQueue::new(policy, 0);
-        queue.push(0, job(0, None, None));
+        let mut queue = PartitionQueue::new(policy, 0, 0);
+        queue.push(0, job(0, None, None), 0);
         let first = queue.dequeue(10, 0, 50).remove(0);
         assert_eq!(queue.extend(first.lease, 500, 40), Ok(540));
         assert!(queue.expire(100).is_empty(), "extended");
@@ -442,27 +534,90 @@ mod tests {
 
     #[test]
     fn a_refetched_offset_is_not_run_again() {
-        let mut queue = PartitionQueue::new(QueuePolicy::default(), 5);
-        queue.push(4, job(4, None, None));
+        let mut queue = PartitionQueue::new(QueuePolicy::default(), 5, 0);
+        queue.push(4, job(4, None, None), 0);
         assert_eq!(queue.stats(0).held, 0, "below the committed offset");
-        queue.push(5, job(5, None, None));
+        queue.push(5, job(5, None, None), 0);
         let handout = queue.dequeue(1, 0, 10).remove(0);
         queue.ack(handout.lease).unwrap();
-        queue.push(5, job(5, None, None));
+        queue.push(5, job(5, None, None), 0);
         assert!(queue.dequeue(1, 0, 10).is_empty(), "finished, fetched again, not run again");
         assert_eq!(queue.commit_offset(), 6);
     }
 
     #[test]
     fn capacity_bounds_the_buffer() {
-        let mut queue = PartitionQueue::new(QueuePolicy { capacity: 2, ..Default::default() }, 0);
-        queue.push(0, job(0, None, None));
-        assert!(queue.has_capacity());
-        queue.push(1, job(1, None, None));
-        assert!(!queue.has_capacity());
+        let mut queue = PartitionQueue::new(QueuePolicy { capacity: 2, ..Default::default() }, 0, 0);
+        queue.push(0, job(0, None, None), 0);
+        assert!(queue.has_room(0));
+        queue.push(1, job(1, None, None), 0);
+        assert!(!queue.has_room(0));
         let handout = queue.dequeue(1, 0, 10).remove(0);
         queue.ack(handout.lease).unwrap();
-        assert!(queue.has_capacity());
+        assert!(queue.has_room(0));
         assert_eq!(queue.stats(0), PartitionStats { ready: 1, delayed: 0, in_flight: 0, held: 1 });
+    }
+
+    #[test]
+    fn delayed_jobs_do_not_take_the_room_of_ready_ones() {
+        let policy = QueuePolicy { capacity: 2, delayed_capacity: 3, ..Default::default() };
+        let mut queue = PartitionQueue::new(policy, 0, 0);
+        for offset in 0..3 {
+            queue.push(offset, job(offset as usize, None, Some(60_000)), 0);
+        }
+        assert!(!queue.has_room(0), "the delayed jobs' own room is full");
+        let policy = QueuePolicy { capacity: 2, delayed_capacity: 1_000, ..Default::default() };
+        let mut queue = PartitionQueue::new(policy, 0, 0);
+        for offset in 0..500 {
+            queue.push(offset, job(offset as usize, None, Some(60_000)), 0);
+        }
+        assert!(queue.has_room(0), "500 delayed jobs leave the ready room free");
+        queue.push(500, job(500, None, None), 0);
+        let handed: Vec<i64> = queue.dequeue(10, 0, 10).iter().map(|h| h.offset).collect();
+        assert_eq!(handed, vec![500], "the ready job runs at once");
+        assert_eq!(queue.stats(0), PartitionStats { ready: 0, delayed: 500, in_flight: 1, held: 501 });
+        assert_eq!(queue.commit_offset(), 0, "the delayed jobs are unfinished");
+        // When they come due they count as ready, and pause fetching.
+        assert!(!queue.has_room(60_000));
+        assert_eq!(queue.stats(60_000).ready, 500);
+    }
+
+    #[test]
+    fn bytes_bound_the_buffer() {
+        let mut queue = PartitionQueue::new(QueuePolicy { max_bytes: 10_000, ..Default::default() }, 0, 0);
+        let mut big = job(0, None, None);
+        big.payload = serde_json::value::to_raw_value(&"x".repeat(12_000)).unwrap();
+        queue.push(0, big, 0);
+        assert!(!queue.has_room(0));
+        let handout = queue.dequeue(1, 0, 10).remove(0);
+        queue.ack(handout.lease).unwrap();
+        assert!(queue.has_room(0));
+    }
+
+    #[test]
+    fn leases_of_an_earlier_tenure_are_unknown() {
+        let mut first = PartitionQueue::new(QueuePolicy::default(), 0, 1);
+        first.push(0, job(0, None, None), 0);
+        let stale = first.dequeue(1, 0, 1_000).remove(0);
+        // The broker lets go of the partition and takes it back: a new tenure.
+        let mut again = PartitionQueue::new(QueuePolicy::default(), 0, 2);
+        again.push(0, job(0, None, None), 0);
+        let current = again.dequeue(1, 0, 1_000).remove(0);
+        assert_ne!(stale.lease, current.lease);
+        assert_eq!(again.ack(stale.lease), Err(LeaseError::Unknown));
+        assert_eq!(again.stats(0).in_flight, 1, "the running job is still leased");
+        assert_eq!(again.ack(current.lease), Ok(0));
+    }
+
+    #[test]
+    fn a_rejected_record_holds_the_watermark_until_its_dead_letter_is_written() {
+        let mut queue = PartitionQueue::new(QueuePolicy::default(), 0, 0);
+        queue.reject(0);
+        queue.push(1, job(1, None, None), 0);
+        let handout = queue.dequeue(1, 0, 10).remove(0);
+        queue.ack(handout.lease).unwrap();
+        assert_eq!(queue.commit_offset(), 0);
+        queue.finish_dead(0);
+        assert_eq!(queue.commit_offset(), 2);
     }
 }
