@@ -43,6 +43,12 @@ fn bin_dir() -> PathBuf {
 impl Sandbox {
     /// Starts a broker and applies the topics; no service runs yet.
     pub async fn start() -> Self {
+        Self::start_without("").await
+    }
+
+    /// Like [`Sandbox::start`], but the topic `missing` (its short name, e.g.
+    /// `rollups`) is not created until [`Sandbox::apply_topics`].
+    pub async fn start_without(missing: &str) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let binary = tokio::task::spawn_blocking(ensure_installed).await.unwrap().expect("tansu installed");
         let port = free_port().unwrap();
@@ -53,7 +59,9 @@ impl Sandbox {
             topic_prefix: prefix.clone(),
             ..Default::default()
         };
-        topics::apply(&kafka, &Declarations::load(None).unwrap()).await.expect("topics apply");
+        let mut declarations = Declarations::load(None).unwrap();
+        declarations.topics.retain(|topic| topic.name != missing);
+        topics::apply(&kafka, &declarations).await.expect("topics apply");
         let query_port = free_port().unwrap();
         let admin: HashMap<&'static str, String> = ["tally-ingester", "tally-counter", "tally-graph", "tally-query"]
             .into_iter()
@@ -87,6 +95,25 @@ impl Sandbox {
             broker,
             broker_binary: binary,
             broker_port: port,
+        }
+    }
+
+    /// Applies every built-in topic (after [`Sandbox::start_without`]).
+    pub async fn apply_topics(&self) {
+        topics::apply(&self.kafka, &Declarations::load(None).unwrap()).await.expect("topics apply");
+    }
+
+    /// The offset `group` committed for a partition, if any.
+    pub fn committed_offset(&self, group: &str, topic: &str, partition: i32) -> Option<i64> {
+        let mut config = client_config(&self.kafka).unwrap();
+        config.set("group.id", group).set("enable.auto.commit", "false");
+        let consumer: BaseConsumer = config.create().unwrap();
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition(topic, partition);
+        let committed = consumer.committed_offsets(tpl, Duration::from_secs(10)).ok()?;
+        match committed.find_partition(topic, partition)?.offset() {
+            Offset::Offset(offset) => Some(offset),
+            _ => None,
         }
     }
 

@@ -78,7 +78,8 @@ impl ProducerContext for RelayContext {
     }
 }
 
-/// Sends outbox entries to one topic.
+/// Sends records to one topic and waits for their acknowledgements: outbox
+/// entries, and anything else delivered at least once from a store's marks.
 pub struct Relay {
     producer: BaseProducer<RelayContext>,
     topic: String,
@@ -92,10 +93,20 @@ impl Relay {
     /// Sends `entries` in order, keyed by `key`, and waits until every one is
     /// acknowledged; an error means some may not have been (send them all again).
     pub fn send_all(&self, key: &str, entries: &[OutboxEntry]) -> Result<()> {
+        self.send(entries.iter().map(|entry| {
+            BaseRecord::to(&self.topic).partition(entry.partition as i32).key(key).payload(entry.payload.as_slice())
+        }))
+    }
+
+    /// Sends `(key, payload)` records, partitioned by key, and waits until every
+    /// one is acknowledged; an error means some may not have been.
+    pub fn send_keyed<'a>(&'a self, records: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> Result<()> {
+        self.send(records.into_iter().map(|(key, payload)| BaseRecord::to(&self.topic).key(key).payload(payload)))
+    }
+
+    fn send<'a>(&'a self, records: impl Iterator<Item = BaseRecord<'a, str, [u8]>>) -> Result<()> {
         self.producer.context().failures.store(0, Ordering::Relaxed);
-        for entry in entries {
-            let mut record =
-                BaseRecord::to(&self.topic).partition(entry.partition as i32).key(key).payload(&entry.payload);
+        for mut record in records {
             loop {
                 match self.producer.send(record) {
                     Ok(()) => break,
@@ -112,7 +123,7 @@ impl Relay {
         self.producer.flush(Duration::from_secs(30))?;
         match self.producer.context().failures.load(Ordering::Relaxed) {
             0 => Ok(()),
-            failed => Err(Error::Relay(format!("{failed} outbox messages were not delivered"))),
+            failed => Err(Error::Relay(format!("{failed} records were not delivered"))),
         }
     }
 }

@@ -41,7 +41,7 @@ use tally_shared::outbox::outbox_key;
 
 use tally_shared::progress::Progress;
 
-use crate::store::{encode_names, ShardStore, CF_COUNTS, CF_DEDUPE, CF_DESC, CF_OUTBOX};
+use crate::store::{encode_names, ShardStore, CF_COUNTS, CF_DEDUPE, CF_DESC, CF_OUTBOX, CF_ROLLUPS};
 
 /// One record of the shard topic.
 #[derive(Debug, Clone, Copy)]
@@ -74,7 +74,9 @@ pub struct ApplyReport {
     pub outbox_messages: u64,
     /// Distinct bucket keys written.
     pub keys: usize,
-    /// The count keys the batch changed (for rollups); filled only when asked for.
+    /// The count keys the batch changed (for rollups); filled only when asked for,
+    /// and then also marked in the `rollups` column family in the same write batch,
+    /// so a crash before they are published leaves them to publish after restart.
     pub changed: Vec<Vec<u8>>,
 }
 
@@ -210,13 +212,14 @@ impl ShardStore {
             }
         }
 
-        let counts_cf = self.cf(CF_COUNTS)?;
+        let (counts_cf, rollups_cf) = (self.cf(CF_COUNTS)?, self.cf(CF_ROLLUPS)?);
         report.keys += coalescer.keys();
         coalescer.for_each(|entity, metric, width_ms, bucket, counts| {
             key.clear();
             encode_count_key(&mut key, entity, metric, width_ms, bucket);
             batch.merge_cf(counts_cf, &key, counts.encode());
             if collect_changes {
+                batch.put_cf(rollups_cf, &key, []);
                 report.changed.push(key.clone());
             }
         });
@@ -242,6 +245,7 @@ impl ShardStore {
     ) -> Result<()> {
         let mut batch = WriteBatch::default();
         let (counts_cf, desc_cf, outbox_cf) = (self.cf(CF_COUNTS)?, self.cf(CF_DESC)?, self.cf(CF_OUTBOX)?);
+        let rollups_cf = self.cf(CF_ROLLUPS)?;
         let mut local: BTreeMap<Vec<u8>, i64> = BTreeMap::new();
         let mut remote: BTreeMap<u32, Vec<TotalDelta>> = BTreeMap::new();
         let mut descendants = self.descendants.lock().map_err(|_| self.poisoned())?;
@@ -286,6 +290,7 @@ impl ShardStore {
         for (key, delta) in local {
             batch.merge_cf(counts_cf, &key, Counts { direct: 0, total: delta }.encode());
             if collect_changes {
+                batch.put_cf(rollups_cf, &key, []);
                 report.changed.push(key);
             }
         }
@@ -559,5 +564,8 @@ mod tests {
         assert_eq!((report.undecodable_records, report.increments), (1, 1));
         assert_eq!(store.progress().next_offset, Some(7));
         assert_eq!(report.changed.len(), 4);
+        assert_eq!(store.pending_rollups().unwrap(), report.changed, "marked for publishing");
+        store.rollups_published(&report.changed).unwrap();
+        assert!(store.pending_rollups().unwrap().is_empty());
     }
 }

@@ -166,7 +166,10 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     }
     let producer: ThreadedProducer<DefaultProducerContext> = producer_config(&config.kafka)?.create()?;
     let mut announcer = Announcer { producer: &producer, topic: names.shard_owners(), read_addr, instance, last: None };
-    let rollups_topic = config.counter.rollups.then(|| names.rollups());
+    let rollups = match config.counter.rollups {
+        true => Some(Rollups { relay: Relay::new(&config.kafka, names.rollups())?, resolutions: resolutions.clone() }),
+        false => None,
+    };
 
     let relay = Relay::new(&config.kafka, shard_topic.clone())?;
     let lag_reporter =
@@ -226,7 +229,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         }
         let mut outbox_written = 0;
         if !batch.is_empty() {
-            outbox_written = apply_batch(&batch, &shards, &metrics, &resolutions, &producer, rollups_topic.as_deref())?;
+            outbox_written = apply_batch(&batch, &shards, &metrics, rollups.as_ref())?;
             commit_advisory(&consumer, &shard_topic, &shards);
         }
         // Right after a batch that wrote totals for other shards; and with every
@@ -237,6 +240,15 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             }
         }
         if announcer.due() {
+            if let Some(rollups) = &rollups {
+                // What a crash or a failed round left marked.
+                for shard in shards.owned() {
+                    let Some(store) = shards.get(shard) else { continue };
+                    if let Ok(pending) = store.pending_rollups() {
+                        rollups.publish(&store, &pending, &metrics);
+                    }
+                }
+            }
             announcer.announce(&shards.owned(), false);
             readiness.set(!shards.owned().is_empty());
         }
@@ -256,14 +268,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
 }
 
 /// Applies a polled batch shard by shard; returns how many outbox messages it wrote.
-fn apply_batch(
-    batch: &[Polled],
-    shards: &Shards,
-    metrics: &Metrics,
-    resolutions: &Resolutions,
-    producer: &ThreadedProducer<DefaultProducerContext>,
-    rollups_topic: Option<&str>,
-) -> Result<u64> {
+fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, rollups: Option<&Rollups>) -> Result<u64> {
     let mut outbox_written = 0;
     let mut by_shard: HashMap<u32, Vec<ShardRecord<'_>>> = HashMap::new();
     for polled in batch {
@@ -277,12 +282,12 @@ fn apply_batch(
         let Some(store) = shards.get(shard) else { continue };
         records.sort_by_key(|r| r.offset);
         let started = Instant::now();
-        let report = store.apply(&records, now_ms(), rollups_topic.is_some())?;
+        let report = store.apply(&records, now_ms(), rollups.is_some())?;
         metrics.apply_seconds.observe(started.elapsed().as_secs_f64());
         record_metrics(metrics, &report);
         outbox_written += report.outbox_messages;
-        if let Some(topic) = rollups_topic {
-            publish_rollups(&store, &report, resolutions, producer, topic, metrics)?;
+        if let Some(rollups) = rollups {
+            rollups.publish(&store, &report.changed, metrics);
         }
     }
     Ok(outbox_written)
@@ -299,41 +304,60 @@ fn record_metrics(metrics: &Metrics, report: &ApplyReport) {
     metrics.graph_entries.with_label_values(&["remote_total"]).inc_by(report.totals_received);
 }
 
-/// Publishes the latest value of every bucket the batch changed. At-least-once: the
-/// topic is compacted and each record carries the full value, so a repeat is harmless.
-fn publish_rollups(
-    store: &ShardStore,
-    report: &ApplyReport,
-    resolutions: &Resolutions,
-    producer: &ThreadedProducer<DefaultProducerContext>,
-    topic: &str,
-    metrics: &Metrics,
-) -> Result<()> {
-    if report.changed.is_empty() {
-        return Ok(());
+/// Publishes the latest values of changed buckets to the compacted rollups topic,
+/// at least once: the keys a batch changed are marked in its write batch
+/// ([`ApplyReport::changed`]) and unmarked only once the broker acknowledged their
+/// values; what a crash or a failed round leaves marked goes again with the next
+/// heartbeat. Each record carries the full value, so a repeat is harmless.
+struct Rollups {
+    relay: Relay,
+    resolutions: Resolutions,
+}
+
+impl Rollups {
+    fn publish(&self, store: &ShardStore, keys: &[Vec<u8>], metrics: &Metrics) {
+        if keys.is_empty() {
+            return;
+        }
+        match self.try_publish(store, keys) {
+            Ok(()) => metrics.rollups_published.inc_by(keys.len() as u64),
+            Err(err) => {
+                metrics.rollups_failed.inc();
+                tracing::warn!(shard = store.shard, error = %err, "publishing rollups; they go again with the next heartbeat");
+            }
+        }
     }
-    let values = store.get_counts(&report.changed)?;
-    for (stored_key, counts) in report.changed.iter().zip(values) {
-        let Some(changed) = decode_count_key(stored_key) else { continue };
-        let resolution = if changed.width_ms == ALL_TIME_WIDTH {
-            "all".to_string()
-        } else {
-            resolutions.by_width(changed.width_ms).map_or_else(|| format!("{}ms", changed.width_ms), |r| r.name.clone())
-        };
-        let key = format!("{}/{}/{}/{}", changed.entity, changed.metric, resolution, changed.bucket);
-        let rollup = Rollup {
-            entity: changed.entity.to_string(),
-            metric: changed.metric.to_string(),
-            resolution,
-            bucket: changed.bucket,
-            total: counts.total,
-            direct: counts.direct,
-        };
-        let payload = serde_json::to_vec(&rollup).map_err(|err| Error::Consumer(err.to_string()))?;
-        send_with_backpressure(producer, topic, &key, &payload);
-        metrics.rollups_published.inc();
+
+    fn try_publish(&self, store: &ShardStore, keys: &[Vec<u8>]) -> Result<()> {
+        let values = store.get_counts(keys)?;
+        let mut records = Vec::with_capacity(keys.len());
+        for (stored_key, counts) in keys.iter().zip(values) {
+            let changed = decode_count_key(stored_key).ok_or_else(|| Error::Shard {
+                shard: store.shard,
+                message: "a rollup mark is not a count key".into(),
+            })?;
+            let resolution = if changed.width_ms == ALL_TIME_WIDTH {
+                "all".to_string()
+            } else {
+                self.resolutions
+                    .by_width(changed.width_ms)
+                    .map_or_else(|| format!("{}ms", changed.width_ms), |r| r.name.clone())
+            };
+            let key = format!("{}/{}/{}/{}", changed.entity, changed.metric, resolution, changed.bucket);
+            let rollup = Rollup {
+                entity: changed.entity.to_string(),
+                metric: changed.metric.to_string(),
+                resolution,
+                bucket: changed.bucket,
+                total: counts.total,
+                direct: counts.direct,
+            };
+            let payload = serde_json::to_vec(&rollup).map_err(|err| Error::Consumer(err.to_string()))?;
+            records.push((key, payload));
+        }
+        self.relay.send_keyed(records.iter().map(|(key, payload)| (key.as_str(), payload.as_slice())))?;
+        store.rollups_published(keys)
     }
-    Ok(())
 }
 
 /// Sends, waiting while the producer's queue is full instead of dropping.

@@ -15,6 +15,8 @@ pub struct Metrics {
     pub owned_shards: IntGauge,
     pub reads: IntCounter,
     pub rollups_published: IntCounter,
+    /// Rounds of rollups not acknowledged (they stay marked and go again).
+    pub rollups_failed: IntCounter,
     /// Descendant-set changes applied, totals received from other shards.
     pub graph_entries: IntCounterVec,
     pub outbox_relayed: IntCounter,
@@ -75,6 +77,14 @@ impl Metrics {
                 registry,
                 IntCounter::new("tally_counter_rollups_published_total", "Rollup records published")
                     .expect("valid metric"),
+            ),
+            rollups_failed: register(
+                registry,
+                IntCounter::new(
+                    "tally_counter_rollups_failed_total",
+                    "Rounds of rollups not acknowledged by the broker (published again later)",
+                )
+                .expect("valid metric"),
             ),
             graph_entries: register(
                 registry,

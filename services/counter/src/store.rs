@@ -5,7 +5,8 @@
 //! path never reads), `dedupe` (idempotency marks with their first record's time, [`DedupeWindow`]), `desc`
 //! (the current descendant view of each origin this shard owns), `outbox` (totals
 //! for other shards, written with the state that produced them and deleted once
-//! relayed), and the default one for progress: the next shard-topic offset to
+//! relayed), `rollups` (count keys whose latest values are still to be published,
+//! marked in the same write batch as the counts), and the default one for progress: the next shard-topic offset to
 //! consume and the high-water stamp of every source. Expired buckets and marks are
 //! dropped by compaction filters; reads never look at them.
 
@@ -27,6 +28,7 @@ pub(crate) const CF_COUNTS: &str = "counts";
 pub(crate) const CF_DEDUPE: &str = "dedupe";
 pub(crate) const CF_DESC: &str = "desc";
 pub(crate) const CF_OUTBOX: &str = "outbox";
+pub(crate) const CF_ROLLUPS: &str = "rollups";
 
 /// Settings of a shard store.
 #[derive(Debug, Clone)]
@@ -112,6 +114,7 @@ impl ShardStore {
             ColumnFamilyDescriptor::new(CF_DEDUPE, dedupe),
             ColumnFamilyDescriptor::new(CF_DESC, Options::default()),
             ColumnFamilyDescriptor::new(CF_OUTBOX, Options::default()),
+            ColumnFamilyDescriptor::new(CF_ROLLUPS, Options::default()),
         ];
         let db = DB::open_cf_descriptors(&db_options, path, families)?;
         let progress = Progress::load(&db)?;
@@ -150,6 +153,27 @@ impl ShardStore {
     /// Drops relayed outbox entries.
     pub fn delete_outbox(&self, entries: &[OutboxEntry]) -> Result<()> {
         Ok(delete_outbox(&self.db, self.cf(CF_OUTBOX)?, entries)?)
+    }
+
+    /// The count keys whose latest values are still to be published as rollups, in
+    /// key order: marked with the counts that changed them, unmarked once published.
+    pub fn pending_rollups(&self) -> Result<Vec<Vec<u8>>> {
+        let mut keys = Vec::new();
+        for item in self.db.iterator_cf(self.cf(CF_ROLLUPS)?, rocksdb::IteratorMode::Start) {
+            keys.push(item?.0.to_vec());
+        }
+        Ok(keys)
+    }
+
+    /// Unmarks rollups the broker acknowledged. Only the consumer thread marks and
+    /// unmarks, one after the other, so a key marked again since is not lost.
+    pub fn rollups_published(&self, keys: &[Vec<u8>]) -> Result<()> {
+        let cf = self.cf(CF_ROLLUPS)?;
+        let mut batch = WriteBatch::default();
+        for key in keys {
+            batch.delete_cf(cf, key);
+        }
+        Ok(self.db.write(batch)?)
     }
 
     pub(crate) fn cf(&self, name: &str) -> Result<&ColumnFamily> {
