@@ -76,15 +76,16 @@ impl Model {
     }
 
     /// The value of each point of `plan` for (entity, metric, kind): the sum of the
-    /// deltas whose event time falls in the point's span (all of them for all-time).
+    /// deltas whose event time falls in the point's span and whose bucket is still
+    /// retained at `plan.to` (all of them for all-time).
     pub fn sums(&self, entity: &str, metric: &str, kind: Kind, plan: &Plan) -> Vec<i64> {
         let origins = self.origins(entity, kind);
         let own = self.events.iter().filter(|e| e.metric == metric && origins.contains(&e.entity));
-        if plan.resolution.is_none() {
+        let Some(resolution) = &plan.resolution else {
             return vec![own.map(|e| e.delta).sum()];
-        }
+        };
         let mut points = vec![0i64; plan.points as usize];
-        for event in own {
+        for event in own.filter(|e| resolution.retains(crate::time::bucket_start(e.ts, resolution.width_ms), plan.to)) {
             let offset = event.ts - plan.start;
             if offset < 0 {
                 continue;

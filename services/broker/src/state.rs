@@ -65,7 +65,7 @@ impl QueueRuntime {
             if owned == 0 {
                 return None;
             }
-            let share = f64::from(rate) * owned as f64 / f64::from(self.decl.partitions.max(1));
+            let share = rate_share(rate, owned, self.decl.partitions);
             let period = Duration::from_secs_f64(1.0 / share);
             // A tenth of a second of burst: the limit holds over any second.
             let burst = NonZeroU32::new(((share / 10.0) as u32).max(1))?;
@@ -83,6 +83,13 @@ impl QueueRuntime {
     fn partition(&self, partition: i32) -> Option<Arc<Mutex<PartitionQueue>>> {
         self.partitions.lock().ok()?.get(&partition).cloned()
     }
+}
+
+/// A broker's share of a queue's rate limit, in dequeues per second: the limit in
+/// proportion to the partitions it owns. Not rounded, so the shares of brokers that
+/// own every partition between them add up to the limit exactly.
+pub fn rate_share(rate: u32, owned: usize, partitions: i32) -> f64 {
+    f64::from(rate) * owned as f64 / f64::from(partitions.max(1))
 }
 
 /// The lease token a worker holds: `partition.lease.instance`.
@@ -321,6 +328,16 @@ impl Broker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rate_shares_add_up_to_the_limit() {
+        for (rate, owned) in [(10u32, vec![2usize, 1, 1]), (2, vec![1, 1, 1, 1]), (100, vec![3, 0, 1]), (7, vec![4])] {
+            let partitions = owned.iter().sum::<usize>() as i32;
+            let total: f64 = owned.iter().map(|&n| rate_share(rate, n, partitions)).sum();
+            assert!((total - f64::from(rate)).abs() < 1e-9, "{rate} over {owned:?}: {total}");
+        }
+        assert_eq!(rate_share(2, 1, 4), 0.5, "less than one a second is still a rate");
+    }
 
     #[test]
     fn lease_tokens_name_their_broker() {

@@ -63,6 +63,10 @@ impl ShardStore {
                 if !stored_key.starts_with(&prefix) || decoded.bucket >= end {
                     break;
                 }
+                if !resolution.retains(decoded.bucket, now) {
+                    // Expired: whether compaction dropped it yet must not change answers.
+                    continue;
+                }
                 let index = ((decoded.bucket - plan.start) / plan.step) as usize;
                 if let Some(point) = points.get_mut(index) {
                     *point += pick(Counts::decode(&value), query.kind);
@@ -193,6 +197,43 @@ mod tests {
         assert_eq!(points.len(), 3);
         assert!(matches!(answers[4], ShardAnswer::Window { value: 0, .. }));
         assert!(matches!(&answers[5], ShardAnswer::Error { code, .. } if code == "invalid_window"));
+    }
+
+    #[test]
+    fn buckets_past_retention_read_as_gone_before_compaction_drops_them() {
+        // A 7 min step over 6 h at the 1 min resolution (kept 6 h): the oldest point
+        // reaches 5 min further back than the range, past the retention.
+        let step = 420_000;
+        let read_at = NOW / step * step + 300_000;
+        let oldest = read_at - 362 * 60_000;
+        let (dir, applied_at) = (tempfile::tempdir().unwrap(), read_at - 120_000);
+        let store = ShardStore::open(0, dir.path(), StoreOptions::default()).unwrap();
+        let payload = ShardMessage::Increments {
+            source: Source { stream: Source::INCREMENTS, partition: 0 },
+            entries: [(1, oldest), (2, read_at - 60_000)]
+                .into_iter()
+                .enumerate()
+                .map(|(i, (delta, ts))| {
+                    let increment = Increment { entity: "e".into(), metric: "v".into(), delta, ts, id: None };
+                    (Stamp { offset: i as i64, index: 0 }, increment)
+                })
+                .collect(),
+        }
+        .encode()
+        .unwrap();
+        store.apply(&[ShardRecord { offset: 0, payload: &payload, timestamp: None }], applied_at, false).unwrap();
+        let series = WindowSpec::Series { step_ms: step as u64, range_ms: 6 * 3_600_000 };
+        let at = |now| {
+            let answers = store.read(&[query("e", "v", series)], now).unwrap();
+            let ShardAnswer::Series { points, resolution } = &answers[0] else { panic!("{:?}", answers[0]) };
+            assert_eq!((resolution.as_str(), points[0].0), ("1m", oldest));
+            points.iter().map(|p| p.1).collect::<Vec<i64>>()
+        };
+        let mut want = vec![0; 52];
+        (want[0], want[51]) = (1, 2);
+        assert_eq!(at(applied_at), want, "still retained");
+        want[0] = 0;
+        assert_eq!(at(read_at), want, "expired a minute ago, though still stored");
     }
 
     #[test]
