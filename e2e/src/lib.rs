@@ -398,6 +398,32 @@ pub mod check {
         }
     }
 
+    /// Waits until every answer equals the model, and panics at once if the read API
+    /// ever answers 200 with something else: after every input is in Kafka, a
+    /// counter (rebuilding or not) must never serve partial totals. Non-200 answers
+    /// (no owner yet) are waited out until `timeout`.
+    pub async fn never_partial(
+        sandbox: &Sandbox,
+        model: &Model,
+        entities: &[String],
+        metrics: &[String],
+        timeout: std::time::Duration,
+    ) -> usize {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut unavailable = 0;
+        loop {
+            match all_time(sandbox, model, entities, metrics).await {
+                Ok(()) => return unavailable,
+                Err(failure) if failure.starts_with("batch read failed") => {
+                    unavailable += 1;
+                    assert!(std::time::Instant::now() < deadline, "never answered: {failure}");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+                Err(mismatches) => panic!("a 200 answer with partial totals:\n{mismatches}"),
+            }
+        }
+    }
+
     /// Waits until [`all_time`] holds; panics with the mismatches after `timeout`.
     pub async fn wait_for_all_time(
         sandbox: &Sandbox,

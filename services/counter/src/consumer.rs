@@ -80,6 +80,14 @@ impl CounterContext {
         for (topic, partition) in partitions {
             let shard = partition as u32;
             let store = self.open(shard)?;
+            if store.progress().next_offset.is_none() {
+                // Built from scratch: not served until it caught up with the log.
+                let (_, end) = consumer.fetch_watermarks(&topic, partition, Duration::from_secs(10))?;
+                store.rebuild_until(end);
+                if end > 0 {
+                    tracing::info!(shard, end, "rebuilding the shard from the log; served once caught up");
+                }
+            }
             let offset = store.progress().next_offset.map_or(Offset::Beginning, Offset::Offset);
             tpl.set_partition_offset(&topic, partition, offset)?;
             stores.insert(shard, store);
@@ -178,6 +186,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     let max_records = config.counter.batch_max_records.max(1);
     let max_bytes = config.counter.batch_max_bytes.max(1);
     let mut epoch = shards.epoch();
+    let mut serving: Vec<u32> = Vec::new();
     let mut batch: Vec<Polled> = Vec::new();
 
     while !shutdown.is_cancelled() {
@@ -198,8 +207,9 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
                 batch.clear();
                 batch_bytes = 0;
                 metrics.owned_shards.set(shards.owned().len() as i64);
-                announcer.announce(&shards.owned(), true);
-                readiness.set(!shards.owned().is_empty());
+                serving = shards.serving();
+                announcer.announce(&serving, true);
+                readiness.set(!serving.is_empty());
             }
             match polled {
                 Some(Ok(message)) => {
@@ -231,6 +241,12 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         if !batch.is_empty() {
             outbox_written = apply_batch(&batch, &shards, &metrics, rollups.as_ref())?;
             commit_advisory(&consumer, &shard_topic, &shards);
+            if shards.serving() != serving {
+                // A rebuilt shard caught up: announce it now, not at the next heartbeat.
+                serving = shards.serving();
+                announcer.announce(&serving, true);
+                readiness.set(!serving.is_empty());
+            }
         }
         // Right after a batch that wrote totals for other shards; and with every
         // heartbeat, for what a store still held after a restart or a new assignment.
@@ -241,16 +257,17 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         }
         if announcer.due() {
             if let Some(rollups) = &rollups {
-                // What a crash or a failed round left marked.
-                for shard in shards.owned() {
+                // What a crash, a failed round or a rebuild left marked.
+                for shard in shards.serving() {
                     let Some(store) = shards.get(shard) else { continue };
                     if let Ok(pending) = store.pending_rollups() {
                         rollups.publish(&store, &pending, &metrics);
                     }
                 }
             }
-            announcer.announce(&shards.owned(), false);
-            readiness.set(!shards.owned().is_empty());
+            serving = shards.serving();
+            announcer.announce(&serving, false);
+            readiness.set(!serving.is_empty());
         }
     }
     if let Err(err) = relay_outboxes(&relay, &shards, &metrics) {
@@ -286,7 +303,7 @@ fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, rollups: Op
         metrics.apply_seconds.observe(started.elapsed().as_secs_f64());
         record_metrics(metrics, &report);
         outbox_written += report.outbox_messages;
-        if let Some(rollups) = rollups {
+        if let Some(rollups) = rollups.filter(|_| store.serving()) {
             rollups.publish(&store, &report.changed, metrics);
         }
     }

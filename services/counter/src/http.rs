@@ -34,7 +34,7 @@ fn not_owner(shard: u32) -> Response {
 }
 
 async fn read(State(state): State<ReadState>, Json(request): Json<ShardReadRequest>) -> Response {
-    let Some(store) = state.shards.get(request.shard) else { return not_owner(request.shard) };
+    let Some(store) = state.shards.get(request.shard).filter(|s| s.serving()) else { return not_owner(request.shard) };
     state.metrics.reads.inc_by(request.queries.len() as u64);
     let answered = tokio::task::spawn_blocking(move || store.read(&request.queries, request.now_ms)).await;
     match answered {
@@ -45,7 +45,7 @@ async fn read(State(state): State<ReadState>, Json(request): Json<ShardReadReque
 }
 
 async fn metrics(State(state): State<ReadState>, Json(request): Json<ShardMetricsRequest>) -> Response {
-    let Some(store) = state.shards.get(request.shard) else { return not_owner(request.shard) };
+    let Some(store) = state.shards.get(request.shard).filter(|s| s.serving()) else { return not_owner(request.shard) };
     let answered =
         tokio::task::spawn_blocking(move || store.metrics(&request.entity, request.after.as_deref(), request.limit))
             .await;

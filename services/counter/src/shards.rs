@@ -1,5 +1,7 @@
 //! Which shards this process owns right now, shared by the consumer thread (which
-//! changes it on rebalance) and the read API (which serves only owned shards).
+//! changes it on rebalance) and the read API (which serves only owned shards that
+//! have caught up: a shard rebuilt from the log is not announced, read or rolled
+//! up before it holds everything the log held when it was assigned).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,6 +24,17 @@ impl Shards {
 
     pub fn owned(&self) -> Vec<u32> {
         let mut shards: Vec<u32> = self.owned.read().map(|o| o.keys().copied().collect()).unwrap_or_default();
+        shards.sort_unstable();
+        shards
+    }
+
+    /// The owned shards whose store has caught up with the log (see
+    /// [`ShardStore::serving`]): the ones announced, read and rolled up.
+    pub fn serving(&self) -> Vec<u32> {
+        let owned = self.owned.read();
+        let mut shards: Vec<u32> = owned
+            .map(|o| o.iter().filter(|(_, store)| store.serving()).map(|(shard, _)| *shard).collect())
+            .unwrap_or_default();
         shards.sort_unstable();
         shards
     }

@@ -12,6 +12,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Mutex;
 
 use rocksdb::compaction_filter::Decision;
@@ -67,6 +68,10 @@ pub struct ShardStore {
     pub(crate) descendants: Mutex<HashMap<String, Vec<String>>>,
     /// Idempotency marks live for this window of record time.
     dedupe: DedupeWindow,
+    /// A store built from scratch must reach this shard-topic offset (the log's end
+    /// when it was assigned) before it serves: until then its totals are partial.
+    /// `i64::MIN`: serving.
+    rebuild_until: AtomicI64,
 }
 
 fn add_counts(_key: &[u8], existing: Option<&[u8]>, operands: &MergeOperands) -> Option<Vec<u8>> {
@@ -126,6 +131,7 @@ impl ShardStore {
             progress: Mutex::new(progress),
             descendants: Mutex::new(descendants),
             dedupe: dedupe_window,
+            rebuild_until: AtomicI64::new(i64::MIN),
         })
     }
 
@@ -197,6 +203,21 @@ impl ShardStore {
         })
     }
 
+    /// Holds back serving until the store reached `end`, when it was built from
+    /// scratch (no progress yet): a rebuild from the log.
+    pub fn rebuild_until(&self, end: i64) {
+        if self.progress().next_offset.is_none() && end > 0 {
+            self.rebuild_until.store(end, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the store holds everything the log held when it was assigned (or
+    /// had data of its own then), so its answers and rollups are whole.
+    pub fn serving(&self) -> bool {
+        let until = self.rebuild_until.load(Ordering::Relaxed);
+        until == i64::MIN || self.progress().next_offset.is_some_and(|next| next >= until)
+    }
+
     /// The dedupe window's stream time moves to `record_time` (a committed record's).
     pub(crate) fn advance_stream_time(&self, record_time: i64) {
         self.dedupe.advance(record_time);
@@ -242,6 +263,23 @@ mod tests {
 
     pub(crate) fn options() -> StoreOptions {
         StoreOptions::default()
+    }
+
+    #[test]
+    fn a_store_built_from_scratch_serves_once_it_caught_up_with_the_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ShardStore::open(0, dir.path(), options()).unwrap();
+        store.rebuild_until(3);
+        assert!(!store.serving(), "empty, the log holds 3 records");
+        store.commit(WriteBatch::default(), Progress { next_offset: Some(2), ..Default::default() }).unwrap();
+        assert!(!store.serving(), "2 of 3 applied");
+        store.commit(WriteBatch::default(), Progress { next_offset: Some(3), ..Default::default() }).unwrap();
+        assert!(store.serving());
+        // A store with data of its own serves at once (it is behind, not partial).
+        drop(store);
+        let store = ShardStore::open(0, dir.path(), options()).unwrap();
+        store.rebuild_until(10);
+        assert!(store.serving());
     }
 
     #[test]
