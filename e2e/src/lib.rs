@@ -129,6 +129,12 @@ impl Sandbox {
         let _ = std::fs::remove_dir_all(self.dir.path().join("counter"));
     }
 
+    /// Deletes a stopped graph processor's RocksDB: it must rebuild from the log.
+    pub fn wipe_graph_data(&self) {
+        assert!(!self.children.contains_key("tally-graph"), "stop the graph first");
+        let _ = std::fs::remove_dir_all(self.dir.path().join("graph"));
+    }
+
     /// Starts (or restarts) a service binary: `tally-ingester`, `tally-counter`, `tally-query`.
     pub fn spawn(&mut self, name: &'static str) {
         self.spawn_instance(name, name, &[]);

@@ -59,7 +59,7 @@ async fn totals_follow_the_graph_and_match_the_model() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kill9_of_graph_and_counter_mid_workload_counts_exactly_once() {
+async fn kill9_and_lost_disk_of_graph_and_kill9_of_counter_mid_workload_count_exactly_once() {
     let mut sandbox = Sandbox::start().await;
     for service in SERVICES {
         sandbox.spawn(service);
@@ -77,6 +77,13 @@ async fn kill9_of_graph_and_counter_mid_workload_counts_exactly_once() {
             3 => {
                 sandbox.kill9("tally-counter");
                 sandbox.spawn("tally-counter");
+            }
+            4 => {
+                // A lost disk: the graph rebuilds from graph-updates and emits the
+                // same stamps, which the counters drop.
+                sandbox.kill9("tally-graph");
+                sandbox.wipe_graph_data();
+                sandbox.spawn("tally-graph");
             }
             6 => {
                 sandbox.kill9("tally-graph");

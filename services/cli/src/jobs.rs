@@ -116,11 +116,18 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
             }
             println!("{} dead jobs on {queue}", dead.len());
             if requeue {
-                for job in &dead {
+                // A job whose payload was cut to fit the dead topic is not the job
+                // that was enqueued: it is listed, never requeued.
+                let (whole, cut): (Vec<&DeadJob>, Vec<&DeadJob>) =
+                    dead.iter().partition(|job| !job.truncated.contains_key("payload"));
+                for job in &whole {
                     let bytes = serde_json::to_vec(&job.job)?;
                     send(config, &names.jobs(&queue), job.job.key.as_deref().unwrap_or(&job.job.id), &bytes).await?;
                 }
-                println!("requeued {} jobs (they stay listed in the dead topic)", dead.len());
+                println!("requeued {} jobs (they stay listed in the dead topic)", whole.len());
+                for job in cut {
+                    println!("not requeued: {} (its payload was cut to fit the dead topic)", job.job.id);
+                }
             }
             Ok(())
         }

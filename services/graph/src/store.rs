@@ -117,7 +117,6 @@ impl GraphStore {
         let mut batch = WriteBatch::default();
         let dedupe_cf = self.cf(CF_DEDUPE)?;
         let mut ids_in_batch = std::collections::HashSet::new();
-        let mut updates: Vec<EdgeUpdate> = Vec::new();
         let mut latest_record_time = i64::MIN;
         for record in records {
             if progress.next_offset.is_some_and(|next| record.offset < next) {
@@ -134,6 +133,7 @@ impl GraphStore {
             };
             let record_time = record.timestamp.unwrap_or(now);
             latest_record_time = latest_record_time.max(record_time);
+            let mut updates: Vec<EdgeUpdate> = Vec::with_capacity(entries.len());
             for (stamp, update) in entries {
                 if !progress.advance(source, stamp) {
                     report.redelivered += 1;
@@ -150,28 +150,13 @@ impl GraphStore {
                 report.updates += 1;
                 updates.push(update.edge);
             }
-        }
-
-        let changes = {
-            let mut graph = self.graph.write().map_err(|_| Error::Processor("graph lock poisoned".into()))?;
-            let changes = graph.apply_batch(&updates);
-            let (edges_cf, in_edges_cf) = (self.cf(CF_EDGES)?, self.cf(CF_IN_EDGES)?);
-            for update in &updates {
-                let (key, in_key) = (encode_edge(&update.from, &update.to), encode_edge(&update.to, &update.from));
-                if graph.has_edge(&update.from, &update.to) {
-                    batch.put_cf(edges_cf, &key, []);
-                    batch.put_cf(in_edges_cf, &in_key, []);
-                } else {
-                    batch.delete_cf(edges_cf, &key);
-                    batch.delete_cf(in_edges_cf, &in_key);
-                }
-            }
-            changes
-        };
-        report.changes = changes.len() as u64;
-        if !changes.is_empty() {
-            report.outbox_messages = self.put_outbox(&mut batch, progress.next_sequence, changes)?;
-            progress.next_sequence += 1;
+            // One step of the algorithm per record, stamped with the record's offset:
+            // what a record emits depends only on the log before it, never on where a
+            // batch happened to end, so rebuilding the graph from the log (a lost
+            // disk) emits the very same stamps and the counters drop what they have.
+            let changes = self.step(&updates, &mut batch)?;
+            report.changes += changes.len() as u64;
+            report.outbox_messages += self.put_outbox(&mut batch, record.offset, changes)?;
         }
         progress.write(&self.progress(), &mut batch);
         let mut write_options = WriteOptions::default();
@@ -184,17 +169,39 @@ impl GraphStore {
         Ok(report)
     }
 
-    /// Each change goes to the shard that owns its origin, stamped (sequence of the
-    /// batch, index) so a counter drops what it already applied. A change too big
+    /// Applies one record's updates to the graph and the edge column families;
+    /// returns the net descendant changes.
+    fn step(&self, updates: &[EdgeUpdate], batch: &mut WriteBatch) -> Result<Vec<DescChange>> {
+        if updates.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut graph = self.graph.write().map_err(|_| Error::Processor("graph lock poisoned".into()))?;
+        let changes = graph.apply_batch(updates);
+        let (edges_cf, in_edges_cf) = (self.cf(CF_EDGES)?, self.cf(CF_IN_EDGES)?);
+        for update in updates {
+            let (key, in_key) = (encode_edge(&update.from, &update.to), encode_edge(&update.to, &update.from));
+            if graph.has_edge(&update.from, &update.to) {
+                batch.put_cf(edges_cf, &key, []);
+                batch.put_cf(in_edges_cf, &in_key, []);
+            } else {
+                batch.delete_cf(edges_cf, &key);
+                batch.delete_cf(in_edges_cf, &in_key);
+            }
+        }
+        Ok(changes)
+    }
+
+    /// Each change goes to the shard that owns its origin, stamped (offset of the
+    /// graph-updates record, index) so a counter drops what it already applied. A change too big
     /// for one record is split into several of the same origin, and a shard's
     /// changes into as many records as their size needs.
-    fn put_outbox(&self, batch: &mut WriteBatch, sequence: i64, changes: Vec<DescChange>) -> Result<u64> {
+    fn put_outbox(&self, batch: &mut WriteBatch, offset: i64, changes: Vec<DescChange>) -> Result<u64> {
         let outbox_cf = self.cf(CF_OUTBOX)?;
         let budget = self.options.record_budget;
         let mut per_shard: std::collections::BTreeMap<u32, Vec<(Stamp, DescChange)>> = Default::default();
         let pieces = changes.into_iter().flat_map(|change| split_desc_change(change, budget));
         for (index, change) in pieces.enumerate() {
-            let stamp = Stamp { offset: sequence, index: index as u32 };
+            let stamp = Stamp { offset, index: index as u32 };
             per_shard.entry(shard_of(&change.origin, self.options.shards)).or_default().push((stamp, change));
         }
         let source = Source { stream: Source::GRAPH_PROCESSOR, partition: 0 };
@@ -203,7 +210,7 @@ impl GraphStore {
             for (chunk, part) in split_by_size(&entries, budget, |(_, c)| desc_change_bound(c)).into_iter().enumerate()
             {
                 let payload = ShardMessage::DescChanges { source, entries: part.to_vec() }.encode()?;
-                batch.put_cf(outbox_cf, outbox_key(sequence, shard, chunk as u32), payload);
+                batch.put_cf(outbox_cf, outbox_key(offset, shard, chunk as u32), payload);
                 messages += 1;
             }
         }
@@ -285,6 +292,36 @@ mod tests {
         }
         all.sort_by(|a, b| a.origin.cmp(&b.origin));
         all
+    }
+
+    /// What the graph emits depends on the log alone: a store rebuilt from the log
+    /// in other batches (after losing its disk) emits the same stamped records, so
+    /// the counters drop what they already applied.
+    #[test]
+    fn emissions_do_not_depend_on_batch_boundaries() {
+        let log = [
+            record(0, &[(true, "a", "b", None), (true, "b", "c", None)]),
+            record(1, &[(true, "c", "d", Some("x")), (false, "a", "b", None)]),
+            record(2, &[(true, "a", "b", None), (true, "d", "a", None)]),
+            record(3, &[(false, "b", "c", None), (true, "c", "d", Some("x"))]),
+        ];
+        let records: Vec<UpdateRecord<'_>> = log
+            .iter()
+            .enumerate()
+            .map(|(offset, payload)| UpdateRecord { offset: offset as i64, payload, timestamp: Some(NOW) })
+            .collect();
+        let emitted = |batches: &[&[UpdateRecord<'_>]]| {
+            let dir = tempfile::tempdir().unwrap();
+            let store = GraphStore::open(dir.path(), options()).unwrap();
+            for batch in batches {
+                store.apply(batch, NOW).unwrap();
+            }
+            store.outbox().unwrap().into_iter().map(|e| (e.key, e.partition, e.payload)).collect::<Vec<_>>()
+        };
+        let at_once = emitted(&[&records]);
+        assert!(at_once.len() >= 4);
+        assert_eq!(emitted(&[&records[..1], &records[1..3], &records[3..]]), at_once);
+        assert_eq!(emitted(&[&records[..3], &records[3..]]), at_once);
     }
 
     #[test]
