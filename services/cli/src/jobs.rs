@@ -3,11 +3,10 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use rdkafka::producer::{FutureProducer, FutureRecord};
 use tally_shared::config::TallyConfig;
 use tally_shared::jobs::api::QueueStats;
 use tally_shared::jobs::{DeadJob, Job};
-use tally_shared::kafka::{producer_config, read_to_end, TopicNames};
+use tally_shared::kafka::{read_to_end, TopicNames};
 
 #[derive(clap::Subcommand)]
 pub enum JobsCommand {
@@ -135,10 +134,5 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
 }
 
 async fn send(config: &TallyConfig, topic: &str, key: &str, payload: &[u8]) -> anyhow::Result<()> {
-    let producer: FutureProducer = producer_config(&config.kafka)?.create()?;
-    producer
-        .send(FutureRecord::to(topic).key(key).payload(payload), Duration::from_secs(30))
-        .await
-        .map_err(|(err, _)| anyhow::anyhow!("producing to {topic}: {err}"))?;
-    Ok(())
+    crate::produce_one(config, topic, key, payload).await.map(|_| ())
 }

@@ -256,14 +256,29 @@ async fn topics_apply(config: &TallyConfig, file: Option<PathBuf>) -> anyhow::Re
 }
 
 async fn produce(config: &TallyConfig, topic: &str, key: &str, payload: &[u8]) -> anyhow::Result<()> {
+    let (partition, offset) = produce_one(config, topic, key, payload).await?;
+    println!("produced to {topic} partition {partition} offset {offset}");
+    Ok(())
+}
+
+/// Produces one record and waits for its acknowledgement, at most 30 s (tally's
+/// producers never time out a record on their own: a command line has to).
+pub(crate) async fn produce_one(
+    config: &TallyConfig,
+    topic: &str,
+    key: &str,
+    payload: &[u8],
+) -> anyhow::Result<(i32, i64)> {
     let producer: FutureProducer = producer_config(&config.kafka)?.create()?;
     let record = FutureRecord::to(topic).key(key).payload(payload);
-    match producer.send(record, Duration::from_secs(30)).await {
-        Ok(delivery) => {
-            println!("produced to {topic} partition {} offset {}", delivery.partition, delivery.offset);
-            Ok(())
-        }
-        Err((err, _)) => bail!("producing to {topic}: {err}"),
+    let wait = Duration::from_secs(30);
+    match tokio::time::timeout(wait, producer.send(record, wait)).await {
+        Ok(Ok(delivery)) => Ok((delivery.partition, delivery.offset)),
+        Ok(Err((err, _))) => bail!("producing to {topic}: {err}"),
+        Err(_) => bail!(
+            "producing to {topic}: not acknowledged within {wait:?} (is Kafka at {} reachable?)",
+            config.kafka.bootstrap_servers
+        ),
     }
 }
 
