@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 source scripts/common.sh
-install_native_packages
+# openssl and stunnel4: the TLS-only Kafka of the e2e tests.
+install_native_packages openssl stunnel4
 
 # The e2e tests start Tansu themselves and would install it too; installing it here
 # first keeps parallel tests from racing to install it (same path and version as

@@ -2,6 +2,7 @@
 //! its own topic prefix, the real service binaries as child processes, and helpers
 //! to produce input, kill and restart services, read topics and call the HTTP API.
 
+pub mod tls;
 pub mod workload;
 
 use std::collections::HashMap;
@@ -31,6 +32,21 @@ pub struct Sandbox {
     broker: LocalBroker,
     broker_binary: PathBuf,
     broker_port: u16,
+    /// The TLS terminator in front of the broker, when the sandbox is TLS-only.
+    tls: Option<tls::Terminator>,
+    /// A config file every service and the CLI read (`TALLY_CONFIG`), for settings
+    /// the environment cannot carry (dotted Kafka client keys).
+    config_file: Option<PathBuf>,
+}
+
+/// How a sandbox starts.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Options<'a> {
+    /// A built-in topic (short name, e.g. `rollups`) not created until
+    /// [`Sandbox::apply_topics`].
+    pub missing: &'a str,
+    /// Clients reach the broker only through TLS (a private CA, a TLS terminator).
+    pub tls: bool,
 }
 
 /// Where cargo put the service binaries: next to this test's `deps/` directory.
@@ -43,24 +59,41 @@ fn bin_dir() -> PathBuf {
 impl Sandbox {
     /// Starts a broker and applies the topics; no service runs yet.
     pub async fn start() -> Self {
-        Self::start_without("").await
+        Self::start_with(Options::default()).await
     }
 
     /// Like [`Sandbox::start`], but the topic `missing` (its short name, e.g.
     /// `rollups`) is not created until [`Sandbox::apply_topics`].
     pub async fn start_without(missing: &str) -> Self {
+        Self::start_with(Options { missing, ..Default::default() }).await
+    }
+
+    pub async fn start_with(options: Options<'_>) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let binary = tokio::task::spawn_blocking(ensure_installed).await.unwrap().expect("tansu installed");
         let port = free_port().unwrap();
-        let broker = start_broker(binary.clone(), port, dir.path().join("kafka")).await;
+        let tls = match options.tls {
+            true => Some(tls::Terminator::start(dir.path().join("tls"), port).await),
+            false => None,
+        };
+        let advertised = tls.as_ref().map_or(port, |t| t.port);
+        let broker = start_broker(binary.clone(), port, advertised, dir.path().join("kafka")).await;
         let prefix = format!("t{:08x}.", rand::random::<u32>());
-        let kafka = KafkaConfig {
+        let mut kafka = KafkaConfig {
             bootstrap_servers: broker.bootstrap_servers.clone(),
             topic_prefix: prefix.clone(),
             ..Default::default()
         };
+        let mut config_file = None;
+        if let Some(tls) = &tls {
+            kafka.client = tls.client_settings();
+            let path = dir.path().join("tally.toml");
+            let settings: String = kafka.client.iter().map(|(k, v)| format!("{k:?} = {v:?}\n")).collect();
+            std::fs::write(&path, format!("[kafka.client]\n{settings}")).unwrap();
+            config_file = Some(path);
+        }
         let mut declarations = Declarations::load(None).unwrap();
-        declarations.topics.retain(|topic| topic.name != missing);
+        declarations.topics.retain(|topic| topic.name != options.missing);
         topics::apply(&kafka, &declarations).await.expect("topics apply");
         let query_port = free_port().unwrap();
         let admin: HashMap<&'static str, String> = ["tally-ingester", "tally-counter", "tally-graph", "tally-query"]
@@ -95,6 +128,8 @@ impl Sandbox {
             broker,
             broker_binary: binary,
             broker_port: port,
+            tls,
+            config_file,
         }
     }
 
@@ -120,7 +155,9 @@ impl Sandbox {
     /// Stops the broker gracefully and starts it again on the same port and data.
     pub async fn restart_broker(&mut self) {
         self.broker.stop();
-        self.broker = start_broker(self.broker_binary.clone(), self.broker_port, self.dir.path().join("kafka")).await;
+        let advertised = self.tls.as_ref().map_or(self.broker_port, |t| t.port);
+        let kafka_dir = self.dir.path().join("kafka");
+        self.broker = start_broker(self.broker_binary.clone(), self.broker_port, advertised, kafka_dir).await;
     }
 
     /// Deletes a stopped counter's RocksDB: its shards must rebuild from the log.
@@ -148,10 +185,9 @@ impl Sandbox {
             .append(true)
             .open(self.dir.path().join(format!("{name}.log")))
             .unwrap();
-        let child = Command::new(bin_dir().join(binary))
-            .envs(self.env.iter().cloned())
+        let child = self
+            .command(binary)
             .envs(env.iter().map(|(k, v)| (k.to_string(), v.clone())))
-            .env_remove("TALLY_CONFIG")
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -210,14 +246,21 @@ impl Sandbox {
 
     /// Runs the `tally` command line with the sandbox's settings; its success and output.
     pub fn cli(&self, args: &[&str]) -> (bool, String) {
-        let output = Command::new(bin_dir().join("tally"))
-            .args(args)
-            .envs(self.env.iter().cloned())
-            .env_remove("TALLY_CONFIG")
-            .output()
-            .expect("running tally");
+        let output = self.command("tally").args(args).output().expect("running tally");
         let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
         (output.status.success(), text)
+    }
+
+    /// A command for one of the binaries with the sandbox's environment and config
+    /// file (never the developer's own `TALLY_CONFIG`).
+    fn command(&self, binary: &str) -> Command {
+        let mut command = Command::new(bin_dir().join(binary));
+        command.envs(self.env.iter().cloned());
+        match &self.config_file {
+            Some(path) => command.env("TALLY_CONFIG", path),
+            None => command.env_remove("TALLY_CONFIG"),
+        };
+        command
     }
 
     /// A scratch directory of this sandbox (for an extra instance's data).
@@ -344,8 +387,11 @@ fn terminate(child: &mut Child) {
     let _ = child.wait();
 }
 
-async fn start_broker(binary: PathBuf, port: u16, dir: PathBuf) -> LocalBroker {
-    tokio::task::spawn_blocking(move || LocalBroker::start(&binary, port, &dir)).await.unwrap().expect("broker starts")
+async fn start_broker(binary: PathBuf, port: u16, advertised: u16, dir: PathBuf) -> LocalBroker {
+    tokio::task::spawn_blocking(move || LocalBroker::start_advertising(&binary, port, advertised, &dir))
+        .await
+        .unwrap()
+        .expect("broker starts")
 }
 
 /// Percent-encodes a path segment.

@@ -44,7 +44,9 @@ pub struct BrokerConfig {
     pub advertise_host: Option<String>,
     /// Consumer group whose committed offsets hold each partition's watermark.
     pub group_id: String,
-    /// Queue declarations (default: the ones built into this release).
+    /// A file of queue (and topic) declarations on top of the built-in ones — a
+    /// file of `[[queue]]` entries is enough; relative to the config file. The same
+    /// file drives `tally topics apply`, `tally up` and the brokers.
     pub declarations: Option<PathBuf>,
     /// How often a broker says it is alive.
     pub heartbeat_ms: u64,
@@ -368,34 +370,93 @@ impl TallyConfig {
             .collect();
         for (key, value) in overrides {
             let dotted = key.to_ascii_lowercase().replace("__", ".");
-            figment = figment.merge(Serialized::global(&dotted, parse_env_value(&value)));
+            let typed = env_value(default_at(&defaults, &dotted), &value);
+            figment = figment.merge(Serialized::global(&dotted, typed));
         }
         let config: TallyConfig = figment.extract().map_err(|err| {
-            let all: Vec<String> = err.into_iter().map(|e| e.to_string()).collect();
+            // `section.key: what is wrong`, without figment's provider internals.
+            let all: Vec<String> = err
+                .into_iter()
+                .map(|e| match e.path.is_empty() {
+                    true => e.kind.to_string(),
+                    false => format!("{}: {}", e.path.join("."), e.kind),
+                })
+                .collect();
             Error::Config(all.join("; "))
         })?;
         config.counting.resolutions()?;
         config.counting.dedupe_window_ms()?;
+        // A relative declarations file sits next to the config that names it.
+        let mut config = config;
+        if let (Some(declarations), Some(dir)) = (&config.broker.declarations, path.and_then(Path::parent)) {
+            if declarations.is_relative() {
+                config.broker.declarations = Some(dir.join(declarations));
+            }
+        }
         Ok(config)
     }
 }
 
-/// Environment values are typed like TOML scalars: `8` is a number, `true` a bool,
-/// a JSON array of strings (`["a","b"]`) a list, anything else a string.
-fn parse_env_value(value: &str) -> figment::value::Value {
-    use figment::value::Value;
-    if let Ok(n) = value.parse::<i64>() {
-        return Value::from(n);
+/// What a redacted secret reads as.
+pub const REDACTED: &str = "<redacted>";
+
+impl TallyConfig {
+    /// The effective config as a JSON value with every secret replaced by
+    /// [`REDACTED`] (bearer tokens; Kafka client settings whose name says password,
+    /// secret or key material) and unset options left out: what `tally config
+    /// check` prints.
+    pub fn redacted(&self) -> Result<serde_json::Value> {
+        let mut value = serde_json::to_value(self).map_err(|err| Error::Config(err.to_string()))?;
+        redact(&mut value, "");
+        Ok(value)
     }
-    if value.trim_start().starts_with('[') {
-        if let Ok(list) = serde_json::from_str::<Vec<String>>(value) {
-            return Value::from(list);
+}
+
+fn redact(value: &mut serde_json::Value, path: &str) {
+    let serde_json::Value::Object(map) = value else { return };
+    map.retain(|_, v| !v.is_null());
+    for (key, v) in map.iter_mut() {
+        let path = format!("{path}.{key}");
+        let secret = key == "auth_token"
+            || (path.starts_with(".kafka.client.")
+                && ["password", "secret", "key.pem", "keystore", "sasl.jaas"].iter().any(|s| key.contains(s)));
+        if secret {
+            *v = serde_json::Value::from(REDACTED);
+        } else {
+            redact(v, &path);
         }
     }
-    match value {
-        "true" => Value::from(true),
-        "false" => Value::from(false),
-        _ => Value::from(value.to_string()),
+}
+
+/// The default value at a dotted path (`worker.auth_token`), if the path exists.
+fn default_at<'a>(defaults: &'a serde_json::Value, dotted: &str) -> Option<&'a serde_json::Value> {
+    dotted.split('.').try_fold(defaults, |value, key| value.get(key))
+}
+
+/// An environment value typed by the key's default: a string field stays a string
+/// whatever it looks like (a token `123456` is not a number), numbers and booleans
+/// parse as such, lists come from JSON arrays (`["a","b"]`). Unset options (all
+/// strings or lists of strings) are lists when the value is a JSON array of
+/// strings, strings otherwise. An unknown key keeps the value as a string (and the
+/// loader reports the key).
+fn env_value(default: Option<&serde_json::Value>, value: &str) -> figment::value::Value {
+    use figment::value::Value;
+    use serde_json::Value as Json;
+    let list = || serde_json::from_str::<Vec<String>>(value).ok().map(Value::from);
+    let text = || Value::from(value.to_string());
+    match default {
+        Some(Json::Number(_)) => value
+            .parse::<i64>()
+            .map(Value::from)
+            .or_else(|_| value.parse::<f64>().map(Value::from))
+            .unwrap_or_else(|_| text()),
+        Some(Json::Bool(_)) => match value {
+            "true" => Value::from(true),
+            "false" => Value::from(false),
+            _ => text(),
+        },
+        Some(Json::Array(_)) | Some(Json::Null) => list().unwrap_or_else(text),
+        _ => text(),
     }
 }
 
@@ -419,6 +480,48 @@ mod tests {
         .unwrap();
         assert_eq!(config.worker.brokers, vec!["http://a:1".to_string(), "http://b:2".to_string()]);
         assert_eq!(config.worker.command.unwrap(), vec!["sh", "-c", "cat"]);
+    }
+
+    #[test]
+    fn string_settings_stay_strings_whatever_they_look_like() {
+        let config = TallyConfig::load_with_env(
+            None,
+            env(&[
+                ("TALLY__WORKER__AUTH_TOKEN", "123456"),
+                ("TALLY__QUERY__AUTH_TOKEN", "true"),
+                ("TALLY__KAFKA__TOPIC_PREFIX", "42"),
+                ("TALLY__WORKER__QUEUE", "007"),
+                ("TALLY__COUNTER__BATCH_MAX_RECORDS", "12"),
+                ("TALLY__COUNTER__SYNC_WRITES", "true"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(config.worker.auth_token.as_deref(), Some("123456"));
+        assert_eq!(config.query.auth_token.as_deref(), Some("true"));
+        assert_eq!((config.kafka.topic_prefix.as_str(), config.worker.queue.as_str()), ("42", "007"));
+        assert_eq!((config.counter.batch_max_records, config.counter.sync_writes), (12, true));
+        let err = TallyConfig::load_with_env(None, env(&[("TALLY__COUNTER__BATCH_MAX_RECORDS", "many")])).unwrap_err();
+        assert!(err.to_string().contains("many"), "{err}");
+    }
+
+    #[test]
+    fn redaction_hides_every_secret_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tally.toml");
+        let client = "[kafka.client]\n\"sasl.password\" = \"p\"\n\"ssl.key.password\" = \"k\"\n\"security.protocol\" = \"SASL_SSL\"\n";
+        std::fs::write(&path, format!("[query]\nauth_token = \"q\"\n{client}")).unwrap();
+        let config = TallyConfig::load_with_env(Some(&path), env(&[("TALLY__BROKER__AUTH_TOKEN", "b")])).unwrap();
+        let shown = config.redacted().unwrap();
+        assert_eq!(shown["query"]["auth_token"], REDACTED);
+        assert_eq!(shown["broker"]["auth_token"], REDACTED);
+        assert_eq!(shown["kafka"]["client"]["sasl.password"], REDACTED);
+        assert_eq!(shown["kafka"]["client"]["ssl.key.password"], REDACTED);
+        assert_eq!(shown["kafka"]["client"]["security.protocol"], "SASL_SSL");
+        assert!(shown["worker"].get("auth_token").is_none(), "unset options are left out");
+        let text = shown.to_string();
+        assert!(!text.contains("\"p\"") && !text.contains("\"q\"") && !text.contains("\"b\""), "{text}");
+        // Everything but the secrets is the effective config.
+        assert_eq!(shown["counter"]["batch_max_records"], config.counter.batch_max_records);
     }
 
     #[test]

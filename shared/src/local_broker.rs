@@ -60,19 +60,27 @@ impl LocalBroker {
     /// Starts Tansu on `127.0.0.1:port` with its sqlite database and log in
     /// `data_dir`, and waits until it accepts connections.
     pub fn start(binary: &Path, port: u16, data_dir: &Path) -> Result<Self> {
+        Self::start_advertising(binary, port, port, data_dir)
+    }
+
+    /// [`LocalBroker::start`], telling clients to connect to `127.0.0.1:advertised`
+    /// instead — a TLS terminator in front of the plain listener, say.
+    pub fn start_advertising(binary: &Path, port: u16, advertised: u16, data_dir: &Path) -> Result<Self> {
         std::fs::create_dir_all(data_dir)?;
         let log = std::fs::OpenOptions::new().create(true).append(true).open(data_dir.join("tansu.log"))?;
         let url = format!("tcp://127.0.0.1:{port}");
+        let advertised_url = format!("tcp://127.0.0.1:{advertised}");
         let child = Command::new(binary)
             .arg("broker")
-            .args(["--listener-url", &url, "--advertised-listener-url", &url, "--storage-engine", "sqlite://tansu.db"])
+            .args(["--listener-url", &url, "--advertised-listener-url", &advertised_url])
+            .args(["--storage-engine", "sqlite://tansu.db"])
             .current_dir(data_dir)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()
             .map_err(|err| Error::LocalBroker(format!("starting {}: {err}", binary.display())))?;
-        let mut broker = Self { child, bootstrap_servers: format!("127.0.0.1:{port}") };
+        let mut broker = Self { child, bootstrap_servers: format!("127.0.0.1:{advertised}") };
         broker.wait_ready(port, Duration::from_secs(60))?;
         Ok(broker)
     }

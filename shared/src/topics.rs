@@ -137,7 +137,7 @@ impl QueueDecl {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Declarations {
-    #[serde(rename = "topic")]
+    #[serde(rename = "topic", default)]
     pub topics: Vec<TopicDecl>,
     /// Job queues; each also adds its two topics to `topics`.
     #[serde(rename = "queue", default)]
@@ -145,8 +145,13 @@ pub struct Declarations {
 }
 
 impl Declarations {
+    /// Parses one file of declarations as it is (no built-in ones added).
     pub fn parse(text: &str) -> Result<Self> {
-        let mut decls: Declarations = toml_from_str(text)?;
+        Self::build(toml_from_str(text)?)
+    }
+
+    /// Checks declarations and adds each queue's two topics.
+    fn build(mut decls: Declarations) -> Result<Self> {
         for queue in &decls.queues {
             let valid = |b: u8| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-');
             if queue.name.is_empty() || queue.name.len() > 64 || !queue.name.bytes().all(valid) {
@@ -199,11 +204,26 @@ impl Declarations {
         Ok(decls)
     }
 
+    /// The built-in declarations, with a user's file (`broker.declarations`) on top:
+    /// its queues and topics are added, and replace built-in ones of the same name.
+    /// A file of `[[queue]]` entries alone is enough.
     pub fn load(path: Option<&Path>) -> Result<Self> {
-        match path {
-            Some(path) => Self::parse(&std::fs::read_to_string(path)?),
-            None => Self::parse(BUILTIN),
+        let mut decls: Declarations = toml_from_str(BUILTIN)?;
+        if let Some(path) = path {
+            let text = std::fs::read_to_string(path)
+                .map_err(|err| Error::Topics(format!("reading the declarations {}: {err}", path.display())))?;
+            let own: Declarations =
+                toml_from_str(&text).map_err(|err| Error::Topics(format!("declarations {}: {err}", path.display())))?;
+            for topic in own.topics {
+                decls.topics.retain(|t| t.name != topic.name);
+                decls.topics.push(topic);
+            }
+            for queue in own.queues {
+                decls.queues.retain(|q| q.name != queue.name);
+                decls.queues.push(queue);
+            }
         }
+        Self::build(decls)
     }
 
     pub fn get(&self, name: &str) -> Option<&TopicDecl> {
@@ -446,6 +466,27 @@ mod tests {
         assert!(shards.fixed_partitions);
         // -1 would mean "delete everything" to the local broker's retention sweep.
         assert!(shards.retention_ms.is_some_and(|ms| ms >= 100 * 365 * 86_400_000));
+    }
+
+    #[test]
+    fn a_file_of_queues_alone_adds_to_the_builtin_declarations() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("queues.toml");
+        std::fs::write(&path, "[[queue]]\nname = \"emails\"\npartitions = 2\nfifo = true\n[[queue]]\nname = \"default\"\npartitions = 9\n").unwrap();
+        let decls = Declarations::load(Some(&path)).unwrap();
+        let builtin = Declarations::load(None).unwrap();
+        for topic in ["shards", "increments", "rollups", "jobs.emails", "jobs.emails.dead", "jobs.default"] {
+            assert!(decls.get(topic).is_some(), "{topic}");
+        }
+        assert_eq!(decls.topics.len(), builtin.topics.len() + 2);
+        let names: Vec<&str> = decls.queues.iter().map(|q| q.name.as_str()).collect();
+        assert_eq!(names, vec!["emails", "default"]);
+        assert_eq!(decls.queue("default").unwrap().partitions, 9, "the file's queue replaces the built-in one");
+        assert_eq!(decls.get("jobs.default").unwrap().partitions, 9);
+        assert!(decls.queue("emails").unwrap().fifo);
+        std::fs::write(&path, "[[queue]]\nname = \"x\"\npartitons = 2\n").unwrap();
+        let err = Declarations::load(Some(&path)).unwrap_err().to_string();
+        assert!(err.contains("queues.toml") && err.contains("partitons"), "{err}");
     }
 
     #[test]

@@ -1,11 +1,220 @@
-{{- define "tally.name" -}}{{ .Release.Name }}-tally{{- end -}}
+{{/*
+Names. Every object is named <fullname>-<component>; fullname is the release name
+(with "-tally" unless it already says tally), short enough that a StatefulSet's pods
+and controller revisions stay within Kubernetes' 63-character limits.
+*/}}
+{{- define "tally.fullname" -}}
+{{- $name := .Release.Name -}}
+{{- if not (contains "tally" $name) -}}{{- $name = printf "%s-tally" $name -}}{{- end -}}
+{{- $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
 
 {{- define "tally.labels" -}}
 app.kubernetes.io/name: tally
 app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
-{{/* The environment every tally container shares: Kafka and the config file. */}}
+{{/* Selector labels of one component: (dict "root" $ "component" "counter"). */}}
+{{- define "tally.selector" -}}
+app.kubernetes.io/name: tally
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* The number of counter shards: the partitions of the built-in shards topic
+(topics/topics.toml; scripts/deploy-checks.sh checks they agree). */}}
+{{- define "tally.shards" -}}8{{- end -}}
+
+{{- define "tally.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{/* A queue name as a Kubernetes name: lowercase, `_` → `-`, no leading or trailing `-`. */}}
+{{- define "tally.queueSlug" -}}
+{{- $slug := . | toString | lower | replace "_" "-" | trimAll "-" -}}
+{{- if not $slug -}}
+{{- fail (printf "queue %q: the name needs a letter or digit to name its Kubernetes objects" (toString .)) -}}
+{{- end -}}
+{{- $slug -}}
+{{- end -}}
+
+{{/* The worker Deployment of a queue: (dict "root" $ "queue" "emails_high"); at most
+63 characters (cut, with a hash of the queue name, when longer). */}}
+{{- define "tally.workerName" -}}
+{{- $name := printf "%s-worker-%s" (include "tally.fullname" .root) (include "tally.queueSlug" .queue) -}}
+{{- if gt (len $name) 63 -}}
+{{- $name = printf "%s-%s" (trunc 54 $name | regexReplaceAll "-+$" "") (sha256sum (toString .queue) | trunc 8) -}}
+{{- end -}}
+{{- $name -}}
+{{- end -}}
+
+{{/* Every queue a worker may serve, as a JSON list: the built-in `default` and the
+declared ones. */}}
+{{- define "tally.queueNames" -}}
+{{- $names := list "default" -}}
+{{- range .Values.queues -}}{{- $names = append $names (toString .name) -}}{{- end -}}
+{{- $names | uniq | toJson -}}
+{{- end -}}
+
+{{/*
+Checks that go beyond values.schema.json; included by configmap.yaml, so a values
+file that fails any of them fails the whole render with its message.
+*/}}
+{{- define "tally.validate" -}}
+{{- $v := .Values -}}
+{{- if not (toString $v.kafka.bootstrapServers | trim) -}}
+{{- fail "kafka.bootstrapServers is required: the host:port list of your Kafka" -}}
+{{- end -}}
+{{- $shards := include "tally.shards" . | int -}}
+{{- if gt (int $v.counter.replicas) $shards -}}
+{{- fail (printf "counter.replicas is %d but there are only %d shards (the partitions of the shards topic): at most %d counter replicas, the others would never own a shard nor become ready" (int $v.counter.replicas) $shards $shards) -}}
+{{- end -}}
+{{- /* Queues: valid, distinct names (also as Kubernetes names), coherent settings. */ -}}
+{{- $seen := dict -}}
+{{- $slugs := dict -}}
+{{- range $i, $q := $v.queues -}}
+{{- $name := toString $q.name -}}
+{{- if not (regexMatch "^[a-z0-9_-]{1,64}$" $name) -}}
+{{- fail (printf "queues[%d]: queue name %q must match [a-z0-9_-]{1,64}" $i $name) -}}
+{{- end -}}
+{{- if hasKey $seen $name -}}
+{{- fail (printf "queues[%d]: queue %q is declared twice" $i $name) -}}
+{{- end -}}
+{{- $_ := set $seen $name true -}}
+{{- $slug := include "tally.queueSlug" $name -}}
+{{- if hasKey $slugs $slug -}}
+{{- fail (printf "queues[%d]: queues %q and %q map to the same Kubernetes name %q: rename one" $i (get $slugs $slug) $name $slug) -}}
+{{- end -}}
+{{- $_ := set $slugs $slug $name -}}
+{{- $backoff := 1000 -}}{{- if hasKey $q "backoff_ms" -}}{{- $backoff = int64 $q.backoff_ms -}}{{- end -}}
+{{- $backoffMax := 300000 -}}{{- if hasKey $q "backoff_max_ms" -}}{{- $backoffMax = int64 $q.backoff_max_ms -}}{{- end -}}
+{{- if lt (int64 $backoffMax) (int64 $backoff) -}}
+{{- fail (printf "queue %q: backoff_max_ms (%d) must be at least backoff_ms (%d)" $name (int64 $backoffMax) (int64 $backoff)) -}}
+{{- end -}}
+{{- end -}}
+{{- /* Workers: one per declared queue, exactly one way to run jobs, sane autoscaling. */ -}}
+{{- $declared := include "tally.queueNames" . | fromJsonArray -}}
+{{- $workerNames := dict -}}
+{{- range $i, $w := $v.workers -}}
+{{- $queue := toString $w.queue -}}
+{{- if not (has $queue $declared) -}}
+{{- fail (printf "workers[%d]: queue %q is not declared: add it to `queues` (declared: %s)" $i $queue (join ", " $declared)) -}}
+{{- end -}}
+{{- $hasCommand := and (hasKey $w "command") $w.command -}}
+{{- $hasWebhook := and (hasKey $w "webhookUrl") $w.webhookUrl -}}
+{{- if and $hasCommand $hasWebhook -}}
+{{- fail (printf "workers[%d] (queue %q): set command or webhookUrl, not both" $i $queue) -}}
+{{- end -}}
+{{- if not (or $hasCommand $hasWebhook) -}}
+{{- fail (printf "workers[%d] (queue %q): set command (each job's payload on stdin, exit 0 acks) or webhookUrl (each payload POSTed, 2xx acks)" $i $queue) -}}
+{{- end -}}
+{{- $wname := include "tally.workerName" (dict "root" $ "queue" $queue) -}}
+{{- if hasKey $workerNames $wname -}}
+{{- fail (printf "workers[%d]: queue %q already has a worker (one worker entry per queue; raise its replicas or concurrency)" $i $queue) -}}
+{{- end -}}
+{{- $_ := set $workerNames $wname $queue -}}
+{{- $as := $w.autoscale | default dict -}}
+{{- if $as.enabled -}}
+{{- if not $as.prometheusAddress -}}
+{{- fail (printf "workers[%d] (queue %q): autoscale.prometheusAddress is required with autoscale.enabled: the Prometheus that scrapes the brokers' tally_broker_depth_jobs" $i $queue) -}}
+{{- end -}}
+{{- $min := 1 -}}{{- if hasKey $as "minReplicas" -}}{{- $min = int $as.minReplicas -}}{{- end -}}
+{{- $max := 20 -}}{{- if hasKey $as "maxReplicas" -}}{{- $max = int $as.maxReplicas -}}{{- end -}}
+{{- if gt $min $max -}}
+{{- fail (printf "workers[%d] (queue %q): autoscale.minReplicas (%d) is above autoscale.maxReplicas (%d)" $i $queue $min $max) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- /* Tokens: in the chart's Secret or in yours, not both. */ -}}
+{{- if $v.auth.existingSecret -}}
+{{- if or $v.query.authToken $v.broker.authToken -}}
+{{- fail "auth.existingSecret is set: put the tokens in that Secret and leave query.authToken and broker.authToken empty" -}}
+{{- end -}}
+{{- else -}}
+{{- if and $v.query.authToken (not $v.auth.queryTokenKey) -}}
+{{- fail "query.authToken is set: auth.queryTokenKey must name its key in the Secret" -}}
+{{- end -}}
+{{- if and $v.broker.authToken (not $v.auth.brokerTokenKey) -}}
+{{- fail "broker.authToken is set: auth.brokerTokenKey must name its key in the Secret" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* tally.toml and queues.toml: the ConfigMap of the services and the topics hook's. */}}
+{{- define "tally.configData" -}}
+tally.toml: |
+  # tally.toml of the {{ .Release.Name }} release (helm/tally). Every container also gets
+  # TALLY__SECTION__KEY variables (tokens, per-pod and per-worker settings), which win.
+  [kafka]
+  bootstrap_servers = {{ .Values.kafka.bootstrapServers | toString | toJson }}
+  topic_prefix = {{ .Values.kafka.topicPrefix | toString | toJson }}
+  max_message_bytes = {{ .Values.kafka.maxMessageBytes | int64 }}
+
+  [kafka.client]
+  {{- range $key, $value := .Values.kafka.client }}
+  {{ $key | toJson }} = {{ $value | toString | toJson }}
+  {{- end }}
+
+  [counting]
+  dedupe_window = {{ .Values.counting.dedupeWindow | toString | toJson }}
+  resolutions = [
+  {{- range .Values.counting.resolutions }}
+    { width = {{ .width | toString | toJson }}, retention = {{ .retention | toString | toJson }} },
+  {{- end }}
+  ]
+
+  [log]
+  format = {{ .Values.log.format | toJson }}
+  level = {{ .Values.log.level | toString | toJson }}
+
+  [ingester]
+  admin_listen = "0.0.0.0:9101"
+
+  [counter]
+  admin_listen = "0.0.0.0:9102"
+  read_listen = "0.0.0.0:7000"
+  data_dir = "/var/lib/tally/counter"
+
+  [graph]
+  admin_listen = "0.0.0.0:9104"
+  read_listen = "0.0.0.0:7001"
+  data_dir = "/var/lib/tally/graph"
+
+  [query]
+  listen = "0.0.0.0:8080"
+  admin_listen = "0.0.0.0:9103"
+
+  [broker]
+  listen = "0.0.0.0:8090"
+  admin_listen = "0.0.0.0:9105"
+  declarations = "/etc/tally/queues.toml"
+
+  [worker]
+  brokers = [{{ printf "http://%s-broker:8090" (include "tally.fullname" .) | toJson }}]
+  admin_listen = "0.0.0.0:9106"
+queues.toml: |
+  # Queues declared in the chart's `queues` value, on top of the built-in ones.
+  {{- range .Values.queues }}
+  {{- $q := . }}
+
+  [[queue]]
+  name = {{ .name | toString | toJson }}
+  partitions = {{ .partitions | int64 }}
+  {{- if hasKey $q "fifo" }}
+  fifo = {{ if $q.fifo }}true{{ else }}false{{ end }}
+  {{- end }}
+  {{- range $key := list "rate_limit_per_sec" "max_attempts" "backoff_ms" "backoff_max_ms" "lease_ms" "buffer" "delayed_buffer" "buffer_bytes" "retention_ms" }}
+  {{- if hasKey $q $key }}
+  {{ $key }} = {{ index $q $key | int64 }}
+  {{- end }}
+  {{- end }}
+  {{- end }}
+{{- end -}}
+
+{{/* The environment every tally container shares. */}}
 {{- define "tally.env" -}}
 - name: TALLY_CONFIG
   value: /etc/tally/tally.toml
@@ -15,11 +224,88 @@ app.kubernetes.io/instance: {{ .Release.Name }}
       fieldPath: status.podIP
 {{- end -}}
 
+{{/* A token from the chart's Secret or the user's: (dict "root" $ "which" "query"
+"var" "TALLY__QUERY__AUTH_TOKEN"); nothing when that token is not set. */}}
+{{- define "tally.tokenEnv" -}}
+{{- $auth := .root.Values.auth -}}
+{{- $key := index $auth (printf "%sTokenKey" .which) -}}
+{{- $secret := "" -}}
+{{- if $auth.existingSecret -}}
+{{- $secret = $auth.existingSecret -}}
+{{- else if (index .root.Values .which).authToken -}}
+{{- $secret = printf "%s-auth" (include "tally.fullname" .root) -}}
+{{- end -}}
+{{- if and $secret $key -}}
+- name: {{ .var }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: {{ $key }}
+{{- end -}}
+{{- end -}}
+
+{{/* Probes on the admin port. The startup probe holds the liveness probe off while
+a service waits for Kafka or its topics. */}}
 {{- define "tally.probes" -}}
+startupProbe:
+  httpGet: { path: /healthz, port: admin }
+  periodSeconds: 5
+  failureThreshold: {{ .Values.probes.startupFailureThreshold }}
 livenessProbe:
   httpGet: { path: /healthz, port: admin }
   periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 3
 readinessProbe:
   httpGet: { path: /readyz, port: admin }
   periodSeconds: 5
+  timeoutSeconds: 5
+{{- end -}}
+
+{{/* Pod-level settings every tally pod shares. */}}
+{{- define "tally.podSpec" -}}
+securityContext: {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.nodeSelector }}
+nodeSelector: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Container-level settings every tally container shares: (dict "root" $ "image"
+"another/image:tag"), the image defaulting to tally's. */}}
+{{- define "tally.container" -}}
+image: {{ .image | default (include "tally.image" .root) | quote }}
+imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+securityContext: {{- toYaml .root.Values.containerSecurityContext | nindent 2 }}
+{{- end -}}
+
+{{- define "tally.configMounts" -}}
+- { name: config, mountPath: /etc/tally, readOnly: true }
+{{- if .Values.kafka.tlsSecret }}
+- { name: kafka-tls, mountPath: /etc/kafka-tls, readOnly: true }
+{{- end }}
+{{- end -}}
+
+{{/* (dict "root" $ "configMap" name) */}}
+{{- define "tally.configVolumes" -}}
+- name: config
+  configMap: { name: {{ .configMap }} }
+{{- if .root.Values.kafka.tlsSecret }}
+- name: kafka-tls
+  secret: { secretName: {{ .root.Values.kafka.tlsSecret }} }
+{{- end }}
+{{- end -}}
+
+{{/* Annotations that roll pods when their configuration changes. */}}
+{{- define "tally.podAnnotations" -}}
+checksum/config: {{ include "tally.configData" . | sha256sum }}
+checksum/auth: {{ include (print .Template.BasePath "/secret.yaml") . | sha256sum }}
 {{- end -}}

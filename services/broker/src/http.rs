@@ -56,11 +56,13 @@ async fn authorize(State(state): State<ApiState>, request: Request, next: Next) 
 }
 
 fn find(state: &ApiState, queue: &str) -> Result<Arc<QueueRuntime>, Response> {
-    state
-        .broker
-        .queue(queue)
-        .cloned()
-        .ok_or_else(|| error(StatusCode::NOT_FOUND, "unknown_queue", format!("no queue named {queue:?} is declared")))
+    state.broker.queue(queue).cloned().ok_or_else(|| {
+        let message = format!(
+            "no queue named {queue:?} is declared here: add a [[queue]] entry to the declarations file \
+                 (broker.declarations) and run `tally topics apply` with the same config"
+        );
+        error(StatusCode::NOT_FOUND, "unknown_queue", message)
+    })
 }
 
 fn body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, Response> {

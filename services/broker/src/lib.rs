@@ -43,7 +43,13 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let mut queues = BTreeMap::new();
     for decl in &declarations.queues {
         let topic = names.jobs(&decl.name);
-        wait_for_topic(&config.kafka, &topic, Duration::from_secs(60)).await?;
+        wait_for_topic(&config.kafka, &topic, Duration::from_secs(60)).await.map_err(|err| {
+            let file = config.broker.declarations.as_ref().map_or("the built-in declarations".into(), |p| p.display().to_string());
+            Error::Broker(format!(
+                "queue {}: {err}; it is declared in {file}: run `tally topics apply` with this config to create its topics",
+                decl.name
+            ))
+        })?;
         let runtime = state::QueueRuntime::new(decl.clone(), topic, names.dead_jobs(&decl.name));
         queues.insert(decl.name.clone(), Arc::new(runtime));
     }

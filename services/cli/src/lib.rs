@@ -50,6 +50,11 @@ enum Command {
         #[command(subcommand)]
         command: jobs::JobsCommand,
     },
+    /// Check a config as a service would load it.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
     /// Run a benchmark and print its figures.
     Bench {
         #[command(subcommand)]
@@ -58,10 +63,19 @@ enum Command {
 }
 
 #[derive(Subcommand)]
+enum ConfigCommand {
+    /// Load the config exactly as a service does (the file, then TALLY__SECTION__KEY
+    /// variables) and print the effective config with secrets redacted; exit 1 with
+    /// the loader's message when it is not valid.
+    Check,
+}
+
+#[derive(Subcommand)]
 enum TopicsCommand {
     /// Create missing topics and raise partition counts; report drift.
     Apply {
-        /// Declarations file (default: the ones built into this release).
+        /// A declarations file on top of the built-in ones (default: the config's
+        /// `broker.declarations`).
         #[arg(long)]
         file: Option<PathBuf>,
     },
@@ -180,6 +194,9 @@ pub fn main() -> ExitCode {
 }
 
 async fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    if let Command::Config { command: ConfigCommand::Check } = cli.command {
+        return config_check(cli.config.as_deref());
+    }
     let config = TallyConfig::load(cli.config.as_deref())?;
     match cli.command {
         Command::Up(args) => up::run(config, cli.config, args).await,
@@ -210,6 +227,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 .await
         }
         Command::Graph(args) => graph(&config, args).await,
+        Command::Config { command: ConfigCommand::Check } => config_check(cli.config.as_deref()),
         Command::Jobs { command } => jobs::run(&config, command).await,
         Command::Query(args) => query(&config, args).await,
         Command::Bench {
@@ -235,7 +253,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
 }
 
 async fn topics_apply(config: &TallyConfig, file: Option<PathBuf>) -> anyhow::Result<()> {
-    let decls = Declarations::load(file.as_deref())?;
+    let decls = Declarations::load(file.as_deref().or(config.broker.declarations.as_deref()))?;
     let actions = topics::apply(&config.kafka, &decls).await?;
     let mut drift = false;
     for action in actions {
@@ -252,6 +270,15 @@ async fn topics_apply(config: &TallyConfig, file: Option<PathBuf>) -> anyhow::Re
     if drift {
         println!("some topics differ from their declarations; tally will not change them");
     }
+    Ok(())
+}
+
+/// `tally config check`: the effective config, as TOML, secrets redacted.
+fn config_check(path: Option<&std::path::Path>) -> anyhow::Result<()> {
+    let config = TallyConfig::load(path).context("the config is not valid")?;
+    let shown = toml::to_string(&config.redacted()?).context("printing the config")?;
+    let source = path.map_or_else(|| "defaults".to_string(), |p| p.display().to_string());
+    println!("# effective config: {source}, then TALLY__SECTION__KEY variables; secrets redacted\n{shown}");
     Ok(())
 }
 

@@ -51,7 +51,9 @@ pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: Up
         broker = Some(started);
     }
 
-    let actions = topics::apply(&config.kafka, &Declarations::load(None)?).await.context("applying topics")?;
+    let actions = topics::apply(&config.kafka, &Declarations::load(config.broker.declarations.as_deref())?)
+        .await
+        .context("applying topics")?;
     let created = actions.iter().filter(|a| matches!(a, topics::Action::Create { .. })).count();
     println!("tally: topics ready ({created} created)");
 
