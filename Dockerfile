@@ -1,8 +1,20 @@
-# One image with every tally binary; each container runs one of them.
-#   docker build -t tally .
+# One image with every tally binary; each container runs one of them
+# (docker-compose.yml, helm/tally).
+#
+# Build and push, tagged with the version (the Helm chart's appVersion is its default tag):
+#   docker build -t <registry>/tally:<version> .
+#   docker push <registry>/tally:<version>
+#   helm install tally helm/tally --set image.repository=<registry>/tally --set kafka.bootstrapServers=…
+#
+# It runs as the numeric user 10001:10001 (Kubernetes' runAsNonRoot can check it; the
+# chart's securityContext says the same) and makes the data directories it owns, so
+# named volumes mounted on them are writable.
 FROM rust:1-bookworm AS build
+# The packages scripts/common.sh builds with: RocksDB, and librdkafka with TLS
+# (OpenSSL), SASL (Cyrus, for GSSAPI), zlib and zstd.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends cmake libclang-dev libcurl4-openssl-dev librocksdb-dev \
+ && apt-get install -y --no-install-recommends cmake pkg-config libclang-dev libcurl4-openssl-dev librocksdb-dev \
+      libssl-dev libsasl2-dev zlib1g-dev libzstd-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
@@ -13,13 +25,18 @@ RUN cargo build --release --workspace --bins \
        target/release/tally-worker /out/
 
 FROM debian:bookworm-slim
+# The libraries the binaries load: RocksDB, OpenSSL, Cyrus SASL (with its PLAIN/SCRAM
+# and GSSAPI mechanisms), zstd, zlib, curl; and the CA certificates for TLS.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends librocksdb7.8 ca-certificates \
+ && apt-get install -y --no-install-recommends ca-certificates librocksdb7.8 libssl3 libsasl2-2 \
+      libsasl2-modules libsasl2-modules-gssapi-mit libzstd1 zlib1g libcurl4 \
  && rm -rf /var/lib/apt/lists/* \
- && useradd --system --uid 10001 --home /var/lib/tally tally \
- && mkdir -p /var/lib/tally && chown tally /var/lib/tally
+ && groupadd --system --gid 10001 tally \
+ && useradd --system --uid 10001 --gid 10001 --home-dir /var/lib/tally --shell /usr/sbin/nologin tally \
+ && mkdir -p /var/lib/tally/counter /var/lib/tally/graph /etc/tally \
+ && chown -R 10001:10001 /var/lib/tally
 COPY --from=build /out/ /usr/local/bin/
-USER tally
+USER 10001:10001
 WORKDIR /var/lib/tally
-# Every service reads TALLY__SECTION__KEY variables (and an optional $TALLY_CONFIG file).
+# Every service reads an optional $TALLY_CONFIG file and TALLY__SECTION__KEY variables.
 CMD ["tally", "--help"]

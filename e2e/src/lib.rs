@@ -180,6 +180,11 @@ impl Sandbox {
     /// Starts `binary` as the instance `name` (its log is `name.log`) with extra
     /// environment on top of the sandbox's.
     pub fn spawn_instance(&mut self, name: &'static str, binary: &str, env: &[(&str, String)]) {
+        self.spawn_command(name, binary, &[], env);
+    }
+
+    /// Starts `binary` with arguments as the instance `name` (its log is `name.log`).
+    pub fn spawn_command(&mut self, name: &'static str, binary: &str, args: &[&str], env: &[(&str, String)]) {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -187,6 +192,7 @@ impl Sandbox {
             .unwrap();
         let child = self
             .command(binary)
+            .args(args)
             .envs(env.iter().map(|(k, v)| (k.to_string(), v.clone())))
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())

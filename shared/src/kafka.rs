@@ -69,6 +69,11 @@ impl TopicNames {
         self.name(&format!("jobs.{queue}.dead"))
     }
 
+    /// Internal: the queue declarations running brokers follow (compacted).
+    pub fn queues(&self) -> String {
+        self.name("queues")
+    }
+
     /// Internal: which counter process serves reads for which shard.
     pub fn shard_owners(&self) -> String {
         self.name("shard-owners")

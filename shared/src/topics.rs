@@ -12,7 +12,8 @@ use rdkafka::admin::{
     AdminClient, AdminOptions, NewPartitions, NewTopic, OwnedResourceSpecifier, ResourceSpecifier, TopicReplication,
 };
 use rdkafka::client::DefaultClientContext;
-use serde::Deserialize;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde::{Deserialize, Serialize};
 
 use crate::config::KafkaConfig;
 use crate::kafka::{client_config, TopicNames};
@@ -39,7 +40,7 @@ pub struct TopicDecl {
 
 /// A job queue (SPEC §6): its topic `jobs.<name>`, its dead topic `jobs.<name>.dead`
 /// and how brokers serve it.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct QueueDecl {
     /// `[a-z0-9_-]{1,64}`.
@@ -398,7 +399,65 @@ pub async fn apply(kafka: &KafkaConfig, decls: &Declarations) -> Result<Vec<Acti
     }
     wait_until_visible(&admin, &actions).await;
     actions.extend(config_drift(decls, &names, &existing_configs(&admin, &actions, &options).await?));
+    publish_queues(kafka, decls).await?;
     Ok(actions)
+}
+
+/// The version of [`QueueRecord`], the format of the declarations topic.
+pub const QUEUE_RECORD_VERSION: u32 = 1;
+
+/// A record of the compacted declarations topic (`tally.queues`, keyed by queue
+/// name): what running brokers follow to serve a queue declared, or changed, since
+/// they started.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueRecord {
+    pub version: u32,
+    pub queue: QueueDecl,
+}
+
+impl QueueRecord {
+    pub fn encode(queue: &QueueDecl) -> Result<Vec<u8>> {
+        let record = QueueRecord { version: QUEUE_RECORD_VERSION, queue: queue.clone() };
+        serde_json::to_vec(&record).map_err(|err| Error::Topics(err.to_string()))
+    }
+
+    /// A declaration, or an error for bytes that are not one of a version this
+    /// release reads.
+    pub fn decode(bytes: &[u8]) -> Result<QueueDecl> {
+        #[derive(Deserialize)]
+        struct Versioned {
+            version: u32,
+        }
+        let Versioned { version } =
+            serde_json::from_slice(bytes).map_err(|err| Error::Topics(format!("queue declaration: {err}")))?;
+        if version != QUEUE_RECORD_VERSION {
+            return Err(Error::Topics(format!(
+                "queue declaration of version {version}; this release reads version {QUEUE_RECORD_VERSION}"
+            )));
+        }
+        let record: QueueRecord =
+            serde_json::from_slice(bytes).map_err(|err| Error::Topics(format!("queue declaration: {err}")))?;
+        Ok(record.queue)
+    }
+}
+
+/// Writes every queue declaration to the declarations topic, for running brokers.
+async fn publish_queues(kafka: &KafkaConfig, decls: &Declarations) -> Result<()> {
+    let topic = TopicNames::new(&kafka.topic_prefix).queues();
+    let producer: FutureProducer = crate::kafka::producer_config(kafka)?.create()?;
+    let records: Vec<(String, Vec<u8>)> =
+        decls.queues.iter().map(|q| Ok((q.name.clone(), QueueRecord::encode(q)?))).collect::<Result<_>>()?;
+    let sends = records.iter().map(|(key, payload)| {
+        producer.send(FutureRecord::to(&topic).key(key).payload(payload), Duration::from_secs(10))
+    });
+    let wait = Duration::from_secs(30);
+    let results = tokio::time::timeout(wait, futures::future::join_all(sends)).await.map_err(|_| {
+        Error::Topics(format!("publishing queue declarations to {topic}: not acknowledged in {wait:?}"))
+    })?;
+    for result in results {
+        result.map_err(|(err, _)| Error::Topics(format!("publishing queue declarations to {topic}: {err}")))?;
+    }
+    Ok(())
 }
 
 /// The current settings of the topics that existed before this apply.
@@ -466,6 +525,25 @@ mod tests {
         assert!(shards.fixed_partitions);
         // -1 would mean "delete everything" to the local broker's retention sweep.
         assert!(shards.retention_ms.is_some_and(|ms| ms >= 100 * 365 * 86_400_000));
+    }
+
+    #[test]
+    fn queue_records_carry_a_version_and_round_trip() {
+        let decls = Declarations::load(None).unwrap();
+        let queue = decls.queue("default").unwrap();
+        let bytes = QueueRecord::encode(queue).unwrap();
+        assert_eq!(&QueueRecord::decode(&bytes).unwrap(), queue);
+        // Golden bytes of version 1: a change that breaks old records fails here.
+        let golden = br#"{"version":1,"queue":{"name":"q","partitions":2,"rate_limit_per_sec":5,"fifo":true,"max_attempts":3,"backoff_ms":10,"backoff_max_ms":20,"lease_ms":30,"buffer":40,"delayed_buffer":50,"buffer_bytes":60,"retention_ms":70}}"#;
+        let decoded = QueueRecord::decode(golden).unwrap();
+        assert_eq!(
+            (decoded.name.as_str(), decoded.partitions, decoded.rate_limit_per_sec, decoded.buffer_bytes),
+            ("q", 2, Some(5), 60)
+        );
+        assert_eq!(QueueRecord::encode(&decoded).unwrap(), golden.to_vec());
+        let newer = br#"{"version":2,"queue":{}}"#;
+        assert!(QueueRecord::decode(newer).unwrap_err().to_string().contains("version 2"));
+        assert!(QueueRecord::decode(b"junk").is_err());
     }
 
     #[test]

@@ -51,8 +51,7 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
     let letters: ThreadedProducer<LetterContext> =
         producer_config(&config.kafka)?.create_with_context(LetterContext { broker: broker.clone() })?;
     let dead_letter_topic = TopicNames::new(&config.kafka.topic_prefix).dead_letter();
-    let by_topic: HashMap<String, Arc<QueueRuntime>> =
-        broker.queues.values().map(|q| (q.topic.clone(), q.clone())).collect();
+    let mut by_topic: HashMap<String, Arc<QueueRuntime>> = HashMap::new();
     let settle = Duration::from_millis(config.broker.heartbeat_ms * 2);
     let reporter = spawn_reporter(&config, broker.clone(), shutdown.clone())?;
 
@@ -64,11 +63,14 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
         if last_reconcile.elapsed() >= Duration::from_millis(200) {
             last_reconcile = Instant::now();
             let live = membership.live(now_ms(), config.broker.member_timeout_ms);
-            for queue in broker.queues.values() {
+            // Queues declared since the last round join here.
+            by_topic = broker.queues().into_iter().map(|q| (q.topic.clone(), q)).collect();
+            for queue in by_topic.values() {
                 let mut desired = Vec::new();
                 let mut owners = BTreeMap::new();
-                for partition in 0..queue.decl.partitions {
-                    if let Some(member) = owner(&live, &queue.decl.name, partition) {
+                let partitions = queue.decl().partitions;
+                for partition in 0..partitions {
+                    if let Some(member) = owner(&live, &queue.name, partition) {
                         owners.insert(partition, member.addr.clone());
                         if member.instance == broker.instance {
                             desired.push(partition);
@@ -94,14 +96,13 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                     let full = {
                         let Ok(mut buffer) = buffer.lock() else { continue };
                         let enqueued_at = message.timestamp().to_millis().filter(|ts| *ts >= 0).unwrap_or(now);
-                        match Job::parse(payload).and_then(|job| check_delay(job, enqueued_at, &queue.decl)) {
+                        match Job::parse(payload).and_then(|job| check_delay(job, enqueued_at, &queue.decl())) {
                             Ok(job) => buffer.push(message.offset(), job, now),
                             Err(reason) => {
                                 // Held until the dead letter is acknowledged
                                 // (`LetterContext`): the watermark never passes it before.
                                 buffer.reject(message.offset());
-                                let letter =
-                                    Letter { queue: queue.decl.name.clone(), partition, offset: message.offset() };
+                                let letter = Letter { queue: queue.name.clone(), partition, offset: message.offset() };
                                 dead_letter(
                                     &letters,
                                     &dead_letter_topic,
@@ -116,7 +117,7 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                         !buffer.has_room(now)
                     };
                     queue.changed.notify_waiters();
-                    if full && paused.insert((queue.decl.name.clone(), partition)) {
+                    if full && paused.insert((queue.name.clone(), partition)) {
                         let mut tpl = TopicPartitionList::new();
                         tpl.add_partition(&queue.topic, partition);
                         consumer.pause(&tpl)?;
@@ -159,14 +160,14 @@ fn reconcile(
                 tracing::warn!(error = %err, "committing a released partition");
             }
             consumer.incremental_unassign(&tpl)?;
-            paused.remove(&(queue.decl.name.clone(), *partition));
-            tracing::info!(queue = %queue.decl.name, partition, offset, "released partition");
+            paused.remove(&(queue.name.clone(), *partition));
+            tracing::info!(queue = %queue.name, partition, offset, "released partition");
             changed = true;
         }
     }
     let mut acquire = Vec::new();
     for &partition in desired.iter().filter(|p| !served.contains(p)) {
-        let key = (queue.decl.name.clone(), partition);
+        let key = (queue.name.clone(), partition);
         let since = *pending.entry(key.clone()).or_insert_with(Instant::now);
         if since.elapsed() >= settle {
             pending.remove(&key);
@@ -178,17 +179,17 @@ fn reconcile(
         let starts = committed_offsets(consumer, &queue.topic, &acquire)?;
         let mut tpl = TopicPartitionList::new();
         for (partition, start) in acquire.into_iter().zip(starts) {
-            let buffer = PartitionQueue::new(queue.decl.policy(), start, broker.next_tenure());
+            let buffer = PartitionQueue::new(queue.decl().policy(), start, broker.next_tenure());
             if let Ok(mut partitions) = queue.partitions.lock() {
                 partitions.insert(partition, Arc::new(Mutex::new(buffer)));
             }
             tpl.add_partition_offset(&queue.topic, partition, Offset::Offset(start))?;
-            tracing::info!(queue = %queue.decl.name, partition, start, "serving partition");
+            tracing::info!(queue = %queue.name, partition, start, "serving partition");
         }
         consumer.incremental_assign(&tpl)?;
         changed = true;
     }
-    pending.retain(|(name, partition), _| name != &queue.decl.name || desired.contains(partition));
+    pending.retain(|(name, partition), _| name != &queue.name || desired.contains(partition));
     if changed {
         let owned = queue.partitions.lock().map(|p| p.len()).unwrap_or(0);
         queue.set_rate_share(owned);
@@ -235,7 +236,7 @@ fn resume_drained(consumer: &BaseConsumer, broker: &Broker, paused: &mut HashSet
 /// Commits every served partition's watermark.
 fn commit(consumer: &BaseConsumer, broker: &Broker, mode: CommitMode) {
     let mut tpl = TopicPartitionList::new();
-    for queue in broker.queues.values() {
+    for queue in broker.queues() {
         let Ok(partitions) = queue.partitions.lock() else { continue };
         for (partition, buffer) in partitions.iter() {
             let Ok(buffer) = buffer.lock() else { continue };
@@ -258,7 +259,7 @@ pub fn spawn_reporter(
 ) -> Result<std::thread::JoinHandle<()>> {
     let client: BaseConsumer = client_config(&config.kafka)?.create()?;
     let thread = tally_shared::shutdown::every("broker-report", Duration::from_secs(1), shutdown, move || {
-        for queue in broker.queues.values() {
+        for queue in broker.queues() {
             let served: Vec<(i32, i64)> = queue
                 .partitions
                 .lock()
@@ -274,8 +275,8 @@ pub fn spawn_reporter(
             if let Ok(mut current) = queue.lag.lock() {
                 *current = lag;
             }
-            let name = &queue.decl.name;
-            let stats = broker.stats(queue);
+            let name = &queue.name;
+            let stats = broker.stats(&queue);
             broker.metrics.consumer_lag.with_label_values(&[name]).set(total);
             broker.metrics.depth.with_label_values(&[name]).set(stats.depth);
             broker.metrics.in_flight.with_label_values(&[name]).set(stats.in_flight as i64);

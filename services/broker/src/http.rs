@@ -56,7 +56,7 @@ async fn authorize(State(state): State<ApiState>, request: Request, next: Next) 
 }
 
 fn find(state: &ApiState, queue: &str) -> Result<Arc<QueueRuntime>, Response> {
-    state.broker.queue(queue).cloned().ok_or_else(|| {
+    state.broker.queue(queue).ok_or_else(|| {
         let message = format!(
             "no queue named {queue:?} is declared here: add a [[queue]] entry to the declarations file \
                  (broker.declarations) and run `tally topics apply` with the same config"
@@ -70,7 +70,7 @@ fn body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, Response> {
 }
 
 async fn list(State(state): State<ApiState>) -> Response {
-    let queues: Vec<_> = state.broker.queues.values().map(|q| state.broker.stats(q)).collect();
+    let queues: Vec<_> = state.broker.queues().iter().map(|q| state.broker.stats(q)).collect();
     Json(json!({ "queues": queues })).into_response()
 }
 
@@ -96,7 +96,7 @@ async fn dequeue(
     if request.wait_ms > MAX_WAIT_MS {
         return error(StatusCode::BAD_REQUEST, "invalid_wait", format!("wait_ms: must be at most {MAX_WAIT_MS}"));
     }
-    let lease_ms = request.lease_ms.unwrap_or(queue.decl.lease_ms);
+    let lease_ms = request.lease_ms.unwrap_or(queue.decl().lease_ms);
     if lease_ms < 1 {
         return error(StatusCode::BAD_REQUEST, "invalid_lease", "lease_ms: must be positive");
     }
@@ -110,7 +110,7 @@ async fn dequeue(
                 .broker
                 .metrics
                 .dequeue_seconds
-                .with_label_values(&[&queue.decl.name])
+                .with_label_values(&[&queue.name])
                 .observe(started.elapsed().as_secs_f64());
             return Json(DequeueResponse { jobs }).into_response();
         }

@@ -6,8 +6,11 @@
 //!   buffers and commits watermarks that never pass an unfinished job;
 //! - [`state`]: the queues and their buffers: dequeue, ack, nack, extend, expiry,
 //!   dead jobs;
+//! - [`declarations`]: follows the declarations topic, so queues declared or
+//!   changed while it runs are served without a restart;
 //! - [`http`]: the worker API; [`metrics`]: what it exports.
 
+pub mod declarations;
 pub mod error;
 pub mod fetcher;
 pub mod http;
@@ -15,7 +18,6 @@ pub mod membership;
 pub mod metrics;
 pub mod state;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,7 +42,6 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let admin = serve_admin(&config.broker.admin_listen, registry, readiness.clone(), shutdown.clone()).await?;
     let names = TopicNames::new(&config.kafka.topic_prefix);
     let declarations = Declarations::load(config.broker.declarations.as_deref())?;
-    let mut queues = BTreeMap::new();
     for decl in &declarations.queues {
         let topic = names.jobs(&decl.name);
         wait_for_topic(&config.kafka, &topic, Duration::from_secs(60)).await.map_err(|err| {
@@ -50,8 +51,6 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
                 decl.name
             ))
         })?;
-        let runtime = state::QueueRuntime::new(decl.clone(), topic, names.dead_jobs(&decl.name));
-        queues.insert(decl.name.clone(), Arc::new(runtime));
     }
     wait_for_topic(&config.kafka, &names.queue_brokers(), Duration::from_secs(60)).await?;
 
@@ -59,21 +58,20 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let addr = tally_shared::service::advertised_addr(listener.local_addr()?, config.broker.advertise_host.as_deref());
     let instance = format!("{:016x}", rand::random::<u64>());
     let dead_producer: FutureProducer = producer_config(&config.kafka)?.create()?;
-    let broker = Arc::new(state::Broker {
-        instance: instance.clone(),
-        queues,
-        metrics,
-        dead_producer,
-        record_budget: config.kafka.record_budget(),
-        tenures: Default::default(),
-    });
-    tracing::info!(api = %addr, admin = %admin, instance, queues = ?broker.queues.keys().collect::<Vec<_>>(), "tally-broker starting");
+    let broker = Arc::new(state::Broker::new(instance.clone(), metrics, dead_producer, config.kafka.record_budget()));
+    for decl in declarations.queues {
+        broker.declare(decl, &names);
+    }
+    let served: Vec<String> = broker.queues().iter().map(|q| q.name.clone()).collect();
+    tracing::info!(api = %addr, admin = %admin, instance, queues = ?served, "tally-broker starting");
 
     let membership = Arc::new(membership::Membership::default());
     let member = Member { instance, addr };
     let every = Duration::from_millis(config.broker.heartbeat_ms.max(50));
     let heartbeat = membership::heartbeat(&config.kafka, names.queue_brokers(), member, every, shutdown.clone())?;
     let follower = membership::follow(&config.kafka, names.queue_brokers(), membership.clone(), shutdown.clone())?;
+    wait_for_topic(&config.kafka, &names.queues(), Duration::from_secs(60)).await?;
+    let declared = declarations::follow(&config.kafka, broker.clone(), names.clone(), shutdown.clone())?;
 
     let expiry_broker = broker.clone();
     let expiry_shutdown = shutdown.clone();
@@ -104,6 +102,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let _ = tokio::task::spawn_blocking(move || {
         let _ = heartbeat.join();
         let _ = follower.join();
+        let _ = declared.join();
     })
     .await;
     tracing::info!("tally-broker stopped");

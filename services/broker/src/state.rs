@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
@@ -12,7 +12,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use tally_shared::jobs::api::{DequeuedJob, PartitionInfo, QueueStats};
 use tally_shared::jobs::partition::{Failure, LeaseError, PartitionQueue};
 use tally_shared::jobs::DeadJob;
-use tally_shared::kafka::now_ms;
+use tally_shared::kafka::{now_ms, TopicNames};
 use tally_shared::topics::QueueDecl;
 use tokio::sync::Notify;
 
@@ -20,7 +20,10 @@ use crate::metrics::Metrics;
 
 /// One queue on this broker.
 pub struct QueueRuntime {
-    pub decl: QueueDecl,
+    pub name: String,
+    /// Its settings; replaced when a newer declaration arrives
+    /// ([`Broker::declare`]).
+    decl: RwLock<QueueDecl>,
     pub topic: String,
     pub dead_topic: String,
     /// The partitions this broker serves now; a revoked one is removed at once.
@@ -42,7 +45,8 @@ pub struct QueueRuntime {
 impl QueueRuntime {
     pub fn new(decl: QueueDecl, topic: String, dead_topic: String) -> Self {
         Self {
-            decl,
+            name: decl.name.clone(),
+            decl: RwLock::new(decl),
             topic,
             dead_topic,
             partitions: Mutex::new(BTreeMap::new()),
@@ -57,15 +61,21 @@ impl QueueRuntime {
         }
     }
 
+    /// The queue's current settings.
+    pub fn decl(&self) -> RwLockReadGuard<'_, QueueDecl> {
+        self.decl.read().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     /// This broker's share of the queue's rate limit: in proportion to the
     /// partitions it owns, exactly (a fractional rate, never rounded up), so the
     /// shares of all brokers add up to the limit.
     pub fn set_rate_share(&self, owned: usize) {
-        let limiter = self.decl.rate_limit_per_sec.and_then(|rate| {
+        let decl = self.decl().clone();
+        let limiter = decl.rate_limit_per_sec.and_then(|rate| {
             if owned == 0 {
                 return None;
             }
-            let share = rate_share(rate, owned, self.decl.partitions);
+            let share = rate_share(rate, owned, decl.partitions);
             let period = Duration::from_secs_f64(1.0 / share);
             // A tenth of a second of burst: the limit holds over any second.
             let burst = NonZeroU32::new(((share / 10.0) as u32).max(1))?;
@@ -107,7 +117,9 @@ pub fn decode_lease(token: &str, instance: &str) -> Option<(i32, u64)> {
 
 pub struct Broker {
     pub instance: String,
-    pub queues: BTreeMap<String, Arc<QueueRuntime>>,
+    /// The queues served, by name: those of the declarations file at start, and
+    /// every queue declared since on the declarations topic.
+    queues: RwLock<BTreeMap<String, Arc<QueueRuntime>>>,
     pub metrics: Metrics,
     pub dead_producer: FutureProducer,
     /// The most bytes of one record this broker writes (dead jobs, dead letters).
@@ -118,13 +130,53 @@ pub struct Broker {
 }
 
 impl Broker {
+    pub fn new(instance: String, metrics: Metrics, dead_producer: FutureProducer, record_budget: usize) -> Self {
+        Self {
+            instance,
+            queues: RwLock::new(BTreeMap::new()),
+            metrics,
+            dead_producer,
+            record_budget,
+            tenures: AtomicU32::new(0),
+        }
+    }
+
+    /// Serves a queue, or takes newer settings of one served: the rate limit and
+    /// partition count apply at once, buffer settings to partitions taken from now.
+    pub fn declare(&self, decl: QueueDecl, names: &TopicNames) {
+        let Ok(mut queues) = self.queues.write() else { return };
+        match queues.get(&decl.name) {
+            Some(queue) => {
+                if *queue.decl() == decl {
+                    return;
+                }
+                tracing::info!(queue = %decl.name, "queue settings changed");
+                if let Ok(mut current) = queue.decl.write() {
+                    *current = decl;
+                }
+                let owned = queue.partitions.lock().map(|p| p.len()).unwrap_or(0);
+                queue.set_rate_share(owned);
+            }
+            None => {
+                tracing::info!(queue = %decl.name, "serving a newly declared queue");
+                let runtime = QueueRuntime::new(decl.clone(), names.jobs(&decl.name), names.dead_jobs(&decl.name));
+                queues.insert(decl.name, Arc::new(runtime));
+            }
+        }
+    }
+
+    /// Every queue served.
+    pub fn queues(&self) -> Vec<Arc<QueueRuntime>> {
+        self.queues.read().map(|q| q.values().cloned().collect()).unwrap_or_default()
+    }
+
     /// The tenure of a partition taken now.
     pub fn next_tenure(&self) -> u32 {
         self.tenures.fetch_add(1, Ordering::Relaxed) + 1
     }
 
-    pub fn queue(&self, name: &str) -> Option<&Arc<QueueRuntime>> {
-        self.queues.get(name)
+    pub fn queue(&self, name: &str) -> Option<Arc<QueueRuntime>> {
+        self.queues.read().ok()?.get(name).cloned()
     }
 
     /// Hands out up to `max` ready jobs of `queue` from the partitions served here,
@@ -159,7 +211,7 @@ impl Broker {
             }
         }
         queue.handed.fetch_add(jobs.len() as u64, Ordering::Relaxed);
-        self.metrics.dequeued.with_label_values(&[&queue.decl.name]).inc_by(jobs.len() as u64);
+        self.metrics.dequeued.with_label_values(&[&queue.name]).inc_by(jobs.len() as u64);
         jobs
     }
 
@@ -176,8 +228,8 @@ impl Broker {
                 None => unknown.push(token.clone()),
             }
         }
-        self.metrics.acked.with_label_values(&[&queue.decl.name]).inc_by(acked);
-        if acked > 0 && queue.decl.fifo {
+        self.metrics.acked.with_label_values(&[&queue.name]).inc_by(acked);
+        if acked > 0 && queue.decl().fifo {
             queue.changed.notify_waiters();
         }
         unknown
@@ -194,7 +246,7 @@ impl Broker {
         let (partition, lease) = decode_lease(token, &self.instance).ok_or(LeaseError::Unknown)?;
         let buffer = queue.partition(partition).ok_or(LeaseError::Unknown)?;
         let failure = buffer.lock().map_err(|_| LeaseError::Unknown)?.nack(lease, retry_in_ms, error, now_ms())?;
-        self.metrics.nacked.with_label_values(&[&queue.decl.name]).inc();
+        self.metrics.nacked.with_label_values(&[&queue.name]).inc();
         self.handle_failure(queue, partition, failure);
         Ok(())
     }
@@ -210,7 +262,7 @@ impl Broker {
     /// Fails the expired leases of every served partition.
     pub fn expire_leases(self: &Arc<Self>) {
         let now = now_ms();
-        for queue in self.queues.values() {
+        for queue in self.queues() {
             for (partition, buffer) in queue.served() {
                 let failures = match buffer.lock() {
                     Ok(mut buffer) => buffer.expire(now),
@@ -218,10 +270,10 @@ impl Broker {
                 };
                 for failure in failures {
                     if let Failure::Retry { offset, .. } = &failure {
-                        tracing::info!(queue = %queue.decl.name, partition, offset, "lease expired; the job will run again");
+                        tracing::info!(queue = %queue.name, partition, offset, "lease expired; the job will run again");
                     }
-                    self.metrics.expired.with_label_values(&[&queue.decl.name]).inc();
-                    self.handle_failure(queue, partition, failure);
+                    self.metrics.expired.with_label_values(&[&queue.name]).inc();
+                    self.handle_failure(&queue, partition, failure);
                 }
             }
         }
@@ -231,9 +283,9 @@ impl Broker {
         match failure {
             Failure::Retry { .. } => queue.changed.notify_waiters(),
             Failure::Dead { offset, attempts, error, job } => {
-                tracing::warn!(queue = %queue.decl.name, partition, offset, attempts, %error, job = %job.id, "job is dead");
+                tracing::warn!(queue = %queue.name, partition, offset, attempts, %error, job = %job.id, "job is dead");
                 let dead = DeadJob {
-                    queue: queue.decl.name.clone(),
+                    queue: queue.name.clone(),
                     partition,
                     offset,
                     attempts,
@@ -256,7 +308,7 @@ impl Broker {
             Ok(payload) => payload,
             Err(err) => {
                 // Fail closed: the job stays unfinished (the watermark never passes it).
-                tracing::error!(error = %err, queue = %queue.decl.name, partition, offset, "cannot encode a dead job");
+                tracing::error!(error = %err, queue = %queue.name, partition, offset, "cannot encode a dead job");
                 return;
             }
         };
@@ -265,7 +317,7 @@ impl Broker {
             match self.dead_producer.send(record, Duration::from_secs(10)).await {
                 Ok(_) => break,
                 Err((err, _)) => {
-                    tracing::warn!(error = %err, queue = %queue.decl.name, "writing a dead job; retrying");
+                    tracing::warn!(error = %err, queue = %queue.name, "writing a dead job; retrying");
                     tokio::time::sleep(Duration::from_secs(1)).await;
                 }
             }
@@ -276,7 +328,7 @@ impl Broker {
             }
         }
         queue.dead.fetch_add(1, Ordering::Relaxed);
-        self.metrics.dead.with_label_values(&[&queue.decl.name]).inc();
+        self.metrics.dead.with_label_values(&[&queue.name]).inc();
     }
 
     /// The stats of a queue as this broker sees it.
@@ -286,14 +338,15 @@ impl Broker {
         let lag = queue.lag.lock().map(|l| l.clone()).unwrap_or_default();
         let owners = queue.owners.lock().map(|o| o.clone()).unwrap_or_default();
         let mut stats = QueueStats {
-            queue: queue.decl.name.clone(),
+            queue: queue.name.clone(),
             dead: queue.dead.load(Ordering::Relaxed),
             rate: self.rate(queue, now),
-            rate_limit_per_sec: queue.decl.rate_limit_per_sec,
-            fifo: queue.decl.fifo,
+            rate_limit_per_sec: queue.decl().rate_limit_per_sec,
+            fifo: queue.decl().fifo,
             ..Default::default()
         };
-        for partition in 0..queue.decl.partitions {
+        let partitions = queue.decl().partitions;
+        for partition in 0..partitions {
             let mut info = PartitionInfo { partition, owner: owners.get(&partition).cloned(), ..Default::default() };
             if let Some(buffer) = served.get(&partition) {
                 if let Ok(buffer) = buffer.lock() {

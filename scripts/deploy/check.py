@@ -1,0 +1,766 @@
+"""The deployment checks of scripts/deploy-checks.sh (run with the tools' venv Python).
+
+Renders the Helm chart with the real Helm engine (helm-python-sdk) for every values file
+in helm/tally/ci/ and lints it; validates every rendered object (kubernetes-validate
+--strict; KEDA objects against the KEDA CRD schema); renders every values file in
+helm/tally/tests/refused/ and requires the failure its `# expect:` line names; runs
+`docker compose config` on docker-compose.yml; checks the files against each other (the
+image, ports and listeners, queues, volumes, KEDA); and feeds every container's config
+and environment to `tally config check`.
+
+Prints every failure and closes with `deploy: N passed, N failed`; exits 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "tally"
+CACHE = Path(os.environ.get("TALLY_DEPLOY_CACHE", Path.home() / ".cache" / "tally"))
+VENV = CACHE / "deploy-venv"
+NPM = CACHE / "deploy-npm"
+# The Kubernetes versions manifests must be valid for: the chart's kubeVersion floor
+# and the newest kubernetes-validate knows.
+KUBE_VERSIONS = ["1.25.0", "1.37.0"]
+# A Docker daemon that is not there: `docker compose config` must not need one.
+NO_DOCKER = "tcp://127.0.0.1:1"
+
+# What each tally binary listens on: container port name → config key of its section.
+LISTENERS = {
+    "ingester": {"admin": "admin_listen"},
+    "counter": {"admin": "admin_listen", "read": "read_listen"},
+    "graph": {"admin": "admin_listen", "read": "read_listen"},
+    "query": {"http": "listen", "admin": "admin_listen"},
+    "broker": {"http": "listen", "admin": "admin_listen"},
+    "worker": {"admin": "admin_listen"},
+}
+# Stand-ins for values only a cluster or a container runtime knows.
+POD_IP = "10.1.2.3"
+CONTAINER_IP = "172.18.0.5"
+# The base image's libraries (debian:bookworm-slim); everything else the binaries link
+# must come from a package the runtime stage installs (or one of its dependencies).
+BASE_PACKAGES = {"libc6", "libgcc-s1", "libstdc++6", "zlib1g", "libzstd1", "liblzma5", "libbz2-1.0"}
+
+
+class Report:
+    def __init__(self, verbose: bool):
+        self.verbose = verbose
+        self.passed = 0
+        self.failures: list[str] = []
+        self.skips: list[str] = []
+
+    def section(self, title: str) -> None:
+        print(f"==> {title}", flush=True)
+
+    def check(self, name: str, ok: bool, why: str = "") -> bool:
+        if ok:
+            self.passed += 1
+            if self.verbose:
+                print(f"  ok    {name}")
+        else:
+            self.failures.append(f"{name}: {why}")
+            print(f"  FAIL  {name}: {why}", flush=True)
+        return ok
+
+    def skip(self, what: str) -> None:
+        self.skips.append(what)
+        print(f"  SKIP  {what}", flush=True)
+
+
+# ---------------------------------------------------------------- the files themselves
+
+
+def dockerfile_facts() -> dict:
+    """The Dockerfile's stages: packages installed, directories made and owned, USER."""
+    text = (ROOT / "Dockerfile").read_text()
+    joined = re.sub(r"\\\n", " ", text)
+    stages: list[dict] = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        word, _, rest = line.partition(" ")
+        word = word.upper()
+        if word == "FROM":
+            stages.append({"from": rest, "packages": set(), "dirs": set(), "owned": set(), "user": None, "copies": []})
+            continue
+        if not stages:
+            continue
+        stage = stages[-1]
+        if word == "RUN":
+            for command in re.split(r"&&|;", rest):
+                words = shlex.split(command, comments=False) if command.strip() else []
+                if "apt-get" in words and "install" in words:
+                    stage["packages"] |= {w for w in words[words.index("install") + 1 :] if not w.startswith("-")}
+                if words[:1] == ["mkdir"]:
+                    stage["dirs"] |= {w for w in words[1:] if not w.startswith("-")}
+                if words[:1] == ["chown"]:
+                    args = [w for w in words[1:] if not w.startswith("-")]
+                    stage["owned"] |= {(args[0], p, "-R" in words) for p in args[1:]}
+                if words[:1] == ["cp"]:
+                    stage["copies"] += [w for w in words[1:] if not w.startswith("-")]
+        elif word == "USER":
+            stage["user"] = rest.strip()
+    return {"stages": stages, "text": text}
+
+
+def common_build_packages() -> list[str]:
+    """The packages scripts/common.sh installs for a build."""
+    text = (ROOT / "scripts" / "common.sh").read_text()
+    match = re.search(r"local packages=\(([^)]*)\)", text)
+    if not match:
+        return []
+    return [p for p in shlex.split(match.group(1)) if not p.startswith("$")]
+
+
+def workspace_bins() -> set[str]:
+    bins = set()
+    for cargo in ROOT.glob("services/*/Cargo.toml"):
+        data = tomllib.loads(cargo.read_text())
+        bins |= {b["name"] for b in data.get("bin", [])}
+    return bins
+
+
+def workspace_version() -> str:
+    return tomllib.loads((ROOT / "Cargo.toml").read_text())["workspace"]["package"]["version"]
+
+
+def builtin_declarations() -> dict:
+    return tomllib.loads((ROOT / "topics" / "topics.toml").read_text())
+
+
+def example_config() -> dict:
+    return tomllib.loads((ROOT / "tally.example.toml").read_text())
+
+
+def check_queue_file(report: Report, where: str, text: str) -> list[str]:
+    """A declarations file as tally's loader takes it (shared/src/topics.rs); returns
+    the queue names it declares."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        report.check(f"{where}: queues file is TOML", False, str(err))
+        return []
+    report.check(f"{where}: queues file holds only [[topic]] and [[queue]]", set(data) <= {"topic", "queue"}, f"keys {sorted(data)}")
+    ints = {"partitions", "max_attempts", "backoff_ms", "backoff_max_ms", "lease_ms", "buffer", "delayed_buffer",
+            "buffer_bytes", "retention_ms", "rate_limit_per_sec"}
+    names = []
+    for i, q in enumerate(data.get("queue", [])):
+        name = q.get("name")
+        unknown = set(q) - ints - {"name", "fifo"}
+        problems = []
+        if unknown:
+            problems.append(f"unknown keys {sorted(unknown)}")
+        if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9_-]{1,64}", name):
+            problems.append(f"name {name!r} must match [a-z0-9_-]{{1,64}}")
+        if "partitions" not in q:
+            problems.append("partitions is required")
+        for key in ints & set(q):
+            if not isinstance(q[key], int) or isinstance(q[key], bool):
+                problems.append(f"{key} = {q[key]!r} is not an integer")
+        if "fifo" in q and not isinstance(q["fifo"], bool):
+            problems.append("fifo is not a boolean")
+        if not problems:
+            if q["partitions"] < 1:
+                problems.append("partitions must be at least 1")
+            if q.get("lease_ms", 30000) < 1 or q.get("backoff_ms", 1000) < 0 or q.get("backoff_max_ms", 300000) < q.get("backoff_ms", 1000):
+                problems.append("lease_ms must be positive, 0 <= backoff_ms <= backoff_max_ms")
+            if q.get("rate_limit_per_sec") == 0:
+                problems.append("rate_limit_per_sec must be at least 1")
+        report.check(f"{where}: queue {i} ({name}) is a valid declaration", not problems, "; ".join(problems))
+        names.append(name)
+    report.check(f"{where}: queue names are distinct", len(names) == len(set(names)), f"{names}")
+    return names
+
+
+def effective(section: str, key: str, toml: dict, env: dict, defaults: dict):
+    """A setting as tally resolves it: TALLY__SECTION__KEY, else the file, else the default."""
+    var = f"TALLY__{section.upper()}__{key.upper()}"
+    if var in env:
+        return env[var]
+    if key in toml.get(section, {}):
+        return toml[section][key]
+    return defaults.get(section, {}).get(key)
+
+
+def port_of(listen) -> int | None:
+    m = re.search(r":(\d+)$", str(listen or ""))
+    return int(m.group(1)) if m else None
+
+
+def is_loopback(listen) -> bool:
+    host = str(listen or "").rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+
+
+# ----------------------------------------------------------------------- tally config check
+
+
+class ConfigCheck:
+    """`tally config check` on a config file and an environment, as a container has them."""
+
+    def __init__(self, report: Report):
+        self.report = report
+        self.binary = None
+        self.reason = ""
+        candidates = [os.environ.get("TALLY_BIN")] if os.environ.get("TALLY_BIN") else []
+        candidates += [ROOT / "target" / "debug" / "tally", ROOT / "target" / "release" / "tally"]
+        for c in candidates:
+            if c and Path(c).is_file() and os.access(c, os.X_OK):
+                self.binary = str(c)
+                break
+        if not self.binary:
+            self.reason = "no tally binary (target/debug/tally, target/release/tally or $TALLY_BIN): build it first"
+            return
+        probe = subprocess.run([self.binary, "config", "check", "--help"], capture_output=True, text=True,
+                               env={"PATH": os.environ.get("PATH", "")})
+        if probe.returncode != 0:
+            self.reason = f"{self.binary} has no `config check` subcommand yet ({probe.stderr.strip().splitlines()[0] if probe.stderr.strip() else 'exit ' + str(probe.returncode)})"
+            self.binary = None
+
+    def run(self, name: str, config: Path | None, env: dict, expect: dict, secrets: list[str]) -> None:
+        if not self.binary:
+            return
+        command = [self.binary, "config", "check"] + (["--config", str(config)] if config else [])
+        clean = {k: v for k, v in env.items() if k != "TALLY_CONFIG"}
+        clean["PATH"] = os.environ.get("PATH", "/usr/bin:/bin")
+        result = subprocess.run(command, capture_output=True, text=True, env=clean, timeout=60)
+        shown = " ".join(f"{k}={v!r}" for k, v in sorted(env.items()) if k.startswith("TALLY"))
+        ok = self.report.check(f"config check: {name}", result.returncode == 0,
+                               f"exit {result.returncode}: {(result.stderr or result.stdout).strip()[-600:]}\n"
+                               f"        ran: {' '.join(command)} with {shown}")
+        if not ok:
+            return
+        leaked = [s for s in secrets if s and len(s) >= 3 and s in result.stdout]
+        self.report.check(f"config check: {name}: secrets redacted", not leaked, "printed a token in clear")
+        # The effective config (TOML after comment lines) says what the service will use.
+        try:
+            shown_config = tomllib.loads(result.stdout)
+        except tomllib.TOMLDecodeError:
+            return
+        for dotted, want in expect.items():
+            got = shown_config
+            for part in dotted.split("."):
+                got = got.get(part) if isinstance(got, dict) else None
+            self.report.check(f"config check: {name}: {dotted} = {want!r}", got == want and type(got) is type(want),
+                              f"the effective config has {got!r}")
+
+
+# ------------------------------------------------------------------------------- Helm
+
+
+def render(chart, values: dict, release: str):
+    manifests = chart.render(values, name=release, namespace="tally", revision=1, is_install=True)
+    objects = []
+    for template, text in sorted(manifests.items()):
+        if template.endswith("NOTES.txt") or not text.strip():
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                objects.append((template, doc))
+    return objects
+
+
+def values_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob("*.yaml") if p.is_file())
+
+
+def pod_spec(obj: dict) -> dict | None:
+    if obj.get("kind") in ("Deployment", "StatefulSet", "Job", "DaemonSet"):
+        return obj["spec"]["template"]["spec"]
+    return None
+
+
+def resolve_env(container: dict, secrets: dict, external: dict) -> tuple[dict, list[str]]:
+    """A container's environment as Kubernetes would give it; and the secret values in it."""
+    env: dict[str, str] = {}
+    secret_values = []
+    for item in container.get("env", []):
+        name = item["name"]
+        if "value" in item:
+            value = str(item["value"])
+            # $(VAR) refers to a variable defined before; $$( escapes.
+            value = re.sub(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), value)
+            env[name] = value.replace("$$(", "$(")
+        elif "valueFrom" in item:
+            source = item["valueFrom"]
+            if "fieldRef" in source:
+                env[name] = POD_IP if source["fieldRef"]["fieldPath"] == "status.podIP" else "stand-in"
+            elif "secretKeyRef" in source:
+                ref = source["secretKeyRef"]
+                if (ref["name"], ref["key"]) in secrets:
+                    env[name] = secrets[(ref["name"], ref["key"])]
+                else:
+                    env[name] = external.get(ref["name"], {}).get(ref["key"], f"from-{ref['name']}-{ref['key']}")
+                secret_values.append(env[name])
+            else:
+                env[name] = "stand-in"
+    return env, secret_values
+
+
+def check_chart(report: Report, config_check: ConfigCheck, work: Path) -> None:
+    import helm_python as helm
+
+    docker = dockerfile_facts()
+    runtime = docker["stages"][-1]
+    uid, _, gid = (runtime["user"] or "").partition(":")
+    defaults = example_config()
+    builtin_queues = {q["name"] for q in builtin_declarations().get("queue", [])}
+    chart_meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
+
+    report.section("Helm chart: metadata")
+    report.check("Chart.yaml appVersion is the workspace version (the default image tag)",
+                 str(chart_meta.get("appVersion")) == workspace_version(),
+                 f"appVersion {chart_meta.get('appVersion')} vs Cargo.toml {workspace_version()}")
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    shards = re.search(r'define "tally.shards" -\}\}(\d+)', helpers)
+    shard_topic = next((t for t in builtin_declarations()["topic"] if t["name"] == "shards"), {})
+    report.check("the chart's shard count is the shards topic's partitions (topics/topics.toml)",
+                 bool(shards) and int(shards.group(1)) == shard_topic.get("partitions"),
+                 f"chart {shards and shards.group(1)} vs topics.toml {shard_topic.get('partitions')}")
+
+    all_objects: list[tuple[str, str, dict]] = []  # (case, template, object)
+    for values_path in values_files(CHART / "ci"):
+        case = values_path.name
+        report.section(f"Helm chart: {case}")
+        text = values_path.read_text()
+        values = yaml.safe_load(text) or {}
+        release = (re.search(r"^# release: (\S+)", text, re.M) or [None, "tally"])[1]
+        lint = helm.lint(str(CHART), values, strict=True, namespace="tally")
+        problems = [m for m in lint.get("messages", []) if m.get("severity", 0) >= 2] + [{"error": e} for e in lint.get("errors", [])]
+        report.check(f"{case}: helm lint --strict", not problems, "; ".join(str(m.get("error")).strip() for m in problems))
+        try:
+            with helm.Chart.load(str(CHART)) as chart:
+                objects = render(chart, values, release)
+        except Exception as err:  # noqa: BLE001 - any render failure is the finding
+            report.check(f"{case}: renders", False, str(err).strip())
+            continue
+        report.check(f"{case}: renders", True)
+        for template, obj in objects:
+            all_objects.append((case, template, obj))
+        check_rendered(report, config_check, work / case, case, values, objects, uid, gid, defaults, builtin_queues)
+
+    report.section("Helm chart: rendered objects against the Kubernetes and KEDA schemas")
+    validate_objects(report, work, all_objects)
+
+    report.section("Helm chart: values that must be refused")
+    for values_path in values_files(CHART / "tests" / "refused"):
+        text = values_path.read_text()
+        expect = re.search(r"^# expect: (.+)$", text, re.M)
+        if not report.check(f"refused/{values_path.name}: has an `# expect:` line", bool(expect), "add one"):
+            continue
+        values = yaml.safe_load(text) or {}
+        try:
+            with helm.Chart.load(str(CHART)) as chart:
+                render(chart, values, "tally")
+            report.check(f"refused/{values_path.name}: refused", False, "it rendered")
+        except Exception as err:  # noqa: BLE001
+            message = " ".join(str(err).split())
+            report.check(f"refused/{values_path.name}: refused with “{expect.group(1).strip()}”",
+                         expect.group(1).strip() in message, f"the message was: {message}")
+
+
+def check_rendered(report, config_check, work: Path, case: str, values: dict, objects, uid, gid, defaults, builtin_queues):
+    by_kind: dict[str, list[dict]] = {}
+    for _, obj in objects:
+        by_kind.setdefault(obj["kind"], []).append(obj)
+    configmaps = {o["metadata"]["name"]: o for o in by_kind.get("ConfigMap", [])}
+    secrets = {}
+    for s in by_kind.get("Secret", []):
+        for key, value in (s.get("data") or {}).items():
+            secrets[(s["metadata"]["name"], key)] = base64.b64decode(value).decode()
+        for key, value in (s.get("stringData") or {}).items():
+            secrets[(s["metadata"]["name"], key)] = value
+    token_values = [v for v in secrets.values()]
+    external_secret = (values.get("auth") or {}).get("existingSecret")
+    external = {external_secret: {}} if external_secret else {}
+
+    # Names Kubernetes accepts.
+    for _, obj in objects:
+        name = obj["metadata"]["name"]
+        pattern = r"[a-z]([-a-z0-9]*[a-z0-9])?" if obj["kind"] == "Service" else r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+        report.check(f"{case}: {obj['kind']}/{name}: a valid name", len(name) <= 63 and re.fullmatch(pattern, name) is not None,
+                     "not a DNS label of at most 63 characters")
+        labels = dict(obj["metadata"].get("labels") or {})
+        spec = pod_spec(obj)
+        if spec is not None:
+            labels.update(obj["spec"]["template"]["metadata"].get("labels") or {})
+        bad = [f"{k}={v}" for k, v in labels.items()
+               if len(str(v)) > 63 or not re.fullmatch(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?", str(v))]
+        report.check(f"{case}: {obj['kind']}/{name}: valid label values", not bad, f"{bad}")
+
+    # Tokens never in a ConfigMap.
+    for cm in configmaps.values():
+        dump = json.dumps(cm.get("data") or {})
+        leaked = [t for t in token_values if t and t in dump]
+        report.check(f"{case}: ConfigMap/{cm['metadata']['name']} holds no token", not leaked, "a token is in the ConfigMap")
+
+    # The topics Job runs before everything else, on a config of its own.
+    jobs = by_kind.get("Job", [])
+    report.check(f"{case}: one topics Job", len(jobs) == 1, f"{len(jobs)} Jobs")
+    for job in jobs:
+        ann = job["metadata"].get("annotations") or {}
+        report.check(f"{case}: the topics Job is a pre-install,pre-upgrade hook",
+                     set(str(ann.get("helm.sh/hook", "")).split(",")) == {"pre-install", "pre-upgrade"}, f"annotations {ann}")
+        for vol in pod_spec(job).get("volumes", []):
+            if "configMap" in vol:
+                cm = configmaps.get(vol["configMap"]["name"], {})
+                cm_ann = (cm.get("metadata") or {}).get("annotations") or {}
+                report.check(f"{case}: the topics Job's ConfigMap is a hook made before it",
+                             "pre-install" in str(cm_ann.get("helm.sh/hook", ""))
+                             and int(cm_ann.get("helm.sh/hook-weight", 0)) < int(ann.get("helm.sh/hook-weight", 0)),
+                             f"ConfigMap {vol['configMap']['name']} annotations {cm_ann}")
+
+    # KEDA: the target has no replicas of its own; minReplicas as asked (0 stays 0).
+    deployments = {d["metadata"]["name"]: d for d in by_kind.get("Deployment", [])}
+    for so in by_kind.get("ScaledObject", []):
+        target = so["spec"]["scaleTargetRef"]["name"]
+        report.check(f"{case}: ScaledObject/{so['metadata']['name']} targets a Deployment of the chart", target in deployments, target)
+        if target in deployments:
+            report.check(f"{case}: Deployment/{target} scaled by KEDA has no replicas", "replicas" not in deployments[target]["spec"],
+                         f"replicas: {deployments[target]['spec'].get('replicas')}")
+        address = so["spec"]["triggers"][0]["metadata"].get("serverAddress")
+        report.check(f"{case}: ScaledObject/{so['metadata']['name']} has a Prometheus address", bool(address) and address != "null", repr(address))
+    for w in values.get("workers") or []:
+        autoscale = w.get("autoscale") or {}
+        if not autoscale.get("enabled"):
+            continue
+        queue = str(w["queue"])
+        matching = [so for so in by_kind.get("ScaledObject", []) if (so["metadata"].get("annotations") or {}).get("tally.io/queue") == queue]
+        if report.check(f"{case}: queue {queue} has a ScaledObject", len(matching) == 1, f"{len(matching)} found"):
+            so = matching[0]["spec"]
+            want = autoscale.get("minReplicas", 1)
+            report.check(f"{case}: queue {queue} scales down to minReplicas {want}", so.get("minReplicaCount") == want, f"minReplicaCount {so.get('minReplicaCount')}")
+            if "query" not in autoscale:
+                report.check(f"{case}: queue {queue}'s scaling query reads its backlog",
+                             f'queue="{queue}"' in so["triggers"][0]["metadata"]["query"], so["triggers"][0]["metadata"]["query"])
+
+    # StatefulSets start their pods at once.
+    for sts in by_kind.get("StatefulSet", []):
+        report.check(f"{case}: StatefulSet/{sts['metadata']['name']} has podManagementPolicy Parallel",
+                     sts["spec"].get("podManagementPolicy") == "Parallel", str(sts["spec"].get("podManagementPolicy")))
+
+    # Queues: the declarations file, and every worker's queue declared in it or built in.
+    main_cm = next((cm for cm in configmaps.values() if "helm.sh/hook" not in (cm["metadata"].get("annotations") or {})), None)
+    declared = set(builtin_queues)
+    if main_cm:
+        data = main_cm["data"]
+        toml = tomllib.loads(data["tally.toml"])
+        decl_path = toml.get("broker", {}).get("declarations")
+        if decl_path:
+            report.check(f"{case}: [broker] declarations is in the ConfigMap", Path(decl_path).name in data and Path(decl_path).parent == Path("/etc/tally"),
+                         f"{decl_path} not among {sorted(data)}")
+            declared |= set(check_queue_file(report, f"{case}: {Path(decl_path).name}", data.get(Path(decl_path).name, "")))
+        report.check(f"{case}: the queues asked for are declared",
+                     {str(q["name"]) for q in values.get("queues") or []} <= declared, f"declared {sorted(declared)}")
+
+    # Every tally container: image user, ports against listeners, probes, config check.
+    services = by_kind.get("Service", [])
+    for _, obj in objects:
+        spec = pod_spec(obj)
+        if spec is None:
+            continue
+        pod_labels = obj["spec"]["template"]["metadata"].get("labels") or {}
+        psc = spec.get("securityContext") or {}
+        report.check(f"{case}: {obj['kind']}/{obj['metadata']['name']} runs as the image's user {uid}:{gid}",
+                     str(psc.get("runAsUser")) == uid and str(psc.get("runAsGroup")) == gid and str(psc.get("fsGroup")) == gid
+                     and psc.get("runAsNonRoot") is True, f"securityContext {psc}")
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for container in spec["containers"]:
+            where = f"{case}: {obj['kind']}/{obj['metadata']['name']}/{container['name']}"
+            binary = Path(container["command"][0]).name
+            section = binary.removeprefix("tally-") if binary.startswith("tally-") else None
+            env, secret_values = resolve_env(container, secrets, external)
+            # The config file, as mounted.
+            root = work / obj["metadata"]["name"] / container["name"]
+            config_file = None
+            for mount in container.get("volumeMounts", []):
+                vol = volumes.get(mount["name"], {})
+                if "configMap" in vol:
+                    cm = configmaps.get(vol["configMap"]["name"])
+                    if not report.check(f"{where}: ConfigMap {vol['configMap']['name']} is rendered", cm is not None, "missing"):
+                        continue
+                    target = root / mount["mountPath"].lstrip("/")
+                    target.mkdir(parents=True, exist_ok=True)
+                    for key, value in cm["data"].items():
+                        # Paths under the mount point at the copies (a local stand-in for the mount).
+                        (target / key).write_text(value.replace(mount["mountPath"].rstrip("/") + "/", str(target) + "/"))
+                elif "secret" in vol:
+                    name = vol["secret"]["secretName"]
+                    report.check(f"{where}: Secret {name} is the chart's or named in values",
+                                 any(k[0] == name for k in secrets) or name in (values.get("kafka") or {}).get("tlsSecret", "") or name == external_secret,
+                                 "an unknown Secret")
+            if "TALLY_CONFIG" in env:
+                config_file = root / env["TALLY_CONFIG"].lstrip("/")
+                if not report.check(f"{where}: TALLY_CONFIG {env['TALLY_CONFIG']} is mounted", config_file.is_file(), "no such file in its mounts"):
+                    continue
+            toml = tomllib.loads(config_file.read_text()) if config_file else {}
+            for item in container.get("env", []):
+                if "secretKeyRef" in (item.get("valueFrom") or {}):
+                    ref = item["valueFrom"]["secretKeyRef"]
+                    report.check(f"{where}: {item['name']} comes from a Secret that has it",
+                                 (ref["name"], ref["key"]) in secrets or ref["name"] == external_secret, f"{ref}")
+            ports = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
+            if section in LISTENERS:
+                for port_name, key in LISTENERS[section].items():
+                    listen = effective(section, key, toml, env, defaults)
+                    report.check(f"{where}: port {port_name} is the {section}.{key} listener ({listen})",
+                                 ports.get(port_name) == port_of(listen) and not is_loopback(listen), f"ports {ports}")
+                scrape = (obj["spec"]["template"]["metadata"].get("annotations") or {}).get("prometheus.io/port")
+                report.check(f"{where}: prometheus.io/port is the admin port", scrape == str(ports.get("admin")), f"{scrape} vs {ports.get('admin')}")
+                startup = container.get("startupProbe") or {}
+                window = startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3)
+                report.check(f"{where}: a startup probe waits {window}s (>= 120s) before liveness may restart it",
+                             startup.get("httpGet", {}).get("port") == "admin" and window >= 120 and "livenessProbe" in container, f"startupProbe {startup}")
+                for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                    port = ((container.get(probe) or {}).get("httpGet") or {}).get("port")
+                    report.check(f"{where}: {probe} port {port} is a container port", port in ports or port in ports.values(), f"ports {ports}")
+            expect = {}
+            if section == "worker":
+                queue = env.get("TALLY__WORKER__QUEUE", effective("worker", "queue", toml, env, defaults))
+                report.check(f"{where}: worker queue {queue!r} is declared", queue in declared, f"declared: {sorted(declared)}")
+                expect["worker.queue"] = queue
+                for url in effective("worker", "brokers", toml, env, defaults) or []:
+                    m = re.fullmatch(r"https?://([^:/]+):(\d+)/?", url)
+                    svc = next((s for s in services if m and s["metadata"]["name"] == m.group(1)), None)
+                    report.check(f"{where}: broker URL {url} is a Service port of the brokers",
+                                 bool(svc) and any(p["port"] == int(m.group(2)) for p in svc["spec"]["ports"]), "no such Service or port")
+                has_command = "TALLY__WORKER__COMMAND" in env or "command" in toml.get("worker", {})
+                has_webhook = "TALLY__WORKER__WEBHOOK_URL" in env or "webhook_url" in toml.get("worker", {})
+                report.check(f"{where}: exactly one of command and webhook", has_command != has_webhook, f"command {has_command}, webhook {has_webhook}")
+            for var in ("TALLY__QUERY__AUTH_TOKEN", "TALLY__BROKER__AUTH_TOKEN", "TALLY__WORKER__AUTH_TOKEN"):
+                if var in env:
+                    expect[var.removeprefix("TALLY__").lower().replace("__", ".")] = "<redacted>"
+            config_check.run(where, config_file, env, expect, secret_values)
+        # Services reach named ports of the pods they select.
+    for svc in services:
+        selector = svc["spec"].get("selector") or {}
+        selected = [o for _, o in objects if pod_spec(o) is not None
+                    and selector.items() <= (o["spec"]["template"]["metadata"].get("labels") or {}).items()]
+        if not report.check(f"{case}: Service/{svc['metadata']['name']} selects pods", bool(selected), f"selector {selector}"):
+            continue
+        for port in svc["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            found = all(any(target in ((p.get("name"), p["containerPort"])) for c in pod_spec(o)["containers"] for p in c.get("ports", []))
+                        for o in selected)
+            report.check(f"{case}: Service/{svc['metadata']['name']} port {port['port']} → {target} is a container port", found, "no such container port")
+
+
+def validate_objects(report: Report, work: Path, all_objects) -> None:
+    keda = [(case, obj) for case, _, obj in all_objects if obj["apiVersion"].startswith("keda.sh/")]
+    core = [(case, template, obj) for case, template, obj in all_objects if not obj["apiVersion"].startswith("keda.sh/")]
+    files = []
+    for i, (case, template, obj) in enumerate(core):
+        path = work / "manifests" / f"{i:04d}-{case.removesuffix('.yaml')}-{obj['kind'].lower()}-{obj['metadata']['name']}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(obj, sort_keys=False))
+        files.append(path)
+    for version in KUBE_VERSIONS:
+        result = subprocess.run([str(VENV / "bin" / "kubernetes-validate"), "--strict", "--quiet", "-k", version] + [str(f) for f in files],
+                                capture_output=True, text=True)
+        lines = [l for l in (result.stdout + result.stderr).splitlines() if l.strip()]
+        report.check(f"kubernetes-validate --strict -k {version}: {len(files)} objects", result.returncode == 0 and not lines,
+                     "\n        " + "\n        ".join(lines[:30]))
+    if keda:
+        path = work / "keda.json"
+        path.write_text(json.dumps([obj for _, obj in keda]))
+        result = subprocess.run(["node", str(ROOT / "scripts" / "deploy" / "keda-validate.mjs"), str(NPM), str(path)], capture_output=True, text=True)
+        errors = [l for l in result.stdout.splitlines() if not l.startswith("ok ")] + [l for l in result.stderr.splitlines() if "ExperimentalWarning" not in l and l.strip()]
+        report.check(f"KEDA schema (@kubernetes-models/keda), strict: {len(keda)} ScaledObjects", result.returncode == 0 and not errors,
+                     "\n        " + "\n        ".join(errors[:30]))
+    report.check("the CI values render at least one KEDA ScaledObject", bool(keda), "no autoscaled worker in helm/tally/ci")
+
+
+# ----------------------------------------------------------------------- Docker, Compose
+
+
+def check_dockerfile(report: Report) -> None:
+    report.section("Dockerfile")
+    docker = dockerfile_facts()
+    stages = docker["stages"]
+    if not report.check("Dockerfile has a build and a runtime stage", len(stages) >= 2, f"{len(stages)} stages"):
+        return
+    build, runtime = stages[0], stages[-1]
+    report.check("the runtime USER is numeric uid:gid", bool(re.fullmatch(r"\d+:\d+", runtime["user"] or "")), f"USER {runtime['user']}")
+    missing = [p for p in common_build_packages() if p not in build["packages"]]
+    report.check("the build stage installs every package scripts/common.sh builds with", not missing, f"missing {missing}")
+    needed = {"ca-certificates", "librocksdb7.8", "libssl3", "libsasl2-2", "libsasl2-modules", "libsasl2-modules-gssapi-mit",
+              "libzstd1", "zlib1g", "libcurl4"}
+    report.check("the runtime stage installs TLS, SASL, compression, curl and RocksDB libraries",
+                 needed <= runtime["packages"], f"missing {sorted(needed - runtime['packages'])}")
+    bins = workspace_bins()
+    copied = {Path(c).name for c in build["copies"]} & bins
+    report.check("the image gets every binary of the workspace", copied == bins, f"missing {sorted(bins - copied)}")
+    user = runtime["user"] or ""
+    for d in ("/var/lib/tally/counter", "/var/lib/tally/graph"):
+        report.check(f"the image makes {d}", d in runtime["dirs"], f"mkdir makes {sorted(runtime['dirs'])}")
+        owned = any(o[0] == user and (o[1] == d or (o[2] and d.startswith(o[1].rstrip('/') + '/'))) for o in runtime["owned"])
+        report.check(f"{d} belongs to {user}", owned, f"chown {sorted(runtime['owned'])}")
+    check_linked_libraries(report, runtime["packages"])
+
+
+def check_linked_libraries(report: Report, runtime_packages: set[str]) -> None:
+    """Every shared library the built binaries load comes with the runtime image."""
+    binaries = [p for p in (ROOT / "target" / d / b for d in ("release", "debug") for b in sorted(workspace_bins())) if p.is_file()]
+    if not binaries:
+        report.skip("linked libraries: no built binaries under target/ to inspect")
+        return
+    seen = {}
+    for b in binaries:
+        if b.name in seen:
+            continue
+        out = subprocess.run(["ldd", str(b)], capture_output=True, text=True)
+        if out.returncode != 0:
+            report.check(f"ldd {b}", False, out.stderr.strip())
+            continue
+        seen[b.name] = [m.group(1) for m in re.finditer(r"=> (/\S+)", out.stdout)]
+    libs = sorted({lib for libs in seen.values() for lib in libs})
+    owners = {}
+    for lib in libs:
+        candidates = {lib, os.path.realpath(lib)}
+        for c in list(candidates):
+            if c.startswith("/lib/"):
+                candidates.add("/usr" + c)
+            elif c.startswith("/usr/lib/"):
+                candidates.add(c[4:])
+        out = subprocess.run(["dpkg", "-S"] + sorted(candidates), capture_output=True, text=True)
+        pkgs = {line.split(":")[0] for line in out.stdout.splitlines() if ":" in line}
+        owners[lib] = pkgs
+    # The runtime packages and everything they depend on (as installed on this machine).
+    status = subprocess.run(["dpkg-query", "-W", "-f", "${Package}\t${Depends}, ${Pre-Depends}\t${Provides}\n"], capture_output=True, text=True).stdout
+    depends, provides = {}, {}
+    for line in status.splitlines():
+        name, deps, prov = (line.split("\t") + ["", ""])[:3]
+        depends[name] = {re.sub(r"[\s(:].*", "", alt.strip()) for dep in deps.split(",") for alt in dep.split("|") if alt.strip()}
+        for p in prov.split(","):
+            if p.strip():
+                provides.setdefault(re.sub(r"[\s(].*", "", p.strip()), set()).add(name)
+    closure, todo = set(), list(runtime_packages | BASE_PACKAGES)
+    while todo:
+        p = todo.pop()
+        if p in closure:
+            continue
+        closure.add(p)
+        todo += list(depends.get(p, set())) + list(provides.get(p, set()))
+    missing = sorted(f"{Path(lib).name} ({', '.join(sorted(pkgs)) or 'no package'})" for lib, pkgs in owners.items() if not pkgs & closure)
+    report.check(f"the runtime image has every library {', '.join(sorted(seen))} load ({len(libs)} libraries)", not missing,
+                 f"not installed by the runtime stage: {missing}")
+
+
+def check_compose(report: Report, config_check: ConfigCheck, work: Path) -> None:
+    report.section("docker-compose.yml")
+    compose = VENV / "bin" / "docker-compose"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DOCKER_", "TALLY"))}
+    env["DOCKER_HOST"] = NO_DOCKER
+    result = subprocess.run([str(compose), "-f", str(ROOT / "docker-compose.yml"), "--project-directory", str(ROOT), "config", "--format", "json"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    if not report.check("docker compose config", result.returncode == 0, result.stderr.strip()):
+        return
+    report.check("docker compose config prints no warning", not result.stderr.strip(), result.stderr.strip())
+    project = json.loads(result.stdout)
+    docker = dockerfile_facts()
+    runtime = docker["stages"][-1]
+    user = runtime["user"] or ""
+    defaults = example_config()
+    bins = workspace_bins()
+    declared = {q["name"] for q in builtin_declarations().get("queue", [])}
+    configs = project.get("configs") or {}
+    services = project["services"]
+    for name, svc in sorted(services.items()):
+        for port in svc.get("ports") or []:
+            report.check(f"compose {name}: port {port.get('published')} is published on 127.0.0.1 only",
+                         port.get("host_ip") == "127.0.0.1", f"host_ip {port.get('host_ip')!r}")
+    tally_services = {n: s for n, s in services.items() if "build" in s or str(s.get("image", "")).split("/")[-1].startswith("tally")}
+    report.check("compose runs the tally image", bool(tally_services), "no tally service")
+    # The queues the compose file declares.
+    for svc in tally_services.values():
+        decl = (svc.get("environment") or {}).get("TALLY__BROKER__DECLARATIONS")
+        for c in svc.get("configs") or []:
+            if decl and c.get("target") == decl and "content" in configs.get(c["source"], {}):
+                declared |= set(check_queue_file(report, f"compose config {c['source']}", configs[c["source"]]["content"]))
+    images = {s.get("image") for s in tally_services.values()}
+    report.check("every tally service uses one image", len(images) == 1, f"{images}")
+    for name, svc in sorted(tally_services.items()):
+        where = f"compose {name}"
+        command = " ".join(svc.get("command") or svc.get("entrypoint") or [])
+        used = [w for w in re.findall(r"\btally(?:-[a-z]+)?\b", command) if w in bins]
+        if not report.check(f"{where}: runs a binary of the image", bool(used), f"command {command!r}"):
+            continue
+        binary = used[-1]
+        section = binary.removeprefix("tally-") if binary.startswith("tally-") else None
+        env = {k: str(v) for k, v in (svc.get("environment") or {}).items() if v is not None}
+        # Variables the command sets itself before exec'ing the service.
+        for var in re.findall(r"\b(TALLY__[A-Z_]+)=", command):
+            env[var] = CONTAINER_IP
+        for vol in svc.get("volumes") or []:
+            if vol.get("type") == "volume":
+                target = vol["target"]
+                report.check(f"{where}: volume {vol.get('source')} mounts on {target}, which the image makes", target in runtime["dirs"],
+                             f"the Dockerfile makes {sorted(runtime['dirs'])}")
+                report.check(f"{where}: {target} belongs to the image's user {user}",
+                             any(o[0] == user and (o[1] == target or (o[2] and target.startswith(o[1].rstrip('/') + '/'))) for o in runtime["owned"]),
+                             "not chowned: Docker would mount it root-owned")
+        # Config files mounted from `configs:`, written where the service would see them.
+        root = work / "compose" / name
+        for c in svc.get("configs") or []:
+            content = configs.get(c["source"], {}).get("content")
+            if content is None or not c.get("target"):
+                continue
+            path = root / c["target"].lstrip("/")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(content)
+            env = {k: v.replace(c["target"], str(path)) if v == c["target"] else v for k, v in env.items()}
+        if section in LISTENERS:
+            listens = {k: effective(section, key, {}, env, defaults) for k, key in LISTENERS[section].items()}
+            for k, listen in listens.items():
+                report.check(f"{where}: {section} {k} listener {listen} is reachable from other containers", not is_loopback(listen), "bound to loopback")
+            for port in svc.get("ports") or []:
+                report.check(f"{where}: published port {port.get('target')} is a listener", port.get("target") in {port_of(l) for l in listens.values()},
+                             f"listeners {listens}")
+        if section == "worker":
+            queue = effective("worker", "queue", {}, env, defaults)
+            report.check(f"{where}: worker queue {queue!r} is declared", queue in declared, f"declared {sorted(declared)}")
+            for url in json.loads(env["TALLY__WORKER__BROKERS"]) if "TALLY__WORKER__BROKERS" in env else []:
+                m = re.fullmatch(r"https?://([^:/]+):(\d+)/?", url)
+                target = services.get(m.group(1)) if m else None
+                listen = effective("broker", "listen", {}, {k: str(v) for k, v in (target or {}).get("environment", {}).items()}, defaults) if target else None
+                report.check(f"{where}: broker URL {url} is the broker service's listener", bool(target) and port_of(listen) == int(m.group(2)), f"broker listens on {listen}")
+        config_check.run(where, None, env, {"worker.queue": env["TALLY__WORKER__QUEUE"]} if "TALLY__WORKER__QUEUE" in env else {}, [])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("-v", "--verbose", action="store_true", help="print every check, not just failures")
+    args = parser.parse_args()
+    report = Report(args.verbose)
+    config_check = ConfigCheck(report)
+    with tempfile.TemporaryDirectory(prefix="tally-deploy-checks-") as tmp:
+        work = Path(tmp)
+        check_dockerfile(report)
+        check_compose(report, config_check, work)
+        check_chart(report, config_check, work)
+    if not config_check.binary:
+        report.skip(f"tally config check: {config_check.reason}")
+    print(f"deploy: {report.passed} passed, {len(report.failures)} failed" + (f", {len(report.skips)} skipped" if report.skips else ""))
+    if report.failures:
+        print("failed:")
+        for f in report.failures:
+            print(f"  - {f.splitlines()[0]}")
+    return 1 if report.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
