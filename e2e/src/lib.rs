@@ -441,10 +441,12 @@ pub mod check {
         if status != 200 {
             return Err(format!("batch read failed: {status} {body}"));
         }
+        let results = body["results"].as_array().cloned().unwrap_or_default();
+        if results.len() != queries.len() {
+            return Err(format!("{} results for {} queries: {body}", results.len(), queries.len()));
+        }
         let mut mismatches = Vec::new();
-        for ((query, want), got) in
-            queries.iter().zip(&expected).zip(body["results"].as_array().cloned().unwrap_or_default())
-        {
+        for ((query, want), got) in queries.iter().zip(&expected).zip(results) {
             if got["value"].as_i64() != Some(*want) {
                 mismatches.push(format!("{query}: want {want}, got {}", got["value"]));
             }
@@ -525,7 +527,9 @@ pub mod check {
         for chunk in queries.chunks(1_000) {
             let (status, body) = sandbox.post("/v1/query", &json!({ "queries": chunk })).await;
             assert_eq!(status, 200, "{body}");
-            for (query, result) in chunk.iter().zip(body["results"].as_array().expect("results")) {
+            let results = body["results"].as_array().expect("results");
+            assert_eq!(results.len(), chunk.len(), "one result per query: {body}");
+            for (query, result) in chunk.iter().zip(results) {
                 let window_ms = parse_duration(query["window"].as_str().unwrap()).unwrap();
                 let to = result["to"].as_i64().expect("to");
                 let plan = resolutions.plan(WindowSpec::Last { window_ms }, to).unwrap();

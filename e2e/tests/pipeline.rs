@@ -32,6 +32,17 @@ async fn counts_windows_series_and_dead_letters_match_the_model() {
     check::series(&sandbox, model, &entities[entities.len() - 2..], metrics).await;
     check::listings(&sandbox, model, entities).await;
     check::bad_requests(&sandbox).await;
+    // Negative control: the same comparison with one event too many must fail.
+    let mut wrong = model.clone();
+    let extra = tally_shared::wire::Increment {
+        entity: entities[0].clone(),
+        metric: metrics[0].clone(),
+        delta: 1,
+        ts: tally_shared::kafka::now_ms(),
+        id: None,
+    };
+    wrong.apply(extra);
+    assert!(check::all_time(&sandbox, &wrong, entities, metrics).await.is_err(), "the check can fail");
 
     // The counter's metrics agree: every shard caught up, every accepted increment applied once.
     let applied = sandbox.metric("tally-counter", "tally_counter_applied_increments_total").await;
