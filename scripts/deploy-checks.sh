@@ -39,7 +39,10 @@ fi
 want="$(stamp "$DEPLOY/npm/package.json" "$DEPLOY/npm/package-lock.json")"
 if [ "$(cat "$NPM_DIR/.installed" 2>/dev/null)" != "$want" ]; then
   echo "==> installing the deployment check tools (npm) into $NPM_DIR"
-  command -v npm >/dev/null || { echo "deploy-checks: node and npm are required" >&2; exit 1; }
+  if ! command -v npm >/dev/null || ! command -v node >/dev/null; then
+    sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
+    $sudo apt-get update -qq && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm
+  fi
   rm -rf "$NPM_DIR"
   mkdir -p "$NPM_DIR"
   cp "$DEPLOY/npm/package.json" "$DEPLOY/npm/package-lock.json" "$NPM_DIR/"

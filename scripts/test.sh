@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh Debian 12 machine with Rust: installs the native
 # packages and the local Kafka-protocol broker (Tansu) when missing, builds the
-# service binaries the end-to-end tests start, then runs every test.
+# service binaries the end-to-end tests start, checks the deployment files (Helm,
+# docker-compose, Dockerfile) with pinned tools from PyPI and npm, then runs every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +22,8 @@ export TALLY_TANSU_ROOT="$TANSU_ROOT"
 
 echo "==> building"
 cargo build --workspace --bins --tests
+echo "==> deployment checks (Helm chart, docker-compose, Dockerfile; tools from PyPI/npm)"
+./scripts/deploy-checks.sh
 echo "==> testing"
 log="$(mktemp)"
 status=0

@@ -231,9 +231,10 @@ class ConfigCheck:
             self.reason = f"{self.binary} has no `config check` subcommand yet ({probe.stderr.strip().splitlines()[0] if probe.stderr.strip() else 'exit ' + str(probe.returncode)})"
             self.binary = None
 
-    def run(self, name: str, config: Path | None, env: dict, expect: dict, secrets: list[str]) -> None:
+    def run(self, name: str, config: Path | None, env: dict, expect: dict, secrets: list[str]) -> dict | None:
+        """Returns the effective config the command printed, when it ran and printed one."""
         if not self.binary:
-            return
+            return None
         command = [self.binary, "config", "check"] + (["--config", str(config)] if config else [])
         clean = {k: v for k, v in env.items() if k != "TALLY_CONFIG"}
         clean["PATH"] = os.environ.get("PATH", "/usr/bin:/bin")
@@ -243,20 +244,22 @@ class ConfigCheck:
                                f"exit {result.returncode}: {(result.stderr or result.stdout).strip()[-600:]}\n"
                                f"        ran: {' '.join(command)} with {shown}")
         if not ok:
-            return
-        leaked = [s for s in secrets if s and len(s) >= 3 and s in result.stdout]
+            return None
+        # A token printed in clear would be a TOML string holding it.
+        leaked = [s for s in secrets if s and (json.dumps(s) in result.stdout or f"'{s}'" in result.stdout)]
         self.report.check(f"config check: {name}: secrets redacted", not leaked, "printed a token in clear")
         # The effective config (TOML after comment lines) says what the service will use.
         try:
             shown_config = tomllib.loads(result.stdout)
         except tomllib.TOMLDecodeError:
-            return
+            return None
         for dotted, want in expect.items():
             got = shown_config
             for part in dotted.split("."):
                 got = got.get(part) if isinstance(got, dict) else None
             self.report.check(f"config check: {name}: {dotted} = {want!r}", got == want and type(got) is type(want),
                               f"the effective config has {got!r}")
+        return shown_config
 
 
 # ------------------------------------------------------------------------------- Helm
@@ -404,8 +407,8 @@ def check_rendered(report, config_check, work: Path, case: str, values: dict, ob
 
     # Tokens never in a ConfigMap.
     for cm in configmaps.values():
-        dump = json.dumps(cm.get("data") or {})
-        leaked = [t for t in token_values if t and t in dump]
+        # A token in tally.toml would be a TOML string holding it.
+        leaked = [t for t in token_values if t and any(json.dumps(t) in v for v in (cm.get("data") or {}).values())]
         report.check(f"{case}: ConfigMap/{cm['metadata']['name']} holds no token", not leaked, "a token is in the ConfigMap")
 
     # The topics Job runs before everything else, on a config of its own.
@@ -509,10 +512,20 @@ def check_rendered(report, config_check, work: Path, case: str, values: dict, ob
                     continue
             toml = tomllib.loads(config_file.read_text()) if config_file else {}
             for item in container.get("env", []):
-                if "secretKeyRef" in (item.get("valueFrom") or {}):
+                if item["name"].startswith("TALLY") and "secretKeyRef" in (item.get("valueFrom") or {}):
                     ref = item["valueFrom"]["secretKeyRef"]
                     report.check(f"{where}: {item['name']} comes from a Secret that has it",
                                  (ref["name"], ref["key"]) in secrets or ref["name"] == external_secret, f"{ref}")
+            expect = {}
+            if section == "worker":
+                expect["worker.queue"] = env.get("TALLY__WORKER__QUEUE", effective("worker", "queue", toml, env, defaults))
+            for var in ("TALLY__QUERY__AUTH_TOKEN", "TALLY__BROKER__AUTH_TOKEN", "TALLY__WORKER__AUTH_TOKEN"):
+                if var in env:
+                    expect[var.removeprefix("TALLY__").lower().replace("__", ".")] = "<redacted>"
+            shown = config_check.run(where, config_file, env, expect, secret_values)
+            if shown is not None:
+                # The listeners as tally itself resolved them.
+                toml, env = shown, {}
             ports = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
             if section in LISTENERS:
                 for port_name, key in LISTENERS[section].items():
@@ -528,11 +541,9 @@ def check_rendered(report, config_check, work: Path, case: str, values: dict, ob
                 for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
                     port = ((container.get(probe) or {}).get("httpGet") or {}).get("port")
                     report.check(f"{where}: {probe} port {port} is a container port", port in ports or port in ports.values(), f"ports {ports}")
-            expect = {}
             if section == "worker":
                 queue = env.get("TALLY__WORKER__QUEUE", effective("worker", "queue", toml, env, defaults))
                 report.check(f"{where}: worker queue {queue!r} is declared", queue in declared, f"declared: {sorted(declared)}")
-                expect["worker.queue"] = queue
                 for url in effective("worker", "brokers", toml, env, defaults) or []:
                     m = re.fullmatch(r"https?://([^:/]+):(\d+)/?", url)
                     svc = next((s for s in services if m and s["metadata"]["name"] == m.group(1)), None)
@@ -541,10 +552,6 @@ def check_rendered(report, config_check, work: Path, case: str, values: dict, ob
                 has_command = "TALLY__WORKER__COMMAND" in env or "command" in toml.get("worker", {})
                 has_webhook = "TALLY__WORKER__WEBHOOK_URL" in env or "webhook_url" in toml.get("worker", {})
                 report.check(f"{where}: exactly one of command and webhook", has_command != has_webhook, f"command {has_command}, webhook {has_webhook}")
-            for var in ("TALLY__QUERY__AUTH_TOKEN", "TALLY__BROKER__AUTH_TOKEN", "TALLY__WORKER__AUTH_TOKEN"):
-                if var in env:
-                    expect[var.removeprefix("TALLY__").lower().replace("__", ".")] = "<redacted>"
-            config_check.run(where, config_file, env, expect, secret_values)
         # Services reach named ports of the pods they select.
     for svc in services:
         selector = svc["spec"].get("selector") or {}
@@ -723,22 +730,25 @@ def check_compose(report: Report, config_check: ConfigCheck, work: Path) -> None
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(content)
             env = {k: v.replace(c["target"], str(path)) if v == c["target"] else v for k, v in env.items()}
+        shown = config_check.run(where, None, env, {"worker.queue": env["TALLY__WORKER__QUEUE"]} if "TALLY__WORKER__QUEUE" in env else {}, [])
+        # The settings as tally itself resolved them, when `tally config check` printed them.
+        file, env = (shown, {}) if shown is not None else ({}, env)
         if section in LISTENERS:
-            listens = {k: effective(section, key, {}, env, defaults) for k, key in LISTENERS[section].items()}
+            listens = {k: effective(section, key, file, env, defaults) for k, key in LISTENERS[section].items()}
             for k, listen in listens.items():
                 report.check(f"{where}: {section} {k} listener {listen} is reachable from other containers", not is_loopback(listen), "bound to loopback")
             for port in svc.get("ports") or []:
                 report.check(f"{where}: published port {port.get('target')} is a listener", port.get("target") in {port_of(l) for l in listens.values()},
                              f"listeners {listens}")
         if section == "worker":
-            queue = effective("worker", "queue", {}, env, defaults)
+            queue = effective("worker", "queue", file, env, defaults)
             report.check(f"{where}: worker queue {queue!r} is declared", queue in declared, f"declared {sorted(declared)}")
-            for url in json.loads(env["TALLY__WORKER__BROKERS"]) if "TALLY__WORKER__BROKERS" in env else []:
+            brokers = effective("worker", "brokers", file, env, defaults)
+            for url in json.loads(brokers) if isinstance(brokers, str) else brokers or []:
                 m = re.fullmatch(r"https?://([^:/]+):(\d+)/?", url)
                 target = services.get(m.group(1)) if m else None
                 listen = effective("broker", "listen", {}, {k: str(v) for k, v in (target or {}).get("environment", {}).items()}, defaults) if target else None
                 report.check(f"{where}: broker URL {url} is the broker service's listener", bool(target) and port_of(listen) == int(m.group(2)), f"broker listens on {listen}")
-        config_check.run(where, None, env, {"worker.queue": env["TALLY__WORKER__QUEUE"]} if "TALLY__WORKER__QUEUE" in env else {}, [])
 
 
 def main() -> int:
@@ -758,7 +768,7 @@ def main() -> int:
     if report.failures:
         print("failed:")
         for f in report.failures:
-            print(f"  - {f.splitlines()[0]}")
+            print(f"  - {' | '.join(l.strip() for l in f.splitlines() if l.strip())[:300]}")
     return 1 if report.failures else 0
 
 

@@ -370,6 +370,14 @@ impl TallyConfig {
             .collect();
         for (key, value) in overrides {
             let dotted = key.to_ascii_lowercase().replace("__", ".");
+            if let Some(setting) = dotted.strip_prefix("kafka.client.") {
+                // librdkafka's names have dots, which variable names cannot:
+                // TALLY__KAFKA__CLIENT__SASL_PASSWORD sets "sasl.password".
+                let setting = setting.replace('_', ".");
+                let client = figment::value::Dict::from([(setting, figment::value::Value::from(value))]);
+                figment = figment.merge(Serialized::global("kafka.client", client));
+                continue;
+            }
             let typed = env_value(default_at(&defaults, &dotted), &value);
             figment = figment.merge(Serialized::global(&dotted, typed));
         }
@@ -480,6 +488,29 @@ mod tests {
         .unwrap();
         assert_eq!(config.worker.brokers, vec!["http://a:1".to_string(), "http://b:2".to_string()]);
         assert_eq!(config.worker.command.unwrap(), vec!["sh", "-c", "cat"]);
+    }
+
+    #[test]
+    fn kafka_client_settings_come_from_the_environment_with_their_dots() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tally.toml");
+        std::fs::write(&path, "[kafka.client]\n\"security.protocol\" = \"SASL_SSL\"\n\"sasl.username\" = \"u\"\n")
+            .unwrap();
+        let config = TallyConfig::load_with_env(
+            Some(&path),
+            env(&[("TALLY__KAFKA__CLIENT__SASL_PASSWORD", "0123"), ("TALLY__KAFKA__CLIENT__SSL_KEY_PASSWORD", "k")]),
+        )
+        .unwrap();
+        let client: Vec<(&str, &str)> = config.kafka.client.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        assert_eq!(
+            client,
+            vec![
+                ("sasl.password", "0123"),
+                ("sasl.username", "u"),
+                ("security.protocol", "SASL_SSL"),
+                ("ssl.key.password", "k")
+            ]
+        );
     }
 
     #[test]

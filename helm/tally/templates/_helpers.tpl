@@ -46,7 +46,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "tally.workerName" -}}
 {{- $name := printf "%s-worker-%s" (include "tally.fullname" .root) (include "tally.queueSlug" .queue) -}}
 {{- if gt (len $name) 63 -}}
-{{- $name = printf "%s-%s" (trunc 54 $name | regexReplaceAll "-+$" "") (sha256sum (toString .queue) | trunc 8) -}}
+{{- $name = printf "%s-%s" (regexReplaceAll "-+$" (trunc 54 $name) "") (sha256sum (toString .queue) | trunc 8) -}}
 {{- end -}}
 {{- $name -}}
 {{- end -}}

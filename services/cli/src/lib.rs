@@ -276,9 +276,14 @@ async fn topics_apply(config: &TallyConfig, file: Option<PathBuf>) -> anyhow::Re
 /// `tally config check`: the effective config, as TOML, secrets redacted.
 fn config_check(path: Option<&std::path::Path>) -> anyhow::Result<()> {
     let config = TallyConfig::load(path).context("the config is not valid")?;
+    // The queues it names load as a broker loads them.
+    let declarations =
+        Declarations::load(config.broker.declarations.as_deref()).context("the declarations are not valid")?;
     let shown = toml::to_string(&config.redacted()?).context("printing the config")?;
     let source = path.map_or_else(|| "defaults".to_string(), |p| p.display().to_string());
-    println!("# effective config: {source}, then TALLY__SECTION__KEY variables; secrets redacted\n{shown}");
+    let queues: Vec<&str> = declarations.queues.iter().map(|q| q.name.as_str()).collect();
+    println!("# effective config: {source}, then TALLY__SECTION__KEY variables; secrets redacted");
+    println!("# queues declared: {}\n{shown}", queues.join(", "));
     Ok(())
 }
 
