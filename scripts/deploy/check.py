@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import json
 import os
 import re
@@ -50,6 +51,11 @@ LISTENERS = {
 # Stand-ins for values only a cluster or a container runtime knows.
 POD_IP = "10.1.2.3"
 CONTAINER_IP = "172.18.0.5"
+# librdkafka settings whose value is a secret: never in a ConfigMap (the chart refuses
+# them in kafka.client; they come from Secrets as TALLY__KAFKA__CLIENT__<NAME>).
+SECRET_CLIENT_KEY = re.compile(r"password|secret|^ssl\.key\.pem$", re.I)
+# The binaries that talk to Kafka: all but the workers, which only talk to the brokers.
+NO_KAFKA = {"tally-worker"}
 # The base image's libraries (debian:bookworm-slim); everything else the binaries link
 # must come from a package the runtime stage installs (or one of its dependencies).
 BASE_PACKAGES = {"libc6", "libgcc-s1", "libstdc++6", "zlib1g", "libzstd1", "liblzma5", "libbz2-1.0"}
@@ -247,17 +253,20 @@ class ConfigCheck:
             return None
         # A token printed in clear would be a TOML string holding it.
         leaked = [s for s in secrets if s and (json.dumps(s) in result.stdout or f"'{s}'" in result.stdout)]
-        self.report.check(f"config check: {name}: secrets redacted", not leaked, "printed a token in clear")
+        self.report.check(f"config check: {name}: secrets redacted", not leaked, "printed a secret (token or password) in clear")
         # The effective config (TOML after comment lines) says what the service will use.
         try:
             shown_config = tomllib.loads(result.stdout)
         except tomllib.TOMLDecodeError:
             return None
         for dotted, want in expect.items():
+            # "kafka.client" and a librdkafka name with dots: ("kafka", "client", "sasl.password").
+            parts = dotted if isinstance(dotted, tuple) else tuple(dotted.split("."))
             got = shown_config
-            for part in dotted.split("."):
+            for part in parts:
                 got = got.get(part) if isinstance(got, dict) else None
-            self.report.check(f"config check: {name}: {dotted} = {want!r}", got == want and type(got) is type(want),
+            label = ".".join(parts[:2] + (f'"{parts[2]}"',)) if isinstance(dotted, tuple) else dotted
+            self.report.check(f"config check: {name}: {label} = {want!r}", got == want and type(got) is type(want),
                               f"the effective config has {got!r}")
         return shown_config
 
@@ -287,6 +296,27 @@ def pod_spec(obj: dict) -> dict | None:
     return None
 
 
+def client_var(setting: str) -> str:
+    """The variable that sets a librdkafka setting: sasl.password → TALLY__KAFKA__CLIENT__SASL_PASSWORD."""
+    return "TALLY__KAFKA__CLIENT__" + setting.upper().replace(".", "_")
+
+
+def user_secrets(values: dict) -> dict[str, set[str]]:
+    """The Secrets the values say the user made, and the keys the chart reads from them."""
+    auth = values.get("auth") or {}
+    kafka = values.get("kafka") or {}
+    sasl = kafka.get("sasl") or {}
+    made: dict[str, set[str]] = {}
+    if auth.get("existingSecret"):
+        made.setdefault(auth["existingSecret"], set()).update(
+            k for k in (auth.get("queryTokenKey", "query-auth-token"), auth.get("brokerTokenKey", "broker-auth-token")) if k)
+    if sasl.get("existingSecret"):
+        made.setdefault(sasl["existingSecret"], set()).add(sasl.get("passwordKey", "sasl-password"))
+    if kafka.get("tlsSecret"):
+        made.setdefault(kafka["tlsSecret"], set()).update(k for k in [kafka.get("tlsKeyPasswordKey")] if k)
+    return made
+
+
 def resolve_env(container: dict, secrets: dict, external: dict) -> tuple[dict, list[str]]:
     """A container's environment as Kubernetes would give it; and the secret values in it."""
     env: dict[str, str] = {}
@@ -307,7 +337,8 @@ def resolve_env(container: dict, secrets: dict, external: dict) -> tuple[dict, l
                 if (ref["name"], ref["key"]) in secrets:
                     env[name] = secrets[(ref["name"], ref["key"])]
                 else:
-                    env[name] = external.get(ref["name"], {}).get(ref["key"], f"from-{ref['name']}-{ref['key']}")
+                    # A stand-in for a value of the user's Secret, all digits as a password may be.
+                    env[name] = external.get(ref["name"], {}).get(ref["key"], str(int(hashlib.sha256(f"{ref['name']}/{ref['key']}".encode()).hexdigest(), 16) % 10**12).zfill(12))
                 secret_values.append(env[name])
             else:
                 env[name] = "stand-in"
@@ -388,8 +419,15 @@ def check_rendered(report, config_check, work: Path, case: str, values: dict, ob
         for key, value in (s.get("stringData") or {}).items():
             secrets[(s["metadata"]["name"], key)] = value
     token_values = [v for v in secrets.values()]
-    external_secret = (values.get("auth") or {}).get("existingSecret")
-    external = {external_secret: {}} if external_secret else {}
+    made_by_user = user_secrets(values)
+    external = {name: {} for name in made_by_user}
+    kafka_values = values.get("kafka") or {}
+    # The Kafka passwords the values ask for: variable → (Secret, key).
+    kafka_passwords = {}
+    if (kafka_values.get("sasl") or {}).get("existingSecret"):
+        kafka_passwords[client_var("sasl.password")] = (kafka_values["sasl"]["existingSecret"], kafka_values["sasl"].get("passwordKey", "sasl-password"))
+    if kafka_values.get("tlsSecret") and kafka_values.get("tlsKeyPasswordKey"):
+        kafka_passwords[client_var("ssl.key.password")] = (kafka_values["tlsSecret"], kafka_values["tlsKeyPasswordKey"])
 
     # Names Kubernetes accepts.
     for _, obj in objects:
@@ -405,11 +443,16 @@ def check_rendered(report, config_check, work: Path, case: str, values: dict, ob
                if len(str(v)) > 63 or not re.fullmatch(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?", str(v))]
         report.check(f"{case}: {obj['kind']}/{name}: valid label values", not bad, f"{bad}")
 
-    # Tokens never in a ConfigMap.
+    # Tokens and passwords never in a ConfigMap.
     for cm in configmaps.values():
         # A token in tally.toml would be a TOML string holding it.
         leaked = [t for t in token_values if t and any(json.dumps(t) in v for v in (cm.get("data") or {}).values())]
         report.check(f"{case}: ConfigMap/{cm['metadata']['name']} holds no token", not leaked, "a token is in the ConfigMap")
+        if "tally.toml" in (cm.get("data") or {}):
+            client = tomllib.loads(cm["data"]["tally.toml"]).get("kafka", {}).get("client", {})
+            secret_keys = sorted(k for k in client if SECRET_CLIENT_KEY.search(k))
+            report.check(f"{case}: ConfigMap/{cm['metadata']['name']} holds no Kafka password", not secret_keys,
+                         f"[kafka.client] sets {secret_keys}")
 
     # The topics Job runs before everything else, on a config of its own.
     jobs = by_kind.get("Job", [])
@@ -504,8 +547,7 @@ def check_rendered(report, config_check, work: Path, case: str, values: dict, ob
                 elif "secret" in vol:
                     name = vol["secret"]["secretName"]
                     report.check(f"{where}: Secret {name} is the chart's or named in values",
-                                 any(k[0] == name for k in secrets) or name in (values.get("kafka") or {}).get("tlsSecret", "") or name == external_secret,
-                                 "an unknown Secret")
+                                 any(k[0] == name for k in secrets) or name in made_by_user, "an unknown Secret")
             if "TALLY_CONFIG" in env:
                 config_file = root / env["TALLY_CONFIG"].lstrip("/")
                 if not report.check(f"{where}: TALLY_CONFIG {env['TALLY_CONFIG']} is mounted", config_file.is_file(), "no such file in its mounts"):
@@ -515,13 +557,28 @@ def check_rendered(report, config_check, work: Path, case: str, values: dict, ob
                 if item["name"].startswith("TALLY") and "secretKeyRef" in (item.get("valueFrom") or {}):
                     ref = item["valueFrom"]["secretKeyRef"]
                     report.check(f"{where}: {item['name']} comes from a Secret that has it",
-                                 (ref["name"], ref["key"]) in secrets or ref["name"] == external_secret, f"{ref}")
+                                 (ref["name"], ref["key"]) in secrets or ref["key"] in made_by_user.get(ref["name"], set()), f"{ref}")
+            # The Kafka passwords reach every container that talks to Kafka, from the Secret
+            # the values name, and no other container.
+            talks_to_kafka = binary not in NO_KAFKA
+            refs = {i["name"]: (i["valueFrom"]["secretKeyRef"]["name"], i["valueFrom"]["secretKeyRef"]["key"])
+                    for i in container.get("env", []) if "secretKeyRef" in (i.get("valueFrom") or {})}
+            for var in sorted(set(kafka_passwords) | {v for v in refs if v.startswith("TALLY__KAFKA__CLIENT__")}):
+                if talks_to_kafka:
+                    report.check(f"{where}: {var} comes from Secret {kafka_passwords.get(var, ('?', '?'))[0]}",
+                                 var in kafka_passwords and refs.get(var) == kafka_passwords[var], f"env has {refs.get(var)}")
+                else:
+                    report.check(f"{where}: {var} is not given to {binary}, which does not talk to Kafka", var not in refs, "it is")
             expect = {}
             if section == "worker":
                 expect["worker.queue"] = env.get("TALLY__WORKER__QUEUE", effective("worker", "queue", toml, env, defaults))
             for var in ("TALLY__QUERY__AUTH_TOKEN", "TALLY__BROKER__AUTH_TOKEN", "TALLY__WORKER__AUTH_TOKEN"):
                 if var in env:
                     expect[var.removeprefix("TALLY__").lower().replace("__", ".")] = "<redacted>"
+            for var in env:
+                if var.startswith("TALLY__KAFKA__CLIENT__"):
+                    # The loader's mapping: SASL_PASSWORD → "sasl.password"; shown redacted.
+                    expect[("kafka", "client", var.removeprefix("TALLY__KAFKA__CLIENT__").lower().replace("_", "."))] = "<redacted>"
             shown = config_check.run(where, config_file, env, expect, secret_values)
             if shown is not None:
                 # The listeners as tally itself resolved them.

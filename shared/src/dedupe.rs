@@ -5,55 +5,76 @@
 //! Time here is the records' own (their Kafka timestamps, which the ingester sets to
 //! the producer's record time), never the apply time: a retry produced within the
 //! window is a duplicate however late it is applied — after a long backlog, or when
-//! a store is rebuilt from the log. Marks expire by *stream time*, the latest record
-//! time applied (as Kafka Streams' windowed stores do), and only once the wall clock
-//! agrees, so neither a backlog nor a producer's skewed clock drops a mark early.
+//! a store is rebuilt from the log. A mark expires by the *stream time of its own
+//! source* (the latest record time applied from that input partition, as Kafka
+//! Streams' windowed stores expire by stream time), and only once the wall clock
+//! agrees: a retry comes through the same partition as its original (same key), so
+//! neither a lagging partition beside live ones, nor a producer's skewed clock, drops
+//! a mark its retry still needs.
 
-use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
 
 use rocksdb::compaction_filter::Decision;
 
 use crate::progress::decode_i64;
+use crate::wire::Source;
 
-/// The window and the stream time it expires marks by.
+/// The window and the stream time of each source it expires marks by.
 #[derive(Debug, Clone)]
 pub struct DedupeWindow {
     window_ms: i64,
-    /// Unknown (`i64::MIN`) until the first batch after opening: nothing expires
-    /// before it.
-    stream_time: Arc<AtomicI64>,
+    /// Per source; a source not seen since opening expires nothing.
+    stream_time: Arc<RwLock<HashMap<Source, i64>>>,
 }
 
 impl DedupeWindow {
     pub fn new(window_ms: i64) -> Self {
-        Self { window_ms, stream_time: Arc::new(AtomicI64::new(i64::MIN)) }
+        Self { window_ms, stream_time: Arc::default() }
     }
 
-    /// The value of a mark first seen in a record at `record_time`.
-    pub fn mark(record_time: i64) -> [u8; 8] {
-        record_time.to_le_bytes()
+    /// The value of a mark first seen in a record of `source` at `record_time`:
+    /// the time (8 bytes, little-endian), the source's stream and partition.
+    pub fn mark(record_time: i64, source: Source) -> [u8; 13] {
+        let mut mark = [0u8; 13];
+        mark[..8].copy_from_slice(&record_time.to_le_bytes());
+        mark[8] = source.stream;
+        mark[9..].copy_from_slice(&source.partition.to_le_bytes());
+        mark
+    }
+
+    fn source_of(mark: &[u8]) -> Option<Source> {
+        let partition = u32::from_le_bytes(mark.get(9..13)?.try_into().ok()?);
+        Some(Source { stream: *mark.get(8)?, partition })
     }
 
     /// Whether a record at `record_time` whose id has the stored `mark` repeats it:
     /// the mark is younger than the window at that time. (A record older than the
     /// mark — producers' clocks differ — is within it too.)
     pub fn repeats(&self, mark: &[u8], record_time: i64) -> bool {
-        decode_i64(mark).saturating_add(self.window_ms) > record_time
+        decode_i64(mark.get(..8).unwrap_or(mark)).saturating_add(self.window_ms) > record_time
     }
 
-    /// Moves the stream time forward to `record_time` (never back); call after the
-    /// batch holding that record is committed.
-    pub fn advance(&self, record_time: i64) {
-        self.stream_time.fetch_max(record_time, Ordering::Relaxed);
+    /// Moves `source`'s stream time forward to `record_time` (never back); call
+    /// after the batch holding that record is committed.
+    pub fn advance(&self, source: Source, record_time: i64) {
+        if let Ok(mut times) = self.stream_time.write() {
+            let time = times.entry(source).or_insert(record_time);
+            *time = (*time).max(record_time);
+        }
     }
 
     /// The compaction filter of the marks' column family.
     pub fn compaction_filter(&self) -> impl Fn(u32, &[u8], &[u8]) -> Decision + Send + 'static {
         let window = self.clone();
         move |_level, _key, mark| {
-            let now = window.stream_time.load(Ordering::Relaxed).min(crate::kafka::now_ms());
-            if window.repeats(mark, now) {
+            // A mark of an earlier format (its time alone) expires by the wall clock.
+            let source_time = match Self::source_of(mark) {
+                Some(source) => window.stream_time.read().ok().and_then(|t| t.get(&source).copied()),
+                None => Some(i64::MAX),
+            };
+            let Some(source_time) = source_time else { return Decision::Keep };
+            if window.repeats(mark, source_time.min(crate::kafka::now_ms())) {
                 Decision::Keep
             } else {
                 Decision::Remove
@@ -69,25 +90,32 @@ mod tests {
     #[test]
     fn marks_repeat_within_the_window_of_record_time() {
         let window = DedupeWindow::new(10);
-        let mark = DedupeWindow::mark(1_000);
+        let mark = DedupeWindow::mark(1_000, A);
         assert!(window.repeats(&mark, 1_009));
         assert!(!window.repeats(&mark, 1_010));
         assert!(window.repeats(&mark, 990), "an earlier record time is within the window");
     }
 
+    const A: Source = Source { stream: Source::INCREMENTS, partition: 0 };
+    const B: Source = Source { stream: Source::INCREMENTS, partition: 5 };
+
     #[test]
-    fn marks_expire_by_stream_time_and_wall_clock_both() {
+    fn marks_expire_by_their_own_sources_stream_time_and_the_wall_clock() {
         let window = DedupeWindow::new(10);
         let filter = window.compaction_filter();
-        let old = DedupeWindow::mark(1_000);
-        assert!(matches!(filter(0, b"k", &old), Decision::Keep), "no record applied since opening");
-        window.advance(1_005);
-        assert!(matches!(filter(0, b"k", &old), Decision::Keep), "within the window of stream time");
-        window.advance(1_010);
-        window.advance(3);
-        assert!(matches!(filter(0, b"k", &old), Decision::Remove), "stream time never moves back");
-        let future = DedupeWindow::mark(i64::MAX - 20);
-        window.advance(i64::MAX);
-        assert!(matches!(filter(0, b"k", &future), Decision::Keep), "the wall clock has not passed it");
+        let keep = |mark: &[u8]| matches!(filter(0, b"k", mark), Decision::Keep);
+        let lagging = DedupeWindow::mark(1_000, B);
+        assert!(keep(&lagging), "no record of B applied since opening");
+        window.advance(A, 5_000_000);
+        assert!(keep(&lagging), "a live partition beside a lagging one expires none of its marks");
+        window.advance(B, 1_005);
+        assert!(keep(&lagging), "within the window of B's stream time");
+        window.advance(B, 1_010);
+        window.advance(B, 3);
+        assert!(!keep(&lagging), "B's stream time passed it, and never moves back");
+        let future = DedupeWindow::mark(i64::MAX - 20, A);
+        window.advance(A, i64::MAX);
+        assert!(keep(&future), "the wall clock has not passed it");
+        assert!(!keep(&1_000i64.to_le_bytes()), "an old-format mark expires by the wall clock");
     }
 }

@@ -83,11 +83,27 @@ impl ProducerContext for RelayContext {
 pub struct Relay {
     producer: BaseProducer<RelayContext>,
     topic: String,
+    /// How long a round waits for its acknowledgements before it reports failure
+    /// (what was not acknowledged is sent again next round).
+    wait: Duration,
 }
 
 impl Relay {
     pub fn new(kafka: &KafkaConfig, topic: String) -> Result<Self> {
-        Ok(Self { producer: producer_config(kafka)?.create_with_context(RelayContext::default())?, topic })
+        let producer = producer_config(kafka)?.create_with_context(RelayContext::default())?;
+        Ok(Self { producer, topic, wait: Duration::from_secs(30) })
+    }
+
+    /// A relay whose rounds wait at most `wait` for their acknowledgements.
+    pub fn waiting_at_most(mut self, wait: Duration) -> Self {
+        self.wait = wait;
+        self
+    }
+
+    /// The producer's fatal error, if it had one: it will deliver nothing more, and
+    /// the service must stop (and replay from its stores when it starts again).
+    pub fn fatal(&self) -> Option<String> {
+        self.producer.client().fatal_error().map(|(code, reason)| format!("{code:?}: {reason}"))
     }
 
     /// Sends `entries` in order, keyed by `key`, and waits until every one is
@@ -120,7 +136,7 @@ impl Relay {
                 }
             }
         }
-        self.producer.flush(Duration::from_secs(30))?;
+        self.producer.flush(self.wait)?;
         match self.producer.context().failures.load(Ordering::Relaxed) {
             0 => Ok(()),
             failed => Err(Error::Relay(format!("{failed} records were not delivered"))),

@@ -119,6 +119,9 @@ impl QueueDecl {
     /// delayed beyond this is refused to the dead-letter topic rather than lost to
     /// retention on a broker's next restart.
     pub fn max_delay_ms(&self) -> i64 {
+        if self.retention_ms <= 0 {
+            return i64::MAX; // kept forever (Kafka's -1)
+        }
         self.retention_ms - (self.retention_ms / 2).min(3_600_000)
     }
 
@@ -399,7 +402,7 @@ pub async fn apply(kafka: &KafkaConfig, decls: &Declarations) -> Result<Vec<Acti
     }
     wait_until_visible(&admin, &actions).await;
     actions.extend(config_drift(decls, &names, &existing_configs(&admin, &actions, &options).await?));
-    publish_queues(kafka, decls).await?;
+    publish_queues(kafka, decls, &existing).await?;
     Ok(actions)
 }
 
@@ -441,12 +444,24 @@ impl QueueRecord {
     }
 }
 
-/// Writes every queue declaration to the declarations topic, for running brokers.
-async fn publish_queues(kafka: &KafkaConfig, decls: &Declarations) -> Result<()> {
-    let topic = TopicNames::new(&kafka.topic_prefix).queues();
+/// Writes every queue declaration to the declarations topic, for running brokers —
+/// but one that declares fewer partitions than its topic has (`existing`, before
+/// this apply): brokers would stop serving the partitions above it while producers
+/// still write to them. That drift is reported, and left for an operator.
+async fn publish_queues(kafka: &KafkaConfig, decls: &Declarations, existing: &HashMap<String, i32>) -> Result<()> {
+    let names = TopicNames::new(&kafka.topic_prefix);
+    let topic = names.queues();
     let producer: FutureProducer = crate::kafka::producer_config(kafka)?.create()?;
-    let records: Vec<(String, Vec<u8>)> =
-        decls.queues.iter().map(|q| Ok((q.name.clone(), QueueRecord::encode(q)?))).collect::<Result<_>>()?;
+    let mut records: Vec<(String, Vec<u8>)> = Vec::new();
+    for queue in &decls.queues {
+        match existing.get(&names.jobs(&queue.name)) {
+            Some(&have) if have > queue.partitions => tracing::warn!(
+                queue = %queue.name, have, declared = queue.partitions,
+                "not publishing a declaration with fewer partitions than the queue's topic has"
+            ),
+            _ => records.push((queue.name.clone(), QueueRecord::encode(queue)?)),
+        }
+    }
     let sends = records.iter().map(|(key, payload)| {
         producer.send(FutureRecord::to(&topic).key(key).payload(payload), Duration::from_secs(10))
     });

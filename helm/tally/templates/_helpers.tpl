@@ -128,6 +128,36 @@ file that fails any of them fails the whole render with its message.
 {{- end -}}
 {{- end -}}
 {{- end -}}
+{{- /* Kafka: no secret in the ConfigMap; a password wherever SASL needs one and
+only there. */ -}}
+{{- $client := $v.kafka.client | default dict -}}
+{{- range $key, $_ := $client -}}
+{{- if or (contains "password" (lower $key)) (contains "secret" (lower $key)) (eq (lower $key) "ssl.key.pem") -}}
+{{- fail (printf "kafka.client %q would put a secret in the ConfigMap: keep it in a Secret (kafka.sasl.existingSecret for sasl.password, kafka.tlsKeyPasswordKey for ssl.key.password, a key file in kafka.tlsSecret for ssl.key.pem)" $key) -}}
+{{- end -}}
+{{- end -}}
+{{- $protocol := index $client "security.protocol" | default "PLAINTEXT" | upper -}}
+{{- $mechanism := index $client "sasl.mechanism" | default (index $client "sasl.mechanisms") | default "GSSAPI" | upper -}}
+{{- $needsPassword := and (hasPrefix "SASL_" $protocol) (has $mechanism (list "PLAIN" "SCRAM-SHA-256" "SCRAM-SHA-512")) -}}
+{{- $sasl := $v.kafka.sasl | default dict -}}
+{{- if $sasl.existingSecret -}}
+{{- if not $sasl.passwordKey -}}
+{{- fail (printf "kafka.sasl.existingSecret is %q but kafka.sasl.passwordKey is empty: name the key of that Secret holding the SASL password" $sasl.existingSecret) -}}
+{{- end -}}
+{{- if not $needsPassword -}}
+{{- fail (printf "kafka.sasl.existingSecret is set but no setting uses its password: kafka.client needs \"security.protocol\" SASL_SSL or SASL_PLAINTEXT (now %s) and \"sasl.mechanism\" PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (now %s)" $protocol $mechanism) -}}
+{{- end -}}
+{{- else if $needsPassword -}}
+{{- fail (printf "kafka.client \"security.protocol\" %s with \"sasl.mechanism\" %s needs a password: set kafka.sasl.existingSecret (and kafka.sasl.passwordKey) to the Secret holding it" $protocol $mechanism) -}}
+{{- end -}}
+{{- if $v.kafka.tlsKeyPasswordKey -}}
+{{- if not $v.kafka.tlsSecret -}}
+{{- fail "kafka.tlsKeyPasswordKey names a key of kafka.tlsSecret, which is not set: set kafka.tlsSecret to the Secret holding the client key and its password" -}}
+{{- end -}}
+{{- if not (index $client "ssl.key.location") -}}
+{{- fail "kafka.tlsKeyPasswordKey is set but kafka.client has no \"ssl.key.location\": the password is for that key (e.g. /etc/kafka-tls/client.key)" -}}
+{{- end -}}
+{{- end -}}
 {{- /* Tokens: in the chart's Secret or in yours, not both. */ -}}
 {{- if $v.auth.existingSecret -}}
 {{- if or $v.query.authToken $v.broker.authToken -}}
@@ -147,7 +177,8 @@ file that fails any of them fails the whole render with its message.
 {{- define "tally.configData" -}}
 tally.toml: |
   # tally.toml of the {{ .Release.Name }} release (helm/tally). Every container also gets
-  # TALLY__SECTION__KEY variables (tokens, per-pod and per-worker settings), which win.
+  # TALLY__SECTION__KEY variables (tokens and Kafka passwords from Secrets, per-pod and
+  # per-worker settings), which win.
   [kafka]
   bootstrap_servers = {{ .Values.kafka.bootstrapServers | toString | toJson }}
   topic_prefix = {{ .Values.kafka.topicPrefix | toString | toJson }}
@@ -222,6 +253,27 @@ queues.toml: |
   valueFrom:
     fieldRef:
       fieldPath: status.podIP
+{{- end -}}
+
+{{/* The Kafka passwords, from the user's Secrets, for every container that talks to
+Kafka (the workers do not); nothing when none is set. */}}
+{{- define "tally.kafkaEnv" -}}
+{{- $kafka := .Values.kafka -}}
+{{- $sasl := $kafka.sasl | default dict -}}
+{{- if and $sasl.existingSecret $sasl.passwordKey }}
+- name: TALLY__KAFKA__CLIENT__SASL_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $sasl.existingSecret }}
+      key: {{ $sasl.passwordKey }}
+{{- end }}
+{{- if and $kafka.tlsSecret $kafka.tlsKeyPasswordKey }}
+- name: TALLY__KAFKA__CLIENT__SSL_KEY_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $kafka.tlsSecret }}
+      key: {{ $kafka.tlsKeyPasswordKey }}
+{{- end }}
 {{- end -}}
 
 {{/* A token from the chart's Secret or the user's: (dict "root" $ "which" "query"

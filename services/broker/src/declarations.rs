@@ -56,8 +56,11 @@ pub fn follow(
             waiting.retain(|_, decl| {
                 let topic = names.jobs(&decl.name);
                 match partition_count(&consumer, &topic, Duration::from_secs(2)) {
-                    Ok(_) => {
-                        broker.declare(decl.clone(), &names);
+                    Ok(partitions) => {
+                        // Every partition of the topic is served, whatever was declared.
+                        let mut decl = decl.clone();
+                        decl.partitions = decl.partitions.max(partitions as i32);
+                        broker.declare(decl, &names);
                         false
                     }
                     Err(_) => true,

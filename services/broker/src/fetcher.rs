@@ -21,7 +21,6 @@ use tally_shared::jobs::assignment::owner;
 use tally_shared::jobs::partition::PartitionQueue;
 use tally_shared::jobs::Job;
 use tally_shared::kafka::{client_config, now_ms, producer_config, TopicNames};
-use tally_shared::topics::QueueDecl;
 use tally_shared::wire::DeadLetter;
 use tokio_util::sync::CancellationToken;
 
@@ -49,7 +48,7 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
         .set("auto.offset.reset", "earliest");
     let consumer: BaseConsumer = consumer_config.create()?;
     let letters: ThreadedProducer<LetterContext> =
-        producer_config(&config.kafka)?.create_with_context(LetterContext { broker: broker.clone() })?;
+        letters_config(&config)?.create_with_context(LetterContext::default())?;
     let dead_letter_topic = TopicNames::new(&config.kafka.topic_prefix).dead_letter();
     let mut by_topic: HashMap<String, Arc<QueueRuntime>> = HashMap::new();
     let settle = Duration::from_millis(config.broker.heartbeat_ms * 2);
@@ -93,29 +92,32 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                     };
                     let payload = message.payload().unwrap_or_default();
                     let now = now_ms();
-                    let full = {
+                    let enqueued_at = message.timestamp().to_millis().filter(|ts| *ts >= 0).unwrap_or(now);
+                    let max_delay_ms = queue.decl().max_delay_ms();
+                    let parsed = Job::parse(payload).and_then(|job| check_delay(job, enqueued_at, max_delay_ms));
+                    let (full, rejected) = {
                         let Ok(mut buffer) = buffer.lock() else { continue };
-                        let enqueued_at = message.timestamp().to_millis().filter(|ts| *ts >= 0).unwrap_or(now);
-                        match Job::parse(payload).and_then(|job| check_delay(job, enqueued_at, &queue.decl())) {
-                            Ok(job) => buffer.push(message.offset(), job, now),
+                        let rejected = match parsed {
+                            Ok(job) => {
+                                buffer.push(message.offset(), job, now);
+                                None
+                            }
                             Err(reason) => {
                                 // Held until the dead letter is acknowledged
                                 // (`LetterContext`): the watermark never passes it before.
                                 buffer.reject(message.offset());
-                                let letter = Letter { queue: queue.name.clone(), partition, offset: message.offset() };
-                                dead_letter(
-                                    &letters,
-                                    &dead_letter_topic,
-                                    &queue.topic,
-                                    &message,
-                                    &reason,
-                                    letter,
-                                    broker.record_budget,
-                                );
+                                Some(reason)
                             }
-                        }
-                        !buffer.has_room(now)
+                        };
+                        (!buffer.has_room(now), rejected)
                     };
+                    // Sent with no lock held: a full producer queue waits here, and
+                    // delivery callbacks never wait for this thread.
+                    if let Some(reason) = rejected {
+                        let letter = Letter { queue: queue.name.clone(), partition, offset: message.offset() };
+                        let budget = broker.record_budget;
+                        dead_letter(&letters, &dead_letter_topic, &queue.topic, &message, &reason, letter, budget);
+                    }
                     queue.changed.notify_waiters();
                     if full && paused.insert((queue.name.clone(), partition)) {
                         let mut tpl = TopicPartitionList::new();
@@ -126,6 +128,7 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                 Err(err) => tracing::warn!(error = %err, "consumer error"),
             }
         }
+        letters.context().finish_written(&broker);
         resume_drained(&consumer, &broker, &mut paused)?;
         if last_commit.elapsed() >= COMMIT_EVERY {
             last_commit = Instant::now();
@@ -136,6 +139,15 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
     let _ = letters.flush(Duration::from_secs(5));
     let _ = reporter.join();
     Ok(())
+}
+
+/// The dead letters' producer: idempotent, but a failed letter may be sent again
+/// (letters carry no stamps), so a permanent error need not stop it (no gapless
+/// guarantee, which would make it fatal).
+fn letters_config(config: &TallyConfig) -> Result<rdkafka::ClientConfig> {
+    let mut client = producer_config(&config.kafka)?;
+    client.set("enable.gapless.guarantee", "false");
+    Ok(client)
 }
 
 /// Serves what this broker should own, and stops serving what it should not.
@@ -286,17 +298,15 @@ pub fn spawn_reporter(
     Ok(thread)
 }
 
-/// Refuses a job delayed further than its topic keeps it: it would be lost to
-/// retention before it runs (or when a broker restarts from a committed offset
-/// below it).
-fn check_delay(job: Job, enqueued_at: i64, decl: &QueueDecl) -> std::result::Result<Job, String> {
+/// Refuses a job delayed further than its topic keeps it (`max_delay_ms`): it would
+/// be lost to retention before it runs (or when a broker restarts from a committed
+/// offset below it).
+fn check_delay(job: Job, enqueued_at: i64, max_delay_ms: i64) -> std::result::Result<Job, String> {
     match job.run_at {
-        Some(at) if at.saturating_sub(enqueued_at) > decl.max_delay_ms() => Err(format!(
-            "run_at: {} ms after the job was enqueued, more than the {} ms this queue's topic keeps jobs \
-             (retention_ms {} less a margin); enqueue it closer to its time or raise retention_ms",
+        Some(at) if at.saturating_sub(enqueued_at) > max_delay_ms => Err(format!(
+            "run_at: {} ms after the job was enqueued, more than the {max_delay_ms} ms this queue's topic keeps \
+             jobs (its retention_ms less a margin); enqueue it closer to its time or raise retention_ms",
             at.saturating_sub(enqueued_at),
-            decl.max_delay_ms(),
-            decl.retention_ms
         )),
         _ => Ok(job),
     }
@@ -309,9 +319,30 @@ struct Letter {
     offset: i64,
 }
 
-/// Finishes a rejected record once its dead letter is acknowledged.
+/// Collects the rejected records whose dead letter is acknowledged; the fetcher
+/// finishes them (the callback never takes a buffer's lock).
+#[derive(Default)]
 struct LetterContext {
-    broker: Arc<Broker>,
+    written: Mutex<Vec<Letter>>,
+}
+
+impl LetterContext {
+    /// Finishes the rejected records whose dead letters are written.
+    fn finish_written(&self, broker: &Broker) {
+        let written = match self.written.lock() {
+            Ok(mut written) if !written.is_empty() => std::mem::take(&mut *written),
+            _ => return,
+        };
+        for letter in written {
+            let Some(queue) = broker.queue(&letter.queue) else { continue };
+            let buffer = queue.partitions.lock().ok().and_then(|p| p.get(&letter.partition).cloned());
+            if let Some(buffer) = buffer {
+                if let Ok(mut buffer) = buffer.lock() {
+                    buffer.finish_dead(letter.offset);
+                }
+            }
+        }
+    }
 }
 
 impl ClientContext for LetterContext {}
@@ -321,18 +352,13 @@ impl ProducerContext for LetterContext {
 
     fn delivery(&self, result: &DeliveryResult<'_>, letter: Self::DeliveryOpaque) {
         if let Err((err, _)) = result {
-            // Only fatal errors end a delivery (records never time out): the record
-            // stays unfinished and its partition's watermark stays below it.
+            // The record stays unfinished and its partition's watermark below it.
             tracing::error!(error = %err, queue = %letter.queue, partition = letter.partition, offset = letter.offset,
                 "a dead letter was not written; the partition's offset stays below it");
             return;
         }
-        let buffer =
-            self.broker.queue(&letter.queue).and_then(|q| q.partitions.lock().ok()?.get(&letter.partition).cloned());
-        if let Some(buffer) = buffer {
-            if let Ok(mut buffer) = buffer.lock() {
-                buffer.finish_dead(letter.offset);
-            }
+        if let Ok(mut written) = self.written.lock() {
+            written.push(*letter);
         }
     }
 }

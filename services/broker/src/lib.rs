@@ -41,23 +41,28 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let readiness = Readiness::default();
     let admin = serve_admin(&config.broker.admin_listen, registry, readiness.clone(), shutdown.clone()).await?;
     let names = TopicNames::new(&config.kafka.topic_prefix);
-    let declarations = Declarations::load(config.broker.declarations.as_deref())?;
-    for decl in &declarations.queues {
+    let mut declarations = Declarations::load(config.broker.declarations.as_deref())?;
+    for decl in &mut declarations.queues {
         let topic = names.jobs(&decl.name);
-        wait_for_topic(&config.kafka, &topic, Duration::from_secs(60)).await.map_err(|err| {
+        let partitions = wait_for_topic(&config.kafka, &topic, Duration::from_secs(60)).await.map_err(|err| {
             let file = config.broker.declarations.as_ref().map_or("the built-in declarations".into(), |p| p.display().to_string());
             Error::Broker(format!(
                 "queue {}: {err}; it is declared in {file}: run `tally topics apply` with this config to create its topics",
                 decl.name
             ))
         })?;
+        // Every partition of the topic is served, whatever was declared.
+        decl.partitions = decl.partitions.max(partitions as i32);
     }
     wait_for_topic(&config.kafka, &names.queue_brokers(), Duration::from_secs(60)).await?;
 
     let listener = TcpListener::bind(&config.broker.listen).await?;
     let addr = tally_shared::service::advertised_addr(listener.local_addr()?, config.broker.advertise_host.as_deref());
     let instance = format!("{:016x}", rand::random::<u64>());
-    let dead_producer: FutureProducer = producer_config(&config.kafka)?.create()?;
+    // Dead jobs carry no stamps and are retried until written: no gapless guarantee
+    // (which would make a permanent error fatal to the producer).
+    let dead_producer: FutureProducer =
+        producer_config(&config.kafka)?.set("enable.gapless.guarantee", "false").create()?;
     let broker = Arc::new(state::Broker::new(instance.clone(), metrics, dead_producer, config.kafka.record_budget()));
     for decl in declarations.queues {
         broker.declare(decl, &names);

@@ -151,8 +151,15 @@ impl Broker {
                     return;
                 }
                 tracing::info!(queue = %decl.name, "queue settings changed");
+                let policy = decl.policy();
                 if let Ok(mut current) = queue.decl.write() {
                     *current = decl;
+                }
+                // Partitions held now take the new buffer settings at once.
+                for (_, buffer) in queue.served() {
+                    if let Ok(mut buffer) = buffer.lock() {
+                        buffer.set_policy(policy.clone());
+                    }
                 }
                 let owned = queue.partitions.lock().map(|p| p.len()).unwrap_or(0);
                 queue.set_rate_share(owned);
@@ -337,16 +344,16 @@ impl Broker {
         let served: BTreeMap<i32, _> = queue.served().into_iter().collect();
         let lag = queue.lag.lock().map(|l| l.clone()).unwrap_or_default();
         let owners = queue.owners.lock().map(|o| o.clone()).unwrap_or_default();
+        let decl = queue.decl().clone();
         let mut stats = QueueStats {
             queue: queue.name.clone(),
             dead: queue.dead.load(Ordering::Relaxed),
             rate: self.rate(queue, now),
-            rate_limit_per_sec: queue.decl().rate_limit_per_sec,
-            fifo: queue.decl().fifo,
+            rate_limit_per_sec: decl.rate_limit_per_sec,
+            fifo: decl.fifo,
             ..Default::default()
         };
-        let partitions = queue.decl().partitions;
-        for partition in 0..partitions {
+        for partition in 0..decl.partitions {
             let mut info = PartitionInfo { partition, owner: owners.get(&partition).cloned(), ..Default::default() };
             if let Some(buffer) = served.get(&partition) {
                 if let Ok(buffer) = buffer.lock() {

@@ -163,7 +163,7 @@ impl ShardStore {
                                 report.duplicate_ids += 1;
                                 continue;
                             }
-                            batch.put_cf(dedupe_cf, &key, DedupeWindow::mark(*record_time));
+                            batch.put_cf(dedupe_cf, &key, DedupeWindow::mark(*record_time, *source));
                         }
                         report.increments += 1;
                         let (entity, metric, ts, delta) =
@@ -225,8 +225,11 @@ impl ShardStore {
         });
         drop(descendants);
         self.commit(batch, progress.clone())?;
-        if let Some(latest) = run.iter().map(|(_, record_time, _)| *record_time).max() {
-            self.advance_stream_time(latest);
+        // Only producers' increments move their sources' stream time.
+        for (_, record_time, message) in run {
+            if let ShardMessageRef::Increments { source, .. } = message {
+                self.advance_stream_time(*source, *record_time);
+            }
         }
         Ok(())
     }
@@ -564,8 +567,8 @@ mod tests {
         assert_eq!((report.undecodable_records, report.increments), (1, 1));
         assert_eq!(store.progress().next_offset, Some(7));
         assert_eq!(report.changed.len(), 4);
-        assert_eq!(store.pending_rollups().unwrap(), report.changed, "marked for publishing");
+        assert_eq!(store.pending_rollups(100).unwrap(), report.changed, "marked for publishing");
         store.rollups_published(&report.changed).unwrap();
-        assert!(store.pending_rollups().unwrap().is_empty());
+        assert!(store.pending_rollups(100).unwrap().is_empty());
     }
 }

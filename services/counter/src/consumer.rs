@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -33,6 +34,10 @@ use crate::store::{ShardStore, StoreOptions};
 use tally_shared::outbox::Relay;
 
 const HEARTBEAT: Duration = Duration::from_secs(5);
+/// How long a round of rollups waits for its acknowledgements.
+const ROLLUP_WAIT: Duration = Duration::from_secs(5);
+/// Most marked rollups one heartbeat sends per shard.
+const ROLLUP_PAGE: usize = 10_000;
 
 /// Everything the consumer thread needs.
 pub struct ConsumerSetup {
@@ -83,7 +88,7 @@ impl CounterContext {
             if store.progress().next_offset.is_none() {
                 // Built from scratch: not served until it caught up with the log.
                 let (_, end) = consumer.fetch_watermarks(&topic, partition, Duration::from_secs(10))?;
-                store.rebuild_until(end);
+                store.rebuild_until(end)?;
                 if end > 0 {
                     tracing::info!(shard, end, "rebuilding the shard from the log; served once caught up");
                 }
@@ -175,7 +180,11 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     let producer: ThreadedProducer<DefaultProducerContext> = producer_config(&config.kafka)?.create()?;
     let mut announcer = Announcer { producer: &producer, topic: names.shard_owners(), read_addr, instance, last: None };
     let rollups = match config.counter.rollups {
-        true => Some(Rollups { relay: Relay::new(&config.kafka, names.rollups())?, resolutions: resolutions.clone() }),
+        true => Some(Rollups {
+            relay: Relay::new(&config.kafka, names.rollups())?.waiting_at_most(ROLLUP_WAIT),
+            resolutions: resolutions.clone(),
+            healthy: AtomicBool::new(true),
+        }),
         false => None,
     };
 
@@ -257,13 +266,19 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         }
         if announcer.due() {
             if let Some(rollups) = &rollups {
-                // What a crash, a failed round or a rebuild left marked.
+                // What a crash, a failed round or a rebuild left marked, a page at a time.
                 for shard in shards.serving() {
                     let Some(store) = shards.get(shard) else { continue };
-                    if let Ok(pending) = store.pending_rollups() {
+                    if let Ok(pending) = store.pending_rollups(ROLLUP_PAGE) {
                         rollups.publish(&store, &pending, &metrics);
                     }
                 }
+            }
+            // A producer that hit a fatal error delivers nothing more: stop loudly
+            // (the stores hold everything; the next start relays it).
+            let fatal = std::iter::once(&relay).chain(rollups.as_ref().map(|r| &r.relay)).find_map(Relay::fatal);
+            if let Some(fatal) = fatal {
+                return Err(Error::Consumer(format!("a producer failed for good: {fatal}")));
             }
             serving = shards.serving();
             announcer.announce(&serving, false);
@@ -303,7 +318,9 @@ fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, rollups: Op
         metrics.apply_seconds.observe(started.elapsed().as_secs_f64());
         record_metrics(metrics, &report);
         outbox_written += report.outbox_messages;
-        if let Some(rollups) = rollups.filter(|_| store.serving()) {
+        // Marked in the batch; sent now unless the last round failed (then the
+        // heartbeat's round retries, and counting never waits on a broken topic).
+        if let Some(rollups) = rollups.filter(|r| store.serving() && r.healthy.load(Ordering::Relaxed)) {
             rollups.publish(&store, &report.changed, metrics);
         }
     }
@@ -329,6 +346,8 @@ fn record_metrics(metrics: &Metrics, report: &ApplyReport) {
 struct Rollups {
     relay: Relay,
     resolutions: Resolutions,
+    /// Whether the last round was acknowledged.
+    healthy: AtomicBool,
 }
 
 impl Rollups {
@@ -337,8 +356,12 @@ impl Rollups {
             return;
         }
         match self.try_publish(store, keys) {
-            Ok(()) => metrics.rollups_published.inc_by(keys.len() as u64),
+            Ok(()) => {
+                self.healthy.store(true, Ordering::Relaxed);
+                metrics.rollups_published.inc_by(keys.len() as u64)
+            }
             Err(err) => {
+                self.healthy.store(false, Ordering::Relaxed);
                 metrics.rollups_failed.inc();
                 tracing::warn!(shard = store.shard, error = %err, "publishing rollups; they go again with the next heartbeat");
             }

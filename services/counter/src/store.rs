@@ -30,6 +30,8 @@ pub(crate) const CF_DEDUPE: &str = "dedupe";
 pub(crate) const CF_DESC: &str = "desc";
 pub(crate) const CF_OUTBOX: &str = "outbox";
 pub(crate) const CF_ROLLUPS: &str = "rollups";
+/// The shard-topic offset a store built from scratch must reach before it serves.
+const KEY_REBUILD_UNTIL: &[u8] = b"rebuild_until";
 
 /// Settings of a shard store.
 #[derive(Debug, Clone)]
@@ -124,6 +126,10 @@ impl ShardStore {
         let db = DB::open_cf_descriptors(&db_options, path, families)?;
         let progress = Progress::load(&db)?;
         let descendants = Self::load_descendants(&db)?;
+        let rebuild_until = match db.get(KEY_REBUILD_UNTIL)? {
+            Some(bytes) => tally_shared::progress::decode_i64(&bytes),
+            None => i64::MIN,
+        };
         Ok(Self {
             shard,
             db,
@@ -131,7 +137,7 @@ impl ShardStore {
             progress: Mutex::new(progress),
             descendants: Mutex::new(descendants),
             dedupe: dedupe_window,
-            rebuild_until: AtomicI64::new(i64::MIN),
+            rebuild_until: AtomicI64::new(rebuild_until),
         })
     }
 
@@ -161,11 +167,12 @@ impl ShardStore {
         Ok(delete_outbox(&self.db, self.cf(CF_OUTBOX)?, entries)?)
     }
 
-    /// The count keys whose latest values are still to be published as rollups, in
-    /// key order: marked with the counts that changed them, unmarked once published.
-    pub fn pending_rollups(&self) -> Result<Vec<Vec<u8>>> {
+    /// The first `limit` count keys whose latest values are still to be published
+    /// as rollups, in key order: marked with the counts that changed them, unmarked
+    /// once published.
+    pub fn pending_rollups(&self, limit: usize) -> Result<Vec<Vec<u8>>> {
         let mut keys = Vec::new();
-        for item in self.db.iterator_cf(self.cf(CF_ROLLUPS)?, rocksdb::IteratorMode::Start) {
+        for item in self.db.iterator_cf(self.cf(CF_ROLLUPS)?, rocksdb::IteratorMode::Start).take(limit) {
             keys.push(item?.0.to_vec());
         }
         Ok(keys)
@@ -204,11 +211,14 @@ impl ShardStore {
     }
 
     /// Holds back serving until the store reached `end`, when it was built from
-    /// scratch (no progress yet): a rebuild from the log.
-    pub fn rebuild_until(&self, end: i64) {
+    /// scratch (no progress yet): a rebuild from the log. Persisted, so a counter
+    /// restarted mid-rebuild still waits.
+    pub fn rebuild_until(&self, end: i64) -> Result<()> {
         if self.progress().next_offset.is_none() && end > 0 {
+            self.db.put(KEY_REBUILD_UNTIL, end.to_le_bytes())?;
             self.rebuild_until.store(end, Ordering::Relaxed);
         }
+        Ok(())
     }
 
     /// Whether the store holds everything the log held when it was assigned (or
@@ -218,9 +228,10 @@ impl ShardStore {
         until == i64::MIN || self.progress().next_offset.is_some_and(|next| next >= until)
     }
 
-    /// The dedupe window's stream time moves to `record_time` (a committed record's).
-    pub(crate) fn advance_stream_time(&self, record_time: i64) {
-        self.dedupe.advance(record_time);
+    /// `source`'s stream time in the dedupe window moves to `record_time` (a
+    /// committed record's).
+    pub(crate) fn advance_stream_time(&self, source: tally_shared::wire::Source, record_time: i64) {
+        self.dedupe.advance(source, record_time);
     }
 
     /// Writes `batch` plus the new progress atomically, then publishes the progress.
@@ -269,16 +280,19 @@ mod tests {
     fn a_store_built_from_scratch_serves_once_it_caught_up_with_the_log() {
         let dir = tempfile::tempdir().unwrap();
         let store = ShardStore::open(0, dir.path(), options()).unwrap();
-        store.rebuild_until(3);
+        store.rebuild_until(3).unwrap();
         assert!(!store.serving(), "empty, the log holds 3 records");
         store.commit(WriteBatch::default(), Progress { next_offset: Some(2), ..Default::default() }).unwrap();
         assert!(!store.serving(), "2 of 3 applied");
+        drop(store);
+        let store = ShardStore::open(0, dir.path(), options()).unwrap();
+        assert!(!store.serving(), "restarted mid-rebuild: still 2 of 3");
         store.commit(WriteBatch::default(), Progress { next_offset: Some(3), ..Default::default() }).unwrap();
         assert!(store.serving());
         // A store with data of its own serves at once (it is behind, not partial).
         drop(store);
         let store = ShardStore::open(0, dir.path(), options()).unwrap();
-        store.rebuild_until(10);
+        store.rebuild_until(10).unwrap();
         assert!(store.serving());
     }
 

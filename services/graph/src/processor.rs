@@ -19,7 +19,7 @@ use tally_shared::telemetry::Readiness;
 use tally_shared::wire::ShardOwner;
 use tokio_util::sync::CancellationToken;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::store::{GraphStore, UpdateRecord};
 
@@ -117,6 +117,10 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
             announce(Some(read_addr.clone()));
             readiness.set(true);
             relay_outbox(&store, &relay, &metrics);
+            if let Some(fatal) = relay.fatal() {
+                // It delivers nothing more: stop loudly; the outbox waits in the store.
+                return Err(Error::Processor(format!("the outbox producer failed for good: {fatal}")));
+            }
         }
     }
     readiness.set(false);

@@ -117,7 +117,7 @@ impl GraphStore {
         let mut batch = WriteBatch::default();
         let dedupe_cf = self.cf(CF_DEDUPE)?;
         let mut ids_in_batch = std::collections::HashSet::new();
-        let mut latest_record_time = i64::MIN;
+        let mut applied_times = Vec::new();
         for record in records {
             if progress.next_offset.is_some_and(|next| record.offset < next) {
                 continue;
@@ -132,7 +132,7 @@ impl GraphStore {
                 }
             };
             let record_time = record.timestamp.unwrap_or(now);
-            latest_record_time = latest_record_time.max(record_time);
+            applied_times.push((source, record_time));
             let mut updates: Vec<EdgeUpdate> = Vec::with_capacity(entries.len());
             for (stamp, update) in entries {
                 if !progress.advance(source, stamp) {
@@ -145,7 +145,7 @@ impl GraphStore {
                         report.duplicate_ids += 1;
                         continue;
                     }
-                    batch.put_cf(dedupe_cf, &key, DedupeWindow::mark(record_time));
+                    batch.put_cf(dedupe_cf, &key, DedupeWindow::mark(record_time, source));
                 }
                 report.updates += 1;
                 updates.push(update.edge);
@@ -165,7 +165,9 @@ impl GraphStore {
         if let Ok(mut current) = self.progress.lock() {
             *current = progress;
         }
-        self.dedupe.advance(latest_record_time);
+        for (source, record_time) in applied_times {
+            self.dedupe.advance(source, record_time);
+        }
         Ok(report)
     }
 

@@ -97,7 +97,12 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
             }
         }
         let outgoing = router.route(&batch, &metrics);
-        deliver(&producer, outgoing).await?;
+        tokio::select! {
+            delivered = deliver(&producer, outgoing) => delivered?,
+            // Records never time out, so a Kafka that is gone would hold the
+            // batch for ever: stop without committing (the next run replays it).
+            _ = shutdown.cancelled() => break,
+        }
         commit(&consumer, &batch)?;
         metrics.batch_records.observe(batch.len() as f64);
         if last_lag_check.elapsed() > Duration::from_secs(5) {

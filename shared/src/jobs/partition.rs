@@ -158,6 +158,12 @@ impl PartitionQueue {
         &self.policy
     }
 
+    /// New settings of the queue (a changed declaration): they apply from now on;
+    /// jobs held stay, and a FIFO gate turned on holds back keys already running.
+    pub fn set_policy(&mut self, policy: QueuePolicy) {
+        self.policy = policy;
+    }
+
     /// Whether another job fits at `now` (see the module doc).
     pub fn has_room(&mut self, now: i64) -> bool {
         self.promote(now);
@@ -303,16 +309,20 @@ impl PartitionQueue {
         Ok(deadline)
     }
 
-    /// Fails every lease past its deadline at `now` ("lease expired").
+    /// Fails every lease past its deadline at `now` ("lease expired"). Looks at the
+    /// jobs in flight only, not at everything held.
     pub fn expire(&mut self, now: i64) -> Vec<Failure> {
-        let expired: Vec<(u64, i64)> = self
-            .entries
+        let mut expired: Vec<(u64, i64)> = self
+            .leases
             .iter()
-            .filter_map(|(&offset, entry)| match entry.state {
-                State::Leased { lease, deadline } if deadline <= now => Some((lease, offset)),
-                _ => None,
+            .filter(|(_, offset)| {
+                self.entries
+                    .get(offset)
+                    .is_some_and(|e| matches!(e.state, State::Leased { deadline, .. } if deadline <= now))
             })
+            .map(|(&lease, &offset)| (lease, offset))
             .collect();
+        expired.sort_unstable_by_key(|&(_, offset)| offset);
         expired
             .into_iter()
             .map(|(lease, offset)| {
