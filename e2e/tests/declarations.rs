@@ -43,6 +43,16 @@ async fn dequeue(broker: &str, queue: &str, max: usize) -> Vec<Value> {
     body["jobs"].as_array().cloned().unwrap_or_default()
 }
 
+/// The first non-empty dequeue of up to 10 jobs (within 30 s).
+async fn first_jobs(broker: &str, queue: &str) -> Vec<Value> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut handed = Vec::new();
+    while handed.is_empty() && Instant::now() < deadline {
+        handed = dequeue(broker, queue, 10).await;
+    }
+    handed
+}
+
 fn job(id: &str, key: &str) -> (Option<String>, Vec<u8>) {
     (Some(key.to_string()), json!({"id": id, "payload": {"n": id}, "key": key}).to_string().into_bytes())
 }
@@ -76,11 +86,7 @@ async fn a_queue_declared_while_brokers_run_is_served_without_a_restart() {
     wait_for(&format!("{broker}/v1/queues/first"), "first's new rate limit", |s| s["rate_limit_per_sec"] == 7).await;
 
     sandbox.produce_to(&sandbox.names.jobs("second"), &[job("a", "k"), job("b", "k")]).await;
-    let mut handed = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while handed.is_empty() && Instant::now() < deadline {
-        handed = dequeue(&broker, "second", 10).await;
-    }
+    let handed = first_jobs(&broker, "second").await;
     let ids: Vec<&str> = handed.iter().filter_map(|j| j["id"].as_str()).collect();
     assert_eq!(ids, vec!["a"], "the new queue serves its first job, and holds the next of its key (fifo)");
 }
@@ -115,11 +121,7 @@ async fn tally_up_serves_the_queues_of_a_users_own_file() {
     assert_eq!(limited["rate_limit_per_sec"], 20, "{limited}");
 
     sandbox.produce_to(&sandbox.names.jobs("emails"), &[job("e1", "user:7"), job("e2", "user:7")]).await;
-    let mut handed = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while handed.is_empty() && Instant::now() < deadline {
-        handed = dequeue(&broker, "emails", 10).await;
-    }
+    let handed = first_jobs(&broker, "emails").await;
     let ids: Vec<&str> = handed.iter().filter_map(|j| j["id"].as_str()).collect();
     assert_eq!(ids, vec!["e1"], "{}", sandbox.log("tally-up"));
     sandbox.stop("tally-up");

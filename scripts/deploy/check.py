@@ -3,7 +3,8 @@
 Renders the Helm chart with the real Helm engine (helm-python-sdk) for every values file
 in helm/tally/ci/ and lints it; validates every rendered object (kubernetes-validate
 --strict; KEDA objects against the KEDA CRD schema); renders every values file in
-helm/tally/tests/refused/ and requires the failure its `# expect:` line names; runs
+helm/tally/tests/refused/ and requires the failure its `# expect:` line names; renders a
+queues-only upgrade and requires that no service's pod template changes; runs
 `docker compose config` on docker-compose.yml; checks the files against each other (the
 image, ports and listeners, queues, volumes, KEDA); and feeds every container's config
 and environment to `tally config check`.
@@ -54,6 +55,10 @@ CONTAINER_IP = "172.18.0.5"
 # librdkafka settings whose value is a secret: never in a ConfigMap (the chart refuses
 # them in kafka.client; they come from Secrets as TALLY__KAFKA__CLIENT__<NAME>).
 SECRET_CLIENT_KEY = re.compile(r"password|secret|^ssl\.key\.pem$", re.I)
+# The long-running services of the chart (pod template label app.kubernetes.io/component).
+SERVICES = ("ingester", "counter", "graph", "query", "broker")
+# The values a queues-only upgrade starts from: several queues, one rate-limited, with workers.
+QUEUES_BASE = CHART / "ci" / "queues-values.yaml"
 # The binaries that talk to Kafka: all but the workers, which only talk to the brokers.
 NO_KAFKA = {"tally-worker"}
 # The base image's libraries (debian:bookworm-slim); everything else the binaries link
@@ -274,8 +279,13 @@ class ConfigCheck:
 # ------------------------------------------------------------------------------- Helm
 
 
-def render(chart, values: dict, release: str):
-    manifests = chart.render(values, name=release, namespace="tally", revision=1, is_install=True)
+def render(chart, values: dict, release: str, upgrade: bool = False):
+    """The chart's objects for `values`: as `helm install` renders them, or as a
+    `helm upgrade` to revision 2 does."""
+    if upgrade:
+        manifests = chart.render(values, name=release, namespace="tally", revision=2, is_upgrade=True)
+    else:
+        manifests = chart.render(values, name=release, namespace="tally", revision=1, is_install=True)
     objects = []
     for template, text in sorted(manifests.items()):
         if template.endswith("NOTES.txt") or not text.strip():
@@ -294,6 +304,20 @@ def pod_spec(obj: dict) -> dict | None:
     if obj.get("kind") in ("Deployment", "StatefulSet", "Job", "DaemonSet"):
         return obj["spec"]["template"]["spec"]
     return None
+
+
+def volume_configmaps(volume: dict) -> list[str]:
+    """The ConfigMaps a pod volume shows: a configMap volume's, a projected volume's sources."""
+    if "configMap" in volume:
+        return [volume["configMap"]["name"]]
+    return [s["configMap"]["name"] for s in (volume.get("projected") or {}).get("sources", []) if "configMap" in s]
+
+
+def volume_secrets(volume: dict) -> list[str]:
+    """The Secrets a pod volume shows: a secret volume's, a projected volume's sources."""
+    if "secret" in volume:
+        return [volume["secret"]["secretName"]]
+    return [s["secret"]["name"] for s in (volume.get("projected") or {}).get("sources", []) if "secret" in s]
 
 
 def client_var(setting: str) -> str:
@@ -387,6 +411,9 @@ def check_chart(report: Report, config_check: ConfigCheck, work: Path) -> None:
             all_objects.append((case, template, obj))
         check_rendered(report, config_check, work / case, case, values, objects, uid, gid, defaults, builtin_queues)
 
+    report.section("Helm chart: a queues-only upgrade restarts no service")
+    check_queues_only_upgrade(report, helm)
+
     report.section("Helm chart: rendered objects against the Kubernetes and KEDA schemas")
     validate_objects(report, work, all_objects)
 
@@ -405,6 +432,148 @@ def check_chart(report: Report, config_check: ConfigCheck, work: Path) -> None:
             message = " ".join(str(err).split())
             report.check(f"refused/{values_path.name}: refused with “{expect.group(1).strip()}”",
                          expect.group(1).strip() in message, f"the message was: {message}")
+
+
+def check_queues_only_upgrade(report: Report, helm) -> None:
+    """Issue 8: adding a queue or changing its settings reaches running brokers without a
+    restart (the topics hook writes the declarations topic, brokers follow it). So a
+    `helm upgrade` that changes only `queues:` must leave the pod templates of the
+    services as they were (same checksum annotations: no rollout), change the queues
+    ConfigMap, and give the topics hook Job the new declarations. A tally.toml change
+    must still roll every service (the control that shows the comparison can fail)."""
+    import copy
+
+    text = QUEUES_BASE.read_text()
+    base = yaml.safe_load(text) or {}
+    release = (re.search(r"^# release: (\S+)", text, re.M) or [None, "tally"])[1]
+    name = f"{QUEUES_BASE.name} upgraded"
+    limited = next((q for q in base.get("queues") or [] if "rate_limit_per_sec" in q), None)
+    if not report.check(f"{name}: the base values declare a rate-limited queue", limited is not None, "none has rate_limit_per_sec"):
+        return
+    added = copy.deepcopy(base)
+    new_queue = {"name": "reports_daily", "partitions": 2, "rate_limit_per_sec": 5, "fifo": True}
+    added["queues"].append(new_queue)
+    added.setdefault("workers", []).append({"queue": new_queue["name"], "command": ["/app/report"]})
+    rated = copy.deepcopy(base)
+    new_rate = int(limited["rate_limit_per_sec"]) // 4 or 1
+    next(q for q in rated["queues"] if q["name"] == limited["name"])["rate_limit_per_sec"] = new_rate
+    relogged = copy.deepcopy(base)
+    relogged.setdefault("log", {})["level"] = "debug"
+
+    try:
+        with helm.Chart.load(str(CHART)) as chart:
+            before = [o for _, o in render(chart, base, release)]
+            variants = {
+                "one more queue (and its worker)": ([o for _, o in render(chart, added, release, upgrade=True)], new_queue),
+                f"queue {limited['name']}'s rate limit {limited['rate_limit_per_sec']} → {new_rate}":
+                    ([o for _, o in render(chart, rated, release, upgrade=True)], {"name": limited["name"], "rate_limit_per_sec": new_rate}),
+            }
+            control = [o for _, o in render(chart, relogged, release, upgrade=True)]
+    except Exception as err:  # noqa: BLE001 - any render failure is the finding
+        report.check(f"{name}: renders", False, str(err).strip())
+        return
+
+    def is_hook(obj: dict) -> bool:
+        return "helm.sh/hook" in (obj["metadata"].get("annotations") or {})
+
+    def services(objects) -> dict[str, list[dict]]:
+        found: dict[str, list[dict]] = {}
+        for o in objects:
+            if o["kind"] in ("Deployment", "StatefulSet"):
+                component = (o["spec"]["template"]["metadata"].get("labels") or {}).get("app.kubernetes.io/component")
+                found.setdefault(component, []).append(o)
+        return found
+
+    def checksums(obj: dict) -> dict:
+        return {k: v for k, v in (obj["spec"]["template"]["metadata"].get("annotations") or {}).items() if k.startswith("checksum/")}
+
+    def configmap_with(objects, key: str, hook: bool) -> list[dict]:
+        return [o for o in objects if o["kind"] == "ConfigMap" and key in (o.get("data") or {}) and is_hook(o) == hook]
+
+    def queue_in(text: str, want: dict) -> tuple[bool, str]:
+        queues = {q.get("name"): q for q in tomllib.loads(text).get("queue", [])}
+        got = queues.get(want["name"])
+        if got is None:
+            return False, f"no queue {want['name']!r} (queues {sorted(queues)})"
+        wrong = {k: got.get(k) for k, v in want.items() if got.get(k) != v}
+        return not wrong, f"queue {want['name']!r} has {wrong}, not {({k: want[k] for k in wrong})}"
+
+    old = services(before)
+    for comp in SERVICES:
+        report.check(f"{name}: the base render has one {comp} workload with checksum annotations",
+                     len(old.get(comp, [])) == 1 and bool(checksums(old[comp][0])), f"{len(old.get(comp, []))} workloads")
+    old_queues_cm = configmap_with(before, "queues.toml", hook=False)
+    old_tally_cm = configmap_with(before, "tally.toml", hook=False)
+
+    for label, (after, want) in variants.items():
+        where = f"{name}: {label}"
+        new = services(after)
+        for comp in SERVICES:
+            if len(old.get(comp, [])) != 1 or not report.check(f"{where}: one {comp} workload", len(new.get(comp, [])) == 1, f"{len(new.get(comp, []))}"):
+                continue
+            a, b = old[comp][0], new[comp][0]
+            report.check(f"{where}: {b['kind']}/{b['metadata']['name']}: pod-template checksum annotations unchanged (no rollout)",
+                         checksums(a) == checksums(b), f"{checksums(a)} → {checksums(b)}")
+            report.check(f"{where}: {b['kind']}/{b['metadata']['name']}: pod template unchanged",
+                         a["spec"]["template"] == b["spec"]["template"], "the pod template differs: the pods would roll")
+        # Workers of the queues that were there before do not roll either.
+        old_workers = {o["metadata"]["name"]: o for o in old.get("worker", [])}
+        new_workers = {o["metadata"]["name"]: o for o in new.get("worker", [])}
+        for wname, w in sorted(old_workers.items()):
+            report.check(f"{where}: Deployment/{wname} (an existing queue's worker): pod template unchanged",
+                         wname in new_workers and w["spec"]["template"] == new_workers[wname]["spec"]["template"],
+                         "missing" if wname not in new_workers else "the pod template differs: the pods would roll")
+        if label.startswith("one more queue"):
+            fresh = [o for n, o in new_workers.items() if n not in old_workers]
+            report.check(f"{where}: the new queue's worker is a new Deployment",
+                         len(fresh) == 1 and (fresh[0]["metadata"].get("annotations") or {}).get("tally.io/queue") == want["name"],
+                         f"new worker Deployments {[o['metadata']['name'] for o in fresh]}")
+        # tally.toml stays; queues.toml changes and holds the change.
+        tally_cm = configmap_with(after, "tally.toml", hook=False)
+        report.check(f"{where}: the tally.toml ConfigMap is unchanged", len(tally_cm) == 1 and tally_cm == old_tally_cm,
+                     f"{len(tally_cm)} ConfigMaps with tally.toml" if len(tally_cm) != 1 else "it differs")
+        queues_cm = configmap_with(after, "queues.toml", hook=False)
+        if report.check(f"{where}: one ConfigMap holds queues.toml", len(queues_cm) == 1 and len(old_queues_cm) == 1,
+                        f"{len(old_queues_cm)} before, {len(queues_cm)} after"):
+            cm = queues_cm[0]
+            report.check(f"{where}: ConfigMap/{cm['metadata']['name']} (queues.toml) changes",
+                         cm["metadata"]["name"] == old_queues_cm[0]["metadata"]["name"] and cm["data"] != old_queues_cm[0]["data"],
+                         "it is the same as before")
+            ok, why = queue_in(cm["data"]["queues.toml"], want)
+            report.check(f"{where}: ConfigMap/{cm['metadata']['name']} holds the change", ok, why)
+            mounted = {comp: any(cm["metadata"]["name"] in volume_configmaps(v) for v in pod_spec(new[comp][0]).get("volumes", []))
+                       for comp in SERVICES if len(new.get(comp, [])) == 1}
+            report.check(f"{where}: every service mounts ConfigMap/{cm['metadata']['name']}", all(mounted.values()) and len(mounted) == len(SERVICES),
+                         f"mounted: {mounted}")
+        # The topics hook Job applies the new declarations (and writes the declarations topic).
+        jobs = [o for o in after if o["kind"] == "Job" and "pre-upgrade" in str((o["metadata"].get("annotations") or {}).get("helm.sh/hook", ""))]
+        if report.check(f"{where}: one pre-upgrade topics Job", len(jobs) == 1, f"{len(jobs)} Jobs"):
+            job = jobs[0]
+            container = pod_spec(job)["containers"][0]
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            config_path = Path(env.get("TALLY_CONFIG", "/etc/tally/tally.toml"))
+            copies = {}
+            for vol in pod_spec(job).get("volumes", []):
+                mount = next((m for m in container.get("volumeMounts", []) if m["name"] == vol["name"]), None)
+                for cm_name in volume_configmaps(vol):
+                    cm = next((o for o in after if o["kind"] == "ConfigMap" and o["metadata"]["name"] == cm_name), None)
+                    if mount and cm:
+                        copies.update({Path(mount["mountPath"]) / k: (cm_name, v, is_hook(cm)) for k, v in (cm.get("data") or {}).items()})
+            decl = tomllib.loads(copies[config_path][1]).get("broker", {}).get("declarations") if config_path in copies else None
+            if report.check(f"{where}: the topics Job sees its tally.toml and the declarations it names",
+                            decl is not None and Path(decl) in copies, f"TALLY_CONFIG {config_path}, declarations {decl}, files {sorted(map(str, copies))}"):
+                cm_name, text, hook = copies[Path(decl)]
+                report.check(f"{where}: the topics Job's {Path(decl).name} is the hook's own copy (made before the upgrade)",
+                             hook, f"ConfigMap {cm_name} is not a hook")
+                ok, why = queue_in(text, want)
+                report.check(f"{where}: the topics Job's copy (ConfigMap/{cm_name}) holds the change", ok, why)
+
+    # The control: a change to tally.toml does roll every service.
+    new = services(control)
+    for comp in SERVICES:
+        if len(old.get(comp, [])) == 1 and len(new.get(comp, [])) == 1:
+            report.check(f"{name}: control: log.level debug (tally.toml) changes {comp}'s checksum annotations",
+                         checksums(old[comp][0]) != checksums(new[comp][0]), "unchanged: the checksums do not follow tally.toml")
 
 
 def check_rendered(report, config_check, work: Path, case: str, values: dict, objects, uid, gid, defaults, builtin_queues):
@@ -462,13 +631,13 @@ def check_rendered(report, config_check, work: Path, case: str, values: dict, ob
         report.check(f"{case}: the topics Job is a pre-install,pre-upgrade hook",
                      set(str(ann.get("helm.sh/hook", "")).split(",")) == {"pre-install", "pre-upgrade"}, f"annotations {ann}")
         for vol in pod_spec(job).get("volumes", []):
-            if "configMap" in vol:
-                cm = configmaps.get(vol["configMap"]["name"], {})
+            for cm_name in volume_configmaps(vol):
+                cm = configmaps.get(cm_name, {})
                 cm_ann = (cm.get("metadata") or {}).get("annotations") or {}
-                report.check(f"{case}: the topics Job's ConfigMap is a hook made before it",
+                report.check(f"{case}: the topics Job's ConfigMap {cm_name} is a hook made before it",
                              "pre-install" in str(cm_ann.get("helm.sh/hook", ""))
                              and int(cm_ann.get("helm.sh/hook-weight", 0)) < int(ann.get("helm.sh/hook-weight", 0)),
-                             f"ConfigMap {vol['configMap']['name']} annotations {cm_ann}")
+                             f"ConfigMap {cm_name} annotations {cm_ann}")
 
     # KEDA: the target has no replicas of its own; minReplicas as asked (0 stays 0).
     deployments = {d["metadata"]["name"]: d for d in by_kind.get("Deployment", [])}
@@ -500,14 +669,17 @@ def check_rendered(report, config_check, work: Path, case: str, values: dict, ob
                      sts["spec"].get("podManagementPolicy") == "Parallel", str(sts["spec"].get("podManagementPolicy")))
 
     # Queues: the declarations file, and every worker's queue declared in it or built in.
-    main_cm = next((cm for cm in configmaps.values() if "helm.sh/hook" not in (cm["metadata"].get("annotations") or {})), None)
+    # The release's own ConfigMaps (not the hook's copy), mounted together at /etc/tally.
+    data = {}
+    for cm in configmaps.values():
+        if "helm.sh/hook" not in (cm["metadata"].get("annotations") or {}):
+            data.update(cm.get("data") or {})
     declared = set(builtin_queues)
-    if main_cm:
-        data = main_cm["data"]
+    if report.check(f"{case}: a ConfigMap holds tally.toml", "tally.toml" in data, f"keys {sorted(data)}"):
         toml = tomllib.loads(data["tally.toml"])
         decl_path = toml.get("broker", {}).get("declarations")
         if decl_path:
-            report.check(f"{case}: [broker] declarations is in the ConfigMap", Path(decl_path).name in data and Path(decl_path).parent == Path("/etc/tally"),
+            report.check(f"{case}: [broker] declarations is in a ConfigMap", Path(decl_path).name in data and Path(decl_path).parent == Path("/etc/tally"),
                          f"{decl_path} not among {sorted(data)}")
             declared |= set(check_queue_file(report, f"{case}: {Path(decl_path).name}", data.get(Path(decl_path).name, "")))
         report.check(f"{case}: the queues asked for are declared",
@@ -535,17 +707,21 @@ def check_rendered(report, config_check, work: Path, case: str, values: dict, ob
             config_file = None
             for mount in container.get("volumeMounts", []):
                 vol = volumes.get(mount["name"], {})
-                if "configMap" in vol:
-                    cm = configmaps.get(vol["configMap"]["name"])
-                    if not report.check(f"{where}: ConfigMap {vol['configMap']['name']} is rendered", cm is not None, "missing"):
+                shown_keys: dict[str, str] = {}
+                for cm_name in volume_configmaps(vol):
+                    cm = configmaps.get(cm_name)
+                    if not report.check(f"{where}: ConfigMap {cm_name} is rendered", cm is not None, "missing"):
                         continue
+                    twice = sorted(set(shown_keys) & set(cm["data"]))
+                    report.check(f"{where}: volume {mount['name']}: ConfigMap {cm_name} shows no file another one does",
+                                 not twice, f"{twice} also in ConfigMap {[shown_keys[k] for k in twice]}")
                     target = root / mount["mountPath"].lstrip("/")
                     target.mkdir(parents=True, exist_ok=True)
                     for key, value in cm["data"].items():
+                        shown_keys[key] = cm_name
                         # Paths under the mount point at the copies (a local stand-in for the mount).
                         (target / key).write_text(value.replace(mount["mountPath"].rstrip("/") + "/", str(target) + "/"))
-                elif "secret" in vol:
-                    name = vol["secret"]["secretName"]
+                for name in volume_secrets(vol):
                     report.check(f"{where}: Secret {name} is the chart's or named in values",
                                  any(k[0] == name for k in secrets) or name in made_by_user, "an unknown Secret")
             if "TALLY_CONFIG" in env:

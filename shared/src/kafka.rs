@@ -153,6 +153,19 @@ pub async fn wait_for_topic(kafka: &KafkaConfig, topic: &str, timeout: Duration)
     waited.map_err(|err| Error::Topics(format!("waiting for a topic: {err}")))?
 }
 
+/// A consumer of a one-partition internal topic from its beginning, assigned (no
+/// group membership): how services follow heartbeats, owners and declarations.
+pub fn follower(kafka: &KafkaConfig, group: &str, topic: &str) -> Result<BaseConsumer> {
+    use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+    let mut config = client_config(kafka)?;
+    config.set("group.id", group).set("enable.auto.commit", "false");
+    let consumer: BaseConsumer = config.create()?;
+    let mut assignment = TopicPartitionList::new();
+    assignment.add_partition_offset(topic, 0, Offset::Beginning)?;
+    consumer.assign(&assignment)?;
+    Ok(consumer)
+}
+
 /// Wall-clock milliseconds since the epoch.
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)

@@ -173,8 +173,9 @@ only there. */ -}}
 {{- end -}}
 {{- end -}}
 
-{{/* tally.toml and queues.toml: the ConfigMap of the services and the topics hook's. */}}
-{{- define "tally.configData" -}}
+{{/* tally.toml: the ConfigMap of the services (its checksum rolls them) and, with
+queues.toml, the topics hook's. */}}
+{{- define "tally.configToml" -}}
 tally.toml: |
   # tally.toml of the {{ .Release.Name }} release (helm/tally). Every container also gets
   # TALLY__SECTION__KEY variables (tokens and Kafka passwords from Secrets, per-pod and
@@ -226,6 +227,11 @@ tally.toml: |
   [worker]
   brokers = [{{ printf "http://%s-broker:8090" (include "tally.fullname" .) | toJson }}]
   admin_listen = "0.0.0.0:9106"
+{{- end -}}
+
+{{/* queues.toml: the queues ConfigMap (outside every checksum: see
+tally.podAnnotations) and the topics hook's copy. */}}
+{{- define "tally.queuesToml" -}}
 queues.toml: |
   # Queues declared in the chart's `queues` value, on top of the built-in ones.
   {{- range .Values.queues }}
@@ -243,6 +249,12 @@ queues.toml: |
   {{- end }}
   {{- end }}
   {{- end }}
+{{- end -}}
+
+{{/* Both files: the topics hook's ConfigMap, a copy of the two above. */}}
+{{- define "tally.configData" -}}
+{{ include "tally.configToml" . }}
+{{ include "tally.queuesToml" . }}
 {{- end -}}
 
 {{/* The environment every tally container shares. */}}
@@ -346,18 +358,36 @@ securityContext: {{- toYaml .root.Values.containerSecurityContext | nindent 2 }}
 {{- end }}
 {{- end -}}
 
-{{/* (dict "root" $ "configMap" name) */}}
+{{/* The /etc/tally volume: (dict "root" $ "configMaps" (list name…)), one projected
+volume of every ConfigMap listed (tally.toml and queues.toml side by side). */}}
 {{- define "tally.configVolumes" -}}
 - name: config
-  configMap: { name: {{ .configMap }} }
+  projected:
+    sources:
+      {{- range .configMaps }}
+      - configMap: { name: {{ . }} }
+      {{- end }}
 {{- if .root.Values.kafka.tlsSecret }}
 - name: kafka-tls
   secret: { secretName: {{ .root.Values.kafka.tlsSecret }} }
 {{- end }}
 {{- end -}}
 
-{{/* Annotations that roll pods when their configuration changes. */}}
+{{/* The ConfigMaps a service mounts at /etc/tally: tally.toml's and the queues'. */}}
+{{- define "tally.serviceConfigMaps" -}}
+{{- list (include "tally.fullname" .) (printf "%s-queues" (include "tally.fullname" .)) | toJson -}}
+{{- end -}}
+
+{{/*
+Annotations that roll pods when their configuration changes: tally.toml and the
+tokens, and not queues.toml. A queues-only upgrade rolls no pod: the topics hook
+applies the new declarations (new topics, and every queue written to the compacted
+<prefix>queues topic) before the upgrade, and running brokers follow that topic and
+serve a new queue or new settings live. The mounted queues.toml catches up by itself
+when the kubelet syncs the ConfigMap volume (within a minute or so); a broker reads it
+only when it starts, and then follows the topic anyway, so the lag changes nothing.
+*/}}
 {{- define "tally.podAnnotations" -}}
-checksum/config: {{ include "tally.configData" . | sha256sum }}
+checksum/config: {{ include "tally.configToml" . | sha256sum }}
 checksum/auth: {{ include (print .Template.BasePath "/secret.yaml") . | sha256sum }}
 {{- end -}}

@@ -8,11 +8,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::Message;
 use tally_shared::config::KafkaConfig;
-use tally_shared::kafka::{client_config, partition_count, TopicNames};
+use tally_shared::kafka::{follower, partition_count, TopicNames};
 use tally_shared::topics::{QueueDecl, QueueRecord};
 use tokio_util::sync::CancellationToken;
 
@@ -26,12 +24,7 @@ pub fn follow(
     names: TopicNames,
     shutdown: CancellationToken,
 ) -> Result<std::thread::JoinHandle<()>> {
-    let mut config = client_config(kafka)?;
-    config.set("group.id", "tally-broker-declarations").set("enable.auto.commit", "false");
-    let consumer: BaseConsumer = config.create()?;
-    let mut assignment = TopicPartitionList::new();
-    assignment.add_partition_offset(&names.queues(), 0, Offset::Beginning)?;
-    consumer.assign(&assignment)?;
+    let consumer = follower(kafka, "tally-broker-declarations", &names.queues())?;
     let thread = std::thread::Builder::new().name("broker-declarations".into()).spawn(move || {
         // Declared, but their topics are not there yet.
         let mut waiting: BTreeMap<String, QueueDecl> = BTreeMap::new();

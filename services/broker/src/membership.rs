@@ -12,14 +12,12 @@ use std::collections::BTreeMap;
 use std::sync::RwLock;
 use std::time::Duration;
 
-use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
-use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::Message;
 use tally_shared::config::KafkaConfig;
 use tally_shared::jobs::api::BrokerHeartbeat;
 use tally_shared::jobs::assignment::Member;
-use tally_shared::kafka::{client_config, now_ms, producer_config};
+use tally_shared::kafka::{follower, now_ms, producer_config};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::Result;
@@ -91,12 +89,7 @@ pub fn follow(
     membership: std::sync::Arc<Membership>,
     shutdown: CancellationToken,
 ) -> Result<std::thread::JoinHandle<()>> {
-    let mut config = client_config(kafka)?;
-    config.set("group.id", "tally-broker-membership").set("enable.auto.commit", "false");
-    let consumer: BaseConsumer = config.create()?;
-    let mut assignment = TopicPartitionList::new();
-    assignment.add_partition_offset(&topic, 0, Offset::Beginning)?;
-    consumer.assign(&assignment)?;
+    let consumer = follower(kafka, "tally-broker-membership", &topic)?;
     let thread = std::thread::Builder::new().name("broker-membership".into()).spawn(move || {
         while !shutdown.is_cancelled() {
             match consumer.poll(Duration::from_millis(100)) {
