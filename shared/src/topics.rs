@@ -70,7 +70,8 @@ pub struct QueueDecl {
     /// until this many wait.
     #[serde(default = "default_delayed_buffer")]
     pub delayed_buffer: usize,
-    /// Most bytes of jobs a broker holds per partition.
+    /// Most bytes of jobs a broker holds per partition: of ready jobs, and as many
+    /// of delayed ones.
     #[serde(default = "default_buffer_bytes")]
     pub buffer_bytes: usize,
     /// How long enqueued jobs stay in the topic.

@@ -15,7 +15,7 @@
 //! instead of buffering without end: jobs ready or running by `capacity`, jobs
 //! waiting for a time (a `run_at`, a retry) by `delayed_capacity` apart — so a
 //! buffer full of jobs due in an hour never holds back a ready one behind them —
-//! and everything together by `max_bytes`.
+//! and the bytes of each of the two by `max_bytes`.
 //!
 //! Lease numbers start at `tenure << 32`: a broker that takes a partition back
 //! gives it a new tenure, so a stale lease from an earlier one is unknown, never
@@ -37,7 +37,7 @@ pub struct QueuePolicy {
     /// Most jobs held while they wait for a time (`run_at`, a retry), apart from
     /// `capacity`.
     pub delayed_capacity: usize,
-    /// Most bytes of jobs held in all.
+    /// Most bytes of jobs held, ready and delayed each.
     pub max_bytes: usize,
 }
 
@@ -130,6 +130,8 @@ pub struct PartitionQueue {
     rejected: BTreeSet<i64>,
     /// Bytes of the jobs held.
     held_bytes: usize,
+    /// Bytes of the jobs in `timed` (part of `held_bytes`).
+    timed_bytes: usize,
 }
 
 /// What a held job costs in memory, roughly.
@@ -151,6 +153,7 @@ impl PartitionQueue {
             timed: BTreeSet::new(),
             rejected: BTreeSet::new(),
             held_bytes: 0,
+            timed_bytes: 0,
         }
     }
 
@@ -171,7 +174,12 @@ impl PartitionQueue {
         let others = self.entries.len() - waiting_for_time + self.rejected.len();
         others < self.policy.capacity
             && waiting_for_time < self.policy.delayed_capacity
-            && self.held_bytes < self.policy.max_bytes
+            && self.held_bytes - self.timed_bytes < self.policy.max_bytes
+            && self.timed_bytes < self.policy.max_bytes
+    }
+
+    fn bytes_at(&self, offset: i64) -> usize {
+        self.entries.get(&offset).map_or(0, |entry| job_bytes(&entry.job))
     }
 
     /// Moves the waiting jobs whose time has come at `now` to the ready set.
@@ -181,6 +189,7 @@ impl PartitionQueue {
                 break;
             }
             self.timed.pop_first();
+            self.timed_bytes -= self.bytes_at(offset);
             self.ready.insert(offset);
         }
     }
@@ -189,8 +198,8 @@ impl PartitionQueue {
     fn wait(&mut self, offset: i64, ready_at: i64, now: i64) {
         if ready_at <= now {
             self.ready.insert(offset);
-        } else {
-            self.timed.insert((ready_at, offset));
+        } else if self.timed.insert((ready_at, offset)) {
+            self.timed_bytes += self.bytes_at(offset);
         }
     }
 
@@ -602,6 +611,27 @@ mod tests {
         let handout = queue.dequeue(1, 0, 10).remove(0);
         queue.ack(handout.lease).unwrap();
         assert!(queue.has_room(0));
+    }
+
+    #[test]
+    fn delayed_bytes_do_not_take_the_room_of_ready_ones() {
+        let mut queue = PartitionQueue::new(QueuePolicy { max_bytes: 10_000, ..Default::default() }, 0, 0);
+        let big = |offset: usize, run_at: Option<i64>| {
+            let mut job = job(offset, None, run_at);
+            job.payload = serde_json::value::to_raw_value(&"x".repeat(6_000)).unwrap();
+            job
+        };
+        queue.push(0, big(0, Some(60_000)), 0);
+        assert!(queue.has_room(0), "6 KB delayed of 10 KB");
+        queue.push(1, big(1, Some(60_000)), 0);
+        assert!(!queue.has_room(0), "the delayed jobs' bytes are full");
+        let mut queue = PartitionQueue::new(QueuePolicy { max_bytes: 10_000, ..Default::default() }, 0, 0);
+        queue.push(0, big(0, Some(60_000)), 0);
+        queue.push(1, big(1, None), 0);
+        assert!(queue.has_room(0), "6 KB ready and 6 KB delayed fit, each within 10 KB");
+        queue.push(2, big(2, None), 0);
+        assert!(!queue.has_room(0));
+        assert!(!queue.has_room(60_000), "due: 18 KB ready");
     }
 
     #[test]
