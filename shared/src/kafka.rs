@@ -119,6 +119,15 @@ pub fn producer_config(kafka: &KafkaConfig) -> Result<ClientConfig> {
     Ok(config)
 }
 
+/// Settings of a producer of records without stamps (dead letters, dead jobs),
+/// which a sender may simply send again: [`producer_config`] without the gapless
+/// guarantee, so a permanent error fails that record instead of the producer.
+pub fn unstamped_producer_config(kafka: &KafkaConfig) -> Result<ClientConfig> {
+    let mut config = producer_config(kafka)?;
+    config.set("enable.gapless.guarantee", "false");
+    Ok(config)
+}
+
 /// The number of partitions of `topic`, or an error when it does not exist.
 pub fn partition_count<X: ConsumerContext>(consumer: &BaseConsumer<X>, topic: &str, timeout: Duration) -> Result<u32> {
     let metadata = consumer.fetch_metadata(Some(topic), timeout)?;

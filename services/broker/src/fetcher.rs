@@ -20,7 +20,7 @@ use tally_shared::config::TallyConfig;
 use tally_shared::jobs::assignment::owner;
 use tally_shared::jobs::partition::PartitionQueue;
 use tally_shared::jobs::Job;
-use tally_shared::kafka::{client_config, now_ms, producer_config, TopicNames};
+use tally_shared::kafka::{client_config, now_ms, unstamped_producer_config, TopicNames};
 use tally_shared::wire::DeadLetter;
 use tokio_util::sync::CancellationToken;
 
@@ -48,7 +48,7 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
         .set("auto.offset.reset", "earliest");
     let consumer: BaseConsumer = consumer_config.create()?;
     let letters: ThreadedProducer<LetterContext> =
-        letters_config(&config)?.create_with_context(LetterContext::default())?;
+        unstamped_producer_config(&config.kafka)?.create_with_context(LetterContext::default())?;
     let dead_letter_topic = TopicNames::new(&config.kafka.topic_prefix).dead_letter();
     let mut by_topic: HashMap<String, Arc<QueueRuntime>> = HashMap::new();
     let settle = Duration::from_millis(config.broker.heartbeat_ms * 2);
@@ -139,15 +139,6 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
     let _ = letters.flush(Duration::from_secs(5));
     let _ = reporter.join();
     Ok(())
-}
-
-/// The dead letters' producer: idempotent, but a failed letter may be sent again
-/// (letters carry no stamps), so a permanent error need not stop it (no gapless
-/// guarantee, which would make it fatal).
-fn letters_config(config: &TallyConfig) -> Result<rdkafka::ClientConfig> {
-    let mut client = producer_config(&config.kafka)?;
-    client.set("enable.gapless.guarantee", "false");
-    Ok(client)
 }
 
 /// Serves what this broker should own, and stops serving what it should not.

@@ -25,7 +25,7 @@ use prometheus::Registry;
 use rdkafka::producer::FutureProducer;
 use tally_shared::config::TallyConfig;
 use tally_shared::jobs::assignment::Member;
-use tally_shared::kafka::{producer_config, wait_for_topic, TopicNames};
+use tally_shared::kafka::{unstamped_producer_config, wait_for_topic, TopicNames};
 use tally_shared::telemetry::{serve_admin, Readiness};
 use tally_shared::topics::Declarations;
 use tokio::net::TcpListener;
@@ -59,10 +59,8 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let listener = TcpListener::bind(&config.broker.listen).await?;
     let addr = tally_shared::service::advertised_addr(listener.local_addr()?, config.broker.advertise_host.as_deref());
     let instance = format!("{:016x}", rand::random::<u64>());
-    // Dead jobs carry no stamps and are retried until written: no gapless guarantee
-    // (which would make a permanent error fatal to the producer).
-    let dead_producer: FutureProducer =
-        producer_config(&config.kafka)?.set("enable.gapless.guarantee", "false").create()?;
+    // Dead jobs carry no stamps and are retried until written.
+    let dead_producer: FutureProducer = unstamped_producer_config(&config.kafka)?.create()?;
     let broker = Arc::new(state::Broker::new(instance.clone(), metrics, dead_producer, config.kafka.record_budget()));
     for decl in declarations.queues {
         broker.declare(decl, &names);

@@ -250,9 +250,10 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         if !batch.is_empty() {
             outbox_written = apply_batch(&batch, &shards, &metrics, rollups.as_ref())?;
             commit_advisory(&consumer, &shard_topic, &shards);
-            if shards.serving() != serving {
+            let now_serving = shards.serving();
+            if now_serving != serving {
                 // A rebuilt shard caught up: announce it now, not at the next heartbeat.
-                serving = shards.serving();
+                serving = now_serving;
                 announcer.announce(&serving, true);
                 readiness.set(!serving.is_empty());
             }

@@ -2,12 +2,13 @@
 //! always written together.
 //!
 //! Column families: `counts` (bucket values, summed by a merge operator so the write
-//! path never reads), `dedupe` (idempotency marks with their first record's time, [`DedupeWindow`]), `desc`
-//! (the current descendant view of each origin this shard owns), `outbox` (totals
-//! for other shards, written with the state that produced them and deleted once
-//! relayed), `rollups` (count keys whose latest values are still to be published,
-//! marked in the same write batch as the counts), and the default one for progress: the next shard-topic offset to
-//! consume and the high-water stamp of every source. Expired buckets and marks are
+//! path never reads), `dedupe` (idempotency marks with their first record's time,
+//! [`DedupeWindow`]), `desc` (the current descendant view of each origin this shard
+//! owns), `outbox` (totals for other shards, written with the state that produced
+//! them and deleted once relayed), `rollups` (count keys whose latest values are
+//! still to be published, marked in the same write batch as the counts), and the
+//! default one for progress: the next shard-topic offset to consume, the high-water
+//! stamp of every source and, while a rebuild runs, the offset it must reach. Expired buckets and marks are
 //! dropped by compaction filters; reads never look at them.
 
 use std::collections::HashMap;

@@ -30,8 +30,11 @@ use tokio_util::sync::CancellationToken;
 pub use error::{Error, Result};
 use route::{Outgoing, Router};
 
+/// How long a stopping ingester still waits for the batch in hand to be acknowledged.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
 /// Runs an ingester until `shutdown`; the batch in hand is delivered and committed
-/// first.
+/// first (unless Kafka does not acknowledge it within [`SHUTDOWN_GRACE`]).
 pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()> {
     let registry = Registry::new();
     let metrics = metrics::Metrics::new(&registry);
@@ -97,11 +100,19 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
             }
         }
         let outgoing = router.route(&batch, &metrics);
+        let delivered = deliver(&producer, outgoing);
+        tokio::pin!(delivered);
         tokio::select! {
-            delivered = deliver(&producer, outgoing) => delivered?,
-            // Records never time out, so a Kafka that is gone would hold the
-            // batch for ever: stop without committing (the next run replays it).
-            _ = shutdown.cancelled() => break,
+            done = &mut delivered => done?,
+            _ = shutdown.cancelled() => match tokio::time::timeout(SHUTDOWN_GRACE, &mut delivered).await {
+                Ok(done) => done?,
+                // Records never time out, so a Kafka that is gone would hold the
+                // batch for ever: stop without committing (the next run replays it).
+                Err(_) => {
+                    tracing::warn!("stopping with a batch not acknowledged; it is replayed on the next start");
+                    break;
+                }
+            },
         }
         commit(&consumer, &batch)?;
         metrics.batch_records.observe(batch.len() as f64);
