@@ -17,8 +17,9 @@ use std::sync::{Arc, RwLock};
 
 use rocksdb::compaction_filter::Decision;
 
-use crate::progress::decode_i64;
+use crate::format::{value_array, VALUE_V1};
 use crate::wire::Source;
+use crate::Result;
 
 /// The window and the stream time of each source it expires marks by.
 #[derive(Debug, Clone)]
@@ -34,25 +35,36 @@ impl DedupeWindow {
     }
 
     /// The value of a mark first seen in a record of `source` at `record_time`:
-    /// the time (8 bytes, little-endian), the source's stream and partition.
-    pub fn mark(record_time: i64, source: Source) -> [u8; 13] {
-        let mut mark = [0u8; 13];
-        mark[..8].copy_from_slice(&record_time.to_le_bytes());
-        mark[8] = source.stream;
-        mark[9..].copy_from_slice(&source.partition.to_le_bytes());
+    /// the version byte, the time (8 bytes, little-endian), the source's stream and
+    /// partition.
+    pub fn mark(record_time: i64, source: Source) -> [u8; 14] {
+        let mut mark = [VALUE_V1; 14];
+        mark[1..9].copy_from_slice(&record_time.to_le_bytes());
+        mark[9] = source.stream;
+        mark[10..].copy_from_slice(&source.partition.to_le_bytes());
         mark
     }
 
-    fn source_of(mark: &[u8]) -> Option<Source> {
-        let partition = u32::from_le_bytes(mark.get(9..13)?.try_into().ok()?);
-        Some(Source { stream: *mark.get(8)?, partition })
+    /// The time and source of a stored mark.
+    pub fn decode(mark: &[u8]) -> Result<(i64, Source)> {
+        let body: [u8; 13] = value_array(mark, "idempotency mark")?;
+        let (mut time, mut partition) = ([0u8; 8], [0u8; 4]);
+        time.copy_from_slice(&body[..8]);
+        partition.copy_from_slice(&body[9..]);
+        Ok((i64::from_le_bytes(time), Source { stream: body[8], partition: u32::from_le_bytes(partition) }))
     }
 
     /// Whether a record at `record_time` whose id has the stored `mark` repeats it:
     /// the mark is younger than the window at that time. (A record older than the
-    /// mark — producers' clocks differ — is within it too.)
-    pub fn repeats(&self, mark: &[u8], record_time: i64) -> bool {
-        decode_i64(mark.get(..8).unwrap_or(mark)).saturating_add(self.window_ms) > record_time
+    /// mark — producers' clocks differ — is within it too.) A malformed mark is an
+    /// error: neither "seen" nor "new" would be safe.
+    pub fn repeats(&self, mark: &[u8], record_time: i64) -> Result<bool> {
+        let (time, _) = Self::decode(mark)?;
+        Ok(self.within(time, record_time))
+    }
+
+    fn within(&self, mark_time: i64, record_time: i64) -> bool {
+        mark_time.saturating_add(self.window_ms) > record_time
     }
 
     /// Moves `source`'s stream time forward to `record_time` (never back); call
@@ -68,13 +80,11 @@ impl DedupeWindow {
     pub fn compaction_filter(&self) -> impl Fn(u32, &[u8], &[u8]) -> Decision + Send + 'static {
         let window = self.clone();
         move |_level, _key, mark| {
-            // A mark of an earlier format (its time alone) expires by the wall clock.
-            let source_time = match Self::source_of(mark) {
-                Some(source) => window.stream_time.read().ok().and_then(|t| t.get(&source).copied()),
-                None => Some(i64::MAX),
-            };
+            // A malformed mark stays, for the lookup that meets it to fail loudly.
+            let Ok((time, source)) = Self::decode(mark) else { return Decision::Keep };
+            let source_time = window.stream_time.read().ok().and_then(|t| t.get(&source).copied());
             let Some(source_time) = source_time else { return Decision::Keep };
-            if window.repeats(mark, source_time.min(crate::kafka::now_ms())) {
+            if window.within(time, source_time.min(crate::kafka::now_ms())) {
                 Decision::Keep
             } else {
                 Decision::Remove
@@ -91,9 +101,10 @@ mod tests {
     fn marks_repeat_within_the_window_of_record_time() {
         let window = DedupeWindow::new(10);
         let mark = DedupeWindow::mark(1_000, A);
-        assert!(window.repeats(&mark, 1_009));
-        assert!(!window.repeats(&mark, 1_010));
-        assert!(window.repeats(&mark, 990), "an earlier record time is within the window");
+        assert!(window.repeats(&mark, 1_009).unwrap());
+        assert!(!window.repeats(&mark, 1_010).unwrap());
+        assert!(window.repeats(&mark, 990).unwrap(), "an earlier record time is within the window");
+        assert!(window.repeats(&1_000i64.to_le_bytes(), 1_009).is_err(), "an unversioned mark");
     }
 
     const A: Source = Source { stream: Source::INCREMENTS, partition: 0 };
@@ -116,6 +127,6 @@ mod tests {
         let future = DedupeWindow::mark(i64::MAX - 20, A);
         window.advance(A, i64::MAX);
         assert!(keep(&future), "the wall clock has not passed it");
-        assert!(!keep(&1_000i64.to_le_bytes()), "an old-format mark expires by the wall clock");
+        assert!(keep(&1_000i64.to_le_bytes()), "a malformed mark stays for its lookup to fail");
     }
 }

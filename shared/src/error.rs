@@ -14,6 +14,10 @@ pub enum Error {
     Kafka(#[from] rdkafka::error::KafkaError),
     #[error("wire format: {0}")]
     Wire(String),
+    /// Bytes that are not a format this build reads: corrupt, foreign, or written
+    /// by a newer tally. Never read as a default.
+    #[error("format: {0}")]
+    Format(String),
     #[error("topics: {0}")]
     Topics(String),
     #[error("rocksdb: {0}")]

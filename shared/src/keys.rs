@@ -1,4 +1,5 @@
-//! Byte layout of RocksDB keys and values in a counter shard.
+//! Byte layout of RocksDB keys and values in a counter shard (values are versioned,
+//! [`crate::format`]).
 //!
 //! A count key is `entity 0x00 metric 0x00 width(u64 BE) bucket(i64 BE, sign-flipped)`.
 //! Entities and metrics hold no NUL, so keys of one entity are contiguous and sorted
@@ -64,10 +65,34 @@ pub fn decode_count_key(key: &[u8]) -> Option<CountKey<'_>> {
     })
 }
 
+/// Decodes a count key read from a store: bytes that are not one are corrupt.
+pub fn parse_count_key(key: &[u8]) -> crate::Result<CountKey<'_>> {
+    decode_count_key(key).ok_or_else(|| crate::Error::Format(format!("count key {key:?}: malformed")))
+}
+
 /// Appends the key of an idempotency mark: `entity 0x00 id`.
 pub fn encode_dedupe_key(buf: &mut Vec<u8>, entity: &str, id: &str) {
     encode_entity_prefix(buf, entity);
     buf.extend_from_slice(id.as_bytes());
+}
+
+/// A sorted list of entity names (an origin's descendant view): the version byte,
+/// then bincode.
+pub fn encode_names(names: &[String]) -> crate::Result<Vec<u8>> {
+    let mut out = vec![crate::format::VALUE_V1];
+    bincode::serde::encode_into_std_write(names, &mut out, bincode::config::standard())
+        .map_err(|err| crate::Error::Format(format!("descendant view: {err}")))?;
+    Ok(out)
+}
+
+/// Decodes [`encode_names`]; anything else is an error.
+pub fn decode_names(bytes: &[u8]) -> crate::Result<Vec<String>> {
+    let body = crate::format::value_body(bytes, "descendant view")?;
+    match bincode::serde::decode_from_slice(body, bincode::config::standard()) {
+        Ok((names, used)) if used == body.len() => Ok(names),
+        Ok(_) => Err(crate::Error::Format("descendant view: trailing bytes".into())),
+        Err(err) => Err(crate::Error::Format(format!("descendant view: {err}"))),
+    }
 }
 
 /// Counts add up field by field; wrapping keeps the merge associative and never panics.
@@ -87,25 +112,23 @@ pub struct Counts {
 }
 
 impl Counts {
-    pub const ENCODED_LEN: usize = 16;
+    /// The version byte, then direct and total (little-endian).
+    pub const ENCODED_LEN: usize = 17;
 
-    pub fn encode(self) -> [u8; 16] {
-        let mut out = [0u8; 16];
-        out[..8].copy_from_slice(&self.direct.to_le_bytes());
-        out[8..].copy_from_slice(&self.total.to_le_bytes());
+    pub fn encode(self) -> [u8; Self::ENCODED_LEN] {
+        let mut out = [crate::format::VALUE_V1; Self::ENCODED_LEN];
+        out[1..9].copy_from_slice(&self.direct.to_le_bytes());
+        out[9..].copy_from_slice(&self.total.to_le_bytes());
         out
     }
 
-    /// Decodes a value; malformed bytes read as zero rather than failing a read.
-    pub fn decode(bytes: &[u8]) -> Self {
-        if bytes.len() != Self::ENCODED_LEN {
-            return Self::default();
-        }
-        let mut direct = [0u8; 8];
-        let mut total = [0u8; 8];
-        direct.copy_from_slice(&bytes[..8]);
-        total.copy_from_slice(&bytes[8..]);
-        Self { direct: i64::from_le_bytes(direct), total: i64::from_le_bytes(total) }
+    /// Decodes a value; malformed bytes are an error, never zero.
+    pub fn decode(bytes: &[u8]) -> crate::Result<Self> {
+        let body: [u8; 16] = crate::format::value_array(bytes, "counts value")?;
+        let (mut direct, mut total) = ([0u8; 8], [0u8; 8]);
+        direct.copy_from_slice(&body[..8]);
+        total.copy_from_slice(&body[8..]);
+        Ok(Self { direct: i64::from_le_bytes(direct), total: i64::from_le_bytes(total) })
     }
 }
 
@@ -151,7 +174,7 @@ mod tests {
         #[test]
         fn counts_round_trip_and_add(d in any::<i64>(), t in any::<i64>(), d2 in any::<i64>(), t2 in any::<i64>()) {
             let a = Counts { direct: d, total: t };
-            prop_assert_eq!(Counts::decode(&a.encode()), a);
+            prop_assert_eq!(Counts::decode(&a.encode()).unwrap(), a);
             let b = Counts { direct: d2, total: t2 };
             prop_assert_eq!(a + b, b + a);
         }
@@ -161,6 +184,8 @@ mod tests {
     fn garbage_keys_do_not_decode() {
         assert!(decode_count_key(b"no separators").is_none());
         assert!(decode_count_key(b"e\0m\0short").is_none());
-        assert_eq!(Counts::decode(b"bad"), Counts::default());
+        assert!(Counts::decode(b"bad").is_err());
+        assert!(Counts::decode(&[0; 16]).is_err(), "unversioned");
+        assert!(Counts::decode(&[2; 17]).is_err(), "a newer version");
     }
 }

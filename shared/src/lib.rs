@@ -12,6 +12,7 @@ pub mod config;
 pub mod counting;
 pub mod dedupe;
 pub mod error;
+pub mod format;
 pub mod graph;
 pub mod input;
 pub mod jobs;

@@ -1,14 +1,32 @@
 //! What a stateful consumer has applied, kept in its RocksDB next to its state:
 //! the next input offset, the high-water stamp of every source, and the next
 //! sequence number of what it sends. Written into the same write batch as the state
-//! a batch changed, so it is never ahead of or behind the data.
+//! a batch changed, so it is never ahead of or behind the data. Values are versioned
+//! ([`crate::format`]); a malformed one fails the load, it is never skipped.
 
 use std::collections::HashMap;
 
 use rocksdb::{WriteBatch, DB};
 
+use crate::format::{decode_i64_value, i64_value, value_array, STORE_FORMAT_KEY, STORE_V1, VALUE_V1};
 use crate::wire::{Source, Stamp};
 use crate::{Error, Result};
+
+/// Checks the key layout version of the store in `db`, writing the current one into
+/// a new store. A store of another version (or of none, yet holding progress) fails.
+pub fn check_store_format(db: &DB) -> Result<()> {
+    let rocks = |err: rocksdb::Error| Error::Store(err.to_string());
+    match db.get(STORE_FORMAT_KEY).map_err(rocks)? {
+        Some(version) if version == [STORE_V1] => Ok(()),
+        Some(version) => Err(Error::Format(format!(
+            "store format {version:?}, this build reads version {STORE_V1}: a newer tally wrote it, or it is corrupt"
+        ))),
+        None if db.get(KEY_NEXT_OFFSET).map_err(rocks)?.is_some() => {
+            Err(Error::Format("the store has progress but no format version: written before versioned formats".into()))
+        }
+        None => db.put(STORE_FORMAT_KEY, [STORE_V1]).map_err(rocks),
+    }
+}
 
 const KEY_NEXT_OFFSET: &[u8] = b"next_offset";
 const KEY_NEXT_SEQUENCE: &[u8] = b"next_sequence";
@@ -31,19 +49,19 @@ impl Progress {
         let rocks = |err: rocksdb::Error| Error::Store(err.to_string());
         let mut progress = Progress::default();
         if let Some(bytes) = db.get(KEY_NEXT_OFFSET).map_err(rocks)? {
-            progress.next_offset = Some(decode_i64(&bytes));
+            progress.next_offset = Some(decode_i64_value(&bytes, "next offset")?);
         }
         if let Some(bytes) = db.get(KEY_NEXT_SEQUENCE).map_err(rocks)? {
-            progress.next_sequence = decode_i64(&bytes);
+            progress.next_sequence = decode_i64_value(&bytes, "next sequence")?;
         }
         for item in db.prefix_iterator(HWM_PREFIX) {
             let (key, value) = item.map_err(rocks)?;
             if !key.starts_with(HWM_PREFIX) {
                 break;
             }
-            if let (Some(source), Some(stamp)) = (decode_source(&key[HWM_PREFIX.len()..]), decode_stamp(&value)) {
-                progress.high_water.insert(source, stamp);
-            }
+            let source = decode_source(&key[HWM_PREFIX.len()..])
+                .ok_or_else(|| Error::Format(format!("high-water key {key:?}: not a source")))?;
+            progress.high_water.insert(source, decode_stamp(&value)?);
         }
         Ok(progress)
     }
@@ -51,10 +69,10 @@ impl Progress {
     /// Adds to `batch` the keys that differ from `old`.
     pub fn write(&self, old: &Progress, batch: &mut WriteBatch) {
         if let Some(next) = self.next_offset {
-            batch.put(KEY_NEXT_OFFSET, next.to_le_bytes());
+            batch.put(KEY_NEXT_OFFSET, i64_value(next));
         }
         if self.next_sequence != old.next_sequence {
-            batch.put(KEY_NEXT_SEQUENCE, self.next_sequence.to_le_bytes());
+            batch.put(KEY_NEXT_SEQUENCE, i64_value(self.next_sequence));
         }
         for (source, stamp) in &self.high_water {
             if old.high_water.get(source) != Some(stamp) {
@@ -74,11 +92,6 @@ impl Progress {
     }
 }
 
-/// A little-endian i64 (0 when malformed).
-pub fn decode_i64(bytes: &[u8]) -> i64 {
-    bytes.try_into().map(i64::from_le_bytes).unwrap_or(0)
-}
-
 fn hwm_key(source: Source) -> Vec<u8> {
     let mut key = HWM_PREFIX.to_vec();
     key.push(source.stream);
@@ -91,21 +104,21 @@ fn decode_source(bytes: &[u8]) -> Option<Source> {
     Some(Source { stream, partition: u32::from_be_bytes(partition.try_into().ok()?) })
 }
 
-fn encode_stamp(stamp: Stamp) -> [u8; 12] {
-    let mut out = [0u8; 12];
-    out[..8].copy_from_slice(&stamp.offset.to_le_bytes());
-    out[8..].copy_from_slice(&stamp.index.to_le_bytes());
+/// A high-water stamp's value: the version byte, the offset (8 bytes) and the
+/// index (4 bytes), little-endian.
+pub fn encode_stamp(stamp: Stamp) -> [u8; 13] {
+    let mut out = [VALUE_V1; 13];
+    out[1..9].copy_from_slice(&stamp.offset.to_le_bytes());
+    out[9..].copy_from_slice(&stamp.index.to_le_bytes());
     out
 }
 
-fn decode_stamp(bytes: &[u8]) -> Option<Stamp> {
-    if bytes.len() != 12 {
-        return None;
-    }
-    Some(Stamp {
-        offset: i64::from_le_bytes(bytes[..8].try_into().ok()?),
-        index: u32::from_le_bytes(bytes[8..].try_into().ok()?),
-    })
+pub fn decode_stamp(bytes: &[u8]) -> Result<Stamp> {
+    let body: [u8; 12] = value_array(bytes, "high-water stamp")?;
+    let (mut offset, mut index) = ([0u8; 8], [0u8; 4]);
+    offset.copy_from_slice(&body[..8]);
+    index.copy_from_slice(&body[8..]);
+    Ok(Stamp { offset: i64::from_le_bytes(offset), index: u32::from_le_bytes(index) })
 }
 
 #[cfg(test)]
@@ -133,5 +146,20 @@ mod tests {
         let progress = Progress::load(&db).unwrap();
         assert_eq!((progress.next_offset, progress.next_sequence), (Some(42), 9));
         assert_eq!(progress.high_water[&source], Stamp { offset: 7, index: 2 });
+    }
+
+    #[test]
+    fn a_malformed_progress_value_fails_the_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut options = rocksdb::Options::default();
+        options.create_if_missing(true);
+        let db = DB::open(&options, dir.path()).unwrap();
+        check_store_format(&db).unwrap();
+        check_store_format(&db).unwrap();
+        db.put(hwm_key(Source { stream: Source::SHARD, partition: 1 }), [VALUE_V1, 1, 2]).unwrap();
+        let err = Progress::load(&db).unwrap_err().to_string();
+        assert!(err.contains("high-water stamp: 2 bytes, expected 12"), "{err}");
+        db.put(STORE_FORMAT_KEY, [9]).unwrap();
+        assert!(check_store_format(&db).unwrap_err().to_string().contains("this build reads version 1"));
     }
 }

@@ -1,8 +1,8 @@
 //! Messages that travel between tally services.
 //!
-//! Internal Kafka messages are bincode (compact and fast); messages that humans or
-//! other systems read — dead letters, rollups, shard ownership, the internal read API —
-//! are JSON.
+//! Internal Kafka messages are bincode (compact and fast) behind a format header
+//! ([`crate::format`]); messages that humans or other systems read — dead letters,
+//! rollups, shard ownership, the internal read API — are JSON.
 
 use serde::{Deserialize, Serialize};
 
@@ -115,7 +115,7 @@ impl GraphMessage {
     }
 
     pub fn decode(bytes: &[u8]) -> Result<Self> {
-        decode(bytes)
+        decode(bytes, "graph-updates record")
     }
 }
 
@@ -147,15 +147,21 @@ pub struct TotalDeltaRef<'a> {
     pub delta: i64,
 }
 
+/// The format header, then the bincode of `value`.
 fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
-    bincode::serde::encode_to_vec(value, bincode_config()).map_err(|err| Error::Wire(err.to_string()))
+    let mut out = Vec::with_capacity(64);
+    out.extend_from_slice(&crate::format::RECORD_HEADER);
+    bincode::serde::encode_into_std_write(value, &mut out, bincode_config())
+        .map_err(|err| Error::Wire(err.to_string()))?;
+    Ok(out)
 }
 
-fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T> {
-    let (message, used) =
-        bincode::serde::decode_from_slice(bytes, bincode_config()).map_err(|err| Error::Wire(err.to_string()))?;
-    if used != bytes.len() {
-        return Err(Error::Wire(format!("{} trailing bytes", bytes.len() - used)));
+fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T> {
+    let body = crate::format::record_body(bytes, what)?;
+    let (message, used) = bincode::serde::decode_from_slice(body, bincode_config())
+        .map_err(|err| Error::Format(format!("{what}: {err}")))?;
+    if used != body.len() {
+        return Err(Error::Format(format!("{what}: {} trailing bytes", body.len() - used)));
     }
     Ok(message)
 }
@@ -212,10 +218,11 @@ pub struct IncrementRef<'a> {
 
 impl<'a> ShardMessageRef<'a> {
     pub fn decode(bytes: &'a [u8]) -> Result<Self> {
-        let (message, used) = bincode::serde::borrow_decode_from_slice(bytes, bincode_config())
-            .map_err(|err| Error::Wire(err.to_string()))?;
-        if used != bytes.len() {
-            return Err(Error::Wire(format!("{} trailing bytes", bytes.len() - used)));
+        let body = crate::format::record_body(bytes, "shard record")?;
+        let (message, used) = bincode::serde::borrow_decode_from_slice(body, bincode_config())
+            .map_err(|err| Error::Format(format!("shard record: {err}")))?;
+        if used != body.len() {
+            return Err(Error::Format(format!("shard record: {} trailing bytes", body.len() - used)));
         }
         Ok(message)
     }
@@ -241,18 +248,19 @@ impl ShardMessage {
         enum Borrowed<'a> {
             Increments { source: Source, entries: &'a [(Stamp, Increment)] },
         }
-        bincode::serde::encode_to_vec(Borrowed::Increments { source, entries }, bincode_config())
-            .map_err(|err| Error::Wire(err.to_string()))
+        encode(&Borrowed::Increments { source, entries })
     }
 
     pub fn decode(bytes: &[u8]) -> Result<Self> {
-        decode(bytes)
+        decode(bytes, "shard record")
     }
 }
 
 /// A record of `tally.dead-letter` (SPEC §4).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeadLetter {
+    /// Format version ([`crate::format::JSON_V1`]).
+    pub v: u32,
     pub topic: String,
     pub partition: i32,
     pub offset: i64,
@@ -286,6 +294,7 @@ impl DeadLetter {
         budget: usize,
     ) -> Result<Vec<u8>> {
         let mut letter = DeadLetter {
+            v: crate::format::JSON_V1,
             topic: topic.to_string(),
             partition,
             offset,
@@ -322,6 +331,8 @@ fn base64_len(n: usize) -> usize {
 /// A record of `tally.rollups` (SPEC §4).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Rollup {
+    /// Format version ([`crate::format::JSON_V1`]).
+    pub v: u32,
     pub entity: String,
     pub metric: String,
     /// A resolution name such as `1h`, or `all`.
@@ -336,6 +347,8 @@ pub struct Rollup {
 /// [`ShardOwner::GRAPH`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardOwner {
+    /// Format version ([`crate::format::JSON_V1`]).
+    pub v: u32,
     pub shard: u32,
     /// `host:port` of the owner's internal read API; `None` when it let go of the shard.
     pub addr: Option<String>,
@@ -348,6 +361,19 @@ pub struct ShardOwner {
 impl ShardOwner {
     /// The `shard` of `tally-graph`'s claim.
     pub const GRAPH: u32 = u32::MAX;
+
+    /// A claim of the current format.
+    pub fn new(shard: u32, addr: Option<String>, instance: String, at_ms: i64) -> Self {
+        Self { v: crate::format::JSON_V1, shard, addr, instance, at_ms }
+    }
+
+    /// Decodes a claim of the current format.
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        let claim: Self =
+            serde_json::from_slice(bytes).map_err(|err| Error::Format(format!("shard-owner claim: {err}")))?;
+        crate::format::check_json_version(claim.v, crate::format::JSON_V1, "shard-owner claim")?;
+        Ok(claim)
+    }
 }
 
 /// `kind` of a read (SPEC §5).

@@ -60,8 +60,7 @@ pub fn heartbeat(
     let producer: ThreadedProducer<DefaultProducerContext> = producer_config(kafka)?.create()?;
     let thread = std::thread::Builder::new().name("broker-heartbeat".into()).spawn(move || {
         let send = |leaving: bool| {
-            let beat =
-                BrokerHeartbeat { instance: me.instance.clone(), addr: me.addr.clone(), at_ms: now_ms(), leaving };
+            let beat = BrokerHeartbeat::new(me.instance.clone(), me.addr.clone(), now_ms(), leaving);
             if let Ok(payload) = serde_json::to_vec(&beat) {
                 if let Err((err, _)) = producer.send(BaseRecord::to(&topic).key(&me.instance).payload(&payload)) {
                     tracing::warn!(error = %err, "sending a heartbeat");
@@ -93,12 +92,10 @@ pub fn follow(
     let thread = std::thread::Builder::new().name("broker-membership".into()).spawn(move || {
         while !shutdown.is_cancelled() {
             match consumer.poll(Duration::from_millis(100)) {
-                Some(Ok(message)) => {
-                    match serde_json::from_slice::<BrokerHeartbeat>(message.payload().unwrap_or_default()) {
-                        Ok(heartbeat) => membership.record(heartbeat),
-                        Err(err) => tracing::warn!(error = %err, "ignoring a malformed heartbeat"),
-                    }
-                }
+                Some(Ok(message)) => match BrokerHeartbeat::decode(message.payload().unwrap_or_default()) {
+                    Ok(heartbeat) => membership.record(heartbeat),
+                    Err(err) => tracing::warn!(error = %err, "ignoring a malformed heartbeat"),
+                },
                 Some(Err(err)) => tracing::warn!(error = %err, "reading heartbeats"),
                 None => {}
             }
@@ -112,7 +109,7 @@ mod tests {
     use super::*;
 
     fn beat(instance: &str, at_ms: i64, leaving: bool) -> BrokerHeartbeat {
-        BrokerHeartbeat { instance: instance.into(), addr: format!("{instance}:1"), at_ms, leaving }
+        BrokerHeartbeat::new(instance.into(), format!("{instance}:1"), at_ms, leaving)
     }
 
     #[test]

@@ -292,6 +292,7 @@ impl Broker {
             Failure::Dead { offset, attempts, error, job } => {
                 tracing::warn!(queue = %queue.name, partition, offset, attempts, %error, job = %job.id, "job is dead");
                 let dead = DeadJob {
+                    v: tally_shared::format::JSON_V1,
                     queue: queue.name.clone(),
                     partition,
                     offset,

@@ -106,7 +106,17 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
             let kafka = config.kafka.clone();
             let records =
                 tokio::task::spawn_blocking(move || read_to_end(&kafka, &topic, Duration::from_secs(30))).await??;
-            let dead: Vec<DeadJob> = records.iter().filter_map(|r| serde_json::from_slice(r).ok()).collect();
+            let mut dead: Vec<DeadJob> = Vec::with_capacity(records.len());
+            for (position, record) in records.iter().enumerate() {
+                match DeadJob::decode(record) {
+                    Ok(job) => dead.push(job),
+                    // Listed, never dropped silently: requeue leaves it where it is.
+                    Err(err) => eprintln!(
+                        "record {position} of {}: not a dead job ({err}); left as is",
+                        names.dead_jobs(&queue)
+                    ),
+                }
+            }
             for job in &dead {
                 println!(
                     "{}  attempts {}  partition {} offset {}  error: {}",

@@ -26,10 +26,11 @@ use std::collections::{BTreeMap, HashSet};
 use rocksdb::WriteBatch;
 use tally_shared::counting::Coalescer;
 use tally_shared::dedupe::DedupeWindow;
+use tally_shared::format::PRESENT;
 use tally_shared::graph::apply_change;
 use tally_shared::graph::DescChange;
 use tally_shared::keys::{
-    decode_count_key, encode_count_key, encode_dedupe_key, encode_entity_prefix, Counts, ALL_TIME_WIDTH,
+    encode_count_key, encode_dedupe_key, encode_entity_prefix, parse_count_key, Counts, ALL_TIME_WIDTH,
 };
 use tally_shared::propagation::change_deltas;
 use tally_shared::records::split_by_size;
@@ -41,7 +42,7 @@ use tally_shared::outbox::outbox_key;
 
 use tally_shared::progress::Progress;
 
-use crate::store::{encode_names, ShardStore, CF_COUNTS, CF_DEDUPE, CF_DESC, CF_OUTBOX, CF_ROLLUPS};
+use crate::store::{ShardStore, CF_COUNTS, CF_DEDUPE, CF_DESC, CF_OUTBOX, CF_ROLLUPS};
 
 /// One record of the shard topic.
 #[derive(Debug, Clone, Copy)]
@@ -219,7 +220,7 @@ impl ShardStore {
             encode_count_key(&mut key, entity, metric, width_ms, bucket);
             batch.merge_cf(counts_cf, &key, counts.encode());
             if collect_changes {
-                batch.put_cf(rollups_cf, &key, []);
+                batch.put_cf(rollups_cf, &key, PRESENT);
                 report.changed.push(key.clone());
             }
         });
@@ -285,7 +286,7 @@ impl ShardStore {
                 descendants.remove(&change.origin);
                 batch.delete_cf(desc_cf, change.origin.as_bytes());
             } else {
-                batch.put_cf(desc_cf, change.origin.as_bytes(), encode_names(view));
+                batch.put_cf(desc_cf, change.origin.as_bytes(), tally_shared::keys::encode_names(view)?);
             }
         }
         drop(descendants);
@@ -293,7 +294,7 @@ impl ShardStore {
         for (key, delta) in local {
             batch.merge_cf(counts_cf, &key, Counts { direct: 0, total: delta }.encode());
             if collect_changes {
-                batch.put_cf(rollups_cf, &key, []);
+                batch.put_cf(rollups_cf, &key, PRESENT);
                 report.changed.push(key);
             }
         }
@@ -323,14 +324,14 @@ impl ShardStore {
             if !key.starts_with(&prefix) {
                 break;
             }
-            let Some(count_key) = decode_count_key(&key) else { continue };
+            let count_key = parse_count_key(&key)?;
             let retained = count_key.width_ms == ALL_TIME_WIDTH
                 || self
                     .options
                     .resolutions
                     .by_width(count_key.width_ms)
                     .is_some_and(|r| r.retains(count_key.bucket, now));
-            let value = Counts::decode(&value).direct;
+            let value = Counts::decode(&value)?.direct;
             if retained && value != 0 {
                 direct.push(((count_key.metric.to_string(), count_key.width_ms, count_key.bucket), value));
             }

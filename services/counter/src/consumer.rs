@@ -386,6 +386,7 @@ impl Rollups {
             };
             let key = format!("{}/{}/{}/{}", changed.entity, changed.metric, resolution, changed.bucket);
             let rollup = Rollup {
+                v: tally_shared::format::JSON_V1,
                 entity: changed.entity.to_string(),
                 metric: changed.metric.to_string(),
                 resolution,
@@ -487,7 +488,7 @@ impl Announcer<'_> {
     }
 
     fn publish(&self, shard: u32, addr: Option<String>) {
-        let claim = ShardOwner { shard, addr, instance: self.instance.clone(), at_ms: now_ms() };
+        let claim = ShardOwner::new(shard, addr, self.instance.clone(), now_ms());
         if let Ok(payload) = serde_json::to_vec(&claim) {
             send_with_backpressure(self.producer, &self.topic, &shard.to_string(), &payload);
         }

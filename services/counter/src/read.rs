@@ -3,7 +3,7 @@
 
 use rocksdb::{Direction, IteratorMode, ReadOptions};
 use tally_shared::keys::{
-    decode_count_key, encode_count_key, encode_entity_prefix, encode_resolution_prefix, Counts, ALL_TIME_WIDTH,
+    encode_count_key, encode_entity_prefix, encode_resolution_prefix, parse_count_key, Counts, ALL_TIME_WIDTH,
 };
 use tally_shared::wire::{Kind, MetricTotals, ShardAnswer, ShardMetricsResponse, ShardQuery};
 
@@ -38,7 +38,8 @@ impl ShardStore {
             let Some(resolution) = &plan.resolution else {
                 key.clear();
                 encode_count_key(&mut key, &query.entity, &query.metric, ALL_TIME_WIDTH, 0);
-                let counts = snapshot.get_pinned_cf(cf, &key)?.map(|v| Counts::decode(&v)).unwrap_or_default();
+                let counts =
+                    snapshot.get_pinned_cf(cf, &key)?.map(|v| Counts::decode(&v)).transpose()?.unwrap_or_default();
                 answers.push(ShardAnswer::Window {
                     value: pick(counts, query.kind),
                     resolution: "all".into(),
@@ -59,8 +60,11 @@ impl ShardStore {
             encode_resolution_prefix(&mut prefix, &query.entity, &query.metric, resolution.width_ms);
             for item in snapshot.iterator_cf_opt(cf, read_options, IteratorMode::From(&key, Direction::Forward)) {
                 let (stored_key, value) = item?;
-                let Some(decoded) = decode_count_key(&stored_key) else { break };
-                if !stored_key.starts_with(&prefix) || decoded.bucket >= end {
+                if !stored_key.starts_with(&prefix) {
+                    break;
+                }
+                let decoded = parse_count_key(&stored_key)?;
+                if decoded.bucket >= end {
                     break;
                 }
                 if !resolution.retains(decoded.bucket, now) {
@@ -69,7 +73,7 @@ impl ShardStore {
                 }
                 let index = ((decoded.bucket - plan.start) / plan.step) as usize;
                 if let Some(point) = points.get_mut(index) {
-                    *point += pick(Counts::decode(&value), query.kind);
+                    *point += pick(Counts::decode(&value)?, query.kind);
                 }
             }
             let answer = match query.spec {
@@ -111,13 +115,13 @@ impl ShardStore {
             if !stored_key.starts_with(&prefix) {
                 break;
             }
-            let Some(decoded) = decode_count_key(stored_key) else { break };
+            let decoded = parse_count_key(stored_key)?;
             if metrics.len() == limit {
                 return Ok(ShardMetricsResponse { metrics, more: true });
             }
             let metric = decoded.metric.to_string();
             if decoded.width_ms == ALL_TIME_WIDTH {
-                let counts = iterator.value().map(Counts::decode).unwrap_or_default();
+                let counts = iterator.value().map(Counts::decode).transpose()?.unwrap_or_default();
                 metrics.push(MetricTotals { metric: metric.clone(), total: counts.total, direct: counts.direct });
             }
             let mut next = prefix.clone();

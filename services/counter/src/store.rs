@@ -77,9 +77,23 @@ pub struct ShardStore {
     rebuild_until: AtomicI64,
 }
 
-fn add_counts(_key: &[u8], existing: Option<&[u8]>, operands: &MergeOperands) -> Option<Vec<u8>> {
-    let start = existing.map(Counts::decode).unwrap_or_default();
-    let sum = operands.iter().fold(start, |acc, operand| acc + Counts::decode(operand));
+/// Sums counts. A malformed value or operand fails the merge (`None`): RocksDB then
+/// reports corruption to the read or write that needed it, and the shard stops.
+fn add_counts(key: &[u8], existing: Option<&[u8]>, operands: &MergeOperands) -> Option<Vec<u8>> {
+    let decode = |bytes: &[u8]| match Counts::decode(bytes) {
+        Ok(counts) => Some(counts),
+        Err(err) => {
+            tracing::error!(key = %String::from_utf8_lossy(key), error = %err, "corrupt counts: the merge fails");
+            None
+        }
+    };
+    let mut sum = match existing {
+        Some(bytes) => decode(bytes)?,
+        None => Counts::default(),
+    };
+    for operand in operands {
+        sum = sum + decode(operand)?;
+    }
     Some(sum.encode().to_vec())
 }
 
@@ -125,10 +139,11 @@ impl ShardStore {
             ColumnFamilyDescriptor::new(CF_ROLLUPS, Options::default()),
         ];
         let db = DB::open_cf_descriptors(&db_options, path, families)?;
+        tally_shared::progress::check_store_format(&db)?;
         let progress = Progress::load(&db)?;
         let descendants = Self::load_descendants(&db)?;
         let rebuild_until = match db.get(KEY_REBUILD_UNTIL)? {
-            Some(bytes) => tally_shared::progress::decode_i64(&bytes),
+            Some(bytes) => tally_shared::format::decode_i64_value(&bytes, "rebuild_until")?,
             None => i64::MIN,
         };
         Ok(Self {
@@ -147,8 +162,9 @@ impl ShardStore {
         let mut descendants = HashMap::new();
         for item in db.iterator_cf(cf, rocksdb::IteratorMode::Start) {
             let (key, value) = item?;
-            let origin = String::from_utf8_lossy(&key).into_owned();
-            descendants.insert(origin, decode_names(&value));
+            let origin = String::from_utf8(key.to_vec())
+                .map_err(|_| tally_shared::Error::Format(format!("descendant view key {key:?}: not UTF-8")))?;
+            descendants.insert(origin, tally_shared::keys::decode_names(&value)?);
         }
         Ok(descendants)
     }
@@ -174,7 +190,9 @@ impl ShardStore {
     pub fn pending_rollups(&self, limit: usize) -> Result<Vec<Vec<u8>>> {
         let mut keys = Vec::new();
         for item in self.db.iterator_cf(self.cf(CF_ROLLUPS)?, rocksdb::IteratorMode::Start).take(limit) {
-            keys.push(item?.0.to_vec());
+            let (key, value) = item?;
+            tally_shared::format::check_present(&value, "rollup mark")?;
+            keys.push(key.to_vec());
         }
         Ok(keys)
     }
@@ -206,7 +224,7 @@ impl ShardStore {
     pub(crate) fn seen_recently(&self, key: &[u8], record_time: i64) -> Result<bool> {
         let cf = self.cf(CF_DEDUPE)?;
         Ok(match self.db.get_pinned_cf(cf, key)? {
-            Some(mark) => self.dedupe.repeats(&mark, record_time),
+            Some(mark) => self.dedupe.repeats(&mark, record_time)?,
             None => false,
         })
     }
@@ -216,7 +234,7 @@ impl ShardStore {
     /// restarted mid-rebuild still waits.
     pub fn rebuild_until(&self, end: i64) -> Result<()> {
         if self.progress().next_offset.is_none() && end > 0 {
-            self.db.put(KEY_REBUILD_UNTIL, end.to_le_bytes())?;
+            self.db.put(KEY_REBUILD_UNTIL, tally_shared::format::i64_value(end))?;
             self.rebuild_until.store(end, Ordering::Relaxed);
         }
         Ok(())
@@ -247,24 +265,15 @@ impl ShardStore {
         Ok(())
     }
 
-    /// The counts stored under each key (zero when absent).
+    /// The counts stored under each key (zero when absent; an error when malformed).
     pub fn get_counts<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Counts>> {
         let cf = self.cf(CF_COUNTS)?;
         self.db
             .batched_multi_get_cf(cf, keys.iter().map(AsRef::as_ref), false)
             .into_iter()
-            .map(|r| Ok(r?.map(|v| Counts::decode(&v)).unwrap_or_default()))
+            .map(|r| Ok(r?.map(|v| Counts::decode(&v)).transpose()?.unwrap_or_default()))
             .collect()
     }
-}
-
-/// A sorted list of entity names, as stored in the `desc` column family.
-pub(crate) fn encode_names(names: &[String]) -> Vec<u8> {
-    bincode::serde::encode_to_vec(names, bincode::config::standard()).unwrap_or_default()
-}
-
-fn decode_names(bytes: &[u8]) -> Vec<String> {
-    bincode::serde::decode_from_slice(bytes, bincode::config::standard()).map(|(names, _)| names).unwrap_or_default()
 }
 
 #[cfg(test)]

@@ -50,7 +50,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
     let announcer: ThreadedProducer<DefaultProducerContext> = producer_config(&config.kafka)?.create()?;
     let instance = format!("{:016x}", rand::random::<u64>());
     let announce = |addr: Option<String>| {
-        let claim = ShardOwner { shard: ShardOwner::GRAPH, addr, instance: instance.clone(), at_ms: now_ms() };
+        let claim = ShardOwner::new(ShardOwner::GRAPH, addr, instance.clone(), now_ms());
         if let Ok(payload) = serde_json::to_vec(&claim) {
             let topic = names.shard_owners();
             let record = BaseRecord::to(&topic).key("graph").payload(&payload);

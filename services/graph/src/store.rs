@@ -12,6 +12,7 @@ use std::sync::{Mutex, RwLock};
 
 use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, Options, WriteBatch, WriteOptions, DB};
 use tally_shared::dedupe::DedupeWindow;
+use tally_shared::format::PRESENT;
 use tally_shared::graph::{DescChange, EdgeUpdate, Graph};
 use tally_shared::outbox::{delete_outbox, outbox_key, read_outbox, OutboxEntry};
 use tally_shared::progress::Progress;
@@ -85,13 +86,16 @@ impl GraphStore {
             ColumnFamilyDescriptor::new(CF_OUTBOX, Options::default()),
         ];
         let db = DB::open_cf_descriptors(&db_options, path, families)?;
+        tally_shared::progress::check_store_format(&db)?;
         let progress = Progress::load(&db)?;
         let mut graph = Graph::default();
         {
             let edges = db.cf_handle(CF_EDGES).ok_or_else(|| Error::Processor("edges missing".into()))?;
             for item in db.iterator_cf(edges, rocksdb::IteratorMode::Start) {
-                let (key, _) = item?;
-                let Some((from, to)) = decode_edge(&key) else { continue };
+                let (key, value) = item?;
+                tally_shared::format::check_present(&value, "edge")?;
+                let (from, to) = decode_edge(&key)
+                    .ok_or_else(|| tally_shared::Error::Format(format!("edge key {key:?}: malformed")))?;
                 graph.add_edge(from, to);
             }
         }
@@ -183,8 +187,8 @@ impl GraphStore {
         for update in updates {
             let (key, in_key) = (encode_edge(&update.from, &update.to), encode_edge(&update.to, &update.from));
             if graph.has_edge(&update.from, &update.to) {
-                batch.put_cf(edges_cf, &key, []);
-                batch.put_cf(in_edges_cf, &in_key, []);
+                batch.put_cf(edges_cf, &key, PRESENT);
+                batch.put_cf(in_edges_cf, &in_key, PRESENT);
             } else {
                 batch.delete_cf(edges_cf, &key);
                 batch.delete_cf(in_edges_cf, &in_key);
@@ -221,7 +225,7 @@ impl GraphStore {
 
     fn seen_recently(&self, key: &[u8], record_time: i64) -> Result<bool> {
         Ok(match self.db.get_pinned_cf(self.cf(CF_DEDUPE)?, key)? {
-            Some(mark) => self.dedupe.repeats(&mark, record_time),
+            Some(mark) => self.dedupe.repeats(&mark, record_time)?,
             None => false,
         })
     }

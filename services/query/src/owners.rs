@@ -98,12 +98,10 @@ pub fn follow(
     let handle = std::thread::Builder::new().name("owners".into()).spawn(move || {
         while !shutdown.is_cancelled() {
             match consumer.poll(Duration::from_millis(200)) {
-                Some(Ok(message)) => {
-                    match serde_json::from_slice::<ShardOwner>(message.payload().unwrap_or_default()) {
-                        Ok(owner) => owners.record(owner, message.offset() as u64 + 1),
-                        Err(err) => tracing::warn!(error = %err, "ignoring a malformed shard-owner record"),
-                    }
-                }
+                Some(Ok(message)) => match ShardOwner::decode(message.payload().unwrap_or_default()) {
+                    Ok(owner) => owners.record(owner, message.offset() as u64 + 1),
+                    Err(err) => tracing::warn!(error = %err, "ignoring a malformed shard-owner record"),
+                },
                 Some(Err(err)) => tracing::warn!(error = %err, "owners consumer error"),
                 None => {}
             }

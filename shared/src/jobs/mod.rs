@@ -63,6 +63,8 @@ impl Job {
 /// A record of `tally.jobs.<queue>.dead`: the job and why it gave up.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct DeadJob {
+    /// Format version ([`crate::format::JSON_V1`]).
+    pub v: u32,
     pub queue: String,
     pub partition: i32,
     pub offset: i64,
@@ -77,6 +79,14 @@ pub struct DeadJob {
 }
 
 impl DeadJob {
+    /// Decodes a dead job of the current format.
+    pub fn decode(bytes: &[u8]) -> crate::Result<Self> {
+        let dead: Self =
+            serde_json::from_slice(bytes).map_err(|err| crate::Error::Format(format!("dead job: {err}")))?;
+        crate::format::check_json_version(dead.v, crate::format::JSON_V1, "dead job")?;
+        Ok(dead)
+    }
+
     /// The JSON record in at most `budget` bytes: the error is cut first, then —
     /// only if the job alone is too big — its payload.
     pub fn encode(mut self, budget: usize) -> serde_json::Result<Vec<u8>> {
@@ -143,6 +153,7 @@ mod tests {
     fn dead(payload_bytes: usize, error_bytes: usize) -> DeadJob {
         let payload = serde_json::json!({"blob": "p\n".repeat(payload_bytes / 2)});
         DeadJob {
+            v: crate::format::JSON_V1,
             queue: "q".into(),
             partition: 1,
             offset: 2,

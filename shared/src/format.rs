@@ -1,0 +1,123 @@
+//! Format versions of everything tally keeps: internal Kafka records and RocksDB values.
+//!
+//! - A binary internal record (the shard topic, the graph-updates topic, the outboxes
+//!   that hold them) starts with [`RECORD_MAGIC`] and its format version, then the
+//!   bincode body. The magic byte tells a stray producer's bytes from tally's.
+//! - A JSON record tally writes for itself (shard owners, broker heartbeats, queue
+//!   declarations) has a `"v"` field.
+//! - Every RocksDB value starts with its format version byte; a store also keeps the
+//!   version of its key layout under [`STORE_FORMAT_KEY`], checked when it opens.
+//!
+//! Decoders accept exactly the versions they know and fail with
+//! [`Error::Format`] otherwise — never a default. The upgrade rule (ARCHITECTURE.md):
+//! a change to a format adds a version and keeps the decoder of every older one until
+//! no topic or store of a supported release can hold it; the golden bytes of each
+//! version are committed (`shared/tests/golden/`) and must keep decoding.
+
+use crate::{Error, Result};
+
+/// The first byte of every binary internal record.
+pub const RECORD_MAGIC: u8 = 0xA7;
+/// The current version of binary internal records.
+pub const RECORD_V1: u8 = 1;
+/// The current version of RocksDB values.
+pub const VALUE_V1: u8 = 1;
+/// The current version of the JSON records tally writes (their `"v"`).
+pub const JSON_V1: u32 = 1;
+/// The key, in a store's default column family, of its key layout version.
+pub const STORE_FORMAT_KEY: &[u8] = b"format";
+/// The current key layout version of the stores.
+pub const STORE_V1: u8 = 1;
+
+/// The value of a key whose presence is the whole fact (an edge, a rollup mark).
+pub const PRESENT: [u8; 1] = [VALUE_V1];
+
+/// The header of a binary internal record of the current version.
+pub const RECORD_HEADER: [u8; 2] = [RECORD_MAGIC, RECORD_V1];
+
+/// The body of a binary internal record named `what`, after checking its header.
+pub fn record_body<'a>(bytes: &'a [u8], what: &str) -> Result<&'a [u8]> {
+    match bytes {
+        [RECORD_MAGIC, RECORD_V1, body @ ..] => Ok(body),
+        [RECORD_MAGIC, version, ..] => Err(unknown(what, *version)),
+        _ => Err(Error::Format(format!("{what}: not a tally record (no format header)"))),
+    }
+}
+
+/// `body` prefixed with the current value version.
+pub fn value(body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(body.len() + 1);
+    out.push(VALUE_V1);
+    out.extend_from_slice(body);
+    out
+}
+
+/// The body of a RocksDB value named `what`, after checking its version.
+pub fn value_body<'a>(bytes: &'a [u8], what: &str) -> Result<&'a [u8]> {
+    match bytes {
+        [VALUE_V1, body @ ..] => Ok(body),
+        [version, ..] => Err(unknown(what, *version)),
+        [] => Err(Error::Format(format!("{what}: empty value"))),
+    }
+}
+
+/// The body of a fixed-size RocksDB value named `what`.
+pub fn value_array<const N: usize>(bytes: &[u8], what: &str) -> Result<[u8; N]> {
+    let body = value_body(bytes, what)?;
+    body.try_into().map_err(|_| Error::Format(format!("{what}: {} bytes, expected {N}", body.len())))
+}
+
+/// Checks a [`PRESENT`] value.
+pub fn check_present(bytes: &[u8], what: &str) -> Result<()> {
+    match value_body(bytes, what)? {
+        [] => Ok(()),
+        body => Err(Error::Format(format!("{what}: {} unexpected bytes", body.len()))),
+    }
+}
+
+/// A versioned little-endian i64 value.
+pub fn i64_value(value: i64) -> [u8; 9] {
+    let mut out = [VALUE_V1; 9];
+    out[1..].copy_from_slice(&value.to_le_bytes());
+    out
+}
+
+/// Decodes an [`i64_value`].
+pub fn decode_i64_value(bytes: &[u8], what: &str) -> Result<i64> {
+    value_array::<8>(bytes, what).map(i64::from_le_bytes)
+}
+
+/// Checks a JSON record's `"v"`: only `known` is accepted.
+pub fn check_json_version(found: u32, known: u32, what: &str) -> Result<()> {
+    if found == known {
+        Ok(())
+    } else {
+        Err(Error::Format(format!("{what}: format version {found}, this build reads version {known}")))
+    }
+}
+
+fn unknown(what: &str, version: u8) -> Error {
+    Error::Format(format!("{what}: unknown format version {version} (a newer tally wrote it, or it is corrupt)"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_and_versions_are_checked() {
+        assert_eq!(record_body(&[RECORD_MAGIC, RECORD_V1, 7, 8], "r").unwrap(), &[7, 8]);
+        let newer = record_body(&[RECORD_MAGIC, 2, 7], "shard record").unwrap_err().to_string();
+        assert!(newer.contains("unknown format version 2"), "{newer}");
+        assert!(record_body(&[1, 2, 3], "r").unwrap_err().to_string().contains("not a tally record"));
+        assert!(record_body(&[], "r").is_err());
+
+        assert_eq!(decode_i64_value(&i64_value(-5), "n").unwrap(), -5);
+        assert!(decode_i64_value(&(-5i64).to_le_bytes(), "n").is_err(), "an unversioned value");
+        assert!(decode_i64_value(&[VALUE_V1, 1, 2], "n").unwrap_err().to_string().contains("2 bytes, expected 8"));
+        assert!(value_body(&[], "v").is_err());
+        assert_eq!(value_body(&value(b"ab"), "v").unwrap(), b"ab");
+        assert!(check_json_version(2, 1, "owner").is_err());
+        assert!(check_json_version(1, 1, "owner").is_ok());
+    }
+}

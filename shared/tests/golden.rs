@@ -1,0 +1,192 @@
+//! Golden bytes of every format tally keeps (see `tally_shared::format`).
+//!
+//! Each sample's bytes, as the current version writes them, are committed under
+//! `tests/golden/`. The test decodes the committed bytes and compares with the sample
+//! (old data still reads), and encodes the sample and compares with the committed
+//! bytes (the format did not drift). A change that fails here needs a new format
+//! version, not new golden bytes. `TALLY_BLESS=1` writes missing files only.
+
+use std::path::PathBuf;
+
+use tally_shared::dedupe::DedupeWindow;
+use tally_shared::format::{self, JSON_V1, PRESENT};
+use tally_shared::graph::{DescChange, EdgeOp, EdgeUpdate};
+use tally_shared::jobs::api::BrokerHeartbeat;
+use tally_shared::jobs::{DeadJob, Job};
+use tally_shared::keys::{decode_names, encode_names, Counts};
+use tally_shared::progress::{decode_stamp, encode_stamp};
+use tally_shared::records::Truncated;
+use tally_shared::wire::{
+    DeadLetter, GraphMessage, GraphUpdate, Increment, Rollup, ShardMessage, ShardOwner, Source, Stamp, TotalDelta,
+};
+
+/// Compares `encoded` with the committed bytes of `name` and returns them.
+fn golden(name: &str, encoded: &[u8]) -> Vec<u8> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(name);
+    if !path.exists() && std::env::var_os("TALLY_BLESS").is_some() {
+        std::fs::write(&path, encoded).unwrap();
+    }
+    let committed = std::fs::read(&path).unwrap_or_else(|err| panic!("{}: {err}", path.display()));
+    assert_eq!(encoded, committed.as_slice(), "{name}: the current encoder no longer writes the committed bytes");
+    committed
+}
+
+const SOURCE: Source = Source { stream: Source::INCREMENTS, partition: 7 };
+
+#[test]
+fn shard_records() {
+    let increments = ShardMessage::Increments {
+        source: SOURCE,
+        entries: vec![
+            (
+                Stamp { offset: 41, index: 0 },
+                Increment {
+                    entity: "user:1".into(),
+                    metric: "views".into(),
+                    delta: 3,
+                    ts: 1_700_000_000_000,
+                    id: None,
+                },
+            ),
+            (
+                Stamp { offset: 41, index: 1 },
+                Increment { entity: "ü".into(), metric: "likes".into(), delta: -2, ts: -1, id: Some("r-9".into()) },
+            ),
+        ],
+    };
+    let bytes = golden("shard-increments.bin", &increments.encode().unwrap());
+    assert_eq!(ShardMessage::decode(&bytes).unwrap(), increments);
+
+    let changes = ShardMessage::DescChanges {
+        source: Source { stream: Source::GRAPH_PROCESSOR, partition: 0 },
+        entries: vec![(
+            Stamp { offset: 5, index: 2 },
+            DescChange { origin: "a".into(), added: vec!["b".into(), "c".into()], removed: vec!["d".into()] },
+        )],
+    };
+    let bytes = golden("shard-desc-changes.bin", &changes.encode().unwrap());
+    assert_eq!(ShardMessage::decode(&bytes).unwrap(), changes);
+
+    let totals = ShardMessage::Totals {
+        source: Source { stream: Source::SHARD, partition: 3 },
+        entries: vec![(
+            Stamp { offset: 9, index: 0 },
+            TotalDelta {
+                entity: "topic:x".into(),
+                metric: "views".into(),
+                width_ms: 60_000,
+                bucket: 120_000,
+                delta: 4,
+            },
+        )],
+    };
+    let bytes = golden("shard-totals.bin", &totals.encode().unwrap());
+    assert_eq!(ShardMessage::decode(&bytes).unwrap(), totals);
+}
+
+#[test]
+fn graph_update_records() {
+    let updates = GraphMessage::Updates {
+        source: Source { stream: Source::GRAPH, partition: 1 },
+        entries: vec![
+            (
+                Stamp { offset: 3, index: 0 },
+                GraphUpdate { edge: EdgeUpdate { op: EdgeOp::Add, from: "a".into(), to: "b".into() }, id: None },
+            ),
+            (
+                Stamp { offset: 3, index: 1 },
+                GraphUpdate {
+                    edge: EdgeUpdate { op: EdgeOp::Remove, from: "a".into(), to: "c".into() },
+                    id: Some("g-1".into()),
+                },
+            ),
+        ],
+    };
+    let bytes = golden("graph-updates.bin", &updates.encode().unwrap());
+    assert_eq!(GraphMessage::decode(&bytes).unwrap(), updates);
+}
+
+#[test]
+fn store_values() {
+    let counts = Counts { direct: 5, total: -12 };
+    let bytes = golden("value-counts.bin", &counts.encode());
+    assert_eq!(Counts::decode(&bytes).unwrap(), counts);
+
+    let mark = golden("value-dedupe-mark.bin", &DedupeWindow::mark(1_700_000_000_123, SOURCE));
+    assert_eq!(DedupeWindow::decode(&mark).unwrap(), (1_700_000_000_123, SOURCE));
+
+    let stamp = Stamp { offset: 1_234_567, index: 8 };
+    let bytes = golden("value-high-water.bin", &encode_stamp(stamp));
+    assert_eq!(decode_stamp(&bytes).unwrap(), stamp);
+
+    let bytes = golden("value-offset.bin", &format::i64_value(987_654));
+    assert_eq!(format::decode_i64_value(&bytes, "offset").unwrap(), 987_654);
+
+    let names = vec!["b".to_string(), "topic:ü".to_string()];
+    let bytes = golden("value-descendants.bin", &encode_names(&names).unwrap());
+    assert_eq!(decode_names(&bytes).unwrap(), names);
+
+    let bytes = golden("value-present.bin", &PRESENT);
+    format::check_present(&bytes, "mark").unwrap();
+    golden("store-format.bin", &[format::STORE_V1]);
+}
+
+#[test]
+fn json_records() {
+    let owner = ShardOwner::new(4, Some("10.0.0.7:9101".into()), "00ab".into(), 1_700_000_000_000);
+    let bytes = golden("shard-owner.json", &serde_json::to_vec(&owner).unwrap());
+    assert_eq!(ShardOwner::decode(&bytes).unwrap(), owner);
+
+    let beat = BrokerHeartbeat::new("b1".into(), "10.0.0.8:9300".into(), 1_700_000_000_000, true);
+    let bytes = golden("broker-heartbeat.json", &serde_json::to_vec(&beat).unwrap());
+    assert_eq!(BrokerHeartbeat::decode(&bytes).unwrap(), beat);
+
+    let rollup = Rollup {
+        v: JSON_V1,
+        entity: "user:1".into(),
+        metric: "views".into(),
+        resolution: "1h".into(),
+        bucket: 1_699_999_200_000,
+        total: 10,
+        direct: 7,
+    };
+    let bytes = golden("rollup.json", &serde_json::to_vec(&rollup).unwrap());
+    assert_eq!(serde_json::from_slice::<Rollup>(&bytes).unwrap(), rollup);
+
+    let letter =
+        DeadLetter::encode("tally.increments", 2, 17, Some(1), "metric: empty", b"{\"x\":1}", 1 << 20).unwrap();
+    let bytes = golden("dead-letter.json", &letter);
+    let decoded: DeadLetter = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!((decoded.v, decoded.offset, decoded.index, decoded.truncated), (JSON_V1, 17, Some(1), Truncated::new()));
+
+    let job = Job::parse(br#"{"id":"j1","payload":{"n":1}}"#).unwrap();
+    let dead = DeadJob {
+        v: JSON_V1,
+        queue: "emails".into(),
+        partition: 0,
+        offset: 3,
+        attempts: 5,
+        error: "smtp timeout".into(),
+        job,
+        truncated: Truncated::new(),
+    };
+    let bytes = golden("dead-job.json", &serde_json::to_vec(&dead).unwrap());
+    let decoded = DeadJob::decode(&bytes).unwrap();
+    assert_eq!((decoded.job.id.as_str(), decoded.attempts, decoded.error.as_str()), ("j1", 5, "smtp timeout"));
+}
+
+#[test]
+fn other_versions_fail_loudly() {
+    let mut newer = ShardMessage::Totals { source: SOURCE, entries: vec![] }.encode().unwrap();
+    newer[1] = 2;
+    let err = ShardMessage::decode(&newer).unwrap_err().to_string();
+    assert!(err.contains("unknown format version 2"), "{err}");
+    assert!(GraphMessage::decode(b"{\"op\":\"add_edge\"}").unwrap_err().to_string().contains("not a tally record"));
+    let mut counts = Counts::default().encode();
+    counts[0] = 2;
+    assert!(Counts::decode(&counts).is_err());
+    let owner = br#"{"v":2,"shard":1,"addr":null,"instance":"i","at_ms":0}"#;
+    assert!(ShardOwner::decode(owner).unwrap_err().to_string().contains("version 2"));
+    let unversioned = br#"{"shard":1,"addr":null,"instance":"i","at_ms":0}"#;
+    assert!(ShardOwner::decode(unversioned).is_err());
+}
