@@ -335,6 +335,13 @@ impl Sandbox {
         }
     }
 
+    /// A service's `/readyz`: status and body (JSON when not ready, else Null).
+    pub async fn readyz_body(&self, name: &str) -> (u16, serde_json::Value) {
+        let response = reqwest::get(format!("http://{}/readyz", self.admin[name])).await.expect("GET /readyz");
+        let status = response.status().as_u16();
+        (status, response.json().await.unwrap_or(serde_json::Value::Null))
+    }
+
     /// Waits until a service reports ready; panics with its log after `timeout`.
     pub async fn wait_ready(&self, name: &str, timeout: Duration) {
         let deadline = tokio::time::Instant::now() + timeout;

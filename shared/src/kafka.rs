@@ -204,12 +204,19 @@ pub fn read_to_end(kafka: &KafkaConfig, topic: &str, timeout: Duration) -> Resul
     }
     consumer.assign(&assignment)?;
     let deadline = std::time::Instant::now() + timeout;
-    while !remaining.is_empty() && std::time::Instant::now() < deadline {
-        if let Some(Ok(message)) = consumer.poll(Duration::from_millis(200)) {
-            records.push(message.payload().unwrap_or_default().to_vec());
-            if remaining.get(&message.partition()).is_some_and(|high| message.offset() + 1 >= *high) {
-                remaining.remove(&message.partition());
+    while !remaining.is_empty() {
+        if std::time::Instant::now() >= deadline {
+            return Err(Error::Topics(format!("{topic}: could not read to its end within {timeout:?}")));
+        }
+        match consumer.poll(Duration::from_millis(200)) {
+            Some(Ok(message)) => {
+                records.push(message.payload().unwrap_or_default().to_vec());
+                if remaining.get(&message.partition()).is_some_and(|high| message.offset() + 1 >= *high) {
+                    remaining.remove(&message.partition());
+                }
             }
+            Some(Err(err)) => tracing::warn!(topic, error = %err, "reading to the end"),
+            None => {}
         }
     }
     Ok(records)

@@ -7,7 +7,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -34,17 +34,40 @@ pub fn init_logging(config: &LogConfig) {
     };
 }
 
-/// Whether the service is ready to serve; flipped by the service as it connects.
+/// Whether the service is ready to serve: set by the service from its real state
+/// (connected, owning what it should), and never while something it owns failed.
 #[derive(Clone, Default)]
-pub struct Readiness(Arc<AtomicBool>);
+pub struct Readiness(Arc<ReadinessState>);
+
+#[derive(Default)]
+struct ReadinessState {
+    ready: AtomicBool,
+    /// What failed and why (a shard, a partition), for `/readyz` to name.
+    failures: RwLock<Vec<String>>,
+}
 
 impl Readiness {
     pub fn set(&self, ready: bool) {
-        self.0.store(ready, Ordering::Relaxed);
+        self.0.ready.store(ready, Ordering::Relaxed);
+    }
+
+    /// Replaces the list of failures; any failure makes the service not ready.
+    pub fn set_failures(&self, failures: Vec<String>) {
+        match self.0.failures.write() {
+            Ok(mut current) => *current = failures,
+            Err(poisoned) => *poisoned.into_inner() = failures,
+        }
+    }
+
+    pub fn failures(&self) -> Vec<String> {
+        match self.0.failures.read() {
+            Ok(failures) => failures.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
     }
 
     pub fn is_ready(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
+        self.0.ready.load(Ordering::Relaxed) && self.failures().is_empty()
     }
 }
 
@@ -90,12 +113,14 @@ async fn metrics(State(state): State<AdminState>) -> (StatusCode, String) {
     (StatusCode::OK, String::from_utf8_lossy(&buffer).into_owned())
 }
 
-async fn ready(State(state): State<AdminState>) -> (StatusCode, &'static str) {
+/// `200 ready`, or `503` with what is not ready: `{"ready":false,"failures":[…]}`.
+async fn ready(State(state): State<AdminState>) -> axum::response::Response {
+    use axum::response::IntoResponse;
     if state.readiness.is_ready() {
-        (StatusCode::OK, "ready\n")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+        return (StatusCode::OK, "ready\n").into_response();
     }
+    let body = serde_json::json!({"ready": false, "failures": state.readiness.failures()});
+    (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response()
 }
 
 /// Registers a metric, tolerating double registration (tests start a service twice

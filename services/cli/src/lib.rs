@@ -3,6 +3,7 @@
 
 pub mod bench_jobs;
 pub mod jobs;
+pub mod shards;
 pub mod up;
 
 use std::path::PathBuf;
@@ -49,6 +50,11 @@ enum Command {
     Jobs {
         #[command(subcommand)]
         command: jobs::JobsCommand,
+    },
+    /// Operator actions on counter shards (move a failed shard past a record).
+    Shards {
+        #[command(subcommand)]
+        command: shards::ShardsCommand,
     },
     /// Check a config as a service would load it.
     Config {
@@ -229,6 +235,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Graph(args) => graph(&config, args).await,
         Command::Config { command: ConfigCommand::Check } => config_check(cli.config.as_deref()),
         Command::Jobs { command } => jobs::run(&config, command).await,
+        Command::Shards { command } => shards::run(&config, command).await,
         Command::Query(args) => query(&config, args).await,
         Command::Bench {
             command:

@@ -1,7 +1,9 @@
 //! Applying a batch of shard records to a shard store, exactly once.
 //!
 //! A record is skipped when its offset is below the store's `next_offset` (Kafka
-//! redelivered it); an entry is skipped when its stamp is at or below its source's
+//! redelivered it). A record that does not decode stops the batch there: what came
+//! before it is committed, the store's `next_offset` stays at it, and the report
+//! names it (the shard then fails; nothing past it is applied). An entry is skipped when its stamp is at or below its source's
 //! high-water mark (its sender sent it again after a restart) or when its
 //! `(entity, id)` was seen within the dedupe window (the producer retried).
 //!
@@ -60,8 +62,8 @@ pub struct ApplyReport {
     pub records: usize,
     /// Records already applied (offset below `next_offset`).
     pub stale_records: usize,
-    /// Records that are not shard messages: logged and skipped.
-    pub undecodable_records: usize,
+    /// The record that does not decode, and why: the batch stopped at it.
+    pub undecodable: Option<(i64, String)>,
     pub increments: u64,
     /// Entries at or below their source's high-water stamp.
     pub redelivered: u64,
@@ -119,13 +121,13 @@ impl ShardStore {
                 }
                 Ok(message) => run.push((record.offset, record.timestamp.unwrap_or(now), message)),
                 Err(err) => {
-                    tracing::error!(shard = self.shard, offset = record.offset, error = %err, "skipping undecodable shard record");
-                    report.undecodable_records += 1;
+                    report.undecodable = Some((record.offset, err.to_string()));
+                    break;
                 }
             }
             progress.next_offset = Some(record.offset + 1);
         }
-        // Also commits the progress past stale or undecodable records.
+        // Also commits the progress past stale records.
         self.apply_counts(&run, &mut progress, now, collect_changes, &mut report)?;
         Ok(report)
     }
@@ -556,17 +558,21 @@ mod tests {
     }
 
     #[test]
-    fn garbage_records_are_skipped_but_consumed() {
+    fn a_garbage_record_stops_the_batch_after_committing_what_came_before() {
         let dir = tempfile::tempdir().unwrap();
         let store = ShardStore::open(0, dir.path(), options()).unwrap();
         let good = message(0, &[(1, 0, "a", 1, None)]);
+        let later = message(0, &[(2, 0, "a", 1, None)]);
         let records = [
-            ShardRecord { offset: 5, payload: b"garbage", timestamp: None },
-            ShardRecord { offset: 6, payload: &good, timestamp: None },
+            ShardRecord { offset: 5, payload: &good, timestamp: None },
+            ShardRecord { offset: 6, payload: b"garbage", timestamp: None },
+            ShardRecord { offset: 7, payload: &later, timestamp: None },
         ];
         let report = store.apply(&records, NOW, true).unwrap();
-        assert_eq!((report.undecodable_records, report.increments), (1, 1));
-        assert_eq!(store.progress().next_offset, Some(7));
+        let (offset, reason) = report.undecodable.clone().unwrap();
+        assert_eq!((offset, report.increments), (6, 1));
+        assert!(reason.contains("not a tally record"), "{reason}");
+        assert_eq!(store.progress().next_offset, Some(6), "stays at the failed record");
         assert_eq!(report.changed.len(), 4);
         assert_eq!(store.pending_rollups(100).unwrap(), report.changed, "marked for publishing");
         store.rollups_published(&report.changed).unwrap();

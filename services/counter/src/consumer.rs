@@ -6,7 +6,7 @@
 //! shard's store is opened and the partition starts at the store's `next_offset`
 //! (the group's committed offset is only advisory, for lag tooling).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -22,14 +22,14 @@ use tally_shared::kafka::{client_config, now_ms, producer_config, TopicNames};
 use tally_shared::keys::{decode_count_key, ALL_TIME_WIDTH};
 use tally_shared::telemetry::Readiness;
 use tally_shared::time::Resolutions;
-use tally_shared::wire::{Rollup, ShardOwner};
+use tally_shared::wire::{DeadLetter, Rollup, ShardOwner};
 use tokio_util::sync::CancellationToken;
 
 use crate::apply::{ApplyReport, ShardRecord};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::relay::relay_outboxes;
-use crate::shards::Shards;
+use crate::shards::{ShardFailure, Shards, SkipRequest};
 use crate::store::{ShardStore, StoreOptions};
 use tally_shared::outbox::Relay;
 
@@ -77,14 +77,26 @@ impl CounterContext {
     }
 
     /// Opens the stores of the partitions in `tpl`, positions each at its store's
-    /// next offset, assigns them and publishes the new ownership.
-    fn assign(&self, consumer: &BaseConsumer<Self>, tpl: &mut TopicPartitionList) -> Result<()> {
+    /// next offset, assigns them and publishes the new ownership. A store that does
+    /// not open (corrupt, or of another format) fails its shard, not the process.
+    fn assign(&self, consumer: &BaseConsumer<Self>, tpl: &TopicPartitionList) -> Result<()> {
         let partitions: Vec<(String, i32)> =
             tpl.elements().iter().map(|e| (e.topic().to_string(), e.partition())).collect();
         let mut stores = HashMap::new();
+        let mut failures = BTreeMap::new();
+        let mut assigned = TopicPartitionList::new();
         for (topic, partition) in partitions {
             let shard = partition as u32;
-            let store = self.open(shard)?;
+            let store = match self.open(shard) {
+                Ok(store) => store,
+                Err(err) => {
+                    let failure =
+                        ShardFailure { offset: None, reason: format!("opening its store: {err}"), record: None };
+                    tracing::error!(shard, reason = %failure.reason, "shard failed: it applies nothing until an operator acts");
+                    failures.insert(shard, failure);
+                    continue;
+                }
+            };
             if store.progress().next_offset.is_none() {
                 // Built from scratch: not served until it caught up with the log.
                 let (_, end) = consumer.fetch_watermarks(&topic, partition, Duration::from_secs(10))?;
@@ -94,12 +106,12 @@ impl CounterContext {
                 }
             }
             let offset = store.progress().next_offset.map_or(Offset::Beginning, Offset::Offset);
-            tpl.set_partition_offset(&topic, partition, offset)?;
+            assigned.add_partition_offset(&topic, partition, offset)?;
             stores.insert(shard, store);
         }
-        consumer.assign(tpl)?;
+        consumer.assign(&assigned)?;
         tracing::info!(shards = ?stores.keys().collect::<Vec<_>>(), "shards assigned");
-        self.shards.replace(stores);
+        self.shards.replace(stores, failures);
         Ok(())
     }
 
@@ -126,7 +138,7 @@ impl ConsumerContext for CounterContext {
                     tracing::warn!(error = %err, "unassign failed");
                 }
                 tracing::info!("shards revoked");
-                self.shards.replace(HashMap::new());
+                self.shards.replace(HashMap::new(), BTreeMap::new());
             }
             other => tracing::warn!(error = ?other, "unexpected rebalance event"),
         }
@@ -173,7 +185,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         for partition in 0..shard_count as i32 {
             tpl.add_partition(&shard_topic, partition);
         }
-        consumer.context().assign(&consumer, &mut tpl)?;
+        consumer.context().assign(&consumer, &tpl)?;
     } else {
         consumer.subscribe(&[&shard_topic])?;
     }
@@ -189,6 +201,11 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     };
 
     let relay = Relay::new(&config.kafka, shard_topic.clone())?;
+    let skips = Skips {
+        letters: Relay::new(&config.kafka, names.dead_letter())?,
+        topic: shard_topic.clone(),
+        budget: config.kafka.record_budget(),
+    };
     let lag_reporter =
         spawn_lag_reporter(&config, shard_topic.clone(), shards.clone(), metrics.clone(), shutdown.clone())?;
     let linger = Duration::from_millis(config.counter.batch_linger_ms);
@@ -216,9 +233,9 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
                 batch.clear();
                 batch_bytes = 0;
                 metrics.owned_shards.set(shards.owned().len() as i64);
-                serving = shards.serving();
+                serving = shards.announced();
                 announcer.announce(&serving, true);
-                readiness.set(!serving.is_empty());
+                report_state(&shards, &readiness, &metrics);
             }
             match polled {
                 Some(Ok(message)) => {
@@ -248,16 +265,20 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         }
         let mut outbox_written = 0;
         if !batch.is_empty() {
-            outbox_written = apply_batch(&batch, &shards, &metrics, rollups.as_ref())?;
+            let (written, failed) = apply_batch(&batch, &shards, &metrics, rollups.as_ref());
+            outbox_written = written;
+            pause(&consumer, &shard_topic, &failed);
             commit_advisory(&consumer, &shard_topic, &shards);
-            let now_serving = shards.serving();
-            if now_serving != serving {
-                // A rebuilt shard caught up: announce it now, not at the next heartbeat.
-                serving = now_serving;
-                announcer.announce(&serving, true);
-                readiness.set(!serving.is_empty());
-            }
         }
+        skips.carry_out(&consumer, &shards, &metrics);
+        let now_serving = shards.announced();
+        if now_serving != serving {
+            // A rebuilt shard caught up, or one failed or recovered: announce it
+            // now, not at the next heartbeat.
+            serving = now_serving;
+            announcer.announce(&serving, true);
+        }
+        report_state(&shards, &readiness, &metrics);
         // Right after a batch that wrote totals for other shards; and with every
         // heartbeat, for what a store still held after a restart or a new assignment.
         if outbox_written > 0 || announcer.due() {
@@ -281,9 +302,8 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             if let Some(fatal) = fatal {
                 return Err(Error::Consumer(format!("a producer failed for good: {fatal}")));
             }
-            serving = shards.serving();
+            serving = shards.announced();
             announcer.announce(&serving, false);
-            readiness.set(!serving.is_empty());
         }
     }
     if let Err(err) = relay_outboxes(&relay, &shards, &metrics) {
@@ -300,9 +320,37 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     Ok(())
 }
 
-/// Applies a polled batch shard by shard; returns how many outbox messages it wrote.
-fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, rollups: Option<&Rollups>) -> Result<u64> {
+/// Readiness and the failure gauge from the shards' state: ready while this counter
+/// serves shards and none failed; `/readyz` names each failure.
+fn report_state(shards: &Shards, readiness: &Readiness, metrics: &Metrics) {
+    let failures = shards.failures();
+    metrics.failed_shards.set(failures.len() as i64);
+    readiness.set_failures(failures.iter().map(|(shard, failure)| failure.describe(*shard)).collect());
+    readiness.set(!shards.serving().is_empty());
+}
+
+/// Stops fetching the partitions of failed shards.
+fn pause(consumer: &BaseConsumer<CounterContext>, topic: &str, failed: &[u32]) {
+    if failed.is_empty() {
+        return;
+    }
+    let mut tpl = TopicPartitionList::new();
+    for &shard in failed {
+        tpl.add_partition(topic, shard as i32);
+    }
+    if let Err(err) = consumer.pause(&tpl) {
+        // Its records are dropped unapplied all the same (see `apply_batch`).
+        tracing::warn!(error = %err, "pausing failed shards");
+    }
+}
+
+/// Applies a polled batch shard by shard; returns how many outbox messages it
+/// wrote and the shards that failed in it. A failed shard applies nothing more
+/// (records of it polled before it was paused are dropped: its store's offset
+/// stays at the failure); the others go on.
+fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, rollups: Option<&Rollups>) -> (u64, Vec<u32>) {
     let mut outbox_written = 0;
+    let mut failed = Vec::new();
     let mut by_shard: HashMap<u32, Vec<ShardRecord<'_>>> = HashMap::new();
     for polled in batch {
         by_shard.entry(polled.shard).or_default().push(ShardRecord {
@@ -312,12 +360,26 @@ fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, rollups: Op
         });
     }
     for (shard, mut records) in by_shard {
-        let Some(store) = shards.get(shard) else { continue };
+        let Some(store) = shards.get(shard).filter(|_| shards.failure(shard).is_none()) else { continue };
         records.sort_by_key(|r| r.offset);
         let started = Instant::now();
-        let report = store.apply(&records, now_ms(), rollups.is_some())?;
+        let report = match store.apply(&records, now_ms(), rollups.is_some()) {
+            Ok(report) => report,
+            Err(err) => {
+                let offset = store.progress().next_offset;
+                shards.fail(shard, ShardFailure { offset, reason: err.to_string(), record: None });
+                failed.push(shard);
+                continue;
+            }
+        };
         metrics.apply_seconds.observe(started.elapsed().as_secs_f64());
         record_metrics(metrics, &report);
+        if let Some((offset, reason)) = &report.undecodable {
+            let record = records.iter().find(|r| r.offset == *offset).map(|r| Arc::new(r.payload.to_vec()));
+            shards.fail(shard, ShardFailure { offset: Some(*offset), reason: reason.clone(), record });
+            metrics.undecodable_records.inc();
+            failed.push(shard);
+        }
         outbox_written += report.outbox_messages;
         // Marked in the batch; sent now unless the last round failed (then the
         // heartbeat's round retries, and counting never waits on a broken topic).
@@ -325,14 +387,62 @@ fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, rollups: Op
             rollups.publish(&store, &report.changed, metrics);
         }
     }
-    Ok(outbox_written)
+    (outbox_written, failed)
+}
+
+/// Carries out operators' `tally shards skip` requests on the consumer thread: the
+/// failed record goes to the dead-letter topic (acknowledged), the store's offset
+/// moves past it, and the shard resumes from there.
+struct Skips {
+    letters: Relay,
+    topic: String,
+    budget: usize,
+}
+
+impl Skips {
+    fn carry_out(&self, consumer: &BaseConsumer<CounterContext>, shards: &Shards, metrics: &Metrics) {
+        for request in shards.take_skips() {
+            let result = self.skip(consumer, shards, &request).map_err(|err| err.to_string());
+            match &result {
+                Ok(()) => {
+                    metrics.skipped_records.inc();
+                    tracing::warn!(shard = request.shard, offset = request.offset, reason = %request.reason, "an operator skipped a failed record; it is in the dead-letter topic and the shard resumed");
+                }
+                Err(err) => {
+                    tracing::error!(shard = request.shard, offset = request.offset, error = %err, "skipping failed")
+                }
+            }
+            let _ = request.done.send(result);
+        }
+    }
+
+    fn skip(&self, consumer: &BaseConsumer<CounterContext>, shards: &Shards, request: &SkipRequest) -> Result<()> {
+        let shard = request.shard;
+        let failure = shards.failure(shard).ok_or_else(|| Error::Skip(format!("shard {shard} has not failed")))?;
+        let record = match (&failure.record, failure.offset) {
+            (Some(record), Some(offset)) if offset == request.offset => record.clone(),
+            _ => return Err(Error::Skip(failure.describe(shard))),
+        };
+        let store = shards.get(shard).ok_or_else(|| Error::Skip(format!("shard {shard} is not owned here")))?;
+        let reason = format!("skipped by an operator: {} (it failed: {})", request.reason, failure.reason);
+        let letter =
+            DeadLetter::encode(&self.topic, shard as i32, request.offset, None, &reason, &record, self.budget)?;
+        let key = format!("{}/{shard}/{}", self.topic, request.offset);
+        self.letters.send_keyed([(key.as_str(), letter.as_slice())])?;
+        store.skip_record(request.offset)?;
+        shards.recover(shard);
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&self.topic, shard as i32, Offset::Offset(request.offset + 1))?;
+        consumer.seek_partitions(tpl.clone(), Duration::from_secs(10))?;
+        consumer.resume(&tpl)?;
+        Ok(())
+    }
 }
 
 fn record_metrics(metrics: &Metrics, report: &ApplyReport) {
     metrics.applied_increments.inc_by(report.increments);
     metrics.duplicates.with_label_values(&["redelivered"]).inc_by(report.redelivered);
     metrics.duplicates.with_label_values(&["id"]).inc_by(report.duplicate_ids);
-    metrics.undecodable_records.inc_by(report.undecodable_records as u64);
     metrics.batch_records.observe(report.records as f64);
     metrics.batch_keys.observe(report.keys as f64);
     metrics.graph_entries.with_label_values(&["desc_change"]).inc_by(report.desc_changes);

@@ -11,6 +11,10 @@ pub struct Metrics {
     pub batch_keys: Histogram,
     pub apply_seconds: Histogram,
     pub undecodable_records: IntCounter,
+    /// Shards stopped by a failure, waiting for an operator.
+    pub failed_shards: IntGauge,
+    /// Records an operator skipped (`tally shards skip`), sent to the dead-letter topic.
+    pub skipped_records: IntCounter,
     pub consumer_lag: IntGaugeVec,
     pub owned_shards: IntGauge,
     pub reads: IntCounter,
@@ -56,6 +60,19 @@ impl Metrics {
                 registry,
                 IntCounter::new("tally_counter_undecodable_records_total", "Shard records that could not be decoded")
                     .expect("valid metric"),
+            ),
+            failed_shards: register(
+                registry,
+                IntGauge::new("tally_counter_failed_shards", "Owned shards stopped by a failure (see /readyz)")
+                    .expect("valid metric"),
+            ),
+            skipped_records: register(
+                registry,
+                IntCounter::new(
+                    "tally_counter_skipped_records_total",
+                    "Shard records an operator skipped to the dead-letter topic",
+                )
+                .expect("valid metric"),
             ),
             consumer_lag: register(
                 registry,

@@ -253,6 +253,20 @@ impl ShardStore {
         self.dedupe.advance(source, record_time);
     }
 
+    /// Moves the store's offset past the record at `offset`, which an operator
+    /// skipped: nothing at or past it may have been applied.
+    pub fn skip_record(&self, offset: i64) -> Result<()> {
+        let mut progress = self.progress();
+        if progress.next_offset.is_some_and(|next| next > offset) {
+            return Err(Error::Skip(format!(
+                "shard {}: offset {offset} was already applied (next is {:?})",
+                self.shard, progress.next_offset
+            )));
+        }
+        progress.next_offset = Some(offset + 1);
+        self.commit(WriteBatch::default(), progress)
+    }
+
     /// Writes `batch` plus the new progress atomically, then publishes the progress.
     pub(crate) fn commit(&self, mut batch: WriteBatch, progress: Progress) -> Result<()> {
         progress.write(&self.progress(), &mut batch);

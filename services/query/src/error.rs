@@ -35,6 +35,11 @@ impl ApiError {
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self { status: StatusCode::SERVICE_UNAVAILABLE, code: "shard_unavailable", message: message.into() }
     }
+
+    /// A shard stopped by a failure until an operator acts (`tally shards skip`).
+    pub fn shard_failed(message: impl Into<String>) -> Self {
+        Self { status: StatusCode::SERVICE_UNAVAILABLE, code: "shard_failed", message: message.into() }
+    }
 }
 
 impl IntoResponse for ApiError {

@@ -106,7 +106,13 @@ impl Fanout {
                 Ok(response) => {
                     let status = response.status();
                     let text = response.text().await.unwrap_or_default();
-                    return Err(ApiError::unavailable(format!("shard {shard} failed ({status}): {text}")));
+                    return Err(match serde_json::from_str::<serde_json::Value>(&text) {
+                        // A shard stopped by a failure: said as such, with the owner's words.
+                        Ok(body) if body["error"]["code"] == "shard_failed" => ApiError::shard_failed(
+                            body["error"]["message"].as_str().unwrap_or("the shard failed").to_string(),
+                        ),
+                        _ => ApiError::unavailable(format!("shard {shard} failed ({status}): {text}")),
+                    });
                 }
                 Err(err) => tracing::debug!(shard, addr, error = %err, "owner unreachable; waiting for a newer claim"),
             }

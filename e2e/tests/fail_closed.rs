@@ -1,0 +1,113 @@
+//! A core that fails closed: a record on the shard topic that no tally wrote stops
+//! its shard — readiness names it, reads of it answer 503 `shard_failed` — while
+//! the other shards keep counting; `tally shards skip` sends it to the dead-letter
+//! topic and the shard resumes, counting every increment exactly once.
+
+use std::time::Duration;
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use serde_json::json;
+use tally_e2e::{check, Sandbox};
+use tally_shared::kafka::client_config;
+use tally_shared::model::Model;
+use tally_shared::sharding::shard_of;
+use tally_shared::wire::{DeadLetter, Increment};
+
+const SHARDS: u32 = 8;
+
+/// Produces one increment of `delta` per entity and applies it to `model`.
+async fn increment_all(sandbox: &Sandbox, model: &mut Model, entities: &[String], delta: i64) {
+    let ts = tally_shared::kafka::now_ms();
+    let records: Vec<(Option<String>, Vec<u8>)> = entities
+        .iter()
+        .map(|entity| {
+            model.apply(Increment { entity: entity.clone(), metric: "views".into(), delta, ts, id: None });
+            let body = json!({"entity": entity, "metric": "views", "delta": delta, "ts": ts});
+            (Some(entity.clone()), serde_json::to_vec(&body).unwrap())
+        })
+        .collect();
+    sandbox.produce_to(&sandbox.names.increments(), &records).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_on_the_shard_topic_stops_only_its_shard_until_an_operator_skips_it() {
+    let mut sandbox = Sandbox::start().await;
+    for service in ["tally-ingester", "tally-counter", "tally-query"] {
+        sandbox.spawn(service);
+    }
+    let entities: Vec<String> = (0..24).map(|i| format!("user:{i}")).collect();
+    let metrics = vec!["views".to_string()];
+    let mut model = Model::default();
+    increment_all(&sandbox, &mut model, &entities, 1).await;
+    check::wait_for_all_time(&sandbox, &model, &entities, &metrics, Duration::from_secs(90)).await;
+
+    // A stray producer writes bytes no tally wrote to the shard of user:0.
+    let failed = shard_of(&entities[0], SHARDS);
+    let (healthy, stopped): (Vec<String>, Vec<String>) =
+        entities.iter().cloned().partition(|entity| shard_of(entity, SHARDS) != failed);
+    assert!(!healthy.is_empty() && !stopped.is_empty());
+    let shard_topic = sandbox.names.shards();
+    let consumer: BaseConsumer = client_config(&sandbox.kafka).unwrap().create().unwrap();
+    let (_, garbage_offset) = consumer.fetch_watermarks(&shard_topic, failed as i32, Duration::from_secs(10)).unwrap();
+    let garbage = b"\x00\x01 not a tally record".to_vec();
+    let producer: rdkafka::producer::FutureProducer = client_config(&sandbox.kafka).unwrap().create().unwrap();
+    let record =
+        rdkafka::producer::FutureRecord::<(), [u8]>::to(&shard_topic).partition(failed as i32).payload(&garbage);
+    producer.send(record, Duration::from_secs(10)).await.map_err(|(err, _)| err).unwrap();
+    increment_all(&sandbox, &mut model, &entities, 10).await;
+
+    // Only that shard stops, loudly.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let (status, body) = loop {
+        let (status, body) = sandbox.readyz_body("tally-counter").await;
+        if status == 503 || tokio::time::Instant::now() > deadline {
+            break (status, body);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let expected_failure = format!("shard {failed} failed at offset {garbage_offset}: format: shard record: not a tally record (no format header); `tally shards skip` moves past it");
+    assert_eq!((status, body), (503, json!({"ready": false, "failures": [expected_failure]})));
+    check::wait_for_all_time(&sandbox, &model, &healthy, &metrics, Duration::from_secs(60)).await;
+    let (status, body) =
+        sandbox.post("/v1/query", &json!({"queries": [{"entity": &stopped[0], "metric": "views"}]})).await;
+    assert_eq!((status, body["error"]["code"].as_str()), (503, Some("shard_failed")), "{body}");
+    assert_eq!(sandbox.metric("tally-counter", "tally_counter_failed_shards").await, vec![(String::new(), 1.0)]);
+
+    // The operator must name the failed record; another offset is refused.
+    let (ok, output) =
+        sandbox.cli(&["shards", "skip", &failed.to_string(), &(garbage_offset + 1).to_string(), "--reason", "x"]);
+    assert!(!ok && output.contains(&format!("failed at offset {garbage_offset}")), "{output}");
+    let (ok, output) = sandbox.cli(&[
+        "shards",
+        "skip",
+        &failed.to_string(),
+        &garbage_offset.to_string(),
+        "--reason",
+        "a stray producer",
+    ]);
+    assert!(ok, "{output}\n{}", sandbox.log("tally-counter"));
+
+    // The record is in the dead-letter topic, and the shard counts again — exactly once.
+    let letters = sandbox.read_topic(&sandbox.names.dead_letter(), 2, Duration::from_secs(10));
+    assert_eq!(letters.len(), 1, "one dead letter: {letters:?}");
+    let letter: DeadLetter = serde_json::from_slice(&letters[0]).unwrap();
+    let reason = format!("skipped by an operator: a stray producer (it failed: format: shard record: not a tally record (no format header))");
+    let want = DeadLetter {
+        v: 1,
+        topic: shard_topic.clone(),
+        partition: failed as i32,
+        offset: garbage_offset,
+        index: None,
+        reason,
+        payload: DeadLetter::payload_of(&garbage),
+        truncated: Default::default(),
+    };
+    assert_eq!(letter, want);
+    check::wait_for_all_time(&sandbox, &model, &entities, &metrics, Duration::from_secs(60)).await;
+    sandbox.wait_ready("tally-counter", Duration::from_secs(10)).await;
+    assert_eq!(sandbox.metric("tally-counter", "tally_counter_failed_shards").await, vec![(String::new(), 0.0)]);
+    assert_eq!(
+        sandbox.metric("tally-counter", "tally_counter_skipped_records_total").await,
+        vec![(String::new(), 1.0)]
+    );
+}

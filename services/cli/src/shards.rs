@@ -1,0 +1,72 @@
+//! `tally shards`: operator actions on counter shards.
+//!
+//! `skip SHARD OFFSET --reason …` moves a failed shard past the record that stopped
+//! it: the owning counter (found on the shard-owners topic) sends the record to the
+//! dead-letter topic with the reason, moves its offset past it and resumes.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Subcommand;
+use tally_shared::config::TallyConfig;
+use tally_shared::kafka::{read_to_end, TopicNames};
+use tally_shared::wire::ShardOwner;
+
+#[derive(Subcommand)]
+pub enum ShardsCommand {
+    /// Move a failed shard past the record at OFFSET (as its counter's /readyz
+    /// names it): the record goes to the dead-letter topic with the reason, and the
+    /// shard resumes after it.
+    Skip {
+        shard: u32,
+        offset: i64,
+        /// Why the record may be skipped; written into the dead letter.
+        #[arg(long)]
+        reason: String,
+        /// The owning counter's read API (`host:port`); default: its claim on the
+        /// shard-owners topic.
+        #[arg(long)]
+        counter: Option<String>,
+    },
+}
+
+pub async fn run(config: &TallyConfig, command: ShardsCommand) -> anyhow::Result<()> {
+    let ShardsCommand::Skip { shard, offset, reason, counter } = command;
+    let addr = match counter {
+        Some(addr) => addr,
+        None => owner_of(config, shard).await?,
+    };
+    let response = reqwest::Client::new()
+        .post(format!("http://{addr}/internal/v1/shards/{shard}/skip"))
+        .json(&serde_json::json!({"offset": offset, "reason": reason}))
+        .timeout(Duration::from_secs(90))
+        .send()
+        .await
+        .with_context(|| format!("asking the counter at {addr}"))?;
+    let status = response.status();
+    let body: serde_json::Value = response.json().await.context("reading the counter's answer")?;
+    if !status.is_success() {
+        bail!("shard {shard}: {} ({status})", body["error"]["message"].as_str().unwrap_or("refused"));
+    }
+    println!("shard {shard}: record {offset} is in the dead-letter topic; the shard resumed at {}", offset + 1);
+    Ok(())
+}
+
+/// The read address of the counter that claims `shard`, from the shard-owners topic.
+async fn owner_of(config: &TallyConfig, shard: u32) -> anyhow::Result<String> {
+    let topic = TopicNames::new(&config.kafka.topic_prefix).shard_owners();
+    let kafka = config.kafka.clone();
+    let records = tokio::task::spawn_blocking(move || read_to_end(&kafka, &topic, Duration::from_secs(30))).await??;
+    let mut claims: HashMap<u32, Option<String>> = HashMap::new();
+    for record in records {
+        // Claims of other formats are not this build's to follow; the latest wins.
+        if let Ok(claim) = ShardOwner::decode(&record) {
+            claims.insert(claim.shard, claim.addr);
+        }
+    }
+    match claims.remove(&shard) {
+        Some(Some(addr)) => Ok(addr),
+        _ => bail!("no counter claims shard {shard} right now (see the counters' /readyz); pass --counter HOST:PORT"),
+    }
+}
