@@ -1,13 +1,14 @@
 //! A core that fails closed: a record on the shard topic that no tally wrote stops
 //! its shard — readiness names it, reads of it answer 503 `shard_failed` — while
 //! the other shards keep counting; `tally shards skip` sends it to the dead-letter
-//! topic and the shard resumes, counting every increment exactly once.
+//! topic and the shard resumes, counting every increment exactly once. The same for
+//! tally-graph's log.
 
 use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use serde_json::json;
-use tally_e2e::{check, Sandbox};
+use tally_e2e::{check, encode, Sandbox};
 use tally_shared::kafka::client_config;
 use tally_shared::model::Model;
 use tally_shared::sharding::shard_of;
@@ -110,4 +111,80 @@ async fn garbage_on_the_shard_topic_stops_only_its_shard_until_an_operator_skips
         sandbox.metric("tally-counter", "tally_counter_skipped_records_total").await,
         vec![(String::new(), 1.0)]
     );
+}
+
+/// The high watermark of one partition: the offset the next record gets.
+fn next_offset(sandbox: &Sandbox, topic: &str, partition: i32) -> i64 {
+    let consumer: BaseConsumer = client_config(&sandbox.kafka).unwrap().create().unwrap();
+    consumer.fetch_watermarks(topic, partition, Duration::from_secs(10)).unwrap().1
+}
+
+/// Produces `payload` to one partition of `topic`, as a stray producer would.
+async fn produce_raw(sandbox: &Sandbox, topic: &str, partition: i32, payload: &[u8]) {
+    let producer: rdkafka::producer::FutureProducer = client_config(&sandbox.kafka).unwrap().create().unwrap();
+    let record = rdkafka::producer::FutureRecord::<(), [u8]>::to(topic).partition(partition).payload(payload);
+    producer.send(record, Duration::from_secs(10)).await.map_err(|(err, _)| err).unwrap();
+}
+
+/// Waits until a service's `/readyz` answers 503; its body then.
+async fn wait_not_ready(sandbox: &Sandbox, name: &str) -> (u16, serde_json::Value) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let (status, body) = sandbox.readyz_body(name).await;
+        if status == 503 || tokio::time::Instant::now() > deadline {
+            return (status, body);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_on_the_graph_log_stops_the_graph_not_the_counting_until_skipped() {
+    let mut sandbox = Sandbox::start().await;
+    for service in ["tally-ingester", "tally-counter", "tally-graph", "tally-query"] {
+        sandbox.spawn(service);
+    }
+    let entities: Vec<String> = ["a", "b", "c"].iter().map(|e| e.to_string()).collect();
+    let metrics = vec!["views".to_string()];
+    let mut model = Model::default();
+    let edge = |from: &str, to: &str| {
+        let body = json!({"op": "add_edge", "from": from, "to": to});
+        (Some(from.to_string()), serde_json::to_vec(&body).unwrap())
+    };
+    sandbox.produce_to(&sandbox.names.graph(), &[edge("a", "b")]).await;
+    model.apply_edge(true, "a", "b", None);
+    increment_all(&sandbox, &mut model, &entities[..1], 1).await;
+    check::wait_for_all_time(&sandbox, &model, &entities, &metrics, Duration::from_secs(90)).await;
+
+    let log = sandbox.names.graph_updates();
+    let garbage_offset = next_offset(&sandbox, &log, 0);
+    let garbage = b"stray bytes".to_vec();
+    produce_raw(&sandbox, &log, 0, &garbage).await;
+    sandbox.produce_to(&sandbox.names.graph(), &[edge("a", "c")]).await;
+    increment_all(&sandbox, &mut model, &entities[..1], 5).await;
+
+    let (status, body) = wait_not_ready(&sandbox, "tally-graph").await;
+    let failure = format!("the graph (graph-updates partition 0) failed at offset {garbage_offset}: format: graph-updates record: not a tally record (no format header); `tally shards skip` moves past it");
+    assert_eq!((status, body), (503, json!({"ready": false, "failures": [failure]})));
+    let (status, body) = sandbox.get(&format!("/v1/graph/{}?direction=descendants", encode("a"))).await;
+    assert_eq!((status, body["error"]["code"].as_str()), (503, Some("shard_failed")), "{body}");
+    // Counting goes on over the graph as it was (a → b, not yet a → c).
+    check::wait_for_all_time(&sandbox, &model, &entities, &metrics, Duration::from_secs(60)).await;
+    assert_eq!(sandbox.metric("tally-graph", "tally_graph_failed_partitions").await, vec![(String::new(), 1.0)]);
+
+    let (ok, output) =
+        sandbox.cli(&["shards", "skip", "graph", &garbage_offset.to_string(), "--reason", "a stray producer"]);
+    assert!(ok, "{output}\n{}", sandbox.log("tally-graph"));
+    let letters = sandbox.read_topic(&sandbox.names.dead_letter(), 2, Duration::from_secs(10));
+    assert_eq!(letters.len(), 1, "one dead letter: {letters:?}");
+    let letter: DeadLetter = serde_json::from_slice(&letters[0]).unwrap();
+    assert_eq!(
+        (letter.topic.as_str(), letter.partition, letter.offset, letter.payload),
+        (log.as_str(), 0, garbage_offset, DeadLetter::payload_of(&garbage))
+    );
+    model.apply_edge(true, "a", "c", None);
+    check::wait_for_all_time(&sandbox, &model, &entities, &metrics, Duration::from_secs(60)).await;
+    sandbox.wait_ready("tally-graph", Duration::from_secs(20)).await;
+    let (status, body) = sandbox.get(&format!("/v1/graph/{}?direction=descendants", encode("a"))).await;
+    assert_eq!((status, body["entities"].clone()), (200, json!(["b", "c"])), "{body}");
 }

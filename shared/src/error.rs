@@ -18,6 +18,8 @@ pub enum Error {
     /// by a newer tally. Never read as a default.
     #[error("format: {0}")]
     Format(String),
+    #[error("skip: {0}")]
+    Skip(String),
     #[error("topics: {0}")]
     Topics(String),
     #[error("rocksdb: {0}")]

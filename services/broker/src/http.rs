@@ -7,14 +7,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{Path, Request, State};
-use axum::http::header::AUTHORIZATION;
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::json;
+use tally_shared::http::ApiError;
 use tally_shared::jobs::api::{
     AckRequest, AckResponse, DequeueRequest, DequeueResponse, ExtendRequest, NackRequest, MAX_DEQUEUE, MAX_WAIT_MS,
 };
@@ -29,30 +28,20 @@ pub struct ApiState {
 }
 
 pub fn router(state: ApiState) -> Router {
-    Router::new()
+    let routes = Router::new()
         .route("/v1/queues", get(list))
         .route("/v1/queues/{queue}", get(stats))
         .route("/v1/queues/{queue}/dequeue", post(dequeue))
         .route("/v1/queues/{queue}/ack", post(ack))
         .route("/v1/queues/{queue}/nack", post(nack))
-        .route("/v1/queues/{queue}/extend", post(extend))
-        .layer(axum::middleware::from_fn_with_state(state.clone(), authorize))
+        .route("/v1/queues/{queue}/extend", post(extend));
+    tally_shared::http::require_bearer(routes, state.auth_token.clone())
         .layer(axum::extract::DefaultBodyLimit::max(1 << 20))
         .with_state(state)
 }
 
-fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
-    (status, Json(json!({"error": {"code": code, "message": message.into()}}))).into_response()
-}
-
-async fn authorize(State(state): State<ApiState>, request: Request, next: Next) -> Response {
-    if let Some(token) = &state.auth_token {
-        let expected = format!("Bearer {token}");
-        if request.headers().get(AUTHORIZATION).and_then(|v| v.to_str().ok()) != Some(expected.as_str()) {
-            return error(StatusCode::UNAUTHORIZED, "unauthorized", "a valid bearer token is required");
-        }
-    }
-    next.run(request).await
+fn error(status: StatusCode, code: &'static str, message: impl Into<String>) -> Response {
+    ApiError::new(status, code, message).into_response()
 }
 
 fn find(state: &ApiState, queue: &str) -> Result<Arc<QueueRuntime>, Response> {

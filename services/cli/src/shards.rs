@@ -1,8 +1,9 @@
 //! `tally shards`: operator actions on counter shards.
 //!
-//! `skip SHARD OFFSET --reason …` moves a failed shard past the record that stopped
-//! it: the owning counter (found on the shard-owners topic) sends the record to the
-//! dead-letter topic with the reason, moves its offset past it and resumes.
+//! `skip SHARD OFFSET --reason …` moves a failed shard (or `graph`: tally-graph's
+//! graph-updates log) past the record that stopped it: the owner (found on the
+//! shard-owners topic) sends the record to the dead-letter topic with the reason,
+//! moves its offset past it and resumes.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -19,12 +20,13 @@ pub enum ShardsCommand {
     /// names it): the record goes to the dead-letter topic with the reason, and the
     /// shard resumes after it.
     Skip {
-        shard: u32,
+        /// A shard number, or `graph` for tally-graph.
+        shard: String,
         offset: i64,
         /// Why the record may be skipped; written into the dead letter.
         #[arg(long)]
         reason: String,
-        /// The owning counter's read API (`host:port`); default: its claim on the
+        /// The owner's read API (`host:port`); default: its claim on the
         /// shard-owners topic.
         #[arg(long)]
         counter: Option<String>,
@@ -33,12 +35,20 @@ pub enum ShardsCommand {
 
 pub async fn run(config: &TallyConfig, command: ShardsCommand) -> anyhow::Result<()> {
     let ShardsCommand::Skip { shard, offset, reason, counter } = command;
+    // The owner's claim on the shard-owners topic, and the partition it failed on.
+    let (claim, partition) = match shard.as_str() {
+        "graph" => (ShardOwner::GRAPH, 0),
+        number => {
+            let shard: u32 = number.parse().with_context(|| format!("`{number}`: a shard number or `graph`"))?;
+            (shard, shard)
+        }
+    };
     let addr = match counter {
         Some(addr) => addr,
-        None => owner_of(config, shard).await?,
+        None => owner_of(config, claim, &shard).await?,
     };
     let response = reqwest::Client::new()
-        .post(format!("http://{addr}/internal/v1/shards/{shard}/skip"))
+        .post(format!("http://{addr}/internal/v1/shards/{partition}/skip"))
         .json(&serde_json::json!({"offset": offset, "reason": reason}))
         .timeout(Duration::from_secs(90))
         .send()
@@ -53,8 +63,8 @@ pub async fn run(config: &TallyConfig, command: ShardsCommand) -> anyhow::Result
     Ok(())
 }
 
-/// The read address of the counter that claims `shard`, from the shard-owners topic.
-async fn owner_of(config: &TallyConfig, shard: u32) -> anyhow::Result<String> {
+/// The read address of the process that claims `shard`, from the shard-owners topic.
+async fn owner_of(config: &TallyConfig, shard: u32, name: &str) -> anyhow::Result<String> {
     let topic = TopicNames::new(&config.kafka.topic_prefix).shard_owners();
     let kafka = config.kafka.clone();
     let records = tokio::task::spawn_blocking(move || read_to_end(&kafka, &topic, Duration::from_secs(30))).await??;
@@ -67,6 +77,6 @@ async fn owner_of(config: &TallyConfig, shard: u32) -> anyhow::Result<String> {
     }
     match claims.remove(&shard) {
         Some(Some(addr)) => Ok(addr),
-        _ => bail!("no counter claims shard {shard} right now (see the counters' /readyz); pass --counter HOST:PORT"),
+        _ => bail!("nothing claims shard {name} right now (see the services' /readyz); pass --counter HOST:PORT"),
     }
 }

@@ -578,4 +578,23 @@ mod tests {
         store.rollups_published(&report.changed).unwrap();
         assert!(store.pending_rollups(100).unwrap().is_empty());
     }
+
+    #[test]
+    fn a_corrupt_count_fails_reads_and_merges_instead_of_reading_as_zero() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ShardStore::open(0, dir.path(), options()).unwrap();
+        let first = message(0, &[(1, 0, "a", 2, None)]);
+        store.apply(&[ShardRecord { offset: 0, payload: &first, timestamp: None }], NOW, false).unwrap();
+        assert_eq!(counts(&store, "a"), Counts { direct: 2, total: 2 });
+        // Bit rot, or a value of another format: 16 bytes without the version byte.
+        let mut key = Vec::new();
+        encode_count_key(&mut key, "a", "views", ALL_TIME_WIDTH, 0);
+        store.db.put_cf(store.cf(CF_COUNTS).unwrap(), &key, [0u8; 16]).unwrap();
+        let read = store.get_counts(&[key.clone()]).unwrap_err().to_string();
+        assert!(read.contains("counts value: unknown format version 0"), "{read}");
+        let more = message(0, &[(2, 0, "a", 3, None)]);
+        store.apply(&[ShardRecord { offset: 1, payload: &more, timestamp: None }], NOW, false).unwrap();
+        let merged = store.get_counts(&[key]).unwrap_err().to_string();
+        assert!(merged.to_lowercase().contains("merge"), "the merge fails rather than adding to zero: {merged}");
+    }
 }

@@ -22,15 +22,16 @@ use tally_shared::kafka::{client_config, now_ms, producer_config, TopicNames};
 use tally_shared::keys::{decode_count_key, ALL_TIME_WIDTH};
 use tally_shared::telemetry::Readiness;
 use tally_shared::time::Resolutions;
-use tally_shared::wire::{DeadLetter, Rollup, ShardOwner};
+use tally_shared::wire::{Rollup, ShardOwner};
 use tokio_util::sync::CancellationToken;
 
 use crate::apply::{ApplyReport, ShardRecord};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::relay::relay_outboxes;
-use crate::shards::{ShardFailure, Shards, SkipRequest};
+use crate::shards::Shards;
 use crate::store::{ShardStore, StoreOptions};
+use tally_shared::failures::Failure;
 use tally_shared::outbox::Relay;
 
 const HEARTBEAT: Duration = Duration::from_secs(5);
@@ -90,10 +91,8 @@ impl CounterContext {
             let store = match self.open(shard) {
                 Ok(store) => store,
                 Err(err) => {
-                    let failure =
-                        ShardFailure { offset: None, reason: format!("opening its store: {err}"), record: None };
-                    tracing::error!(shard, reason = %failure.reason, "shard failed: it applies nothing until an operator acts");
-                    failures.insert(shard, failure);
+                    let reason = format!("opening its store: {err}");
+                    failures.insert(shard, Failure { offset: None, reason, record: None });
                     continue;
                 }
             };
@@ -201,11 +200,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     };
 
     let relay = Relay::new(&config.kafka, shard_topic.clone())?;
-    let skips = Skips {
-        letters: Relay::new(&config.kafka, names.dead_letter())?,
-        topic: shard_topic.clone(),
-        budget: config.kafka.record_budget(),
-    };
+    let letters = Relay::new(&config.kafka, names.dead_letter())?;
     let lag_reporter =
         spawn_lag_reporter(&config, shard_topic.clone(), shards.clone(), metrics.clone(), shutdown.clone())?;
     let linger = Duration::from_millis(config.counter.batch_linger_ms);
@@ -270,7 +265,11 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             pause(&consumer, &shard_topic, &failed);
             commit_advisory(&consumer, &shard_topic, &shards);
         }
-        skips.carry_out(&consumer, &shards, &metrics);
+        let budget = config.kafka.record_budget();
+        let skipped = shards.failures.carry_out_skips(&letters, &shard_topic, budget, |shard, offset| {
+            resume_after(&consumer, &shard_topic, &shards, shard, offset)
+        });
+        metrics.skipped_records.inc_by(skipped);
         let now_serving = shards.announced();
         if now_serving != serving {
             // A rebuilt shard caught up, or one failed or recovered: announce it
@@ -323,10 +322,29 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
 /// Readiness and the failure gauge from the shards' state: ready while this counter
 /// serves shards and none failed; `/readyz` names each failure.
 fn report_state(shards: &Shards, readiness: &Readiness, metrics: &Metrics) {
-    let failures = shards.failures();
+    let failures = shards.failures.descriptions();
     metrics.failed_shards.set(failures.len() as i64);
-    readiness.set_failures(failures.iter().map(|(shard, failure)| failure.describe(*shard)).collect());
+    readiness.set_failures(failures);
     readiness.set(!shards.serving().is_empty());
+}
+
+/// Moves `shard`'s store past the skipped record at `offset` and resumes its
+/// partition after it.
+fn resume_after(
+    consumer: &BaseConsumer<CounterContext>,
+    topic: &str,
+    shards: &Shards,
+    shard: u32,
+    offset: i64,
+) -> tally_shared::Result<()> {
+    let skip = |message: String| tally_shared::Error::Skip(message);
+    let store = shards.get(shard).ok_or_else(|| skip(format!("shard {shard} is not owned here")))?;
+    store.skip_record(offset).map_err(|err| skip(err.to_string()))?;
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, shard as i32, Offset::Offset(offset + 1))?;
+    consumer.seek_partitions(tpl.clone(), Duration::from_secs(10))?;
+    consumer.resume(&tpl)?;
+    Ok(())
 }
 
 /// Stops fetching the partitions of failed shards.
@@ -360,14 +378,14 @@ fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, rollups: Op
         });
     }
     for (shard, mut records) in by_shard {
-        let Some(store) = shards.get(shard).filter(|_| shards.failure(shard).is_none()) else { continue };
+        let Some(store) = shards.get(shard).filter(|_| !shards.failures.is_failed(shard)) else { continue };
         records.sort_by_key(|r| r.offset);
         let started = Instant::now();
         let report = match store.apply(&records, now_ms(), rollups.is_some()) {
             Ok(report) => report,
             Err(err) => {
                 let offset = store.progress().next_offset;
-                shards.fail(shard, ShardFailure { offset, reason: err.to_string(), record: None });
+                shards.failures.fail(shard, Failure { offset, reason: err.to_string(), record: None });
                 failed.push(shard);
                 continue;
             }
@@ -376,7 +394,7 @@ fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, rollups: Op
         record_metrics(metrics, &report);
         if let Some((offset, reason)) = &report.undecodable {
             let record = records.iter().find(|r| r.offset == *offset).map(|r| Arc::new(r.payload.to_vec()));
-            shards.fail(shard, ShardFailure { offset: Some(*offset), reason: reason.clone(), record });
+            shards.failures.fail(shard, Failure { offset: Some(*offset), reason: reason.clone(), record });
             metrics.undecodable_records.inc();
             failed.push(shard);
         }
@@ -388,55 +406,6 @@ fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, rollups: Op
         }
     }
     (outbox_written, failed)
-}
-
-/// Carries out operators' `tally shards skip` requests on the consumer thread: the
-/// failed record goes to the dead-letter topic (acknowledged), the store's offset
-/// moves past it, and the shard resumes from there.
-struct Skips {
-    letters: Relay,
-    topic: String,
-    budget: usize,
-}
-
-impl Skips {
-    fn carry_out(&self, consumer: &BaseConsumer<CounterContext>, shards: &Shards, metrics: &Metrics) {
-        for request in shards.take_skips() {
-            let result = self.skip(consumer, shards, &request).map_err(|err| err.to_string());
-            match &result {
-                Ok(()) => {
-                    metrics.skipped_records.inc();
-                    tracing::warn!(shard = request.shard, offset = request.offset, reason = %request.reason, "an operator skipped a failed record; it is in the dead-letter topic and the shard resumed");
-                }
-                Err(err) => {
-                    tracing::error!(shard = request.shard, offset = request.offset, error = %err, "skipping failed")
-                }
-            }
-            let _ = request.done.send(result);
-        }
-    }
-
-    fn skip(&self, consumer: &BaseConsumer<CounterContext>, shards: &Shards, request: &SkipRequest) -> Result<()> {
-        let shard = request.shard;
-        let failure = shards.failure(shard).ok_or_else(|| Error::Skip(format!("shard {shard} has not failed")))?;
-        let record = match (&failure.record, failure.offset) {
-            (Some(record), Some(offset)) if offset == request.offset => record.clone(),
-            _ => return Err(Error::Skip(failure.describe(shard))),
-        };
-        let store = shards.get(shard).ok_or_else(|| Error::Skip(format!("shard {shard} is not owned here")))?;
-        let reason = format!("skipped by an operator: {} (it failed: {})", request.reason, failure.reason);
-        let letter =
-            DeadLetter::encode(&self.topic, shard as i32, request.offset, None, &reason, &record, self.budget)?;
-        let key = format!("{}/{shard}/{}", self.topic, request.offset);
-        self.letters.send_keyed([(key.as_str(), letter.as_slice())])?;
-        store.skip_record(request.offset)?;
-        shards.recover(shard);
-        let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(&self.topic, shard as i32, Offset::Offset(request.offset + 1))?;
-        consumer.seek_partitions(tpl.clone(), Duration::from_secs(10))?;
-        consumer.resume(&tpl)?;
-        Ok(())
-    }
 }
 
 fn record_metrics(metrics: &Metrics, report: &ApplyReport) {

@@ -1,5 +1,7 @@
 //! The internal neighbours API `tally-query` calls: one page of an entity's direct
 //! neighbours in the current graph, sorted, after the last name of the previous page.
+//! A failed graph answers 503 `shard_failed`; `POST /internal/v1/shards/0/skip` is
+//! `tally shards skip graph`.
 
 use std::sync::Arc;
 
@@ -8,17 +10,28 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
+use tally_shared::failures::{skip_router, FailureBoard};
+use tally_shared::http::ApiError;
 use tally_shared::wire::{GraphNeighboursRequest, GraphNeighboursResponse};
 
 use crate::store::GraphStore;
 
-pub fn router(store: Arc<GraphStore>) -> Router {
-    Router::new().route("/internal/v1/graph", post(neighbours)).with_state(store)
+pub fn router(store: Arc<GraphStore>, failures: Arc<FailureBoard>) -> Router {
+    Router::new()
+        .route("/internal/v1/graph", post(neighbours))
+        .with_state((store, failures.clone()))
+        .merge(skip_router(failures))
 }
 
-async fn neighbours(State(store): State<Arc<GraphStore>>, Json(request): Json<GraphNeighboursRequest>) -> Response {
+async fn neighbours(
+    State((store, failures)): State<(Arc<GraphStore>, Arc<FailureBoard>)>,
+    Json(request): Json<GraphNeighboursRequest>,
+) -> Response {
+    if let Some(refusal) = failures.read_refusal(0) {
+        return refusal;
+    }
     let Ok(graph) = store.graph.read() else {
-        return (StatusCode::INTERNAL_SERVER_ERROR, "graph lock poisoned").into_response();
+        return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "graph lock poisoned").into_response();
     };
     let all = graph.neighbours(&request.entity, request.outgoing);
     let start = request.after.as_deref().map_or(0, |after| all.partition_point(|name| *name <= after));

@@ -11,6 +11,9 @@ pub struct Metrics {
     pub outbox_relayed: IntCounter,
     pub edges: IntGauge,
     pub consumer_lag: IntGauge,
+    /// 1 while the graph-updates partition is stopped by a failure.
+    pub failed: IntGauge,
+    pub skipped_records: IntCounter,
 }
 
 impl Metrics {
@@ -18,12 +21,24 @@ impl Metrics {
         let counter = |name: &str, help: &str| register(registry, IntCounter::new(name, help).expect("valid metric"));
         Self {
             applied_updates: counter("tally_graph_applied_updates_total", "Graph updates applied"),
+            failed: register(
+                registry,
+                IntGauge::new(
+                    "tally_graph_failed_partitions",
+                    "1 while the graph is stopped by a failure (see /readyz)",
+                )
+                .expect("valid metric"),
+            ),
+            skipped_records: counter(
+                "tally_graph_skipped_records_total",
+                "Graph-updates records an operator skipped to the dead-letter topic",
+            ),
             dropped: register(
                 registry,
                 IntCounterVec::new(
                     Opts::new(
                         "tally_graph_dropped_updates_total",
-                        "Graph updates dropped as duplicates or undecodable",
+                        "Graph updates dropped as duplicates (redelivered, or a repeated id)",
                     ),
                     &["reason"],
                 )

@@ -4,6 +4,11 @@
 //!
 //! A plain thread over a `BaseConsumer`: graph traversals are CPU work that must not
 //! block the async runtime. It resumes from the store's offset, never a group's.
+//!
+//! It fails closed ([`tally_shared::failures`]): a record that does not decode, or a
+//! batch the store cannot apply, stops the graph at that offset — nothing more is
+//! applied, `/readyz` and neighbour reads say why — until `tally shards skip graph`
+//! moves it past the record.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,13 +26,16 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
-use crate::store::{GraphStore, UpdateRecord};
+use crate::store::{BatchReport, GraphStore, UpdateRecord};
+use tally_shared::failures::{Failure, FailureBoard};
 
 const HEARTBEAT: Duration = Duration::from_secs(5);
 
 pub struct ProcessorSetup {
     pub config: TallyConfig,
     pub store: Arc<GraphStore>,
+    /// The graph-updates partition's failure, if any, and operators' skips.
+    pub failures: Arc<FailureBoard>,
     pub metrics: Metrics,
     pub readiness: Readiness,
     pub read_addr: String,
@@ -35,7 +43,7 @@ pub struct ProcessorSetup {
 
 /// Runs until `shutdown`; the batch in hand is persisted and relayed first.
 pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
-    let ProcessorSetup { config, store, metrics, readiness, read_addr } = setup;
+    let ProcessorSetup { config, store, failures, metrics, readiness, read_addr } = setup;
     let names = TopicNames::new(&config.kafka.topic_prefix);
     let input = names.graph_updates();
     let mut consumer_config = client_config(&config.kafka)?;
@@ -45,8 +53,11 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
     let mut assignment = TopicPartitionList::new();
     assignment.add_partition_offset(&input, 0, start)?;
     consumer.assign(&assignment)?;
+    // Not ready before it applied what the log held at start (a rebuild).
+    let (_, start_end) = consumer.fetch_watermarks(&input, PARTITION as i32, Duration::from_secs(10))?;
 
     let relay = Relay::new(&config.kafka, names.shards())?;
+    let letters = Relay::new(&config.kafka, names.dead_letter())?;
     let announcer: ThreadedProducer<DefaultProducerContext> = producer_config(&config.kafka)?.create()?;
     let instance = format!("{:016x}", rand::random::<u64>());
     let announce = |addr: Option<String>| {
@@ -94,16 +105,29 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
                 break;
             }
         }
-        if !batch.is_empty() {
+        if !batch.is_empty() && !failures.is_failed(PARTITION) {
             let records: Vec<UpdateRecord<'_>> = batch
                 .iter()
                 .map(|(offset, timestamp, payload)| UpdateRecord { offset: *offset, payload, timestamp: *timestamp })
                 .collect();
-            let report = store.apply(&records, now_ms())?;
+            let report = match store.apply(&records, now_ms()) {
+                Ok(report) => report,
+                Err(err) => {
+                    let offset = store.progress().next_offset;
+                    failures.fail(PARTITION, Failure { offset, reason: err.to_string(), record: None });
+                    pause(&consumer, &input);
+                    BatchReport::default()
+                }
+            };
+            if let Some((offset, reason)) = &report.undecodable {
+                let record =
+                    batch.iter().find(|(o, _, _)| o == offset).map(|(_, _, payload)| Arc::new(payload.clone()));
+                failures.fail(PARTITION, Failure { offset: Some(*offset), reason: reason.clone(), record });
+                pause(&consumer, &input);
+            }
             metrics.applied_updates.inc_by(report.updates);
             metrics.dropped.with_label_values(&["redelivered"]).inc_by(report.redelivered);
             metrics.dropped.with_label_values(&["id"]).inc_by(report.duplicate_ids);
-            metrics.dropped.with_label_values(&["undecodable"]).inc_by(report.undecodable_records);
             metrics.desc_changes.inc_by(report.changes);
             if let Ok(graph) = store.graph.read() {
                 metrics.edges.set(graph.edge_count() as i64);
@@ -112,11 +136,25 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
                 relay_outbox(&store, &relay, &metrics);
             }
         }
+        let budget = config.kafka.record_budget();
+        let skipped = failures.carry_out_skips(&letters, &input, budget, |_, offset| {
+            store.skip_record(offset).map_err(|err| tally_shared::Error::Skip(err.to_string()))?;
+            let mut tpl = TopicPartitionList::new();
+            tpl.add_partition_offset(&input, PARTITION as i32, Offset::Offset(offset + 1))?;
+            consumer.seek_partitions(tpl.clone(), Duration::from_secs(10))?;
+            consumer.resume(&tpl)?;
+            Ok(())
+        });
+        metrics.skipped_records.inc_by(skipped);
+        metrics.failed.set(failures.failed().len() as i64);
+        readiness.set_failures(failures.descriptions());
         if last_heartbeat.is_none_or(|at| at.elapsed() >= HEARTBEAT) {
             last_heartbeat = Some(Instant::now());
             announce(Some(read_addr.clone()));
-            readiness.set(true);
-            relay_outbox(&store, &relay, &metrics);
+            // Ready once it caught up with the log it found at start (and while
+            // its outbox gets through); a failure above makes it not ready anyway.
+            let outbox_ok = relay_outbox(&store, &relay, &metrics);
+            readiness.set(outbox_ok && store.progress().next_offset.unwrap_or(0) >= start_end);
             if let Some(fatal) = relay.fatal() {
                 // It delivers nothing more: stop loudly; the outbox waits in the store.
                 return Err(Error::Processor(format!("the outbox producer failed for good: {fatal}")));
@@ -132,8 +170,22 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
     Ok(())
 }
 
-/// Sends what the outbox holds; on failure it stays for the next round.
-fn relay_outbox(store: &GraphStore, relay: &Relay, metrics: &Metrics) {
+/// The graph-updates topic's one partition.
+const PARTITION: u32 = 0;
+
+/// Stops fetching the graph-updates partition (it failed).
+fn pause(consumer: &BaseConsumer, topic: &str) {
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition(topic, PARTITION as i32);
+    if let Err(err) = consumer.pause(&tpl) {
+        // Its records are dropped unapplied all the same.
+        tracing::warn!(error = %err, "pausing the failed graph-updates partition");
+    }
+}
+
+/// Sends what the outbox holds; on failure it stays for the next round. Whether
+/// the outbox got through.
+fn relay_outbox(store: &GraphStore, relay: &Relay, metrics: &Metrics) -> bool {
     let sent = store.outbox().and_then(|entries| {
         if entries.is_empty() {
             return Ok(0);
@@ -143,7 +195,13 @@ fn relay_outbox(store: &GraphStore, relay: &Relay, metrics: &Metrics) {
         Ok(entries.len() as u64)
     });
     match sent {
-        Ok(count) => metrics.outbox_relayed.inc_by(count),
-        Err(err) => tracing::warn!(error = %err, "relaying the outbox; retrying later"),
+        Ok(count) => {
+            metrics.outbox_relayed.inc_by(count);
+            true
+        }
+        Err(err) => {
+            tracing::warn!(error = %err, "relaying the outbox; retrying later");
+            false
+        }
     }
 }

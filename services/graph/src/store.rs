@@ -53,7 +53,8 @@ pub struct BatchReport {
     pub updates: u64,
     pub redelivered: u64,
     pub duplicate_ids: u64,
-    pub undecodable_records: u64,
+    /// The record that does not decode, and why: the batch stopped at it.
+    pub undecodable: Option<(i64, String)>,
     /// Origins whose descendant set changed.
     pub changes: u64,
     pub outbox_messages: u64,
@@ -107,6 +108,24 @@ impl GraphStore {
         self.db.cf_handle(name).ok_or_else(|| Error::Processor(format!("column family {name} missing")))
     }
 
+    /// Moves the store's offset past the record at `offset`, which an operator
+    /// skipped: nothing at or past it may have been applied.
+    pub fn skip_record(&self, offset: i64) -> Result<()> {
+        let mut progress = self.progress();
+        if progress.next_offset.is_some_and(|next| next > offset) {
+            return Err(Error::Processor(format!(
+                "offset {offset} was already applied (next is {:?})",
+                progress.next_offset
+            )));
+        }
+        progress.next_offset = Some(offset + 1);
+        let mut batch = WriteBatch::default();
+        progress.write(&self.progress(), &mut batch);
+        self.db.write(batch)?;
+        *self.progress.lock().map_err(|_| Error::Processor("progress lock poisoned".into()))? = progress;
+        Ok(())
+    }
+
     /// A copy of the committed progress.
     pub fn progress(&self) -> Progress {
         self.progress.lock().map(|p| p.clone()).unwrap_or_default()
@@ -126,15 +145,15 @@ impl GraphStore {
             if progress.next_offset.is_some_and(|next| record.offset < next) {
                 continue;
             }
-            progress.next_offset = Some(record.offset + 1);
             let GraphMessage::Updates { source, entries } = match GraphMessage::decode(record.payload) {
                 Ok(message) => message,
                 Err(err) => {
-                    tracing::error!(offset = record.offset, error = %err, "skipping undecodable graph record");
-                    report.undecodable_records += 1;
-                    continue;
+                    // Stop here: what came before commits, the offset stays at it.
+                    report.undecodable = Some((record.offset, err.to_string()));
+                    break;
                 }
             };
+            progress.next_offset = Some(record.offset + 1);
             let record_time = record.timestamp.unwrap_or(now);
             applied_times.push((source, record_time));
             let mut updates: Vec<EdgeUpdate> = Vec::with_capacity(entries.len());

@@ -5,11 +5,9 @@
 use std::sync::Arc;
 
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
-use axum::extract::{Path, Query, Request, State};
-use axum::http::header::AUTHORIZATION;
+use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
-use axum::middleware::Next;
-use axum::response::{Html, IntoResponse, Response};
+use axum::response::Html;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine;
@@ -39,8 +37,8 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/v1/counters/{entity}/{metric}/series", get(series))
         .route("/v1/query", post(batch))
         .route("/v1/entities/{entity}/metrics", get(entity_metrics))
-        .route("/v1/graph/{entity}", get(graph_neighbours))
-        .route_layer(axum::middleware::from_fn_with_state(state.clone(), authorize));
+        .route("/v1/graph/{entity}", get(graph_neighbours));
+    let v1 = tally_shared::http::require_bearer(v1, state.auth_token.clone());
     Router::new()
         .route("/", get(|| async { Html(include_str!("dashboard.html")) }))
         .merge(v1)
@@ -49,22 +47,6 @@ pub fn router(state: Arc<ApiState>) -> Router {
         })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
-}
-
-async fn authorize(State(state): State<Arc<ApiState>>, request: Request, next: Next) -> Response {
-    if let Some(token) = &state.auth_token {
-        let expected = format!("Bearer {token}");
-        let given = request.headers().get(AUTHORIZATION).and_then(|v| v.to_str().ok());
-        if given != Some(expected.as_str()) {
-            return ApiError {
-                status: StatusCode::UNAUTHORIZED,
-                code: "unauthorized",
-                message: "a valid bearer token is required".into(),
-            }
-            .into_response();
-        }
-    }
-    next.run(request).await
 }
 
 #[derive(Debug, Deserialize)]
