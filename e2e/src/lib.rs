@@ -517,8 +517,27 @@ pub mod check {
         }
     }
 
+    /// `Err` with a message unless `got == want` (whole values: lengths included).
+    fn same<T: PartialEq + std::fmt::Debug>(got: T, want: T, context: impl std::fmt::Display) -> Result<(), String> {
+        if got == want {
+            Ok(())
+        } else {
+            Err(format!("{context}: got {got:?}, want {want:?}"))
+        }
+    }
+
     /// Windows of every counter, both kinds, through one batch request.
     pub async fn windows(sandbox: &Sandbox, model: &Model, entities: &[String], metrics: &[String]) {
+        try_windows(sandbox, model, entities, metrics).await.unwrap_or_else(|mismatch| panic!("{mismatch}"));
+    }
+
+    /// [`windows`], as a result (for negative controls).
+    pub async fn try_windows(
+        sandbox: &Sandbox,
+        model: &Model,
+        entities: &[String],
+        metrics: &[String],
+    ) -> Result<(), String> {
         let resolutions = Resolutions::default();
         let windows = ["90s", "5m", "1h", "6h", "24h", "7d", "30d"];
         let mut queries = Vec::new();
@@ -533,25 +552,36 @@ pub mod check {
         }
         for chunk in queries.chunks(1_000) {
             let (status, body) = sandbox.post("/v1/query", &json!({ "queries": chunk })).await;
-            assert_eq!(status, 200, "{body}");
-            let results = body["results"].as_array().expect("results");
-            assert_eq!(results.len(), chunk.len(), "one result per query: {body}");
-            for (query, result) in chunk.iter().zip(results) {
+            same(status, 200, &body)?;
+            let results = body["results"].as_array().cloned().unwrap_or_default();
+            same(results.len(), chunk.len(), format!("one result per query: {body}"))?;
+            for (query, result) in chunk.iter().zip(&results) {
                 let window_ms = parse_duration(query["window"].as_str().unwrap()).unwrap();
-                let to = result["to"].as_i64().expect("to");
+                let to = result["to"].as_i64().ok_or_else(|| format!("no `to`: {result}"))?;
                 let plan = resolutions.plan(WindowSpec::Last { window_ms }, to).unwrap();
-                assert_eq!(result["resolution"], plan.resolution_name(), "{query}");
-                assert_eq!(result["from"].as_i64(), Some(plan.start), "{query}");
+                same(result["resolution"].clone(), json!(plan.resolution_name()), query)?;
+                same(result["from"].as_i64(), Some(plan.start), query)?;
                 let kind = if query["kind"] == "total" { Kind::Total } else { Kind::Direct };
                 let (entity, metric) = (query["entity"].as_str().unwrap(), query["metric"].as_str().unwrap());
                 let want = model.sums(entity, metric, kind, &plan)[0];
-                assert_eq!(result["value"].as_i64(), Some(want), "{query} → {result}");
+                same(result["value"].as_i64(), Some(want), format!("{query} → {result}"))?;
             }
         }
+        Ok(())
     }
 
     /// Series at several steps for each counter, both kinds.
     pub async fn series(sandbox: &Sandbox, model: &Model, entities: &[String], metrics: &[String]) {
+        try_series(sandbox, model, entities, metrics).await.unwrap_or_else(|mismatch| panic!("{mismatch}"));
+    }
+
+    /// [`series`], as a result (for negative controls).
+    pub async fn try_series(
+        sandbox: &Sandbox,
+        model: &Model,
+        entities: &[String],
+        metrics: &[String],
+    ) -> Result<(), String> {
         let resolutions = Resolutions::default();
         for entity in entities {
             for metric in metrics {
@@ -564,9 +594,10 @@ pub mod check {
                         encode(metric)
                     );
                     let (status, body) = sandbox.get(&path).await;
-                    assert_eq!(status, 200, "{path}: {body}");
-                    let points = body["points"].as_array().expect("points");
-                    let last_t = points.last().and_then(|p| p["t"].as_i64()).expect("a point");
+                    same(status, 200, format!("{path}: {body}"))?;
+                    let points = body["points"].as_array().cloned().unwrap_or_default();
+                    let last_t =
+                        points.last().and_then(|p| p["t"].as_i64()).ok_or_else(|| format!("{path}: no point"))?;
                     let spec = WindowSpec::Series {
                         step_ms: parse_duration(step).unwrap(),
                         range_ms: parse_duration(range).unwrap(),
@@ -574,20 +605,27 @@ pub mod check {
                     let plan = resolutions.plan(spec, last_t).unwrap();
                     let kind = if kind == "total" { Kind::Total } else { Kind::Direct };
                     let want = model.sums(entity, metric, kind, &plan);
-                    let got: Vec<i64> = points.iter().map(|p| p["value"].as_i64().unwrap()).collect();
-                    let times: Vec<i64> = points.iter().map(|p| p["t"].as_i64().unwrap()).collect();
-                    let want_times: Vec<i64> = (0..plan.points as i64).map(|i| plan.start + i * plan.step).collect();
-                    assert_eq!(times, want_times, "{path}");
-                    assert_eq!(got, want, "{path}");
+                    let got: Vec<Option<i64>> = points.iter().map(|p| p["value"].as_i64()).collect();
+                    let times: Vec<Option<i64>> = points.iter().map(|p| p["t"].as_i64()).collect();
+                    let want_times: Vec<Option<i64>> =
+                        (0..plan.points as i64).map(|i| Some(plan.start + i * plan.step)).collect();
+                    same(times, want_times, &path)?;
+                    same(got, want.into_iter().map(Some).collect(), &path)?;
                 }
             }
         }
+        Ok(())
     }
 
     /// Metric listings, paginated two at a time.
     pub async fn listings(sandbox: &Sandbox, model: &Model, entities: &[String]) {
+        try_listings(sandbox, model, entities).await.unwrap_or_else(|mismatch| panic!("{mismatch}"));
+    }
+
+    /// [`listings`], as a result (for negative controls).
+    pub async fn try_listings(sandbox: &Sandbox, model: &Model, entities: &[String]) -> Result<(), String> {
         for entity in entities {
-            let mut listed: Vec<(String, (i64, i64))> = Vec::new();
+            let mut listed: Vec<(String, (Option<i64>, Option<i64>))> = Vec::new();
             let mut token: Option<String> = None;
             loop {
                 let mut path = format!("/v1/entities/{}/metrics?limit=2", encode(entity));
@@ -595,19 +633,21 @@ pub mod check {
                     path.push_str(&format!("&page_token={token}"));
                 }
                 let (status, body) = sandbox.get(&path).await;
-                assert_eq!(status, 200, "{path}: {body}");
-                for m in body["metrics"].as_array().unwrap() {
-                    let counts = (m["direct"].as_i64().unwrap(), m["total"].as_i64().unwrap());
-                    listed.push((m["metric"].as_str().unwrap().to_string(), counts));
+                same(status, 200, format!("{path}: {body}"))?;
+                for m in body["metrics"].as_array().cloned().unwrap_or_default() {
+                    let counts = (m["direct"].as_i64(), m["total"].as_i64());
+                    listed.push((m["metric"].as_str().unwrap_or_default().to_string(), counts));
                 }
                 match body["next_page_token"].as_str() {
                     Some(next) => token = Some(next.to_string()),
                     None => break,
                 }
             }
-            let want: Vec<(String, (i64, i64))> = model.metrics(entity).into_iter().collect();
-            assert_eq!(listed, want, "{entity}");
+            let want: Vec<(String, (Option<i64>, Option<i64>))> =
+                model.metrics(entity).into_iter().map(|(m, (d, t))| (m, (Some(d), Some(t)))).collect();
+            same(listed, want, entity)?;
         }
+        Ok(())
     }
 
     /// Bad requests are 400s with a JSON error, never 500s.
@@ -629,9 +669,7 @@ pub mod check {
             "/v1/graph/%09tab",
         ];
         for path in gets {
-            let (status, body) = sandbox.get(path).await;
-            assert_eq!(status, 400, "{path}: {body}");
-            assert!(body["error"]["code"].is_string() && body["error"]["message"].is_string(), "{path}: {body}");
+            bad_request(sandbox, path).await.unwrap_or_else(|mismatch| panic!("{mismatch}"));
         }
         let too_many: Vec<Value> = (0..1_001).map(|i| json!({"entity": format!("e{i}"), "metric": "m"})).collect();
         for body in
@@ -643,5 +681,13 @@ pub mod check {
         }
         let (status, _) = sandbox.get("/v1/counters/never-written/views?window=7d").await;
         assert_eq!(status, 200);
+    }
+
+    /// `Ok` when GET `path` answers 400 with a JSON error.
+    pub async fn bad_request(sandbox: &Sandbox, path: &str) -> Result<(), String> {
+        let (status, body) = sandbox.get(path).await;
+        same(status, 400, format!("{path}: {body}"))?;
+        let described = body["error"]["code"].is_string() && body["error"]["message"].is_string();
+        same(described, true, format!("{path}: a JSON error: {body}"))
     }
 }

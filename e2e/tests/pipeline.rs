@@ -42,7 +42,14 @@ async fn counts_windows_series_and_dead_letters_match_the_model() {
         id: None,
     };
     wrong.apply(extra);
-    assert!(check::all_time(&sandbox, &wrong, entities, metrics).await.is_err(), "the check can fail");
+    // Negative controls: each comparison fails with one event too many, or a valid request.
+    assert!(check::all_time(&sandbox, &wrong, entities, metrics).await.is_err(), "all_time can fail");
+    let first = &entities[..1];
+    assert!(check::try_windows(&sandbox, &wrong, first, metrics).await.is_err(), "windows can fail");
+    assert!(check::try_series(&sandbox, &wrong, first, metrics).await.is_err(), "series can fail");
+    assert!(check::try_listings(&sandbox, &wrong, first).await.is_err(), "listings can fail");
+    let valid = format!("/v1/counters/{}/{}", tally_e2e::encode(&entities[0]), tally_e2e::encode(&metrics[0]));
+    assert!(check::bad_request(&sandbox, &valid).await.is_err(), "bad_request can fail");
 
     // The counter's metrics agree: every shard caught up, every accepted increment applied once.
     let applied = sandbox.metric("tally-counter", "tally_counter_applied_increments_total").await;

@@ -612,6 +612,47 @@ mod tests {
         assert_eq!(config.query.max_batch, QueryConfig::default().max_batch);
     }
 
+    /// Every `section.key` the example documents, set or commented out (`# key = …`);
+    /// a free-form table (`[kafka.client]`) counts as one key.
+    fn documented_keys(example: &str) -> std::collections::BTreeSet<String> {
+        let mut keys = std::collections::BTreeSet::new();
+        let mut section = String::new();
+        for line in example.lines() {
+            let line = line.trim();
+            if let Some(header) = line.strip_prefix('[').and_then(|l| l.split(']').next()) {
+                section = header.to_string();
+                if section.contains('.') {
+                    keys.insert(section.clone());
+                }
+                continue;
+            }
+            let line = line.strip_prefix('#').map_or(line, str::trim_start);
+            let Some((key, _)) = line.split_once('=') else { continue };
+            let key = key.trim();
+            let plain = !key.is_empty() && key.chars().all(|c| c.is_ascii_lowercase() || c == '_');
+            if plain && !section.contains('.') {
+                keys.insert(format!("{section}.{key}"));
+            }
+        }
+        keys
+    }
+
+    #[test]
+    fn the_example_config_documents_every_key_and_no_other() {
+        let defaults = serde_json::to_value(TallyConfig::default()).unwrap();
+        let mut known = std::collections::BTreeSet::new();
+        for (section, table) in defaults.as_object().unwrap() {
+            for key in table.as_object().unwrap().keys() {
+                known.insert(format!("{section}.{key}"));
+            }
+        }
+        let documented = documented_keys(include_str!("../../tally.example.toml"));
+        assert_eq!(documented, known, "tally.example.toml and the config's keys differ");
+        // The comparison can fail: a key missing from the example is noticed.
+        let without = include_str!("../../tally.example.toml").replace("owner_wait_ms = 6000", "");
+        assert_ne!(documented_keys(&without), known);
+    }
+
     #[test]
     fn missing_file_is_an_error() {
         assert!(TallyConfig::load_with_env(Some(Path::new("/nonexistent/tally.toml")), env(&[])).is_err());

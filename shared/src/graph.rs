@@ -258,7 +258,11 @@ impl Graph {
                     scope.spawn(move || part.iter().map(|group| work(self, group)).collect::<Vec<T>>())
                 })
                 .collect();
-            handles.into_iter().flat_map(|handle| handle.join().unwrap_or_default()).collect()
+            // A panic in a group is the batch's, not a silently empty group.
+            handles
+                .into_iter()
+                .flat_map(|handle| handle.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+                .collect()
         })
     }
 }

@@ -69,7 +69,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     tracing::info!(api = %addr, admin = %admin, instance, queues = ?served, "tally-broker starting");
 
     let membership = Arc::new(membership::Membership::default());
-    let member = Member { instance, addr };
+    let member = Member { instance: instance.clone(), addr };
     let every = Duration::from_millis(config.broker.heartbeat_ms.max(50));
     let heartbeat = membership::heartbeat(&config.kafka, names.queue_brokers(), member, every, shutdown.clone())?;
     let follower = membership::follow(&config.kafka, names.queue_brokers(), membership.clone(), shutdown.clone())?;
@@ -93,7 +93,10 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
             tracing::error!(error = %err, "worker API failed");
         }
     });
-    readiness.set(true);
+    let timeout_ms = config.broker.member_timeout_ms;
+    let watched = Arc::new([heartbeat, follower, declared]);
+    let watchdog =
+        watch(watched.clone(), membership.clone(), instance, timeout_ms, readiness.clone(), shutdown.clone());
 
     let setup = fetcher::FetcherSetup { config, broker, membership };
     let fetcher_shutdown = shutdown.clone();
@@ -102,12 +105,53 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         .map_err(|err| Error::Broker(err.to_string()))?;
     shutdown.cancel();
     readiness.set(false);
-    let _ = tokio::task::spawn_blocking(move || {
-        let _ = heartbeat.join();
-        let _ = follower.join();
-        let _ = declared.join();
-    })
-    .await;
+    let died = watchdog.await.map_err(|err| Error::Broker(err.to_string()))?;
     tracing::info!("tally-broker stopped");
-    result
+    match died {
+        Some(thread) => Err(Error::Broker(format!("the {thread} thread stopped unexpectedly"))),
+        None => result,
+    }
+}
+
+/// Readiness from the broker's real state — it sees its own heartbeat among the
+/// live members, and its heartbeat, membership and declarations threads run — and
+/// a stop of the whole broker (with the thread's name) when one of those threads
+/// ends before shutdown, a panic included. Joins them at shutdown.
+fn watch(
+    threads: Arc<[std::thread::JoinHandle<()>; 3]>,
+    membership: Arc<membership::Membership>,
+    instance: String,
+    timeout_ms: u64,
+    readiness: Readiness,
+    shutdown: CancellationToken,
+) -> tokio::task::JoinHandle<Option<&'static str>> {
+    const NAMES: [&str; 3] = ["heartbeat", "membership", "declarations"];
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        let died = loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => break None,
+                _ = tick.tick() => {}
+            }
+            if let Some(index) = threads.iter().position(|thread| thread.is_finished()) {
+                tracing::error!(thread = NAMES[index], "a broker thread stopped unexpectedly; stopping the broker");
+                shutdown.cancel();
+                break Some(NAMES[index]);
+            }
+            let now = tally_shared::kafka::now_ms();
+            readiness.set(membership.live(now, timeout_ms).iter().any(|member| member.instance == instance));
+        };
+        readiness.set(false);
+        let _ = tokio::task::spawn_blocking(move || {
+            if let Ok(threads) = Arc::try_unwrap(threads) {
+                for thread in threads {
+                    if let Err(panic) = thread.join() {
+                        tracing::error!(panic = ?panic, "a broker thread panicked");
+                    }
+                }
+            }
+        })
+        .await;
+        died
+    })
 }

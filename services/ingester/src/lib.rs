@@ -13,7 +13,7 @@ pub mod error;
 pub mod metrics;
 pub mod route;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::future::join_all;
 use prometheus::Registry;
@@ -64,16 +64,20 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         consumer.subscribe(&[&inputs[0], &inputs[1]])?;
     }
     let producer: FutureProducer = producer_config(&config.kafka)?.create()?;
-    readiness.set(true);
 
     let router = Router::new(names.clone(), shards, config.kafka.record_budget());
     let linger = Duration::from_millis(config.ingester.batch_linger_ms);
     let max_records = config.ingester.batch_max_records.max(1);
     let max_bytes = config.ingester.batch_max_bytes.max(1);
-    let mut last_lag_check = Instant::now();
-    loop {
+    let mut health = tokio::time::interval(Duration::from_secs(5));
+    let result = loop {
         let first = tokio::select! {
-            _ = shutdown.cancelled() => break,
+            _ = shutdown.cancelled() => break Ok(()),
+            // Idle or not: lag and readiness (it holds input partitions) stay current.
+            _ = health.tick() => {
+                tokio::task::block_in_place(|| report_health(&consumer, &metrics, &readiness));
+                continue;
+            }
             message = consumer.recv() => message,
         };
         let mut batch: Vec<BorrowedMessage<'_>> = Vec::with_capacity(max_records);
@@ -99,30 +103,32 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
                 Err(_) => break,
             }
         }
-        let outgoing = router.route(&batch, &metrics);
+        let outgoing = match router.route(&batch, &metrics) {
+            Ok(outgoing) => outgoing,
+            Err(err) => break Err(err),
+        };
         let delivered = deliver(&producer, outgoing);
         tokio::pin!(delivered);
-        tokio::select! {
-            done = &mut delivered => done?,
+        let done = tokio::select! {
+            done = &mut delivered => done,
             _ = shutdown.cancelled() => match tokio::time::timeout(SHUTDOWN_GRACE, &mut delivered).await {
-                Ok(done) => done?,
+                Ok(done) => done,
                 // Records never time out, so a Kafka that is gone would hold the
                 // batch for ever: stop without committing (the next run replays it).
                 Err(_) => {
                     tracing::warn!("stopping with a batch not acknowledged; it is replayed on the next start");
-                    break;
+                    break Ok(());
                 }
             },
+        };
+        if let Err(err) = done.and_then(|()| commit(&consumer, &batch)) {
+            break Err(err);
         }
-        commit(&consumer, &batch)?;
         metrics.batch_records.observe(batch.len() as f64);
-        if last_lag_check.elapsed() > Duration::from_secs(5) {
-            last_lag_check = Instant::now();
-            tokio::task::block_in_place(|| report_lag(&consumer, &metrics));
-        }
-    }
+    };
+    readiness.set(false);
     tracing::info!("tally-ingester stopping");
-    Ok(())
+    result
 }
 
 /// Sends every output record and waits until all are acknowledged.
@@ -180,12 +186,15 @@ fn commit(consumer: &StreamConsumer, batch: &[BorrowedMessage<'_>]) -> Result<()
     Ok(())
 }
 
-fn report_lag(consumer: &StreamConsumer, metrics: &metrics::Metrics) {
+/// Lag per input topic and partition; ready while it holds input partitions.
+fn report_health(consumer: &StreamConsumer, metrics: &metrics::Metrics, readiness: &Readiness) {
+    readiness.set(consumer.assignment().is_ok_and(|assigned| assigned.count() > 0));
     let Ok(positions) = consumer.position() else { return };
     for element in positions.elements() {
         let Offset::Offset(position) = element.offset() else { continue };
         if let Ok((_, high)) = consumer.fetch_watermarks(element.topic(), element.partition(), Duration::from_secs(1)) {
-            metrics.consumer_lag.with_label_values(&[&element.partition().to_string()]).set((high - position).max(0));
+            let labels = [element.topic(), &element.partition().to_string()];
+            metrics.consumer_lag.with_label_values(&labels).set((high - position).max(0));
         }
     }
 }

@@ -48,8 +48,11 @@ impl Metrics {
             consumer_lag: register(
                 registry,
                 IntGaugeVec::new(
-                    Opts::new("tally_ingester_consumer_lag_records", "Input records not yet consumed"),
-                    &["partition"],
+                    Opts::new(
+                        "tally_ingester_consumer_lag_records",
+                        "Input records not yet consumed, per topic and partition",
+                    ),
+                    &["topic", "partition"],
                 )
                 .expect("valid metric"),
             ),

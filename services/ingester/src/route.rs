@@ -13,6 +13,7 @@ use tally_shared::records::split_by_size;
 use tally_shared::sharding::shard_of;
 use tally_shared::wire::{DeadLetter, GraphMessage, GraphUpdate, Increment, ShardMessage, Source, Stamp};
 
+use crate::error::Result;
 use crate::metrics::Metrics;
 
 /// A producer record as the router sees it.
@@ -75,19 +76,20 @@ impl Router {
         Self { names, shards, record_budget }
     }
 
-    /// Routes a batch of consumer messages.
-    pub fn route(&self, batch: &[BorrowedMessage<'_>], metrics: &Metrics) -> Vec<Outgoing> {
+    /// Routes a batch of consumer messages. An output that cannot be encoded fails
+    /// the batch (nothing of it is committed), never drops its input.
+    pub fn route(&self, batch: &[BorrowedMessage<'_>], metrics: &Metrics) -> Result<Vec<Outgoing>> {
         let records: Vec<InputRecord<'_>> = batch.iter().map(InputRecord::from).collect();
-        let (outgoing, counts) = self.route_records(&records);
+        let (outgoing, counts) = self.route_records(&records)?;
         metrics.input_records.inc_by(records.len() as u64);
         metrics.accepted.with_label_values(&["increment"]).inc_by(counts.increments);
         metrics.accepted.with_label_values(&["graph_update"]).inc_by(counts.graph_updates);
         metrics.dead_letters.inc_by(counts.rejected);
-        outgoing
+        Ok(outgoing)
     }
 
     /// Routes records; returns the output and what was accepted and rejected.
-    pub fn route_records(&self, records: &[InputRecord<'_>]) -> (Vec<Outgoing>, RouteCounts) {
+    pub fn route_records(&self, records: &[InputRecord<'_>]) -> Result<(Vec<Outgoing>, RouteCounts)> {
         let mut per_shard: BTreeMap<(i32, u32), Vec<(Stamp, Increment)>> = BTreeMap::new();
         let mut graph: BTreeMap<i32, Vec<(Stamp, GraphUpdate)>> = BTreeMap::new();
         // The time of every input record, by (partition, offset): a routed record
@@ -95,13 +97,17 @@ impl Router {
         let mut record_times: HashMap<(i32, i64), i64> = HashMap::with_capacity(records.len());
         let mut outgoing = Vec::new();
         let mut counts = RouteCounts::default();
+        let mut unencodable: Option<tally_shared::Error> = None;
         let graph_topic = self.names.graph();
         for record in records {
             let record_time = record.timestamp.filter(|ts| *ts >= 0).unwrap_or_else(now_ms);
             record_times.insert((record.partition, record.offset), record_time);
             let reject = |rejection: Rejection<'_>| {
                 counts.rejected += 1;
-                outgoing.extend(self.dead_letter(record, rejection));
+                match self.dead_letter(record, rejection) {
+                    Ok(letter) => outgoing.push(letter),
+                    Err(err) => unencodable = Some(err),
+                }
             };
             if record.topic == graph_topic {
                 parse_graph_updates(
@@ -131,43 +137,40 @@ impl Router {
                 reject,
             );
         }
+        if let Some(err) = unencodable {
+            return Err(err.into());
+        }
         let shard_topic = self.names.shards();
         for ((partition, shard), entries) in per_shard {
             let source = Source { stream: Source::INCREMENTS, partition: partition as u32 };
             for chunk in split_by_size(&entries, self.record_budget, |(_, increment)| increment.size_bound()) {
-                match ShardMessage::encode_increments(source, chunk) {
-                    Ok(payload) => outgoing.push(Outgoing {
-                        topic: shard_topic.clone(),
-                        partition: Some(shard as i32),
-                        key: partition.to_string().into_bytes(),
-                        payload,
-                        timestamp: last_time(&record_times, partition, chunk),
-                    }),
-                    Err(err) => tracing::error!(error = %err, "cannot encode a shard message"),
-                }
+                outgoing.push(Outgoing {
+                    topic: shard_topic.clone(),
+                    partition: Some(shard as i32),
+                    key: partition.to_string().into_bytes(),
+                    payload: ShardMessage::encode_increments(source, chunk)?,
+                    timestamp: last_time(&record_times, partition, chunk),
+                });
             }
         }
         let updates_topic = self.names.graph_updates();
         for (partition, entries) in graph {
             let source = Source { stream: Source::GRAPH, partition: partition as u32 };
             for chunk in split_by_size(&entries, self.record_budget, |(_, update)| update.size_bound()) {
-                match (GraphMessage::Updates { source, entries: chunk.to_vec() }).encode() {
-                    Ok(payload) => outgoing.push(Outgoing {
-                        topic: updates_topic.clone(),
-                        partition: Some(0),
-                        key: partition.to_string().into_bytes(),
-                        payload,
-                        timestamp: last_time(&record_times, partition, chunk),
-                    }),
-                    Err(err) => tracing::error!(error = %err, "cannot encode a graph message"),
-                }
+                outgoing.push(Outgoing {
+                    topic: updates_topic.clone(),
+                    partition: Some(0),
+                    key: partition.to_string().into_bytes(),
+                    payload: (GraphMessage::Updates { source, entries: chunk.to_vec() }).encode()?,
+                    timestamp: last_time(&record_times, partition, chunk),
+                });
             }
         }
-        (outgoing, counts)
+        Ok((outgoing, counts))
     }
 
     /// The dead letter of a rejected element of `record`.
-    fn dead_letter(&self, record: &InputRecord<'_>, rejection: Rejection<'_>) -> Option<Outgoing> {
+    fn dead_letter(&self, record: &InputRecord<'_>, rejection: Rejection<'_>) -> tally_shared::Result<Outgoing> {
         let key = format!("{}/{}/{}", record.topic, record.partition, record.offset).into_bytes();
         let letter = DeadLetter::encode(
             record.topic,
@@ -178,15 +181,7 @@ impl Router {
             rejection.raw,
             self.record_budget,
         );
-        match letter {
-            Ok(payload) => {
-                Some(Outgoing { topic: self.names.dead_letter(), partition: None, key, payload, timestamp: None })
-            }
-            Err(err) => {
-                tracing::error!(error = %err, "cannot encode a dead letter");
-                None
-            }
-        }
+        Ok(Outgoing { topic: self.names.dead_letter(), partition: None, key, payload: letter?, timestamp: None })
     }
 }
 
@@ -219,7 +214,7 @@ mod tests {
             record(1, 7, r#"{"entity":"a","metric":"v","ts":99}"#),
             record(1, 8, "not json"),
         ];
-        let (out, counts) = router.route_records(&records);
+        let (out, counts) = router.route_records(&records).unwrap();
         assert_eq!(counts, RouteCounts { increments: 3, graph_updates: 0, rejected: 2 });
         let letters: Vec<DeadLetter> = out
             .iter()
@@ -264,7 +259,7 @@ mod tests {
             graph(2, 4, r#"[{"op":"add_edge","from":"a","to":"b"},{"op":"add_edge","from":"a","to":"a"}]"#),
             graph(2, 5, r#"{"op":"remove_edge","from":"a","to":"b","id":"g-1"}"#),
         ];
-        let (out, counts) = router.route_records(&records);
+        let (out, counts) = router.route_records(&records).unwrap();
         assert_eq!(counts, RouteCounts { increments: 0, graph_updates: 2, rejected: 1 });
         let letter: DeadLetter =
             serde_json::from_slice(&out.iter().find(|o| o.topic == "tally.dead-letter").unwrap().payload).unwrap();
@@ -297,7 +292,7 @@ mod tests {
             timestamp: Some(5),
             payload: updates.as_bytes(),
         };
-        let (out, counts) = router.route_records(&[record(0, 1, &garbage), graph]);
+        let (out, counts) = router.route_records(&[record(0, 1, &garbage), graph]).unwrap();
         assert_eq!(counts, RouteCounts { increments: 0, graph_updates: 2_000, rejected: 1 });
         assert!(out.iter().all(|o| o.payload.len() <= 100_000), "every record fits the budget");
         let letters: Vec<DeadLetter> = out
@@ -323,8 +318,8 @@ mod tests {
             (0..9000).map(|i| format!(r#"{{"entity":"e{}","metric":"v"}}"#, i % 3)).collect::<Vec<_>>().join(",")
         );
         let records = [record(0, 1, &payload)];
-        let (first, _) = router.route_records(&records);
-        let (second, _) = router.route_records(&records);
+        let (first, _) = router.route_records(&records).unwrap();
+        let (second, _) = router.route_records(&records).unwrap();
         assert_eq!(first, second);
         assert!(first.len() > 3, "large groups are split into several messages");
         assert!(first.iter().all(|o| o.payload.len() <= 20_000), "every record fits the budget");

@@ -121,7 +121,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         auth_token: config.worker.auth_token.clone(),
     };
     tracing::info!(queue = %options.queue, brokers = ?options.brokers, concurrency = options.concurrency, admin = %admin, "tally-worker starting");
-    readiness.set(true);
+    let probe = tokio::spawn(track_readiness(options.clone(), readiness.clone(), shutdown.clone()));
     let job_handler = move |job: DequeuedJob| {
         let (handler, outcomes) = (handler.clone(), outcomes.clone());
         async move {
@@ -138,9 +138,26 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
             outcome
         }
     };
-    worker::run(options, job_handler, shutdown).await?;
+    let result = worker::run(options, job_handler, shutdown.clone()).await;
+    shutdown.cancel();
+    let _ = probe.await;
     tracing::info!("tally-worker stopped");
-    Ok(())
+    result.map(|_| ()).map_err(Error::Shared)
+}
+
+/// Ready while a broker answers for the queue and some partition of it has an
+/// owner to dequeue from; checked every few seconds.
+async fn track_readiness(options: WorkerOptions, readiness: Readiness, shutdown: CancellationToken) {
+    let Ok(client) = worker::BrokerClient::new(&options.queue, options.auth_token.clone()) else { return };
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(3));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tick.tick() => {}
+        }
+        readiness.set(!client.owners(&options.brokers).await.is_empty());
+    }
+    readiness.set(false);
 }
 
 #[cfg(test)]
