@@ -418,9 +418,9 @@ pub fn encode(segment: &str) -> String {
 /// Comparisons of the HTTP answers with the model.
 pub mod check {
     use serde_json::{json, Value};
-    use tally_shared::model::Model;
-    use tally_shared::time::{parse_duration, Resolutions, WindowSpec};
-    use tally_shared::wire::Kind;
+    use tally_core::model::Model;
+    use tally_core::time::{parse_duration, Resolutions, WindowSpec};
+    use tally_core::wire::Kind;
 
     use crate::{encode, Sandbox};
 

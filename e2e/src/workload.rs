@@ -7,8 +7,8 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
-use tally_shared::model::Model;
-use tally_shared::wire::Increment;
+use tally_core::model::Model;
+use tally_core::wire::Increment;
 
 /// One producer record.
 #[derive(Debug, Clone)]

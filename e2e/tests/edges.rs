@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use base64::Engine;
 use serde_json::{json, Value};
+use tally_core::jobs::DeadJob;
+use tally_core::model::Model;
+use tally_core::wire::{DeadLetter, Increment, Rollup};
 use tally_e2e::{check, encode, Sandbox};
-use tally_shared::jobs::DeadJob;
 use tally_shared::kafka::now_ms;
-use tally_shared::model::Model;
-use tally_shared::wire::{DeadLetter, Increment, Rollup};
 
 /// Reads the dead letters (up to `at_most`, waiting up to 10 s for them) and decodes them.
 fn dead_letters(sandbox: &Sandbox, at_most: usize) -> Vec<DeadLetter> {

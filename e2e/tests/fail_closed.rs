@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use serde_json::json;
+use tally_core::model::Model;
+use tally_core::sharding::shard_of;
+use tally_core::wire::{DeadLetter, Increment};
 use tally_e2e::{check, encode, Sandbox};
 use tally_shared::kafka::client_config;
-use tally_shared::model::Model;
-use tally_shared::sharding::shard_of;
-use tally_shared::wire::{DeadLetter, Increment};
 
 const SHARDS: u32 = 8;
 

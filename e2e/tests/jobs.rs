@@ -7,12 +7,12 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use tally_core::jobs::api::DequeuedJob;
+use tally_core::jobs::DeadJob;
+use tally_core::wire::DeadLetter;
 use tally_e2e::Sandbox;
-use tally_shared::jobs::api::DequeuedJob;
-use tally_shared::jobs::worker::{self, Outcome, WorkerOptions};
-use tally_shared::jobs::DeadJob;
+use tally_jobs_client::{self as worker, Outcome, WorkerOptions};
 use tally_shared::kafka::now_ms;
-use tally_shared::wire::DeadLetter;
 use tokio_util::sync::CancellationToken;
 
 const QUEUES: &str = r#"

@@ -5,9 +5,9 @@
 use std::time::Duration;
 
 use base64::Engine;
+use tally_core::wire::{DeadLetter, Rollup};
 use tally_e2e::workload::Workload;
 use tally_e2e::{check, Sandbox};
-use tally_shared::wire::{DeadLetter, Rollup};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn counts_windows_series_and_dead_letters_match_the_model() {
@@ -34,7 +34,7 @@ async fn counts_windows_series_and_dead_letters_match_the_model() {
     check::bad_requests(&sandbox).await;
     // Negative control: the same comparison with one event too many must fail.
     let mut wrong = model.clone();
-    let extra = tally_shared::wire::Increment {
+    let extra = tally_core::wire::Increment {
         entity: entities[0].clone(),
         metric: metrics[0].clone(),
         delta: 1,

@@ -13,8 +13,8 @@ use figment::providers::{Format, Serialized, Toml};
 use figment::Figment;
 use serde::{Deserialize, Serialize};
 
-use crate::time::{Resolution, Resolutions};
 use crate::{Error, Result};
+use tally_core::time::{Resolution, Resolutions};
 
 /// Prefix of environment overrides.
 pub const ENV_PREFIX: &str = "TALLY__";
@@ -150,7 +150,7 @@ pub struct KafkaConfig {
     /// Passed through to librdkafka as is (`security.protocol`, `sasl.*`, `ssl.*`…).
     pub client: BTreeMap<String, String>,
     /// The largest record the brokers accept (their `message.max.bytes`): every
-    /// record tally writes is split or truncated to fit ([`crate::records`]).
+    /// record tally writes is split or truncated to fit ([`tally_core::records`]).
     pub max_message_bytes: usize,
 }
 
@@ -160,7 +160,7 @@ impl Default for KafkaConfig {
             bootstrap_servers: String::new(),
             topic_prefix: "tally.".into(),
             client: BTreeMap::new(),
-            max_message_bytes: crate::records::DEFAULT_MAX_MESSAGE_BYTES,
+            max_message_bytes: tally_core::records::DEFAULT_MAX_MESSAGE_BYTES,
         }
     }
 }
@@ -169,7 +169,7 @@ impl KafkaConfig {
     /// The bytes one record's payload may take: the broker's limit less room for
     /// the key, headers and framing.
     pub fn record_budget(&self) -> usize {
-        self.max_message_bytes.saturating_sub(crate::records::RECORD_OVERHEAD_BYTES).max(1_024)
+        self.max_message_bytes.saturating_sub(tally_core::records::RECORD_OVERHEAD_BYTES).max(1_024)
     }
 }
 
@@ -202,13 +202,16 @@ impl Default for CountingConfig {
 
 impl CountingConfig {
     pub fn resolutions(&self) -> Result<Resolutions> {
-        let list =
-            self.resolutions.iter().map(|r| Resolution::new(&r.width, &r.retention)).collect::<Result<Vec<_>>>()?;
-        Resolutions::new(list)
+        let list = self
+            .resolutions
+            .iter()
+            .map(|r| Resolution::new(&r.width, &r.retention))
+            .collect::<tally_core::Result<Vec<_>>>()?;
+        Ok(Resolutions::new(list)?)
     }
 
     pub fn dedupe_window_ms(&self) -> Result<i64> {
-        Ok(crate::time::parse_duration(&self.dedupe_window)? as i64)
+        Ok(tally_core::time::parse_duration(&self.dedupe_window)? as i64)
     }
 }
 

@@ -17,9 +17,8 @@ use std::sync::{Arc, RwLock};
 
 use rocksdb::compaction_filter::Decision;
 
-use crate::format::{value_array, VALUE_V1};
-use crate::wire::Source;
 use crate::Result;
+use tally_core::wire::Source;
 
 /// The window and the stream time of each source it expires marks by.
 #[derive(Debug, Clone)]
@@ -34,24 +33,14 @@ impl DedupeWindow {
         Self { window_ms, stream_time: Arc::default() }
     }
 
-    /// The value of a mark first seen in a record of `source` at `record_time`:
-    /// the version byte, the time (8 bytes, little-endian), the source's stream and
-    /// partition.
+    /// The value of a mark first seen in a record of `source` at `record_time`
+    /// ([`tally_core::keys::encode_mark`]).
     pub fn mark(record_time: i64, source: Source) -> [u8; 14] {
-        let mut mark = [VALUE_V1; 14];
-        mark[1..9].copy_from_slice(&record_time.to_le_bytes());
-        mark[9] = source.stream;
-        mark[10..].copy_from_slice(&source.partition.to_le_bytes());
-        mark
+        tally_core::keys::encode_mark(record_time, source)
     }
 
-    /// The time and source of a stored mark.
-    pub fn decode(mark: &[u8]) -> Result<(i64, Source)> {
-        let body: [u8; 13] = value_array(mark, "idempotency mark")?;
-        let (mut time, mut partition) = ([0u8; 8], [0u8; 4]);
-        time.copy_from_slice(&body[..8]);
-        partition.copy_from_slice(&body[9..]);
-        Ok((i64::from_le_bytes(time), Source { stream: body[8], partition: u32::from_le_bytes(partition) }))
+    fn decode(mark: &[u8]) -> Result<(i64, Source)> {
+        Ok(tally_core::keys::decode_mark(mark)?)
     }
 
     /// Whether a record at `record_time` whose id has the stored `mark` repeats it:

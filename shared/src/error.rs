@@ -1,23 +1,16 @@
-//! The one error type of the shared crate.
+//! The one error type of the runtime crate.
 
-/// Everything that can go wrong in shared code. Messages are lowercase and say what
-/// the caller can do about it.
+/// Everything that can go wrong in the runtime glue. Messages are lowercase and say
+/// what the caller can do about it.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("invalid duration `{0}`: expected a positive number followed by s, m, h or d (e.g. 90s, 15m, 24h, 7d)")]
-    InvalidDuration(String),
-    #[error("{0}")]
-    InvalidQuery(String),
+    /// From the pure core: a bad duration or query, a format this build does not read.
+    #[error(transparent)]
+    Core(#[from] tally_core::Error),
     #[error("config: {0}")]
     Config(String),
     #[error("kafka: {0}")]
     Kafka(#[from] rdkafka::error::KafkaError),
-    #[error("wire format: {0}")]
-    Wire(String),
-    /// Bytes that are not a format this build reads: corrupt, foreign, or written
-    /// by a newer tally. Never read as a default.
-    #[error("format: {0}")]
-    Format(String),
     #[error("skip: {0}")]
     Skip(String),
     #[error("topics: {0}")]
@@ -26,12 +19,17 @@ pub enum Error {
     Store(String),
     #[error("outbox relay: {0}")]
     Relay(String),
-    #[error("worker: {0}")]
-    Worker(String),
     #[error("local broker: {0}")]
     LocalBroker(String),
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
+}
+
+impl Error {
+    /// Stored bytes that are not what they should be: never read as a default.
+    pub fn corrupt(message: impl Into<String>) -> Self {
+        Self::Core(tally_core::Error::Format(message.into()))
+    }
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

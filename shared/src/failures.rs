@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
 use crate::outbox::Relay;
-use crate::wire::DeadLetter;
 use crate::{Error, Result};
+use tally_core::wire::DeadLetter;
 
 /// Why a partition stopped.
 #[derive(Debug, Clone)]

@@ -2,15 +2,16 @@
 //! the next input offset, the high-water stamp of every source, and the next
 //! sequence number of what it sends. Written into the same write batch as the state
 //! a batch changed, so it is never ahead of or behind the data. Values are versioned
-//! ([`crate::format`]); a malformed one fails the load, it is never skipped.
+//! ([`tally_core::format`]); a malformed one fails the load, it is never skipped.
 
 use std::collections::HashMap;
 
 use rocksdb::{WriteBatch, DB};
 
-use crate::format::{decode_i64_value, i64_value, value_array, STORE_FORMAT_KEY, STORE_V1, VALUE_V1};
-use crate::wire::{Source, Stamp};
 use crate::{Error, Result};
+use tally_core::format::{decode_i64_value, i64_value, STORE_FORMAT_KEY, STORE_V1};
+use tally_core::keys::{decode_stamp, encode_stamp};
+use tally_core::wire::{Source, Stamp};
 
 /// Checks the key layout version of the store in `db`, writing the current one into
 /// a new store. A store of another version (or of none, yet holding progress) fails.
@@ -18,11 +19,11 @@ pub fn check_store_format(db: &DB) -> Result<()> {
     let rocks = |err: rocksdb::Error| Error::Store(err.to_string());
     match db.get(STORE_FORMAT_KEY).map_err(rocks)? {
         Some(version) if version == [STORE_V1] => Ok(()),
-        Some(version) => Err(Error::Format(format!(
+        Some(version) => Err(Error::corrupt(format!(
             "store format {version:?}, this build reads version {STORE_V1}: a newer tally wrote it, or it is corrupt"
         ))),
         None if db.get(KEY_NEXT_OFFSET).map_err(rocks)?.is_some() => {
-            Err(Error::Format("the store has progress but no format version: written before versioned formats".into()))
+            Err(Error::corrupt("the store has progress but no format version: written before versioned formats"))
         }
         None => db.put(STORE_FORMAT_KEY, [STORE_V1]).map_err(rocks),
     }
@@ -60,7 +61,7 @@ impl Progress {
                 break;
             }
             let source = decode_source(&key[HWM_PREFIX.len()..])
-                .ok_or_else(|| Error::Format(format!("high-water key {key:?}: not a source")))?;
+                .ok_or_else(|| Error::corrupt(format!("high-water key {key:?}: not a source")))?;
             progress.high_water.insert(source, decode_stamp(&value)?);
         }
         Ok(progress)
@@ -104,23 +105,6 @@ fn decode_source(bytes: &[u8]) -> Option<Source> {
     Some(Source { stream, partition: u32::from_be_bytes(partition.try_into().ok()?) })
 }
 
-/// A high-water stamp's value: the version byte, the offset (8 bytes) and the
-/// index (4 bytes), little-endian.
-pub fn encode_stamp(stamp: Stamp) -> [u8; 13] {
-    let mut out = [VALUE_V1; 13];
-    out[1..9].copy_from_slice(&stamp.offset.to_le_bytes());
-    out[9..].copy_from_slice(&stamp.index.to_le_bytes());
-    out
-}
-
-pub fn decode_stamp(bytes: &[u8]) -> Result<Stamp> {
-    let body: [u8; 12] = value_array(bytes, "high-water stamp")?;
-    let (mut offset, mut index) = ([0u8; 8], [0u8; 4]);
-    offset.copy_from_slice(&body[..8]);
-    index.copy_from_slice(&body[8..]);
-    Ok(Stamp { offset: i64::from_le_bytes(offset), index: u32::from_le_bytes(index) })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -156,7 +140,7 @@ mod tests {
         let db = DB::open(&options, dir.path()).unwrap();
         check_store_format(&db).unwrap();
         check_store_format(&db).unwrap();
-        db.put(hwm_key(Source { stream: Source::SHARD, partition: 1 }), [VALUE_V1, 1, 2]).unwrap();
+        db.put(hwm_key(Source { stream: Source::SHARD, partition: 1 }), [tally_core::format::VALUE_V1, 1, 2]).unwrap();
         let err = Progress::load(&db).unwrap_err().to_string();
         assert!(err.contains("high-water stamp: 2 bytes, expected 12"), "{err}");
         db.put(STORE_FORMAT_KEY, [9]).unwrap();

@@ -127,10 +127,13 @@ impl QueueDecl {
     }
 
     /// What the broker's buffer applies.
-    pub fn policy(&self) -> crate::jobs::partition::QueuePolicy {
-        crate::jobs::partition::QueuePolicy {
+    pub fn policy(&self) -> tally_core::jobs::partition::QueuePolicy {
+        tally_core::jobs::partition::QueuePolicy {
             max_attempts: self.max_attempts.max(1),
-            backoff: crate::jobs::schedule::RetrySchedule { base_ms: self.backoff_ms, max_ms: self.backoff_max_ms },
+            backoff: tally_core::jobs::schedule::RetrySchedule {
+                base_ms: self.backoff_ms,
+                max_ms: self.backoff_max_ms,
+            },
             fifo: self.fifo,
             capacity: self.buffer.max(1),
             delayed_capacity: self.delayed_buffer.max(1),

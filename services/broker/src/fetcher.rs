@@ -16,12 +16,12 @@ use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, T
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Message};
+use tally_core::jobs::assignment::owner;
+use tally_core::jobs::partition::PartitionQueue;
+use tally_core::jobs::Job;
+use tally_core::wire::DeadLetter;
 use tally_shared::config::TallyConfig;
-use tally_shared::jobs::assignment::owner;
-use tally_shared::jobs::partition::PartitionQueue;
-use tally_shared::jobs::Job;
 use tally_shared::kafka::{client_config, now_ms, unstamped_producer_config, TopicNames};
-use tally_shared::wire::DeadLetter;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::Result;

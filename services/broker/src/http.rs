@@ -13,10 +13,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::json;
-use tally_shared::http::ApiError;
-use tally_shared::jobs::api::{
+use tally_core::jobs::api::{
     AckRequest, AckResponse, DequeueRequest, DequeueResponse, ExtendRequest, NackRequest, MAX_DEQUEUE, MAX_WAIT_MS,
 };
+use tally_shared::http::ApiError;
 use tally_shared::kafka::now_ms;
 
 use crate::state::{Broker, QueueRuntime};

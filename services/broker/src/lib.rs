@@ -23,8 +23,8 @@ use std::time::Duration;
 
 use prometheus::Registry;
 use rdkafka::producer::FutureProducer;
+use tally_core::jobs::assignment::Member;
 use tally_shared::config::TallyConfig;
-use tally_shared::jobs::assignment::Member;
 use tally_shared::kafka::{unstamped_producer_config, wait_for_topic, TopicNames};
 use tally_shared::telemetry::{serve_admin, Readiness};
 use tally_shared::topics::Declarations;

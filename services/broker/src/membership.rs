@@ -2,7 +2,7 @@
 //! `tally.queue-brokers` every `heartbeat_ms` and follows the topic; a broker silent
 //! for `member_timeout_ms`, or one that said it is leaving, is gone. Every broker
 //! sees the same log, so all compute the same owners
-//! ([`tally_shared::jobs::assignment`]).
+//! ([`tally_core::jobs::assignment`]).
 //!
 //! (Kafka's consumer-group assignment could play this part on a real Kafka; the
 //! local broker's group coordinator never evicts a member killed with -9, so tally
@@ -14,9 +14,9 @@ use std::time::Duration;
 
 use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
 use rdkafka::Message;
+use tally_core::jobs::api::BrokerHeartbeat;
+use tally_core::jobs::assignment::Member;
 use tally_shared::config::KafkaConfig;
-use tally_shared::jobs::api::BrokerHeartbeat;
-use tally_shared::jobs::assignment::Member;
 use tally_shared::kafka::{follower, now_ms, producer_config};
 use tokio_util::sync::CancellationToken;
 

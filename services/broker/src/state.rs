@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use tally_shared::jobs::api::{DequeuedJob, PartitionInfo, QueueStats};
-use tally_shared::jobs::partition::{Failure, LeaseError, PartitionQueue};
-use tally_shared::jobs::DeadJob;
+use tally_core::jobs::api::{DequeuedJob, PartitionInfo, QueueStats};
+use tally_core::jobs::partition::{Failure, LeaseError, PartitionQueue};
+use tally_core::jobs::DeadJob;
 use tally_shared::kafka::{now_ms, TopicNames};
 use tally_shared::topics::QueueDecl;
 use tokio::sync::Notify;
@@ -292,7 +292,7 @@ impl Broker {
             Failure::Dead { offset, attempts, error, job } => {
                 tracing::warn!(queue = %queue.name, partition, offset, attempts, %error, job = %job.id, "job is dead");
                 let dead = DeadJob {
-                    v: tally_shared::format::JSON_V1,
+                    v: tally_core::format::JSON_V1,
                     queue: queue.name.clone(),
                     partition,
                     offset,

@@ -3,9 +3,9 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use tally_core::jobs::api::QueueStats;
+use tally_core::jobs::{DeadJob, Job};
 use tally_shared::config::TallyConfig;
-use tally_shared::jobs::api::QueueStats;
-use tally_shared::jobs::{DeadJob, Job};
 use tally_shared::kafka::{read_to_end, TopicNames};
 
 #[derive(clap::Subcommand)]

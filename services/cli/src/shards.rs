@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Subcommand;
+use tally_core::wire::ShardOwner;
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{read_to_end, TopicNames};
-use tally_shared::wire::ShardOwner;
 
 #[derive(Subcommand)]
 pub enum ShardsCommand {

@@ -7,13 +7,13 @@
 //! high-water mark (its sender sent it again after a restart) or when its
 //! `(entity, id)` was seen within the dedupe window (the producer retried).
 //!
-//! Three kinds of records (see [`ShardMessage`](tally_shared::wire::ShardMessage)):
+//! Three kinds of records (see [`ShardMessage`](tally_core::wire::ShardMessage)):
 //! - increments add to direct and total of their counter and, through the shard's
 //!   descendant view of the entity, to the totals of its descendants;
 //! - totals from other shards add to totals here;
 //! - descendant changes from `tally-graph` switch an origin's view and move its
 //!   retained direct counts into the totals of the descendants gained and out of
-//!   those lost ([`tally_shared::propagation`]).
+//!   those lost ([`tally_core::propagation`]).
 //!
 //! Runs of increment and totals records are coalesced per bucket and written with
 //! the new progress in one RocksDB write batch; a descendant-change record is its
@@ -26,18 +26,18 @@
 use std::collections::{BTreeMap, HashSet};
 
 use rocksdb::WriteBatch;
-use tally_shared::counting::Coalescer;
-use tally_shared::dedupe::DedupeWindow;
-use tally_shared::format::PRESENT;
-use tally_shared::graph::apply_change;
-use tally_shared::graph::DescChange;
-use tally_shared::keys::{
+use tally_core::counting::Coalescer;
+use tally_core::format::PRESENT;
+use tally_core::graph::apply_change;
+use tally_core::graph::DescChange;
+use tally_core::keys::{
     encode_count_key, encode_dedupe_key, encode_entity_prefix, parse_count_key, Counts, ALL_TIME_WIDTH,
 };
-use tally_shared::propagation::change_deltas;
-use tally_shared::records::split_by_size;
-use tally_shared::sharding::shard_of;
-use tally_shared::wire::{ShardMessage, ShardMessageRef, Source, Stamp, TotalDelta};
+use tally_core::propagation::change_deltas;
+use tally_core::records::split_by_size;
+use tally_core::sharding::shard_of;
+use tally_core::wire::{ShardMessage, ShardMessageRef, Source, Stamp, TotalDelta};
+use tally_shared::dedupe::DedupeWindow;
 
 use crate::error::Result;
 use tally_shared::outbox::outbox_key;
@@ -288,7 +288,7 @@ impl ShardStore {
                 descendants.remove(&change.origin);
                 batch.delete_cf(desc_cf, change.origin.as_bytes());
             } else {
-                batch.put_cf(desc_cf, change.origin.as_bytes(), tally_shared::keys::encode_names(view)?);
+                batch.put_cf(desc_cf, change.origin.as_bytes(), tally_core::keys::encode_names(view)?);
             }
         }
         drop(descendants);
@@ -369,8 +369,8 @@ impl ShardStore {
 
 #[cfg(test)]
 mod tests {
-    use tally_shared::keys::ALL_TIME_WIDTH;
-    use tally_shared::wire::Increment;
+    use tally_core::keys::ALL_TIME_WIDTH;
+    use tally_core::wire::Increment;
 
     use super::*;
     use crate::store::StoreOptions;

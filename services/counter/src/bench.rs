@@ -10,9 +10,9 @@ use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use rocksdb::WriteBatch;
-use tally_shared::keys::{encode_count_key, Counts, ALL_TIME_WIDTH};
-use tally_shared::time::bucket_start;
-use tally_shared::wire::{Increment, ShardMessage, ShardMessageRef, Source, Stamp};
+use tally_core::keys::{encode_count_key, Counts, ALL_TIME_WIDTH};
+use tally_core::time::bucket_start;
+use tally_core::wire::{Increment, ShardMessage, ShardMessageRef, Source, Stamp};
 
 use crate::apply::ShardRecord;
 use crate::error::Result;

@@ -13,8 +13,8 @@
 use std::path::Path;
 use std::time::Instant;
 
-use tally_shared::graph::{DescChange, EdgeOp, EdgeUpdate, Graph};
-use tally_shared::wire::{Increment, ShardMessage, Source, Stamp};
+use tally_core::graph::{DescChange, EdgeOp, EdgeUpdate, Graph};
+use tally_core::wire::{Increment, ShardMessage, Source, Stamp};
 
 use crate::apply::ShardRecord;
 use crate::error::Result;

@@ -17,12 +17,12 @@ use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedPr
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, Message};
+use tally_core::keys::{decode_count_key, ALL_TIME_WIDTH};
+use tally_core::time::Resolutions;
+use tally_core::wire::{Rollup, ShardOwner};
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{client_config, now_ms, producer_config, TopicNames};
-use tally_shared::keys::{decode_count_key, ALL_TIME_WIDTH};
 use tally_shared::telemetry::Readiness;
-use tally_shared::time::Resolutions;
-use tally_shared::wire::{Rollup, ShardOwner};
 use tokio_util::sync::CancellationToken;
 
 use crate::apply::{ApplyReport, ShardRecord};
@@ -465,7 +465,7 @@ impl Rollups {
             };
             let key = format!("{}/{}/{}/{}", changed.entity, changed.metric, resolution, changed.bucket);
             let rollup = Rollup {
-                v: tally_shared::format::JSON_V1,
+                v: tally_core::format::JSON_V1,
                 entity: changed.entity.to_string(),
                 metric: changed.metric.to_string(),
                 resolution,

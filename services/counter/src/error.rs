@@ -8,6 +8,8 @@ pub enum Error {
     Kafka(#[from] rdkafka::error::KafkaError),
     #[error(transparent)]
     Shared(#[from] tally_shared::Error),
+    #[error(transparent)]
+    Core(#[from] tally_core::Error),
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
     #[error("shard {shard}: {message}")]

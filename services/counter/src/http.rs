@@ -11,9 +11,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
+use tally_core::wire::{ShardMetricsRequest, ShardReadRequest, ShardReadResponse};
 use tally_shared::failures::skip_router;
 use tally_shared::http::ApiError;
-use tally_shared::wire::{ShardMetricsRequest, ShardReadRequest, ShardReadResponse};
 
 use crate::metrics::Metrics;
 use crate::shards::Shards;

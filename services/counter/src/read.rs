@@ -2,10 +2,10 @@
 //! request from one RocksDB snapshot.
 
 use rocksdb::{Direction, IteratorMode, ReadOptions};
-use tally_shared::keys::{
+use tally_core::keys::{
     encode_count_key, encode_entity_prefix, encode_resolution_prefix, parse_count_key, Counts, ALL_TIME_WIDTH,
 };
-use tally_shared::wire::{Kind, MetricTotals, ShardAnswer, ShardMetricsResponse, ShardQuery};
+use tally_core::wire::{Kind, MetricTotals, ShardAnswer, ShardMetricsResponse, ShardQuery};
 
 use crate::error::Result;
 use crate::store::{ShardStore, CF_COUNTS};
@@ -77,7 +77,7 @@ impl ShardStore {
                 }
             }
             let answer = match query.spec {
-                tally_shared::time::WindowSpec::Series { .. } => ShardAnswer::Series {
+                tally_core::time::WindowSpec::Series { .. } => ShardAnswer::Series {
                     resolution: resolution.name.clone(),
                     points: points.iter().enumerate().map(|(i, v)| (plan.start + i as i64 * plan.step, *v)).collect(),
                 },
@@ -136,8 +136,8 @@ impl ShardStore {
 
 #[cfg(test)]
 mod tests {
-    use tally_shared::time::WindowSpec;
-    use tally_shared::wire::{Increment, ShardMessage, Source, Stamp};
+    use tally_core::time::WindowSpec;
+    use tally_core::wire::{Increment, ShardMessage, Source, Stamp};
 
     use super::*;
     use crate::apply::ShardRecord;

@@ -18,11 +18,11 @@ use std::sync::Mutex;
 
 use rocksdb::compaction_filter::Decision;
 use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, MergeOperands, Options, WriteBatch, WriteOptions, DB};
+use tally_core::keys::{decode_count_key, Counts, ALL_TIME_WIDTH};
+use tally_core::time::Resolutions;
 use tally_shared::dedupe::DedupeWindow;
-use tally_shared::keys::{decode_count_key, Counts, ALL_TIME_WIDTH};
 use tally_shared::outbox::{delete_outbox, read_outbox, OutboxEntry};
 use tally_shared::progress::Progress;
-use tally_shared::time::Resolutions;
 
 use crate::error::{Error, Result};
 
@@ -43,7 +43,7 @@ pub struct StoreOptions {
     pub sync_writes: bool,
     /// How many shards there are (where a descendant's totals live).
     pub shards: u32,
-    /// The most bytes of one outbox record ([`tally_shared::records`]).
+    /// The most bytes of one outbox record ([`tally_core::records`]).
     pub record_budget: usize,
 }
 
@@ -143,7 +143,7 @@ impl ShardStore {
         let progress = Progress::load(&db)?;
         let descendants = Self::load_descendants(&db)?;
         let rebuild_until = match db.get(KEY_REBUILD_UNTIL)? {
-            Some(bytes) => tally_shared::format::decode_i64_value(&bytes, "rebuild_until")?,
+            Some(bytes) => tally_core::format::decode_i64_value(&bytes, "rebuild_until")?,
             None => i64::MIN,
         };
         Ok(Self {
@@ -163,8 +163,8 @@ impl ShardStore {
         for item in db.iterator_cf(cf, rocksdb::IteratorMode::Start) {
             let (key, value) = item?;
             let origin = String::from_utf8(key.to_vec())
-                .map_err(|_| tally_shared::Error::Format(format!("descendant view key {key:?}: not UTF-8")))?;
-            descendants.insert(origin, tally_shared::keys::decode_names(&value)?);
+                .map_err(|_| tally_core::Error::Format(format!("descendant view key {key:?}: not UTF-8")))?;
+            descendants.insert(origin, tally_core::keys::decode_names(&value)?);
         }
         Ok(descendants)
     }
@@ -191,7 +191,7 @@ impl ShardStore {
         let mut keys = Vec::new();
         for item in self.db.iterator_cf(self.cf(CF_ROLLUPS)?, rocksdb::IteratorMode::Start).take(limit) {
             let (key, value) = item?;
-            tally_shared::format::check_present(&value, "rollup mark")?;
+            tally_core::format::check_present(&value, "rollup mark")?;
             keys.push(key.to_vec());
         }
         Ok(keys)
@@ -234,7 +234,7 @@ impl ShardStore {
     /// restarted mid-rebuild still waits.
     pub fn rebuild_until(&self, end: i64) -> Result<()> {
         if self.progress().next_offset.is_none() && end > 0 {
-            self.db.put(KEY_REBUILD_UNTIL, tally_shared::format::i64_value(end))?;
+            self.db.put(KEY_REBUILD_UNTIL, tally_core::format::i64_value(end))?;
             self.rebuild_until.store(end, Ordering::Relaxed);
         }
         Ok(())
@@ -249,7 +249,7 @@ impl ShardStore {
 
     /// `source`'s stream time in the dedupe window moves to `record_time` (a
     /// committed record's).
-    pub(crate) fn advance_stream_time(&self, source: tally_shared::wire::Source, record_time: i64) {
+    pub(crate) fn advance_stream_time(&self, source: tally_core::wire::Source, record_time: i64) {
         self.dedupe.advance(source, record_time);
     }
 
@@ -292,7 +292,7 @@ impl ShardStore {
 
 #[cfg(test)]
 mod tests {
-    use tally_shared::wire::{Source, Stamp};
+    use tally_core::wire::{Source, Stamp};
 
     use super::*;
 

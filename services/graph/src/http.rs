@@ -10,9 +10,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
+use tally_core::wire::{GraphNeighboursRequest, GraphNeighboursResponse};
 use tally_shared::failures::{skip_router, FailureBoard};
 use tally_shared::http::ApiError;
-use tally_shared::wire::{GraphNeighboursRequest, GraphNeighboursResponse};
 
 use crate::store::GraphStore;
 

@@ -1,7 +1,7 @@
 //! `tally-graph`: keeps the entity graph and tells counter shards how each origin's
 //! descendant set changes (SPEC §3).
 //!
-//! - [`store`]: the graph's RocksDB, loaded into a [`Graph`](tally_shared::graph::Graph)
+//! - [`store`]: the graph's RocksDB, loaded into a [`Graph`](tally_core::graph::Graph)
 //!   in memory; a batch of updates → net descendant changes in the outbox, with the
 //!   edges and the progress, in one write batch;
 //! - [`processor`]: the thread that consumes graph updates and relays the outbox;

@@ -17,11 +17,11 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::Message;
+use tally_core::wire::ShardOwner;
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{client_config, now_ms, producer_config, TopicNames};
 use tally_shared::outbox::Relay;
 use tally_shared::telemetry::Readiness;
-use tally_shared::wire::ShardOwner;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};

@@ -11,14 +11,14 @@ use std::path::Path;
 use std::sync::{Mutex, RwLock};
 
 use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, Options, WriteBatch, WriteOptions, DB};
+use tally_core::format::PRESENT;
+use tally_core::graph::{DescChange, EdgeUpdate, Graph};
+use tally_core::records::split_by_size;
+use tally_core::sharding::shard_of;
+use tally_core::wire::{desc_change_bound, split_desc_change, GraphMessage, ShardMessage, Source, Stamp};
 use tally_shared::dedupe::DedupeWindow;
-use tally_shared::format::PRESENT;
-use tally_shared::graph::{DescChange, EdgeUpdate, Graph};
 use tally_shared::outbox::{delete_outbox, outbox_key, read_outbox, OutboxEntry};
 use tally_shared::progress::Progress;
-use tally_shared::records::split_by_size;
-use tally_shared::sharding::shard_of;
-use tally_shared::wire::{desc_change_bound, split_desc_change, GraphMessage, ShardMessage, Source, Stamp};
 
 use crate::error::{Error, Result};
 
@@ -33,7 +33,7 @@ pub struct GraphOptions {
     pub shards: u32,
     pub dedupe_window_ms: i64,
     pub sync_writes: bool,
-    /// The most bytes of one outbox record ([`tally_shared::records`]).
+    /// The most bytes of one outbox record ([`tally_core::records`]).
     pub record_budget: usize,
 }
 
@@ -94,9 +94,9 @@ impl GraphStore {
             let edges = db.cf_handle(CF_EDGES).ok_or_else(|| Error::Processor("edges missing".into()))?;
             for item in db.iterator_cf(edges, rocksdb::IteratorMode::Start) {
                 let (key, value) = item?;
-                tally_shared::format::check_present(&value, "edge")?;
+                tally_core::format::check_present(&value, "edge")?;
                 let (from, to) = decode_edge(&key)
-                    .ok_or_else(|| tally_shared::Error::Format(format!("edge key {key:?}: malformed")))?;
+                    .ok_or_else(|| tally_core::Error::Format(format!("edge key {key:?}: malformed")))?;
                 graph.add_edge(from, to);
             }
         }
@@ -279,8 +279,8 @@ fn dedupe_key(from: &str, id: &str) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
-    use tally_shared::graph::EdgeOp;
-    use tally_shared::wire::{GraphUpdate, ShardMessageRef};
+    use tally_core::graph::EdgeOp;
+    use tally_core::wire::{GraphUpdate, ShardMessageRef};
 
     use super::*;
 

@@ -6,6 +6,8 @@ pub enum Error {
     Kafka(#[from] rdkafka::error::KafkaError),
     #[error(transparent)]
     Shared(#[from] tally_shared::Error),
+    #[error(transparent)]
+    Core(#[from] tally_core::Error),
     #[error("delivery failed: {0}")]
     Delivery(String),
 }

@@ -7,11 +7,11 @@ use std::collections::{BTreeMap, HashMap};
 
 use rdkafka::message::BorrowedMessage;
 use rdkafka::Message;
-use tally_shared::input::{parse_graph_updates, parse_increments, Rejection};
+use tally_core::input::{parse_graph_updates, parse_increments, Rejection};
+use tally_core::records::split_by_size;
+use tally_core::sharding::shard_of;
+use tally_core::wire::{DeadLetter, GraphMessage, GraphUpdate, Increment, ShardMessage, Source, Stamp};
 use tally_shared::kafka::{now_ms, TopicNames};
-use tally_shared::records::split_by_size;
-use tally_shared::sharding::shard_of;
-use tally_shared::wire::{DeadLetter, GraphMessage, GraphUpdate, Increment, ShardMessage, Source, Stamp};
 
 use crate::error::Result;
 use crate::metrics::Metrics;
@@ -194,7 +194,7 @@ fn last_time<T>(record_times: &HashMap<(i32, i64), i64>, partition: i32, chunk: 
 #[cfg(test)]
 mod tests {
     use base64::Engine;
-    use tally_shared::wire::ShardMessage;
+    use tally_core::wire::ShardMessage;
 
     use super::*;
 

@@ -13,9 +13,9 @@ use axum::{Json, Router};
 use base64::Engine;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tally_shared::time::{format_duration, parse_duration, WindowSpec};
-use tally_shared::validate::{check_entity, check_metric};
-use tally_shared::wire::{GraphNeighboursRequest, Kind, ShardAnswer, ShardQuery};
+use tally_core::time::{format_duration, parse_duration, WindowSpec};
+use tally_core::validate::{check_entity, check_metric};
+use tally_core::wire::{GraphNeighboursRequest, Kind, ShardAnswer, ShardQuery};
 
 use crate::error::ApiError;
 use crate::fanout::Fanout;

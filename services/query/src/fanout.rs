@@ -9,8 +9,8 @@ use std::time::Duration;
 use futures::future::join_all;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use tally_shared::sharding::shard_of;
-use tally_shared::wire::{
+use tally_core::sharding::shard_of;
+use tally_core::wire::{
     GraphNeighboursRequest, GraphNeighboursResponse, ShardAnswer, ShardMetricsRequest, ShardMetricsResponse,
     ShardOwner, ShardQuery, ShardReadRequest, ShardReadResponse,
 };

@@ -11,10 +11,10 @@ use std::time::Duration;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::Message;
+use tally_core::wire::ShardOwner;
 use tally_shared::config::KafkaConfig;
 use tally_shared::kafka::client_config;
 use tally_shared::telemetry::Readiness;
-use tally_shared::wire::ShardOwner;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 

@@ -3,16 +3,16 @@
 //! answer, retries it with the queue's backoff) or given on stdin to
 //! `worker.command` (exit status 0 acks; otherwise it retries with the command's
 //! stderr as the error). Dequeueing, concurrency, lease extension and acks come
-//! from the worker library in `tally_shared::jobs::worker`.
+//! from the worker library in `tally_jobs_client`.
 
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus::{IntCounterVec, Opts, Registry};
+use tally_core::jobs::api::DequeuedJob;
+use tally_jobs_client::{self as worker, Outcome, WorkerOptions};
 use tally_shared::config::{TallyConfig, WorkerConfig};
-use tally_shared::jobs::api::DequeuedJob;
-use tally_shared::jobs::worker::{self, Outcome, WorkerOptions};
 use tally_shared::telemetry::{register, serve_admin, Readiness};
 use tokio::io::AsyncWriteExt;
 use tokio_util::sync::CancellationToken;
@@ -21,6 +21,8 @@ use tokio_util::sync::CancellationToken;
 pub enum Error {
     #[error(transparent)]
     Shared(#[from] tally_shared::Error),
+    #[error(transparent)]
+    Client(#[from] tally_jobs_client::Error),
     #[error("worker config: {0}")]
     Config(String),
 }
@@ -142,7 +144,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     shutdown.cancel();
     let _ = probe.await;
     tracing::info!("tally-worker stopped");
-    result.map(|_| ()).map_err(Error::Shared)
+    Ok(result.map(|_| ())?)
 }
 
 /// Ready while a broker answers for the queue and some partition of it has an

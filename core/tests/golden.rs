@@ -1,4 +1,4 @@
-//! Golden bytes of every format tally keeps (see `tally_shared::format`).
+//! Golden bytes of every format tally keeps (see `tally_core::format`).
 //!
 //! Each sample's bytes, as the current version writes them, are committed under
 //! `tests/golden/`. The test decodes the committed bytes and compares with the sample
@@ -8,15 +8,13 @@
 
 use std::path::PathBuf;
 
-use tally_shared::dedupe::DedupeWindow;
-use tally_shared::format::{self, JSON_V1, PRESENT};
-use tally_shared::graph::{DescChange, EdgeOp, EdgeUpdate};
-use tally_shared::jobs::api::BrokerHeartbeat;
-use tally_shared::jobs::{DeadJob, Job};
-use tally_shared::keys::{decode_names, encode_names, Counts};
-use tally_shared::progress::{decode_stamp, encode_stamp};
-use tally_shared::records::Truncated;
-use tally_shared::wire::{
+use tally_core::format::{self, JSON_V1, PRESENT};
+use tally_core::graph::{DescChange, EdgeOp, EdgeUpdate};
+use tally_core::jobs::api::BrokerHeartbeat;
+use tally_core::jobs::{DeadJob, Job};
+use tally_core::keys::{decode_mark, decode_names, decode_stamp, encode_mark, encode_names, encode_stamp, Counts};
+use tally_core::records::Truncated;
+use tally_core::wire::{
     DeadLetter, GraphMessage, GraphUpdate, Increment, Rollup, ShardMessage, ShardOwner, Source, Stamp, TotalDelta,
 };
 
@@ -112,8 +110,8 @@ fn store_values() {
     let bytes = golden("value-counts.bin", &counts.encode());
     assert_eq!(Counts::decode(&bytes).unwrap(), counts);
 
-    let mark = golden("value-dedupe-mark.bin", &DedupeWindow::mark(1_700_000_000_123, SOURCE));
-    assert_eq!(DedupeWindow::decode(&mark).unwrap(), (1_700_000_000_123, SOURCE));
+    let mark = golden("value-dedupe-mark.bin", &encode_mark(1_700_000_000_123, SOURCE));
+    assert_eq!(decode_mark(&mark).unwrap(), (1_700_000_000_123, SOURCE));
 
     let stamp = Stamp { offset: 1_234_567, index: 8 };
     let bytes = golden("value-high-water.bin", &encode_stamp(stamp));

@@ -1,4 +1,4 @@
-//! The worker library: dequeues a queue's jobs from the brokers that own its
+//! The jobs client (the worker library): dequeues a queue's jobs from the brokers that own its
 //! partitions, runs a handler on each with bounded concurrency, extends the lease
 //! while a job runs, and acks or nacks it.
 //!
@@ -16,8 +16,23 @@ use serde::Serialize;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
-use super::api::{AckRequest, DequeueRequest, DequeueResponse, DequeuedJob, ExtendRequest, NackRequest, QueueStats};
-use crate::{Error, Result};
+use tally_core::jobs::api::{
+    AckRequest, DequeueRequest, DequeueResponse, DequeuedJob, ExtendRequest, NackRequest, QueueStats,
+};
+
+/// What can go wrong talking to the brokers.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("worker: {0}")]
+    Worker(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Wall-clock ms since the epoch.
+fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
 
 /// How a worker runs a queue.
 #[derive(Debug, Clone)]
@@ -138,7 +153,7 @@ impl BrokerClient {
 
     /// Acks; `Ok(false)` when the broker no longer knew the lease.
     pub async fn ack(&self, base: &str, lease: &str) -> Result<bool> {
-        let response: super::api::AckResponse =
+        let response: tally_core::jobs::api::AckResponse =
             self.post(base, "ack", &AckRequest { leases: vec![lease.to_string()] }).await?;
         Ok(response.unknown.is_empty())
     }
@@ -170,14 +185,15 @@ impl Acker {
         tokio::spawn(async move {
             while let Some(first) = pending.recv().await {
                 let mut batch = vec![first];
-                while batch.len() < super::api::MAX_DEQUEUE {
+                while batch.len() < tally_core::jobs::api::MAX_DEQUEUE {
                     match pending.try_recv() {
                         Ok(more) => batch.push(more),
                         Err(_) => break,
                     }
                 }
                 let leases: Vec<String> = batch.iter().map(|(lease, _)| lease.clone()).collect();
-                let answer: Result<super::api::AckResponse> = client.post(&base, "ack", &AckRequest { leases }).await;
+                let answer: Result<tally_core::jobs::api::AckResponse> =
+                    client.post(&base, "ack", &AckRequest { leases }).await;
                 let unknown: std::collections::HashSet<String> = match answer {
                     Ok(response) => response.unknown.into_iter().collect(),
                     Err(err) => {
@@ -284,7 +300,7 @@ async fn run_one<H, F>(
     F: Future<Output = Outcome>,
 {
     let lease = job.lease.clone();
-    let lease_ms = (job.lease_deadline - crate::kafka::now_ms()).max(1_000);
+    let lease_ms = (job.lease_deadline - now_ms()).max(1_000);
     let work = handler(job);
     tokio::pin!(work);
     // Extend at half the lease while the handler runs.

@@ -1,10 +1,12 @@
-//! Byte layout of RocksDB keys and values in a counter shard (values are versioned,
+//! Byte layout of RocksDB keys and values in the stores (values are versioned,
 //! [`crate::format`]).
 //!
 //! A count key is `entity 0x00 metric 0x00 width(u64 BE) bucket(i64 BE, sign-flipped)`.
 //! Entities and metrics hold no NUL, so keys of one entity are contiguous and sorted
 //! by metric, then resolution (the all-time bucket, width 0, first), then bucket time:
 //! an entity's metrics and a counter's buckets are prefix scans.
+
+use crate::wire::{Source, Stamp};
 
 /// Width used for the all-time bucket.
 pub const ALL_TIME_WIDTH: i64 = 0;
@@ -93,6 +95,44 @@ pub fn decode_names(bytes: &[u8]) -> crate::Result<Vec<String>> {
         Ok(_) => Err(crate::Error::Format("descendant view: trailing bytes".into())),
         Err(err) => Err(crate::Error::Format(format!("descendant view: {err}"))),
     }
+}
+
+/// The value of an idempotency mark first seen in a record of `source` at
+/// `record_time`: the version byte, the time (8 bytes), the source's stream (1) and
+/// partition (4), little-endian.
+pub fn encode_mark(record_time: i64, source: Source) -> [u8; 14] {
+    let mut mark = [crate::format::VALUE_V1; 14];
+    mark[1..9].copy_from_slice(&record_time.to_le_bytes());
+    mark[9] = source.stream;
+    mark[10..].copy_from_slice(&source.partition.to_le_bytes());
+    mark
+}
+
+/// The time and source of a stored mark; anything else is an error.
+pub fn decode_mark(mark: &[u8]) -> crate::Result<(i64, Source)> {
+    let body: [u8; 13] = crate::format::value_array(mark, "idempotency mark")?;
+    let (mut time, mut partition) = ([0u8; 8], [0u8; 4]);
+    time.copy_from_slice(&body[..8]);
+    partition.copy_from_slice(&body[9..]);
+    Ok((i64::from_le_bytes(time), Source { stream: body[8], partition: u32::from_le_bytes(partition) }))
+}
+
+/// A high-water stamp's value: the version byte, the offset (8 bytes) and the
+/// index (4 bytes), little-endian.
+pub fn encode_stamp(stamp: Stamp) -> [u8; 13] {
+    let mut out = [crate::format::VALUE_V1; 13];
+    out[1..9].copy_from_slice(&stamp.offset.to_le_bytes());
+    out[9..].copy_from_slice(&stamp.index.to_le_bytes());
+    out
+}
+
+/// Decodes [`encode_stamp`]; anything else is an error.
+pub fn decode_stamp(bytes: &[u8]) -> crate::Result<Stamp> {
+    let body: [u8; 12] = crate::format::value_array(bytes, "high-water stamp")?;
+    let (mut offset, mut index) = ([0u8; 8], [0u8; 4]);
+    offset.copy_from_slice(&body[..8]);
+    index.copy_from_slice(&body[8..]);
+    Ok(Stamp { offset: i64::from_le_bytes(offset), index: u32::from_le_bytes(index) })
 }
 
 /// Counts add up field by field; wrapping keeps the merge associative and never panics.

@@ -11,7 +11,6 @@ pub mod api;
 pub mod assignment;
 pub mod partition;
 pub mod schedule;
-pub mod worker;
 
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;

@@ -1,0 +1,31 @@
+//! tally's pure core: what the services compute and the formats they keep, with no
+//! Kafka, RocksDB or tokio (its dependency list enforces it), proved with property
+//! tests against the brute-force [`model`].
+//!
+//! - [`validate`] (naming rules) and [`input`] (producer JSON → increments, graph
+//!   updates or rejections with reasons);
+//! - [`time`] (durations, buckets, retention, planning of window and series reads),
+//!   [`counting`] (coalescing a batch into per-bucket deltas), [`sharding`];
+//! - [`graph`] (the batch algorithm: edge updates → net descendant-set changes) and
+//!   [`propagation`] (the rule a shard applies);
+//! - [`jobs`]: the job format and a queue partition's buffer;
+//! - [`format`] (versions of everything kept), [`wire`] (internal messages),
+//!   [`keys`] (RocksDB keys and values), [`records`] (every record fits the broker);
+//! - [`model`]: the brute-force model every test compares with.
+
+pub mod counting;
+pub mod error;
+pub mod format;
+pub mod graph;
+pub mod input;
+pub mod jobs;
+pub mod keys;
+pub mod model;
+pub mod propagation;
+pub mod records;
+pub mod sharding;
+pub mod time;
+pub mod validate;
+pub mod wire;
+
+pub use error::{Error, Result};
