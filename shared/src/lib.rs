@@ -1,6 +1,10 @@
 //! tally's runtime: what every binary needs to run as a well-behaved service, over
 //! the pure [`tally_core`].
 //!
+//! [`consume`] (the consuming side of every log processor: bounded batches, positions
+//! from the store, paused failed partitions, lag on its own thread), [`store`] (the
+//! RocksDB skeleton whose state commits only with its progress), [`announce`] (claims
+//! on the shard-owners topic), [`follow`] (following a control topic),
 //! [`config`] (figment: defaults → TOML → `TALLY__` env, unknown keys rejected),
 //! [`telemetry`] (tracing, Prometheus, `/metrics` `/healthz` `/readyz`),
 //! [`shutdown`], [`service`], [`kafka`] (client settings, producers that never leave
@@ -11,10 +15,13 @@
 //! fails stops, visibly, until an operator skips), [`http`] (the one error format and
 //! auth layer) and [`local_broker`] (install/start/stop Tansu).
 
+pub mod announce;
 pub mod config;
+pub mod consume;
 pub mod dedupe;
 pub mod error;
 pub mod failures;
+pub mod follow;
 pub mod http;
 pub mod kafka;
 pub mod local_broker;
@@ -22,6 +29,7 @@ pub mod outbox;
 pub mod progress;
 pub mod service;
 pub mod shutdown;
+pub mod store;
 pub mod telemetry;
 pub mod topics;
 

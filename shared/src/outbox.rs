@@ -40,18 +40,19 @@ pub fn outbox_partition(key: &[u8]) -> Option<u32> {
 }
 
 /// The outbox held in column family `cf`, in send order.
-pub fn read_outbox(db: &rocksdb::DB, cf: &rocksdb::ColumnFamily) -> Result<Vec<OutboxEntry>> {
+pub(crate) fn read_outbox(db: &rocksdb::DB, cf: &rocksdb::ColumnFamily) -> Result<Vec<OutboxEntry>> {
     let mut entries = Vec::new();
     for item in db.iterator_cf(cf, rocksdb::IteratorMode::Start) {
         let (key, payload) = item.map_err(|err| Error::Store(err.to_string()))?;
-        let Some(partition) = outbox_partition(&key) else { continue };
+        let partition =
+            outbox_partition(&key).ok_or_else(|| Error::corrupt(format!("outbox key {key:?}: malformed")))?;
         entries.push(OutboxEntry { key: key.to_vec(), partition, payload: payload.to_vec() });
     }
     Ok(entries)
 }
 
 /// Drops relayed entries from the outbox in `cf`.
-pub fn delete_outbox(db: &rocksdb::DB, cf: &rocksdb::ColumnFamily, entries: &[OutboxEntry]) -> Result<()> {
+pub(crate) fn delete_outbox(db: &rocksdb::DB, cf: &rocksdb::ColumnFamily, entries: &[OutboxEntry]) -> Result<()> {
     let mut batch = rocksdb::WriteBatch::default();
     for entry in entries {
         batch.delete_cf(cf, &entry.key);

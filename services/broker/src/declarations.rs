@@ -8,9 +8,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdkafka::Message;
+use rdkafka::consumer::BaseConsumer;
 use tally_shared::config::KafkaConfig;
-use tally_shared::kafka::{follower, partition_count, TopicNames};
+use tally_shared::follow::Follow;
+use tally_shared::kafka::{partition_count, TopicNames};
 use tally_shared::topics::{QueueDecl, QueueRecord};
 use tokio_util::sync::CancellationToken;
 
@@ -24,42 +25,49 @@ pub fn follow(
     names: TopicNames,
     shutdown: CancellationToken,
 ) -> Result<std::thread::JoinHandle<()>> {
-    let consumer = follower(kafka, "tally-broker-declarations", &names.queues())?;
-    let thread = std::thread::Builder::new().name("broker-declarations".into()).spawn(move || {
-        // Declared, but their topics are not there yet.
-        let mut waiting: BTreeMap<String, QueueDecl> = BTreeMap::new();
-        let mut last_try = Instant::now();
-        while !shutdown.is_cancelled() {
-            match consumer.poll(Duration::from_millis(200)) {
-                Some(Ok(message)) => match QueueRecord::decode(message.payload().unwrap_or_default()) {
-                    Ok(decl) => {
-                        waiting.insert(decl.name.clone(), decl);
-                    }
-                    Err(err) => {
-                        tracing::error!(offset = message.offset(), error = %err, "ignoring a queue declaration this release cannot read")
-                    }
-                },
-                Some(Err(err)) => tracing::warn!(error = %err, "reading queue declarations"),
-                None => {}
+    let topic = names.queues();
+    let declared = Declared { broker, names, waiting: BTreeMap::new(), last_try: Instant::now() };
+    let poll = Duration::from_millis(200);
+    let group = "tally-broker-declarations";
+    Ok(tally_shared::follow::follow(kafka, "broker-declarations", group, &topic, poll, shutdown, declared)?)
+}
+
+struct Declared {
+    broker: Arc<Broker>,
+    names: TopicNames,
+    /// Declared, but their topics are not there yet.
+    waiting: BTreeMap<String, QueueDecl>,
+    last_try: Instant,
+}
+
+impl Follow for Declared {
+    fn record(&mut self, offset: i64, payload: &[u8]) {
+        match QueueRecord::decode(payload) {
+            Ok(decl) => {
+                self.waiting.insert(decl.name.clone(), decl);
             }
-            if waiting.is_empty() || last_try.elapsed() < Duration::from_millis(500) {
-                continue;
-            }
-            last_try = Instant::now();
-            waiting.retain(|_, decl| {
-                let topic = names.jobs(&decl.name);
-                match partition_count(&consumer, &topic, Duration::from_secs(2)) {
-                    Ok(partitions) => {
-                        // Every partition of the topic is served, whatever was declared.
-                        let mut decl = decl.clone();
-                        decl.partitions = decl.partitions.max(partitions as i32);
-                        broker.declare(decl, &names);
-                        false
-                    }
-                    Err(_) => true,
-                }
-            });
+            Err(err) => tracing::error!(offset, error = %err, "ignoring a queue declaration this release cannot read"),
         }
-    })?;
-    Ok(thread)
+    }
+
+    /// Serves the declared queues whose topics exist (tried every half second).
+    fn idle(&mut self, client: &BaseConsumer) {
+        if self.waiting.is_empty() || self.last_try.elapsed() < Duration::from_millis(500) {
+            return;
+        }
+        self.last_try = Instant::now();
+        let (broker, names) = (&self.broker, &self.names);
+        self.waiting.retain(|_, decl| {
+            match partition_count(client, &names.jobs(&decl.name), Duration::from_secs(2)) {
+                Ok(partitions) => {
+                    // Every partition of the topic is served, whatever was declared.
+                    let mut decl = decl.clone();
+                    decl.partitions = decl.partitions.max(partitions as i32);
+                    broker.declare(decl, names);
+                    false
+                }
+                Err(_) => true,
+            }
+        });
+    }
 }

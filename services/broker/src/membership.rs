@@ -13,11 +13,11 @@ use std::sync::RwLock;
 use std::time::Duration;
 
 use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
-use rdkafka::Message;
 use tally_core::jobs::api::BrokerHeartbeat;
 use tally_core::jobs::assignment::Member;
 use tally_shared::config::KafkaConfig;
-use tally_shared::kafka::{follower, now_ms, producer_config};
+use tally_shared::follow::Follow;
+use tally_shared::kafka::{now_ms, producer_config};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::Result;
@@ -88,20 +88,20 @@ pub fn follow(
     membership: std::sync::Arc<Membership>,
     shutdown: CancellationToken,
 ) -> Result<std::thread::JoinHandle<()>> {
-    let consumer = follower(kafka, "tally-broker-membership", &topic)?;
-    let thread = std::thread::Builder::new().name("broker-membership".into()).spawn(move || {
-        while !shutdown.is_cancelled() {
-            match consumer.poll(Duration::from_millis(100)) {
-                Some(Ok(message)) => match BrokerHeartbeat::decode(message.payload().unwrap_or_default()) {
-                    Ok(heartbeat) => membership.record(heartbeat),
-                    Err(err) => tracing::warn!(error = %err, "ignoring a malformed heartbeat"),
-                },
-                Some(Err(err)) => tracing::warn!(error = %err, "reading heartbeats"),
-                None => {}
-            }
+    let poll = Duration::from_millis(100);
+    let group = "tally-broker-membership";
+    Ok(tally_shared::follow::follow(kafka, "broker-membership", group, &topic, poll, shutdown, Beats(membership))?)
+}
+
+struct Beats(std::sync::Arc<Membership>);
+
+impl Follow for Beats {
+    fn record(&mut self, offset: i64, payload: &[u8]) {
+        match BrokerHeartbeat::decode(payload) {
+            Ok(heartbeat) => self.0.record(heartbeat),
+            Err(err) => tracing::warn!(offset, error = %err, "ignoring a heartbeat this build cannot read"),
         }
-    })?;
-    Ok(thread)
+    }
 }
 
 #[cfg(test)]

@@ -321,7 +321,7 @@ impl ShardStore {
         encode_entity_prefix(&mut prefix, origin);
         let counts_cf = self.cf(CF_COUNTS)?;
         let mut direct = Vec::new();
-        for item in self.db.prefix_iterator_cf(counts_cf, &prefix) {
+        for item in self.store.db().prefix_iterator_cf(counts_cf, &prefix) {
             let (key, value) = item?;
             if !key.starts_with(&prefix) {
                 break;
@@ -589,7 +589,7 @@ mod tests {
         // Bit rot, or a value of another format: 16 bytes without the version byte.
         let mut key = Vec::new();
         encode_count_key(&mut key, "a", "views", ALL_TIME_WIDTH, 0);
-        store.db.put_cf(store.cf(CF_COUNTS).unwrap(), &key, [0u8; 16]).unwrap();
+        store.store.db().put_cf(store.cf(CF_COUNTS).unwrap(), &key, [0u8; 16]).unwrap();
         let read = store.get_counts(&[key.clone()]).unwrap_err().to_string();
         assert!(read.contains("counts value: unknown format version 0"), "{read}");
         let more = message(0, &[(2, 0, "a", 3, None)]);

@@ -181,12 +181,13 @@ fn batches_of(records: &[Vec<u8>], max_bytes: usize) -> impl Iterator<Item = &[V
     })
 }
 
-/// The baseline: every increment is its own RocksDB write of its buckets.
+/// The baseline: every increment is its own RocksDB write of its buckets, committed
+/// with its position like any write of the store.
 fn apply_per_event(store: &ShardStore, records: &[Vec<u8>], now: i64) -> Result<()> {
     let cf = store.cf(CF_COUNTS)?;
     let resolutions = &store.options.resolutions;
     let mut key = Vec::with_capacity(128);
-    for payload in records {
+    for (offset, payload) in records.iter().enumerate() {
         let ShardMessageRef::Increments { entries, .. } = ShardMessageRef::decode(payload)? else { continue };
         for (_, increment) in entries {
             let counts = Counts { direct: increment.delta, total: increment.delta }.encode();
@@ -202,7 +203,9 @@ fn apply_per_event(store: &ShardStore, records: &[Vec<u8>], now: i64) -> Result<
                     batch.merge_cf(cf, &key, counts);
                 }
             }
-            store.db.write(batch)?;
+            let mut progress = store.progress();
+            progress.next_offset = Some(offset as i64 + 1);
+            store.store.commit(batch, progress)?;
         }
     }
     Ok(())

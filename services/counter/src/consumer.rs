@@ -13,15 +13,18 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext};
-use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaRespErr;
-use rdkafka::{ClientContext, Message};
+use rdkafka::ClientContext;
 use tally_core::keys::{decode_count_key, ALL_TIME_WIDTH};
 use tally_core::time::Resolutions;
-use tally_core::wire::{Rollup, ShardOwner};
+use tally_core::wire::Rollup;
+use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
-use tally_shared::kafka::{client_config, now_ms, producer_config, TopicNames};
+use tally_shared::consume::{pause, poll_batch, resume_at, spawn_lag_reporter, BatchLimits, Polled};
+use tally_shared::failures::Failure;
+use tally_shared::kafka::{client_config, now_ms, TopicNames};
+use tally_shared::outbox::Relay;
 use tally_shared::telemetry::Readiness;
 use tokio_util::sync::CancellationToken;
 
@@ -31,10 +34,7 @@ use crate::metrics::Metrics;
 use crate::relay::relay_outboxes;
 use crate::shards::Shards;
 use crate::store::{ShardStore, StoreOptions};
-use tally_shared::failures::Failure;
-use tally_shared::outbox::Relay;
 
-const HEARTBEAT: Duration = Duration::from_secs(5);
 /// How long a round of rollups waits for its acknowledgements.
 const ROLLUP_WAIT: Duration = Duration::from_secs(5);
 /// Most marked rollups one heartbeat sends per shard.
@@ -51,7 +51,6 @@ pub struct ConsumerSetup {
     pub shard_count: u32,
     /// Announced as the read address of owned shards.
     pub read_addr: String,
-    pub instance: String,
 }
 
 struct CounterContext {
@@ -144,17 +143,9 @@ impl ConsumerContext for CounterContext {
     }
 }
 
-/// A record copied out of the consumer.
-struct Polled {
-    shard: u32,
-    offset: i64,
-    payload: Vec<u8>,
-    timestamp: Option<i64>,
-}
-
 /// Runs until `shutdown`; finishes and persists the batch in hand before returning.
 pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
-    let ConsumerSetup { config, shards, metrics, readiness, read_addr, instance, shard_count } = setup;
+    let ConsumerSetup { config, shards, metrics, readiness, read_addr, shard_count } = setup;
     let names = TopicNames::new(&config.kafka.topic_prefix);
     let shard_topic = names.shards();
     let resolutions = config.counting.resolutions()?;
@@ -188,8 +179,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     } else {
         consumer.subscribe(&[&shard_topic])?;
     }
-    let producer: ThreadedProducer<DefaultProducerContext> = producer_config(&config.kafka)?.create()?;
-    let mut announcer = Announcer { producer: &producer, topic: names.shard_owners(), read_addr, instance, last: None };
+    let mut announcer = Announcer::new(&config.kafka, names.shard_owners(), read_addr)?;
     let rollups = match config.counter.rollups {
         true => Some(Rollups {
             relay: Relay::new(&config.kafka, names.rollups())?.waiting_at_most(ROLLUP_WAIT),
@@ -201,59 +191,41 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
 
     let relay = Relay::new(&config.kafka, shard_topic.clone())?;
     let letters = Relay::new(&config.kafka, names.dead_letter())?;
-    let lag_reporter =
-        spawn_lag_reporter(&config, shard_topic.clone(), shards.clone(), metrics.clone(), shutdown.clone())?;
-    let linger = Duration::from_millis(config.counter.batch_linger_ms);
-    let max_records = config.counter.batch_max_records.max(1);
-    let max_bytes = config.counter.batch_max_bytes.max(1);
+    let lag_shards = shards.clone();
+    let lag_metrics = metrics.clone();
+    let lag_reporter = spawn_lag_reporter(
+        &config.kafka,
+        "counter-lag",
+        shard_topic.clone(),
+        HEARTBEAT,
+        shutdown.clone(),
+        move || {
+            let owned = lag_shards.owned().into_iter();
+            owned
+                .filter_map(|shard| Some((shard, lag_shards.get(shard)?.progress().next_offset.unwrap_or(0))))
+                .collect()
+        },
+        move |shard, lag| lag_metrics.consumer_lag.with_label_values(&[&shard.to_string()]).set(lag),
+    )?;
+    let limits = BatchLimits {
+        max_records: config.counter.batch_max_records,
+        max_bytes: config.counter.batch_max_bytes,
+        linger: Duration::from_millis(config.counter.batch_linger_ms),
+    };
     let mut epoch = shards.epoch();
     let mut serving: Vec<u32> = Vec::new();
     let mut batch: Vec<Polled> = Vec::new();
 
     while !shutdown.is_cancelled() {
-        batch.clear();
-        let mut batch_bytes = 0usize;
-        let deadline = Instant::now() + linger;
-        loop {
-            let wait = if batch.is_empty() {
-                Duration::from_millis(100)
-            } else {
-                deadline.saturating_duration_since(Instant::now())
-            };
-            let polled = consumer.poll(wait);
-            if shards.epoch() != epoch {
-                // Positions were reset from the stores: what was collected before
-                // the rebalance will be delivered again.
-                epoch = shards.epoch();
-                batch.clear();
-                batch_bytes = 0;
-                metrics.owned_shards.set(shards.owned().len() as i64);
-                serving = shards.announced();
-                announcer.announce(&serving, true);
-                report_state(&shards, &readiness, &metrics);
-            }
-            match polled {
-                Some(Ok(message)) => {
-                    let payload = message.payload().unwrap_or_default().to_vec();
-                    batch_bytes += payload.len();
-                    let timestamp = message.timestamp().to_millis().filter(|ts| *ts >= 0);
-                    batch.push(Polled {
-                        shard: message.partition() as u32,
-                        offset: message.offset(),
-                        payload,
-                        timestamp,
-                    });
-                }
-                Some(Err(err)) => tracing::warn!(error = %err, "consumer error"),
-                None => {}
-            }
-            if batch.is_empty() && (shutdown.is_cancelled() || announcer.due()) {
-                break;
-            }
-            let full = batch.len() >= max_records || batch_bytes >= max_bytes;
-            if full || (!batch.is_empty() && Instant::now() >= deadline) {
-                break;
-            }
+        // A rebalance reset the positions from the stores: what was collected
+        // before it is delivered again.
+        poll_batch(&consumer, &limits, &mut batch, || shards.epoch() != epoch);
+        if shards.epoch() != epoch {
+            epoch = shards.epoch();
+            metrics.owned_shards.set(shards.owned().len() as i64);
+            serving = shards.announced();
+            announcer.announce(&serving, true);
+            report_state(&shards, &readiness, &metrics);
         }
         if let Some(message) = consumer.context().fatal.lock().ok().and_then(|mut f| f.take()) {
             return Err(Error::Consumer(message));
@@ -311,8 +283,9 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     tracing::info!("counter consumer stopping: batch persisted, releasing shards");
     readiness.set(false);
     announcer.release(&shards.owned());
-    let _ = producer.flush(Duration::from_secs(5));
-    let _ = lag_reporter.join();
+    if lag_reporter.join().is_err() {
+        tracing::error!("the lag reporter panicked");
+    }
     if !config.counter.static_assignment {
         consumer.unsubscribe();
     }
@@ -337,29 +310,10 @@ fn resume_after(
     shard: u32,
     offset: i64,
 ) -> tally_shared::Result<()> {
-    let skip = |message: String| tally_shared::Error::Skip(message);
-    let store = shards.get(shard).ok_or_else(|| skip(format!("shard {shard} is not owned here")))?;
-    store.skip_record(offset).map_err(|err| skip(err.to_string()))?;
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(topic, shard as i32, Offset::Offset(offset + 1))?;
-    consumer.seek_partitions(tpl.clone(), Duration::from_secs(10))?;
-    consumer.resume(&tpl)?;
-    Ok(())
-}
-
-/// Stops fetching the partitions of failed shards.
-fn pause(consumer: &BaseConsumer<CounterContext>, topic: &str, failed: &[u32]) {
-    if failed.is_empty() {
-        return;
-    }
-    let mut tpl = TopicPartitionList::new();
-    for &shard in failed {
-        tpl.add_partition(topic, shard as i32);
-    }
-    if let Err(err) = consumer.pause(&tpl) {
-        // Its records are dropped unapplied all the same (see `apply_batch`).
-        tracing::warn!(error = %err, "pausing failed shards");
-    }
+    let store =
+        shards.get(shard).ok_or_else(|| tally_shared::Error::Skip(format!("shard {shard} is not owned here")))?;
+    store.store.skip_record(offset)?;
+    resume_at(consumer, topic, shard, offset + 1)
 }
 
 /// Applies a polled batch shard by shard; returns how many outbox messages it
@@ -371,7 +325,7 @@ fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, rollups: Op
     let mut failed = Vec::new();
     let mut by_shard: HashMap<u32, Vec<ShardRecord<'_>>> = HashMap::new();
     for polled in batch {
-        by_shard.entry(polled.shard).or_default().push(ShardRecord {
+        by_shard.entry(polled.partition as u32).or_default().push(ShardRecord {
             offset: polled.offset,
             payload: &polled.payload,
             timestamp: polled.timestamp,
@@ -481,25 +435,6 @@ impl Rollups {
     }
 }
 
-/// Sends, waiting while the producer's queue is full instead of dropping.
-fn send_with_backpressure(producer: &ThreadedProducer<DefaultProducerContext>, topic: &str, key: &str, payload: &[u8]) {
-    let mut record = BaseRecord::to(topic).key(key).payload(payload);
-    for _ in 0..1_000 {
-        match producer.send(record) {
-            Ok(()) => return,
-            Err((err, returned)) => {
-                if !matches!(err.rdkafka_error_code(), Some(rdkafka::types::RDKafkaErrorCode::QueueFull)) {
-                    tracing::warn!(topic, error = %err, "send failed");
-                    return;
-                }
-                record = returned;
-                std::thread::sleep(Duration::from_millis(5));
-            }
-        }
-    }
-    tracing::warn!(topic, "producer queue stayed full; record dropped");
-}
-
 /// Commits the stores' offsets to the group, for lag tooling only.
 fn commit_advisory(consumer: &BaseConsumer<CounterContext>, topic: &str, shards: &Shards) {
     let mut tpl = TopicPartitionList::new();
@@ -510,66 +445,5 @@ fn commit_advisory(consumer: &BaseConsumer<CounterContext>, topic: &str, shards:
     }
     if tpl.count() > 0 {
         let _ = consumer.commit(&tpl, CommitMode::Async);
-    }
-}
-
-/// Reports the lag of every owned shard (high watermark minus the store's applied
-/// offset) every few seconds, on its own thread and client so the broker round
-/// trips never hold up the apply thread.
-fn spawn_lag_reporter(
-    config: &TallyConfig,
-    topic: String,
-    shards: Arc<Shards>,
-    metrics: Metrics,
-    shutdown: CancellationToken,
-) -> Result<std::thread::JoinHandle<()>> {
-    let client: BaseConsumer = client_config(&config.kafka)?.create()?;
-    let thread = tally_shared::shutdown::every("counter-lag", HEARTBEAT, shutdown, move || {
-        for shard in shards.owned() {
-            let Some(store) = shards.get(shard) else { continue };
-            if let Ok((_, high)) = client.fetch_watermarks(&topic, shard as i32, Duration::from_secs(1)) {
-                let next = store.progress().next_offset.unwrap_or(0);
-                metrics.consumer_lag.with_label_values(&[&shard.to_string()]).set((high - next).max(0));
-            }
-        }
-    })?;
-    Ok(thread)
-}
-
-/// Publishes this process's claims on the shard-owners topic.
-struct Announcer<'a> {
-    producer: &'a ThreadedProducer<DefaultProducerContext>,
-    topic: String,
-    read_addr: String,
-    instance: String,
-    last: Option<Instant>,
-}
-
-impl Announcer<'_> {
-    fn due(&self) -> bool {
-        self.last.is_none_or(|at| at.elapsed() >= HEARTBEAT)
-    }
-
-    fn announce(&mut self, owned: &[u32], changed: bool) {
-        if changed {
-            tracing::info!(shards = ?owned, addr = %self.read_addr, "announcing shard ownership");
-        }
-        for &shard in owned {
-            self.publish(shard, Some(self.read_addr.clone()));
-        }
-        self.last = Some(Instant::now());
-    }
-
-    fn release(&mut self, owned: &[u32]) {
-        for &shard in owned {
-            self.publish(shard, None);
-        }
-    }
-
-    fn publish(&self, shard: u32, addr: Option<String>) {
-        let claim = ShardOwner::new(shard, addr, self.instance.clone(), now_ms());
-        if let Ok(payload) = serde_json::to_vec(&claim) {
-            send_with_backpressure(self.producer, &self.topic, &shard.to_string(), &payload);
-        }
     }
 }

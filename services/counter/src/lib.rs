@@ -56,15 +56,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         }
     });
 
-    let setup = consumer::ConsumerSetup {
-        config,
-        shards,
-        metrics,
-        readiness,
-        shard_count,
-        read_addr,
-        instance: format!("{:016x}", rand::random::<u64>()),
-    };
+    let setup = consumer::ConsumerSetup { config, shards, metrics, readiness, shard_count, read_addr };
     let consumer_shutdown = shutdown.clone();
     let result = tokio::task::spawn_blocking(move || consumer::run(setup, consumer_shutdown))
         .await

@@ -23,7 +23,7 @@ fn pick(counts: Counts, kind: Kind) -> i64 {
 impl ShardStore {
     /// Answers `queries` at time `now`, in order.
     pub fn read(&self, queries: &[ShardQuery], now: i64) -> Result<Vec<ShardAnswer>> {
-        let snapshot = self.db.snapshot();
+        let snapshot = self.store.db().snapshot();
         let cf = self.cf(CF_COUNTS)?;
         let mut key = Vec::with_capacity(128);
         let mut answers = Vec::with_capacity(queries.len());
@@ -98,7 +98,7 @@ impl ShardStore {
     pub fn metrics(&self, entity: &str, after: Option<&str>, limit: usize) -> Result<ShardMetricsResponse> {
         let limit = limit.clamp(1, MAX_METRICS_PAGE);
         let cf = self.cf(CF_COUNTS)?;
-        let snapshot = self.db.snapshot();
+        let snapshot = self.store.db().snapshot();
         let mut prefix = Vec::new();
         encode_entity_prefix(&mut prefix, entity);
         let mut seek = prefix.clone();

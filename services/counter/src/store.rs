@@ -17,14 +17,15 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Mutex;
 
 use rocksdb::compaction_filter::Decision;
-use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, MergeOperands, Options, WriteBatch, WriteOptions, DB};
+use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, MergeOperands, Options, WriteBatch};
 use tally_core::keys::{decode_count_key, Counts, ALL_TIME_WIDTH};
 use tally_core::time::Resolutions;
 use tally_shared::dedupe::DedupeWindow;
-use tally_shared::outbox::{delete_outbox, read_outbox, OutboxEntry};
+use tally_shared::outbox::OutboxEntry;
 use tally_shared::progress::Progress;
+use tally_shared::store::Store;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 pub(crate) const CF_COUNTS: &str = "counts";
 pub(crate) const CF_DEDUPE: &str = "dedupe";
@@ -62,10 +63,9 @@ impl Default for StoreOptions {
 /// A shard's database.
 pub struct ShardStore {
     pub shard: u32,
-    pub(crate) db: DB,
+    /// The database and its progress ([`tally_shared::store`]).
+    pub(crate) store: Store,
     pub(crate) options: StoreOptions,
-    /// Only the consumer thread writes; readers use RocksDB snapshots, not this.
-    pub(crate) progress: Mutex<Progress>,
     /// desc(origin) of every origin with descendants, sorted; mirrors the `desc`
     /// column family. Only the consumer thread touches it.
     pub(crate) descendants: Mutex<HashMap<String, Vec<String>>>,
@@ -104,10 +104,7 @@ fn wall_clock_ms() -> i64 {
 impl ShardStore {
     /// Opens (creating when missing) the store of `shard` at `path`.
     pub fn open(shard: u32, path: &Path, options: StoreOptions) -> Result<Self> {
-        std::fs::create_dir_all(path)?;
         let mut db_options = Options::default();
-        db_options.create_if_missing(true);
-        db_options.create_missing_column_families(true);
         db_options.set_max_background_jobs(2);
 
         let mut counts = Options::default();
@@ -138,29 +135,25 @@ impl ShardStore {
             ColumnFamilyDescriptor::new(CF_OUTBOX, Options::default()),
             ColumnFamilyDescriptor::new(CF_ROLLUPS, Options::default()),
         ];
-        let db = DB::open_cf_descriptors(&db_options, path, families)?;
-        tally_shared::progress::check_store_format(&db)?;
-        let progress = Progress::load(&db)?;
-        let descendants = Self::load_descendants(&db)?;
-        let rebuild_until = match db.get(KEY_REBUILD_UNTIL)? {
+        let store = Store::open(path, db_options, families, options.sync_writes)?;
+        let descendants = Self::load_descendants(&store)?;
+        let rebuild_until = match store.db().get(KEY_REBUILD_UNTIL)? {
             Some(bytes) => tally_core::format::decode_i64_value(&bytes, "rebuild_until")?,
             None => i64::MIN,
         };
         Ok(Self {
             shard,
-            db,
+            store,
             options,
-            progress: Mutex::new(progress),
             descendants: Mutex::new(descendants),
             dedupe: dedupe_window,
             rebuild_until: AtomicI64::new(rebuild_until),
         })
     }
 
-    fn load_descendants(db: &DB) -> Result<HashMap<String, Vec<String>>> {
-        let cf = db.cf_handle(CF_DESC).ok_or_else(|| Error::Consumer("column family desc missing".into()))?;
+    fn load_descendants(store: &Store) -> Result<HashMap<String, Vec<String>>> {
         let mut descendants = HashMap::new();
-        for item in db.iterator_cf(cf, rocksdb::IteratorMode::Start) {
+        for item in store.db().iterator_cf(store.cf(CF_DESC)?, rocksdb::IteratorMode::Start) {
             let (key, value) = item?;
             let origin = String::from_utf8(key.to_vec())
                 .map_err(|_| tally_core::Error::Format(format!("descendant view key {key:?}: not UTF-8")))?;
@@ -176,12 +169,12 @@ impl ShardStore {
 
     /// The outbox in send order (by source offset, then target shard).
     pub fn outbox(&self) -> Result<Vec<OutboxEntry>> {
-        Ok(read_outbox(&self.db, self.cf(CF_OUTBOX)?)?)
+        Ok(self.store.outbox(CF_OUTBOX)?)
     }
 
     /// Drops relayed outbox entries.
     pub fn delete_outbox(&self, entries: &[OutboxEntry]) -> Result<()> {
-        Ok(delete_outbox(&self.db, self.cf(CF_OUTBOX)?, entries)?)
+        Ok(self.store.delete_outbox(CF_OUTBOX, entries)?)
     }
 
     /// The first `limit` count keys whose latest values are still to be published
@@ -189,7 +182,7 @@ impl ShardStore {
     /// once published.
     pub fn pending_rollups(&self, limit: usize) -> Result<Vec<Vec<u8>>> {
         let mut keys = Vec::new();
-        for item in self.db.iterator_cf(self.cf(CF_ROLLUPS)?, rocksdb::IteratorMode::Start).take(limit) {
+        for item in self.store.db().iterator_cf(self.cf(CF_ROLLUPS)?, rocksdb::IteratorMode::Start).take(limit) {
             let (key, value) = item?;
             tally_core::format::check_present(&value, "rollup mark")?;
             keys.push(key.to_vec());
@@ -200,30 +193,23 @@ impl ShardStore {
     /// Unmarks rollups the broker acknowledged. Only the consumer thread marks and
     /// unmarks, one after the other, so a key marked again since is not lost.
     pub fn rollups_published(&self, keys: &[Vec<u8>]) -> Result<()> {
-        let cf = self.cf(CF_ROLLUPS)?;
-        let mut batch = WriteBatch::default();
-        for key in keys {
-            batch.delete_cf(cf, key);
-        }
-        Ok(self.db.write(batch)?)
+        Ok(self.store.delete(CF_ROLLUPS, keys)?)
     }
 
     pub(crate) fn cf(&self, name: &str) -> Result<&ColumnFamily> {
-        self.db
-            .cf_handle(name)
-            .ok_or_else(|| Error::Shard { shard: self.shard, message: format!("column family {name} missing") })
+        Ok(self.store.cf(name)?)
     }
 
     /// A copy of the committed progress.
     pub fn progress(&self) -> Progress {
-        self.progress.lock().map(|p| p.clone()).unwrap_or_default()
+        self.store.progress()
     }
 
     /// Whether `(entity, id)` was seen within the dedupe window of a record at
     /// `record_time` (both times are the records' own, not the apply time).
     pub(crate) fn seen_recently(&self, key: &[u8], record_time: i64) -> Result<bool> {
         let cf = self.cf(CF_DEDUPE)?;
-        Ok(match self.db.get_pinned_cf(cf, key)? {
+        Ok(match self.store.db().get_pinned_cf(cf, key)? {
             Some(mark) => self.dedupe.repeats(&mark, record_time)?,
             None => false,
         })
@@ -234,7 +220,7 @@ impl ShardStore {
     /// restarted mid-rebuild still waits.
     pub fn rebuild_until(&self, end: i64) -> Result<()> {
         if self.progress().next_offset.is_none() && end > 0 {
-            self.db.put(KEY_REBUILD_UNTIL, tally_core::format::i64_value(end))?;
+            self.store.put_meta(KEY_REBUILD_UNTIL, &tally_core::format::i64_value(end))?;
             self.rebuild_until.store(end, Ordering::Relaxed);
         }
         Ok(())
@@ -254,35 +240,21 @@ impl ShardStore {
     }
 
     /// Moves the store's offset past the record at `offset`, which an operator
-    /// skipped: nothing at or past it may have been applied.
+    /// skipped.
     pub fn skip_record(&self, offset: i64) -> Result<()> {
-        let mut progress = self.progress();
-        if progress.next_offset.is_some_and(|next| next > offset) {
-            return Err(Error::Skip(format!(
-                "shard {}: offset {offset} was already applied (next is {:?})",
-                self.shard, progress.next_offset
-            )));
-        }
-        progress.next_offset = Some(offset + 1);
-        self.commit(WriteBatch::default(), progress)
+        Ok(self.store.skip_record(offset)?)
     }
 
-    /// Writes `batch` plus the new progress atomically, then publishes the progress.
-    pub(crate) fn commit(&self, mut batch: WriteBatch, progress: Progress) -> Result<()> {
-        progress.write(&self.progress(), &mut batch);
-        let mut write_options = WriteOptions::default();
-        write_options.set_sync(self.options.sync_writes);
-        self.db.write_opt(batch, &write_options)?;
-        if let Ok(mut current) = self.progress.lock() {
-            *current = progress;
-        }
-        Ok(())
+    /// Writes `batch` plus the new progress atomically.
+    pub(crate) fn commit(&self, batch: WriteBatch, progress: Progress) -> Result<()> {
+        Ok(self.store.commit(batch, progress)?)
     }
 
     /// The counts stored under each key (zero when absent; an error when malformed).
     pub fn get_counts<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Counts>> {
         let cf = self.cf(CF_COUNTS)?;
-        self.db
+        self.store
+            .db()
             .batched_multi_get_cf(cf, keys.iter().map(AsRef::as_ref), false)
             .into_iter()
             .map(|r| Ok(r?.map(|v| Counts::decode(&v)).transpose()?.unwrap_or_default()))

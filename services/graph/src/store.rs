@@ -8,17 +8,18 @@
 //! deleted once relayed) and the default one for [`Progress`].
 
 use std::path::Path;
-use std::sync::{Mutex, RwLock};
+use std::sync::RwLock;
 
-use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, Options, WriteBatch, WriteOptions, DB};
+use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, Options, WriteBatch};
 use tally_core::format::PRESENT;
 use tally_core::graph::{DescChange, EdgeUpdate, Graph};
 use tally_core::records::split_by_size;
 use tally_core::sharding::shard_of;
 use tally_core::wire::{desc_change_bound, split_desc_change, GraphMessage, ShardMessage, Source, Stamp};
 use tally_shared::dedupe::DedupeWindow;
-use tally_shared::outbox::{delete_outbox, outbox_key, read_outbox, OutboxEntry};
+use tally_shared::outbox::{outbox_key, OutboxEntry};
 use tally_shared::progress::Progress;
+use tally_shared::store::Store;
 
 use crate::error::{Error, Result};
 
@@ -61,11 +62,11 @@ pub struct BatchReport {
 }
 
 pub struct GraphStore {
-    db: DB,
+    /// The database and its progress ([`tally_shared::store`]).
+    store: Store,
     options: GraphOptions,
     /// The graph in memory; readers take the read lock.
     pub graph: RwLock<Graph>,
-    progress: Mutex<Progress>,
     /// Idempotency marks live for this window of record time.
     dedupe: DedupeWindow,
 }
@@ -73,10 +74,6 @@ pub struct GraphStore {
 impl GraphStore {
     /// Opens (creating when missing) the store at `path` and loads the graph.
     pub fn open(path: &Path, options: GraphOptions) -> Result<Self> {
-        std::fs::create_dir_all(path)?;
-        let mut db_options = Options::default();
-        db_options.create_if_missing(true);
-        db_options.create_missing_column_families(true);
         let mut dedupe = Options::default();
         let dedupe_window = DedupeWindow::new(options.dedupe_window_ms);
         dedupe.set_compaction_filter("tally_graph_dedupe_ttl", dedupe_window.compaction_filter());
@@ -86,13 +83,10 @@ impl GraphStore {
             ColumnFamilyDescriptor::new(CF_DEDUPE, dedupe),
             ColumnFamilyDescriptor::new(CF_OUTBOX, Options::default()),
         ];
-        let db = DB::open_cf_descriptors(&db_options, path, families)?;
-        tally_shared::progress::check_store_format(&db)?;
-        let progress = Progress::load(&db)?;
+        let store = Store::open(path, Options::default(), families, options.sync_writes)?;
         let mut graph = Graph::default();
         {
-            let edges = db.cf_handle(CF_EDGES).ok_or_else(|| Error::Processor("edges missing".into()))?;
-            for item in db.iterator_cf(edges, rocksdb::IteratorMode::Start) {
+            for item in store.db().iterator_cf(store.cf(CF_EDGES)?, rocksdb::IteratorMode::Start) {
                 let (key, value) = item?;
                 tally_core::format::check_present(&value, "edge")?;
                 let (from, to) = decode_edge(&key)
@@ -100,35 +94,23 @@ impl GraphStore {
                 graph.add_edge(from, to);
             }
         }
-        tracing::info!(edges = graph.edge_count(), next_offset = ?progress.next_offset, "graph loaded");
-        Ok(Self { db, options, graph: RwLock::new(graph), progress: Mutex::new(progress), dedupe: dedupe_window })
+        tracing::info!(edges = graph.edge_count(), next_offset = ?store.progress().next_offset, "graph loaded");
+        Ok(Self { store, options, graph: RwLock::new(graph), dedupe: dedupe_window })
     }
 
     fn cf(&self, name: &str) -> Result<&ColumnFamily> {
-        self.db.cf_handle(name).ok_or_else(|| Error::Processor(format!("column family {name} missing")))
+        Ok(self.store.cf(name)?)
     }
 
     /// Moves the store's offset past the record at `offset`, which an operator
     /// skipped: nothing at or past it may have been applied.
     pub fn skip_record(&self, offset: i64) -> Result<()> {
-        let mut progress = self.progress();
-        if progress.next_offset.is_some_and(|next| next > offset) {
-            return Err(Error::Processor(format!(
-                "offset {offset} was already applied (next is {:?})",
-                progress.next_offset
-            )));
-        }
-        progress.next_offset = Some(offset + 1);
-        let mut batch = WriteBatch::default();
-        progress.write(&self.progress(), &mut batch);
-        self.db.write(batch)?;
-        *self.progress.lock().map_err(|_| Error::Processor("progress lock poisoned".into()))? = progress;
-        Ok(())
+        Ok(self.store.skip_record(offset)?)
     }
 
     /// A copy of the committed progress.
     pub fn progress(&self) -> Progress {
-        self.progress.lock().map(|p| p.clone()).unwrap_or_default()
+        self.store.progress()
     }
 
     /// Applies a batch of records (in offset order) at wall-clock `now`: the net
@@ -181,13 +163,7 @@ impl GraphStore {
             report.changes += changes.len() as u64;
             report.outbox_messages += self.put_outbox(&mut batch, record.offset, changes)?;
         }
-        progress.write(&self.progress(), &mut batch);
-        let mut write_options = WriteOptions::default();
-        write_options.set_sync(self.options.sync_writes);
-        self.db.write_opt(batch, &write_options)?;
-        if let Ok(mut current) = self.progress.lock() {
-            *current = progress;
-        }
+        self.store.commit(batch, progress)?;
         for (source, record_time) in applied_times {
             self.dedupe.advance(source, record_time);
         }
@@ -243,7 +219,7 @@ impl GraphStore {
     }
 
     fn seen_recently(&self, key: &[u8], record_time: i64) -> Result<bool> {
-        Ok(match self.db.get_pinned_cf(self.cf(CF_DEDUPE)?, key)? {
+        Ok(match self.store.db().get_pinned_cf(self.cf(CF_DEDUPE)?, key)? {
             Some(mark) => self.dedupe.repeats(&mark, record_time)?,
             None => false,
         })
@@ -251,12 +227,12 @@ impl GraphStore {
 
     /// The outbox in send order.
     pub fn outbox(&self) -> Result<Vec<OutboxEntry>> {
-        Ok(read_outbox(&self.db, self.cf(CF_OUTBOX)?)?)
+        Ok(self.store.outbox(CF_OUTBOX)?)
     }
 
     /// Drops relayed outbox entries.
     pub fn delete_outbox(&self, entries: &[OutboxEntry]) -> Result<()> {
-        Ok(delete_outbox(&self.db, self.cf(CF_OUTBOX)?, entries)?)
+        Ok(self.store.delete_outbox(CF_OUTBOX, entries)?)
     }
 }
 
@@ -365,7 +341,8 @@ mod tests {
         let store = GraphStore::open(dir.path(), options()).unwrap();
         assert_eq!(store.graph.read().unwrap().descendants("a"), vec!["b".to_string(), "c".to_string()]);
         let in_edges: Vec<Vec<u8>> = store
-            .db
+            .store
+            .db()
             .iterator_cf(store.cf(CF_IN_EDGES).unwrap(), rocksdb::IteratorMode::Start)
             .map(|item| item.unwrap().0.to_vec())
             .collect();

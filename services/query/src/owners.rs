@@ -8,12 +8,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
-use rdkafka::Message;
 use tally_core::wire::ShardOwner;
 use tally_shared::config::KafkaConfig;
-use tally_shared::kafka::client_config;
+use tally_shared::follow::Follow;
 use tally_shared::telemetry::Readiness;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -86,26 +83,27 @@ pub fn follow(
     owners: Arc<Owners>,
     shutdown: CancellationToken,
 ) -> Result<std::thread::JoinHandle<()>> {
-    let mut config = client_config(kafka)?;
-    config
-        .set("group.id", format!("tally-query-{:016x}", rand::random::<u64>()))
-        .set("enable.auto.commit", "false")
-        .set("auto.offset.reset", "earliest");
-    let consumer: BaseConsumer = config.create()?;
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(topic, 0, Offset::Beginning)?;
-    consumer.assign(&tpl)?;
-    let handle = std::thread::Builder::new().name("owners".into()).spawn(move || {
-        while !shutdown.is_cancelled() {
-            match consumer.poll(Duration::from_millis(200)) {
-                Some(Ok(message)) => match ShardOwner::decode(message.payload().unwrap_or_default()) {
-                    Ok(owner) => owners.record(owner, message.offset() as u64 + 1),
-                    Err(err) => tracing::warn!(error = %err, "ignoring a malformed shard-owner record"),
-                },
-                Some(Err(err)) => tracing::warn!(error = %err, "owners consumer error"),
-                None => {}
-            }
+    let group = format!("tally-query-{:016x}", rand::random::<u64>());
+    Ok(tally_shared::follow::follow(
+        kafka,
+        "owners",
+        &group,
+        topic,
+        Duration::from_millis(200),
+        shutdown,
+        Claims(owners),
+    )?)
+}
+
+/// Records every claim read; one of another format is not this build's to follow
+/// (it belongs to a newer owner, whose reads then wait for a claim this build reads).
+struct Claims(Arc<Owners>);
+
+impl Follow for Claims {
+    fn record(&mut self, offset: i64, payload: &[u8]) {
+        match ShardOwner::decode(payload) {
+            Ok(owner) => self.0.record(owner, offset as u64 + 1),
+            Err(err) => tracing::warn!(offset, error = %err, "ignoring a shard-owner claim this build cannot read"),
         }
-    })?;
-    Ok(handle)
+    }
 }

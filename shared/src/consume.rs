@@ -1,0 +1,136 @@
+//! The consuming side of every stateful log processor (a counter's shards,
+//! tally-graph's log), written once: bounded batches polled on a plain thread,
+//! positions that come from the processor's store (never a group's), failed
+//! partitions paused and resumed past a skipped record, and lag measured on a thread
+//! of its own so broker round trips never hold up a batch. What a batch *means* —
+//! decoding it (fail closed: [`crate::failures`]) and applying it — stays with the
+//! processor.
+
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rdkafka::Message;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::KafkaConfig;
+use crate::kafka::client_config;
+use crate::Result;
+
+/// How big a batch may grow and how long it waits for more.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchLimits {
+    pub max_records: usize,
+    /// Payload bytes.
+    pub max_bytes: usize,
+    /// How long a batch stays open after its first record.
+    pub linger: Duration,
+}
+
+/// A record copied out of the consumer.
+#[derive(Debug, Clone)]
+pub struct Polled {
+    pub partition: i32,
+    pub offset: i64,
+    /// The record's timestamp (the time of the input record it came from); `None`
+    /// when it has none.
+    pub timestamp: Option<i64>,
+    pub payload: Vec<u8>,
+}
+
+/// Polls one bounded batch into `batch` (cleared first). It closes when full, when
+/// `linger` passed since it opened, or — while still empty — after one idle poll
+/// (so the caller's heartbeat work runs). After every poll `interrupted()` is asked:
+/// true (a rebalance reset the positions) discards what was collected and returns.
+pub fn poll_batch<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    limits: &BatchLimits,
+    batch: &mut Vec<Polled>,
+    mut interrupted: impl FnMut() -> bool,
+) {
+    batch.clear();
+    let mut bytes = 0usize;
+    let deadline = Instant::now() + limits.linger;
+    loop {
+        let wait = if batch.is_empty() {
+            Duration::from_millis(100)
+        } else {
+            deadline.saturating_duration_since(Instant::now())
+        };
+        let polled = consumer.poll(wait);
+        if interrupted() {
+            batch.clear();
+            return;
+        }
+        match polled {
+            Some(Ok(message)) => {
+                let payload = message.payload().unwrap_or_default().to_vec();
+                bytes += payload.len();
+                batch.push(Polled {
+                    partition: message.partition(),
+                    offset: message.offset(),
+                    timestamp: message.timestamp().to_millis().filter(|ts| *ts >= 0),
+                    payload,
+                });
+            }
+            Some(Err(err)) => tracing::warn!(error = %err, "consumer error"),
+            None if batch.is_empty() => return,
+            None => {}
+        }
+        let full = batch.len() >= limits.max_records.max(1) || bytes >= limits.max_bytes.max(1);
+        if full || (!batch.is_empty() && Instant::now() >= deadline) {
+            return;
+        }
+    }
+}
+
+/// Stops fetching `partitions` of `topic` (they failed). Their records already
+/// polled are dropped by the caller all the same.
+pub fn pause<C: ConsumerContext>(consumer: &BaseConsumer<C>, topic: &str, partitions: &[u32]) {
+    if partitions.is_empty() {
+        return;
+    }
+    let mut tpl = TopicPartitionList::new();
+    for &partition in partitions {
+        tpl.add_partition(topic, partition as i32);
+    }
+    if let Err(err) = consumer.pause(&tpl) {
+        tracing::warn!(topic, error = %err, "pausing failed partitions");
+    }
+}
+
+/// Resumes a paused partition at `offset` (past a skipped record).
+pub fn resume_at<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    topic: &str,
+    partition: u32,
+    offset: i64,
+) -> Result<()> {
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, partition as i32, Offset::Offset(offset))?;
+    consumer.seek_partitions(tpl.clone(), Duration::from_secs(10))?;
+    consumer.resume(&tpl)?;
+    Ok(())
+}
+
+/// Reports, every `period` on a thread and client of its own, the lag of each
+/// partition `positions()` names — its high watermark minus the next offset the
+/// store will apply — through `report(partition, lag)`.
+pub fn spawn_lag_reporter(
+    kafka: &KafkaConfig,
+    name: &str,
+    topic: String,
+    period: Duration,
+    shutdown: CancellationToken,
+    positions: impl Fn() -> Vec<(u32, i64)> + Send + 'static,
+    report: impl Fn(u32, i64) + Send + 'static,
+) -> Result<std::thread::JoinHandle<()>> {
+    let client: BaseConsumer = client_config(kafka)?.create()?;
+    Ok(crate::shutdown::every(name, period, shutdown, move || {
+        for (partition, next) in positions() {
+            if let Ok((_, high)) = client.fetch_watermarks(&topic, partition as i32, Duration::from_secs(1)) {
+                report(partition, (high - next).max(0));
+            }
+        }
+    })?)
+}

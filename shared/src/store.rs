@@ -1,0 +1,148 @@
+//! The RocksDB skeleton of every stateful log processor (a counter shard, the
+//! graph): opened with its column families, its format checked, its progress loaded;
+//! state is written only by [`Store::commit`], which puts the progress of the batch
+//! (next input offset, high-water stamps) in the same write batch — a batch cannot
+//! commit without its progress, so the store is never ahead of or behind its input.
+//! Its outbox (messages written with the state that produced them) is read and
+//! pruned here too.
+
+use std::path::Path;
+use std::sync::{Mutex, MutexGuard};
+
+use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, Options, WriteBatch, WriteOptions, DB};
+
+use crate::outbox::{delete_outbox, read_outbox, OutboxEntry};
+use crate::progress::{check_store_format, Progress};
+use crate::{Error, Result};
+
+/// A processor's database and its committed progress.
+pub struct Store {
+    db: DB,
+    /// Mirrors the progress keys of the last committed write batch; only the
+    /// consuming thread commits.
+    progress: Mutex<Progress>,
+    /// fsync the WAL on each commit.
+    sync_writes: bool,
+}
+
+fn rocks(err: rocksdb::Error) -> Error {
+    Error::Store(err.to_string())
+}
+
+impl Store {
+    /// Opens (creating when missing) the store at `path` with `families` next to the
+    /// default one, checks its format version and loads its progress.
+    pub fn open(
+        path: &Path,
+        mut options: Options,
+        families: Vec<ColumnFamilyDescriptor>,
+        sync_writes: bool,
+    ) -> Result<Self> {
+        std::fs::create_dir_all(path)?;
+        options.create_if_missing(true);
+        options.create_missing_column_families(true);
+        let db = DB::open_cf_descriptors(&options, path, families).map_err(rocks)?;
+        check_store_format(&db)?;
+        let progress = Progress::load(&db)?;
+        Ok(Self { db, progress: Mutex::new(progress), sync_writes })
+    }
+
+    /// For reads — gets, iterators, snapshots. State is written only by
+    /// [`Store::commit`]; acknowledged bookkeeping by [`Store::delete`].
+    pub fn db(&self) -> &DB {
+        &self.db
+    }
+
+    pub fn cf(&self, name: &str) -> Result<&ColumnFamily> {
+        self.db.cf_handle(name).ok_or_else(|| Error::Store(format!("column family {name} missing")))
+    }
+
+    fn committed(&self) -> MutexGuard<'_, Progress> {
+        // Only the consuming thread writes it, whole; a panic there cannot leave
+        // it half-written.
+        self.progress.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// A copy of the committed progress.
+    pub fn progress(&self) -> Progress {
+        self.committed().clone()
+    }
+
+    /// Writes `batch` and `progress` atomically, then publishes the progress.
+    pub fn commit(&self, mut batch: WriteBatch, progress: Progress) -> Result<()> {
+        let mut committed = self.committed();
+        progress.write(&committed, &mut batch);
+        let mut write_options = WriteOptions::default();
+        write_options.set_sync(self.sync_writes);
+        self.db.write_opt(batch, &write_options).map_err(rocks)?;
+        *committed = progress;
+        Ok(())
+    }
+
+    /// Moves the offset past the record at `offset`, which an operator skipped
+    /// (`tally shards skip`): nothing at or past it may have been applied.
+    pub fn skip_record(&self, offset: i64) -> Result<()> {
+        let mut progress = self.progress();
+        if progress.next_offset.is_some_and(|next| next > offset) {
+            let next = progress.next_offset;
+            return Err(Error::Skip(format!("offset {offset} was already applied (next is {next:?})")));
+        }
+        progress.next_offset = Some(offset + 1);
+        self.commit(WriteBatch::default(), progress)
+    }
+
+    /// A value outside the state (such as the offset a rebuild must reach).
+    pub fn put_meta(&self, key: &[u8], value: &[u8]) -> Result<()> {
+        self.db.put(key, value).map_err(rocks)
+    }
+
+    /// Deletes `keys` of column family `cf`: bookkeeping of what was acknowledged
+    /// (published rollup marks), never state.
+    pub fn delete<K: AsRef<[u8]>>(&self, cf: &str, keys: &[K]) -> Result<()> {
+        let cf = self.cf(cf)?;
+        let mut batch = WriteBatch::default();
+        for key in keys {
+            batch.delete_cf(cf, key);
+        }
+        self.db.write(batch).map_err(rocks)
+    }
+
+    /// The outbox held in column family `cf`, in send order.
+    pub fn outbox(&self, cf: &str) -> Result<Vec<OutboxEntry>> {
+        read_outbox(&self.db, self.cf(cf)?)
+    }
+
+    /// Drops relayed entries from the outbox in `cf`.
+    pub fn delete_outbox(&self, cf: &str, entries: &[OutboxEntry]) -> Result<()> {
+        delete_outbox(&self.db, self.cf(cf)?, entries)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tally_core::wire::{Source, Stamp};
+
+    use super::*;
+
+    #[test]
+    fn state_commits_with_its_progress_and_a_skip_moves_only_forward() {
+        let dir = tempfile::tempdir().unwrap();
+        let families = || vec![ColumnFamilyDescriptor::new("state", Options::default())];
+        let source = Source { stream: Source::SHARD, partition: 2 };
+        {
+            let store = Store::open(dir.path(), Options::default(), families(), false).unwrap();
+            assert_eq!(store.progress(), Progress::default());
+            let mut batch = WriteBatch::default();
+            batch.put_cf(store.cf("state").unwrap(), b"k", b"v");
+            let mut progress = Progress { next_offset: Some(42), ..Default::default() };
+            progress.advance(source, Stamp { offset: 7, index: 2 });
+            store.commit(batch, progress).unwrap();
+            assert!(store.skip_record(41).is_err(), "41 was applied");
+            store.skip_record(45).unwrap();
+        }
+        let store = Store::open(dir.path(), Options::default(), families(), false).unwrap();
+        let progress = store.progress();
+        assert_eq!((progress.next_offset, progress.high_water[&source]), (Some(46), Stamp { offset: 7, index: 2 }));
+        assert_eq!(store.db().get_cf(store.cf("state").unwrap(), b"k").unwrap().as_deref(), Some(&b"v"[..]));
+    }
+}
