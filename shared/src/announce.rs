@@ -40,7 +40,7 @@ impl Announcer {
     /// Claims `shards` (logged when they `changed`).
     pub fn announce(&mut self, shards: &[u32], changed: bool) {
         if changed {
-            tracing::info!(shards = ?shards, addr = %self.read_addr, "announcing ownership");
+            tracing::info!(shards = ?shards, addr = %self.read_addr, "announcing shard ownership");
         }
         for &shard in shards {
             self.publish(shard, Some(self.read_addr.clone()));

@@ -134,3 +134,77 @@ pub fn spawn_lag_reporter(
         }
     })?)
 }
+
+/// A stateful log processor's own part of the loop [`drive`] runs: applying its
+/// batches and its periodic work. Everything else — polling bounded batches,
+/// dropping the records of failed partitions, pausing them, carrying out operators'
+/// skips and resuming past them — is the loop's.
+pub trait Processor<C: ConsumerContext> {
+    type Error: From<crate::Error>;
+
+    /// Whether the consumer's positions were reset since the processor last looked
+    /// (a rebalance): the batch being collected is dropped, its records come again.
+    fn positions_reset(&self) -> bool {
+        false
+    }
+
+    /// Applies a batch (records of partitions that have not failed, in offset order
+    /// per partition); returns the partitions that failed in it (recorded on the
+    /// failure board).
+    fn apply(&mut self, consumer: &BaseConsumer<C>, batch: &[Polled]) -> Vec<u32>;
+
+    /// Moves the store of `partition` past the record at `offset`, which an
+    /// operator skipped.
+    fn skip_record(&mut self, partition: u32, offset: i64) -> Result<()>;
+
+    /// After every turn of the loop (a batch, or an idle poll): `skipped` records
+    /// were skipped in it, and `heartbeat` says the periodic work is due. An error
+    /// stops the loop.
+    fn turn(&mut self, consumer: &BaseConsumer<C>, skipped: u64, heartbeat: bool) -> Result<(), Self::Error>;
+}
+
+/// What the loop needs besides the processor.
+pub struct LoopSetup<'a> {
+    pub topic: &'a str,
+    pub limits: BatchLimits,
+    /// The processor's partitions' failures and operators' skips.
+    pub failures: &'a crate::failures::FailureBoard,
+    /// Sends skipped records to the dead-letter topic.
+    pub letters: &'a crate::outbox::Relay,
+    /// The most bytes of one dead letter.
+    pub record_budget: usize,
+    pub heartbeat: Duration,
+}
+
+/// The one consume loop of every stateful log processor: runs until `shutdown` or
+/// the processor's error; the batch in hand is applied before it returns.
+pub fn drive<C: ConsumerContext, P: Processor<C>>(
+    consumer: &BaseConsumer<C>,
+    setup: &LoopSetup<'_>,
+    processor: &mut P,
+    shutdown: &CancellationToken,
+) -> Result<(), P::Error> {
+    let mut batch: Vec<Polled> = Vec::new();
+    let mut last_heartbeat: Option<Instant> = None;
+    while !shutdown.is_cancelled() {
+        poll_batch(consumer, &setup.limits, &mut batch, || processor.positions_reset());
+        // Records of a failed partition polled before it was paused: not applied,
+        // its store's offset stays at the failure.
+        batch.retain(|polled| !setup.failures.is_failed(polled.partition as u32));
+        if !batch.is_empty() {
+            let failed = processor.apply(consumer, &batch);
+            pause(consumer, setup.topic, &failed);
+        }
+        let skipped =
+            setup.failures.carry_out_skips(setup.letters, setup.topic, setup.record_budget, |partition, offset| {
+                processor.skip_record(partition, offset)?;
+                resume_at(consumer, setup.topic, partition, offset + 1)
+            });
+        let heartbeat = last_heartbeat.is_none_or(|at| at.elapsed() >= setup.heartbeat);
+        if heartbeat {
+            last_heartbeat = Some(Instant::now());
+        }
+        processor.turn(consumer, skipped, heartbeat)?;
+    }
+    Ok(())
+}

@@ -21,7 +21,7 @@ use tally_core::time::Resolutions;
 use tally_core::wire::Rollup;
 use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
-use tally_shared::consume::{pause, poll_batch, resume_at, spawn_lag_reporter, BatchLimits, Polled};
+use tally_shared::consume::{drive, spawn_lag_reporter, BatchLimits, LoopSetup, Polled, Processor};
 use tally_shared::failures::Failure;
 use tally_shared::kafka::{client_config, now_ms, TopicNames};
 use tally_shared::outbox::Relay;
@@ -179,7 +179,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     } else {
         consumer.subscribe(&[&shard_topic])?;
     }
-    let mut announcer = Announcer::new(&config.kafka, names.shard_owners(), read_addr)?;
+    let announcer = Announcer::new(&config.kafka, names.shard_owners(), read_addr)?;
     let rollups = match config.counter.rollups {
         true => Some(Rollups {
             relay: Relay::new(&config.kafka, names.rollups())?.waiting_at_most(ROLLUP_WAIT),
@@ -189,7 +189,6 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         false => None,
     };
 
-    let relay = Relay::new(&config.kafka, shard_topic.clone())?;
     let letters = Relay::new(&config.kafka, names.dead_letter())?;
     let lag_shards = shards.clone();
     let lag_metrics = metrics.clone();
@@ -207,89 +206,142 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         },
         move |shard, lag| lag_metrics.consumer_lag.with_label_values(&[&shard.to_string()]).set(lag),
     )?;
-    let limits = BatchLimits {
-        max_records: config.counter.batch_max_records,
-        max_bytes: config.counter.batch_max_bytes,
-        linger: Duration::from_millis(config.counter.batch_linger_ms),
+    let setup = LoopSetup {
+        topic: &shard_topic,
+        limits: BatchLimits {
+            max_records: config.counter.batch_max_records,
+            max_bytes: config.counter.batch_max_bytes,
+            linger: Duration::from_millis(config.counter.batch_linger_ms),
+        },
+        failures: &shards.failures,
+        letters: &letters,
+        record_budget: config.kafka.record_budget(),
+        heartbeat: HEARTBEAT,
     };
-    let mut epoch = shards.epoch();
-    let mut serving: Vec<u32> = Vec::new();
-    let mut batch: Vec<Polled> = Vec::new();
-
-    while !shutdown.is_cancelled() {
-        // A rebalance reset the positions from the stores: what was collected
-        // before it is delivered again.
-        poll_batch(&consumer, &limits, &mut batch, || shards.epoch() != epoch);
-        if shards.epoch() != epoch {
-            epoch = shards.epoch();
-            metrics.owned_shards.set(shards.owned().len() as i64);
-            serving = shards.announced();
-            announcer.announce(&serving, true);
-            report_state(&shards, &readiness, &metrics);
-        }
-        if let Some(message) = consumer.context().fatal.lock().ok().and_then(|mut f| f.take()) {
-            return Err(Error::Consumer(message));
-        }
-        let mut outbox_written = 0;
-        if !batch.is_empty() {
-            let (written, failed) = apply_batch(&batch, &shards, &metrics, rollups.as_ref());
-            outbox_written = written;
-            pause(&consumer, &shard_topic, &failed);
-            commit_advisory(&consumer, &shard_topic, &shards);
-        }
-        let budget = config.kafka.record_budget();
-        let skipped = shards.failures.carry_out_skips(&letters, &shard_topic, budget, |shard, offset| {
-            resume_after(&consumer, &shard_topic, &shards, shard, offset)
-        });
-        metrics.skipped_records.inc_by(skipped);
-        let now_serving = shards.announced();
-        if now_serving != serving {
-            // A rebuilt shard caught up, or one failed or recovered: announce it
-            // now, not at the next heartbeat.
-            serving = now_serving;
-            announcer.announce(&serving, true);
-        }
-        report_state(&shards, &readiness, &metrics);
-        // Right after a batch that wrote totals for other shards; and with every
-        // heartbeat, for what a store still held after a restart or a new assignment.
-        if outbox_written > 0 || announcer.due() {
-            if let Err(err) = relay_outboxes(&relay, &shards, &metrics) {
-                tracing::warn!(error = %err, "relaying the outbox");
-            }
-        }
-        if announcer.due() {
-            if let Some(rollups) = &rollups {
-                // What a crash, a failed round or a rebuild left marked, a page at a time.
-                for shard in shards.serving() {
-                    let Some(store) = shards.get(shard) else { continue };
-                    if let Ok(pending) = store.pending_rollups(ROLLUP_PAGE) {
-                        rollups.publish(&store, &pending, &metrics);
-                    }
-                }
-            }
-            // A producer that hit a fatal error delivers nothing more: stop loudly
-            // (the stores hold everything; the next start relays it).
-            let fatal = std::iter::once(&relay).chain(rollups.as_ref().map(|r| &r.relay)).find_map(Relay::fatal);
-            if let Some(fatal) = fatal {
-                return Err(Error::Consumer(format!("a producer failed for good: {fatal}")));
-            }
-            serving = shards.announced();
-            announcer.announce(&serving, false);
-        }
-    }
-    if let Err(err) = relay_outboxes(&relay, &shards, &metrics) {
-        tracing::warn!(error = %err, "relaying the outbox before stopping; the next owner sends it");
-    }
-    tracing::info!("counter consumer stopping: batch persisted, releasing shards");
-    readiness.set(false);
-    announcer.release(&shards.owned());
+    let mut counter = Counter {
+        epoch: shards.epoch(),
+        shards: shards.clone(),
+        metrics,
+        readiness,
+        announcer,
+        rollups,
+        relay: Relay::new(&config.kafka, shard_topic.clone())?,
+        topic: shard_topic.clone(),
+        serving: Vec::new(),
+        outbox_written: 0,
+    };
+    let result = drive(&consumer, &setup, &mut counter, &shutdown);
+    counter.stop();
     if lag_reporter.join().is_err() {
         tracing::error!("the lag reporter panicked");
     }
     if !config.counter.static_assignment {
         consumer.unsubscribe();
     }
-    Ok(())
+    result
+}
+
+/// The counter's part of the consume loop ([`drive`]): applying batches shard by
+/// shard, and with the turns its claims, readiness, outbox relays and rollups.
+struct Counter {
+    shards: Arc<Shards>,
+    metrics: Metrics,
+    readiness: Readiness,
+    announcer: Announcer,
+    rollups: Option<Rollups>,
+    /// Sends the shards' outboxes (totals for other shards).
+    relay: Relay,
+    topic: String,
+    /// The assignment last seen ([`Shards::epoch`]).
+    epoch: u64,
+    /// The shards last announced.
+    serving: Vec<u32>,
+    /// Outbox messages written since the last relay.
+    outbox_written: u64,
+}
+
+impl Processor<CounterContext> for Counter {
+    type Error = Error;
+
+    fn positions_reset(&self) -> bool {
+        self.shards.epoch() != self.epoch
+    }
+
+    fn apply(&mut self, consumer: &BaseConsumer<CounterContext>, batch: &[Polled]) -> Vec<u32> {
+        let (written, failed) = apply_batch(batch, &self.shards, &self.metrics, self.rollups.as_ref());
+        self.outbox_written += written;
+        commit_advisory(consumer, &self.topic, &self.shards);
+        failed
+    }
+
+    fn skip_record(&mut self, shard: u32, offset: i64) -> tally_shared::Result<()> {
+        let store = self
+            .shards
+            .get(shard)
+            .ok_or_else(|| tally_shared::Error::Skip(format!("shard {shard} is not owned here")))?;
+        store.store.skip_record(offset)
+    }
+
+    fn turn(&mut self, consumer: &BaseConsumer<CounterContext>, skipped: u64, heartbeat: bool) -> Result<()> {
+        if let Some(message) = consumer.context().fatal.lock().ok().and_then(|mut f| f.take()) {
+            return Err(Error::Consumer(message));
+        }
+        self.metrics.skipped_records.inc_by(skipped);
+        let reassigned = self.shards.epoch() != self.epoch;
+        if reassigned {
+            self.epoch = self.shards.epoch();
+            self.metrics.owned_shards.set(self.shards.owned().len() as i64);
+        }
+        let announced = self.shards.announced();
+        if reassigned || announced != self.serving {
+            // A new assignment, a rebuilt shard that caught up, one that failed or
+            // recovered: announced now, not at the next heartbeat.
+            self.serving = announced;
+            self.announcer.announce(&self.serving, true);
+        }
+        report_state(&self.shards, &self.readiness, &self.metrics);
+        // Right after a batch that wrote totals for other shards; and with every
+        // heartbeat, for what a store still held after a restart or a new assignment.
+        if self.outbox_written > 0 || heartbeat {
+            self.outbox_written = 0;
+            if let Err(err) = relay_outboxes(&self.relay, &self.shards, &self.metrics) {
+                tracing::warn!(error = %err, "relaying the outbox");
+            }
+        }
+        if heartbeat {
+            if let Some(rollups) = &self.rollups {
+                // What a crash, a failed round or a rebuild left marked, a page at a time.
+                for shard in self.shards.serving() {
+                    let Some(store) = self.shards.get(shard) else { continue };
+                    match store.pending_rollups(ROLLUP_PAGE) {
+                        Ok(pending) => rollups.publish(&store, &pending, &self.metrics),
+                        Err(err) => tracing::error!(shard, error = %err, "reading the rollup marks"),
+                    }
+                }
+            }
+            // A producer that hit a fatal error delivers nothing more: stop loudly
+            // (the stores hold everything; the next start relays it).
+            let rollup_relay = self.rollups.as_ref().map(|r| &r.relay);
+            if let Some(fatal) = std::iter::once(&self.relay).chain(rollup_relay).find_map(Relay::fatal) {
+                return Err(Error::Consumer(format!("a producer failed for good: {fatal}")));
+            }
+            self.announcer.announce(&self.serving, false);
+        }
+        Ok(())
+    }
+}
+
+impl Counter {
+    /// After the loop: the outboxes relayed (what fails goes with the next owner),
+    /// the shards released.
+    fn stop(&mut self) {
+        if let Err(err) = relay_outboxes(&self.relay, &self.shards, &self.metrics) {
+            tracing::warn!(error = %err, "relaying the outbox before stopping; the next owner sends it");
+        }
+        tracing::info!("counter consumer stopping: batch persisted, releasing shards");
+        self.readiness.set(false);
+        self.announcer.release(&self.shards.owned());
+    }
 }
 
 /// Readiness and the failure gauge from the shards' state: ready while this counter
@@ -299,21 +351,6 @@ fn report_state(shards: &Shards, readiness: &Readiness, metrics: &Metrics) {
     metrics.failed_shards.set(failures.len() as i64);
     readiness.set_failures(failures);
     readiness.set(!shards.serving().is_empty());
-}
-
-/// Moves `shard`'s store past the skipped record at `offset` and resumes its
-/// partition after it.
-fn resume_after(
-    consumer: &BaseConsumer<CounterContext>,
-    topic: &str,
-    shards: &Shards,
-    shard: u32,
-    offset: i64,
-) -> tally_shared::Result<()> {
-    let store =
-        shards.get(shard).ok_or_else(|| tally_shared::Error::Skip(format!("shard {shard} is not owned here")))?;
-    store.store.skip_record(offset)?;
-    resume_at(consumer, topic, shard, offset + 1)
 }
 
 /// Applies a polled batch shard by shard; returns how many outbox messages it

@@ -13,12 +13,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::{BaseConsumer, Consumer, DefaultConsumerContext};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use tally_core::wire::ShardOwner;
 use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
-use tally_shared::consume::{pause, poll_batch, resume_at, spawn_lag_reporter, BatchLimits, Polled};
+use tally_shared::consume::{drive, spawn_lag_reporter, BatchLimits, LoopSetup, Polled, Processor};
 use tally_shared::kafka::{client_config, now_ms, TopicNames};
 use tally_shared::outbox::Relay;
 use tally_shared::telemetry::Readiness;
@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
-use crate::store::{BatchReport, GraphStore, UpdateRecord};
+use crate::store::{GraphStore, UpdateRecord};
 use tally_shared::failures::{Failure, FailureBoard};
 
 pub struct ProcessorSetup {
@@ -54,9 +54,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
     // Not ready before it applied what the log held at start (a rebuild).
     let (_, start_end) = consumer.fetch_watermarks(&input, PARTITION as i32, Duration::from_secs(10))?;
 
-    let relay = Relay::new(&config.kafka, names.shards())?;
     let letters = Relay::new(&config.kafka, names.dead_letter())?;
-    let mut announcer = Announcer::new(&config.kafka, names.shard_owners(), read_addr)?;
     tracing::info!(start = ?start, "graph processor consuming");
     let (lag_store, lag_metrics) = (store.clone(), metrics.clone());
     let lag_reporter = spawn_lag_reporter(
@@ -68,76 +66,111 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
         move || vec![(PARTITION, lag_store.progress().next_offset.unwrap_or(0))],
         move |_, lag| lag_metrics.consumer_lag.set(lag),
     )?;
-    let limits = BatchLimits {
-        max_records: config.graph.batch_max_records,
-        max_bytes: usize::MAX,
-        linger: Duration::from_millis(config.graph.batch_linger_ms),
+    let setup = LoopSetup {
+        topic: &input,
+        limits: BatchLimits {
+            max_records: config.graph.batch_max_records,
+            max_bytes: usize::MAX,
+            linger: Duration::from_millis(config.graph.batch_linger_ms),
+        },
+        failures: &failures,
+        letters: &letters,
+        record_budget: config.kafka.record_budget(),
+        heartbeat: HEARTBEAT,
     };
-    let mut batch: Vec<Polled> = Vec::new();
-    while !shutdown.is_cancelled() {
-        poll_batch(&consumer, &limits, &mut batch, || false);
-        if !batch.is_empty() && !failures.is_failed(PARTITION) {
-            let records: Vec<UpdateRecord<'_>> = batch
-                .iter()
-                .map(|polled| UpdateRecord {
-                    offset: polled.offset,
-                    payload: &polled.payload,
-                    timestamp: polled.timestamp,
-                })
-                .collect();
-            let report = match store.apply(&records, now_ms()) {
-                Ok(report) => report,
-                Err(err) => {
-                    let offset = store.progress().next_offset;
-                    failures.fail(PARTITION, Failure { offset, reason: err.to_string(), record: None });
-                    pause(&consumer, &input, &[PARTITION]);
-                    BatchReport::default()
-                }
-            };
-            if let Some((offset, reason)) = &report.undecodable {
-                let record = batch.iter().find(|p| p.offset == *offset).map(|p| Arc::new(p.payload.clone()));
-                failures.fail(PARTITION, Failure { offset: Some(*offset), reason: reason.clone(), record });
-                pause(&consumer, &input, &[PARTITION]);
-            }
-            metrics.applied_updates.inc_by(report.updates);
-            metrics.dropped.with_label_values(&["redelivered"]).inc_by(report.redelivered);
-            metrics.dropped.with_label_values(&["id"]).inc_by(report.duplicate_ids);
-            metrics.desc_changes.inc_by(report.changes);
-            if let Ok(graph) = store.graph.read() {
-                metrics.edges.set(graph.edge_count() as i64);
-            }
-            if report.outbox_messages > 0 {
-                relay_outbox(&store, &relay, &metrics);
-            }
-        }
-        let budget = config.kafka.record_budget();
-        let skipped = failures.carry_out_skips(&letters, &input, budget, |_, offset| {
-            store.skip_record(offset).map_err(|err| tally_shared::Error::Skip(err.to_string()))?;
-            resume_at(&consumer, &input, PARTITION, offset + 1)
-        });
-        metrics.skipped_records.inc_by(skipped);
-        metrics.failed.set(failures.failed().len() as i64);
-        readiness.set_failures(failures.descriptions());
-        if announcer.due() {
-            announcer.announce(&[ShardOwner::GRAPH], false);
-            // Ready once it caught up with the log it found at start (and while
-            // its outbox gets through); a failure above makes it not ready anyway.
-            let outbox_ok = relay_outbox(&store, &relay, &metrics);
-            readiness.set(outbox_ok && store.progress().next_offset.unwrap_or(0) >= start_end);
-            if let Some(fatal) = relay.fatal() {
-                // It delivers nothing more: stop loudly; the outbox waits in the store.
-                return Err(Error::Processor(format!("the outbox producer failed for good: {fatal}")));
-            }
-        }
-    }
-    readiness.set(false);
-    relay_outbox(&store, &relay, &metrics);
-    announcer.release(&[ShardOwner::GRAPH]);
+    let mut processor = GraphProcessor {
+        store: store.clone(),
+        failures: failures.clone(),
+        metrics,
+        readiness,
+        announcer: Announcer::new(&config.kafka, names.shard_owners(), read_addr)?,
+        relay: Relay::new(&config.kafka, names.shards())?,
+        start_end,
+    };
+    let result = drive(&consumer, &setup, &mut processor, &shutdown);
+    processor.readiness.set(false);
+    relay_outbox(&store, &processor.relay, &processor.metrics);
+    processor.announcer.release(&[ShardOwner::GRAPH]);
     if lag_reporter.join().is_err() {
         tracing::error!("the lag reporter panicked");
     }
     tracing::info!("graph processor stopped: batch persisted and relayed");
-    Ok(())
+    result
+}
+
+/// The graph's part of the consume loop ([`drive`]): applying batches to the store,
+/// and with the turns its readiness, claim and outbox relays.
+struct GraphProcessor {
+    store: Arc<GraphStore>,
+    failures: Arc<FailureBoard>,
+    metrics: Metrics,
+    readiness: Readiness,
+    announcer: Announcer,
+    /// Sends the outbox (descendant changes) to the counter shards.
+    relay: Relay,
+    /// The end of the log at start: not ready before it applied that much.
+    start_end: i64,
+}
+
+impl Processor<DefaultConsumerContext> for GraphProcessor {
+    type Error = Error;
+
+    fn apply(&mut self, _: &BaseConsumer, batch: &[Polled]) -> Vec<u32> {
+        let records: Vec<UpdateRecord<'_>> = batch
+            .iter()
+            .map(|polled| UpdateRecord { offset: polled.offset, payload: &polled.payload, timestamp: polled.timestamp })
+            .collect();
+        let report = match self.store.apply(&records, now_ms()) {
+            Ok(report) => report,
+            Err(err) => {
+                let offset = self.store.progress().next_offset;
+                self.failures.fail(PARTITION, Failure { offset, reason: err.to_string(), record: None });
+                return vec![PARTITION];
+            }
+        };
+        let metrics = &self.metrics;
+        metrics.applied_updates.inc_by(report.updates);
+        metrics.dropped.with_label_values(&["redelivered"]).inc_by(report.redelivered);
+        metrics.dropped.with_label_values(&["id"]).inc_by(report.duplicate_ids);
+        metrics.desc_changes.inc_by(report.changes);
+        if let Ok(graph) = self.store.graph.read() {
+            metrics.edges.set(graph.edge_count() as i64);
+        }
+        if report.outbox_messages > 0 {
+            relay_outbox(&self.store, &self.relay, metrics);
+        }
+        match &report.undecodable {
+            Some((offset, reason)) => {
+                let record = batch.iter().find(|p| p.offset == *offset).map(|p| Arc::new(p.payload.clone()));
+                self.failures.fail(PARTITION, Failure { offset: Some(*offset), reason: reason.clone(), record });
+                vec![PARTITION]
+            }
+            None => Vec::new(),
+        }
+    }
+
+    fn skip_record(&mut self, _: u32, offset: i64) -> tally_shared::Result<()> {
+        self.store.skip_record(offset).map_err(|err| tally_shared::Error::Skip(err.to_string()))
+    }
+
+    fn turn(&mut self, _: &BaseConsumer, skipped: u64, heartbeat: bool) -> Result<()> {
+        self.metrics.skipped_records.inc_by(skipped);
+        self.metrics.failed.set(self.failures.failed().len() as i64);
+        self.readiness.set_failures(self.failures.descriptions());
+        if heartbeat {
+            self.announcer.announce(&[ShardOwner::GRAPH], false);
+            // Ready once it caught up with the log it found at start (and while
+            // its outbox gets through); a failure makes it not ready anyway.
+            let outbox_ok = relay_outbox(&self.store, &self.relay, &self.metrics);
+            let caught_up = self.store.progress().next_offset.unwrap_or(0) >= self.start_end;
+            self.readiness.set(outbox_ok && caught_up);
+            if let Some(fatal) = self.relay.fatal() {
+                // It delivers nothing more: stop loudly; the outbox waits in the store.
+                return Err(Error::Processor(format!("the outbox producer failed for good: {fatal}")));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The graph-updates topic's one partition.
