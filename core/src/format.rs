@@ -3,8 +3,8 @@
 //! - A binary internal record (the shard topic, the graph-updates topic, the outboxes
 //!   that hold them) starts with [`RECORD_MAGIC`] and its format version, then the
 //!   bincode body. The magic byte tells a stray producer's bytes from tally's.
-//! - A JSON record tally writes for itself (shard owners, broker heartbeats, queue
-//!   declarations) has a `"v"` field.
+//! - A JSON record tally writes has a version field: `"v"` (shard owners, broker
+//!   heartbeats, dead letters, dead jobs, rollups), `"version"` (queue declarations).
 //! - Every RocksDB value starts with its format version byte; a store also keeps the
 //!   version of its key layout under [`STORE_FORMAT_KEY`], checked when it opens.
 //!
@@ -12,7 +12,8 @@
 //! [`Error::Format`] otherwise — never a default. The upgrade rule (ARCHITECTURE.md):
 //! a change to a format adds a version and keeps the decoder of every older one until
 //! no topic or store of a supported release can hold it; the golden bytes of each
-//! version are committed (`shared/tests/golden/`) and must keep decoding.
+//! version are committed (`core/tests/golden/`; queue declarations': in
+//! `shared::topics`) and must keep decoding.
 
 use crate::{Error, Result};
 

@@ -108,7 +108,12 @@ pub fn resume_at<C: ConsumerContext>(
 ) -> Result<()> {
     let mut tpl = TopicPartitionList::new();
     tpl.add_partition_offset(topic, partition as i32, Offset::Offset(offset))?;
-    consumer.seek_partitions(tpl.clone(), Duration::from_secs(10))?;
+    let sought = consumer.seek_partitions(tpl.clone(), Duration::from_secs(10))?;
+    // A partition that did not move would resume where it was paused, past records
+    // it dropped: an error, for the skip to be tried again.
+    for element in sought.elements() {
+        element.error()?;
+    }
     consumer.resume(&tpl)?;
     Ok(())
 }
@@ -203,6 +208,10 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
         let heartbeat = last_heartbeat.is_none_or(|at| at.elapsed() >= setup.heartbeat);
         if heartbeat {
             last_heartbeat = Some(Instant::now());
+            if let Some(fatal) = setup.letters.fatal() {
+                // Skips would never be carried out again: stop loudly.
+                return Err(crate::Error::Relay(format!("the dead-letter producer failed for good: {fatal}")).into());
+            }
         }
         processor.turn(consumer, skipped, heartbeat)?;
     }

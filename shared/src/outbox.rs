@@ -95,6 +95,13 @@ impl Relay {
         Ok(Self { producer, topic, wait: Duration::from_secs(30) })
     }
 
+    /// A relay for records that carry no stamps (dead letters): delivered at least
+    /// once, without the gapless guarantee, whose errors are fatal to a producer.
+    pub fn unstamped(kafka: &KafkaConfig, topic: String) -> Result<Self> {
+        let producer = crate::kafka::unstamped_producer_config(kafka)?.create_with_context(RelayContext::default())?;
+        Ok(Self { producer, topic, wait: Duration::from_secs(30) })
+    }
+
     /// A relay whose rounds wait at most `wait` for their acknowledgements.
     pub fn waiting_at_most(mut self, wait: Duration) -> Self {
         self.wait = wait;

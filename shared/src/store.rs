@@ -80,9 +80,13 @@ impl Store {
     }
 
     /// Moves the offset past the record at `offset`, which an operator skipped
-    /// (`tally shards skip`): nothing at or past it may have been applied.
+    /// (`tally shards skip`): nothing at or past it may have been applied. Already
+    /// past it (a skip carried out again) is fine.
     pub fn skip_record(&self, offset: i64) -> Result<()> {
         let mut progress = self.progress();
+        if progress.next_offset == Some(offset + 1) {
+            return Ok(());
+        }
         if progress.next_offset.is_some_and(|next| next > offset) {
             let next = progress.next_offset;
             return Err(Error::Skip(format!("offset {offset} was already applied (next is {next:?})")));

@@ -156,7 +156,8 @@ fn reconcile(
     for partition in served.iter().filter(|p| !desired.contains(p)) {
         let removed = queue.partitions.lock().ok().and_then(|mut p| p.remove(partition));
         if let Some(buffer) = removed {
-            let offset = buffer.lock().map(|b| b.commit_offset()).unwrap_or(0);
+            // A buffer whose holder panicked still knows its watermark; never offset 0.
+            let offset = buffer.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).commit_offset();
             let mut tpl = TopicPartitionList::new();
             tpl.add_partition_offset(&queue.topic, *partition, Offset::Offset(offset))?;
             if let Err(err) = consumer.commit(&tpl, CommitMode::Sync) {

@@ -94,9 +94,8 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         }
     });
     let timeout_ms = config.broker.member_timeout_ms;
-    let watched = Arc::new([heartbeat, follower, declared]);
-    let watchdog =
-        watch(watched.clone(), membership.clone(), instance, timeout_ms, readiness.clone(), shutdown.clone());
+    let watched = [heartbeat, follower, declared];
+    let watchdog = watch(watched, membership.clone(), instance, timeout_ms, readiness.clone(), shutdown.clone());
 
     let setup = fetcher::FetcherSetup { config, broker, membership };
     let fetcher_shutdown = shutdown.clone();
@@ -118,7 +117,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
 /// a stop of the whole broker (with the thread's name) when one of those threads
 /// ends before shutdown, a panic included. Joins them at shutdown.
 fn watch(
-    threads: Arc<[std::thread::JoinHandle<()>; 3]>,
+    threads: [std::thread::JoinHandle<()>; 3],
     membership: Arc<membership::Membership>,
     instance: String,
     timeout_ms: u64,
@@ -143,11 +142,9 @@ fn watch(
         };
         readiness.set(false);
         let _ = tokio::task::spawn_blocking(move || {
-            if let Ok(threads) = Arc::try_unwrap(threads) {
-                for thread in threads {
-                    if let Err(panic) = thread.join() {
-                        tracing::error!(panic = ?panic, "a broker thread panicked");
-                    }
+            for (thread, name) in threads.into_iter().zip(NAMES) {
+                if thread.join().is_err() {
+                    tracing::error!(thread = name, "a broker thread panicked");
                 }
             }
         })

@@ -64,6 +64,9 @@ pub struct ApplyReport {
     pub stale_records: usize,
     /// The record that does not decode, and why: the batch stopped at it.
     pub undecodable: Option<(i64, String)>,
+    /// `(next offset, offset found)`: the log skips records the store has not
+    /// applied (deleted by retention, a recreated topic); the batch stopped there.
+    pub gap: Option<(i64, i64)>,
     pub increments: u64,
     /// Entries at or below their source's high-water stamp.
     pub redelivered: u64,
@@ -100,6 +103,10 @@ impl ShardStore {
             if progress.next_offset.is_some_and(|next| record.offset < next) {
                 report.stale_records += 1;
                 continue;
+            }
+            if let Some(next) = progress.next_offset.filter(|next| record.offset > *next) {
+                report.gap = Some((next, record.offset));
+                break;
             }
             match ShardMessageRef::decode(record.payload) {
                 Ok(ShardMessageRef::DescChanges { source, entries }) => {
@@ -596,5 +603,21 @@ mod tests {
         store.apply(&[ShardRecord { offset: 1, payload: &more, timestamp: None }], NOW, false).unwrap();
         let merged = store.get_counts(&[key]).unwrap_err().to_string();
         assert!(merged.to_lowercase().contains("merge"), "the merge fails rather than adding to zero: {merged}");
+    }
+
+    #[test]
+    fn a_gap_in_the_log_stops_the_batch_instead_of_skipping_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ShardStore::open(0, dir.path(), options()).unwrap();
+        let first = message(0, &[(1, 0, "a", 1, None)]);
+        let later = message(0, &[(9, 0, "a", 5, None)]);
+        let records = [
+            ShardRecord { offset: 3, payload: &first, timestamp: None },
+            ShardRecord { offset: 7, payload: &later, timestamp: None },
+        ];
+        let report = store.apply(&records, NOW, false).unwrap();
+        assert_eq!((report.gap, report.increments), (Some((4, 7)), 1));
+        assert_eq!(store.progress().next_offset, Some(4), "stays before the gap");
+        assert_eq!(counts(&store, "a"), Counts { direct: 1, total: 1 });
     }
 }

@@ -16,13 +16,13 @@ use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::ClientContext;
-use tally_core::keys::{decode_count_key, ALL_TIME_WIDTH};
+use tally_core::keys::{parse_count_key, ALL_TIME_WIDTH};
 use tally_core::time::Resolutions;
 use tally_core::wire::Rollup;
 use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
 use tally_shared::consume::{drive, spawn_lag_reporter, BatchLimits, LoopSetup, Polled, Processor};
-use tally_shared::failures::Failure;
+use tally_shared::failures::{Failure, FailureBoard};
 use tally_shared::kafka::{client_config, now_ms, TopicNames};
 use tally_shared::outbox::Relay;
 use tally_shared::telemetry::Readiness;
@@ -108,6 +108,9 @@ impl CounterContext {
             stores.insert(shard, store);
         }
         consumer.assign(&assigned)?;
+        // librdkafka keeps a partition paused across assignments; a shard that
+        // failed before comes back unpaused (and fails again if its record does).
+        consumer.resume(&assigned)?;
         tracing::info!(shards = ?stores.keys().collect::<Vec<_>>(), "shards assigned");
         self.shards.replace(stores, failures);
         Ok(())
@@ -189,7 +192,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         false => None,
     };
 
-    let letters = Relay::new(&config.kafka, names.dead_letter())?;
+    let letters = Relay::unstamped(&config.kafka, names.dead_letter())?;
     let lag_shards = shards.clone();
     let lag_metrics = metrics.clone();
     let lag_reporter = spawn_lag_reporter(
@@ -229,12 +232,11 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         topic: shard_topic.clone(),
         serving: Vec::new(),
         outbox_written: 0,
+        lag_reporter: Some(lag_reporter),
+        shutdown: shutdown.clone(),
     };
     let result = drive(&consumer, &setup, &mut counter, &shutdown);
     counter.stop();
-    if lag_reporter.join().is_err() {
-        tracing::error!("the lag reporter panicked");
-    }
     if !config.counter.static_assignment {
         consumer.unsubscribe();
     }
@@ -258,6 +260,9 @@ struct Counter {
     serving: Vec<u32>,
     /// Outbox messages written since the last relay.
     outbox_written: u64,
+    /// Watched: its end before shutdown (a panic) stops the counter.
+    lag_reporter: Option<std::thread::JoinHandle<()>>,
+    shutdown: CancellationToken,
 }
 
 impl Processor<CounterContext> for Counter {
@@ -309,12 +314,20 @@ impl Processor<CounterContext> for Counter {
             }
         }
         if heartbeat {
+            let stopped = self.lag_reporter.as_ref().is_some_and(|thread| thread.is_finished());
+            if stopped && !self.shutdown.is_cancelled() {
+                return Err(Error::Consumer("the lag reporter thread stopped unexpectedly".into()));
+            }
             if let Some(rollups) = &self.rollups {
                 // What a crash, a failed round or a rebuild left marked, a page at a time.
                 for shard in self.shards.serving() {
                     let Some(store) = self.shards.get(shard) else { continue };
                     match store.pending_rollups(ROLLUP_PAGE) {
-                        Ok(pending) => rollups.publish(&store, &pending, &self.metrics),
+                        Ok(pending) => rollups.publish(&store, &pending, &self.metrics, &self.shards.failures),
+                        Err(err) if err.is_corruption() => {
+                            let reason = format!("reading the rollup marks: {err}");
+                            self.shards.failures.fail(shard, Failure { offset: None, reason, record: None });
+                        }
                         Err(err) => tracing::error!(shard, error = %err, "reading the rollup marks"),
                     }
                 }
@@ -341,6 +354,9 @@ impl Counter {
         tracing::info!("counter consumer stopping: batch persisted, releasing shards");
         self.readiness.set(false);
         self.announcer.release(&self.shards.owned());
+        if self.lag_reporter.take().is_some_and(|thread| thread.join().is_err()) {
+            tracing::error!("the lag reporter panicked");
+        }
     }
 }
 
@@ -383,6 +399,11 @@ fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, rollups: Op
         };
         metrics.apply_seconds.observe(started.elapsed().as_secs_f64());
         record_metrics(metrics, &report);
+        if let Some((next, found)) = report.gap {
+            let reason = format!("the log has no records {next}..{found} the store has not applied (deleted by retention, or the topic was recreated): restore or rebuild the shard");
+            shards.failures.fail(shard, Failure { offset: Some(next), reason, record: None });
+            failed.push(shard);
+        }
         if let Some((offset, reason)) = &report.undecodable {
             let record = records.iter().find(|r| r.offset == *offset).map(|r| Arc::new(r.payload.to_vec()));
             shards.failures.fail(shard, Failure { offset: Some(*offset), reason: reason.clone(), record });
@@ -393,7 +414,7 @@ fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, rollups: Op
         // Marked in the batch; sent now unless the last round failed (then the
         // heartbeat's round retries, and counting never waits on a broken topic).
         if let Some(rollups) = rollups.filter(|r| store.serving() && r.healthy.load(Ordering::Relaxed)) {
-            rollups.publish(&store, &report.changed, metrics);
+            rollups.publish(&store, &report.changed, metrics, &shards.failures);
         }
     }
     (outbox_written, failed)
@@ -422,7 +443,9 @@ struct Rollups {
 }
 
 impl Rollups {
-    fn publish(&self, store: &ShardStore, keys: &[Vec<u8>], metrics: &Metrics) {
+    /// Publishes the latest values of `keys`; corrupt data met on the way fails the
+    /// shard.
+    fn publish(&self, store: &ShardStore, keys: &[Vec<u8>], metrics: &Metrics, failures: &FailureBoard) {
         if keys.is_empty() {
             return;
         }
@@ -430,6 +453,10 @@ impl Rollups {
             Ok(()) => {
                 self.healthy.store(true, Ordering::Relaxed);
                 metrics.rollups_published.inc_by(keys.len() as u64)
+            }
+            Err(err) if err.is_corruption() => {
+                let reason = format!("publishing rollups met corrupt data: {err}");
+                failures.fail(store.shard, Failure { offset: None, reason, record: None });
             }
             Err(err) => {
                 self.healthy.store(false, Ordering::Relaxed);
@@ -443,10 +470,7 @@ impl Rollups {
         let values = store.get_counts(keys)?;
         let mut records = Vec::with_capacity(keys.len());
         for (stored_key, counts) in keys.iter().zip(values) {
-            let changed = decode_count_key(stored_key).ok_or_else(|| Error::Shard {
-                shard: store.shard,
-                message: "a rollup mark is not a count key".into(),
-            })?;
+            let changed = parse_count_key(stored_key)?;
             let resolution = if changed.width_ms == ALL_TIME_WIDTH {
                 "all".to_string()
             } else {

@@ -20,4 +20,17 @@ pub enum Error {
     Consumer(String),
 }
 
+impl Error {
+    /// Whether it says the stored data is corrupt or of another format (not a
+    /// passing I/O or Kafka trouble): the shard must stop.
+    pub fn is_corruption(&self) -> bool {
+        match self {
+            Error::Rocks(err) => err.kind() == rocksdb::ErrorKind::Corruption,
+            Error::Core(tally_core::Error::Format(_)) => true,
+            Error::Shared(tally_shared::Error::Core(tally_core::Error::Format(_))) => true,
+            _ => false,
+        }
+    }
+}
+
 pub type Result<T, E = Error> = std::result::Result<T, E>;

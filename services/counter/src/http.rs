@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
 use tally_core::wire::{ShardMetricsRequest, ShardReadRequest, ShardReadResponse};
-use tally_shared::failures::skip_router;
+use tally_shared::failures::{skip_router, Failure};
 use tally_shared::http::ApiError;
 
 use crate::metrics::Metrics;
@@ -44,12 +44,22 @@ fn serving(state: &ReadState, shard: u32) -> Result<Arc<ShardStore>, Response> {
     })
 }
 
-/// Runs a read on a blocking thread; storage errors are 500s.
+/// Runs a read on a blocking thread. Corrupt data it meets fails the shard (503
+/// `shard_failed` from then on); other storage errors are 500s.
 async fn answer<T: serde::Serialize + Send + 'static>(
+    state: &ReadState,
+    shard: u32,
     work: impl FnOnce() -> crate::Result<T> + Send + 'static,
 ) -> Response {
     match tokio::task::spawn_blocking(work).await {
         Ok(Ok(answer)) => Json(answer).into_response(),
+        Ok(Err(err)) if err.is_corruption() => {
+            let failure = Failure { offset: None, reason: format!("a read met corrupt data: {err}"), record: None };
+            state.shards.failures.fail(shard, failure);
+            state.shards.failures.read_refusal(shard).unwrap_or_else(|| {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "storage", err.to_string()).into_response()
+            })
+        }
         Ok(Err(err)) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "storage", err.to_string()).into_response(),
         Err(err) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", err.to_string()).into_response(),
     }
@@ -61,7 +71,11 @@ async fn read(State(state): State<ReadState>, Json(request): Json<ShardReadReque
         Err(response) => return response,
     };
     state.metrics.reads.inc_by(request.queries.len() as u64);
-    answer(move || store.read(&request.queries, request.now_ms).map(|answers| ShardReadResponse { answers })).await
+    let shard = request.shard;
+    answer(&state, shard, move || {
+        store.read(&request.queries, request.now_ms).map(|answers| ShardReadResponse { answers })
+    })
+    .await
 }
 
 async fn metrics(State(state): State<ReadState>, Json(request): Json<ShardMetricsRequest>) -> Response {
@@ -69,5 +83,6 @@ async fn metrics(State(state): State<ReadState>, Json(request): Json<ShardMetric
         Ok(store) => store,
         Err(response) => return response,
     };
-    answer(move || store.metrics(&request.entity, request.after.as_deref(), request.limit)).await
+    let shard = request.shard;
+    answer(&state, shard, move || store.metrics(&request.entity, request.after.as_deref(), request.limit)).await
 }

@@ -5,10 +5,11 @@
 //! A plain thread over a `BaseConsumer`: graph traversals are CPU work that must not
 //! block the async runtime. It resumes from the store's offset, never a group's.
 //!
-//! It fails closed ([`tally_shared::failures`]): a record that does not decode, or a
-//! batch the store cannot apply, stops the graph at that offset — nothing more is
-//! applied, `/readyz` and neighbour reads say why — until `tally shards skip graph`
-//! moves it past the record.
+//! It fails closed ([`tally_shared::failures`]): a record that does not decode, a gap
+//! in the log, or a batch the store cannot apply stops the graph at that offset —
+//! nothing more is applied, `/readyz` and neighbour reads say why. `tally shards skip
+//! graph` moves it past a record that does not decode; the others need the store
+//! restored or rebuilt.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,7 +46,12 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
     let names = TopicNames::new(&config.kafka.topic_prefix);
     let input = names.graph_updates();
     let mut consumer_config = client_config(&config.kafka)?;
-    consumer_config.set("group.id", "tally-graph").set("enable.auto.commit", "false");
+    // A store offset the log no longer holds restarts at the earliest record: the
+    // gap fails the graph rather than jumping to the end.
+    consumer_config
+        .set("group.id", "tally-graph")
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest");
     let consumer: BaseConsumer = consumer_config.create()?;
     let start = store.progress().next_offset.map_or(Offset::Beginning, Offset::Offset);
     let mut assignment = TopicPartitionList::new();
@@ -54,7 +60,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
     // Not ready before it applied what the log held at start (a rebuild).
     let (_, start_end) = consumer.fetch_watermarks(&input, PARTITION as i32, Duration::from_secs(10))?;
 
-    let letters = Relay::new(&config.kafka, names.dead_letter())?;
+    let letters = Relay::unstamped(&config.kafka, names.dead_letter())?;
     tracing::info!(start = ?start, "graph processor consuming");
     let (lag_store, lag_metrics) = (store.clone(), metrics.clone());
     let lag_reporter = spawn_lag_reporter(
@@ -86,12 +92,14 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
         announcer: Announcer::new(&config.kafka, names.shard_owners(), read_addr)?,
         relay: Relay::new(&config.kafka, names.shards())?,
         start_end,
+        lag_reporter,
+        shutdown: shutdown.clone(),
     };
     let result = drive(&consumer, &setup, &mut processor, &shutdown);
     processor.readiness.set(false);
     relay_outbox(&store, &processor.relay, &processor.metrics);
     processor.announcer.release(&[ShardOwner::GRAPH]);
-    if lag_reporter.join().is_err() {
+    if processor.lag_reporter.join().is_err() {
         tracing::error!("the lag reporter panicked");
     }
     tracing::info!("graph processor stopped: batch persisted and relayed");
@@ -110,6 +118,9 @@ struct GraphProcessor {
     relay: Relay,
     /// The end of the log at start: not ready before it applied that much.
     start_end: i64,
+    /// Watched: its end before shutdown (a panic) stops the processor.
+    lag_reporter: std::thread::JoinHandle<()>,
+    shutdown: CancellationToken,
 }
 
 impl Processor<DefaultConsumerContext> for GraphProcessor {
@@ -139,6 +150,11 @@ impl Processor<DefaultConsumerContext> for GraphProcessor {
         if report.outbox_messages > 0 {
             relay_outbox(&self.store, &self.relay, metrics);
         }
+        if let Some((next, found)) = report.gap {
+            let reason = format!("the log has no records {next}..{found} the store has not applied (deleted by retention, or the topic was recreated): restore or rebuild the graph's store");
+            self.failures.fail(PARTITION, Failure { offset: Some(next), reason, record: None });
+            return vec![PARTITION];
+        }
         match &report.undecodable {
             Some((offset, reason)) => {
                 let record = batch.iter().find(|p| p.offset == *offset).map(|p| Arc::new(p.payload.clone()));
@@ -158,6 +174,9 @@ impl Processor<DefaultConsumerContext> for GraphProcessor {
         self.metrics.failed.set(self.failures.failed().len() as i64);
         self.readiness.set_failures(self.failures.descriptions());
         if heartbeat {
+            if self.lag_reporter.is_finished() && !self.shutdown.is_cancelled() {
+                return Err(Error::Processor("the lag reporter thread stopped unexpectedly".into()));
+            }
             self.announcer.announce(&[ShardOwner::GRAPH], false);
             // Ready once it caught up with the log it found at start (and while
             // its outbox gets through); a failure makes it not ready anyway.

@@ -56,6 +56,9 @@ pub struct BatchReport {
     pub duplicate_ids: u64,
     /// The record that does not decode, and why: the batch stopped at it.
     pub undecodable: Option<(i64, String)>,
+    /// `(next offset, offset found)`: the log skips records the store has not
+    /// applied (deleted by retention, a recreated topic); the batch stopped there.
+    pub gap: Option<(i64, i64)>,
     /// Origins whose descendant set changed.
     pub changes: u64,
     pub outbox_messages: u64,
@@ -126,6 +129,10 @@ impl GraphStore {
         for record in records {
             if progress.next_offset.is_some_and(|next| record.offset < next) {
                 continue;
+            }
+            if let Some(next) = progress.next_offset.filter(|next| record.offset > *next) {
+                report.gap = Some((next, record.offset));
+                break;
             }
             let GraphMessage::Updates { source, entries } = match GraphMessage::decode(record.payload) {
                 Ok(message) => message,

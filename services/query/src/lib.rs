@@ -33,7 +33,8 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
 
     let owners = Arc::new(owners::Owners::default());
     let follower = owners::follow(&config.kafka, &names.shard_owners(), owners.clone(), shutdown.clone())?;
-    tokio::spawn(owners::track_readiness(owners.clone(), shards, readiness.clone(), shutdown.clone()));
+    let tracked =
+        tokio::spawn(owners::track_readiness(owners.clone(), shards, readiness.clone(), shutdown.clone(), follower));
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
         .pool_max_idle_per_host(64)
@@ -55,6 +56,8 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     tracing::info!(api = %addr, admin = %admin, shards, "tally-query serving");
     axum::serve(listener, api::router(state)).with_graceful_shutdown(shutdown.clone().cancelled_owned()).await?;
     shutdown.cancel();
-    let _ = tokio::task::spawn_blocking(move || follower.join()).await;
-    Ok(())
+    match tracked.await {
+        Ok(false) => Ok(()),
+        _ => Err(Error::Internal("the shard-owners follower stopped unexpectedly".into())),
+    }
 }

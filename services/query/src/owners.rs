@@ -64,10 +64,24 @@ impl Owners {
     }
 }
 
-/// Follows the owners topic until `shutdown`.
-/// Keeps `readiness` true while every one of `shards` has an owner to read from.
-pub async fn track_readiness(owners: Arc<Owners>, shards: u32, readiness: Readiness, shutdown: CancellationToken) {
+/// Keeps `readiness` true while every one of `shards` has an owner to read from and
+/// the `follower` thread follows the claims; a follower that ends before `shutdown`
+/// (a panic) stops the service. Returns whether it did, once the follower is joined.
+pub async fn track_readiness(
+    owners: Arc<Owners>,
+    shards: u32,
+    readiness: Readiness,
+    shutdown: CancellationToken,
+    follower: std::thread::JoinHandle<()>,
+) -> bool {
+    let mut died = false;
     while !shutdown.is_cancelled() {
+        if follower.is_finished() {
+            tracing::error!("the shard-owners follower stopped unexpectedly; stopping");
+            died = true;
+            shutdown.cancel();
+            break;
+        }
         readiness.set((0..shards).all(|shard| owners.get(shard).is_some_and(|claim| claim.addr.is_some())));
         tokio::select! {
             _ = shutdown.cancelled() => {}
@@ -75,6 +89,8 @@ pub async fn track_readiness(owners: Arc<Owners>, shards: u32, readiness: Readin
         }
     }
     readiness.set(false);
+    let joined = tokio::task::spawn_blocking(move || follower.join()).await;
+    died || !matches!(joined, Ok(Ok(())))
 }
 
 pub fn follow(
