@@ -141,7 +141,8 @@ mod tests {
             let mut progress = Progress { next_offset: Some(42), ..Default::default() };
             progress.advance(source, Stamp { offset: 7, index: 2 });
             store.commit(batch, progress).unwrap();
-            assert!(store.skip_record(41).is_err(), "41 was applied");
+            assert!(store.skip_record(40).is_err(), "40 was applied");
+            store.skip_record(41).unwrap(); // already past it: a skip carried out again
             store.skip_record(45).unwrap();
         }
         let store = Store::open(dir.path(), Options::default(), families(), false).unwrap();
