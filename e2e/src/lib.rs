@@ -108,6 +108,7 @@ impl Sandbox {
             ("TALLY__COUNTER__ADMIN_LISTEN".into(), admin["tally-counter"].clone()),
             ("TALLY__COUNTER__GROUP_ID".into(), format!("{prefix}counter")),
             ("TALLY__COUNTER__DATA_DIR".into(), dir.path().join("counter").display().to_string()),
+            ("TALLY__SNAPSHOTS__DIR".into(), dir.path().join("snapshots").display().to_string()),
             ("TALLY__QUERY__ADMIN_LISTEN".into(), admin["tally-query"].clone()),
             ("TALLY__GRAPH__ADMIN_LISTEN".into(), admin["tally-graph"].clone()),
             ("TALLY__GRAPH__DATA_DIR".into(), dir.path().join("graph").display().to_string()),

@@ -48,7 +48,9 @@ async fn kill9_of_counter_and_ingester_mid_workload_counts_exactly_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn counter_rebuilds_from_the_shard_log_after_losing_its_data() {
     let mut sandbox = Sandbox::start().await;
-    for service in ["tally-ingester", "tally-counter", "tally-query"] {
+    let no_snapshots = [("TALLY__SNAPSHOTS__ENABLED", "false".to_string())];
+    sandbox.spawn_instance("tally-counter", "tally-counter", &no_snapshots);
+    for service in ["tally-ingester", "tally-query"] {
         sandbox.spawn(service);
     }
     let workload = Workload::generate(3, 300, tally_shared::kafka::now_ms());
@@ -59,7 +61,89 @@ async fn counter_rebuilds_from_the_shard_log_after_losing_its_data() {
     sandbox.kill9("tally-counter");
     sandbox.wipe_counter_data();
     sandbox.restart_broker().await;
-    sandbox.spawn("tally-counter");
+    sandbox.spawn_instance("tally-counter", "tally-counter", &no_snapshots);
     check::never_partial(&sandbox, model, entities, metrics, Duration::from_secs(120)).await;
     check::windows(&sandbox, model, entities, metrics).await;
+}
+
+/// A counter that loses its disk restores every shard from its newest snapshot and
+/// replays only the log after it: exact totals, never a partial or older one served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counter_restores_lost_shards_from_snapshots_and_replays_the_tail() {
+    let mut sandbox = Sandbox::start().await;
+    let snapshots = [("TALLY__SNAPSHOTS__INTERVAL_MS", "500".to_string())];
+    sandbox.spawn_instance("tally-counter", "tally-counter", &snapshots);
+    for service in ["tally-ingester", "tally-query"] {
+        sandbox.spawn(service);
+    }
+    let now = tally_shared::kafka::now_ms();
+    let before = Workload::generate(6, 300, now);
+    sandbox.produce(&before.records).await;
+    check::wait_for_all_time(&sandbox, &before.model, &before.entities, &before.metrics, Duration::from_secs(120))
+        .await;
+    // Every shard that holds data has a snapshot of it.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let client: rdkafka::consumer::BaseConsumer =
+        tally_shared::kafka::client_config(&sandbox.kafka).unwrap().create().unwrap();
+    let shard_topic = sandbox.names.shards();
+    let shards_with_data = (0..8)
+        .filter(|&shard| {
+            use rdkafka::consumer::Consumer;
+            client.fetch_watermarks(&shard_topic, shard, Duration::from_secs(10)).unwrap().1 > 0
+        })
+        .count();
+    let snapshot_dir = std::path::PathBuf::from(sandbox.path("snapshots")).join(sandbox.names.shards());
+    loop {
+        let manifests = std::fs::read_dir(&snapshot_dir).map_or(0, |shards| {
+            shards
+                .filter_map(Result::ok)
+                .filter(|shard| {
+                    std::fs::read_dir(shard.path()).is_ok_and(|mut s| {
+                        s.any(|snap| snap.is_ok_and(|snap| snap.path().join("MANIFEST.json").exists()))
+                    })
+                })
+                .count()
+        });
+        if manifests == shards_with_data {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{manifests} of {shards_with_data} shards snapshot\n{}",
+            sandbox.log("tally-counter")
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    sandbox.kill9("tally-counter");
+    sandbox.wipe_counter_data();
+    // The tail: written while the counter is gone, replayed after the restore.
+    let after = Workload::generate(7, 200, now);
+    sandbox.produce(&after.records).await;
+    let mut model = before.model.clone();
+    for increment in after.model.events() {
+        model.apply(increment.clone());
+    }
+    let mut entities = before.entities.clone();
+    entities.extend(after.entities.iter().filter(|e| !before.entities.contains(e)).cloned());
+    let mut metrics = before.metrics.clone();
+    metrics.extend(after.metrics.iter().filter(|m| !before.metrics.contains(m)).cloned());
+    // Every input routed to the shard topic before the counter comes back, so "caught
+    // up with the log" means every total is whole.
+    let produced = (before.records.len() + after.records.len()) as f64;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let routed = sandbox.metric("tally-ingester", "tally_ingester_input_records_total").await;
+        if routed == vec![(String::new(), produced)] {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "routed {routed:?} of {produced}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await; // the routed batch's acknowledgements
+    sandbox.spawn_instance("tally-counter", "tally-counter", &snapshots);
+    check::never_partial(&sandbox, &model, &entities, &metrics, Duration::from_secs(120)).await;
+    check::windows(&sandbox, &model, &entities, &metrics).await;
+    let restored = sandbox.metric("tally-counter", "tally_counter_restored_shards_total").await;
+    assert_eq!(restored, vec![(String::new(), shards_with_data as f64)], "{}", sandbox.log("tally-counter"));
 }

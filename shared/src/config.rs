@@ -28,6 +28,7 @@ pub struct TallyConfig {
     pub ingester: IngesterConfig,
     pub counter: CounterConfig,
     pub graph: GraphConfig,
+    pub snapshots: SnapshotsConfig,
     pub query: QueryConfig,
     pub broker: BrokerConfig,
     pub worker: WorkerConfig,
@@ -136,6 +137,35 @@ impl Default for GraphConfig {
             batch_max_records: 1_000,
             batch_linger_ms: 20,
             sync_writes: false,
+        }
+    }
+}
+
+/// Snapshots of the counter shards' stores ([`crate::snapshot`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SnapshotsConfig {
+    /// Take snapshots and restore from them (a shard without a store otherwise
+    /// rebuilds from the whole log).
+    pub enabled: bool,
+    /// The snapshot store: a local directory.
+    pub dir: PathBuf,
+    /// A shard is snapshot once this many records were applied since its last one…
+    pub every_records: i64,
+    /// …or this long after its last one, if it applied anything since.
+    pub interval_ms: u64,
+    /// Snapshots kept per shard (the newest; at least one).
+    pub keep: usize,
+}
+
+impl Default for SnapshotsConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            dir: PathBuf::from("data/snapshots"),
+            every_records: 1_000_000,
+            interval_ms: 300_000,
+            keep: 2,
         }
     }
 }

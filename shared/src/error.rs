@@ -15,6 +15,8 @@ pub enum Error {
     Skip(String),
     #[error("topics: {0}")]
     Topics(String),
+    #[error("snapshots: {0}")]
+    Snapshot(String),
     #[error("rocksdb: {0}")]
     Store(String),
     #[error("outbox relay: {0}")]

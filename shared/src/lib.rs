@@ -1,7 +1,8 @@
 //! tally's runtime: what every binary needs to run as a well-behaved service, over
 //! the pure [`tally_core`].
 //!
-//! [`consume`] (the consuming side of every log processor: bounded batches, positions
+//! [`snapshot`] (checkpoints of a store kept in an object store, restored instead of
+//! replaying the whole log), [`consume`] (the consuming side of every log processor: bounded batches, positions
 //! from the store, paused failed partitions, lag on its own thread), [`store`] (the
 //! RocksDB skeleton whose state commits only with its progress), [`announce`] (claims
 //! on the shard-owners topic), [`follow`] (following a control topic),
@@ -29,6 +30,7 @@ pub mod outbox;
 pub mod progress;
 pub mod service;
 pub mod shutdown;
+pub mod snapshot;
 pub mod store;
 pub mod telemetry;
 pub mod topics;

@@ -95,6 +95,14 @@ impl Store {
         self.commit(WriteBatch::default(), progress)
     }
 
+    /// A RocksDB checkpoint of the store in `dir` (which must not exist), taken
+    /// under the commit lock: exactly the state of the returned progress.
+    pub fn checkpoint(&self, dir: &Path) -> Result<Progress> {
+        let committed = self.committed();
+        rocksdb::checkpoint::Checkpoint::new(&self.db).and_then(|c| c.create_checkpoint(dir)).map_err(rocks)?;
+        Ok(committed.clone())
+    }
+
     /// A value outside the state (such as the offset a rebuild must reach).
     pub fn put_meta(&self, key: &[u8], value: &[u8]) -> Result<()> {
         self.db.put(key, value).map_err(rocks)

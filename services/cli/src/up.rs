@@ -67,10 +67,12 @@ pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: Up
     };
     let counter_dir = under_data_dir(&config.counter.data_dir, "counter");
     let graph_dir = under_data_dir(&config.graph.data_dir, "graph");
+    let snapshots_dir = under_data_dir(&config.snapshots.dir, "snapshots");
     let mut env = vec![
         ("TALLY__KAFKA__BOOTSTRAP_SERVERS".to_string(), config.kafka.bootstrap_servers.clone()),
         ("TALLY__COUNTER__DATA_DIR".to_string(), counter_dir.display().to_string()),
         ("TALLY__GRAPH__DATA_DIR".to_string(), graph_dir.display().to_string()),
+        ("TALLY__SNAPSHOTS__DIR".to_string(), snapshots_dir.display().to_string()),
     ];
     if broker.is_some() {
         // The local broker's group coordinator never evicts a member killed with -9,

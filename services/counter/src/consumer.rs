@@ -25,6 +25,7 @@ use tally_shared::consume::{drive, spawn_lag_reporter, BatchLimits, LoopSetup, P
 use tally_shared::failures::{Failure, FailureBoard};
 use tally_shared::kafka::{client_config, now_ms, TopicNames};
 use tally_shared::outbox::Relay;
+use tally_shared::snapshot::SnapshotStore;
 use tally_shared::telemetry::Readiness;
 use tokio_util::sync::CancellationToken;
 
@@ -51,6 +52,8 @@ pub struct ConsumerSetup {
     pub shard_count: u32,
     /// Announced as the read address of owned shards.
     pub read_addr: String,
+    /// Where shard snapshots are kept (`None`: snapshots off).
+    pub snapshots: Option<SnapshotStore>,
 }
 
 struct CounterContext {
@@ -59,21 +62,42 @@ struct CounterContext {
     opened: Mutex<HashMap<u32, Arc<ShardStore>>>,
     data_dir: PathBuf,
     store_options: StoreOptions,
+    /// Where a shard without a store restores from.
+    snapshots: Option<SnapshotStore>,
+    /// The shard topic (the snapshots' namespace).
+    topic: String,
+    metrics: Metrics,
     /// A failure inside the rebalance callback, reported by the loop.
     fatal: Mutex<Option<String>>,
 }
 
 impl CounterContext {
-    fn open(&self, shard: u32) -> Result<Arc<ShardStore>> {
+    /// The shard's store, and whether it was restored from a snapshot just now.
+    fn open(&self, shard: u32) -> Result<(Arc<ShardStore>, bool)> {
         let mut opened = self.opened.lock().map_err(|_| Error::Consumer("store table poisoned".into()))?;
         if let Some(store) = opened.get(&shard) {
-            return Ok(store.clone());
+            return Ok((store.clone(), false));
         }
-        let path = self.data_dir.join(format!("shard-{shard:04}"));
+        let path = self.data_dir.join(store_dir(shard));
+        let restored = match &self.snapshots {
+            Some(snapshots) if !path.exists() => self.restore(snapshots, shard, &path)?,
+            _ => false,
+        };
         let store = Arc::new(ShardStore::open(shard, &path, self.store_options.clone())?);
-        tracing::info!(shard, path = %path.display(), next_offset = ?store.progress().next_offset, "opened shard store");
+        tracing::info!(shard, path = %path.display(), next_offset = ?store.progress().next_offset, restored, "opened shard store");
         opened.insert(shard, store.clone());
-        Ok(store)
+        Ok((store, restored))
+    }
+
+    /// Restores the newest snapshot of `shard` into `path` (where no store is);
+    /// whether there was one.
+    fn restore(&self, snapshots: &SnapshotStore, shard: u32, path: &std::path::Path) -> Result<bool> {
+        let Some(manifest) = snapshots.latest(&snapshot_name(&self.topic, shard))? else { return Ok(false) };
+        let started = Instant::now();
+        snapshots.restore(&manifest, path)?;
+        self.metrics.restored_shards.inc();
+        tracing::info!(shard, snapshot = %manifest.id, next_offset = ?manifest.next_offset, bytes = manifest.bytes(), seconds = started.elapsed().as_secs_f64(), "restored the shard from a snapshot; replaying the log after it");
+        Ok(true)
     }
 
     /// Opens the stores of the partitions in `tpl`, positions each at its store's
@@ -87,16 +111,17 @@ impl CounterContext {
         let mut assigned = TopicPartitionList::new();
         for (topic, partition) in partitions {
             let shard = partition as u32;
-            let store = match self.open(shard) {
-                Ok(store) => store,
+            let (store, restored) = match self.open(shard) {
+                Ok(opened) => opened,
                 Err(err) => {
                     let reason = format!("opening its store: {err}");
                     failures.insert(shard, Failure { offset: None, reason, record: None });
                     continue;
                 }
             };
-            if store.progress().next_offset.is_none() {
-                // Built from scratch: not served until it caught up with the log.
+            if store.progress().next_offset.is_none() || restored {
+                // Built from scratch or from a snapshot: not served until it caught
+                // up with the log (partial, or older than what was served before).
                 let (_, end) = consumer.fetch_watermarks(&topic, partition, Duration::from_secs(10))?;
                 store.rebuild_until(end)?;
                 if end > 0 {
@@ -148,7 +173,7 @@ impl ConsumerContext for CounterContext {
 
 /// Runs until `shutdown`; finishes and persists the batch in hand before returning.
 pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
-    let ConsumerSetup { config, shards, metrics, readiness, read_addr, shard_count } = setup;
+    let ConsumerSetup { config, shards, metrics, readiness, read_addr, shard_count, snapshots } = setup;
     let names = TopicNames::new(&config.kafka.topic_prefix);
     let shard_topic = names.shards();
     let resolutions = config.counting.resolutions()?;
@@ -163,6 +188,9 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             shards: shard_count,
             record_budget: config.kafka.record_budget(),
         },
+        snapshots: snapshots.clone(),
+        topic: shard_topic.clone(),
+        metrics: metrics.clone(),
         fatal: Mutex::new(None),
     };
     let mut consumer_config = client_config(&config.kafka)?;
@@ -209,6 +237,14 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         },
         move |shard, lag| lag_metrics.consumer_lag.with_label_values(&[&shard.to_string()]).set(lag),
     )?;
+    let mut threads = vec![("lag reporter", lag_reporter)];
+    if let Some(snapshots) = snapshots {
+        let snapshotter = Snapshotter::new(snapshots, &config, shards.clone(), metrics.clone());
+        threads.push((
+            "snapshots",
+            tally_shared::shutdown::every("counter-snapshots", SNAPSHOT_CHECK, shutdown.clone(), snapshotter.run())?,
+        ));
+    }
     let setup = LoopSetup {
         topic: &shard_topic,
         limits: BatchLimits {
@@ -232,7 +268,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         topic: shard_topic.clone(),
         serving: Vec::new(),
         outbox_written: 0,
-        lag_reporter: Some(lag_reporter),
+        threads,
         shutdown: shutdown.clone(),
     };
     let result = drive(&consumer, &setup, &mut counter, &shutdown);
@@ -260,8 +296,8 @@ struct Counter {
     serving: Vec<u32>,
     /// Outbox messages written since the last relay.
     outbox_written: u64,
-    /// Watched: its end before shutdown (a panic) stops the counter.
-    lag_reporter: Option<std::thread::JoinHandle<()>>,
+    /// Watched: one that ends before shutdown (a panic) stops the counter.
+    threads: Vec<(&'static str, std::thread::JoinHandle<()>)>,
     shutdown: CancellationToken,
 }
 
@@ -314,9 +350,10 @@ impl Processor<CounterContext> for Counter {
             }
         }
         if heartbeat {
-            let stopped = self.lag_reporter.as_ref().is_some_and(|thread| thread.is_finished());
-            if stopped && !self.shutdown.is_cancelled() {
-                return Err(Error::Consumer("the lag reporter thread stopped unexpectedly".into()));
+            if let Some((name, _)) = self.threads.iter().find(|(_, thread)| thread.is_finished()) {
+                if !self.shutdown.is_cancelled() {
+                    return Err(Error::Consumer(format!("the {name} thread stopped unexpectedly")));
+                }
             }
             if let Some(rollups) = &self.rollups {
                 // What a crash, a failed round or a rebuild left marked, a page at a time.
@@ -354,8 +391,10 @@ impl Counter {
         tracing::info!("counter consumer stopping: batch persisted, releasing shards");
         self.readiness.set(false);
         self.announcer.release(&self.shards.owned());
-        if self.lag_reporter.take().is_some_and(|thread| thread.join().is_err()) {
-            tracing::error!("the lag reporter panicked");
+        for (name, thread) in self.threads.drain(..) {
+            if thread.join().is_err() {
+                tracing::error!(thread = name, "a counter thread panicked");
+            }
         }
     }
 }
@@ -506,5 +545,92 @@ fn commit_advisory(consumer: &BaseConsumer<CounterContext>, topic: &str, shards:
     }
     if tpl.count() > 0 {
         let _ = consumer.commit(&tpl, CommitMode::Async);
+    }
+}
+
+/// The directory of a shard's store.
+fn store_dir(shard: u32) -> String {
+    format!("shard-{shard:04}")
+}
+
+/// The name of a shard's snapshots: under its topic's name, so a store never
+/// restores another topic's shard.
+fn snapshot_name(topic: &str, shard: u32) -> String {
+    format!("{topic}/{}", store_dir(shard))
+}
+
+/// How often the snapshotter looks at the shards.
+const SNAPSHOT_CHECK: Duration = Duration::from_secs(2);
+
+/// Snapshots each serving shard once it applied `every_records` records since its
+/// last snapshot, or `interval` after it if it applied any; at once when it has none.
+/// On a thread of its own: the checkpoint is taken under the store's commit lock
+/// (moments), the upload runs beside the consumer.
+struct Snapshotter {
+    snapshots: SnapshotStore,
+    shards: Arc<Shards>,
+    metrics: Metrics,
+    /// Checkpoints are made here (the stores' file system: hard links).
+    scratch: PathBuf,
+    /// The shard topic (the snapshots' namespace).
+    topic: String,
+    every_records: i64,
+    interval: Duration,
+    keep: usize,
+    /// Per shard: the offset and time of its newest snapshot (`None`: it has none).
+    last: HashMap<u32, Option<(i64, Instant)>>,
+}
+
+impl Snapshotter {
+    fn new(snapshots: SnapshotStore, config: &TallyConfig, shards: Arc<Shards>, metrics: Metrics) -> Self {
+        Self {
+            snapshots,
+            shards,
+            metrics,
+            scratch: config.counter.data_dir.join(".checkpoints"),
+            topic: TopicNames::new(&config.kafka.topic_prefix).shards(),
+            every_records: config.snapshots.every_records.max(1),
+            interval: Duration::from_millis(config.snapshots.interval_ms),
+            keep: config.snapshots.keep,
+            last: HashMap::new(),
+        }
+    }
+
+    fn run(mut self) -> impl FnMut() + Send + 'static {
+        move || {
+            for shard in self.shards.serving() {
+                if let Err(err) = self.consider(shard) {
+                    self.metrics.snapshot_failures.inc();
+                    tracing::warn!(shard, error = %err, "taking a snapshot; trying again later");
+                }
+            }
+        }
+    }
+
+    fn consider(&mut self, shard: u32) -> Result<()> {
+        let Some(store) = self.shards.get(shard) else { return Ok(()) };
+        let Some(next) = store.progress().next_offset else { return Ok(()) };
+        let name = snapshot_name(&self.topic, shard);
+        if !self.last.contains_key(&shard) {
+            // First sight: the newest stored snapshot counts as just taken.
+            let newest = self.snapshots.latest(&name)?.map(|m| (m.next_offset.unwrap_or(0), Instant::now()));
+            self.last.insert(shard, newest);
+        }
+        let due = match self.last.get(&shard).copied().flatten() {
+            None => true,
+            Some((offset, at)) => {
+                next - offset >= self.every_records || (next > offset && at.elapsed() >= self.interval)
+            }
+        };
+        if !due {
+            return Ok(());
+        }
+        std::fs::create_dir_all(&self.scratch)?;
+        let manifest = self.snapshots.take(&store.store, &name, &self.scratch)?;
+        self.snapshots.prune(&name, self.keep)?;
+        self.metrics.snapshots_taken.inc();
+        tracing::info!(shard, snapshot = %manifest.id, next_offset = ?manifest.next_offset, bytes = manifest.bytes(), "shard snapshot stored");
+        self.last.insert(shard, Some((manifest.next_offset.unwrap_or(0), Instant::now())));
+        Ok(())
     }
 }

@@ -56,7 +56,14 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         }
     });
 
-    let setup = consumer::ConsumerSetup { config, shards, metrics, readiness, shard_count, read_addr };
+    let snapshots = match config.snapshots.enabled {
+        true => Some(tally_shared::snapshot::SnapshotStore::local(
+            &config.snapshots.dir,
+            tokio::runtime::Handle::current(),
+        )?),
+        false => None,
+    };
+    let setup = consumer::ConsumerSetup { snapshots, config, shards, metrics, readiness, shard_count, read_addr };
     let consumer_shutdown = shutdown.clone();
     let result = tokio::task::spawn_blocking(move || consumer::run(setup, consumer_shutdown))
         .await

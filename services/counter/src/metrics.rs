@@ -16,6 +16,10 @@ pub struct Metrics {
     /// Records an operator skipped (`tally shards skip`), sent to the dead-letter topic.
     pub skipped_records: IntCounter,
     pub consumer_lag: IntGaugeVec,
+    /// Shards restored from a snapshot instead of replaying their whole log.
+    pub restored_shards: IntCounter,
+    pub snapshots_taken: IntCounter,
+    pub snapshot_failures: IntCounter,
     pub owned_shards: IntGauge,
     pub reads: IntCounter,
     pub rollups_published: IntCounter,
@@ -73,6 +77,20 @@ impl Metrics {
                     "Shard records an operator skipped to the dead-letter topic",
                 )
                 .expect("valid metric"),
+            ),
+            restored_shards: register(
+                registry,
+                IntCounter::new("tally_counter_restored_shards_total", "Shards restored from a snapshot")
+                    .expect("valid metric"),
+            ),
+            snapshots_taken: register(
+                registry,
+                IntCounter::new("tally_counter_snapshots_total", "Shard snapshots stored").expect("valid metric"),
+            ),
+            snapshot_failures: register(
+                registry,
+                IntCounter::new("tally_counter_snapshot_failures_total", "Shard snapshots that failed (tried again)")
+                    .expect("valid metric"),
             ),
             consumer_lag: register(
                 registry,

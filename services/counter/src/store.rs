@@ -215,11 +215,11 @@ impl ShardStore {
         })
     }
 
-    /// Holds back serving until the store reached `end`, when it was built from
-    /// scratch (no progress yet): a rebuild from the log. Persisted, so a counter
+    /// Holds back serving until the store reached `end`: called when it was built
+    /// from scratch or restored from a snapshot, a rebuild from the log. Persisted, so a counter
     /// restarted mid-rebuild still waits.
     pub fn rebuild_until(&self, end: i64) -> Result<()> {
-        if self.progress().next_offset.is_none() && end > 0 {
+        if self.progress().next_offset.is_none_or(|next| next < end) && end > 0 {
             self.store.put_meta(KEY_REBUILD_UNTIL, &tally_core::format::i64_value(end))?;
             self.rebuild_until.store(end, Ordering::Relaxed);
         }
@@ -285,11 +285,13 @@ mod tests {
         assert!(!store.serving(), "restarted mid-rebuild: still 2 of 3");
         store.commit(WriteBatch::default(), Progress { next_offset: Some(3), ..Default::default() }).unwrap();
         assert!(store.serving());
-        // A store with data of its own serves at once (it is behind, not partial).
+        // A restored store (data of its own, older than the log) waits too.
         drop(store);
         let store = ShardStore::open(0, dir.path(), options()).unwrap();
         store.rebuild_until(10).unwrap();
-        assert!(store.serving());
+        assert!(!store.serving(), "3 of 10");
+        store.rebuild_until(2).unwrap();
+        assert!(!store.serving(), "an older end does not lift the wait");
     }
 
     #[test]

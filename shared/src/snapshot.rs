@@ -1,0 +1,260 @@
+//! Snapshots of a processor's store, so a shard that moves or loses its disk
+//! restores its state and replays only the log after it, instead of the whole log.
+//!
+//! A snapshot is a RocksDB checkpoint ([`Store::checkpoint`]: taken under the commit
+//! lock, so it holds exactly the state, progress, outbox and marks of one committed
+//! offset) uploaded file by file to a snapshot store — an [`ObjectStore`]: a local
+//! directory by default — under `<name>/<id>/`, with its [`Manifest`] written last:
+//! a snapshot without a manifest is incomplete and never restored. Ids sort by the
+//! offset the snapshot is consistent with, so the newest is the last.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use futures::StreamExt;
+use object_store::local::LocalFileSystem;
+use object_store::path::Path as ObjectPath;
+use object_store::ObjectStore;
+use serde::{Deserialize, Serialize};
+use tally_core::format::{check_json_version, JSON_V1};
+
+use crate::kafka::now_ms;
+use crate::store::Store;
+use crate::{Error, Result};
+
+/// The name of the manifest in a snapshot's directory.
+const MANIFEST: &str = "MANIFEST.json";
+
+/// What a snapshot holds: its files and the offset it is consistent with.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Format version ([`JSON_V1`]).
+    pub v: u32,
+    /// Whose store: `shard-0003`, `graph`.
+    pub name: String,
+    pub id: String,
+    /// The next input offset of the snapshot's progress: the log is replayed from
+    /// here after a restore. `None`: the store had applied nothing.
+    pub next_offset: Option<i64>,
+    pub created_ms: i64,
+    pub files: Vec<SnapshotFile>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotFile {
+    pub name: String,
+    pub bytes: u64,
+}
+
+impl Manifest {
+    /// The bytes of every file.
+    pub fn bytes(&self) -> u64 {
+        self.files.iter().map(|f| f.bytes).sum()
+    }
+
+    fn decode(bytes: &[u8]) -> Result<Self> {
+        let manifest: Self =
+            serde_json::from_slice(bytes).map_err(|err| Error::corrupt(format!("snapshot manifest: {err}")))?;
+        check_json_version(manifest.v, JSON_V1, "snapshot manifest")?;
+        Ok(manifest)
+    }
+}
+
+/// Where snapshots are kept. Blocking calls: for the processors' plain threads, on
+/// the runtime whose handle it was made with.
+#[derive(Clone)]
+pub struct SnapshotStore {
+    objects: Arc<dyn ObjectStore>,
+    runtime: tokio::runtime::Handle,
+}
+
+fn objects_error(err: object_store::Error) -> Error {
+    Error::Snapshot(err.to_string())
+}
+
+impl SnapshotStore {
+    /// A snapshot store in the local directory `dir` (created when missing).
+    pub fn local(dir: &Path, runtime: tokio::runtime::Handle) -> Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let objects = LocalFileSystem::new_with_prefix(dir).map_err(objects_error)?;
+        Ok(Self { objects: Arc::new(objects), runtime })
+    }
+
+    /// Snapshots `store` as `name`: a checkpoint in `scratch` (a directory on the
+    /// store's file system, removed afterwards), uploaded, the manifest last.
+    pub fn take(&self, store: &Store, name: &str, scratch: &Path) -> Result<Manifest> {
+        let checkpoint = scratch.join(format!("{}-{}", name.replace('/', "_"), now_ms()));
+        let taken = self.take_from(store, name, &checkpoint);
+        let _ = std::fs::remove_dir_all(&checkpoint);
+        taken
+    }
+
+    fn take_from(&self, store: &Store, name: &str, checkpoint: &Path) -> Result<Manifest> {
+        let progress = store.checkpoint(checkpoint)?;
+        let created_ms = now_ms();
+        let id = format!("{:020}-{created_ms}", progress.next_offset.unwrap_or(0).max(0));
+        let mut files = Vec::new();
+        let mut entries: Vec<PathBuf> =
+            std::fs::read_dir(checkpoint)?.map(|entry| entry.map(|e| e.path())).collect::<std::io::Result<_>>()?;
+        entries.sort();
+        for path in entries {
+            let file = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .map(str::to_string)
+                .ok_or_else(|| Error::Snapshot(format!("{}: not a file name", path.display())))?;
+            let bytes = std::fs::read(&path)?;
+            files.push(SnapshotFile { name: file.clone(), bytes: bytes.len() as u64 });
+            let location = ObjectPath::from(format!("{name}/{id}/{file}"));
+            self.runtime.block_on(self.objects.put(&location, bytes.into())).map_err(objects_error)?;
+        }
+        let manifest = Manifest {
+            v: JSON_V1,
+            name: name.to_string(),
+            id: id.clone(),
+            next_offset: progress.next_offset,
+            created_ms,
+            files,
+        };
+        let body = serde_json::to_vec(&manifest).map_err(|err| Error::Snapshot(err.to_string()))?;
+        let location = ObjectPath::from(format!("{name}/{id}/{MANIFEST}"));
+        self.runtime.block_on(self.objects.put(&location, body.into())).map_err(objects_error)?;
+        Ok(manifest)
+    }
+
+    /// The complete snapshots of `name`, oldest first.
+    pub fn list(&self, name: &str) -> Result<Vec<Manifest>> {
+        self.runtime.block_on(async {
+            let prefix = ObjectPath::from(name);
+            let listed = self.objects.list_with_delimiter(Some(&prefix)).await.map_err(objects_error)?;
+            let mut manifests = Vec::new();
+            for dir in listed.common_prefixes {
+                let location = dir.child(MANIFEST);
+                match self.objects.get(&location).await {
+                    Ok(got) => manifests.push(Manifest::decode(&got.bytes().await.map_err(objects_error)?)?),
+                    // Being uploaded, or abandoned half way: not a snapshot.
+                    Err(object_store::Error::NotFound { .. }) => {}
+                    Err(err) => return Err(objects_error(err)),
+                }
+            }
+            manifests.sort_by(|a, b| a.id.cmp(&b.id));
+            Ok(manifests)
+        })
+    }
+
+    /// The newest complete snapshot of `name`.
+    pub fn latest(&self, name: &str) -> Result<Option<Manifest>> {
+        Ok(self.list(name)?.pop())
+    }
+
+    /// Downloads `manifest`'s files into `dir`, which must not exist yet; a store
+    /// opened there is the snapshot's. Each file's size is checked.
+    pub fn restore(&self, manifest: &Manifest, dir: &Path) -> Result<()> {
+        if dir.exists() {
+            return Err(Error::Snapshot(format!("{}: restore needs a directory that does not exist", dir.display())));
+        }
+        let partial = dir.with_extension("restoring");
+        let _ = std::fs::remove_dir_all(&partial);
+        std::fs::create_dir_all(&partial)?;
+        for file in &manifest.files {
+            let location = ObjectPath::from(format!("{}/{}/{}", manifest.name, manifest.id, file.name));
+            let bytes = self.runtime.block_on(async { self.objects.get(&location).await?.bytes().await });
+            let bytes = bytes.map_err(objects_error)?;
+            if bytes.len() as u64 != file.bytes {
+                return Err(Error::corrupt(format!(
+                    "snapshot {}/{}: {} is {} bytes, the manifest says {}",
+                    manifest.name,
+                    manifest.id,
+                    file.name,
+                    bytes.len(),
+                    file.bytes
+                )));
+            }
+            std::fs::write(partial.join(&file.name), &bytes)?;
+        }
+        // Whole or not at all: a crash mid-download leaves only the `.restoring` dir.
+        std::fs::rename(&partial, dir)?;
+        Ok(())
+    }
+
+    /// Deletes all but the newest `keep` snapshots of `name` (at least one stays);
+    /// returns how many were deleted.
+    pub fn prune(&self, name: &str, keep: usize) -> Result<usize> {
+        let manifests = self.list(name)?;
+        let stale = manifests.len().saturating_sub(keep.max(1));
+        for manifest in &manifests[..stale] {
+            self.runtime
+                .block_on(async {
+                    // The manifest first: a snapshot half deleted is no longer listed.
+                    let dir = ObjectPath::from(format!("{}/{}", manifest.name, manifest.id));
+                    self.objects.delete(&dir.child(MANIFEST)).await?;
+                    let mut files = self.objects.list(Some(&dir));
+                    while let Some(meta) = files.next().await {
+                        self.objects.delete(&meta?.location).await?;
+                    }
+                    Ok::<_, object_store::Error>(())
+                })
+                .map_err(objects_error)?;
+        }
+        Ok(stale)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rocksdb::{ColumnFamilyDescriptor, Options, WriteBatch};
+
+    use super::*;
+    use crate::progress::Progress;
+
+    fn open(path: &Path) -> Store {
+        let families = vec![ColumnFamilyDescriptor::new("state", Options::default())];
+        Store::open(path, Options::default(), families, false).unwrap()
+    }
+
+    fn commit(store: &Store, key: &[u8], next_offset: i64) {
+        let mut batch = WriteBatch::default();
+        batch.put_cf(store.cf("state").unwrap(), key, b"v");
+        store.commit(batch, Progress { next_offset: Some(next_offset), ..Default::default() }).unwrap();
+    }
+
+    #[test]
+    fn a_restored_snapshot_is_the_store_at_its_offset_and_old_ones_are_pruned() {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let snapshots = SnapshotStore::local(&dir.path().join("snapshots"), runtime.handle().clone()).unwrap();
+        let store = open(&dir.path().join("store"));
+        assert_eq!(snapshots.latest("t.shards/shard-0001").unwrap(), None);
+        commit(&store, b"a", 10);
+        let first = snapshots.take(&store, "t.shards/shard-0001", dir.path()).unwrap();
+        commit(&store, b"b", 20);
+        let second = snapshots.take(&store, "t.shards/shard-0001", dir.path()).unwrap();
+        commit(&store, b"c", 30);
+        assert_eq!((first.next_offset, second.next_offset), (Some(10), Some(20)));
+        assert_eq!(snapshots.list("t.shards/shard-0001").unwrap(), vec![first.clone(), second.clone()]);
+        // An upload cut short (no manifest) is not a snapshot.
+        let runtime_handle = runtime.handle();
+        runtime_handle
+            .block_on(
+                snapshots.objects.put(
+                    &ObjectPath::from("t.shards/shard-0001/99999999999999999999-1/000001.sst"),
+                    b"x".to_vec().into(),
+                ),
+            )
+            .unwrap();
+        assert_eq!(snapshots.latest("t.shards/shard-0001").unwrap(), Some(second.clone()));
+
+        let restored_dir = dir.path().join("restored");
+        snapshots.restore(&second, &restored_dir).unwrap();
+        let restored = open(&restored_dir);
+        assert_eq!(restored.progress().next_offset, Some(20));
+        let state = restored.cf("state").unwrap();
+        let keys: Vec<bool> =
+            [&b"a"[..], b"b", b"c"].iter().map(|k| restored.db().get_cf(state, k).unwrap().is_some()).collect();
+        assert_eq!(keys, vec![true, true, false], "the state of offset 20, not later");
+        assert!(snapshots.restore(&second, &restored_dir).is_err(), "never over an existing store");
+
+        assert_eq!(snapshots.prune("t.shards/shard-0001", 1).unwrap(), 1);
+        assert_eq!(snapshots.list("t.shards/shard-0001").unwrap(), vec![second]);
+    }
+}
