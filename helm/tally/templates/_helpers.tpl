@@ -210,6 +210,10 @@ tally.toml: |
   read_listen = "0.0.0.0:7000"
   data_dir = "/var/lib/tally/counter"
 
+  [snapshots]
+  # On each counter pod's own volume (it survives restarts and rescheduling).
+  dir = "/var/lib/tally/counter/snapshots"
+
   [graph]
   admin_listen = "0.0.0.0:9104"
   read_listen = "0.0.0.0:7001"
