@@ -74,13 +74,20 @@ async fn kill9_and_lost_disk_of_graph_and_kill9_of_counter_mid_workload_count_ex
                 sandbox.kill9("tally-graph");
                 sandbox.spawn("tally-graph");
             }
+            2 => {
+                // A lost disk, no snapshots: the graph rebuilds from the whole log
+                // and emits the same stamps, which the counters drop.
+                sandbox.kill9("tally-graph");
+                sandbox.wipe_graph_data();
+                sandbox.spawn_instance("tally-graph", "tally-graph", &[("TALLY__SNAPSHOTS__ENABLED", "false".into())]);
+            }
             3 => {
                 sandbox.kill9("tally-counter");
                 sandbox.spawn("tally-counter");
             }
             4 => {
-                // A lost disk: the graph rebuilds from graph-updates and emits the
-                // same stamps, which the counters drop.
+                // A lost disk again: the graph restores its newest snapshot and
+                // replays the log after it.
                 sandbox.kill9("tally-graph");
                 sandbox.wipe_graph_data();
                 sandbox.spawn("tally-graph");
@@ -97,4 +104,6 @@ async fn kill9_and_lost_disk_of_graph_and_kill9_of_counter_mid_workload_count_ex
     let (model, entities, metrics) = (&workload.model, &workload.entities, &workload.metrics);
     check::wait_for_all_time(&sandbox, model, entities, metrics, Duration::from_secs(240)).await;
     check::windows(&sandbox, model, entities, metrics).await;
+    let log = sandbox.log("tally-graph");
+    assert!(log.contains("restored from a snapshot"), "the second lost disk was restored from a snapshot:\n{log}");
 }

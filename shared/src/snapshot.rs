@@ -8,8 +8,10 @@
 //! a snapshot without a manifest is incomplete and never restored. Ids sort by the
 //! offset the snapshot is consistent with, so the newest is the last.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use object_store::local::LocalFileSystem;
@@ -18,6 +20,7 @@ use object_store::ObjectStore;
 use serde::{Deserialize, Serialize};
 use tally_core::format::{check_json_version, JSON_V1};
 
+use crate::config::SnapshotsConfig;
 use crate::kafka::now_ms;
 use crate::store::Store;
 use crate::{Error, Result};
@@ -197,6 +200,67 @@ impl SnapshotStore {
                 .map_err(objects_error)?;
         }
         Ok(stale)
+    }
+}
+
+/// Decides when a store is snapshot: once it applied `every_records` records since
+/// its last snapshot, or `interval` after it if it applied any; at once when it has
+/// none. Remembers, per name, the newest snapshot (read from the store at first sight).
+pub struct Snapshotter {
+    snapshots: SnapshotStore,
+    /// Checkpoints are made here (the stores' file system: hard links).
+    scratch: PathBuf,
+    every_records: i64,
+    interval: Duration,
+    keep: usize,
+    last: HashMap<String, Option<(i64, Instant)>>,
+}
+
+impl Snapshotter {
+    pub fn new(snapshots: SnapshotStore, config: &SnapshotsConfig, scratch: PathBuf) -> Self {
+        Self {
+            snapshots,
+            scratch,
+            every_records: config.every_records.max(1),
+            interval: Duration::from_millis(config.interval_ms),
+            keep: config.keep,
+            last: HashMap::new(),
+        }
+    }
+
+    /// Snapshots `store` as `name` if it is due (then prunes old ones); the new
+    /// snapshot, if one was taken.
+    pub fn consider(&mut self, name: &str, store: &Store) -> Result<Option<Manifest>> {
+        let Some(next) = store.progress().next_offset else { return Ok(None) };
+        if !self.last.contains_key(name) {
+            let newest = self.snapshots.latest(name)?.map(|m| (m.next_offset.unwrap_or(0), Instant::now()));
+            self.last.insert(name.to_string(), newest);
+        }
+        let due = match self.last.get(name).copied().flatten() {
+            None => true,
+            Some((offset, at)) => {
+                next - offset >= self.every_records || (next > offset && at.elapsed() >= self.interval)
+            }
+        };
+        if !due {
+            return Ok(None);
+        }
+        std::fs::create_dir_all(&self.scratch)?;
+        let manifest = self.snapshots.take(store, name, &self.scratch)?;
+        self.snapshots.prune(name, self.keep)?;
+        tracing::info!(snapshot = %manifest.name, id = %manifest.id, next_offset = ?manifest.next_offset, bytes = manifest.bytes(), "snapshot stored");
+        self.last.insert(name.to_string(), Some((manifest.next_offset.unwrap_or(0), Instant::now())));
+        Ok(Some(manifest))
+    }
+
+    /// Restores the newest snapshot of `name` into `dir` (where no store is);
+    /// the snapshot restored, if there was one.
+    pub fn restore_latest(snapshots: &SnapshotStore, name: &str, dir: &Path) -> Result<Option<Manifest>> {
+        let Some(manifest) = snapshots.latest(name)? else { return Ok(None) };
+        let started = Instant::now();
+        snapshots.restore(&manifest, dir)?;
+        tracing::info!(snapshot = %manifest.name, id = %manifest.id, next_offset = ?manifest.next_offset, bytes = manifest.bytes(), seconds = started.elapsed().as_secs_f64(), "restored from a snapshot; replaying the log after it");
+        Ok(Some(manifest))
     }
 }
 

@@ -25,7 +25,7 @@ use tally_shared::consume::{drive, spawn_lag_reporter, BatchLimits, LoopSetup, P
 use tally_shared::failures::{Failure, FailureBoard};
 use tally_shared::kafka::{client_config, now_ms, TopicNames};
 use tally_shared::outbox::Relay;
-use tally_shared::snapshot::SnapshotStore;
+use tally_shared::snapshot::{SnapshotStore, Snapshotter};
 use tally_shared::telemetry::Readiness;
 use tokio_util::sync::CancellationToken;
 
@@ -92,12 +92,11 @@ impl CounterContext {
     /// Restores the newest snapshot of `shard` into `path` (where no store is);
     /// whether there was one.
     fn restore(&self, snapshots: &SnapshotStore, shard: u32, path: &std::path::Path) -> Result<bool> {
-        let Some(manifest) = snapshots.latest(&snapshot_name(&self.topic, shard))? else { return Ok(false) };
-        let started = Instant::now();
-        snapshots.restore(&manifest, path)?;
-        self.metrics.restored_shards.inc();
-        tracing::info!(shard, snapshot = %manifest.id, next_offset = ?manifest.next_offset, bytes = manifest.bytes(), seconds = started.elapsed().as_secs_f64(), "restored the shard from a snapshot; replaying the log after it");
-        Ok(true)
+        let restored = Snapshotter::restore_latest(snapshots, &snapshot_name(&self.topic, shard), path)?;
+        if restored.is_some() {
+            self.metrics.restored_shards.inc();
+        }
+        Ok(restored.is_some())
     }
 
     /// Opens the stores of the partitions in `tpl`, positions each at its store's
@@ -239,11 +238,10 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     )?;
     let mut threads = vec![("lag reporter", lag_reporter)];
     if let Some(snapshots) = snapshots {
-        let snapshotter = Snapshotter::new(snapshots, &config, shards.clone(), metrics.clone());
-        threads.push((
-            "snapshots",
-            tally_shared::shutdown::every("counter-snapshots", SNAPSHOT_CHECK, shutdown.clone(), snapshotter.run())?,
-        ));
+        let snapshotter = ShardSnapshots::new(snapshots, &config, shards.clone(), metrics.clone());
+        let every =
+            tally_shared::shutdown::every("counter-snapshots", SNAPSHOT_CHECK, shutdown.clone(), snapshotter.run());
+        threads.push(("snapshots", every?));
     }
     let setup = LoopSetup {
         topic: &shard_topic,
@@ -562,75 +560,37 @@ fn snapshot_name(topic: &str, shard: u32) -> String {
 /// How often the snapshotter looks at the shards.
 const SNAPSHOT_CHECK: Duration = Duration::from_secs(2);
 
-/// Snapshots each serving shard once it applied `every_records` records since its
-/// last snapshot, or `interval` after it if it applied any; at once when it has none.
-/// On a thread of its own: the checkpoint is taken under the store's commit lock
-/// (moments), the upload runs beside the consumer.
-struct Snapshotter {
-    snapshots: SnapshotStore,
+/// Snapshots the serving shards when due ([`Snapshotter`]), on a thread of its own:
+/// the checkpoint is taken under the store's commit lock (moments), the upload runs
+/// beside the consumer.
+struct ShardSnapshots {
+    snapshotter: Snapshotter,
     shards: Arc<Shards>,
     metrics: Metrics,
-    /// Checkpoints are made here (the stores' file system: hard links).
-    scratch: PathBuf,
     /// The shard topic (the snapshots' namespace).
     topic: String,
-    every_records: i64,
-    interval: Duration,
-    keep: usize,
-    /// Per shard: the offset and time of its newest snapshot (`None`: it has none).
-    last: HashMap<u32, Option<(i64, Instant)>>,
 }
 
-impl Snapshotter {
+impl ShardSnapshots {
     fn new(snapshots: SnapshotStore, config: &TallyConfig, shards: Arc<Shards>, metrics: Metrics) -> Self {
-        Self {
-            snapshots,
-            shards,
-            metrics,
-            scratch: config.counter.data_dir.join(".checkpoints"),
-            topic: TopicNames::new(&config.kafka.topic_prefix).shards(),
-            every_records: config.snapshots.every_records.max(1),
-            interval: Duration::from_millis(config.snapshots.interval_ms),
-            keep: config.snapshots.keep,
-            last: HashMap::new(),
-        }
+        let scratch = config.counter.data_dir.join(".checkpoints");
+        let snapshotter = Snapshotter::new(snapshots, &config.snapshots, scratch);
+        Self { snapshotter, shards, metrics, topic: TopicNames::new(&config.kafka.topic_prefix).shards() }
     }
 
     fn run(mut self) -> impl FnMut() + Send + 'static {
         move || {
             for shard in self.shards.serving() {
-                if let Err(err) = self.consider(shard) {
-                    self.metrics.snapshot_failures.inc();
-                    tracing::warn!(shard, error = %err, "taking a snapshot; trying again later");
+                let Some(store) = self.shards.get(shard) else { continue };
+                match self.snapshotter.consider(&snapshot_name(&self.topic, shard), &store.store) {
+                    Ok(Some(_)) => self.metrics.snapshots_taken.inc(),
+                    Ok(None) => {}
+                    Err(err) => {
+                        self.metrics.snapshot_failures.inc();
+                        tracing::warn!(shard, error = %err, "taking a snapshot; trying again later");
+                    }
                 }
             }
         }
-    }
-
-    fn consider(&mut self, shard: u32) -> Result<()> {
-        let Some(store) = self.shards.get(shard) else { return Ok(()) };
-        let Some(next) = store.progress().next_offset else { return Ok(()) };
-        let name = snapshot_name(&self.topic, shard);
-        if !self.last.contains_key(&shard) {
-            // First sight: the newest stored snapshot counts as just taken.
-            let newest = self.snapshots.latest(&name)?.map(|m| (m.next_offset.unwrap_or(0), Instant::now()));
-            self.last.insert(shard, newest);
-        }
-        let due = match self.last.get(&shard).copied().flatten() {
-            None => true,
-            Some((offset, at)) => {
-                next - offset >= self.every_records || (next > offset && at.elapsed() >= self.interval)
-            }
-        };
-        if !due {
-            return Ok(());
-        }
-        std::fs::create_dir_all(&self.scratch)?;
-        let manifest = self.snapshots.take(&store.store, &name, &self.scratch)?;
-        self.snapshots.prune(&name, self.keep)?;
-        self.metrics.snapshots_taken.inc();
-        tracing::info!(shard, snapshot = %manifest.id, next_offset = ?manifest.next_offset, bytes = manifest.bytes(), "shard snapshot stored");
-        self.last.insert(shard, Some((manifest.next_offset.unwrap_or(0), Instant::now())));
-        Ok(())
     }
 }

@@ -22,6 +22,7 @@ use prometheus::Registry;
 use tally_shared::config::TallyConfig;
 use tally_shared::failures::FailureBoard;
 use tally_shared::kafka::{wait_for_topic, TopicNames};
+use tally_shared::snapshot::{SnapshotStore, Snapshotter};
 use tally_shared::telemetry::{serve_admin, Readiness};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -44,10 +45,26 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         record_budget: config.kafka.record_budget(),
     };
     let data_dir = config.graph.data_dir.clone();
+    let snapshots = match config.snapshots.enabled {
+        true => Some(SnapshotStore::local(&config.snapshots.dir, tokio::runtime::Handle::current())?),
+        false => None,
+    };
+    let snapshot_name = processor::snapshot_name(&names);
+    let restore_from = snapshots.clone();
+    let restored_metric = metrics.restored.clone();
     let store = Arc::new(
-        tokio::task::spawn_blocking(move || store::GraphStore::open(&data_dir, options))
-            .await
-            .map_err(|err| Error::Processor(err.to_string()))??,
+        tokio::task::spawn_blocking(move || {
+            // A graph without a store (a new disk) restores the newest snapshot
+            // and replays the log after it.
+            if let Some(snapshots) = restore_from.filter(|_| !data_dir.exists()) {
+                if Snapshotter::restore_latest(&snapshots, &snapshot_name, &data_dir)?.is_some() {
+                    restored_metric.inc();
+                }
+            }
+            store::GraphStore::open(&data_dir, options)
+        })
+        .await
+        .map_err(|err| Error::Processor(err.to_string()))??,
     );
 
     let listener = TcpListener::bind(&config.graph.read_listen).await?;
@@ -63,7 +80,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         }
     });
 
-    let setup = processor::ProcessorSetup { config, store, failures, metrics, readiness, read_addr };
+    let setup = processor::ProcessorSetup { config, store, failures, metrics, readiness, read_addr, snapshots };
     let processor_shutdown = shutdown.clone();
     let result = tokio::task::spawn_blocking(move || processor::run(setup, processor_shutdown))
         .await

@@ -13,6 +13,10 @@ pub struct Metrics {
     pub consumer_lag: IntGauge,
     /// 1 while the graph-updates partition is stopped by a failure.
     pub failed: IntGauge,
+    /// Restores of the graph's store from a snapshot.
+    pub restored: IntCounter,
+    pub snapshots_taken: IntCounter,
+    pub snapshot_failures: IntCounter,
     pub skipped_records: IntCounter,
 }
 
@@ -29,6 +33,9 @@ impl Metrics {
                 )
                 .expect("valid metric"),
             ),
+            restored: counter("tally_graph_restored_total", "Restores of the graph's store from a snapshot"),
+            snapshots_taken: counter("tally_graph_snapshots_total", "Snapshots of the graph's store stored"),
+            snapshot_failures: counter("tally_graph_snapshot_failures_total", "Snapshots that failed (tried again)"),
             skipped_records: counter(
                 "tally_graph_skipped_records_total",
                 "Graph-updates records an operator skipped to the dead-letter topic",

@@ -22,6 +22,7 @@ use tally_shared::config::TallyConfig;
 use tally_shared::consume::{drive, spawn_lag_reporter, BatchLimits, LoopSetup, Polled, Processor};
 use tally_shared::kafka::{client_config, now_ms, TopicNames};
 use tally_shared::outbox::Relay;
+use tally_shared::snapshot::{SnapshotStore, Snapshotter};
 use tally_shared::telemetry::Readiness;
 use tokio_util::sync::CancellationToken;
 
@@ -38,11 +39,18 @@ pub struct ProcessorSetup {
     pub metrics: Metrics,
     pub readiness: Readiness,
     pub read_addr: String,
+    /// Where the graph's snapshots are kept (`None`: snapshots off).
+    pub snapshots: Option<SnapshotStore>,
+}
+
+/// The name of the graph's snapshots: under its log's name.
+pub fn snapshot_name(names: &TopicNames) -> String {
+    format!("{}/graph", names.graph_updates())
 }
 
 /// Runs until `shutdown`; the batch in hand is persisted and relayed first.
 pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
-    let ProcessorSetup { config, store, failures, metrics, readiness, read_addr } = setup;
+    let ProcessorSetup { config, store, failures, metrics, readiness, read_addr, snapshots } = setup;
     let names = TopicNames::new(&config.kafka.topic_prefix);
     let input = names.graph_updates();
     let mut consumer_config = client_config(&config.kafka)?;
@@ -92,15 +100,37 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
         announcer: Announcer::new(&config.kafka, names.shard_owners(), read_addr)?,
         relay: Relay::new(&config.kafka, names.shards())?,
         start_end,
-        lag_reporter,
+        threads: vec![("lag reporter", lag_reporter)],
         shutdown: shutdown.clone(),
     };
+    if let Some(snapshots) = snapshots {
+        // On a thread of its own: the checkpoint takes the commit lock for moments,
+        // the upload runs beside the batches.
+        let scratch = config.graph.data_dir.with_extension("checkpoints");
+        let mut snapshotter = Snapshotter::new(snapshots, &config.snapshots, scratch);
+        let (name, snapshot_store, snapshot_metrics) =
+            (snapshot_name(&names), store.clone(), processor.metrics.clone());
+        let every =
+            tally_shared::shutdown::every("graph-snapshots", Duration::from_secs(2), shutdown.clone(), move || {
+                match snapshotter.consider(&name, snapshot_store.store()) {
+                    Ok(Some(_)) => snapshot_metrics.snapshots_taken.inc(),
+                    Ok(None) => {}
+                    Err(err) => {
+                        snapshot_metrics.snapshot_failures.inc();
+                        tracing::warn!(error = %err, "taking a snapshot of the graph; trying again later");
+                    }
+                }
+            })?;
+        processor.threads.push(("snapshots", every));
+    }
     let result = drive(&consumer, &setup, &mut processor, &shutdown);
     processor.readiness.set(false);
     relay_outbox(&store, &processor.relay, &processor.metrics);
     processor.announcer.release(&[ShardOwner::GRAPH]);
-    if processor.lag_reporter.join().is_err() {
-        tracing::error!("the lag reporter panicked");
+    for (name, thread) in processor.threads.drain(..) {
+        if thread.join().is_err() {
+            tracing::error!(thread = name, "a graph thread panicked");
+        }
     }
     tracing::info!("graph processor stopped: batch persisted and relayed");
     result
@@ -118,8 +148,8 @@ struct GraphProcessor {
     relay: Relay,
     /// The end of the log at start: not ready before it applied that much.
     start_end: i64,
-    /// Watched: its end before shutdown (a panic) stops the processor.
-    lag_reporter: std::thread::JoinHandle<()>,
+    /// Watched: one that ends before shutdown (a panic) stops the processor.
+    threads: Vec<(&'static str, std::thread::JoinHandle<()>)>,
     shutdown: CancellationToken,
 }
 
@@ -174,8 +204,10 @@ impl Processor<DefaultConsumerContext> for GraphProcessor {
         self.metrics.failed.set(self.failures.failed().len() as i64);
         self.readiness.set_failures(self.failures.descriptions());
         if heartbeat {
-            if self.lag_reporter.is_finished() && !self.shutdown.is_cancelled() {
-                return Err(Error::Processor("the lag reporter thread stopped unexpectedly".into()));
+            if let Some((name, _)) = self.threads.iter().find(|(_, thread)| thread.is_finished()) {
+                if !self.shutdown.is_cancelled() {
+                    return Err(Error::Processor(format!("the {name} thread stopped unexpectedly")));
+                }
             }
             self.announcer.announce(&[ShardOwner::GRAPH], false);
             // Ready once it caught up with the log it found at start (and while

@@ -111,6 +111,11 @@ impl GraphStore {
         Ok(self.store.skip_record(offset)?)
     }
 
+    /// The database and its progress (for snapshots).
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
     /// A copy of the committed progress.
     pub fn progress(&self) -> Progress {
         self.store.progress()
