@@ -165,6 +165,16 @@ enum BenchCommand {
         #[arg(long, default_value_t = 8)]
         shards: u32,
     },
+    /// Time for a shard that lost its disk to serve again: restored from a snapshot
+    /// (and the log after it) vs replaying its whole log, at several history sizes.
+    Restore {
+        /// Increments of history before the snapshot, comma-separated; one run each.
+        #[arg(long, value_delimiter = ',', default_values_t = [1_000_000usize, 10_000_000])]
+        history: Vec<usize>,
+        /// Increments after the snapshot (the tail a restore replays).
+        #[arg(long, default_value_t = 100_000)]
+        tail: usize,
+    },
     /// The counter apply path vs a per-event, no-coalescing baseline.
     Counter {
         #[arg(long, default_value_t = 5_000_000)]
@@ -252,6 +262,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
             bench_counter(options).await
         }
         Command::Bench { command: BenchCommand::Jobs(args) } => bench_jobs::run(config, args).await,
+        Command::Bench { command: BenchCommand::Restore { history, tail } } => bench_restore(history, tail).await,
         Command::Bench { command: BenchCommand::Graph { ancestors, bystanders, increments, shards } } => {
             bench_graph(tally_counter::bench_graph::GraphBenchOptions { ancestors, bystanders, increments, shards })
                 .await
@@ -389,6 +400,30 @@ async fn bench_graph(options: tally_counter::bench_graph::GraphBenchOptions) -> 
         ms(r.flat_seconds),
         r.hierarchy_seconds / r.flat_seconds.max(1e-9)
     );
+    Ok(())
+}
+
+async fn bench_restore(histories: Vec<usize>, tail: usize) -> anyhow::Result<()> {
+    let workload = tally_counter::bench::BenchOptions::default();
+    println!(
+        "restore bench: one shard's log of {histories:?} increments of history and {tail} after the snapshot, {} entities, Zipf s={}, {} increments/record; RocksDB and the snapshot store (a local directory) on disk",
+        workload.entities, workload.zipf_exponent, workload.increments_per_record
+    );
+    let options = tally_counter::bench_restore::RestoreBenchOptions { histories, tail, workload };
+    let dir = tempfile::Builder::new().prefix("tally-bench").tempdir_in(".")?;
+    let path = dir.path().to_path_buf();
+    let runtime = tokio::runtime::Handle::current();
+    let figures = tokio::task::spawn_blocking(move || tally_counter::bench_restore::run(&options, &path, runtime)).await??;
+    for f in figures {
+        println!(
+            "history {:>10}: replay {:>7.2} s   restore {:>6.2} s (snapshot {:.1} MB + tail)   {:.1}x",
+            f.history,
+            f.replay_seconds,
+            f.restore_seconds,
+            f.snapshot_bytes as f64 / 1e6,
+            f.ratio()
+        );
+    }
     Ok(())
 }
 

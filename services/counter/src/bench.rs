@@ -72,7 +72,7 @@ impl BenchReport {
 }
 
 /// Encoded shard records of a Zipf workload.
-fn workload(options: &BenchOptions, count: usize, now: i64, seed: u64) -> Vec<Vec<u8>> {
+pub(crate) fn workload(options: &BenchOptions, count: usize, now: i64, seed: u64) -> Vec<Vec<u8>> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut cumulative = Vec::with_capacity(options.entities);
     let mut sum = 0.0;
@@ -164,7 +164,7 @@ fn thread_cpu_seconds() -> f64 {
 
 /// Splits `records` the way the consumer does: a batch closes once it holds
 /// `max_bytes` of payload.
-fn batches_of(records: &[Vec<u8>], max_bytes: usize) -> impl Iterator<Item = &[Vec<u8>]> {
+pub(crate) fn batches_of(records: &[Vec<u8>], max_bytes: usize) -> impl Iterator<Item = &[Vec<u8>]> {
     let mut rest = records;
     std::iter::from_fn(move || {
         if rest.is_empty() {

@@ -12,6 +12,7 @@
 pub mod apply;
 pub mod bench;
 pub mod bench_graph;
+pub mod bench_restore;
 pub mod consumer;
 pub mod error;
 pub mod http;

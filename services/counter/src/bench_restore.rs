@@ -1,0 +1,100 @@
+//! `tally bench restore`: how long a shard that lost its disk takes until it can
+//! serve again — restored from its newest snapshot (download, open, replay the log
+//! after it) against replaying its whole log — at several sizes of history, in one
+//! run, on the same data.
+
+use std::path::Path;
+use std::time::Instant;
+
+use tally_shared::snapshot::{SnapshotStore, Snapshotter};
+
+use crate::apply::ShardRecord;
+use crate::bench::{batches_of, workload, BenchOptions};
+use crate::error::Result;
+use crate::store::{ShardStore, StoreOptions};
+
+/// The shape of the bench.
+#[derive(Debug, Clone)]
+pub struct RestoreBenchOptions {
+    /// Increments of history before the snapshot, one run each.
+    pub histories: Vec<usize>,
+    /// Increments after the snapshot: the tail a restore replays.
+    pub tail: usize,
+    /// The workload (entities, skew, packing, batch size).
+    pub workload: BenchOptions,
+}
+
+/// One history size's figures.
+#[derive(Debug, Clone)]
+pub struct RestoreFigures {
+    pub history: usize,
+    /// Seconds to rebuild the shard from its whole log (history and tail).
+    pub replay_seconds: f64,
+    /// Seconds to restore the snapshot, open it and replay the tail.
+    pub restore_seconds: f64,
+    pub snapshot_bytes: u64,
+}
+
+impl RestoreFigures {
+    pub fn ratio(&self) -> f64 {
+        self.replay_seconds / self.restore_seconds.max(f64::MIN_POSITIVE)
+    }
+}
+
+/// Applies `records` (shard-topic offsets from `first`) in the consumer's batches.
+fn apply_log(store: &ShardStore, records: &[Vec<u8>], first: i64, batch_max_bytes: usize, now: i64) -> Result<()> {
+    let mut offset = first;
+    for chunk in batches_of(records, batch_max_bytes) {
+        let batch: Vec<ShardRecord<'_>> = chunk
+            .iter()
+            .map(|payload| {
+                offset += 1;
+                ShardRecord { offset: offset - 1, payload, timestamp: None }
+            })
+            .collect();
+        store.apply(&batch, now, false)?;
+    }
+    Ok(())
+}
+
+/// Runs every history size in `dir` (a scratch directory), the snapshot store a
+/// local directory in it; `runtime` runs the snapshot store's I/O.
+pub fn run(
+    options: &RestoreBenchOptions,
+    dir: &Path,
+    runtime: tokio::runtime::Handle,
+) -> Result<Vec<RestoreFigures>> {
+    let snapshots = SnapshotStore::local(&dir.join("snapshots"), runtime)?;
+    let batch = options.workload.batch_max_bytes;
+    let mut figures = Vec::new();
+    for &history in &options.histories {
+        let now = tally_shared::kafka::now_ms();
+        let records = workload(&options.workload, history + options.tail, now, 11);
+        let split = history.div_ceil(options.workload.increments_per_record.max(1)).min(records.len());
+        let (log, tail) = records.split_at(split);
+
+        // The shard as it lived: its history applied, snapshot, then the tail —
+        // which is also what a replay of the whole log does, timed.
+        let name = format!("bench/shard-{history}");
+        let lived = ShardStore::open(0, &dir.join(format!("lived-{history}")), StoreOptions::default())?;
+        let started = Instant::now();
+        apply_log(&lived, log, 0, batch, now)?;
+        let replay_history = started.elapsed();
+        let manifest = snapshots.take(&lived.store, &name, dir)?;
+        let started = Instant::now();
+        apply_log(&lived, tail, split as i64, batch, now)?;
+        let replay_seconds = (replay_history + started.elapsed()).as_secs_f64();
+        drop(lived);
+
+        // The disk is lost: restore the newest snapshot, open it, replay the tail.
+        let restored_dir = dir.join(format!("restored-{history}"));
+        let started = Instant::now();
+        Snapshotter::restore_latest(&snapshots, &name, &restored_dir)?;
+        let restored = ShardStore::open(0, &restored_dir, StoreOptions::default())?;
+        let from = restored.progress().next_offset.unwrap_or(0);
+        apply_log(&restored, &records[from as usize..], from, batch, now)?;
+        let restore_seconds = started.elapsed().as_secs_f64();
+        figures.push(RestoreFigures { history, replay_seconds, restore_seconds, snapshot_bytes: manifest.bytes() });
+    }
+    Ok(figures)
+}
