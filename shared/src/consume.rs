@@ -84,6 +84,19 @@ pub fn poll_batch<C: ConsumerContext>(
     }
 }
 
+/// Why a store whose next offset is `next` (`None`: an empty store) cannot be
+/// brought up to date from a log that now starts at `log_start` — retention deleted
+/// records it never applied, and no snapshot covers them — or `None` when it can.
+/// Such a store must not serve: a rebuild from what is left would be partial.
+pub fn unreplayable(next: Option<i64>, log_start: i64) -> Option<String> {
+    let needed = next.unwrap_or(0);
+    (log_start > needed).then(|| {
+        format!(
+            "the log starts at offset {log_start}, but the store needs it from offset {needed}: retention deleted              records no snapshot covers, so a rebuild would be partial (restore a snapshot that reaches {log_start},              or rebuild the topic)"
+        )
+    })
+}
+
 /// Stops fetching `partitions` of `topic` (they failed). Their records already
 /// polled are dropped by the caller all the same.
 pub fn pause<C: ConsumerContext>(consumer: &BaseConsumer<C>, topic: &str, partitions: &[u32]) {
@@ -216,4 +229,19 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
         processor.turn(consumer, skipped, heartbeat)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_store_the_log_no_longer_reaches_cannot_be_replayed() {
+        assert_eq!(unreplayable(None, 0), None, "an empty store and a whole log");
+        assert_eq!(unreplayable(Some(500), 100), None, "a snapshot past the log's start");
+        assert_eq!(unreplayable(Some(500), 500), None);
+        let empty = unreplayable(None, 100).unwrap();
+        assert!(empty.contains("starts at offset 100") && empty.contains("from offset 0"), "{empty}");
+        assert!(unreplayable(Some(99), 100).is_some(), "a snapshot older than the log's start");
+    }
 }

@@ -413,7 +413,8 @@ async fn bench_restore(histories: Vec<usize>, tail: usize) -> anyhow::Result<()>
     let dir = tempfile::Builder::new().prefix("tally-bench").tempdir_in(".")?;
     let path = dir.path().to_path_buf();
     let runtime = tokio::runtime::Handle::current();
-    let figures = tokio::task::spawn_blocking(move || tally_counter::bench_restore::run(&options, &path, runtime)).await??;
+    let figures =
+        tokio::task::spawn_blocking(move || tally_counter::bench_restore::run(&options, &path, runtime)).await??;
     for f in figures {
         println!(
             "history {:>10}: replay {:>7.2} s   restore {:>6.2} s (snapshot {:.1} MB + tail)   {:.1}x",

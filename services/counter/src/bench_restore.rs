@@ -59,11 +59,7 @@ fn apply_log(store: &ShardStore, records: &[Vec<u8>], first: i64, batch_max_byte
 
 /// Runs every history size in `dir` (a scratch directory), the snapshot store a
 /// local directory in it; `runtime` runs the snapshot store's I/O.
-pub fn run(
-    options: &RestoreBenchOptions,
-    dir: &Path,
-    runtime: tokio::runtime::Handle,
-) -> Result<Vec<RestoreFigures>> {
+pub fn run(options: &RestoreBenchOptions, dir: &Path, runtime: tokio::runtime::Handle) -> Result<Vec<RestoreFigures>> {
     let snapshots = SnapshotStore::local(&dir.join("snapshots"), runtime)?;
     let batch = options.workload.batch_max_bytes;
     let mut figures = Vec::new();

@@ -21,7 +21,7 @@ use tally_core::time::Resolutions;
 use tally_core::wire::Rollup;
 use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
-use tally_shared::consume::{drive, spawn_lag_reporter, BatchLimits, LoopSetup, Polled, Processor};
+use tally_shared::consume::{drive, spawn_lag_reporter, unreplayable, BatchLimits, LoopSetup, Polled, Processor};
 use tally_shared::failures::{Failure, FailureBoard};
 use tally_shared::kafka::{client_config, now_ms, TopicNames};
 use tally_shared::outbox::Relay;
@@ -118,10 +118,14 @@ impl CounterContext {
                     continue;
                 }
             };
+            let (start, end) = consumer.fetch_watermarks(&topic, partition, Duration::from_secs(10))?;
+            if let Some(reason) = unreplayable(store.progress().next_offset, start) {
+                failures.insert(shard, Failure { offset: Some(start), reason, record: None });
+                continue;
+            }
             if store.progress().next_offset.is_none() || restored {
                 // Built from scratch or from a snapshot: not served until it caught
                 // up with the log (partial, or older than what was served before).
-                let (_, end) = consumer.fetch_watermarks(&topic, partition, Duration::from_secs(10))?;
                 store.rebuild_until(end)?;
                 if end > 0 {
                     tracing::info!(shard, end, "rebuilding the shard from the log; served once caught up");

@@ -19,7 +19,9 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use tally_core::wire::ShardOwner;
 use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
-use tally_shared::consume::{drive, spawn_lag_reporter, BatchLimits, LoopSetup, Polled, Processor};
+use tally_shared::consume::{
+    drive, pause, spawn_lag_reporter, unreplayable, BatchLimits, LoopSetup, Polled, Processor,
+};
 use tally_shared::kafka::{client_config, now_ms, TopicNames};
 use tally_shared::outbox::Relay;
 use tally_shared::snapshot::{SnapshotStore, Snapshotter};
@@ -66,7 +68,11 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
     assignment.add_partition_offset(&input, 0, start)?;
     consumer.assign(&assignment)?;
     // Not ready before it applied what the log held at start (a rebuild).
-    let (_, start_end) = consumer.fetch_watermarks(&input, PARTITION as i32, Duration::from_secs(10))?;
+    let (log_start, start_end) = consumer.fetch_watermarks(&input, PARTITION as i32, Duration::from_secs(10))?;
+    if let Some(reason) = unreplayable(store.progress().next_offset, log_start) {
+        failures.fail(PARTITION, Failure { offset: Some(log_start), reason, record: None });
+        pause(&consumer, &input, &[PARTITION]);
+    }
 
     let letters = Relay::unstamped(&config.kafka, names.dead_letter())?;
     tracing::info!(start = ?start, "graph processor consuming");
