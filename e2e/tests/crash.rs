@@ -70,6 +70,18 @@ async fn counter_rebuilds_from_the_shard_log_after_losing_its_data() {
 /// replays only the log after it: exact totals, never a partial or older one served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn counter_restores_lost_shards_from_snapshots_and_replays_the_tail() {
+    lose_the_counters_disk_and_come_back(false).await;
+}
+
+/// Disaster recovery by an operator: `tally snapshot list` shows every shard's
+/// snapshots, `tally restore` puts the newest into an empty data directory, and a
+/// counter started on it serves exact totals once it caught up — never before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_restores_every_shard_into_an_empty_data_dir() {
+    lose_the_counters_disk_and_come_back(true).await;
+}
+
+async fn lose_the_counters_disk_and_come_back(operator_restore: bool) {
     let mut sandbox = Sandbox::start().await;
     let snapshots = [("TALLY__SNAPSHOTS__INTERVAL_MS", "500".to_string())];
     sandbox.spawn_instance("tally-counter", "tally-counter", &snapshots);
@@ -141,9 +153,26 @@ async fn counter_restores_lost_shards_from_snapshots_and_replays_the_tail() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     tokio::time::sleep(Duration::from_secs(1)).await; // the routed batch's acknowledgements
-    sandbox.spawn_instance("tally-counter", "tally-counter", &snapshots);
+    if operator_restore {
+        let (ok, listed) = sandbox.cli(&["snapshot", "list"]);
+        assert!(ok, "{listed}");
+        let stores: std::collections::BTreeSet<&str> =
+            listed.lines().filter(|l| l.contains("/shard-")).filter_map(|l| l.split_whitespace().next()).collect();
+        assert_eq!(stores.len(), shards_with_data, "{listed}");
+        let dr = sandbox.path("dr");
+        let (ok, output) = sandbox.cli(&["restore", "--into", &dr]);
+        assert!(ok, "{output}");
+        let (ok, again) = sandbox.cli(&["restore", "--into", &dr]);
+        assert!(!ok && again.contains("restore needs an empty data directory"), "{again}");
+        let on_dr =
+            [("TALLY__COUNTER__DATA_DIR", format!("{dr}/counter")), ("TALLY__SNAPSHOTS__ENABLED", "false".to_string())];
+        sandbox.spawn_instance("tally-counter", "tally-counter", &on_dr);
+    } else {
+        sandbox.spawn_instance("tally-counter", "tally-counter", &snapshots);
+    }
     check::never_partial(&sandbox, &model, &entities, &metrics, Duration::from_secs(120)).await;
     check::windows(&sandbox, &model, &entities, &metrics).await;
     let restored = sandbox.metric("tally-counter", "tally_counter_restored_shards_total").await;
-    assert_eq!(restored, vec![(String::new(), shards_with_data as f64)], "{}", sandbox.log("tally-counter"));
+    let by_itself = if operator_restore { 0.0 } else { shards_with_data as f64 };
+    assert_eq!(restored, vec![(String::new(), by_itself)], "{}", sandbox.log("tally-counter"));
 }

@@ -25,6 +25,12 @@ use crate::kafka::now_ms;
 use crate::store::Store;
 use crate::{Error, Result};
 
+/// The file beside a store restored by an operator (`tally restore`): the service
+/// serves it only once it caught up with the log, then removes the file.
+pub fn restored_marker(dir: &Path) -> PathBuf {
+    dir.with_extension("restored")
+}
+
 /// The name of the manifest in a snapshot's directory.
 const MANIFEST: &str = "MANIFEST.json";
 
@@ -145,6 +151,17 @@ impl SnapshotStore {
         })
     }
 
+    /// The names with snapshots under `prefix` (a topic's name): `prefix/shard-0003`.
+    pub fn names(&self, prefix: &str) -> Result<Vec<String>> {
+        let listed = self
+            .runtime
+            .block_on(self.objects.list_with_delimiter(Some(&ObjectPath::from(prefix))))
+            .map_err(objects_error)?;
+        let mut names: Vec<String> = listed.common_prefixes.iter().map(|p| p.to_string()).collect();
+        names.sort();
+        Ok(names)
+    }
+
     /// The newest complete snapshot of `name`.
     pub fn latest(&self, name: &str) -> Result<Option<Manifest>> {
         Ok(self.list(name)?.pop())
@@ -153,6 +170,11 @@ impl SnapshotStore {
     /// Downloads `manifest`'s files into `dir`, which must not exist yet; a store
     /// opened there is the snapshot's. Each file's size is checked.
     pub fn restore(&self, manifest: &Manifest, dir: &Path) -> Result<()> {
+        self.restore_with_progress(manifest, dir, |_| {})
+    }
+
+    /// [`SnapshotStore::restore`], calling `progress(bytes)` after each file.
+    pub fn restore_with_progress(&self, manifest: &Manifest, dir: &Path, mut progress: impl FnMut(u64)) -> Result<()> {
         if dir.exists() {
             return Err(Error::Snapshot(format!("{}: restore needs a directory that does not exist", dir.display())));
         }
@@ -174,6 +196,7 @@ impl SnapshotStore {
                 )));
             }
             std::fs::write(partial.join(&file.name), &bytes)?;
+            progress(file.bytes);
         }
         // Whole or not at all: a crash mid-download leaves only the `.restoring` dir.
         std::fs::rename(&partial, dir)?;

@@ -4,6 +4,7 @@
 pub mod bench_jobs;
 pub mod jobs;
 pub mod shards;
+pub mod snapshots;
 pub mod up;
 
 use std::path::PathBuf;
@@ -56,6 +57,14 @@ enum Command {
         #[command(subcommand)]
         command: shards::ShardsCommand,
     },
+    /// Snapshots of the counter shards and the graph.
+    Snapshot {
+        #[command(subcommand)]
+        command: snapshots::SnapshotCommand,
+    },
+    /// Disaster recovery: restore the newest snapshot of every shard and of the graph
+    /// into an empty data directory.
+    Restore(snapshots::RestoreArgs),
     /// Check a config as a service would load it.
     Config {
         #[command(subcommand)]
@@ -246,6 +255,8 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Config { command: ConfigCommand::Check } => config_check(cli.config.as_deref()),
         Command::Jobs { command } => jobs::run(&config, command).await,
         Command::Shards { command } => shards::run(&config, command).await,
+        Command::Snapshot { command: snapshots::SnapshotCommand::List } => snapshots::list(&config).await,
+        Command::Restore(args) => snapshots::restore(&config, args).await,
         Command::Query(args) => query(&config, args).await,
         Command::Bench {
             command:

@@ -25,7 +25,7 @@ use tally_shared::consume::{drive, spawn_lag_reporter, unreplayable, BatchLimits
 use tally_shared::failures::{Failure, FailureBoard};
 use tally_shared::kafka::{client_config, now_ms, TopicNames};
 use tally_shared::outbox::Relay;
-use tally_shared::snapshot::{SnapshotStore, Snapshotter};
+use tally_shared::snapshot::{restored_marker, SnapshotStore, Snapshotter};
 use tally_shared::telemetry::Readiness;
 use tokio_util::sync::CancellationToken;
 
@@ -81,7 +81,8 @@ impl CounterContext {
         let path = self.data_dir.join(store_dir(shard));
         let restored = match &self.snapshots {
             Some(snapshots) if !path.exists() => self.restore(snapshots, shard, &path)?,
-            _ => false,
+            // Restored by an operator (`tally restore`) before this start.
+            _ => restored_marker(&path).exists(),
         };
         let store = Arc::new(ShardStore::open(shard, &path, self.store_options.clone())?);
         tracing::info!(shard, path = %path.display(), next_offset = ?store.progress().next_offset, restored, "opened shard store");
@@ -127,6 +128,8 @@ impl CounterContext {
                 // Built from scratch or from a snapshot: not served until it caught
                 // up with the log (partial, or older than what was served before).
                 store.rebuild_until(end)?;
+                // The wait is persisted: an operator's restore mark has done its job.
+                let _ = std::fs::remove_file(restored_marker(&self.data_dir.join(store_dir(shard))));
                 if end > 0 {
                     tracing::info!(shard, end, "rebuilding the shard from the log; served once caught up");
                 }

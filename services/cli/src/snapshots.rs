@@ -1,0 +1,105 @@
+//! `tally snapshot list` and `tally restore`: the snapshots of the counter shards and
+//! of the graph, and disaster recovery from them into an empty data directory.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Subcommand;
+use indicatif::{ProgressBar, ProgressStyle};
+use tally_shared::config::TallyConfig;
+use tally_shared::kafka::{now_ms, TopicNames};
+use tally_shared::snapshot::{restored_marker, Manifest, SnapshotStore};
+
+#[derive(Subcommand)]
+pub enum SnapshotCommand {
+    /// Every snapshot in the snapshot store (`[snapshots] dir`), newest last per store.
+    List,
+}
+
+#[derive(clap::Args)]
+pub struct RestoreArgs {
+    /// An empty data directory: the shards go to `<into>/counter/shard-NNNN`, the
+    /// graph to `<into>/graph` (point `counter.data_dir` and `graph.data_dir` there).
+    #[arg(long)]
+    pub into: PathBuf,
+}
+
+/// The newest snapshot of every counter shard and of the graph, with where each
+/// restores to under `into`.
+fn newest(snapshots: &SnapshotStore, names: &TopicNames, into: &Path) -> anyhow::Result<Vec<(Manifest, PathBuf)>> {
+    let mut found = Vec::new();
+    for name in snapshots.names(&names.shards())? {
+        let shard = name.rsplit('/').next().unwrap_or_default().to_string();
+        if let Some(manifest) = snapshots.latest(&name)? {
+            found.push((manifest, into.join("counter").join(shard)));
+        }
+    }
+    if let Some(manifest) = snapshots.latest(&format!("{}/graph", names.graph_updates()))? {
+        found.push((manifest, into.join("graph")));
+    }
+    Ok(found)
+}
+
+pub async fn list(config: &TallyConfig) -> anyhow::Result<()> {
+    let config = config.clone();
+    tokio::task::spawn_blocking(move || {
+        let snapshots = SnapshotStore::local(&config.snapshots.dir, tokio::runtime::Handle::current())?;
+        let names = TopicNames::new(&config.kafka.topic_prefix);
+        let mut stores = snapshots.names(&names.shards())?;
+        stores.push(format!("{}/graph", names.graph_updates()));
+        let mut count = 0;
+        for name in stores {
+            for manifest in snapshots.list(&name)? {
+                count += 1;
+                let age = Duration::from_millis((now_ms() - manifest.created_ms).max(0) as u64);
+                println!(
+                    "{name}  {}  next offset {}  {:.1} MB  {} s old",
+                    manifest.id,
+                    manifest.next_offset.map_or("-".to_string(), |o| o.to_string()),
+                    manifest.bytes() as f64 / 1e6,
+                    age.as_secs()
+                );
+            }
+        }
+        println!("{count} snapshots in {}", config.snapshots.dir.display());
+        anyhow::Ok(())
+    })
+    .await?
+}
+
+pub async fn restore(config: &TallyConfig, args: RestoreArgs) -> anyhow::Result<()> {
+    let config = config.clone();
+    tokio::task::spawn_blocking(move || {
+        let snapshots = SnapshotStore::local(&config.snapshots.dir, tokio::runtime::Handle::current())?;
+        let names = TopicNames::new(&config.kafka.topic_prefix);
+        let found = newest(&snapshots, &names, &args.into)?;
+        if found.is_empty() {
+            bail!("no snapshots in {}", config.snapshots.dir.display());
+        }
+        if let Some((_, dir)) = found.iter().find(|(_, dir)| dir.exists()) {
+            bail!("{} exists: restore needs an empty data directory", dir.display());
+        }
+        let total: u64 = found.iter().map(|(manifest, _)| manifest.bytes()).sum();
+        let bar = ProgressBar::new(total);
+        bar.set_style(
+            ProgressStyle::with_template("{msg:24} [{bar:40}] {bytes}/{total_bytes} {eta}")
+                .context("progress bar template")?
+                .progress_chars("=> "),
+        );
+        for (manifest, dir) in &found {
+            bar.set_message(manifest.name.rsplit('/').next().unwrap_or_default().to_string());
+            std::fs::create_dir_all(dir.parent().unwrap_or(Path::new(".")))?;
+            snapshots.restore_with_progress(manifest, dir, |bytes| bar.inc(bytes))?;
+            // The counter serves a restored shard only once it caught up with the log.
+            std::fs::write(restored_marker(dir), &manifest.id)?;
+        }
+        bar.finish_with_message("restored");
+        for (manifest, dir) in &found {
+            let next = manifest.next_offset.map_or("-".to_string(), |o| o.to_string());
+            println!("{}: snapshot {} (next offset {next}) → {}", manifest.name, manifest.id, dir.display());
+        }
+        anyhow::Ok(())
+    })
+    .await?
+}
