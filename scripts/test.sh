@@ -24,6 +24,16 @@ echo "==> building"
 cargo build --workspace --bins --tests
 echo "==> deployment checks (Helm chart, docker-compose, Dockerfile; tools from PyPI/npm)"
 ./scripts/deploy-checks.sh
+# moto's S3 server: the snapshot store's tests run against a real S3 API.
+S3_VENV="$HOME/.cache/tally/s3-venv"
+if ! "$S3_VENV/bin/pip" freeze --disable-pip-version-check 2>/dev/null | diff -q - <(grep -v '^#' scripts/s3/requirements.txt) >/dev/null; then
+  echo "==> installing moto's S3 server into $S3_VENV (pinned, scripts/s3/requirements.txt)"
+  rm -rf "$S3_VENV"
+  python3 -m venv "$S3_VENV"
+  "$S3_VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps --require-virtualenv -r scripts/s3/requirements.txt
+fi
+export TALLY_MOTO_SERVER="$S3_VENV/bin/moto_server"
+
 echo "==> testing"
 log="$(mktemp)"
 status=0

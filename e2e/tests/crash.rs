@@ -70,7 +70,13 @@ async fn counter_rebuilds_from_the_shard_log_after_losing_its_data() {
 /// replays only the log after it: exact totals, never a partial or older one served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn counter_restores_lost_shards_from_snapshots_and_replays_the_tail() {
-    lose_the_counters_disk_and_come_back(false).await;
+    lose_the_counters_disk_and_come_back(Recovery::ByItself).await;
+}
+
+/// The same with the snapshots in an S3-compatible object store (moto's server).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counter_restores_lost_shards_from_snapshots_in_s3() {
+    lose_the_counters_disk_and_come_back(Recovery::FromS3).await;
 }
 
 /// Disaster recovery by an operator: `tally snapshot list` shows every shard's
@@ -78,12 +84,27 @@ async fn counter_restores_lost_shards_from_snapshots_and_replays_the_tail() {
 /// counter started on it serves exact totals once it caught up — never before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_restores_every_shard_into_an_empty_data_dir() {
-    lose_the_counters_disk_and_come_back(true).await;
+    lose_the_counters_disk_and_come_back(Recovery::ByAnOperator).await;
 }
 
-async fn lose_the_counters_disk_and_come_back(operator_restore: bool) {
+#[derive(PartialEq)]
+enum Recovery {
+    /// The counter restores what it lacks from the local snapshot store.
+    ByItself,
+    /// The same, from an S3 snapshot store.
+    FromS3,
+    /// `tally restore` into an empty data directory, then a counter on it.
+    ByAnOperator,
+}
+
+async fn lose_the_counters_disk_and_come_back(recovery: Recovery) {
     let mut sandbox = Sandbox::start().await;
-    let snapshots = [("TALLY__SNAPSHOTS__INTERVAL_MS", "500".to_string())];
+    let s3 = match recovery {
+        Recovery::FromS3 => Some(tally_e2e::s3::S3::start(std::path::PathBuf::from(sandbox.path("moto.log"))).await),
+        _ => None,
+    };
+    let mut snapshots = vec![("TALLY__SNAPSHOTS__INTERVAL_MS", "500".to_string())];
+    snapshots.extend(s3.iter().flat_map(|s3| s3.env()));
     sandbox.spawn_instance("tally-counter", "tally-counter", &snapshots);
     for service in ["tally-ingester", "tally-query"] {
         sandbox.spawn(service);
@@ -106,16 +127,28 @@ async fn lose_the_counters_disk_and_come_back(operator_restore: bool) {
         .count();
     let snapshot_dir = std::path::PathBuf::from(sandbox.path("snapshots")).join(sandbox.names.shards());
     loop {
-        let manifests = std::fs::read_dir(&snapshot_dir).map_or(0, |shards| {
-            shards
-                .filter_map(Result::ok)
-                .filter(|shard| {
-                    std::fs::read_dir(shard.path()).is_ok_and(|mut s| {
-                        s.any(|snap| snap.is_ok_and(|snap| snap.path().join("MANIFEST.json").exists()))
+        let manifests = match &s3 {
+            // Shards with a manifest in the bucket: tally/<topic>/shard-NNNN/<id>/MANIFEST.json.
+            Some(s3) => {
+                let keys = s3.keys().await;
+                let shards: std::collections::BTreeSet<&str> = keys
+                    .iter()
+                    .filter(|key| key.ends_with("/MANIFEST.json") && key.contains(shard_topic.as_str()))
+                    .filter_map(|key| key.split('/').nth(2))
+                    .collect();
+                shards.len()
+            }
+            None => std::fs::read_dir(&snapshot_dir).map_or(0, |shards| {
+                shards
+                    .filter_map(Result::ok)
+                    .filter(|shard| {
+                        std::fs::read_dir(shard.path()).is_ok_and(|mut s| {
+                            s.any(|snap| snap.is_ok_and(|snap| snap.path().join("MANIFEST.json").exists()))
+                        })
                     })
-                })
-                .count()
-        });
+                    .count()
+            }),
+        };
         if manifests == shards_with_data {
             break;
         }
@@ -153,7 +186,7 @@ async fn lose_the_counters_disk_and_come_back(operator_restore: bool) {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     tokio::time::sleep(Duration::from_secs(1)).await; // the routed batch's acknowledgements
-    if operator_restore {
+    if recovery == Recovery::ByAnOperator {
         let (ok, listed) = sandbox.cli(&["snapshot", "list"]);
         assert!(ok, "{listed}");
         let stores: std::collections::BTreeSet<&str> =
@@ -173,6 +206,6 @@ async fn lose_the_counters_disk_and_come_back(operator_restore: bool) {
     check::never_partial(&sandbox, &model, &entities, &metrics, Duration::from_secs(120)).await;
     check::windows(&sandbox, &model, &entities, &metrics).await;
     let restored = sandbox.metric("tally-counter", "tally_counter_restored_shards_total").await;
-    let by_itself = if operator_restore { 0.0 } else { shards_with_data as f64 };
+    let by_itself = if recovery == Recovery::ByAnOperator { 0.0 } else { shards_with_data as f64 };
     assert_eq!(restored, vec![(String::new(), by_itself)], "{}", sandbox.log("tally-counter"));
 }

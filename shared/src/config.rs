@@ -148,8 +148,17 @@ pub struct SnapshotsConfig {
     /// Take snapshots and restore from them (a shard without a store otherwise
     /// rebuilds from the whole log).
     pub enabled: bool,
-    /// The snapshot store: a local directory.
+    /// The snapshot store: a local directory, unless `url` is set.
     pub dir: PathBuf,
+    /// An S3-compatible object store instead: `s3://bucket/prefix`. Credentials come
+    /// from the standard `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` (and
+    /// `AWS_SESSION_TOKEN`) variables, never from this file.
+    pub url: String,
+    /// The S3 endpoint for other S3-compatible stores (MinIO, Ceph…); empty: AWS.
+    pub endpoint: String,
+    pub region: String,
+    /// Allow a plain-HTTP endpoint (a local test server).
+    pub allow_http: bool,
     /// A shard is snapshot once this many records were applied since its last one…
     pub every_records: i64,
     /// …or this long after its last one, if it applied anything since.
@@ -163,6 +172,10 @@ impl Default for SnapshotsConfig {
         Self {
             enabled: true,
             dir: PathBuf::from("data/snapshots"),
+            url: String::new(),
+            endpoint: String::new(),
+            region: "us-east-1".into(),
+            allow_http: false,
             every_records: 1_000_000,
             interval_ms: 300_000,
             keep: 2,

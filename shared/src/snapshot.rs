@@ -89,6 +89,29 @@ impl SnapshotStore {
         Ok(Self { objects: Arc::new(objects), runtime })
     }
 
+    /// The snapshot store `config` names: an S3-compatible object store when `url`
+    /// is set, the local directory `dir` otherwise.
+    pub fn from_config(config: &SnapshotsConfig, runtime: tokio::runtime::Handle) -> Result<Self> {
+        if config.url.is_empty() {
+            return Self::local(&config.dir, runtime);
+        }
+        let mut builder = object_store::aws::AmazonS3Builder::from_env()
+            .with_url(&config.url)
+            .with_region(&config.region)
+            .with_allow_http(config.allow_http);
+        if !config.endpoint.is_empty() {
+            builder = builder.with_endpoint(&config.endpoint);
+        }
+        let objects = builder.build().map_err(objects_error)?;
+        // Under the URL's prefix, if it has one.
+        let prefix = config.url.trim_start_matches("s3://").split_once('/').map(|(_, p)| p.trim_matches('/'));
+        let objects: Arc<dyn ObjectStore> = match prefix.filter(|p| !p.is_empty()) {
+            Some(prefix) => Arc::new(object_store::prefix::PrefixStore::new(objects, prefix)),
+            None => Arc::new(objects),
+        };
+        Ok(Self { objects, runtime })
+    }
+
     /// Snapshots `store` as `name`: a checkpoint in `scratch` (a directory on the
     /// store's file system, removed afterwards), uploaded, the manifest last.
     pub fn take(&self, store: &Store, name: &str, scratch: &Path) -> Result<Manifest> {

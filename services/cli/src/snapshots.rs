@@ -13,7 +13,7 @@ use tally_shared::snapshot::{restored_marker, Manifest, SnapshotStore};
 
 #[derive(Subcommand)]
 pub enum SnapshotCommand {
-    /// Every snapshot in the snapshot store (`[snapshots] dir`), newest last per store.
+    /// Every snapshot in the snapshot store (`[snapshots] url`, or `dir`), newest last per store.
     List,
 }
 
@@ -44,7 +44,7 @@ fn newest(snapshots: &SnapshotStore, names: &TopicNames, into: &Path) -> anyhow:
 pub async fn list(config: &TallyConfig) -> anyhow::Result<()> {
     let config = config.clone();
     tokio::task::spawn_blocking(move || {
-        let snapshots = SnapshotStore::local(&config.snapshots.dir, tokio::runtime::Handle::current())?;
+        let snapshots = SnapshotStore::from_config(&config.snapshots, tokio::runtime::Handle::current())?;
         let names = TopicNames::new(&config.kafka.topic_prefix);
         let mut stores = snapshots.names(&names.shards())?;
         stores.push(format!("{}/graph", names.graph_updates()));
@@ -62,7 +62,11 @@ pub async fn list(config: &TallyConfig) -> anyhow::Result<()> {
                 );
             }
         }
-        println!("{count} snapshots in {}", config.snapshots.dir.display());
+        let place = match config.snapshots.url.as_str() {
+            "" => config.snapshots.dir.display().to_string(),
+            url => url.to_string(),
+        };
+        println!("{count} snapshots in {place}");
         anyhow::Ok(())
     })
     .await?
@@ -71,11 +75,11 @@ pub async fn list(config: &TallyConfig) -> anyhow::Result<()> {
 pub async fn restore(config: &TallyConfig, args: RestoreArgs) -> anyhow::Result<()> {
     let config = config.clone();
     tokio::task::spawn_blocking(move || {
-        let snapshots = SnapshotStore::local(&config.snapshots.dir, tokio::runtime::Handle::current())?;
+        let snapshots = SnapshotStore::from_config(&config.snapshots, tokio::runtime::Handle::current())?;
         let names = TopicNames::new(&config.kafka.topic_prefix);
         let found = newest(&snapshots, &names, &args.into)?;
         if found.is_empty() {
-            bail!("no snapshots in {}", config.snapshots.dir.display());
+            bail!("no snapshots in the snapshot store ({} {})", config.snapshots.url, config.snapshots.dir.display());
         }
         if let Some((_, dir)) = found.iter().find(|(_, dir)| dir.exists()) {
             bail!("{} exists: restore needs an empty data directory", dir.display());

@@ -58,8 +58,8 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     });
 
     let snapshots = match config.snapshots.enabled {
-        true => Some(tally_shared::snapshot::SnapshotStore::local(
-            &config.snapshots.dir,
+        true => Some(tally_shared::snapshot::SnapshotStore::from_config(
+            &config.snapshots,
             tokio::runtime::Handle::current(),
         )?),
         false => None,

@@ -46,7 +46,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     };
     let data_dir = config.graph.data_dir.clone();
     let snapshots = match config.snapshots.enabled {
-        true => Some(SnapshotStore::local(&config.snapshots.dir, tokio::runtime::Handle::current())?),
+        true => Some(SnapshotStore::from_config(&config.snapshots, tokio::runtime::Handle::current())?),
         false => None,
     };
     let snapshot_name = processor::snapshot_name(&names);

@@ -1,0 +1,76 @@
+//! A real S3 API for the snapshot-store tests: moto's server (installed from PyPI by
+//! `scripts/test.sh` into `~/.cache/tally/s3-venv`, or `$TALLY_MOTO_SERVER`) on a free
+//! port, with one bucket.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+pub struct S3 {
+    child: Child,
+    pub endpoint: String,
+    pub bucket: String,
+}
+
+impl S3 {
+    pub async fn start(log: PathBuf) -> Self {
+        let binary = std::env::var_os("TALLY_MOTO_SERVER").map(PathBuf::from).unwrap_or_else(|| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/tally/s3-venv/bin/moto_server")
+        });
+        assert!(binary.exists(), "{}: moto's S3 server is missing; ./scripts/test.sh installs it", binary.display());
+        let port = tally_shared::local_broker::free_port().unwrap();
+        let log = std::fs::File::create(log).unwrap();
+        let child = Command::new(&binary)
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|err| panic!("starting {}: {err}", binary.display()));
+        let endpoint = format!("http://127.0.0.1:{port}");
+        let bucket = "tally-snapshots".to_string();
+        let client = reqwest::Client::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(created) = client.put(format!("{endpoint}/{bucket}")).send().await {
+                assert!(created.status().is_success(), "creating the bucket: {}", created.status());
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "moto's S3 server did not start");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Self { child, endpoint, bucket }
+    }
+
+    /// The environment that points a service's snapshots at this server.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("TALLY__SNAPSHOTS__URL", format!("s3://{}/tally", self.bucket)),
+            ("TALLY__SNAPSHOTS__ENDPOINT", self.endpoint.clone()),
+            ("TALLY__SNAPSHOTS__ALLOW_HTTP", "true".into()),
+            ("AWS_ACCESS_KEY_ID", "test".into()),
+            ("AWS_SECRET_ACCESS_KEY", "test".into()),
+        ]
+    }
+
+    /// The keys stored in the bucket (its ListObjectsV2, first page).
+    pub async fn keys(&self) -> Vec<String> {
+        let body = reqwest::get(format!("{}/{}?list-type=2", self.endpoint, self.bucket))
+            .await
+            .expect("listing the bucket")
+            .text()
+            .await
+            .expect("the listing");
+        body.split("<Key>")
+            .skip(1)
+            .filter_map(|rest| rest.split_once("</Key>").map(|(key, _)| key.to_string()))
+            .collect()
+    }
+}
+
+impl Drop for S3 {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
