@@ -53,6 +53,20 @@ const BAD_GRAPH_ELEMENTS: [&str; 4] = [
 const BAD_MESSAGES: [&[u8]; 6] = [b"not json at all", b"42", b"[{\"entity\":", b"", b"null", b"\xff\xfe{}"];
 
 impl Workload {
+    /// What this workload and then `after` (increments only) lead to: the model,
+    /// and every entity and metric of either.
+    pub fn then(&self, after: &Workload) -> (Model, Vec<String>, Vec<String>) {
+        let mut model = self.model.clone();
+        for increment in after.model.events() {
+            model.apply(increment.clone());
+        }
+        let mut entities = self.entities.clone();
+        entities.extend(after.entities.iter().filter(|e| !self.entities.contains(e)).cloned());
+        let mut metrics = self.metrics.clone();
+        metrics.extend(after.metrics.iter().filter(|m| !self.metrics.contains(m)).cloned());
+        (model, entities, metrics)
+    }
+
     /// `messages` records of increments around `now`, deterministic for a `seed`.
     pub fn generate(seed: u64, messages: usize, now: i64) -> Self {
         Self::generate_mixed(seed, messages, now, 0.0)

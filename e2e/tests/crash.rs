@@ -165,14 +165,7 @@ async fn lose_the_counters_disk_and_come_back(recovery: Recovery) {
     // The tail: written while the counter is gone, replayed after the restore.
     let after = Workload::generate(7, 200, now);
     sandbox.produce(&after.records).await;
-    let mut model = before.model.clone();
-    for increment in after.model.events() {
-        model.apply(increment.clone());
-    }
-    let mut entities = before.entities.clone();
-    entities.extend(after.entities.iter().filter(|e| !before.entities.contains(e)).cloned());
-    let mut metrics = before.metrics.clone();
-    metrics.extend(after.metrics.iter().filter(|m| !before.metrics.contains(m)).cloned());
+    let (model, entities, metrics) = before.then(&after);
     // Every input routed to the shard topic before the counter comes back, so "caught
     // up with the log" means every total is whole.
     let produced = (before.records.len() + after.records.len()) as f64;

@@ -64,14 +64,7 @@ async fn two_counters_split_the_shards_and_hand_them_over() {
     sandbox.stop("counter-a");
     let after = Workload::generate(5, 150, tally_shared::kafka::now_ms());
     sandbox.produce(&after.records).await;
-    let mut model = before.model.clone();
-    for increment in after.model.events() {
-        model.apply(increment.clone());
-    }
-    let mut entities = before.entities.clone();
-    entities.extend(after.entities.iter().filter(|e| !before.entities.contains(e)).cloned());
-    let mut metrics = before.metrics.clone();
-    metrics.extend(after.metrics.iter().filter(|m| !before.metrics.contains(m)).cloned());
+    let (model, entities, metrics) = before.then(&after);
     check::wait_for_all_time(&sandbox, &model, &entities, &metrics, Duration::from_secs(180)).await;
     check::windows(&sandbox, &model, &entities, &metrics).await;
     assert_eq!(owned_shards(&sandbox, "counter-b"), (0..8).collect::<Vec<_>>(), "{}", sandbox.log("counter-b"));
