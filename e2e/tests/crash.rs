@@ -160,6 +160,12 @@ async fn lose_the_counters_disk_and_come_back(recovery: Recovery) {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
+    if recovery == Recovery::ByAnOperator {
+        // `tally snapshot`: every serving shard now, waited for.
+        let (ok, taken) = sandbox.cli(&["snapshot"]);
+        let stored = format!("{shards_with_data} shard snapshots stored, from 1 counters");
+        assert!(ok && taken.contains(&stored), "{taken}");
+    }
     sandbox.kill9("tally-counter");
     sandbox.wipe_counter_data();
     // The tail: written while the counter is gone, replayed after the restore.

@@ -277,6 +277,21 @@ impl Snapshotter {
     /// Snapshots `store` as `name` if it is due (then prunes old ones); the new
     /// snapshot, if one was taken.
     pub fn consider(&mut self, name: &str, store: &Store) -> Result<Option<Manifest>> {
+        self.snapshot(name, store, false)
+    }
+
+    /// Snapshots `store` as `name` now unless its newest snapshot is of its current
+    /// offset already (an operator's `tally snapshot`); the snapshot of now, if it
+    /// has applied anything.
+    pub fn now(&mut self, name: &str, store: &Store) -> Result<Option<Manifest>> {
+        match self.snapshot(name, store, true)? {
+            Some(taken) => Ok(Some(taken)),
+            None if store.progress().next_offset.is_some() => self.snapshots.latest(name),
+            None => Ok(None),
+        }
+    }
+
+    fn snapshot(&mut self, name: &str, store: &Store, now: bool) -> Result<Option<Manifest>> {
         let Some(next) = store.progress().next_offset else { return Ok(None) };
         if !self.last.contains_key(name) {
             let newest = self.snapshots.latest(name)?.map(|m| (m.next_offset.unwrap_or(0), Instant::now()));
@@ -285,7 +300,7 @@ impl Snapshotter {
         let due = match self.last.get(name).copied().flatten() {
             None => true,
             Some((offset, at)) => {
-                next - offset >= self.every_records || (next > offset && at.elapsed() >= self.interval)
+                next - offset >= self.every_records || (next > offset && (now || at.elapsed() >= self.interval))
             }
         };
         if !due {

@@ -57,10 +57,10 @@ enum Command {
         #[command(subcommand)]
         command: shards::ShardsCommand,
     },
-    /// Snapshots of the counter shards and the graph.
+    /// Snapshot every counter shard now and wait until stored (`list`: every snapshot).
     Snapshot {
         #[command(subcommand)]
-        command: snapshots::SnapshotCommand,
+        command: Option<snapshots::SnapshotCommand>,
     },
     /// Disaster recovery: restore the newest snapshot of every shard and of the graph
     /// into an empty data directory.
@@ -255,7 +255,8 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Config { command: ConfigCommand::Check } => config_check(cli.config.as_deref()),
         Command::Jobs { command } => jobs::run(&config, command).await,
         Command::Shards { command } => shards::run(&config, command).await,
-        Command::Snapshot { command: snapshots::SnapshotCommand::List } => snapshots::list(&config).await,
+        Command::Snapshot { command: Some(snapshots::SnapshotCommand::List) } => snapshots::list(&config).await,
+        Command::Snapshot { command: None } => snapshots::take_now(&config).await,
         Command::Restore(args) => snapshots::restore(&config, args).await,
         Command::Query(args) => query(&config, args).await,
         Command::Bench {

@@ -63,8 +63,9 @@ pub async fn run(config: &TallyConfig, command: ShardsCommand) -> anyhow::Result
     Ok(())
 }
 
-/// The read address of the process that claims `shard`, from the shard-owners topic.
-async fn owner_of(config: &TallyConfig, shard: u32, name: &str) -> anyhow::Result<String> {
+/// The latest claim on every shard (and the graph), from the shard-owners topic:
+/// the read address of its owner, `None` when it was let go.
+pub async fn claims(config: &TallyConfig) -> anyhow::Result<HashMap<u32, Option<String>>> {
     let topic = TopicNames::new(&config.kafka.topic_prefix).shard_owners();
     let kafka = config.kafka.clone();
     let records = tokio::task::spawn_blocking(move || read_to_end(&kafka, &topic, Duration::from_secs(30))).await??;
@@ -75,7 +76,12 @@ async fn owner_of(config: &TallyConfig, shard: u32, name: &str) -> anyhow::Resul
             claims.insert(claim.shard, claim.addr);
         }
     }
-    match claims.remove(&shard) {
+    Ok(claims)
+}
+
+/// The read address of the process that claims `shard`, from the shard-owners topic.
+async fn owner_of(config: &TallyConfig, shard: u32, name: &str) -> anyhow::Result<String> {
+    match claims(config).await?.remove(&shard) {
         Some(Some(addr)) => Ok(addr),
         _ => bail!("nothing claims shard {name} right now (see the services' /readyz); pass --counter HOST:PORT"),
     }

@@ -11,6 +11,55 @@ use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{now_ms, TopicNames};
 use tally_shared::snapshot::{restored_marker, Manifest, SnapshotStore};
 
+/// `tally snapshot`: asks every counter (found on the shard-owners topic) to
+/// snapshot each shard it serves now, and waits until all are stored.
+pub async fn take_now(config: &TallyConfig) -> anyhow::Result<()> {
+    let claims = crate::shards::claims(config).await?;
+    let mut counters: Vec<String> = claims
+        .into_iter()
+        .filter(|(shard, _)| *shard != tally_core::wire::ShardOwner::GRAPH)
+        .filter_map(|(_, addr)| addr)
+        .collect();
+    counters.sort();
+    counters.dedup();
+    if counters.is_empty() {
+        bail!("no counter claims a shard right now");
+    }
+    let bar = ProgressBar::new(counters.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template("snapshots {bar:30} {pos}/{len} counters {msg}")
+            .context("progress bar template")?,
+    );
+    let client = reqwest::Client::new();
+    let mut stored = Vec::new();
+    for counter in &counters {
+        bar.set_message(counter.clone());
+        let response = client
+            .post(format!("http://{counter}/internal/v1/snapshots"))
+            .timeout(Duration::from_secs(660))
+            .send()
+            .await
+            .with_context(|| format!("asking the counter at {counter}"))?;
+        let status = response.status();
+        let body: serde_json::Value = response.json().await.context("reading the counter's answer")?;
+        if !status.is_success() {
+            bail!("{counter}: {} ({status})", body["error"]["message"].as_str().unwrap_or("refused"));
+        }
+        let manifests: Vec<Manifest> =
+            serde_json::from_value(body["snapshots"].clone()).context("the counter's snapshots")?;
+        stored.extend(manifests);
+        bar.inc(1);
+    }
+    bar.finish_with_message("done");
+    stored.sort_by(|a, b| a.name.cmp(&b.name));
+    for manifest in &stored {
+        let next = manifest.next_offset.map_or("-".to_string(), |o| o.to_string());
+        println!("{}  {}  next offset {next}  {:.1} MB", manifest.name, manifest.id, manifest.bytes() as f64 / 1e6);
+    }
+    println!("{} shard snapshots stored, from {} counters", stored.len(), counters.len());
+    Ok(())
+}
+
 #[derive(Subcommand)]
 pub enum SnapshotCommand {
     /// Every snapshot in the snapshot store (`[snapshots] url`, or `dir`), newest last per store.

@@ -25,7 +25,7 @@ use tally_shared::consume::{drive, spawn_lag_reporter, unreplayable, BatchLimits
 use tally_shared::failures::{Failure, FailureBoard};
 use tally_shared::kafka::{client_config, now_ms, TopicNames};
 use tally_shared::outbox::Relay;
-use tally_shared::snapshot::{restored_marker, SnapshotStore, Snapshotter};
+use tally_shared::snapshot::{restored_marker, Manifest, SnapshotStore, Snapshotter};
 use tally_shared::telemetry::Readiness;
 use tokio_util::sync::CancellationToken;
 
@@ -587,6 +587,10 @@ impl ShardSnapshots {
 
     fn run(mut self) -> impl FnMut() + Send + 'static {
         move || {
+            // An operator's `tally snapshot`: every serving shard now.
+            for request in self.shards.take_snapshot_requests() {
+                let _ = request.send(self.snapshot_all_now());
+            }
             for shard in self.shards.serving() {
                 let Some(store) = self.shards.get(shard) else { continue };
                 match self.snapshotter.consider(&snapshot_name(&self.topic, shard), &store.store) {
@@ -599,5 +603,21 @@ impl ShardSnapshots {
                 }
             }
         }
+    }
+
+    fn snapshot_all_now(&mut self) -> Result<Vec<Manifest>, String> {
+        let mut manifests = Vec::new();
+        for shard in self.shards.serving() {
+            let Some(store) = self.shards.get(shard) else { continue };
+            match self.snapshotter.now(&snapshot_name(&self.topic, shard), &store.store) {
+                Ok(Some(manifest)) => manifests.push(manifest),
+                Ok(None) => {}
+                Err(err) => {
+                    self.metrics.snapshot_failures.inc();
+                    return Err(format!("shard {shard}: {err}"));
+                }
+            }
+        }
+        Ok(manifests)
     }
 }

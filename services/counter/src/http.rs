@@ -23,12 +23,15 @@ use crate::store::ShardStore;
 pub struct ReadState {
     pub shards: Arc<Shards>,
     pub metrics: Metrics,
+    /// Whether this counter takes snapshots (`tally snapshot` asks it to).
+    pub snapshots: bool,
 }
 
 pub fn router(state: ReadState) -> Router {
     Router::new()
         .route("/internal/v1/read", post(read))
         .route("/internal/v1/metrics", post(metrics))
+        .route("/internal/v1/snapshots", post(snapshot_now))
         .with_state(state.clone())
         .merge(skip_router(state.shards.failures.clone()))
 }
@@ -85,4 +88,26 @@ async fn metrics(State(state): State<ReadState>, Json(request): Json<ShardMetric
     };
     let shard = request.shard;
     answer(&state, shard, move || store.metrics(&request.entity, request.after.as_deref(), request.limit)).await
+}
+
+/// `tally snapshot`: every serving shard of this counter snapshot now (those whose
+/// newest snapshot is current are not taken again); answers with the snapshots.
+async fn snapshot_now(State(state): State<ReadState>) -> Response {
+    if !state.snapshots {
+        return ApiError::new(StatusCode::CONFLICT, "no_snapshots", "snapshots are off on this counter")
+            .into_response();
+    }
+    let (done, answer) = tokio::sync::oneshot::channel();
+    state.shards.request_snapshots(done);
+    match tokio::time::timeout(std::time::Duration::from_secs(600), answer).await {
+        Ok(Ok(Ok(manifests))) => Json(serde_json::json!({"snapshots": manifests})).into_response(),
+        Ok(Ok(Err(message))) => {
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "snapshot_failed", message).into_response()
+        }
+        Ok(Err(_)) => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "stopping", "the counter is stopping").into_response()
+        }
+        Err(_) => ApiError::new(StatusCode::GATEWAY_TIMEOUT, "timeout", "the snapshots took longer than 10 min")
+            .into_response(),
+    }
 }

@@ -49,7 +49,11 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let admin = serve_admin(&config.counter.admin_listen, registry, readiness.clone(), shutdown.clone()).await?;
     tracing::info!(read_api = %read_addr, admin = %admin, data_dir = %config.counter.data_dir.display(), "tally-counter starting");
 
-    let app = http::router(http::ReadState { shards: shards.clone(), metrics: metrics.clone() });
+    let app = http::router(http::ReadState {
+        shards: shards.clone(),
+        metrics: metrics.clone(),
+        snapshots: config.snapshots.enabled,
+    });
     let server_shutdown = shutdown.clone();
     tokio::spawn(async move {
         if let Err(err) = axum::serve(listener, app).with_graceful_shutdown(server_shutdown.cancelled_owned()).await {

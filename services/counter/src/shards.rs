@@ -16,8 +16,13 @@ use tally_shared::failures::{Failure, FailureBoard};
 
 use crate::store::ShardStore;
 
+/// An operator's request to snapshot every serving shard now; answered with the
+/// snapshots (or what failed) by the snapshot thread.
+pub type SnapshotRequest = tokio::sync::oneshot::Sender<Result<Vec<tally_shared::snapshot::Manifest>, String>>;
+
 pub struct Shards {
     owned: RwLock<HashMap<u32, Arc<ShardStore>>>,
+    snapshot_requests: std::sync::Mutex<Vec<SnapshotRequest>>,
     /// Failed shards and the skips operators asked for.
     pub failures: Arc<FailureBoard>,
     /// Bumped on every assignment change; a batch collected across a change is
@@ -39,6 +44,7 @@ impl Default for Shards {
     fn default() -> Self {
         Self {
             owned: RwLock::default(),
+            snapshot_requests: std::sync::Mutex::default(),
             failures: Arc::new(FailureBoard::new(|shard| format!("shard {shard}"))),
             epoch: AtomicU64::new(0),
         }
@@ -76,6 +82,15 @@ impl Shards {
         shards.sort_unstable();
         shards.dedup();
         shards
+    }
+
+    /// Queues a request to snapshot every serving shard now.
+    pub fn request_snapshots(&self, request: SnapshotRequest) {
+        self.snapshot_requests.lock().unwrap_or_else(|p| p.into_inner()).push(request);
+    }
+
+    pub(crate) fn take_snapshot_requests(&self) -> Vec<SnapshotRequest> {
+        std::mem::take(&mut *self.snapshot_requests.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     pub fn epoch(&self) -> u64 {
