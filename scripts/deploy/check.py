@@ -61,6 +61,9 @@ SERVICES = ("ingester", "counter", "graph", "query", "broker")
 QUEUES_BASE = CHART / "ci" / "queues-values.yaml"
 # The binaries that talk to Kafka: all but the workers, which only talk to the brokers.
 NO_KAFKA = {"tally-worker"}
+# The binaries that take and restore snapshots: the only ones given the S3 credentials
+# (AWS_* variables from snapshots.credentialsSecret; never in the ConfigMap).
+SNAPSHOTTERS = {"tally-counter", "tally-graph"}
 # The base image's libraries (debian:bookworm-slim); everything else the binaries link
 # must come from a package the runtime stage installs (or one of its dependencies).
 BASE_PACKAGES = {"libc6", "libgcc-s1", "libstdc++6", "zlib1g", "libzstd1", "liblzma5", "libbz2-1.0"}
@@ -338,7 +341,20 @@ def user_secrets(values: dict) -> dict[str, set[str]]:
         made.setdefault(sasl["existingSecret"], set()).add(sasl.get("passwordKey", "sasl-password"))
     if kafka.get("tlsSecret"):
         made.setdefault(kafka["tlsSecret"], set()).update(k for k in [kafka.get("tlsKeyPasswordKey")] if k)
+    for name, keys in s3_credentials(values).items():
+        made.setdefault(name, set()).update(keys.values())
     return made
+
+
+def s3_credentials(values: dict) -> dict[str, dict[str, str]]:
+    """The snapshot store's credentials the values ask for: Secret → {variable: key}."""
+    snap = values.get("snapshots") or {}
+    if not (snap.get("url") and snap.get("credentialsSecret")):
+        return {}
+    keys = {"AWS_ACCESS_KEY_ID": snap.get("accessKeyIdKey", "AWS_ACCESS_KEY_ID"),
+            "AWS_SECRET_ACCESS_KEY": snap.get("secretAccessKeyKey", "AWS_SECRET_ACCESS_KEY"),
+            "AWS_SESSION_TOKEN": snap.get("sessionTokenKey", "")}
+    return {snap["credentialsSecret"]: {var: key for var, key in keys.items() if key}}
 
 
 def resolve_env(container: dict, secrets: dict, external: dict) -> tuple[dict, list[str]]:
@@ -622,6 +638,10 @@ def check_rendered(report, config_check, work: Path, case: str, values: dict, ob
             secret_keys = sorted(k for k in client if SECRET_CLIENT_KEY.search(k))
             report.check(f"{case}: ConfigMap/{cm['metadata']['name']} holds no Kafka password", not secret_keys,
                          f"[kafka.client] sets {secret_keys}")
+            snapshots = tomllib.loads(cm["data"]["tally.toml"]).get("snapshots", {})
+            credential_keys = sorted(k for k in snapshots if re.search(r"key|secret|token|password|credential", k, re.I))
+            report.check(f"{case}: ConfigMap/{cm['metadata']['name']} holds no S3 credentials", not credential_keys,
+                         f"[snapshots] sets {credential_keys}")
 
     # The topics Job runs before everything else, on a config of its own.
     jobs = by_kind.get("Job", [])
@@ -745,7 +765,20 @@ def check_rendered(report, config_check, work: Path, case: str, values: dict, ob
                                  var in kafka_passwords and refs.get(var) == kafka_passwords[var], f"env has {refs.get(var)}")
                 else:
                     report.check(f"{where}: {var} is not given to {binary}, which does not talk to Kafka", var not in refs, "it is")
+            # The S3 credentials reach the containers that take and restore snapshots, from
+            # the Secret the values name, and no other container.
+            s3_refs = {var: (name, key) for name, keys in s3_credentials(values).items() for var, key in keys.items()}
+            for var in sorted(set(s3_refs) | {v for v in env if v.startswith("AWS_")}):
+                if binary in SNAPSHOTTERS:
+                    report.check(f"{where}: {var} comes from Secret {s3_refs.get(var, ('?', '?'))[0]}",
+                                 var in s3_refs and refs.get(var) == s3_refs[var], f"env has {refs.get(var)}")
+                else:
+                    report.check(f"{where}: {var} is not given to {binary}, which takes no snapshots", var not in env, "it is")
             expect = {}
+            if binary in SNAPSHOTTERS and (values.get("snapshots") or {}).get("url"):
+                snap = values["snapshots"]
+                expect.update({"snapshots.url": snap["url"], "snapshots.endpoint": snap.get("endpoint", ""),
+                               "snapshots.allow_http": bool(snap.get("allowHttp", False))})
             if section == "worker":
                 expect["worker.queue"] = env.get("TALLY__WORKER__QUEUE", effective("worker", "queue", toml, env, defaults))
             for var in ("TALLY__QUERY__AUTH_TOKEN", "TALLY__BROKER__AUTH_TOKEN", "TALLY__WORKER__AUTH_TOKEN"):

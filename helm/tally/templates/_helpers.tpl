@@ -158,6 +158,27 @@ only there. */ -}}
 {{- fail "kafka.tlsKeyPasswordKey is set but kafka.client has no \"ssl.key.location\": the password is for that key (e.g. /etc/kafka-tls/client.key)" -}}
 {{- end -}}
 {{- end -}}
+{{- /* Snapshots: S3 settings only with an S3 url; credentials from a Secret with
+both keys named. */ -}}
+{{- $snap := $v.snapshots | default dict -}}
+{{- if not $snap.url -}}
+{{- if $snap.credentialsSecret -}}
+{{- fail (printf "snapshots.credentialsSecret is %q but snapshots.url is empty: the credentials are for an S3-compatible store, set snapshots.url to s3://bucket/prefix (or leave credentialsSecret empty to keep snapshots on the counter pods' volumes)" $snap.credentialsSecret) -}}
+{{- end -}}
+{{- if $snap.endpoint -}}
+{{- fail (printf "snapshots.endpoint is %q but snapshots.url is empty: set snapshots.url to s3://bucket/prefix for the store at that endpoint" $snap.endpoint) -}}
+{{- end -}}
+{{- end -}}
+{{- if $snap.credentialsSecret -}}
+{{- if not (and $snap.accessKeyIdKey $snap.secretAccessKeyKey) -}}
+{{- fail (printf "snapshots.credentialsSecret is %q but snapshots.accessKeyIdKey or snapshots.secretAccessKeyKey is empty: name the keys of that Secret holding the access key id and the secret access key" $snap.credentialsSecret) -}}
+{{- end -}}
+{{- else if $snap.sessionTokenKey -}}
+{{- fail "snapshots.sessionTokenKey names a key of snapshots.credentialsSecret, which is not set: set snapshots.credentialsSecret to the Secret holding the credentials" -}}
+{{- end -}}
+{{- if and (hasPrefix "http://" (toString $snap.endpoint)) (not $snap.allowHttp) -}}
+{{- fail (printf "snapshots.endpoint %q is plain HTTP: set snapshots.allowHttp to true (or use an https:// endpoint)" $snap.endpoint) -}}
+{{- end -}}
 {{- /* Tokens: in the chart's Secret or in yours, not both. */ -}}
 {{- if $v.auth.existingSecret -}}
 {{- if or $v.query.authToken $v.broker.authToken -}}
@@ -211,13 +232,29 @@ tally.toml: |
   data_dir = "/var/lib/tally/counter"
 
   [snapshots]
+  {{- $snap := .Values.snapshots }}
+  enabled = {{ if $snap.enabled }}true{{ else }}false{{ end }}
+  {{- if $snap.url }}
+  # In an S3-compatible store. The credentials are not in this file: they come from the
+  # counter and graph containers' AWS_* variables (snapshots.credentialsSecret) or the pods' AWS identity.
+  url = {{ $snap.url | toString | toJson }}
+  endpoint = {{ $snap.endpoint | default "" | toString | toJson }}
+  region = {{ $snap.region | toString | toJson }}
+  allow_http = {{ if $snap.allowHttp }}true{{ else }}false{{ end }}
+  {{- else }}
   # On each counter pod's own volume (it survives restarts and rescheduling).
   dir = "/var/lib/tally/counter/snapshots"
+  {{- end }}
+  every_records = {{ $snap.everyRecords | int64 }}
+  interval_ms = {{ $snap.intervalMs | int64 }}
+  keep = {{ $snap.keep | int64 }}
 
   [graph]
   admin_listen = "0.0.0.0:9104"
   read_listen = "0.0.0.0:7001"
-  data_dir = "/var/lib/tally/graph"
+  # A folder in the volume, not its mount point: a new, empty volume has no store
+  # yet, so the graph restores its newest snapshot.
+  data_dir = "/var/lib/tally/graph/store"
 
   [query]
   listen = "0.0.0.0:8080"
@@ -289,6 +326,32 @@ Kafka (the workers do not); nothing when none is set. */}}
     secretKeyRef:
       name: {{ $kafka.tlsSecret }}
       key: {{ $kafka.tlsKeyPasswordKey }}
+{{- end }}
+{{- end -}}
+
+{{/* The S3 credentials of the snapshot store, from the user's Secret, for the
+containers that take and restore snapshots (counter and graph); nothing when no
+snapshots.credentialsSecret is set (the pods' own AWS identity, or no S3 at all). */}}
+{{- define "tally.snapshotsEnv" -}}
+{{- $snap := .Values.snapshots | default dict -}}
+{{- if and $snap.url $snap.credentialsSecret }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ $snap.credentialsSecret }}
+      key: {{ $snap.accessKeyIdKey }}
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $snap.credentialsSecret }}
+      key: {{ $snap.secretAccessKeyKey }}
+{{- if $snap.sessionTokenKey }}
+- name: AWS_SESSION_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ $snap.credentialsSecret }}
+      key: {{ $snap.sessionTokenKey }}
+{{- end }}
 {{- end }}
 {{- end -}}
 
