@@ -163,7 +163,7 @@ pub struct SnapshotsConfig {
     pub every_records: i64,
     /// …or this long after its last one, if it applied anything since.
     pub interval_ms: u64,
-    /// Snapshots kept per shard (the newest; at least one).
+    /// Snapshots kept per shard (the newest; at least two).
     pub keep: usize,
 }
 

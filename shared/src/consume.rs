@@ -92,7 +92,9 @@ pub fn unreplayable(next: Option<i64>, log_start: i64) -> Option<String> {
     let needed = next.unwrap_or(0);
     (log_start > needed).then(|| {
         format!(
-            "the log starts at offset {log_start}, but the store needs it from offset {needed}: retention deleted              records no snapshot covers, so a rebuild would be partial (restore a snapshot that reaches {log_start},              or rebuild the topic)"
+            "the log starts at offset {log_start}, but the store needs it from offset {needed}: retention deleted \
+             records no snapshot covers, so a rebuild would be partial (restore a snapshot that reaches \
+             {log_start}, or rebuild the topic)"
         )
     })
 }

@@ -85,7 +85,8 @@ impl SnapshotStore {
     /// A snapshot store in the local directory `dir` (created when missing).
     pub fn local(dir: &Path, runtime: tokio::runtime::Handle) -> Result<Self> {
         std::fs::create_dir_all(dir)?;
-        let objects = LocalFileSystem::new_with_prefix(dir).map_err(objects_error)?;
+        // Pruned snapshots leave no empty directories behind.
+        let objects = LocalFileSystem::new_with_prefix(dir).map_err(objects_error)?.with_automatic_cleanup(true);
         Ok(Self { objects: Arc::new(objects), runtime })
     }
 
@@ -218,19 +219,29 @@ impl SnapshotStore {
                     file.bytes
                 )));
             }
-            std::fs::write(partial.join(&file.name), &bytes)?;
+            let mut written = std::fs::File::create(partial.join(&file.name))?;
+            std::io::Write::write_all(&mut written, &bytes)?;
+            written.sync_all()?;
             progress(file.bytes);
         }
+        std::fs::File::open(&partial)?.sync_all()?;
+        // The mark first: a store in place without it would be served before it
+        // caught up with the log (the service removes it once its wait is persisted).
+        std::fs::write(restored_marker(dir), &manifest.id)?;
         // Whole or not at all: a crash mid-download leaves only the `.restoring` dir.
         std::fs::rename(&partial, dir)?;
+        if let Some(parent) = dir.parent() {
+            std::fs::File::open(parent)?.sync_all()?;
+        }
         Ok(())
     }
 
-    /// Deletes all but the newest `keep` snapshots of `name` (at least one stays);
+    /// Deletes all but the newest `keep` snapshots of `name` (at least two stay, so
+    /// a restore that just picked the newer one is not cut short by the next prune);
     /// returns how many were deleted.
     pub fn prune(&self, name: &str, keep: usize) -> Result<usize> {
         let manifests = self.list(name)?;
-        let stale = manifests.len().saturating_sub(keep.max(1));
+        let stale = manifests.len().saturating_sub(keep.max(2));
         for manifest in &manifests[..stale] {
             self.runtime
                 .block_on(async {
@@ -264,6 +275,8 @@ pub struct Snapshotter {
 
 impl Snapshotter {
     pub fn new(snapshots: SnapshotStore, config: &SnapshotsConfig, scratch: PathBuf) -> Self {
+        // Checkpoints a crash left behind hold hard links to old files.
+        let _ = std::fs::remove_dir_all(&scratch);
         Self {
             snapshots,
             scratch,
@@ -308,9 +321,12 @@ impl Snapshotter {
         }
         std::fs::create_dir_all(&self.scratch)?;
         let manifest = self.snapshots.take(store, name, &self.scratch)?;
-        self.snapshots.prune(name, self.keep)?;
         tracing::info!(snapshot = %manifest.name, id = %manifest.id, next_offset = ?manifest.next_offset, bytes = manifest.bytes(), "snapshot stored");
         self.last.insert(name.to_string(), Some((manifest.next_offset.unwrap_or(0), Instant::now())));
+        // Stored whatever pruning does; old snapshots go next time.
+        if let Err(err) = self.snapshots.prune(name, self.keep) {
+            tracing::warn!(snapshot = %manifest.name, error = %err, "pruning old snapshots; trying again next time");
+        }
         Ok(Some(manifest))
     }
 
@@ -378,8 +394,10 @@ mod tests {
             [&b"a"[..], b"b", b"c"].iter().map(|k| restored.db().get_cf(state, k).unwrap().is_some()).collect();
         assert_eq!(keys, vec![true, true, false], "the state of offset 20, not later");
         assert!(snapshots.restore(&second, &restored_dir).is_err(), "never over an existing store");
+        assert!(restored_marker(&restored_dir).exists(), "marked for its service to wait until caught up");
 
-        assert_eq!(snapshots.prune("t.shards/shard-0001", 1).unwrap(), 1);
-        assert_eq!(snapshots.list("t.shards/shard-0001").unwrap(), vec![second]);
+        let third = snapshots.take(&store, "t.shards/shard-0001", dir.path()).unwrap();
+        assert_eq!(snapshots.prune("t.shards/shard-0001", 1).unwrap(), 1, "two stay at least");
+        assert_eq!(snapshots.list("t.shards/shard-0001").unwrap(), vec![second, third]);
     }
 }

@@ -252,8 +252,8 @@ tally.toml: |
   [graph]
   admin_listen = "0.0.0.0:9104"
   read_listen = "0.0.0.0:7001"
-  # A folder in the volume, not its mount point: a new, empty volume has no store
-  # yet, so the graph restores its newest snapshot.
+  # A folder in the volume, not its mount point: on a new, empty volume the graph
+  # has no store yet, so it restores its newest snapshot (from snapshots.url).
   data_dir = "/var/lib/tally/graph/store"
 
   [query]

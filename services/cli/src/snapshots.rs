@@ -9,7 +9,7 @@ use clap::Subcommand;
 use indicatif::{ProgressBar, ProgressStyle};
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{now_ms, TopicNames};
-use tally_shared::snapshot::{restored_marker, Manifest, SnapshotStore};
+use tally_shared::snapshot::{Manifest, SnapshotStore};
 
 /// `tally snapshot`: asks every counter (found on the shard-owners topic) to
 /// snapshot each shard it serves now, and waits until all are stored.
@@ -143,9 +143,8 @@ pub async fn restore(config: &TallyConfig, args: RestoreArgs) -> anyhow::Result<
         for (manifest, dir) in &found {
             bar.set_message(manifest.name.rsplit('/').next().unwrap_or_default().to_string());
             std::fs::create_dir_all(dir.parent().unwrap_or(Path::new(".")))?;
+            // Marked (beside it) so the service serves it only once caught up.
             snapshots.restore_with_progress(manifest, dir, |bytes| bar.inc(bytes))?;
-            // The counter serves a restored shard only once it caught up with the log.
-            std::fs::write(restored_marker(dir), &manifest.id)?;
         }
         bar.finish_with_message("restored");
         for (manifest, dir) in &found {

@@ -79,11 +79,12 @@ impl CounterContext {
             return Ok((store.clone(), false));
         }
         let path = self.data_dir.join(store_dir(shard));
-        let restored = match &self.snapshots {
-            Some(snapshots) if !path.exists() => self.restore(snapshots, shard, &path)?,
-            // Restored by an operator (`tally restore`) before this start.
-            _ => restored_marker(&path).exists(),
-        };
+        if let Some(snapshots) = self.snapshots.as_ref().filter(|_| !path.exists()) {
+            self.restore(snapshots, shard, &path)?;
+        }
+        // Restored just now, or by an operator (`tally restore`), or before a crash
+        // that came before its wait was persisted: the mark says so until then.
+        let restored = restored_marker(&path).exists();
         let store = Arc::new(ShardStore::open(shard, &path, self.store_options.clone())?);
         tracing::info!(shard, path = %path.display(), next_offset = ?store.progress().next_offset, restored, "opened shard store");
         opened.insert(shard, store.clone());
@@ -92,12 +93,11 @@ impl CounterContext {
 
     /// Restores the newest snapshot of `shard` into `path` (where no store is);
     /// whether there was one.
-    fn restore(&self, snapshots: &SnapshotStore, shard: u32, path: &std::path::Path) -> Result<bool> {
-        let restored = Snapshotter::restore_latest(snapshots, &snapshot_name(&self.topic, shard), path)?;
-        if restored.is_some() {
+    fn restore(&self, snapshots: &SnapshotStore, shard: u32, path: &std::path::Path) -> Result<()> {
+        if Snapshotter::restore_latest(snapshots, &snapshot_name(&self.topic, shard), path)?.is_some() {
             self.metrics.restored_shards.inc();
         }
-        Ok(restored.is_some())
+        Ok(())
     }
 
     /// Opens the stores of the partitions in `tpl`, positions each at its store's

@@ -61,7 +61,11 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
                     restored_metric.inc();
                 }
             }
-            store::GraphStore::open(&data_dir, options)
+            let opened = store::GraphStore::open(&data_dir, options)?;
+            // The graph is announced only once it caught up with the log it found at
+            // start, restored or not: a restore's mark has nothing more to hold.
+            let _ = std::fs::remove_file(tally_shared::snapshot::restored_marker(&data_dir));
+            Ok::<_, Error>(opened)
         })
         .await
         .map_err(|err| Error::Processor(err.to_string()))??,

@@ -215,11 +215,14 @@ impl Processor<DefaultConsumerContext> for GraphProcessor {
                     return Err(Error::Processor(format!("the {name} thread stopped unexpectedly")));
                 }
             }
-            self.announcer.announce(&[ShardOwner::GRAPH], false);
-            // Ready once it caught up with the log it found at start (and while
-            // its outbox gets through); a failure makes it not ready anyway.
-            let outbox_ok = relay_outbox(&self.store, &self.relay, &self.metrics);
+            // Read (announced) and ready once it caught up with the log it found at
+            // start — a rebuild or a restored snapshot is older than what was read
+            // before — and while its outbox gets through.
             let caught_up = self.store.progress().next_offset.unwrap_or(0) >= self.start_end;
+            if caught_up {
+                self.announcer.announce(&[ShardOwner::GRAPH], false);
+            }
+            let outbox_ok = relay_outbox(&self.store, &self.relay, &self.metrics);
             self.readiness.set(outbox_ok && caught_up);
             if let Some(fatal) = self.relay.fatal() {
                 // It delivers nothing more: stop loudly; the outbox waits in the store.
