@@ -14,8 +14,6 @@ pub enum Error {
     Io(#[from] std::io::Error),
     #[error("shard {shard}: {message}")]
     Shard { shard: u32, message: String },
-    #[error("skip: {0}")]
-    Skip(String),
     #[error("consumer thread: {0}")]
     Consumer(String),
 }

@@ -239,12 +239,6 @@ impl ShardStore {
         self.dedupe.advance(source, record_time);
     }
 
-    /// Moves the store's offset past the record at `offset`, which an operator
-    /// skipped.
-    pub fn skip_record(&self, offset: i64) -> Result<()> {
-        Ok(self.store.skip_record(offset)?)
-    }
-
     /// Writes `batch` plus the new progress atomically.
     pub(crate) fn commit(&self, batch: WriteBatch, progress: Progress) -> Result<()> {
         Ok(self.store.commit(batch, progress)?)

@@ -202,7 +202,7 @@ impl Processor<DefaultConsumerContext> for GraphProcessor {
     }
 
     fn skip_record(&mut self, _: u32, offset: i64) -> tally_shared::Result<()> {
-        self.store.skip_record(offset).map_err(|err| tally_shared::Error::Skip(err.to_string()))
+        self.store.store().skip_record(offset)
     }
 
     fn turn(&mut self, _: &BaseConsumer, skipped: u64, heartbeat: bool) -> Result<()> {

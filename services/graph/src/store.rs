@@ -105,12 +105,6 @@ impl GraphStore {
         Ok(self.store.cf(name)?)
     }
 
-    /// Moves the store's offset past the record at `offset`, which an operator
-    /// skipped: nothing at or past it may have been applied.
-    pub fn skip_record(&self, offset: i64) -> Result<()> {
-        Ok(self.store.skip_record(offset)?)
-    }
-
     /// The database and its progress (for snapshots).
     pub fn store(&self) -> &Store {
         &self.store
