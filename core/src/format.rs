@@ -88,6 +88,14 @@ pub fn decode_i64_value(bytes: &[u8], what: &str) -> Result<i64> {
     value_array::<8>(bytes, what).map(i64::from_le_bytes)
 }
 
+/// Decodes a JSON record named `what` whose version (`version(&record)`) must be
+/// [`JSON_V1`]: anything else is an error.
+pub fn decode_json<T: serde::de::DeserializeOwned>(bytes: &[u8], what: &str, version: impl Fn(&T) -> u32) -> Result<T> {
+    let record: T = serde_json::from_slice(bytes).map_err(|err| Error::Format(format!("{what}: {err}")))?;
+    check_json_version(version(&record), JSON_V1, what)?;
+    Ok(record)
+}
+
 /// Checks a JSON record's `"v"`: only `known` is accepted.
 pub fn check_json_version(found: u32, known: u32, what: &str) -> Result<()> {
     if found == known {

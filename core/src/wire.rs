@@ -369,10 +369,7 @@ impl ShardOwner {
 
     /// Decodes a claim of the current format.
     pub fn decode(bytes: &[u8]) -> Result<Self> {
-        let claim: Self =
-            serde_json::from_slice(bytes).map_err(|err| Error::Format(format!("shard-owner claim: {err}")))?;
-        crate::format::check_json_version(claim.v, crate::format::JSON_V1, "shard-owner claim")?;
-        Ok(claim)
+        crate::format::decode_json(bytes, "shard-owner claim", |claim: &Self| claim.v)
     }
 }
 

@@ -18,7 +18,7 @@ use object_store::local::LocalFileSystem;
 use object_store::path::Path as ObjectPath;
 use object_store::ObjectStore;
 use serde::{Deserialize, Serialize};
-use tally_core::format::{check_json_version, JSON_V1};
+use tally_core::format::JSON_V1;
 
 use crate::config::SnapshotsConfig;
 use crate::kafka::now_ms;
@@ -62,10 +62,7 @@ impl Manifest {
     }
 
     fn decode(bytes: &[u8]) -> Result<Self> {
-        let manifest: Self =
-            serde_json::from_slice(bytes).map_err(|err| Error::corrupt(format!("snapshot manifest: {err}")))?;
-        check_json_version(manifest.v, JSON_V1, "snapshot manifest")?;
-        Ok(manifest)
+        Ok(tally_core::format::decode_json(bytes, "snapshot manifest", |manifest: &Self| manifest.v)?)
     }
 }
 

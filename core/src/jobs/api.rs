@@ -129,9 +129,6 @@ impl BrokerHeartbeat {
 
     /// Decodes a heartbeat of the current format.
     pub fn decode(bytes: &[u8]) -> crate::Result<Self> {
-        let beat: Self =
-            serde_json::from_slice(bytes).map_err(|err| crate::Error::Format(format!("broker heartbeat: {err}")))?;
-        crate::format::check_json_version(beat.v, crate::format::JSON_V1, "broker heartbeat")?;
-        Ok(beat)
+        crate::format::decode_json(bytes, "broker heartbeat", |beat: &Self| beat.v)
     }
 }

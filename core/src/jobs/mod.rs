@@ -80,10 +80,7 @@ pub struct DeadJob {
 impl DeadJob {
     /// Decodes a dead job of the current format.
     pub fn decode(bytes: &[u8]) -> crate::Result<Self> {
-        let dead: Self =
-            serde_json::from_slice(bytes).map_err(|err| crate::Error::Format(format!("dead job: {err}")))?;
-        crate::format::check_json_version(dead.v, crate::format::JSON_V1, "dead job")?;
-        Ok(dead)
+        crate::format::decode_json(bytes, "dead job", |dead: &Self| dead.v)
     }
 
     /// The JSON record in at most `budget` bytes: the error is cut first, then —
