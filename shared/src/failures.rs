@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -190,9 +191,18 @@ pub fn skip_router(board: Arc<FailureBoard>) -> Router {
 
 async fn skip(
     State(board): State<Arc<FailureBoard>>,
-    Path(partition): Path<u32>,
-    Json(body): Json<SkipBody>,
+    partition: Result<Path<u32>, PathRejection>,
+    body: Result<Json<SkipBody>, JsonRejection>,
 ) -> Response {
+    // Bad requests answer in the one JSON error format, like every other mistake.
+    let partition = match partition {
+        Ok(Path(partition)) => partition,
+        Err(rejection) => return error(StatusCode::BAD_REQUEST, "invalid_path", rejection.body_text()),
+    };
+    let body = match body {
+        Ok(Json(body)) => body,
+        Err(rejection) => return error(rejection.status(), "invalid_body", rejection.body_text()),
+    };
     let Some(failure) = board.failure(partition) else {
         return error(StatusCode::CONFLICT, "not_failed", format!("{} has not failed here", (board.name)(partition)));
     };
@@ -227,4 +237,44 @@ async fn skip(
 
 fn error(status: StatusCode, code: &'static str, message: String) -> Response {
     crate::http::ApiError::new(status, code, message).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Serves the skip endpoint of `board` on a free port; its base URL.
+    async fn serve(board: Arc<FailureBoard>) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, skip_router(board)).await });
+        format!("http://{addr}/internal/v1/shards")
+    }
+
+    #[tokio::test]
+    async fn garbage_and_oversized_skip_requests_get_json_errors_and_change_nothing() {
+        let board = Arc::new(FailureBoard::new(|shard| format!("shard {shard}")));
+        let record = Some(Arc::new(b"junk".to_vec()));
+        board.fail(3, Failure { offset: Some(7), reason: "not a tally record".into(), record });
+        let base = serve(board.clone()).await;
+        let client = reqwest::Client::new();
+        let huge = serde_json::json!({"offset": 7, "reason": "x".repeat(3 << 20)}).to_string();
+        let cases: [(String, String, u16, &str); 6] = [
+            (format!("{base}/3/skip"), "not json".into(), 400, "invalid_body"),
+            (format!("{base}/3/skip"), r#"{"offset":"seven","reason":"r"}"#.into(), 422, "invalid_body"),
+            (format!("{base}/3/skip"), huge, 413, "invalid_body"),
+            (format!("{base}/three/skip"), r#"{"offset":7,"reason":"r"}"#.into(), 400, "invalid_path"),
+            (format!("{base}/3/skip"), r#"{"offset":8,"reason":"r"}"#.into(), 409, "not_this_record"),
+            (format!("{base}/4/skip"), r#"{"offset":7,"reason":"r"}"#.into(), 409, "not_failed"),
+        ];
+        for (url, body, status, code) in cases {
+            let response =
+                client.post(&url).header("content-type", "application/json").body(body).send().await.unwrap();
+            let got_status = response.status().as_u16();
+            let answer: serde_json::Value = response.json().await.unwrap_or_default();
+            assert_eq!((got_status, answer["error"]["code"].as_str()), (status, Some(code)), "{url}: {answer}");
+        }
+        assert!(board.is_failed(3), "no request moved the shard");
+        assert!(board.skips.lock().unwrap().is_empty(), "none was queued");
+    }
 }
