@@ -296,13 +296,13 @@ impl Snapshotter {
     pub fn now(&mut self, name: &str, store: &Store) -> Result<Option<Manifest>> {
         match self.snapshot(name, store, true)? {
             Some(taken) => Ok(Some(taken)),
-            None if store.progress().next_offset.is_some() => self.snapshots.latest(name),
+            None if store.next_offset().is_some() => self.snapshots.latest(name),
             None => Ok(None),
         }
     }
 
     fn snapshot(&mut self, name: &str, store: &Store, now: bool) -> Result<Option<Manifest>> {
-        let Some(next) = store.progress().next_offset else { return Ok(None) };
+        let Some(next) = store.next_offset() else { return Ok(None) };
         if !self.last.contains_key(name) {
             let newest = self.snapshots.latest(name)?.map(|m| (m.next_offset.unwrap_or(0), Instant::now()));
             self.last.insert(name.to_string(), newest);

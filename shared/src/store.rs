@@ -68,6 +68,12 @@ impl Store {
         self.committed().clone()
     }
 
+    /// The committed next input offset alone (no copy of the high-water marks):
+    /// for the checks made every turn of the loop.
+    pub fn next_offset(&self) -> Option<i64> {
+        self.committed().next_offset
+    }
+
     /// Writes `batch` and `progress` atomically, then publishes the progress.
     pub fn commit(&self, mut batch: WriteBatch, progress: Progress) -> Result<()> {
         let mut committed = self.committed();

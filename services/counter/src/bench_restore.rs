@@ -87,7 +87,7 @@ pub fn run(options: &RestoreBenchOptions, dir: &Path, runtime: tokio::runtime::H
         let started = Instant::now();
         Snapshotter::restore_latest(&snapshots, &name, &restored_dir)?;
         let restored = ShardStore::open(0, &restored_dir, StoreOptions::default())?;
-        let from = restored.progress().next_offset.unwrap_or(0);
+        let from = restored.next_offset().unwrap_or(0);
         apply_log(&restored, &records[from as usize..], from, batch, now)?;
         let restore_seconds = started.elapsed().as_secs_f64();
         figures.push(RestoreFigures { history, replay_seconds, restore_seconds, snapshot_bytes: manifest.bytes() });

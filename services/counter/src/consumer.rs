@@ -86,7 +86,7 @@ impl CounterContext {
         // that came before its wait was persisted: the mark says so until then.
         let restored = restored_marker(&path).exists();
         let store = Arc::new(ShardStore::open(shard, &path, self.store_options.clone())?);
-        tracing::info!(shard, path = %path.display(), next_offset = ?store.progress().next_offset, restored, "opened shard store");
+        tracing::info!(shard, path = %path.display(), next_offset = ?store.next_offset(), restored, "opened shard store");
         opened.insert(shard, store.clone());
         Ok((store, restored))
     }
@@ -120,11 +120,11 @@ impl CounterContext {
                 }
             };
             let (start, end) = consumer.fetch_watermarks(&topic, partition, Duration::from_secs(10))?;
-            if let Some(reason) = unreplayable(store.progress().next_offset, start) {
+            if let Some(reason) = unreplayable(store.next_offset(), start) {
                 failures.insert(shard, Failure { offset: Some(start), reason, record: None });
                 continue;
             }
-            if store.progress().next_offset.is_none() || restored {
+            if store.next_offset().is_none() || restored {
                 // Built from scratch or from a snapshot: not served until it caught
                 // up with the log (partial, or older than what was served before).
                 store.rebuild_until(end)?;
@@ -134,7 +134,7 @@ impl CounterContext {
                     tracing::info!(shard, end, "rebuilding the shard from the log; served once caught up");
                 }
             }
-            let offset = store.progress().next_offset.map_or(Offset::Beginning, Offset::Offset);
+            let offset = store.next_offset().map_or(Offset::Beginning, Offset::Offset);
             assigned.add_partition_offset(&topic, partition, offset)?;
             stores.insert(shard, store);
         }
@@ -237,9 +237,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         shutdown.clone(),
         move || {
             let owned = lag_shards.owned().into_iter();
-            owned
-                .filter_map(|shard| Some((shard, lag_shards.get(shard)?.progress().next_offset.unwrap_or(0))))
-                .collect()
+            owned.filter_map(|shard| Some((shard, lag_shards.get(shard)?.next_offset().unwrap_or(0)))).collect()
         },
         move |shard, lag| lag_metrics.consumer_lag.with_label_values(&[&shard.to_string()]).set(lag),
     )?;
@@ -435,7 +433,7 @@ fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, rollups: Op
         let report = match store.apply(&records, now_ms(), rollups.is_some()) {
             Ok(report) => report,
             Err(err) => {
-                let offset = store.progress().next_offset;
+                let offset = store.next_offset();
                 shards.failures.fail(shard, Failure { offset, reason: err.to_string(), record: None });
                 failed.push(shard);
                 continue;
@@ -544,7 +542,7 @@ impl Rollups {
 fn commit_advisory(consumer: &BaseConsumer<CounterContext>, topic: &str, shards: &Shards) {
     let mut tpl = TopicPartitionList::new();
     for shard in shards.owned() {
-        if let Some(next) = shards.get(shard).and_then(|s| s.progress().next_offset) {
+        if let Some(next) = shards.get(shard).and_then(|s| s.next_offset()) {
             let _ = tpl.add_partition_offset(topic, shard as i32, Offset::Offset(next));
         }
     }

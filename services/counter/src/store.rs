@@ -205,6 +205,11 @@ impl ShardStore {
         self.store.progress()
     }
 
+    /// The committed next shard-topic offset.
+    pub fn next_offset(&self) -> Option<i64> {
+        self.store.next_offset()
+    }
+
     /// Whether `(entity, id)` was seen within the dedupe window of a record at
     /// `record_time` (both times are the records' own, not the apply time).
     pub(crate) fn seen_recently(&self, key: &[u8], record_time: i64) -> Result<bool> {
@@ -219,7 +224,7 @@ impl ShardStore {
     /// from scratch or restored from a snapshot, a rebuild from the log. Persisted, so a counter
     /// restarted mid-rebuild still waits.
     pub fn rebuild_until(&self, end: i64) -> Result<()> {
-        if self.progress().next_offset.is_none_or(|next| next < end) && end > 0 {
+        if self.next_offset().is_none_or(|next| next < end) && end > 0 {
             self.store.put_meta(KEY_REBUILD_UNTIL, &tally_core::format::i64_value(end))?;
             self.rebuild_until.store(end, Ordering::Relaxed);
         }
@@ -230,7 +235,7 @@ impl ShardStore {
     /// had data of its own then), so its answers and rollups are whole.
     pub fn serving(&self) -> bool {
         let until = self.rebuild_until.load(Ordering::Relaxed);
-        until == i64::MIN || self.progress().next_offset.is_some_and(|next| next >= until)
+        until == i64::MIN || self.next_offset().is_some_and(|next| next >= until)
     }
 
     /// `source`'s stream time in the dedupe window moves to `record_time` (a

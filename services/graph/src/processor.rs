@@ -63,13 +63,13 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
         .set("enable.auto.commit", "false")
         .set("auto.offset.reset", "earliest");
     let consumer: BaseConsumer = consumer_config.create()?;
-    let start = store.progress().next_offset.map_or(Offset::Beginning, Offset::Offset);
+    let start = store.next_offset().map_or(Offset::Beginning, Offset::Offset);
     let mut assignment = TopicPartitionList::new();
     assignment.add_partition_offset(&input, 0, start)?;
     consumer.assign(&assignment)?;
     // Not ready before it applied what the log held at start (a rebuild).
     let (log_start, start_end) = consumer.fetch_watermarks(&input, PARTITION as i32, Duration::from_secs(10))?;
-    if let Some(reason) = unreplayable(store.progress().next_offset, log_start) {
+    if let Some(reason) = unreplayable(store.next_offset(), log_start) {
         failures.fail(PARTITION, Failure { offset: Some(log_start), reason, record: None });
         pause(&consumer, &input, &[PARTITION]);
     }
@@ -83,7 +83,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
         input.clone(),
         HEARTBEAT,
         shutdown.clone(),
-        move || vec![(PARTITION, lag_store.progress().next_offset.unwrap_or(0))],
+        move || vec![(PARTITION, lag_store.next_offset().unwrap_or(0))],
         move |_, lag| lag_metrics.consumer_lag.set(lag),
     )?;
     let setup = LoopSetup {
@@ -170,7 +170,7 @@ impl Processor<DefaultConsumerContext> for GraphProcessor {
         let report = match self.store.apply(&records, now_ms()) {
             Ok(report) => report,
             Err(err) => {
-                let offset = self.store.progress().next_offset;
+                let offset = self.store.next_offset();
                 self.failures.fail(PARTITION, Failure { offset, reason: err.to_string(), record: None });
                 return vec![PARTITION];
             }
@@ -218,7 +218,7 @@ impl Processor<DefaultConsumerContext> for GraphProcessor {
             // Read (announced) and ready once it caught up with the log it found at
             // start — a rebuild or a restored snapshot is older than what was read
             // before — and while its outbox gets through.
-            let caught_up = self.store.progress().next_offset.unwrap_or(0) >= self.start_end;
+            let caught_up = self.store.next_offset().unwrap_or(0) >= self.start_end;
             if caught_up {
                 self.announcer.announce(&[ShardOwner::GRAPH], false);
             }

@@ -97,7 +97,7 @@ impl GraphStore {
                 graph.add_edge(from, to);
             }
         }
-        tracing::info!(edges = graph.edge_count(), next_offset = ?store.progress().next_offset, "graph loaded");
+        tracing::info!(edges = graph.edge_count(), next_offset = ?store.next_offset(), "graph loaded");
         Ok(Self { store, options, graph: RwLock::new(graph), dedupe: dedupe_window })
     }
 
@@ -113,6 +113,11 @@ impl GraphStore {
     /// A copy of the committed progress.
     pub fn progress(&self) -> Progress {
         self.store.progress()
+    }
+
+    /// The committed next graph-updates offset.
+    pub fn next_offset(&self) -> Option<i64> {
+        self.store.next_offset()
     }
 
     /// Applies a batch of records (in offset order) at wall-clock `now`: the net
