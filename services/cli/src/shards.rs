@@ -47,20 +47,34 @@ pub async fn run(config: &TallyConfig, command: ShardsCommand) -> anyhow::Result
         Some(addr) => addr,
         None => owner_of(config, claim, &shard).await?,
     };
-    let response = reqwest::Client::new()
-        .post(format!("http://{addr}/internal/v1/shards/{partition}/skip"))
-        .json(&serde_json::json!({"offset": offset, "reason": reason}))
-        .timeout(Duration::from_secs(90))
-        .send()
-        .await
-        .with_context(|| format!("asking the counter at {addr}"))?;
-    let status = response.status();
-    let body: serde_json::Value = response.json().await.context("reading the counter's answer")?;
-    if !status.is_success() {
-        bail!("shard {shard}: {} ({status})", body["error"]["message"].as_str().unwrap_or("refused"));
-    }
+    let path = format!("/internal/v1/shards/{partition}/skip");
+    let body = serde_json::json!({"offset": offset, "reason": reason});
+    post_internal(&addr, &path, &body, Duration::from_secs(90)).await.with_context(|| format!("shard {shard}"))?;
     println!("shard {shard}: record {offset} is in the dead-letter topic; the shard resumed at {}", offset + 1);
     Ok(())
+}
+
+/// POSTs `body` to a service's internal API at `addr` and returns its JSON answer;
+/// an error answer becomes an error with the service's message.
+pub async fn post_internal(
+    addr: &str,
+    path: &str,
+    body: &serde_json::Value,
+    timeout: Duration,
+) -> anyhow::Result<serde_json::Value> {
+    let response = reqwest::Client::new()
+        .post(format!("http://{addr}{path}"))
+        .json(body)
+        .timeout(timeout)
+        .send()
+        .await
+        .with_context(|| format!("asking {addr}"))?;
+    let status = response.status();
+    let answer: serde_json::Value = response.json().await.with_context(|| format!("reading {addr}'s answer"))?;
+    if !status.is_success() {
+        bail!("{addr}: {} ({status})", answer["error"]["message"].as_str().unwrap_or("refused"));
+    }
+    Ok(answer)
 }
 
 /// The latest claim on every shard (and the graph), from the shard-owners topic:

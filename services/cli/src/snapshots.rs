@@ -30,21 +30,12 @@ pub async fn take_now(config: &TallyConfig) -> anyhow::Result<()> {
         ProgressStyle::with_template("snapshots {bar:30} {pos}/{len} counters {msg}")
             .context("progress bar template")?,
     );
-    let client = reqwest::Client::new();
     let mut stored = Vec::new();
     for counter in &counters {
         bar.set_message(counter.clone());
-        let response = client
-            .post(format!("http://{counter}/internal/v1/snapshots"))
-            .timeout(Duration::from_secs(660))
-            .send()
-            .await
-            .with_context(|| format!("asking the counter at {counter}"))?;
-        let status = response.status();
-        let body: serde_json::Value = response.json().await.context("reading the counter's answer")?;
-        if !status.is_success() {
-            bail!("{counter}: {} ({status})", body["error"]["message"].as_str().unwrap_or("refused"));
-        }
+        let nothing = serde_json::json!({});
+        let body =
+            crate::shards::post_internal(counter, "/internal/v1/snapshots", &nothing, Duration::from_secs(660)).await?;
         let manifests: Vec<Manifest> =
             serde_json::from_value(body["snapshots"].clone()).context("the counter's snapshots")?;
         stored.extend(manifests);
