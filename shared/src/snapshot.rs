@@ -394,6 +394,15 @@ mod tests {
         assert!(restored_marker(&restored_dir).exists(), "marked for its service to wait until caught up");
 
         let third = snapshots.take(&store, "t.shards/shard-0001", dir.path()).unwrap();
+        // A manifest that is not one stops the listing loudly, never skipped or half read.
+        let garbage = ObjectPath::from("t.shards/shard-0002/00000000000000000001-1/MANIFEST.json");
+        runtime_handle.block_on(snapshots.objects.put(&garbage, b"{\"v\":1,\"name\":".to_vec().into())).unwrap();
+        let err = snapshots.latest("t.shards/shard-0002").unwrap_err().to_string();
+        assert!(err.contains("snapshot manifest"), "{err}");
+        let newer = br#"{"v":2,"name":"n","id":"i","next_offset":1,"created_ms":0,"files":[]}"#;
+        runtime_handle.block_on(snapshots.objects.put(&garbage, newer.to_vec().into())).unwrap();
+        let err = snapshots.latest("t.shards/shard-0002").unwrap_err().to_string();
+        assert!(err.contains("version 2"), "{err}");
         assert_eq!(snapshots.prune("t.shards/shard-0001", 1).unwrap(), 1, "two stay at least");
         assert_eq!(snapshots.list("t.shards/shard-0001").unwrap(), vec![second, third]);
     }
