@@ -8,11 +8,13 @@
 //!   [`counting`] (coalescing a batch into per-bucket deltas), [`sharding`];
 //! - [`graph`] (the batch algorithm: edge updates → net descendant-set changes) and
 //!   [`propagation`] (the rule a shard applies);
-//! - [`jobs`]: the job format and a queue partition's buffer;
+//! - [`jobs`]: the job format and a queue partition's buffer; [`assignment`]: which
+//!   live member (dequeue broker, counter) owns which partition;
 //! - [`format`] (versions of everything kept), [`wire`] (internal messages),
 //!   [`keys`] (RocksDB keys and values), [`records`] (every record fits the broker);
 //! - [`model`]: the brute-force model every test compares with.
 
+pub mod assignment;
 pub mod counting;
 pub mod error;
 pub mod format;

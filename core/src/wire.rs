@@ -342,7 +342,8 @@ pub struct Rollup {
     pub direct: i64,
 }
 
-/// A counter's claim on a shard, on the shard-owners topic: where to send reads.
+/// A counter's claim on a shard, on the shard-owners topic: where to send reads,
+/// fenced by its epoch ([`ShardOwner::at_ms`]).
 /// `tally-graph` announces its read address on the same topic under
 /// [`ShardOwner::GRAPH`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -354,7 +355,11 @@ pub struct ShardOwner {
     pub addr: Option<String>,
     /// A random id per counter process, to tell owners apart.
     pub instance: String,
-    /// Wall-clock ms of the claim; later claims win.
+    /// The claim's epoch: wall-clock ms when this owner took the shard, the same in
+    /// every repeat of the claim and in its release. A reader keeps the claim of the
+    /// newest epoch (log order between equal ones) and ignores an older one, so a
+    /// paused or partitioned owner that comes back cannot take reads back with late
+    /// claims or releases (it sends them under the epoch of its lost tenure).
     pub at_ms: i64,
 }
 
@@ -370,6 +375,33 @@ impl ShardOwner {
     /// Decodes a claim of the current format.
     pub fn decode(bytes: &[u8]) -> Result<Self> {
         crate::format::decode_json(bytes, "shard-owner claim", |claim: &Self| claim.v)
+    }
+}
+
+/// A member's heartbeat on a membership topic: dequeue brokers on `queue-brokers`,
+/// counters on `counter-members` (`tally_shared::membership`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    /// Format version ([`crate::format::JSON_V1`]).
+    pub v: u32,
+    pub instance: String,
+    /// `host:port` where it is reached (a broker's worker API, a counter's read API).
+    pub addr: String,
+    pub at_ms: i64,
+    /// Sent once on a clean stop: hand its partitions over at once.
+    #[serde(default)]
+    pub leaving: bool,
+}
+
+impl Heartbeat {
+    /// A heartbeat of the current format.
+    pub fn new(instance: String, addr: String, at_ms: i64, leaving: bool) -> Self {
+        Self { v: crate::format::JSON_V1, instance, addr, at_ms, leaving }
+    }
+
+    /// Decodes a heartbeat of the current format.
+    pub fn decode(bytes: &[u8]) -> crate::Result<Self> {
+        crate::format::decode_json(bytes, "member heartbeat", |beat: &Self| beat.v)
     }
 }
 

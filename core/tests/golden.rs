@@ -10,11 +10,11 @@ use std::path::PathBuf;
 
 use tally_core::format::{self, JSON_V1, PRESENT};
 use tally_core::graph::{DescChange, EdgeOp, EdgeUpdate};
-use tally_core::jobs::api::BrokerHeartbeat;
 use tally_core::jobs::{DeadJob, Job};
 use tally_core::keys::{decode_mark, decode_names, decode_stamp, encode_mark, encode_names, encode_stamp, Counts};
 use tally_core::records::Truncated;
 use tally_core::wire::{
+    Heartbeat,
     DeadLetter, GraphMessage, GraphUpdate, Increment, Rollup, ShardMessage, ShardOwner, Source, Stamp, TotalDelta,
 };
 
@@ -135,9 +135,9 @@ fn json_records() {
     let bytes = golden("shard-owner.json", &serde_json::to_vec(&owner).unwrap());
     assert_eq!(ShardOwner::decode(&bytes).unwrap(), owner);
 
-    let beat = BrokerHeartbeat::new("b1".into(), "10.0.0.8:9300".into(), 1_700_000_000_000, true);
+    let beat = Heartbeat::new("b1".into(), "10.0.0.8:9300".into(), 1_700_000_000_000, true);
     let bytes = golden("broker-heartbeat.json", &serde_json::to_vec(&beat).unwrap());
-    assert_eq!(BrokerHeartbeat::decode(&bytes).unwrap(), beat);
+    assert_eq!(Heartbeat::decode(&bytes).unwrap(), beat);
 
     let rollup = Rollup {
         v: JSON_V1,

@@ -337,9 +337,34 @@ pub struct CounterConfig {
     pub rollups: bool,
     /// fsync the RocksDB WAL on every batch (survives power loss, not just `kill -9`).
     pub sync_writes: bool,
-    /// Own every shard without joining the consumer group (one instance only); see
-    /// `ingester.static_assignment`.
+    /// Own every shard without the counters' membership (one instance only).
     pub static_assignment: bool,
+    /// This counter's name among the counters: unique, and stable across restarts
+    /// (a restarted counter gets back the shards whose stores it keeps). Empty:
+    /// `<hostname>:<data_dir>`.
+    pub instance: String,
+    /// How often a counter says it is alive (`counter-members` topic).
+    pub heartbeat_ms: u64,
+    /// A counter silent this long is gone and its shards move; a paused one stops
+    /// serving a quarter of this before (its lease).
+    pub member_timeout_ms: u64,
+}
+
+impl CounterConfig {
+    /// [`CounterConfig::instance`], or `<hostname>:<data_dir>` when it is empty.
+    pub fn member_name(&self) -> String {
+        if !self.instance.trim().is_empty() {
+            return self.instance.trim().to_string();
+        }
+        let host = std::env::var("HOSTNAME")
+            .ok()
+            .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+            .map(|h| h.trim().to_string())
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "localhost".into());
+        let dir = std::fs::canonicalize(&self.data_dir).unwrap_or_else(|_| self.data_dir.clone());
+        format!("{host}:{}", dir.display())
+    }
 }
 
 impl Default for CounterConfig {
@@ -356,6 +381,9 @@ impl Default for CounterConfig {
             rollups: true,
             sync_writes: false,
             static_assignment: false,
+            instance: String::new(),
+            heartbeat_ms: 500,
+            member_timeout_ms: 5_000,
         }
     }
 }

@@ -59,6 +59,11 @@ impl TopicNames {
         self.name("queue-brokers")
     }
 
+    /// The counters' heartbeats (their membership).
+    pub fn counter_members(&self) -> String {
+        self.name("counter-members")
+    }
+
     /// A job queue's topic (SPEC §6).
     pub fn jobs(&self, queue: &str) -> String {
         self.name(&format!("jobs.{queue}"))

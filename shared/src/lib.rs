@@ -5,7 +5,9 @@
 //! replaying the whole log), [`consume`] (the consuming side of every log processor: bounded batches, positions
 //! from the store, paused failed partitions, lag on its own thread), [`store`] (the
 //! RocksDB skeleton whose state commits only with its progress), [`announce`] (claims
-//! on the shard-owners topic), [`follow`] (following a control topic),
+//! on the shard-owners topic, fenced by epochs), [`membership`] (heartbeats, leases:
+//! who owns which partition without Kafka's group protocol), [`follow`] (following a
+//! control topic),
 //! [`config`] (figment: defaults → TOML → `TALLY__` env, unknown keys rejected),
 //! [`telemetry`] (tracing, Prometheus, `/metrics` `/healthz` `/readyz`),
 //! [`shutdown`], [`service`], [`kafka`] (client settings, producers that never leave
@@ -26,6 +28,7 @@ pub mod follow;
 pub mod http;
 pub mod kafka;
 pub mod local_broker;
+pub mod membership;
 pub mod outbox;
 pub mod progress;
 pub mod service;

@@ -107,28 +107,3 @@ pub struct QueueStats {
     pub partitions: Vec<PartitionInfo>,
 }
 
-/// A dequeue broker's heartbeat on the queue-brokers topic.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BrokerHeartbeat {
-    /// Format version ([`crate::format::JSON_V1`]).
-    pub v: u32,
-    pub instance: String,
-    /// `host:port` of its worker API.
-    pub addr: String,
-    pub at_ms: i64,
-    /// Sent once on a clean stop: hand its partitions over at once.
-    #[serde(default)]
-    pub leaving: bool,
-}
-
-impl BrokerHeartbeat {
-    /// A heartbeat of the current format.
-    pub fn new(instance: String, addr: String, at_ms: i64, leaving: bool) -> Self {
-        Self { v: crate::format::JSON_V1, instance, addr, at_ms, leaving }
-    }
-
-    /// Decodes a heartbeat of the current format.
-    pub fn decode(bytes: &[u8]) -> crate::Result<Self> {
-        crate::format::decode_json(bytes, "broker heartbeat", |beat: &Self| beat.v)
-    }
-}

@@ -8,7 +8,6 @@
 //! tests can drive them through any history.
 
 pub mod api;
-pub mod assignment;
 pub mod partition;
 pub mod schedule;
 

@@ -16,7 +16,7 @@ use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, T
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Message};
-use tally_core::jobs::assignment::owner;
+use tally_core::assignment::owner;
 use tally_core::jobs::partition::PartitionQueue;
 use tally_core::jobs::Job;
 use tally_core::wire::DeadLetter;
@@ -25,7 +25,7 @@ use tally_shared::kafka::{client_config, now_ms, unstamped_producer_config, Topi
 use tokio_util::sync::CancellationToken;
 
 use crate::error::Result;
-use crate::membership::Membership;
+use tally_shared::membership::Membership;
 use crate::state::{Broker, QueueRuntime};
 
 const COMMIT_EVERY: Duration = Duration::from_secs(1);

@@ -1,7 +1,8 @@
 //! `tally-broker`: a dequeue broker (SPEC §6, Pinterest's Pacer on Kafka).
 //!
-//! - [`membership`]: which brokers are alive (heartbeats on `tally.queue-brokers`);
-//!   every broker derives the same partition owners from it;
+//! - which brokers are alive: heartbeats on `tally.queue-brokers`
+//!   ([`tally_shared::membership`]); every broker derives the same partition owners
+//!   from it;
 //! - [`fetcher`]: serves the partitions this broker owns: fetches them into bounded
 //!   buffers and commits watermarks that never pass an unfinished job;
 //! - [`state`]: the queues and their buffers: dequeue, ack, nack, extend, expiry,
@@ -14,7 +15,6 @@ pub mod declarations;
 pub mod error;
 pub mod fetcher;
 pub mod http;
-pub mod membership;
 pub mod metrics;
 pub mod state;
 
@@ -23,7 +23,8 @@ use std::time::Duration;
 
 use prometheus::Registry;
 use rdkafka::producer::FutureProducer;
-use tally_core::jobs::assignment::Member;
+use tally_core::assignment::Member;
+use tally_shared::membership::{self, Lease, Membership};
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{unstamped_producer_config, wait_for_topic, TopicNames};
 use tally_shared::telemetry::{serve_admin, Readiness};
@@ -68,11 +69,16 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let served: Vec<String> = broker.queues().iter().map(|q| q.name.clone()).collect();
     tracing::info!(api = %addr, admin = %admin, instance, queues = ?served, "tally-broker starting");
 
-    let membership = Arc::new(membership::Membership::default());
+    let membership = Arc::new(Membership::default());
     let member = Member { instance: instance.clone(), addr };
     let every = Duration::from_millis(config.broker.heartbeat_ms.max(50));
-    let heartbeat = membership::heartbeat(&config.kafka, names.queue_brokers(), member, every, shutdown.clone())?;
-    let follower = membership::follow(&config.kafka, names.queue_brokers(), membership.clone(), shutdown.clone())?;
+    // Brokers fence nothing by lease: a partition's jobs are leased to workers, and a
+    // job finished twice is what at-least-once allows.
+    let lease = Arc::new(Lease::forever());
+    let heartbeat =
+        membership::heartbeat(&config.kafka, names.queue_brokers(), member, every, lease, shutdown.clone())?;
+    let follower =
+        membership::follow(&config.kafka, "broker-membership", &names.queue_brokers(), membership.clone(), shutdown.clone())?;
     wait_for_topic(&config.kafka, &names.queues(), Duration::from_secs(60)).await?;
     let declared = declarations::follow(&config.kafka, broker.clone(), names.clone(), shutdown.clone())?;
 
@@ -118,7 +124,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
 /// ends before shutdown, a panic included. Joins them at shutdown.
 fn watch(
     threads: [std::thread::JoinHandle<()>; 3],
-    membership: Arc<membership::Membership>,
+    membership: Arc<Membership>,
     instance: String,
     timeout_ms: u64,
     readiness: Readiness,

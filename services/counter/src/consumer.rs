@@ -1,10 +1,11 @@
-//! The consumer thread: owns shards through the consumer group, applies batches,
-//! announces ownership, publishes rollups.
+//! The consumer thread: owns the shards the counters' membership gives it (or every
+//! shard, statically), applies batches, announces ownership, publishes rollups.
 //!
 //! It is a plain thread over a `BaseConsumer`, not an async task: applying a batch is
-//! CPU and RocksDB work that must not block the async runtime. On assignment the
-//! shard's store is opened and the partition starts at the store's `next_offset`
-//! (the group's committed offset is only advisory, for lag tooling).
+//! CPU and RocksDB work that must not block the async runtime. When a shard is
+//! taken its store is opened (restored from a snapshot when there is none) and the
+//! partition starts at the store's `next_offset` (the group's committed offset is
+//! only advisory, for lag tooling); it is served once it caught up with the log.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -14,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
-use rdkafka::types::RDKafkaRespErr;
 use rdkafka::ClientContext;
+use tally_core::assignment::Member;
 use tally_core::keys::{parse_count_key, ALL_TIME_WIDTH};
 use tally_core::time::Resolutions;
 use tally_core::wire::Rollup;
@@ -24,6 +25,7 @@ use tally_shared::config::TallyConfig;
 use tally_shared::consume::{drive, spawn_lag_reporter, unreplayable, BatchLimits, LoopSetup, Polled, Processor};
 use tally_shared::failures::{Failure, FailureBoard};
 use tally_shared::kafka::{client_config, now_ms, TopicNames};
+use tally_shared::membership::{self, Membership};
 use tally_shared::outbox::Relay;
 use tally_shared::snapshot::{restored_marker, Manifest, SnapshotStore, Snapshotter};
 use tally_shared::telemetry::Readiness;
@@ -32,6 +34,7 @@ use tokio_util::sync::CancellationToken;
 use crate::apply::{ApplyReport, ShardRecord};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
+use crate::ownership::{Change, Ownership};
 use crate::relay::relay_outboxes;
 use crate::shards::Shards;
 use crate::store::{ShardStore, StoreOptions};
@@ -67,8 +70,9 @@ struct CounterContext {
     /// The shard topic (the snapshots' namespace).
     topic: String,
     metrics: Metrics,
-    /// A failure inside the rebalance callback, reported by the loop.
-    fatal: Mutex<Option<String>>,
+    /// The shards last assigned (failed ones included): what ownership compares
+    /// with what it wants.
+    held: Mutex<Vec<u32>>,
 }
 
 impl CounterContext {
@@ -100,17 +104,27 @@ impl CounterContext {
         Ok(())
     }
 
-    /// Opens the stores of the partitions in `tpl`, positions each at its store's
-    /// next offset, assigns them and publishes the new ownership. A store that does
-    /// not open (corrupt, or of another format) fails its shard, not the process.
-    fn assign(&self, consumer: &BaseConsumer<Self>, tpl: &TopicPartitionList) -> Result<()> {
-        let partitions: Vec<(String, i32)> =
-            tpl.elements().iter().map(|e| (e.topic().to_string(), e.partition())).collect();
+    /// Takes exactly the shards `wanted`: opens their stores, positions each at its
+    /// store's next offset, assigns them and publishes the new ownership. A store
+    /// that does not open (corrupt, or of another format) fails its shard, not the
+    /// process; a shard whose log end cannot be read now is left out (ownership
+    /// asks again).
+    fn assign(&self, consumer: &BaseConsumer<Self>, wanted: &[u32]) -> Result<()> {
+        let before = self.held();
         let mut stores = HashMap::new();
         let mut failures = BTreeMap::new();
+        let mut held = Vec::new();
         let mut assigned = TopicPartitionList::new();
-        for (topic, partition) in partitions {
-            let shard = partition as u32;
+        for &shard in wanted {
+            let partition = shard as i32;
+            let (start, end) = match consumer.fetch_watermarks(&self.topic, partition, Duration::from_secs(10)) {
+                Ok(watermarks) => watermarks,
+                Err(err) => {
+                    tracing::warn!(shard, error = %err, "reading the shard's log end; taking it later");
+                    continue;
+                }
+            };
+            held.push(shard);
             let (store, restored) = match self.open(shard) {
                 Ok(opened) => opened,
                 Err(err) => {
@@ -119,63 +133,44 @@ impl CounterContext {
                     continue;
                 }
             };
-            let (start, end) = consumer.fetch_watermarks(&topic, partition, Duration::from_secs(10))?;
             if let Some(reason) = unreplayable(store.next_offset(), start) {
                 failures.insert(shard, Failure { offset: Some(start), reason, record: None });
                 continue;
             }
-            if store.next_offset().is_none() || restored {
-                // Built from scratch or from a snapshot: not served until it caught
-                // up with the log (partial, or older than what was served before).
+            if !before.contains(&shard) || store.next_offset().is_none() || restored {
+                // Newly taken — built from scratch, restored from a snapshot, or kept
+                // from an earlier tenure — or restarted: not served until it caught up
+                // with the log as it is now, so it never answers older than its
+                // previous owner did (nor partially).
                 store.rebuild_until(end)?;
                 // The wait is persisted: an operator's restore mark has done its job.
                 let _ = std::fs::remove_file(restored_marker(&self.data_dir.join(store_dir(shard))));
-                if end > 0 {
-                    tracing::info!(shard, end, "rebuilding the shard from the log; served once caught up");
+                if store.next_offset().is_none_or(|next| next < end) {
+                    tracing::info!(shard, end, next_offset = ?store.next_offset(), "catching up with the shard's log; served once caught up");
                 }
             }
             let offset = store.next_offset().map_or(Offset::Beginning, Offset::Offset);
-            assigned.add_partition_offset(&topic, partition, offset)?;
+            assigned.add_partition_offset(&self.topic, partition, offset)?;
             stores.insert(shard, store);
         }
         consumer.assign(&assigned)?;
         // librdkafka keeps a partition paused across assignments; a shard that
         // failed before comes back unpaused (and fails again if its record does).
         consumer.resume(&assigned)?;
-        tracing::info!(shards = ?stores.keys().collect::<Vec<_>>(), "shards assigned");
+        tracing::info!(shards = ?stores.keys().collect::<std::collections::BTreeSet<_>>(), "shards assigned");
         self.shards.replace(stores, failures);
+        *self.held.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = held;
         Ok(())
     }
 
-    fn fail(&self, message: String) {
-        tracing::error!(error = %message, "rebalance failed");
-        if let Ok(mut fatal) = self.fatal.lock() {
-            *fatal = Some(message);
-        }
+    fn held(&self) -> Vec<u32> {
+        self.held.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
     }
 }
 
 impl ClientContext for CounterContext {}
 
-impl ConsumerContext for CounterContext {
-    fn rebalance(&self, consumer: &BaseConsumer<Self>, err: RDKafkaRespErr, tpl: &mut TopicPartitionList) {
-        match err {
-            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
-                if let Err(err) = self.assign(consumer, tpl) {
-                    self.fail(err.to_string());
-                }
-            }
-            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
-                if let Err(err) = consumer.unassign() {
-                    tracing::warn!(error = %err, "unassign failed");
-                }
-                tracing::info!("shards revoked");
-                self.shards.replace(HashMap::new(), BTreeMap::new());
-            }
-            other => tracing::warn!(error = ?other, "unexpected rebalance event"),
-        }
-    }
-}
+impl ConsumerContext for CounterContext {}
 
 /// Runs until `shutdown`; finishes and persists the batch in hand before returning.
 pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
@@ -197,25 +192,37 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         snapshots: snapshots.clone(),
         topic: shard_topic.clone(),
         metrics: metrics.clone(),
-        fatal: Mutex::new(None),
+        held: Mutex::new(Vec::new()),
     };
     let mut consumer_config = client_config(&config.kafka)?;
     consumer_config
         .set("group.id", &config.counter.group_id)
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
-        .set("auto.offset.reset", "earliest")
-        .set("partition.assignment.strategy", "range");
+        .set("auto.offset.reset", "earliest");
     let consumer: BaseConsumer<CounterContext> = consumer_config.create_with_context(context)?;
-    if config.counter.static_assignment {
-        let mut tpl = TopicPartitionList::new();
-        for partition in 0..shard_count as i32 {
-            tpl.add_partition(&shard_topic, partition);
+    let mut threads = Vec::new();
+    let ownership = match config.counter.static_assignment {
+        true => {
+            let all: Vec<u32> = (0..shard_count).collect();
+            consumer.context().assign(&consumer, &all)?;
+            None
         }
-        consumer.context().assign(&consumer, &tpl)?;
-    } else {
-        consumer.subscribe(&[&shard_topic])?;
-    }
+        false => {
+            let me = Member { instance: config.counter.member_name(), addr: read_addr.clone() };
+            tracing::info!(instance = %me.instance, "joining the counters");
+            let topic = names.counter_members();
+            let membership = Arc::new(Membership::default());
+            let lease = shards.lease.clone();
+            let every = Duration::from_millis(config.counter.heartbeat_ms);
+            let beats = membership::heartbeat(&config.kafka, topic.clone(), me.clone(), every, lease.clone(), shutdown.clone())?;
+            threads.push(("heartbeat", beats));
+            let follower = membership::follow(&config.kafka, "counter-membership", &topic, membership.clone(), shutdown.clone())?;
+            threads.push(("membership", follower));
+            let timeout = config.counter.member_timeout_ms;
+            Some(Ownership::new(membership, lease, me, topic, shard_topic.clone(), shard_count, timeout))
+        }
+    };
     let announcer = Announcer::new(&config.kafka, names.shard_owners(), read_addr)?;
     let rollups = match config.counter.rollups {
         true => Some(Rollups {
@@ -241,7 +248,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         },
         move |shard, lag| lag_metrics.consumer_lag.with_label_values(&[&shard.to_string()]).set(lag),
     )?;
-    let mut threads = vec![("lag reporter", lag_reporter)];
+    threads.push(("lag reporter", lag_reporter));
     if let Some(snapshots) = snapshots {
         let snapshotter = ShardSnapshots::new(snapshots, &config, shards.clone(), metrics.clone());
         let every =
@@ -272,13 +279,12 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         serving: Vec::new(),
         outbox_written: 0,
         threads,
+        ownership,
+        shard_count,
         shutdown: shutdown.clone(),
     };
     let result = drive(&consumer, &setup, &mut counter, &shutdown);
     counter.stop();
-    if !config.counter.static_assignment {
-        consumer.unsubscribe();
-    }
     result
 }
 
@@ -301,6 +307,9 @@ struct Counter {
     outbox_written: u64,
     /// Watched: one that ends before shutdown (a panic) stops the counter.
     threads: Vec<(&'static str, std::thread::JoinHandle<()>)>,
+    /// Which shards to own (`None`: every shard, statically).
+    ownership: Option<Ownership>,
+    shard_count: u32,
     shutdown: CancellationToken,
 }
 
@@ -327,10 +336,8 @@ impl Processor<CounterContext> for Counter {
     }
 
     fn turn(&mut self, consumer: &BaseConsumer<CounterContext>, skipped: u64, heartbeat: bool) -> Result<()> {
-        if let Some(message) = consumer.context().fatal.lock().ok().and_then(|mut f| f.take()) {
-            return Err(Error::Consumer(message));
-        }
         self.metrics.skipped_records.inc_by(skipped);
+        self.reassign(consumer, heartbeat)?;
         let reassigned = self.shards.epoch() != self.epoch;
         if reassigned {
             self.epoch = self.shards.epoch();
@@ -343,7 +350,8 @@ impl Processor<CounterContext> for Counter {
             self.serving = announced;
             self.announcer.announce(&self.serving, true);
         }
-        report_state(&self.shards, &self.readiness, &self.metrics);
+        let conflict = self.ownership.as_ref().and_then(Ownership::conflict);
+        report_state(&self.shards, &self.readiness, &self.metrics, conflict);
         // Right after a batch that wrote totals for other shards; and with every
         // heartbeat, for what a store still held after a restart or a new assignment.
         if self.outbox_written > 0 || heartbeat {
@@ -385,6 +393,37 @@ impl Processor<CounterContext> for Counter {
 }
 
 impl Counter {
+    /// Takes and drops shards as ownership says: at once when the lease lapsed
+    /// (every shard, then a new tenure); statically, every shard (those whose log
+    /// end could not be read are tried again with each heartbeat).
+    fn reassign(&mut self, consumer: &BaseConsumer<CounterContext>, heartbeat: bool) -> Result<()> {
+        let context = consumer.context();
+        let held = context.held();
+        let Some(ownership) = self.ownership.as_mut() else {
+            if heartbeat && held.len() < self.shard_count as usize {
+                context.assign(consumer, &(0..self.shard_count).collect::<Vec<_>>())?;
+            }
+            return Ok(());
+        };
+        match ownership.change(consumer, &held, now_ms()) {
+            None => Ok(()),
+            Some(Change::Own(wanted)) => {
+                tracing::info!(from = ?held, to = ?wanted, "ownership changed");
+                context.assign(consumer, &wanted)
+            }
+            Some(Change::Lapsed) => {
+                tracing::warn!(
+                    shards = ?held,
+                    "this counter's lease lapsed (paused, or cut off from Kafka, too long): dropping every shard, joining again"
+                );
+                context.assign(consumer, &[])?;
+                self.metrics.lapsed_leases.inc();
+                ownership.lease.restart();
+                Ok(())
+            }
+        }
+    }
+
     /// After the loop: the outboxes relayed (what fails goes with the next owner),
     /// the shards released.
     fn stop(&mut self) {
@@ -393,7 +432,7 @@ impl Counter {
         }
         tracing::info!("counter consumer stopping: batch persisted, releasing shards");
         self.readiness.set(false);
-        self.announcer.release(&self.shards.owned());
+        self.announcer.release_all();
         for (name, thread) in self.threads.drain(..) {
             if thread.join().is_err() {
                 tracing::error!(thread = name, "a counter thread panicked");
@@ -403,10 +442,12 @@ impl Counter {
 }
 
 /// Readiness and the failure gauge from the shards' state: ready while this counter
-/// serves shards and none failed; `/readyz` names each failure.
-fn report_state(shards: &Shards, readiness: &Readiness, metrics: &Metrics) {
-    let failures = shards.failures.descriptions();
+/// serves shards and none failed; `/readyz` names each failure (and a name another
+/// counter uses too).
+fn report_state(shards: &Shards, readiness: &Readiness, metrics: &Metrics, conflict: Option<String>) {
+    let mut failures = shards.failures.descriptions();
     metrics.failed_shards.set(failures.len() as i64);
+    failures.extend(conflict);
     readiness.set_failures(failures);
     readiness.set(!shards.serving().is_empty());
 }
@@ -455,7 +496,8 @@ fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, rollups: Op
         outbox_written += report.outbox_messages;
         // Marked in the batch; sent now unless the last round failed (then the
         // heartbeat's round retries, and counting never waits on a broken topic).
-        if let Some(rollups) = rollups.filter(|r| store.serving() && r.healthy.load(Ordering::Relaxed)) {
+        let publish = store.serving() && shards.lease.valid(now_ms());
+        if let Some(rollups) = rollups.filter(|r| publish && r.healthy.load(Ordering::Relaxed)) {
             rollups.publish(&store, &report.changed, metrics, &shards.failures);
         }
     }

@@ -1,5 +1,6 @@
 //! The internal read API `tally-query` calls: one request per shard, answered from
-//! one snapshot. A shard this process does not own answers 409 `not_owner`, which
+//! one snapshot. A shard this process does not own, or not now (still catching up
+//! with the log, or its lease lapsed), answers 409 `not_owner`, which
 //! tells the caller to look up the owner again; a failed shard answers 503
 //! `shard_failed`. `POST /internal/v1/shards/{shard}/skip` is `tally shards skip`
 //! ([`tally_shared::failures`]).
@@ -41,7 +42,7 @@ fn serving(state: &ReadState, shard: u32) -> Result<Arc<ShardStore>, Response> {
     if let Some(refusal) = state.shards.failures.read_refusal(shard) {
         return Err(refusal);
     }
-    state.shards.get(shard).filter(|s| s.serving()).ok_or_else(|| {
+    state.shards.served(shard).ok_or_else(|| {
         let message = format!("shard {shard} is not owned by this counter");
         ApiError::new(StatusCode::CONFLICT, "not_owner", message).into_response()
     })

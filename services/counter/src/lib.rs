@@ -5,7 +5,9 @@
 //! - [`store`]: one shard's RocksDB (counts, idempotency marks, progress);
 //! - [`apply`]: a batch of shard records → one atomic write batch;
 //! - [`read`]: windows, series and metric listings from a snapshot;
-//! - [`consumer`]: the consumer-group thread that owns shards and applies batches;
+//! - [`consumer`]: the consumer thread that owns shards and applies batches;
+//! - [`ownership`]: which shards this counter owns among the live counters, fenced
+//!   by its lease;
 //! - [`relay`]: sends each shard's outbox of totals to the shards of descendants;
 //! - [`http`]: the internal read API; [`metrics`]: what it exports.
 
@@ -17,6 +19,7 @@ pub mod consumer;
 pub mod error;
 pub mod http;
 pub mod metrics;
+pub mod ownership;
 pub mod read;
 pub mod relay;
 pub mod shards;
@@ -41,7 +44,21 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let shard_count =
         tally_shared::kafka::wait_for_topic(&config.kafka, &shard_topic, std::time::Duration::from_secs(60)).await?;
     let readiness = Readiness::default();
-    let shards = Arc::new(shards::Shards::default());
+    let lease = match config.counter.static_assignment {
+        true => tally_shared::membership::Lease::forever(),
+        false => {
+            if config.counter.heartbeat_ms == 0 || config.counter.heartbeat_ms * 3 > config.counter.member_timeout_ms {
+                return Err(Error::Consumer(format!(
+                    "counter.member_timeout_ms ({}) must be at least 3 × counter.heartbeat_ms ({}, not 0)",
+                    config.counter.member_timeout_ms, config.counter.heartbeat_ms
+                )));
+            }
+            let members = tally_shared::kafka::TopicNames::new(&config.kafka.topic_prefix).counter_members();
+            tally_shared::kafka::wait_for_topic(&config.kafka, &members, std::time::Duration::from_secs(60)).await?;
+            tally_shared::membership::Lease::new(config.counter.member_timeout_ms)
+        }
+    };
+    let shards = Arc::new(shards::Shards::new(Arc::new(lease)));
 
     let listener = TcpListener::bind(&config.counter.read_listen).await?;
     let bound = listener.local_addr()?;

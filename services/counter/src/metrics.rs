@@ -21,6 +21,8 @@ pub struct Metrics {
     pub snapshots_taken: IntCounter,
     pub snapshot_failures: IntCounter,
     pub owned_shards: IntGauge,
+    /// Leases that lapsed (the counter paused or cut off too long): every shard dropped.
+    pub lapsed_leases: IntCounter,
     pub reads: IntCounter,
     pub rollups_published: IntCounter,
     /// Rounds of rollups not acknowledged (they stay marked and go again).
@@ -82,6 +84,14 @@ impl Metrics {
                 registry,
                 IntCounter::new("tally_counter_restored_shards_total", "Shards restored from a snapshot")
                     .expect("valid metric"),
+            ),
+            lapsed_leases: register(
+                registry,
+                IntCounter::new(
+                    "tally_counter_lapsed_leases_total",
+                    "Times this counter's lease lapsed and it dropped every shard",
+                )
+                .expect("valid metric"),
             ),
             snapshots_taken: register(
                 registry,

@@ -13,6 +13,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use tally_shared::failures::{Failure, FailureBoard};
+use tally_shared::kafka::now_ms;
+use tally_shared::membership::Lease;
 
 use crate::store::ShardStore;
 
@@ -25,6 +27,9 @@ pub struct Shards {
     snapshot_requests: std::sync::Mutex<Vec<SnapshotRequest>>,
     /// Failed shards and the skips operators asked for.
     pub failures: Arc<FailureBoard>,
+    /// While it is valid this counter may act as the owner of its shards: read,
+    /// roll up, announce ([`tally_shared::membership`]). Static assignment: forever.
+    pub lease: Arc<Lease>,
     /// Bumped on every assignment change; a batch collected across a change is
     /// discarded, since the consumer positions were reset from the stores.
     epoch: AtomicU64,
@@ -41,17 +46,24 @@ fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
 }
 
 impl Default for Shards {
+    /// Shards owned statically: the lease never ends.
     fn default() -> Self {
-        Self {
-            owned: RwLock::default(),
-            snapshot_requests: std::sync::Mutex::default(),
-            failures: Arc::new(FailureBoard::new(|shard| format!("shard {shard}"))),
-            epoch: AtomicU64::new(0),
-        }
+        Self::new(Arc::new(Lease::forever()))
     }
 }
 
 impl Shards {
+    pub fn new(lease: Arc<Lease>) -> Self {
+        Self {
+            owned: RwLock::default(),
+            snapshot_requests: std::sync::Mutex::default(),
+            failures: Arc::new(FailureBoard::new(|shard| format!("shard {shard}"))),
+            lease,
+            epoch: AtomicU64::new(0),
+        }
+    }
+
+
     pub fn get(&self, shard: u32) -> Option<Arc<ShardStore>> {
         read(&self.owned).get(&shard).cloned()
     }
@@ -62,9 +74,18 @@ impl Shards {
         shards
     }
 
+    /// The store of `shard` if it is served now: see [`Shards::serving`].
+    pub fn served(&self, shard: u32) -> Option<Arc<ShardStore>> {
+        self.get(shard).filter(|store| store.serving() && self.lease.valid(now_ms()))
+    }
+
     /// The owned shards that have not failed and whose store has caught up with
-    /// the log (see [`ShardStore::serving`]): the ones read and rolled up.
+    /// the log (see [`ShardStore::serving`]), while the lease holds: the ones read
+    /// and rolled up.
     pub fn serving(&self) -> Vec<u32> {
+        if !self.lease.valid(now_ms()) {
+            return Vec::new();
+        }
         let mut shards: Vec<u32> = read(&self.owned)
             .iter()
             .filter(|(shard, store)| store.serving() && !self.failures.is_failed(**shard))

@@ -132,7 +132,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
     let result = drive(&consumer, &setup, &mut processor, &shutdown);
     processor.readiness.set(false);
     relay_outbox(&store, &processor.relay, &processor.metrics);
-    processor.announcer.release(&[ShardOwner::GRAPH]);
+    processor.announcer.release_all();
     for (name, thread) in processor.threads.drain(..) {
         if thread.join().is_err() {
             tracing::error!(thread = name, "a graph thread panicked");

@@ -1,8 +1,11 @@
 //! Which counter serves which shard, learned from the shard-owners topic.
 //!
-//! A background thread reads the topic from the beginning and keeps the latest claim
-//! per shard (log order: a later record wins). Readers that find a claim stale — the
-//! owner answered `not_owner` or did not answer — wait for a newer one.
+//! A background thread reads the topic from the beginning and keeps, per shard, the
+//! claim of the newest epoch ([`ShardOwner::at_ms`]; log order between equal ones):
+//! a claim or release of an older epoch — a paused owner's, sent late — is ignored,
+//! unless the shard has no owner at all (then any claim is a better guess than none,
+//! and a stale one answers `not_owner`). Readers that find a claim stale — the owner
+//! answered `not_owner` or did not answer — wait for a newer one.
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
@@ -22,6 +25,8 @@ use crate::error::Result;
 pub struct Claim {
     pub addr: Option<String>,
     pub version: u64,
+    /// The owner's epoch.
+    pub epoch: i64,
 }
 
 #[derive(Default)]
@@ -38,10 +43,14 @@ impl Owners {
     pub fn record(&self, owner: ShardOwner, version: u64) {
         if let Ok(mut claims) = self.claims.write() {
             let current = claims.get(&owner.shard);
-            if current.is_none_or(|c| c.addr != owner.addr) {
-                tracing::info!(shard = owner.shard, addr = ?owner.addr, "shard owner changed");
+            if current.is_some_and(|c| c.addr.is_some() && owner.at_ms < c.epoch) {
+                tracing::info!(shard = owner.shard, addr = ?owner.addr, epoch = owner.at_ms, "ignoring a claim of an older epoch");
+                return;
             }
-            claims.insert(owner.shard, Claim { addr: owner.addr, version });
+            if current.is_none_or(|c| c.addr != owner.addr) {
+                tracing::info!(shard = owner.shard, addr = ?owner.addr, epoch = owner.at_ms, "shard owner changed");
+            }
+            claims.insert(owner.shard, Claim { addr: owner.addr, version, epoch: owner.at_ms });
         }
         self.changed.notify_waiters();
     }
@@ -121,5 +130,32 @@ impl Follow for Claims {
             Ok(owner) => self.0.record(owner, offset as u64 + 1),
             Err(err) => tracing::warn!(offset, error = %err, "ignoring a shard-owner claim this build cannot read"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claim(shard: u32, addr: Option<&str>, epoch: i64) -> ShardOwner {
+        ShardOwner::new(shard, addr.map(String::from), "i".into(), epoch)
+    }
+
+    #[test]
+    fn a_claim_or_release_of_an_older_epoch_is_ignored() {
+        let owners = Owners::default();
+        owners.record(claim(3, Some("a:1"), 100), 1);
+        owners.record(claim(3, Some("b:1"), 200), 2); // b took the shard over
+        owners.record(claim(3, Some("a:1"), 100), 3); // a paused owner's late claim
+        owners.record(claim(3, None, 100), 4); // …and its late release
+        assert_eq!(owners.get(3), Some(Claim { addr: Some("b:1".into()), version: 2, epoch: 200 }));
+        owners.record(claim(3, Some("b:1"), 200), 5); // b repeats its claim
+        owners.record(claim(3, None, 200), 6); // b lets go
+        assert_eq!(owners.get(3), Some(Claim { addr: None, version: 6, epoch: 200 }));
+        // No owner: a claim of any epoch is taken (a stale one answers not_owner).
+        owners.record(claim(3, Some("a:1"), 150), 7);
+        assert_eq!(owners.get(3), Some(Claim { addr: Some("a:1".into()), version: 7, epoch: 150 }));
+        owners.record(claim(3, Some("c:1"), 300), 8);
+        assert_eq!(owners.get(3).map(|c| c.addr), Some(Some("c:1".into())));
     }
 }

@@ -1,11 +1,14 @@
-//! Which dequeue broker owns which queue partition: rendezvous hashing over the live
-//! brokers. Every broker computes the same answer from the same membership, so a
-//! worker can ask any of them, and when a broker joins or leaves only the partitions
-//! it wins or held move.
+//! Which live member owns which partition: rendezvous hashing over the members of a
+//! membership topic (dequeue brokers own queue partitions, counters own shards).
+//! Every member computes the same answer from the same membership, so a worker can
+//! ask any broker, and when a member joins or leaves only the partitions it wins or
+//! held move. Members are named stably (a counter by its host and data directory),
+//! so a restarted member gets back the partitions whose state it keeps.
 
 use std::collections::BTreeMap;
 
-/// A live broker: its instance id and where workers reach it.
+/// A live member: its name and where it is reached (a broker's worker API, a
+/// counter's read API).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Member {
     pub instance: String,
@@ -26,7 +29,8 @@ fn score(instance: &str, queue: &str, partition: i32) -> u64 {
     hash ^ (hash >> 33)
 }
 
-/// The owner of `queue`'s `partition` among `members` (none when there are none).
+/// The owner of `queue`'s `partition` among `members` (none when there are none);
+/// `queue` names any family of partitions (a counter's: the shard topic).
 pub fn owner<'a>(members: &'a [Member], queue: &str, partition: i32) -> Option<&'a Member> {
     members.iter().max_by_key(|m| (score(&m.instance, queue, partition), &m.instance))
 }

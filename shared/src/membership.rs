@@ -1,0 +1,262 @@
+//! Who is alive, for services that split partitions among their instances without
+//! Kafka's group protocol: dequeue brokers (queue partitions) and counters (shards).
+//!
+//! Each member publishes a heartbeat on its membership topic every `heartbeat` and
+//! follows the topic; a member silent for `timeout`, or one that said it is leaving,
+//! is gone. Every member reads the same log, so all derive the same owners
+//! ([`tally_core::assignment`]). (Kafka's group protocol could play this part on a
+//! real Kafka; the local broker's group coordinator never evicts a member killed
+//! with -9, and a paused member would keep its partitions in both, so tally keeps
+//! this one simple membership and tests it with kill -9 and SIGSTOP.)
+//!
+//! **The lease** fences a member that stops — paused, partitioned, its clock
+//! stalled: it holds its partitions only while its [`Lease`] is valid, which ends
+//! `timeout - margin` after the send time of its newest heartbeat the broker
+//! acknowledged *while the lease was still valid*. The others take a partition over
+//! only once that member's newest heartbeat in the log is `timeout` old and they
+//! have read the log to its end ([`Membership::caught_up`]), so every heartbeat
+//! acknowledged before they decide is one they saw: the old holder's lease ended
+//! `margin` before. A heartbeat acknowledged after its lease ended does not revive
+//! it: the lease *lapses*, the member drops everything and starts a new tenure
+//! ([`Lease::restart`]). `margin` covers clock skew between machines.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use tally_core::assignment::Member;
+use tally_core::wire::Heartbeat;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::KafkaConfig;
+use crate::follow::Follow;
+use crate::kafka::{now_ms, producer_config};
+use crate::Result;
+
+/// The members seen on a membership topic, and how far it was read.
+#[derive(Default)]
+pub struct Membership {
+    /// instance → its latest heartbeat.
+    latest: RwLock<BTreeMap<String, Heartbeat>>,
+    /// The offset after the last record read.
+    read_to: AtomicI64,
+}
+
+impl Membership {
+    pub fn record(&self, heartbeat: Heartbeat) {
+        let mut latest = self.latest.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let newer = latest.get(&heartbeat.instance).is_none_or(|h| h.at_ms <= heartbeat.at_ms);
+        if newer {
+            latest.insert(heartbeat.instance.clone(), heartbeat);
+        }
+    }
+
+    /// The members alive at `now`, sorted by instance.
+    pub fn live(&self, now: i64, timeout_ms: u64) -> Vec<Member> {
+        let latest = self.latest.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        latest
+            .values()
+            .filter(|h| !h.leaving && h.at_ms + timeout_ms as i64 > now)
+            .map(|h| Member { instance: h.instance.clone(), addr: h.addr.clone() })
+            .collect()
+    }
+
+    /// Whether every record before `high` (the topic's high watermark, fetched just
+    /// now) was read: then no heartbeat acknowledged before it is missing here.
+    pub fn caught_up(&self, high: i64) -> bool {
+        self.read_to.load(Ordering::SeqCst) >= high
+    }
+}
+
+/// How long a member may act as the holder of its partitions (see the module docs).
+#[derive(Debug)]
+pub struct Lease {
+    state: Mutex<LeaseState>,
+    /// Mirrors `state.until` for lock-free checks on the read path.
+    until: AtomicI64,
+    timeout_ms: i64,
+    margin_ms: i64,
+}
+
+#[derive(Debug, Default)]
+struct LeaseState {
+    until: i64,
+    /// No lease held yet in this tenure: the next acknowledged heartbeat starts one.
+    fresh: bool,
+    /// The lease ended before a heartbeat renewed it: the tenure is over.
+    lapsed: bool,
+}
+
+impl Lease {
+    /// A lease renewed by heartbeats, for members timed out after `timeout_ms`.
+    pub fn new(timeout_ms: u64) -> Self {
+        let timeout_ms = timeout_ms as i64;
+        let margin_ms = (timeout_ms / 4).max(1);
+        let state = LeaseState { until: 0, fresh: true, lapsed: false };
+        Self { state: Mutex::new(state), until: AtomicI64::new(0), timeout_ms, margin_ms }
+    }
+
+    /// A lease that never ends: a single instance that owns everything statically.
+    pub fn forever() -> Self {
+        let state = LeaseState { until: i64::MAX, fresh: false, lapsed: false };
+        Self { state: Mutex::new(state), until: AtomicI64::new(i64::MAX), timeout_ms: 0, margin_ms: 0 }
+    }
+
+    /// Whether the holder may act at `now`.
+    pub fn valid(&self, now: i64) -> bool {
+        now < self.until.load(Ordering::SeqCst)
+    }
+
+    /// A heartbeat sent at `sent_ms` was acknowledged at `now`.
+    pub fn acknowledged(&self, sent_ms: i64, now: i64) {
+        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if state.lapsed || state.until == i64::MAX {
+            return;
+        }
+        if state.fresh || now < state.until {
+            state.fresh = false;
+            state.until = state.until.max(sent_ms + self.timeout_ms - self.margin_ms);
+            self.until.store(state.until, Ordering::SeqCst);
+        } else {
+            state.lapsed = true;
+        }
+    }
+
+    /// Whether the lease ended while held (checked by the holder, which then drops
+    /// everything and calls [`Lease::restart`]).
+    pub fn lapsed(&self, now: i64) -> bool {
+        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if !state.fresh && now >= state.until {
+            state.lapsed = true;
+        }
+        state.lapsed
+    }
+
+    /// A new tenure, after the holder dropped everything of the lapsed one.
+    pub fn restart(&self) {
+        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        *state = LeaseState { until: 0, fresh: true, lapsed: false };
+        self.until.store(0, Ordering::SeqCst);
+    }
+}
+
+/// Publishes `me`'s heartbeats on `topic` every `every` until `shutdown`, then one
+/// saying it is leaving; each acknowledged heartbeat renews `lease`.
+pub fn heartbeat(
+    kafka: &KafkaConfig,
+    topic: String,
+    me: Member,
+    every: Duration,
+    lease: Arc<Lease>,
+    shutdown: CancellationToken,
+) -> Result<std::thread::JoinHandle<()>> {
+    let producer: ThreadedProducer<DefaultProducerContext> = producer_config(kafka)?.create()?;
+    let thread = std::thread::Builder::new().name("heartbeat".into()).spawn(move || {
+        let send = |leaving: bool| -> Option<i64> {
+            let sent = now_ms();
+            let beat = Heartbeat::new(me.instance.clone(), me.addr.clone(), sent, leaving);
+            let payload = serde_json::to_vec(&beat).ok()?;
+            match producer.send(BaseRecord::to(&topic).key(&me.instance).payload(&payload)) {
+                Ok(()) => Some(sent),
+                Err((err, _)) => {
+                    tracing::warn!(error = %err, "sending a heartbeat");
+                    None
+                }
+            }
+        };
+        while !shutdown.is_cancelled() {
+            if let Some(sent) = send(false) {
+                // Flushed: every heartbeat sent so far is acknowledged.
+                if producer.flush(every).is_ok() {
+                    lease.acknowledged(sent, now_ms());
+                }
+            }
+            let until = std::time::Instant::now() + every;
+            while !shutdown.is_cancelled() && std::time::Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        send(true);
+        let _ = producer.flush(Duration::from_secs(5));
+    })?;
+    Ok(thread)
+}
+
+/// Follows the membership topic from its beginning into `membership`.
+pub fn follow(
+    kafka: &KafkaConfig,
+    name: &str,
+    topic: &str,
+    membership: Arc<Membership>,
+    shutdown: CancellationToken,
+) -> Result<std::thread::JoinHandle<()>> {
+    let group = format!("tally-{name}");
+    crate::follow::follow(kafka, name, &group, topic, Duration::from_millis(50), shutdown, Beats(membership))
+}
+
+struct Beats(Arc<Membership>);
+
+impl Follow for Beats {
+    fn record(&mut self, offset: i64, payload: &[u8]) {
+        match Heartbeat::decode(payload) {
+            Ok(heartbeat) => self.0.record(heartbeat),
+            Err(err) => tracing::warn!(offset, error = %err, "ignoring a heartbeat this build cannot read"),
+        }
+        self.0.read_to.fetch_max(offset + 1, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn beat(instance: &str, at_ms: i64, leaving: bool) -> Heartbeat {
+        Heartbeat::new(instance.into(), format!("{instance}:1"), at_ms, leaving)
+    }
+
+    #[test]
+    fn silent_and_leaving_members_are_gone() {
+        let membership = Membership::default();
+        membership.record(beat("a", 1_000, false));
+        membership.record(beat("b", 1_000, false));
+        membership.record(beat("c", 1_000, false));
+        membership.record(beat("a", 5_000, false));
+        membership.record(beat("a", 4_000, false)); // older, ignored
+        membership.record(beat("b", 5_500, true));
+        let live: Vec<String> = membership.live(6_000, 3_000).into_iter().map(|m| m.instance).collect();
+        assert_eq!(live, vec!["a".to_string()]);
+    }
+
+    #[test]
+    fn a_lease_that_ended_is_not_revived_by_a_late_acknowledgement() {
+        let lease = Lease::new(4_000); // margin 1 000
+        assert!(!lease.valid(0), "no heartbeat acknowledged yet");
+        lease.acknowledged(1_000, 1_010);
+        assert!(lease.valid(3_999) && !lease.valid(4_000), "sent at 1 000: valid until 4 000");
+        lease.acknowledged(2_000, 2_100);
+        assert!(lease.valid(4_999) && !lease.valid(5_000), "renewed by the next one");
+        assert!(!lease.lapsed(4_000));
+        // Paused: the next acknowledgement comes after the lease ended.
+        lease.acknowledged(4_900, 20_000);
+        assert!(!lease.valid(20_001), "a late acknowledgement does not renew");
+        assert!(lease.lapsed(20_001));
+        lease.acknowledged(20_100, 20_110);
+        assert!(!lease.valid(20_200), "nothing renews a lapsed lease");
+        // The holder dropped everything: a new tenure.
+        lease.restart();
+        assert!(!lease.lapsed(20_300));
+        lease.acknowledged(20_400, 20_410);
+        assert!(lease.valid(23_000) && !lease.valid(23_400));
+        // A lease that ends with no acknowledgement at all lapses too.
+        assert!(lease.lapsed(23_400));
+    }
+
+    #[test]
+    fn a_static_lease_never_ends() {
+        let lease = Lease::forever();
+        lease.acknowledged(0, i64::MAX - 1);
+        assert!(lease.valid(i64::MAX - 1) && !lease.lapsed(i64::MAX - 1));
+    }
+}
