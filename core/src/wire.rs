@@ -376,6 +376,13 @@ impl ShardOwner {
     pub fn decode(bytes: &[u8]) -> Result<Self> {
         crate::format::decode_json(bytes, "shard-owner claim", |claim: &Self| claim.v)
     }
+
+    /// Whether this claim, read after `current` (the claim held for its shard: whether
+    /// it names an owner, and its epoch), replaces it: one of the same or a newer
+    /// epoch does; an older one only when the shard has no owner.
+    pub fn replaces(&self, current: Option<(bool, i64)>) -> bool {
+        current.is_none_or(|(owned, epoch)| !owned || self.at_ms >= epoch)
+    }
 }
 
 /// A member's heartbeat on a membership topic: dequeue brokers on `queue-brokers`,

@@ -291,6 +291,11 @@ impl Sandbox {
         }
     }
 
+    /// The process id of a running instance.
+    pub fn pid(&self, name: &str) -> Option<u32> {
+        self.children.get(name).map(Child::id)
+    }
+
     /// The log a service wrote so far (for failure messages).
     pub fn log(&self, name: &str) -> String {
         std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))).unwrap_or_default()

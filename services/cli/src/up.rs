@@ -5,6 +5,10 @@
 //! data under `./data`, restarts a service that dies (with backoff, and says so), and
 //! on Ctrl-C stops the services gracefully (SIGTERM, each persists its batch), then
 //! the broker. A second `tally up` resumes with the data intact.
+//!
+//! `--counters N` runs N counter processes that share the shards through the
+//! counters' membership (`counter-0` … with data in `counter-0/` …); one counter
+//! owns every shard statically.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -24,9 +28,13 @@ pub struct UpArgs {
     /// Port of the local broker (used only when no bootstrap servers are configured).
     #[arg(long, default_value_t = 9092)]
     pub kafka_port: u16,
+    /// Counter processes sharing the shards (a killed or paused one's shards move
+    /// to the others within seconds).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub counters: u32,
 }
 
-const SERVICES: [&str; 5] = ["tally-ingester", "tally-counter", "tally-graph", "tally-query", "tally-broker"];
+const SERVICES: [&str; 4] = ["tally-ingester", "tally-graph", "tally-query", "tally-broker"];
 
 pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: UpArgs) -> anyhow::Result<()> {
     let shutdown = tally_shared::shutdown::on_signals();
@@ -76,10 +84,10 @@ pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: Up
     ];
     if broker.is_some() {
         // The local broker's group coordinator never evicts a member killed with -9,
-        // so the single local instances own every partition without a group.
+        // so the single local ingester owns every partition without a group.
         env.push(("TALLY__INGESTER__STATIC_ASSIGNMENT".to_string(), "true".to_string()));
-        env.push(("TALLY__COUNTER__STATIC_ASSIGNMENT".to_string(), "true".to_string()));
     }
+    let counters = counter_instances(&config, &counter_dir, args.counters);
     if let Some(path) = &config_path {
         env.push(("TALLY_CONFIG".to_string(), std::fs::canonicalize(path)?.display().to_string()));
     }
@@ -87,16 +95,22 @@ pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: Up
 
     println!("tally: read API and dashboard  http://{}/", config.query.listen);
     println!("tally: job queues (dequeue brokers)  http://{}/v1/queues", config.broker.listen);
+    let counter_metrics: Vec<String> =
+        counters.iter().map(|(_, env)| format!("http://{}/metrics", admin_listen_of(env, &config))).collect();
     println!(
-        "tally: metrics  ingester http://{}/metrics  counter http://{}/metrics  graph http://{}/metrics  query http://{}/metrics  broker http://{}/metrics",
-        config.ingester.admin_listen, config.counter.admin_listen, config.graph.admin_listen, config.query.admin_listen, config.broker.admin_listen
+        "tally: metrics  ingester http://{}/metrics  counter {}  graph http://{}/metrics  query http://{}/metrics  broker http://{}/metrics",
+        config.ingester.admin_listen, counter_metrics.join(" "), config.graph.admin_listen, config.query.admin_listen, config.broker.admin_listen
     );
     println!("tally: try  tally produce increment answer:42 views;  tally produce edge add answer:42 user:7;  tally query user:7 views   (Ctrl-C stops everything)");
 
-    let supervisors: Vec<_> = SERVICES
+    let mut supervisors: Vec<_> = SERVICES
         .iter()
-        .map(|name| tokio::spawn(supervise(name, bin_dir.join(name), env.clone(), shutdown.clone())))
+        .map(|name| tokio::spawn(supervise(name.to_string(), bin_dir.join(name), env.clone(), shutdown.clone())))
         .collect();
+    for (name, own) in counters {
+        let env = env.iter().cloned().chain(own).collect();
+        supervisors.push(tokio::spawn(supervise(name, bin_dir.join("tally-counter"), env, shutdown.clone())));
+    }
     for supervisor in supervisors {
         let _ = supervisor.await;
     }
@@ -107,8 +121,45 @@ pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: Up
     Ok(())
 }
 
+/// The counter processes to run (name, own environment): one that owns every shard
+/// statically, or `n` that share them through their membership, each with its own
+/// name, data directory and admin port (the configured one plus its index, unless 0).
+fn counter_instances(config: &TallyConfig, counter_dir: &Path, n: u32) -> Vec<(String, Vec<(String, String)>)> {
+    if n == 1 {
+        let env = vec![("TALLY__COUNTER__STATIC_ASSIGNMENT".to_string(), "true".to_string())];
+        return vec![("tally-counter".to_string(), env)];
+    }
+    let admin: Option<std::net::SocketAddr> = config.counter.admin_listen.parse().ok();
+    (0..n)
+        .map(|i| {
+            let name = format!("counter-{i}");
+            let dir = counter_dir.with_file_name(format!(
+                "{}-{i}",
+                counter_dir.file_name().map_or("counter".into(), |f| f.to_string_lossy())
+            ));
+            let mut env = vec![
+                ("TALLY__COUNTER__STATIC_ASSIGNMENT".to_string(), "false".to_string()),
+                ("TALLY__COUNTER__INSTANCE".to_string(), name.clone()),
+                ("TALLY__COUNTER__DATA_DIR".to_string(), dir.display().to_string()),
+            ];
+            if let Some(mut addr) = admin.filter(|a| a.port() != 0) {
+                addr.set_port(addr.port() + i as u16);
+                env.push(("TALLY__COUNTER__ADMIN_LISTEN".to_string(), addr.to_string()));
+            }
+            (format!("tally-counter ({name})"), env)
+        })
+        .collect()
+}
+
+/// The admin address a counter's environment gives it.
+fn admin_listen_of(env: &[(String, String)], config: &TallyConfig) -> String {
+    env.iter()
+        .find(|(key, _)| key == "TALLY__COUNTER__ADMIN_LISTEN")
+        .map_or_else(|| config.counter.admin_listen.clone(), |(_, value)| value.clone())
+}
+
 /// Keeps one service running until `shutdown`, restarting it with backoff.
-async fn supervise(name: &'static str, binary: PathBuf, env: Vec<(String, String)>, shutdown: CancellationToken) {
+async fn supervise(name: String, binary: PathBuf, env: Vec<(String, String)>, shutdown: CancellationToken) {
     let mut backoff = Duration::from_secs(1);
     loop {
         let mut child = match Command::new(&binary).envs(env.iter().cloned()).kill_on_drop(true).spawn() {
@@ -136,7 +187,7 @@ async fn supervise(name: &'static str, binary: PathBuf, env: Vec<(String, String
                 backoff = (backoff * 2).min(Duration::from_secs(30));
             }
             _ = shutdown.cancelled() => {
-                stop(name, &mut child).await;
+                stop(&name, &mut child).await;
                 return;
             }
         }

@@ -24,6 +24,7 @@ use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
 use tally_shared::consume::{drive, spawn_lag_reporter, unreplayable, BatchLimits, LoopSetup, Polled, Processor};
 use tally_shared::failures::{Failure, FailureBoard};
+use tally_shared::follow::follow;
 use tally_shared::kafka::{client_config, now_ms, TopicNames};
 use tally_shared::membership::{self, Membership};
 use tally_shared::outbox::Relay;
@@ -34,7 +35,7 @@ use tokio_util::sync::CancellationToken;
 use crate::apply::{ApplyReport, ShardRecord};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
-use crate::ownership::{Change, Ownership};
+use crate::ownership::{Change, Claims, FollowClaims, Ownership};
 use crate::relay::relay_outboxes;
 use crate::shards::Shards;
 use crate::store::{ShardStore, StoreOptions};
@@ -219,8 +220,14 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             threads.push(("heartbeat", beats));
             let follower = membership::follow(&config.kafka, "counter-membership", &topic, membership.clone(), shutdown.clone())?;
             threads.push(("membership", follower));
+            let claims = Arc::new(Claims::default());
+            let poll = Duration::from_millis(50);
+            let claims_topic = names.shard_owners();
+            let group = "tally-counter-claims";
+            let follower = follow(&config.kafka, "counter-claims", group, &claims_topic, poll, shutdown.clone(), FollowClaims(claims.clone()))?;
+            threads.push(("claims", follower));
             let timeout = config.counter.member_timeout_ms;
-            Some(Ownership::new(membership, lease, me, topic, shard_topic.clone(), shard_count, timeout))
+            Some(Ownership::new(membership, claims, claims_topic, lease, me, topic, shard_topic.clone(), shard_count, timeout))
         }
     };
     let announcer = Announcer::new(&config.kafka, names.shard_owners(), read_addr)?;

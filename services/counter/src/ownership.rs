@@ -6,24 +6,73 @@
 //!   than it may hold shards) drops every shard at once; the counter then starts a
 //!   new tenure and gets shards again like any member that joins.
 //! - Otherwise an assignment is acted on once it has stayed the same for
-//!   [`SETTLE`] (counters starting together do not pass shards around), and shards
-//!   are taken only once the membership was read to its end: their previous owner's
-//!   lease has ended by then (the module docs of `membership` say why).
+//!   [`SETTLE`] (counters starting together do not pass shards around). Shards are
+//!   dropped at once; a shard is taken only once the membership and the claims
+//!   (shard-owners topic) were read to their ends, and no other live counter claims
+//!   it: its previous owner released it — after it stopped serving it — or is gone,
+//!   and then its lease has ended (the module docs of `membership` say why). So
+//!   the log end the new owner catches up with before serving holds everything the
+//!   previous owner ever served: reads never go back in time across a move.
 //! - A counter that sees another one use its name (two processes, one name) owns
 //!   nothing and says so: its shards would be held twice.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use tally_core::assignment::{owner, Member};
+use tally_core::wire::ShardOwner;
+use tally_shared::follow::Follow;
 use tally_shared::membership::{Lease, Membership};
 
 /// How long an assignment must stay the same before it is acted on.
 pub const SETTLE: Duration = Duration::from_millis(1_000);
 
+/// The counters' claims, read from the shard-owners topic: per shard, the claimed
+/// read address (`None`: released) of the newest epoch ([`ShardOwner::replaces`]).
+#[derive(Default)]
+pub struct Claims {
+    claims: RwLock<HashMap<u32, (Option<String>, i64)>>,
+    /// The offset after the last record read.
+    read_to: AtomicI64,
+}
+
+impl Claims {
+    fn record(&self, owner: ShardOwner) {
+        let mut claims = self.claims.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let current = claims.get(&owner.shard).map(|(addr, epoch)| (addr.is_some(), *epoch));
+        if owner.replaces(current) {
+            claims.insert(owner.shard, (owner.addr, owner.at_ms));
+        }
+    }
+
+    /// Who claims `shard` now, if anyone.
+    fn claimed_by(&self, shard: u32) -> Option<String> {
+        let claims = self.claims.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        claims.get(&shard).and_then(|(addr, _)| addr.clone())
+    }
+}
+
+/// Follows the shard-owners topic into [`Claims`].
+pub struct FollowClaims(pub Arc<Claims>);
+
+impl Follow for FollowClaims {
+    fn record(&mut self, offset: i64, payload: &[u8]) {
+        match ShardOwner::decode(payload) {
+            Ok(owner) => self.0.record(owner),
+            Err(err) => tracing::warn!(offset, error = %err, "ignoring a shard-owner claim this build cannot read"),
+        }
+        self.0.read_to.fetch_max(offset + 1, Ordering::SeqCst);
+    }
+}
+
 pub struct Ownership {
     pub membership: Arc<Membership>,
+    pub claims: Arc<Claims>,
+    /// The shard-owners topic.
+    pub claims_topic: String,
     pub lease: Arc<Lease>,
     pub me: Member,
     /// The membership topic.
@@ -36,6 +85,8 @@ pub struct Ownership {
     pending: Option<(Vec<u32>, i64)>,
     /// The name conflict last reported, not to repeat it every turn.
     conflict: Option<String>,
+    /// When shards to take were last looked at (the checks read watermarks).
+    last_take_check: i64,
 }
 
 /// What the counter should do with its shards.
@@ -48,8 +99,11 @@ pub enum Change {
 }
 
 impl Ownership {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         membership: Arc<Membership>,
+        claims: Arc<Claims>,
+        claims_topic: String,
         lease: Arc<Lease>,
         me: Member,
         topic: String,
@@ -57,7 +111,20 @@ impl Ownership {
         shard_count: u32,
         timeout_ms: u64,
     ) -> Self {
-        Self { membership, lease, me, topic, shard_topic, shard_count, timeout_ms, pending: None, conflict: None }
+        Self {
+            membership,
+            claims,
+            claims_topic,
+            lease,
+            me,
+            topic,
+            shard_topic,
+            shard_count,
+            timeout_ms,
+            pending: None,
+            conflict: None,
+            last_take_check: 0,
+        }
     }
 
     /// The change to make now to the shards `owned`, if any.
@@ -67,7 +134,7 @@ impl Ownership {
             return Some(Change::Lapsed);
         }
         let live = self.membership.live(now, self.timeout_ms);
-        let wanted = match live.iter().find(|m| m.instance == self.me.instance) {
+        let wanted: Vec<u32> = match live.iter().find(|m| m.instance == self.me.instance) {
             // Not seen yet (just started, or a new tenure): nothing to decide.
             None => return None,
             Some(seen) if seen.addr != self.me.addr => {
@@ -92,11 +159,28 @@ impl Ownership {
         if wanted == owned || now - since < SETTLE.as_millis() as i64 {
             return None;
         }
-        let gains = wanted.iter().any(|shard| !owned.contains(shard));
-        if gains && !self.read_to_end(consumer) {
-            return None;
+        let kept: Vec<u32> = wanted.iter().copied().filter(|shard| owned.contains(shard)).collect();
+        if kept.len() == wanted.len() {
+            return Some(Change::Own(wanted));
         }
-        Some(Change::Own(wanted))
+        // Taking shards: not more often than every 200 ms (each look reads two
+        // watermarks), and only those no other live counter claims.
+        if now - self.last_take_check < 200 {
+            return (kept.len() < owned.len()).then_some(Change::Own(kept));
+        }
+        self.last_take_check = now;
+        let takeable = self.read_to_end(consumer);
+        let others: Vec<&str> =
+            live.iter().filter(|m| m.instance != self.me.instance).map(|m| m.addr.as_str()).collect();
+        let taken: Vec<u32> = wanted
+            .iter()
+            .copied()
+            .filter(|shard| {
+                owned.contains(shard)
+                    || (takeable && self.claims.claimed_by(*shard).is_none_or(|addr| !others.contains(&addr.as_str())))
+            })
+            .collect();
+        (taken != owned).then_some(Change::Own(taken))
     }
 
     /// The name conflict, if one was seen and the other counter is still alive.
@@ -116,15 +200,17 @@ impl Ownership {
             .collect()
     }
 
-    /// Whether the membership was read up to the topic's end as of now.
+    /// Whether the membership and the claims were read up to their ends as of now.
     fn read_to_end<C: ConsumerContext>(&self, consumer: &BaseConsumer<C>) -> bool {
-        match consumer.fetch_watermarks(&self.topic, 0, Duration::from_secs(2)) {
-            Ok((_, high)) => self.membership.caught_up(high),
+        let high = |topic: &str| match consumer.fetch_watermarks(topic, 0, Duration::from_secs(2)) {
+            Ok((_, high)) => Some(high),
             Err(err) => {
-                tracing::warn!(error = %err, "reading the membership's end; taking shards later");
-                false
+                tracing::warn!(topic, error = %err, "reading a topic's end; taking shards later");
+                None
             }
-        }
+        };
+        high(&self.topic).is_some_and(|high| self.membership.caught_up(high))
+            && high(&self.claims_topic).is_some_and(|high| self.claims.read_to.load(Ordering::SeqCst) >= high)
     }
 }
 
@@ -143,8 +229,10 @@ mod tests {
         let mut all = Vec::new();
         for name in ["a", "b", "c"] {
             let me = Member { instance: name.into(), addr: format!("{name}:1") };
+            let claims = Arc::new(Claims::default());
+            let lease = Arc::new(Lease::new(5_000));
             let mut ownership =
-                Ownership::new(membership.clone(), Arc::new(Lease::new(5_000)), me, "m".into(), "s".into(), 24, 5_000);
+                Ownership::new(membership.clone(), claims, "o".into(), lease, me, "m".into(), "s".into(), 24, 5_000);
             let shards = ownership.assigned(&live);
             assert!(!shards.is_empty(), "{name} owns shards");
             all.extend(shards);

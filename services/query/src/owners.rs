@@ -43,7 +43,7 @@ impl Owners {
     pub fn record(&self, owner: ShardOwner, version: u64) {
         if let Ok(mut claims) = self.claims.write() {
             let current = claims.get(&owner.shard);
-            if current.is_some_and(|c| c.addr.is_some() && owner.at_ms < c.epoch) {
+            if !owner.replaces(current.map(|c| (c.addr.is_some(), c.epoch))) {
                 tracing::info!(shard = owner.shard, addr = ?owner.addr, epoch = owner.at_ms, "ignoring a claim of an older epoch");
                 return;
             }

@@ -1,0 +1,244 @@
+//! Several counters, failure-safe: `tally up --counters 3` runs three counter
+//! processes that share the shards through their membership. For 20 rounds, while
+//! increments and graph updates flow, a random counter is killed with -9 (tally up
+//! restarts it) or paused for 15 s (SIGSTOP, then SIGCONT: a zombie that comes
+//! back); once, a counter's and the graph's data are wiped mid-workload (they come
+//! back from snapshots). The totals end equal to the model, and reads taken all the
+//! while never go back in time: a probe counter per shard, only ever incremented,
+//! is read continuously, and a value below one already read would be a stale
+//! owner's answer.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::json;
+use tally_core::sharding::shard_of;
+use tally_core::wire::Increment;
+use tally_e2e::workload::{Record, Workload};
+use tally_e2e::{check, Sandbox};
+
+const ROUNDS: usize = 20;
+const SHARDS: u32 = 8;
+
+/// The children of `parent` whose command is `comm`, with their environment's
+/// `key` (a counter's instance name).
+fn children(parent: u32, comm: &str, key: &str) -> BTreeMap<String, u32> {
+    let mut found = BTreeMap::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        // pid (comm) state ppid …
+        let Some((head, rest)) = stat.rsplit_once(") ") else { continue };
+        let name = head.split_once(" (").map_or("", |(_, name)| name);
+        let ppid: u32 = rest.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
+        if ppid != parent || name != comm {
+            continue;
+        }
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let prefix = format!("{key}=");
+        if let Some(value) = environ
+            .split(|b| *b == 0)
+            .filter_map(|var| std::str::from_utf8(var).ok())
+            .find_map(|var| var.strip_prefix(prefix.as_str()))
+        {
+            found.insert(value.to_string(), pid);
+        }
+    }
+    found
+}
+
+fn signal(pid: u32, signal: libc::c_int) {
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    unsafe {
+        libc::kill(pid as libc::pid_t, signal);
+    }
+}
+
+/// Probe entities, at least one on every shard, that only ever grow.
+fn probes() -> Vec<String> {
+    let mut probes: Vec<String> = Vec::new();
+    let mut covered = std::collections::BTreeSet::new();
+    for k in 0.. {
+        let probe = format!("probe:{k}");
+        if covered.insert(shard_of(&probe, SHARDS)) {
+            probes.push(probe);
+        }
+        if covered.len() == SHARDS as usize {
+            break;
+        }
+    }
+    probes
+}
+
+/// Reads the probes' direct all-time counts until `stop`; every answer must be at
+/// least the value read before and at most what was produced. Returns the
+/// violations and how many reads answered.
+async fn watch_probes(
+    sandbox_url: String,
+    probes: Vec<String>,
+    produced: Arc<Mutex<i64>>,
+    stop: Arc<AtomicBool>,
+) -> (Vec<String>, usize) {
+    let client = reqwest::Client::new();
+    let queries: Vec<_> =
+        probes.iter().map(|p| json!({"entity": p, "metric": "hits", "window": "all", "kind": "direct"})).collect();
+    let mut seen: BTreeMap<String, i64> = BTreeMap::new();
+    let mut violations = Vec::new();
+    let mut answered = 0;
+    while !stop.load(Ordering::SeqCst) {
+        let ceiling = *produced.lock().unwrap();
+        let response = client
+            .post(format!("{sandbox_url}/v1/query"))
+            .json(&json!({ "queries": queries }))
+            .timeout(Duration::from_secs(10))
+            .send()
+            .await;
+        if let Some(response) = response.ok().filter(|r| r.status() == 200) {
+            let body: serde_json::Value = response.json().await.unwrap_or_default();
+            let results = body["results"].as_array().cloned().unwrap_or_default();
+            if results.len() != probes.len() {
+                violations.push(format!("{} results for {} probes: {body}", results.len(), probes.len()));
+            }
+            answered += 1;
+            for (probe, result) in probes.iter().zip(results) {
+                let Some(value) = result["value"].as_i64() else {
+                    violations.push(format!("{probe}: no value in {result}"));
+                    continue;
+                };
+                let before = seen.entry(probe.clone()).or_insert(0);
+                if value < *before {
+                    violations.push(format!("{probe}: read {value} after {before} (a stale owner)"));
+                }
+                if value > ceiling {
+                    violations.push(format!("{probe}: read {value}, only {ceiling} produced"));
+                }
+                *before = (*before).max(value);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(40)).await;
+    }
+    (violations, answered)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_counters_under_kill9_and_pauses_count_exactly_and_never_read_stale() {
+    let mut sandbox = Sandbox::start().await;
+    let up_dir = sandbox.path("up");
+    let free = || format!("127.0.0.1:{}", tally_shared::local_broker::free_port().unwrap());
+    let env = [
+        ("TALLY__COUNTER__ADMIN_LISTEN", "127.0.0.1:0".to_string()),
+        ("TALLY__BROKER__LISTEN", free()),
+        ("TALLY__BROKER__ADMIN_LISTEN", free()),
+        // Defaults but for the snapshots, taken every 2 s here.
+        ("TALLY__SNAPSHOTS__INTERVAL_MS", "2000".to_string()),
+        ("TALLY__COUNTER__DATA_DIR", format!("{up_dir}/counter")),
+        ("TALLY__GRAPH__DATA_DIR", format!("{up_dir}/graph")),
+        ("TALLY__SNAPSHOTS__DIR", format!("{up_dir}/snapshots")),
+    ];
+    sandbox.spawn_command("tally-up", "tally", &["up", "--counters", "3", "--data-dir", &up_dir], &env);
+    let up = sandbox.pid("tally-up").unwrap();
+    let counters = || children(up, "tally-counter", "TALLY__COUNTER__INSTANCE");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while counters().len() < 3 {
+        assert!(Instant::now() < deadline, "three counters never ran:\n{}", sandbox.log("tally-up"));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    let workload = Workload::generate_mixed(90, 1_200, tally_shared::kafka::now_ms(), 0.2);
+    let probes = probes();
+    let mut model = workload.model.clone();
+    let produced = Arc::new(Mutex::new(0i64));
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher =
+        tokio::spawn(watch_probes(sandbox.query_url.clone(), probes.clone(), produced.clone(), stop.clone()));
+    let probe_round = |round: usize| -> Record {
+        let elements: Vec<_> = probes.iter().map(|p| json!({"entity": p, "metric": "hits"})).collect();
+        let now = tally_shared::kafka::now_ms();
+        Record { graph: false, key: format!("probe-{round}"), payload: json!(elements).to_string().into_bytes(), timestamp: now }
+    };
+
+    let mut rng = StdRng::seed_from_u64(9);
+    let chunks: Vec<&[Record]> = workload.records.chunks(workload.records.len().div_ceil(ROUNDS * 2)).collect();
+    let mut chunks = chunks.into_iter();
+    // Sends the next chunk of the workload and a round of probes; whether a chunk was left.
+    let mut send = async |sandbox: &Sandbox, model: &mut tally_core::model::Model, round: usize| -> bool {
+        let chunk = chunks.next();
+        let mut records: Vec<Record> = chunk.map(<[Record]>::to_vec).unwrap_or_default();
+        let probe = probe_round(round);
+        *produced.lock().unwrap() += 1;
+        for p in &probes {
+            model.apply(Increment { entity: p.clone(), metric: "hits".into(), delta: 1, ts: probe.timestamp, id: None });
+        }
+        records.push(probe);
+        sandbox.produce(&records).await;
+        chunk.is_some()
+    };
+    let (mut kills, mut pauses) = (0, 0);
+    for round in 0..ROUNDS {
+        send(&sandbox, &mut model, round * 2).await;
+        let mut running = counters();
+        while running.len() < 2 {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            running = counters();
+        }
+        let names: Vec<&String> = running.keys().collect();
+        let victim = names[rng.random_range(0..names.len())].clone();
+        let pid = running[&victim];
+        if round == ROUNDS / 2 {
+            // Lose a counter's disk and the graph's, mid-workload.
+            let graph = children(up, "tally-graph", "TALLY__GRAPH__DATA_DIR");
+            let graph_pid = *graph.values().next().expect("tally-graph runs");
+            signal(pid, libc::SIGSTOP);
+            signal(graph_pid, libc::SIGSTOP);
+            std::fs::remove_dir_all(format!("{up_dir}/{victim}")).unwrap();
+            std::fs::remove_dir_all(format!("{up_dir}/graph")).unwrap();
+            signal(pid, libc::SIGKILL);
+            signal(graph_pid, libc::SIGKILL);
+            kills += 1;
+            tokio::time::sleep(Duration::from_secs(3)).await;
+        } else if rng.random_bool(0.5) {
+            signal(pid, libc::SIGKILL);
+            kills += 1;
+            tokio::time::sleep(Duration::from_secs(3)).await;
+        } else {
+            signal(pid, libc::SIGSTOP);
+            pauses += 1;
+            tokio::time::sleep(Duration::from_secs(7)).await;
+            send(&sandbox, &mut model, round * 2 + 1).await;
+            tokio::time::sleep(Duration::from_secs(8)).await;
+            signal(pid, libc::SIGCONT);
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+    }
+    // What is left of the workload, and a last round of probes.
+    let mut round = ROUNDS * 2;
+    while send(&sandbox, &mut model, round).await {
+        round += 1;
+    }
+
+    let mut entities = workload.entities.clone();
+    entities.extend(probes.iter().cloned());
+    let mut metrics = workload.metrics.clone();
+    metrics.push("hits".into());
+    let settled = Instant::now() + Duration::from_secs(240);
+    while let Err(mismatches) = check::all_time(&sandbox, &model, &entities, &metrics).await {
+        assert!(Instant::now() < settled, "counts never matched the model:\n{mismatches}\n{}", sandbox.log("tally-up"));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    check::windows(&sandbox, &model, &entities, &metrics).await;
+    stop.store(true, Ordering::SeqCst);
+    let (violations, answered) = watcher.await.unwrap();
+    assert!(violations.is_empty(), "reads went back in time:\n{}", violations.join("\n"));
+    assert!(answered > 100, "only {answered} probe reads answered");
+    let log = sandbox.log("tally-up");
+    assert_eq!(kills + pauses, ROUNDS);
+    if pauses > 0 {
+        assert!(log.contains("lease lapsed"), "a paused counter never noticed its lease lapsed:\n{log}");
+    }
+    assert!(log.contains("restored") || log.contains("restoring"), "nothing restored from a snapshot:\n{log}");
+    eprintln!("{kills} kills, {pauses} pauses, {answered} probe reads answered");
+}
