@@ -33,6 +33,26 @@ pub const STORE_V1: u8 = 1;
 /// The value of a key whose presence is the whole fact (an edge, a rollup mark).
 pub const PRESENT: [u8; 1] = [VALUE_V1];
 
+/// The Kafka header of a routed record (shard topic, graph-updates topic) holding the
+/// time of the input record it came from — the receivers' dedupe clock — as 8
+/// big-endian bytes (ms). The record's own Kafka timestamp is when it was routed, so
+/// the topics' time-based retention counts from then, whatever time a producer gave
+/// its input.
+pub const RECORD_TIME_HEADER: &str = "tally.record-time.v1";
+
+/// The value of [`RECORD_TIME_HEADER`].
+pub fn record_time_value(ms: i64) -> [u8; 8] {
+    ms.to_be_bytes()
+}
+
+/// Reads a [`RECORD_TIME_HEADER`] value.
+pub fn parse_record_time(bytes: &[u8]) -> Result<i64> {
+    let bytes: [u8; 8] = bytes
+        .try_into()
+        .map_err(|_| Error::Format(format!("record-time header: {} bytes, expected 8", bytes.len())))?;
+    Ok(i64::from_be_bytes(bytes))
+}
+
 /// The header of a binary internal record of the current version.
 pub const RECORD_HEADER: [u8; 2] = [RECORD_MAGIC, RECORD_V1];
 

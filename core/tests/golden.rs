@@ -14,8 +14,8 @@ use tally_core::jobs::{DeadJob, Job};
 use tally_core::keys::{decode_mark, decode_names, decode_stamp, encode_mark, encode_names, encode_stamp, Counts};
 use tally_core::records::Truncated;
 use tally_core::wire::{
-    Heartbeat,
-    DeadLetter, GraphMessage, GraphUpdate, Increment, Rollup, ShardMessage, ShardOwner, Source, Stamp, TotalDelta,
+    DeadLetter, GraphMessage, GraphUpdate, Heartbeat, Increment, Rollup, ShardMessage, ShardOwner, Source, Stamp,
+    TotalDelta,
 };
 
 /// Compares `encoded` with the committed bytes of `name` and returns them.

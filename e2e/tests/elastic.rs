@@ -153,12 +153,16 @@ async fn three_counters_under_kill9_and_pauses_count_exactly_and_never_read_stal
     let mut model = workload.model.clone();
     let produced = Arc::new(Mutex::new(0i64));
     let stop = Arc::new(AtomicBool::new(false));
-    let watcher =
-        tokio::spawn(watch_probes(sandbox.query_url.clone(), probes.clone(), produced.clone(), stop.clone()));
+    let watcher = tokio::spawn(watch_probes(sandbox.query_url.clone(), probes.clone(), produced.clone(), stop.clone()));
     let probe_round = |round: usize| -> Record {
         let elements: Vec<_> = probes.iter().map(|p| json!({"entity": p, "metric": "hits"})).collect();
         let now = tally_shared::kafka::now_ms();
-        Record { graph: false, key: format!("probe-{round}"), payload: json!(elements).to_string().into_bytes(), timestamp: now }
+        Record {
+            graph: false,
+            key: format!("probe-{round}"),
+            payload: json!(elements).to_string().into_bytes(),
+            timestamp: now,
+        }
     };
 
     let mut rng = StdRng::seed_from_u64(9);
@@ -171,7 +175,13 @@ async fn three_counters_under_kill9_and_pauses_count_exactly_and_never_read_stal
         let probe = probe_round(round);
         *produced.lock().unwrap() += 1;
         for p in &probes {
-            model.apply(Increment { entity: p.clone(), metric: "hits".into(), delta: 1, ts: probe.timestamp, id: None });
+            model.apply(Increment {
+                entity: p.clone(),
+                metric: "hits".into(),
+                delta: 1,
+                ts: probe.timestamp,
+                id: None,
+            });
         }
         records.push(probe);
         sandbox.produce(&records).await;

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::Message;
+use tally_core::format::{parse_record_time, RECORD_TIME_HEADER};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::KafkaConfig;
@@ -27,13 +28,33 @@ pub struct BatchLimits {
     pub linger: Duration,
 }
 
+/// The time of the input record `message` came from: its [`RECORD_TIME_HEADER`],
+/// else its Kafka timestamp. A header that does not decode (no tally producer wrote
+/// it) is said loudly and the Kafka timestamp used: the payload decides whether the
+/// record is tally's at all.
+fn record_time(message: &rdkafka::message::BorrowedMessage<'_>) -> Option<i64> {
+    use rdkafka::message::Headers;
+    let header = message
+        .headers()
+        .and_then(|headers| headers.iter().find(|h| h.key == RECORD_TIME_HEADER).and_then(|h| h.value));
+    if let Some(value) = header {
+        match parse_record_time(value) {
+            Ok(ms) => return Some(ms),
+            Err(err) => {
+                tracing::warn!(partition = message.partition(), offset = message.offset(), error = %err, "a record's time header")
+            }
+        }
+    }
+    message.timestamp().to_millis().filter(|ts| *ts >= 0)
+}
+
 /// A record copied out of the consumer.
 #[derive(Debug, Clone)]
 pub struct Polled {
     pub partition: i32,
     pub offset: i64,
-    /// The record's timestamp (the time of the input record it came from); `None`
-    /// when it has none.
+    /// The time of the input record it came from ([`RECORD_TIME_HEADER`]; a record
+    /// without the header: its Kafka timestamp); `None` when it has neither.
     pub timestamp: Option<i64>,
     pub payload: Vec<u8>,
 }
@@ -69,7 +90,7 @@ pub fn poll_batch<C: ConsumerContext>(
                 batch.push(Polled {
                     partition: message.partition(),
                     offset: message.offset(),
-                    timestamp: message.timestamp().to_millis().filter(|ts| *ts >= 0),
+                    timestamp: record_time(&message),
                     payload,
                 });
             }
@@ -84,19 +105,86 @@ pub fn poll_batch<C: ConsumerContext>(
     }
 }
 
-/// Why a store whose next offset is `next` (`None`: an empty store) cannot be
-/// brought up to date from a log that now starts at `log_start` — retention deleted
-/// records it never applied, and no snapshot covers them — or `None` when it can.
-/// Such a store must not serve: a rebuild from what is left would be partial.
-pub fn unreplayable(next: Option<i64>, log_start: i64) -> Option<String> {
-    let needed = next.unwrap_or(0);
-    (log_start > needed).then(|| {
-        format!(
-            "the log starts at offset {log_start}, but the store needs it from offset {needed}: retention deleted \
-             records no snapshot covers, so a rebuild would be partial (restore a snapshot that reaches \
-             {log_start}, or rebuild the topic)"
-        )
-    })
+/// Where a store stands against its log, to tell whether it can be brought up to
+/// date by replaying.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogCheck {
+    /// The store's next offset (`None`: an empty store).
+    pub next: Option<i64>,
+    /// The log's first and next offsets as the broker reports them now.
+    pub log_start: i64,
+    pub log_end: i64,
+    /// How far the processors' group once committed (advisory, for lag tooling: at
+    /// most what was applied), when known.
+    pub committed: Option<i64>,
+}
+
+/// Why the store cannot be brought up to date from the log — records it never
+/// applied are gone (deleted by retention, no snapshot covers them, or the topic
+/// was recreated) — or `None` when it can. Such a store must not serve: a rebuild
+/// from what is left would be partial. Gone records show as a log that starts past
+/// the store, or (on brokers that report an emptied log as `0..0`, like the local
+/// one) as a log that ends before records the group already applied once.
+pub fn unreplayable(check: LogCheck) -> Option<(i64, String)> {
+    let needed = check.next.unwrap_or(0);
+    if check.log_start > needed {
+        let reason = format!(
+            "the log starts at offset {}, but the store needs it from offset {needed}: retention deleted \
+             records no snapshot covers, so a rebuild would be partial (restore a snapshot that reaches {}, or \
+             rebuild the topic)",
+            check.log_start, check.log_start
+        );
+        return Some((check.log_start, reason));
+    }
+    let committed = check.committed.filter(|&committed| committed > needed && check.log_end < committed)?;
+    let reason = format!(
+        "the log ends at offset {}, but records up to {committed} were applied before (the group's committed \
+         offset) and the store needs them from offset {needed}: they are gone (deleted by retention with no \
+         snapshot covering them, or the topic was recreated), so a rebuild would be partial (restore a snapshot \
+         that reaches {committed}, or reset the group's offsets if the topic was recreated on purpose)",
+        check.log_end
+    );
+    Some((needed, reason))
+}
+
+/// The offsets `consumer`'s group committed for `partitions` of `topic` (those it
+/// has); empty when they cannot be read now (the check then relies on the log's
+/// start alone).
+pub fn committed_offsets<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    topic: &str,
+    partitions: &[u32],
+) -> std::collections::HashMap<u32, i64> {
+    let mut tpl = TopicPartitionList::new();
+    for &partition in partitions {
+        tpl.add_partition(topic, partition as i32);
+    }
+    match consumer.committed_offsets(tpl, Duration::from_secs(10)) {
+        Ok(committed) => committed
+            .elements()
+            .iter()
+            .filter_map(|e| match e.offset() {
+                Offset::Offset(offset) => Some((e.partition() as u32, offset)),
+                _ => None,
+            })
+            .collect(),
+        Err(err) => {
+            tracing::warn!(topic, error = %err, "reading the group's committed offsets");
+            Default::default()
+        }
+    }
+}
+
+/// Commits the stores' next offsets (`partition` → offset) to the group: advisory,
+/// for lag tooling and [`unreplayable`], never where consumption resumes.
+pub fn commit_advisory<C: ConsumerContext>(consumer: &BaseConsumer<C>, topic: &str, offsets: &[(u32, i64)]) {
+    let mut tpl = TopicPartitionList::new();
+    for &(partition, next) in offsets {
+        let _ = tpl.add_partition_offset(topic, partition as i32, Offset::Offset(next));
+    }
+    if tpl.count() > 0 {
+        let _ = consumer.commit(&tpl, rdkafka::consumer::CommitMode::Async);
+    }
 }
 
 /// Stops fetching `partitions` of `topic` (they failed). Their records already
@@ -239,11 +327,21 @@ mod tests {
 
     #[test]
     fn a_store_the_log_no_longer_reaches_cannot_be_replayed() {
-        assert_eq!(unreplayable(None, 0), None, "an empty store and a whole log");
-        assert_eq!(unreplayable(Some(500), 100), None, "a snapshot past the log's start");
-        assert_eq!(unreplayable(Some(500), 500), None);
-        let empty = unreplayable(None, 100).unwrap();
+        let check =
+            |next, log_start, log_end, committed| unreplayable(LogCheck { next, log_start, log_end, committed });
+        assert_eq!(check(None, 0, 0, None), None, "an empty store and an empty log");
+        assert_eq!(check(None, 0, 900, Some(900)), None, "an empty store and the whole log");
+        assert_eq!(check(Some(500), 100, 900, Some(900)), None, "a snapshot past the log's start");
+        assert_eq!(check(Some(500), 500, 900, None), None);
+        let (offset, empty) = check(None, 100, 900, None).unwrap();
+        assert_eq!(offset, 100);
         assert!(empty.contains("starts at offset 100") && empty.contains("from offset 0"), "{empty}");
-        assert!(unreplayable(Some(99), 100).is_some(), "a snapshot older than the log's start");
+        assert!(check(Some(99), 100, 900, None).is_some(), "a snapshot older than the log's start");
+        // A broker that reports an emptied log as 0..0.
+        let (offset, gone) = check(None, 0, 0, Some(900)).unwrap();
+        assert_eq!(offset, 0);
+        assert!(gone.contains("ends at offset 0") && gone.contains("up to 900"), "{gone}");
+        assert_eq!(check(Some(900), 0, 0, Some(900)), None, "a snapshot that reaches what was applied");
+        assert!(check(Some(400), 0, 0, Some(900)).is_some(), "a snapshot short of it");
     }
 }

@@ -542,8 +542,10 @@ mod tests {
         }
         let shards = decls.get("shards").unwrap();
         assert!(shards.fixed_partitions);
-        // -1 would mean "delete everything" to the local broker's retention sweep.
-        assert!(shards.retention_ms.is_some_and(|ms| ms >= 100 * 365 * 86_400_000));
+        // A bounded log (snapshots cover what it no longer holds), never -1 (which
+        // the local broker's retention sweep reads as "delete everything").
+        let week = Some(7 * 86_400_000);
+        assert_eq!((shards.retention_ms, decls.get("graph-updates").unwrap().retention_ms), (week, week));
     }
 
     #[test]

@@ -106,4 +106,3 @@ pub struct QueueStats {
     pub fifo: bool,
     pub partitions: Vec<PartitionInfo>,
 }
-

@@ -25,8 +25,8 @@ use tally_shared::kafka::{client_config, now_ms, unstamped_producer_config, Topi
 use tokio_util::sync::CancellationToken;
 
 use crate::error::Result;
-use tally_shared::membership::Membership;
 use crate::state::{Broker, QueueRuntime};
+use tally_shared::membership::Membership;
 
 const COMMIT_EVERY: Duration = Duration::from_secs(1);
 

@@ -24,9 +24,9 @@ use std::time::Duration;
 use prometheus::Registry;
 use rdkafka::producer::FutureProducer;
 use tally_core::assignment::Member;
-use tally_shared::membership::{self, Lease, Membership};
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{unstamped_producer_config, wait_for_topic, TopicNames};
+use tally_shared::membership::{self, Lease, Membership};
 use tally_shared::telemetry::{serve_admin, Readiness};
 use tally_shared::topics::Declarations;
 use tokio::net::TcpListener;
@@ -77,8 +77,13 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let lease = Arc::new(Lease::forever());
     let heartbeat =
         membership::heartbeat(&config.kafka, names.queue_brokers(), member, every, lease, shutdown.clone())?;
-    let follower =
-        membership::follow(&config.kafka, "broker-membership", &names.queue_brokers(), membership.clone(), shutdown.clone())?;
+    let follower = membership::follow(
+        &config.kafka,
+        "broker-membership",
+        &names.queue_brokers(),
+        membership.clone(),
+        shutdown.clone(),
+    )?;
     wait_for_topic(&config.kafka, &names.queues(), Duration::from_secs(60)).await?;
     let declared = declarations::follow(&config.kafka, broker.clone(), names.clone(), shutdown.clone())?;
 

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::ClientContext;
 use tally_core::assignment::Member;
@@ -22,7 +22,10 @@ use tally_core::time::Resolutions;
 use tally_core::wire::Rollup;
 use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
-use tally_shared::consume::{drive, spawn_lag_reporter, unreplayable, BatchLimits, LoopSetup, Polled, Processor};
+use tally_shared::consume::{
+    commit_advisory, committed_offsets, drive, spawn_lag_reporter, unreplayable, BatchLimits, LogCheck, LoopSetup,
+    Polled, Processor,
+};
 use tally_shared::failures::{Failure, FailureBoard};
 use tally_shared::follow::follow;
 use tally_shared::kafka::{client_config, now_ms, TopicNames};
@@ -112,6 +115,7 @@ impl CounterContext {
     /// asks again).
     fn assign(&self, consumer: &BaseConsumer<Self>, wanted: &[u32]) -> Result<()> {
         let before = self.held();
+        let committed = committed_offsets(consumer, &self.topic, wanted);
         let mut stores = HashMap::new();
         let mut failures = BTreeMap::new();
         let mut held = Vec::new();
@@ -134,8 +138,14 @@ impl CounterContext {
                     continue;
                 }
             };
-            if let Some(reason) = unreplayable(store.next_offset(), start) {
-                failures.insert(shard, Failure { offset: Some(start), reason, record: None });
+            let check = LogCheck {
+                next: store.next_offset(),
+                log_start: start,
+                log_end: end,
+                committed: committed.get(&shard).copied(),
+            };
+            if let Some((offset, reason)) = unreplayable(check) {
+                failures.insert(shard, Failure { offset: Some(offset), reason, record: None });
                 continue;
             }
             if !before.contains(&shard) || store.next_offset().is_none() || restored {
@@ -216,18 +226,44 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             let membership = Arc::new(Membership::default());
             let lease = shards.lease.clone();
             let every = Duration::from_millis(config.counter.heartbeat_ms);
-            let beats = membership::heartbeat(&config.kafka, topic.clone(), me.clone(), every, lease.clone(), shutdown.clone())?;
+            let beats = membership::heartbeat(
+                &config.kafka,
+                topic.clone(),
+                me.clone(),
+                every,
+                lease.clone(),
+                shutdown.clone(),
+            )?;
             threads.push(("heartbeat", beats));
-            let follower = membership::follow(&config.kafka, "counter-membership", &topic, membership.clone(), shutdown.clone())?;
+            let follower =
+                membership::follow(&config.kafka, "counter-membership", &topic, membership.clone(), shutdown.clone())?;
             threads.push(("membership", follower));
             let claims = Arc::new(Claims::default());
             let poll = Duration::from_millis(50);
             let claims_topic = names.shard_owners();
             let group = "tally-counter-claims";
-            let follower = follow(&config.kafka, "counter-claims", group, &claims_topic, poll, shutdown.clone(), FollowClaims(claims.clone()))?;
+            let follower = follow(
+                &config.kafka,
+                "counter-claims",
+                group,
+                &claims_topic,
+                poll,
+                shutdown.clone(),
+                FollowClaims(claims.clone()),
+            )?;
             threads.push(("claims", follower));
             let timeout = config.counter.member_timeout_ms;
-            Some(Ownership::new(membership, claims, claims_topic, lease, me, topic, shard_topic.clone(), shard_count, timeout))
+            Some(Ownership::new(
+                membership,
+                claims,
+                claims_topic,
+                lease,
+                me,
+                topic,
+                shard_topic.clone(),
+                shard_count,
+                timeout,
+            ))
         }
     };
     let announcer = Announcer::new(&config.kafka, names.shard_owners(), read_addr)?;
@@ -330,7 +366,10 @@ impl Processor<CounterContext> for Counter {
     fn apply(&mut self, consumer: &BaseConsumer<CounterContext>, batch: &[Polled]) -> Vec<u32> {
         let (written, failed) = apply_batch(batch, &self.shards, &self.metrics, self.rollups.as_ref());
         self.outbox_written += written;
-        commit_advisory(consumer, &self.topic, &self.shards);
+        let owned = self.shards.owned().into_iter();
+        let offsets: Vec<(u32, i64)> =
+            owned.filter_map(|shard| Some((shard, self.shards.get(shard)?.next_offset()?))).collect();
+        commit_advisory(consumer, &self.topic, &offsets);
         failed
     }
 
@@ -584,19 +623,6 @@ impl Rollups {
         }
         self.relay.send_keyed(records.iter().map(|(key, payload)| (key.as_str(), payload.as_slice())))?;
         store.rollups_published(keys)
-    }
-}
-
-/// Commits the stores' offsets to the group, for lag tooling only.
-fn commit_advisory(consumer: &BaseConsumer<CounterContext>, topic: &str, shards: &Shards) {
-    let mut tpl = TopicPartitionList::new();
-    for shard in shards.owned() {
-        if let Some(next) = shards.get(shard).and_then(|s| s.next_offset()) {
-            let _ = tpl.add_partition_offset(topic, shard as i32, Offset::Offset(next));
-        }
-    }
-    if tpl.count() > 0 {
-        let _ = consumer.commit(&tpl, CommitMode::Async);
     }
 }
 

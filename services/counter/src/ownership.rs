@@ -128,7 +128,12 @@ impl Ownership {
     }
 
     /// The change to make now to the shards `owned`, if any.
-    pub fn change<C: ConsumerContext>(&mut self, consumer: &BaseConsumer<C>, owned: &[u32], now: i64) -> Option<Change> {
+    pub fn change<C: ConsumerContext>(
+        &mut self,
+        consumer: &BaseConsumer<C>,
+        owned: &[u32],
+        now: i64,
+    ) -> Option<Change> {
         if self.lease.lapsed(now) {
             self.pending = None;
             return Some(Change::Lapsed);

@@ -63,7 +63,6 @@ impl Shards {
         }
     }
 
-
     pub fn get(&self, shard: u32) -> Option<Arc<ShardStore>> {
         read(&self.owned).get(&shard).cloned()
     }

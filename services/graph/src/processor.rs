@@ -20,7 +20,8 @@ use tally_core::wire::ShardOwner;
 use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
 use tally_shared::consume::{
-    drive, pause, spawn_lag_reporter, unreplayable, BatchLimits, LoopSetup, Polled, Processor,
+    commit_advisory, committed_offsets, drive, pause, spawn_lag_reporter, unreplayable, BatchLimits, LogCheck,
+    LoopSetup, Polled, Processor,
 };
 use tally_shared::kafka::{client_config, now_ms, TopicNames};
 use tally_shared::outbox::Relay;
@@ -69,8 +70,10 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
     consumer.assign(&assignment)?;
     // Not ready before it applied what the log held at start (a rebuild).
     let (log_start, start_end) = consumer.fetch_watermarks(&input, PARTITION as i32, Duration::from_secs(10))?;
-    if let Some(reason) = unreplayable(store.next_offset(), log_start) {
-        failures.fail(PARTITION, Failure { offset: Some(log_start), reason, record: None });
+    let committed = committed_offsets(&consumer, &input, &[PARTITION]).get(&PARTITION).copied();
+    let check = LogCheck { next: store.next_offset(), log_start, log_end: start_end, committed };
+    if let Some((offset, reason)) = unreplayable(check) {
+        failures.fail(PARTITION, Failure { offset: Some(offset), reason, record: None });
         pause(&consumer, &input, &[PARTITION]);
     }
 
@@ -106,6 +109,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
         announcer: Announcer::new(&config.kafka, names.shard_owners(), read_addr)?,
         relay: Relay::new(&config.kafka, names.shards())?,
         start_end,
+        input: input.clone(),
         threads: vec![("lag reporter", lag_reporter)],
         shutdown: shutdown.clone(),
     };
@@ -154,6 +158,8 @@ struct GraphProcessor {
     relay: Relay,
     /// The end of the log at start: not ready before it applied that much.
     start_end: i64,
+    /// The graph-updates topic.
+    input: String,
     /// Watched: one that ends before shutdown (a panic) stops the processor.
     threads: Vec<(&'static str, std::thread::JoinHandle<()>)>,
     shutdown: CancellationToken,
@@ -205,7 +211,7 @@ impl Processor<DefaultConsumerContext> for GraphProcessor {
         self.store.store().skip_record(offset)
     }
 
-    fn turn(&mut self, _: &BaseConsumer, skipped: u64, heartbeat: bool) -> Result<()> {
+    fn turn(&mut self, consumer: &BaseConsumer<DefaultConsumerContext>, skipped: u64, heartbeat: bool) -> Result<()> {
         self.metrics.skipped_records.inc_by(skipped);
         self.metrics.failed.set(self.failures.failed().len() as i64);
         self.readiness.set_failures(self.failures.descriptions());
@@ -221,6 +227,9 @@ impl Processor<DefaultConsumerContext> for GraphProcessor {
             let caught_up = self.store.next_offset().unwrap_or(0) >= self.start_end;
             if caught_up {
                 self.announcer.announce(&[ShardOwner::GRAPH], false);
+            }
+            if let Some(next) = self.store.next_offset() {
+                commit_advisory(consumer, &self.input, &[(PARTITION, next)]);
             }
             let outbox_ok = relay_outbox(&self.store, &self.relay, &self.metrics);
             self.readiness.set(outbox_ok && caught_up);

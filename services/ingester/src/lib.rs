@@ -18,7 +18,7 @@ use std::time::Duration;
 use futures::future::join_all;
 use prometheus::Registry;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use rdkafka::message::BorrowedMessage;
+use rdkafka::message::{BorrowedMessage, Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::Message;
@@ -139,8 +139,12 @@ async fn deliver(producer: &FutureProducer, outgoing: Vec<Outgoing>) -> Result<(
         if let Some(partition) = out.partition {
             record = record.partition(partition);
         }
-        if let Some(timestamp) = out.timestamp {
-            record = record.timestamp(timestamp);
+        if let Some(time) = out.timestamp {
+            // The input's time travels in a header; the record's Kafka timestamp is
+            // now, so the shard topic's retention counts from routing.
+            let value = tally_core::format::record_time_value(time);
+            let header = Header { key: tally_core::format::RECORD_TIME_HEADER, value: Some(&value[..]) };
+            record = record.headers(OwnedHeaders::new_with_capacity(1).insert(header));
         }
         loop {
             match producer.send_result(record) {
