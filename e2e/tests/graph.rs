@@ -93,6 +93,17 @@ async fn kill9_and_lost_disk_of_graph_and_kill9_of_counter_mid_workload_count_ex
                 sandbox.spawn("tally-graph");
             }
             6 => {
+                // An operator's `tally snapshot` covers the graph too (once the
+                // restarted graph caught up and claims its read address again).
+                let deadline = std::time::Instant::now() + Duration::from_secs(60);
+                loop {
+                    let (ok, taken) = sandbox.cli(&["snapshot"]);
+                    if ok && taken.contains("\n1 graph snapshot stored") {
+                        break;
+                    }
+                    assert!(std::time::Instant::now() < deadline, "{taken}");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
                 sandbox.kill9("tally-graph");
                 sandbox.kill9("tally-counter");
                 sandbox.spawn("tally-counter");

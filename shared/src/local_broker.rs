@@ -45,7 +45,21 @@ pub fn ensure_installed() -> Result<PathBuf> {
 }
 
 /// A port nobody listens on right now.
+///
+/// Picked at random below the kernel's ephemeral range (32768 and up), where no
+/// outgoing connection can take it between this check and the caller's bind.
 pub fn free_port() -> Result<u16> {
+    use std::hash::{BuildHasher, Hasher};
+    static PICKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    for _ in 0..200 {
+        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+        hasher.write_u64(PICKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        hasher.write_u32(std::process::id());
+        let port = 12_000 + (hasher.finish() % 20_000) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 

@@ -338,6 +338,59 @@ impl Snapshotter {
     }
 }
 
+/// An answer to an operator's snapshot request: the snapshots stored, or what failed.
+pub type SnapshotReply = tokio::sync::oneshot::Sender<std::result::Result<Vec<Manifest>, String>>;
+
+/// Operators' requests to snapshot now (`tally snapshot`), queued by the internal
+/// API ([`snapshot_router`]) and answered by the service's snapshot thread, which
+/// snapshots everything it serves (a store whose newest snapshot is current is not
+/// taken again).
+#[derive(Default)]
+pub struct SnapshotRequests(std::sync::Mutex<Vec<SnapshotReply>>);
+
+impl SnapshotRequests {
+    fn push(&self, reply: SnapshotReply) {
+        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(reply);
+    }
+
+    /// The requests waiting, to be answered now.
+    pub fn take(&self) -> Vec<SnapshotReply> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+    }
+}
+
+/// `POST /internal/v1/snapshots`: snapshot now, answered with the snapshots stored
+/// (`{"snapshots": [manifest…]}`) once they are; `None`: snapshots are off here.
+pub fn snapshot_router(requests: Option<Arc<SnapshotRequests>>) -> axum::Router {
+    axum::Router::new().route("/internal/v1/snapshots", axum::routing::post(snapshot_now)).with_state(requests)
+}
+
+async fn snapshot_now(
+    axum::extract::State(requests): axum::extract::State<Option<Arc<SnapshotRequests>>>,
+) -> axum::response::Response {
+    use axum::http::StatusCode;
+    use axum::response::IntoResponse;
+
+    use crate::http::ApiError;
+
+    let Some(requests) = requests else {
+        return ApiError::new(StatusCode::CONFLICT, "no_snapshots", "snapshots are off here").into_response();
+    };
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    requests.push(reply);
+    match tokio::time::timeout(Duration::from_secs(600), answer).await {
+        Ok(Ok(Ok(manifests))) => axum::Json(serde_json::json!({"snapshots": manifests})).into_response(),
+        Ok(Ok(Err(message))) => {
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "snapshot_failed", message).into_response()
+        }
+        Ok(Err(_)) => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "stopping", "the service is stopping").into_response()
+        }
+        Err(_) => ApiError::new(StatusCode::GATEWAY_TIMEOUT, "timeout", "the snapshots took longer than 10 min")
+            .into_response(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use rocksdb::{ColumnFamilyDescriptor, Options, WriteBatch};

@@ -83,14 +83,18 @@ pub async fn claims(config: &TallyConfig) -> anyhow::Result<HashMap<u32, Option<
     let topic = TopicNames::new(&config.kafka.topic_prefix).shard_owners();
     let kafka = config.kafka.clone();
     let records = tokio::task::spawn_blocking(move || read_to_end(&kafka, &topic, Duration::from_secs(30))).await??;
-    let mut claims: HashMap<u32, Option<String>> = HashMap::new();
+    let mut claims: HashMap<u32, (Option<String>, i64)> = HashMap::new();
     for record in records {
-        // Claims of other formats are not this build's to follow; the latest wins.
+        // Claims of other formats are not this build's to follow; the newest epoch
+        // wins (`ShardOwner::replaces`), as in tally-query.
         if let Ok(claim) = ShardOwner::decode(&record) {
-            claims.insert(claim.shard, claim.addr);
+            let current = claims.get(&claim.shard).map(|(addr, epoch)| (addr.is_some(), *epoch));
+            if claim.replaces(current) {
+                claims.insert(claim.shard, (claim.addr, claim.at_ms));
+            }
         }
     }
-    Ok(claims)
+    Ok(claims.into_iter().map(|(shard, (addr, _))| (shard, addr)).collect())
 }
 
 /// The read address of the process that claims `shard`, from the shard-owners topic.

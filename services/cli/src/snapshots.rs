@@ -11,33 +11,33 @@ use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{now_ms, TopicNames};
 use tally_shared::snapshot::{Manifest, SnapshotStore};
 
-/// `tally snapshot`: asks every counter (found on the shard-owners topic) to
-/// snapshot each shard it serves now, and waits until all are stored.
+/// `tally snapshot`: asks every counter and tally-graph (found on the shard-owners
+/// topic) to snapshot what it serves now, and waits until all are stored.
 pub async fn take_now(config: &TallyConfig) -> anyhow::Result<()> {
     let claims = crate::shards::claims(config).await?;
-    let mut counters: Vec<String> = claims
-        .into_iter()
-        .filter(|(shard, _)| *shard != tally_core::wire::ShardOwner::GRAPH)
-        .filter_map(|(_, addr)| addr)
-        .collect();
+    let graph = tally_core::wire::ShardOwner::GRAPH;
+    let graph_addr = claims.iter().find(|(shard, _)| **shard == graph).and_then(|(_, addr)| addr.clone());
+    let mut counters: Vec<String> =
+        claims.into_iter().filter(|(shard, _)| *shard != graph).filter_map(|(_, addr)| addr).collect();
     counters.sort();
     counters.dedup();
-    if counters.is_empty() {
-        bail!("no counter claims a shard right now");
+    if counters.is_empty() && graph_addr.is_none() {
+        bail!("no counter claims a shard and no graph processor runs right now");
     }
-    let bar = ProgressBar::new(counters.len() as u64);
+    let services: Vec<String> = counters.iter().cloned().chain(graph_addr.clone()).collect();
+    let bar = ProgressBar::new(services.len() as u64);
     bar.set_style(
-        ProgressStyle::with_template("snapshots {bar:30} {pos}/{len} counters {msg}")
+        ProgressStyle::with_template("snapshots {bar:30} {pos}/{len} services {msg}")
             .context("progress bar template")?,
     );
     let mut stored = Vec::new();
-    for counter in &counters {
-        bar.set_message(counter.clone());
+    for service in &services {
+        bar.set_message(service.clone());
         let nothing = serde_json::json!({});
         let body =
-            crate::shards::post_internal(counter, "/internal/v1/snapshots", &nothing, Duration::from_secs(660)).await?;
+            crate::shards::post_internal(service, "/internal/v1/snapshots", &nothing, Duration::from_secs(660)).await?;
         let manifests: Vec<Manifest> =
-            serde_json::from_value(body["snapshots"].clone()).context("the counter's snapshots")?;
+            serde_json::from_value(body["snapshots"].clone()).context("the service's snapshots")?;
         stored.extend(manifests);
         bar.inc(1);
     }
@@ -47,7 +47,12 @@ pub async fn take_now(config: &TallyConfig) -> anyhow::Result<()> {
         let next = manifest.next_offset.map_or("-".to_string(), |o| o.to_string());
         println!("{}  {}  next offset {next}  {:.1} MB", manifest.name, manifest.id, manifest.bytes() as f64 / 1e6);
     }
-    println!("{} shard snapshots stored, from {} counters", stored.len(), counters.len());
+    let graph_name = format!("{}/graph", TopicNames::new(&config.kafka.topic_prefix).graph_updates());
+    let (graphs, shards): (Vec<&Manifest>, Vec<&Manifest>) = stored.iter().partition(|m| m.name == graph_name);
+    println!("{} shard snapshots stored, from {} counters", shards.len(), counters.len());
+    if graph_addr.is_some() {
+        println!("{} graph snapshot stored", graphs.len());
+    }
     Ok(())
 }
 

@@ -661,7 +661,7 @@ impl ShardSnapshots {
     fn run(mut self) -> impl FnMut() + Send + 'static {
         move || {
             // An operator's `tally snapshot`: every serving shard now.
-            for request in self.shards.take_snapshot_requests() {
+            for request in self.shards.snapshot_requests.take() {
                 let _ = request.send(self.snapshot_all_now());
             }
             for shard in self.shards.serving() {

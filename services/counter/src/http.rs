@@ -3,7 +3,8 @@
 //! with the log, or its lease lapsed), answers 409 `not_owner`, which
 //! tells the caller to look up the owner again; a failed shard answers 503
 //! `shard_failed`. `POST /internal/v1/shards/{shard}/skip` is `tally shards skip`
-//! ([`tally_shared::failures`]).
+//! ([`tally_shared::failures`]), `POST /internal/v1/snapshots` is `tally snapshot`
+//! ([`snapshot_router`]).
 
 use std::sync::Arc;
 
@@ -15,6 +16,7 @@ use axum::{Json, Router};
 use tally_core::wire::{ShardMetricsRequest, ShardReadRequest, ShardReadResponse};
 use tally_shared::failures::{skip_router, Failure};
 use tally_shared::http::ApiError;
+use tally_shared::snapshot::snapshot_router;
 
 use crate::metrics::Metrics;
 use crate::shards::Shards;
@@ -32,9 +34,9 @@ pub fn router(state: ReadState) -> Router {
     Router::new()
         .route("/internal/v1/read", post(read))
         .route("/internal/v1/metrics", post(metrics))
-        .route("/internal/v1/snapshots", post(snapshot_now))
         .with_state(state.clone())
         .merge(skip_router(state.shards.failures.clone()))
+        .merge(snapshot_router(state.snapshots.then(|| state.shards.snapshot_requests.clone())))
 }
 
 /// The store of `shard` when it serves reads; the answer to give otherwise.
@@ -89,26 +91,4 @@ async fn metrics(State(state): State<ReadState>, Json(request): Json<ShardMetric
     };
     let shard = request.shard;
     answer(&state, shard, move || store.metrics(&request.entity, request.after.as_deref(), request.limit)).await
-}
-
-/// `tally snapshot`: every serving shard of this counter snapshot now (those whose
-/// newest snapshot is current are not taken again); answers with the snapshots.
-async fn snapshot_now(State(state): State<ReadState>) -> Response {
-    if !state.snapshots {
-        return ApiError::new(StatusCode::CONFLICT, "no_snapshots", "snapshots are off on this counter")
-            .into_response();
-    }
-    let (done, answer) = tokio::sync::oneshot::channel();
-    state.shards.request_snapshots(done);
-    match tokio::time::timeout(std::time::Duration::from_secs(600), answer).await {
-        Ok(Ok(Ok(manifests))) => Json(serde_json::json!({"snapshots": manifests})).into_response(),
-        Ok(Ok(Err(message))) => {
-            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "snapshot_failed", message).into_response()
-        }
-        Ok(Err(_)) => {
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "stopping", "the counter is stopping").into_response()
-        }
-        Err(_) => ApiError::new(StatusCode::GATEWAY_TIMEOUT, "timeout", "the snapshots took longer than 10 min")
-            .into_response(),
-    }
 }

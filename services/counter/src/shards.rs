@@ -15,16 +15,14 @@ use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use tally_shared::failures::{Failure, FailureBoard};
 use tally_shared::kafka::now_ms;
 use tally_shared::membership::Lease;
+use tally_shared::snapshot::SnapshotRequests;
 
 use crate::store::ShardStore;
 
-/// An operator's request to snapshot every serving shard now; answered with the
-/// snapshots (or what failed) by the snapshot thread.
-pub type SnapshotRequest = tokio::sync::oneshot::Sender<Result<Vec<tally_shared::snapshot::Manifest>, String>>;
-
 pub struct Shards {
     owned: RwLock<HashMap<u32, Arc<ShardStore>>>,
-    snapshot_requests: std::sync::Mutex<Vec<SnapshotRequest>>,
+    /// Operators' requests to snapshot every serving shard now.
+    pub snapshot_requests: Arc<SnapshotRequests>,
     /// Failed shards and the skips operators asked for.
     pub failures: Arc<FailureBoard>,
     /// While it is valid this counter may act as the owner of its shards: read,
@@ -56,7 +54,7 @@ impl Shards {
     pub fn new(lease: Arc<Lease>) -> Self {
         Self {
             owned: RwLock::default(),
-            snapshot_requests: std::sync::Mutex::default(),
+            snapshot_requests: Arc::default(),
             failures: Arc::new(FailureBoard::new(|shard| format!("shard {shard}"))),
             lease,
             epoch: AtomicU64::new(0),
@@ -102,15 +100,6 @@ impl Shards {
         shards.sort_unstable();
         shards.dedup();
         shards
-    }
-
-    /// Queues a request to snapshot every serving shard now.
-    pub fn request_snapshots(&self, request: SnapshotRequest) {
-        self.snapshot_requests.lock().unwrap_or_else(|p| p.into_inner()).push(request);
-    }
-
-    pub(crate) fn take_snapshot_requests(&self) -> Vec<SnapshotRequest> {
-        std::mem::take(&mut *self.snapshot_requests.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     pub fn epoch(&self) -> u64 {

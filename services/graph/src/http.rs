@@ -1,7 +1,8 @@
 //! The internal neighbours API `tally-query` calls: one page of an entity's direct
 //! neighbours in the current graph, sorted, after the last name of the previous page.
 //! A failed graph answers 503 `shard_failed`; `POST /internal/v1/shards/0/skip` is
-//! `tally shards skip graph`.
+//! `tally shards skip graph`, `POST /internal/v1/snapshots` (merged in by `run`) is
+//! `tally snapshot`.
 
 use std::sync::Arc;
 

@@ -22,7 +22,7 @@ use prometheus::Registry;
 use tally_shared::config::TallyConfig;
 use tally_shared::failures::FailureBoard;
 use tally_shared::kafka::{wait_for_topic, TopicNames};
-use tally_shared::snapshot::{SnapshotStore, Snapshotter};
+use tally_shared::snapshot::{snapshot_router, SnapshotRequests, SnapshotStore, Snapshotter};
 use tally_shared::telemetry::{serve_admin, Readiness};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -76,7 +76,8 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let read_addr = tally_shared::service::advertised_addr(bound, config.graph.advertise_host.as_deref());
     tracing::info!(read_api = %read_addr, admin = %admin, data_dir = %config.graph.data_dir.display(), "tally-graph starting");
     let failures = Arc::new(FailureBoard::new(|partition| format!("the graph (graph-updates partition {partition})")));
-    let app = http::router(store.clone(), failures.clone());
+    let requests = snapshots.as_ref().map(|_| Arc::new(SnapshotRequests::default()));
+    let app = http::router(store.clone(), failures.clone()).merge(snapshot_router(requests.clone()));
     let server_shutdown = shutdown.clone();
     tokio::spawn(async move {
         if let Err(err) = axum::serve(listener, app).with_graceful_shutdown(server_shutdown.cancelled_owned()).await {
@@ -84,6 +85,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         }
     });
 
+    let snapshots = snapshots.zip(requests);
     let setup = processor::ProcessorSetup { config, store, failures, metrics, readiness, read_addr, snapshots };
     let processor_shutdown = shutdown.clone();
     let result = tokio::task::spawn_blocking(move || processor::run(setup, processor_shutdown))

@@ -25,7 +25,7 @@ use tally_shared::consume::{
 };
 use tally_shared::kafka::{client_config, now_ms, TopicNames};
 use tally_shared::outbox::Relay;
-use tally_shared::snapshot::{SnapshotStore, Snapshotter};
+use tally_shared::snapshot::{SnapshotRequests, SnapshotStore, Snapshotter};
 use tally_shared::telemetry::Readiness;
 use tokio_util::sync::CancellationToken;
 
@@ -42,8 +42,9 @@ pub struct ProcessorSetup {
     pub metrics: Metrics,
     pub readiness: Readiness,
     pub read_addr: String,
-    /// Where the graph's snapshots are kept (`None`: snapshots off).
-    pub snapshots: Option<SnapshotStore>,
+    /// Where the graph's snapshots are kept, and operators' requests to take one
+    /// now (`None`: snapshots off).
+    pub snapshots: Option<(SnapshotStore, Arc<SnapshotRequests>)>,
 }
 
 /// The name of the graph's snapshots: under its log's name.
@@ -113,7 +114,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
         threads: vec![("lag reporter", lag_reporter)],
         shutdown: shutdown.clone(),
     };
-    if let Some(snapshots) = snapshots {
+    if let Some((snapshots, requests)) = snapshots {
         // On a thread of its own: the checkpoint takes the commit lock for moments,
         // the upload runs beside the batches.
         let scratch = config.graph.data_dir.with_extension("checkpoints");
@@ -122,6 +123,15 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
             (snapshot_name(&names), store.clone(), processor.metrics.clone());
         let every =
             tally_shared::shutdown::every("graph-snapshots", Duration::from_secs(2), shutdown.clone(), move || {
+                // An operator's `tally snapshot`: now.
+                for reply in requests.take() {
+                    let taken = snapshotter.now(&name, snapshot_store.store());
+                    if taken.is_err() {
+                        snapshot_metrics.snapshot_failures.inc();
+                    }
+                    let _ =
+                        reply.send(taken.map(|manifest| manifest.into_iter().collect()).map_err(|err| err.to_string()));
+                }
                 match snapshotter.consider(&name, snapshot_store.store()) {
                     Ok(Some(_)) => snapshot_metrics.snapshots_taken.inc(),
                     Ok(None) => {}
