@@ -355,8 +355,9 @@ pub struct ShardOwner {
     pub addr: Option<String>,
     /// A random id per counter process, to tell owners apart.
     pub instance: String,
-    /// The claim's epoch: wall-clock ms when this owner took the shard, the same in
-    /// every repeat of the claim and in its release. A reader keeps the claim of the
+    /// The claim's epoch: wall-clock ms when this owner first announced the shard
+    /// in its tenure (above every epoch it read for the shard), the same in every
+    /// repeat of the claim and in its release. A reader keeps the claim of the
     /// newest epoch (log order between equal ones) and ignores an older one, so a
     /// paused or partitioned owner that comes back cannot take reads back with late
     /// claims or releases (it sends them under the epoch of its lost tenure).

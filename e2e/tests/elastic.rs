@@ -90,7 +90,6 @@ async fn watch_probes(
     let mut violations = Vec::new();
     let mut answered = 0;
     while !stop.load(Ordering::SeqCst) {
-        let ceiling = *produced.lock().unwrap();
         let response = client
             .post(format!("{sandbox_url}/v1/query"))
             .json(&json!({ "queries": queries }))
@@ -99,6 +98,8 @@ async fn watch_probes(
             .await;
         if let Some(response) = response.ok().filter(|r| r.status() == 200) {
             let body: serde_json::Value = response.json().await.unwrap_or_default();
+            // Counted before it is produced: read after the answer, it bounds it.
+            let ceiling = *produced.lock().unwrap();
             let results = body["results"].as_array().cloned().unwrap_or_default();
             if results.len() != probes.len() {
                 violations.push(format!("{} results for {} probes: {body}", results.len(), probes.len()));

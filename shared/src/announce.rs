@@ -34,13 +34,20 @@ pub struct Announcer {
     epochs: BTreeMap<u32, i64>,
     /// The newest epoch taken: epochs of this process only grow.
     last_epoch: i64,
+    /// Shards let go lately, with their epoch and how many more heartbeats repeat
+    /// the release (one lost on the way would leave a claim nobody holds).
+    released: BTreeMap<u32, (i64, u32)>,
 }
+
+/// How many heartbeats repeat a release.
+const RELEASE_REPEATS: u32 = 3;
 
 impl Announcer {
     pub fn new(kafka: &KafkaConfig, topic: String, read_addr: String) -> Result<Self> {
         let producer = producer_config(kafka)?.create()?;
         let instance = format!("{:016x}", rand_u64());
-        Ok(Self { producer, topic, read_addr, instance, last: None, epochs: BTreeMap::new(), last_epoch: 0 })
+        let (epochs, released) = (BTreeMap::new(), BTreeMap::new());
+        Ok(Self { producer, topic, read_addr, instance, last: None, epochs, last_epoch: 0, released })
     }
 
     /// Whether the claims are due again.
@@ -49,22 +56,31 @@ impl Announcer {
     }
 
     /// Claims exactly `shards` (logged when they `changed`): the ones claimed before
-    /// and not now are released.
-    pub fn announce(&mut self, shards: &[u32], changed: bool) {
+    /// and not now are released. A shard claimed anew gets an epoch above this
+    /// process's earlier ones and above `newest_seen(shard)`, the newest epoch read
+    /// for it (so a clock behind another machine's cannot hide the claim).
+    pub fn announce(&mut self, shards: &[u32], changed: bool, newest_seen: impl Fn(u32) -> Option<i64>) {
         if changed {
             tracing::info!(shards = ?shards, addr = %self.read_addr, "announcing shard ownership");
         }
         let gone: Vec<u32> = self.epochs.keys().filter(|shard| !shards.contains(shard)).copied().collect();
         for shard in gone {
             if let Some(epoch) = self.epochs.remove(&shard) {
-                self.publish(shard, None, epoch);
+                self.released.insert(shard, (epoch, RELEASE_REPEATS));
+            }
+        }
+        for (shard, (epoch, repeats)) in std::mem::take(&mut self.released) {
+            self.publish(shard, None, epoch);
+            if repeats > 1 {
+                self.released.insert(shard, (epoch, repeats - 1));
             }
         }
         for &shard in shards {
             let epoch = match self.epochs.get(&shard) {
                 Some(epoch) => *epoch,
                 None => {
-                    self.last_epoch = now_ms().max(self.last_epoch + 1);
+                    let floor = newest_seen(shard).map_or(0, |seen| seen + 1);
+                    self.last_epoch = now_ms().max(self.last_epoch + 1).max(floor);
                     self.epochs.insert(shard, self.last_epoch);
                     self.last_epoch
                 }
@@ -74,10 +90,31 @@ impl Announcer {
         self.last = Some(Instant::now());
     }
 
+    /// The producer's fatal error, if it failed for good (claims go nowhere more:
+    /// the service must stop).
+    pub fn fatal(&self) -> Option<String> {
+        self.producer.client().fatal_error().map(|(code, message)| format!("{code:?}: {message}"))
+    }
+
+    /// This process's id in its claims.
+    pub fn instance(&self) -> &str {
+        &self.instance
+    }
+
+    /// Releases a claim another process made under this one's address (a previous
+    /// incarnation's, killed before it let go), under that claim's `epoch`.
+    pub fn release_orphan(&mut self, shard: u32, epoch: i64) {
+        if !self.epochs.contains_key(&shard) {
+            tracing::info!(shard, epoch, "releasing a claim a previous process at this address left");
+            self.publish(shard, None, epoch);
+        }
+    }
+
     /// Lets every claimed shard go, and waits (a little) for the releases to be
     /// written.
     pub fn release_all(&mut self) {
-        for (shard, epoch) in std::mem::take(&mut self.epochs) {
+        let released = std::mem::take(&mut self.released).into_iter().map(|(shard, (epoch, _))| (shard, epoch));
+        for (shard, epoch) in std::mem::take(&mut self.epochs).into_iter().chain(released) {
             self.publish(shard, None, epoch);
         }
         let _ = self.producer.flush(Duration::from_secs(5));

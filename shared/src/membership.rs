@@ -25,7 +25,8 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
+use rdkafka::ClientContext;
 use tally_core::assignment::Member;
 use tally_core::wire::Heartbeat;
 use tokio_util::sync::CancellationToken;
@@ -115,9 +116,14 @@ impl Lease {
         if state.lapsed || state.until == i64::MAX {
             return;
         }
+        let renewed = sent_ms + self.timeout_ms - self.margin_ms;
+        if state.fresh && renewed <= now {
+            // Sent before a pause, acknowledged after it: it holds nothing.
+            return;
+        }
         if state.fresh || now < state.until {
             state.fresh = false;
-            state.until = state.until.max(sent_ms + self.timeout_ms - self.margin_ms);
+            state.until = state.until.max(renewed);
             self.until.store(state.until, Ordering::SeqCst);
         } else {
             state.lapsed = true;
@@ -134,6 +140,14 @@ impl Lease {
         state.lapsed
     }
 
+    /// Ends the lease at once (a member that stops): it acts as a holder no more,
+    /// before it tells the others it is leaving.
+    pub fn end(&self) {
+        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        *state = LeaseState { until: 0, fresh: false, lapsed: true };
+        self.until.store(0, Ordering::SeqCst);
+    }
+
     /// A new tenure, after the holder dropped everything of the lapsed one.
     pub fn restart(&self) {
         let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -142,39 +156,58 @@ impl Lease {
     }
 }
 
-/// Publishes `me`'s heartbeats on `topic` every `every` until `shutdown`, then one
-/// saying it is leaving; each acknowledged heartbeat renews `lease`.
+/// Renews the lease from each heartbeat's delivery report: acknowledged at most a
+/// lease's length after it was sent still counts (a slow broker is not a dead one).
+struct Beats {
+    lease: Arc<Lease>,
+}
+
+impl ClientContext for Beats {}
+
+impl ProducerContext for Beats {
+    /// The heartbeat's send time.
+    type DeliveryOpaque = Box<i64>;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, sent: Box<i64>) {
+        match result {
+            Ok(_) => self.lease.acknowledged(*sent, now_ms()),
+            Err((err, _)) => tracing::warn!(error = %err, "a heartbeat was not delivered"),
+        }
+    }
+}
+
+/// Publishes `me`'s heartbeats on `topic` every `every` until `leave`, then one
+/// saying it is leaving; each acknowledged heartbeat renews `lease`. A member that
+/// acts on what it holds cancels `leave` only once it stopped doing so (and ended
+/// its lease): the others take its partitions when they read that it left. The
+/// thread ends early — and the member must stop — if the producer fails for good.
 pub fn heartbeat(
     kafka: &KafkaConfig,
     topic: String,
     me: Member,
     every: Duration,
     lease: Arc<Lease>,
-    shutdown: CancellationToken,
+    leave: CancellationToken,
 ) -> Result<std::thread::JoinHandle<()>> {
-    let producer: ThreadedProducer<DefaultProducerContext> = producer_config(kafka)?.create()?;
+    let producer: ThreadedProducer<Beats> = producer_config(kafka)?.create_with_context(Beats { lease })?;
     let thread = std::thread::Builder::new().name("heartbeat".into()).spawn(move || {
-        let send = |leaving: bool| -> Option<i64> {
+        let send = |leaving: bool| {
             let sent = now_ms();
             let beat = Heartbeat::new(me.instance.clone(), me.addr.clone(), sent, leaving);
-            let payload = serde_json::to_vec(&beat).ok()?;
-            match producer.send(BaseRecord::to(&topic).key(&me.instance).payload(&payload)) {
-                Ok(()) => Some(sent),
-                Err((err, _)) => {
-                    tracing::warn!(error = %err, "sending a heartbeat");
-                    None
-                }
+            let Ok(payload) = serde_json::to_vec(&beat) else { return };
+            let record = BaseRecord::with_opaque_to(&topic, Box::new(sent)).key(&me.instance).payload(&payload);
+            if let Err((err, _)) = producer.send(record) {
+                tracing::warn!(error = %err, "sending a heartbeat");
             }
         };
-        while !shutdown.is_cancelled() {
-            if let Some(sent) = send(false) {
-                // Flushed: every heartbeat sent so far is acknowledged.
-                if producer.flush(every).is_ok() {
-                    lease.acknowledged(sent, now_ms());
-                }
+        while !leave.is_cancelled() {
+            if let Some(fatal) = producer.client().fatal_error() {
+                tracing::error!(error = ?fatal, "the heartbeat producer failed for good");
+                return;
             }
+            send(false);
             let until = std::time::Instant::now() + every;
-            while !shutdown.is_cancelled() && std::time::Instant::now() < until {
+            while !leave.is_cancelled() && std::time::Instant::now() < until {
                 std::thread::sleep(Duration::from_millis(20));
             }
         }
@@ -193,12 +226,12 @@ pub fn follow(
     shutdown: CancellationToken,
 ) -> Result<std::thread::JoinHandle<()>> {
     let group = format!("tally-{name}");
-    crate::follow::follow(kafka, name, &group, topic, Duration::from_millis(50), shutdown, Beats(membership))
+    crate::follow::follow(kafka, name, &group, topic, Duration::from_millis(50), shutdown, Read(membership))
 }
 
-struct Beats(Arc<Membership>);
+struct Read(Arc<Membership>);
 
-impl Follow for Beats {
+impl Follow for Read {
     fn record(&mut self, offset: i64, payload: &[u8]) {
         match Heartbeat::decode(payload) {
             Ok(heartbeat) => self.0.record(heartbeat),
@@ -251,6 +284,17 @@ mod tests {
         assert!(lease.valid(23_000) && !lease.valid(23_400));
         // A lease that ends with no acknowledgement at all lapses too.
         assert!(lease.lapsed(23_400));
+        // After a restart, a heartbeat sent before the pause starts nothing.
+        lease.restart();
+        lease.acknowledged(20_000, 30_000);
+        assert!(!lease.valid(30_000) && !lease.lapsed(30_000));
+        lease.acknowledged(30_100, 30_110);
+        assert!(lease.valid(33_000));
+        // Ended by a member that stops: at once, for good.
+        lease.end();
+        assert!(!lease.valid(30_200) && lease.lapsed(30_200));
+        lease.acknowledged(30_300, 30_310);
+        assert!(!lease.valid(30_400));
     }
 
     #[test]

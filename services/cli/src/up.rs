@@ -87,7 +87,7 @@ pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: Up
         // so the single local ingester owns every partition without a group.
         env.push(("TALLY__INGESTER__STATIC_ASSIGNMENT".to_string(), "true".to_string()));
     }
-    let counters = counter_instances(&config, &counter_dir, args.counters);
+    let counters = counter_instances(&config, &counter_dir, args.counters, broker.is_some());
     if let Some(path) = &config_path {
         env.push(("TALLY_CONFIG".to_string(), std::fs::canonicalize(path)?.display().to_string()));
     }
@@ -121,15 +121,29 @@ pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: Up
     Ok(())
 }
 
-/// The counter processes to run (name, own environment): one that owns every shard
-/// statically, or `n` that share them through their membership, each with its own
-/// name, data directory and admin port (the configured one plus its index, unless 0).
-fn counter_instances(config: &TallyConfig, counter_dir: &Path, n: u32) -> Vec<(String, Vec<(String, String)>)> {
+/// The counter processes to run (name, own environment): one (owning every shard
+/// statically on the local broker; as configured on another Kafka), or `n` that
+/// share the shards through their membership, each with its own name, data
+/// directory (`<counter dir>-<i>`), admin port (counter-i: the configured one plus
+/// 10 × i, clear of the other services' defaults) and read port (plus i, unless 0).
+fn counter_instances(
+    config: &TallyConfig,
+    counter_dir: &Path,
+    n: u32,
+    local_broker: bool,
+) -> Vec<(String, Vec<(String, String)>)> {
     if n == 1 {
-        let env = vec![("TALLY__COUNTER__STATIC_ASSIGNMENT".to_string(), "true".to_string())];
+        let env = match local_broker {
+            true => vec![("TALLY__COUNTER__STATIC_ASSIGNMENT".to_string(), "true".to_string())],
+            false => Vec::new(),
+        };
         return vec![("tally-counter".to_string(), env)];
     }
-    let admin: Option<std::net::SocketAddr> = config.counter.admin_listen.parse().ok();
+    let offset = |listen: &str, by: u32| -> Option<String> {
+        let mut addr: std::net::SocketAddr = listen.parse().ok().filter(|a: &std::net::SocketAddr| a.port() != 0)?;
+        addr.set_port(u16::try_from(by).ok().and_then(|by| addr.port().checked_add(by)).unwrap_or(0));
+        Some(addr.to_string())
+    };
     (0..n)
         .map(|i| {
             let name = format!("counter-{i}");
@@ -142,9 +156,11 @@ fn counter_instances(config: &TallyConfig, counter_dir: &Path, n: u32) -> Vec<(S
                 ("TALLY__COUNTER__INSTANCE".to_string(), name.clone()),
                 ("TALLY__COUNTER__DATA_DIR".to_string(), dir.display().to_string()),
             ];
-            if let Some(mut addr) = admin.filter(|a| a.port() != 0) {
-                addr.set_port(addr.port() + i as u16);
-                env.push(("TALLY__COUNTER__ADMIN_LISTEN".to_string(), addr.to_string()));
+            if let Some(addr) = offset(&config.counter.admin_listen, 10 * i) {
+                env.push(("TALLY__COUNTER__ADMIN_LISTEN".to_string(), addr));
+            }
+            if let Some(addr) = offset(&config.counter.read_listen, i) {
+                env.push(("TALLY__COUNTER__READ_LISTEN".to_string(), addr));
             }
             (format!("tally-counter ({name})"), env)
         })

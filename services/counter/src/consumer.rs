@@ -114,7 +114,9 @@ impl CounterContext {
     /// process; a shard whose log end cannot be read now is left out (ownership
     /// asks again).
     fn assign(&self, consumer: &BaseConsumer<Self>, wanted: &[u32]) -> Result<()> {
-        let before = self.held();
+        // Served in the assignment before (a shard that failed to open or to be
+        // checked was not: it is gated like a new one when it comes back).
+        let before = self.shards.owned();
         let committed = committed_offsets(consumer, &self.topic, wanted);
         let mut stores = HashMap::new();
         let mut failures = BTreeMap::new();
@@ -213,6 +215,8 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         .set("auto.offset.reset", "earliest");
     let consumer: BaseConsumer<CounterContext> = consumer_config.create_with_context(context)?;
     let mut threads = Vec::new();
+    // Cancelled once this counter stopped acting as an owner: then it says it leaves.
+    let leave = CancellationToken::new();
     let ownership = match config.counter.static_assignment {
         true => {
             let all: Vec<u32> = (0..shard_count).collect();
@@ -226,14 +230,8 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             let membership = Arc::new(Membership::default());
             let lease = shards.lease.clone();
             let every = Duration::from_millis(config.counter.heartbeat_ms);
-            let beats = membership::heartbeat(
-                &config.kafka,
-                topic.clone(),
-                me.clone(),
-                every,
-                lease.clone(),
-                shutdown.clone(),
-            )?;
+            let beats =
+                membership::heartbeat(&config.kafka, topic.clone(), me.clone(), every, lease.clone(), leave.clone())?;
             threads.push(("heartbeat", beats));
             let follower =
                 membership::follow(&config.kafka, "counter-membership", &topic, membership.clone(), shutdown.clone())?;
@@ -325,6 +323,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         ownership,
         shard_count,
         shutdown: shutdown.clone(),
+        leave,
     };
     let result = drive(&consumer, &setup, &mut counter, &shutdown);
     counter.stop();
@@ -354,6 +353,8 @@ struct Counter {
     ownership: Option<Ownership>,
     shard_count: u32,
     shutdown: CancellationToken,
+    /// Tells the heartbeat to say this counter leaves ([`Counter::stop`]).
+    leave: CancellationToken,
 }
 
 impl Processor<CounterContext> for Counter {
@@ -394,7 +395,8 @@ impl Processor<CounterContext> for Counter {
             // A new assignment, a rebuilt shard that caught up, one that failed or
             // recovered: announced now, not at the next heartbeat.
             self.serving = announced;
-            self.announcer.announce(&self.serving, true);
+            let newest_seen = self.newest_epochs();
+            self.announcer.announce(&self.serving, true, newest_seen);
         }
         let conflict = self.ownership.as_ref().and_then(Ownership::conflict);
         report_state(&self.shards, &self.readiness, &self.metrics, conflict);
@@ -429,10 +431,17 @@ impl Processor<CounterContext> for Counter {
             // A producer that hit a fatal error delivers nothing more: stop loudly
             // (the stores hold everything; the next start relays it).
             let rollup_relay = self.rollups.as_ref().map(|r| &r.relay);
-            if let Some(fatal) = std::iter::once(&self.relay).chain(rollup_relay).find_map(Relay::fatal) {
+            let relays = std::iter::once(&self.relay).chain(rollup_relay).find_map(Relay::fatal);
+            if let Some(fatal) = relays.or_else(|| self.announcer.fatal()) {
                 return Err(Error::Consumer(format!("a producer failed for good: {fatal}")));
             }
-            self.announcer.announce(&self.serving, false);
+            let newest_seen = self.newest_epochs();
+            self.announcer.announce(&self.serving, false, newest_seen);
+            if let Some(ownership) = &self.ownership {
+                for (shard, epoch) in ownership.claims.orphans(&ownership.me.addr, self.announcer.instance()) {
+                    self.announcer.release_orphan(shard, epoch);
+                }
+            }
         }
         Ok(())
     }
@@ -470,15 +479,24 @@ impl Counter {
         }
     }
 
+    /// The newest claim epoch read for a shard (none with static assignment).
+    fn newest_epochs(&self) -> impl Fn(u32) -> Option<i64> {
+        let claims = self.ownership.as_ref().map(|ownership| ownership.claims.clone());
+        move |shard| claims.as_ref().and_then(|claims| claims.epoch(shard))
+    }
+
     /// After the loop: the outboxes relayed (what fails goes with the next owner),
-    /// the shards released.
+    /// the lease ended (no more reads or rollups), the shards released, and only
+    /// then the heartbeat says this counter leaves.
     fn stop(&mut self) {
         if let Err(err) = relay_outboxes(&self.relay, &self.shards, &self.metrics) {
             tracing::warn!(error = %err, "relaying the outbox before stopping; the next owner sends it");
         }
         tracing::info!("counter consumer stopping: batch persisted, releasing shards");
         self.readiness.set(false);
+        self.shards.lease.end();
         self.announcer.release_all();
+        self.leave.cancel();
         for (name, thread) in self.threads.drain(..) {
             if thread.join().is_err() {
                 tracing::error!(thread = name, "a counter thread panicked");

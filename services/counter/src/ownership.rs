@@ -13,8 +13,9 @@
 //!   and then its lease has ended (the module docs of `membership` say why). So
 //!   the log end the new owner catches up with before serving holds everything the
 //!   previous owner ever served: reads never go back in time across a move.
-//! - A counter that sees another one use its name (two processes, one name) owns
-//!   nothing and says so: its shards would be held twice.
+//! - A counter that sees another one use its name (two processes, one name) logs
+//!   it and names it in readiness; their newest heartbeats alternate, so neither
+//!   settles on an assignment until one is gone: give each counter its own name.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -30,11 +31,11 @@ use tally_shared::membership::{Lease, Membership};
 /// How long an assignment must stay the same before it is acted on.
 pub const SETTLE: Duration = Duration::from_millis(1_000);
 
-/// The counters' claims, read from the shard-owners topic: per shard, the claimed
-/// read address (`None`: released) of the newest epoch ([`ShardOwner::replaces`]).
+/// The counters' claims, read from the shard-owners topic: per shard, the claim of
+/// the newest epoch ([`ShardOwner::replaces`]; its address `None`: released).
 #[derive(Default)]
 pub struct Claims {
-    claims: RwLock<HashMap<u32, (Option<String>, i64)>>,
+    claims: RwLock<HashMap<u32, ShardOwner>>,
     /// The offset after the last record read.
     read_to: AtomicI64,
 }
@@ -42,16 +43,37 @@ pub struct Claims {
 impl Claims {
     fn record(&self, owner: ShardOwner) {
         let mut claims = self.claims.write().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let current = claims.get(&owner.shard).map(|(addr, epoch)| (addr.is_some(), *epoch));
+        let current = claims.get(&owner.shard).map(|claim| (claim.addr.is_some(), claim.at_ms));
         if owner.replaces(current) {
-            claims.insert(owner.shard, (owner.addr, owner.at_ms));
+            claims.insert(owner.shard, owner);
         }
+    }
+
+    /// The newest epoch read for `shard`.
+    pub fn epoch(&self, shard: u32) -> Option<i64> {
+        let claims = self.claims.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        claims.get(&shard).map(|claim| claim.at_ms)
     }
 
     /// Who claims `shard` now, if anyone.
     fn claimed_by(&self, shard: u32) -> Option<String> {
         let claims = self.claims.read().unwrap_or_else(|poisoned| poisoned.into_inner());
-        claims.get(&shard).and_then(|(addr, _)| addr.clone())
+        claims.get(&shard).and_then(|claim| claim.addr.clone())
+    }
+
+    /// Claims under this counter's read address `addr` that another process made
+    /// (`instance` is this one's): a previous incarnation's, killed before it let
+    /// go. Another counter would wait for their release forever (the address is a
+    /// live member's), so this one releases them: `(shard, epoch)`.
+    pub fn orphans(&self, addr: &str, instance: &str) -> Vec<(u32, i64)> {
+        let claims = self.claims.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut orphans: Vec<(u32, i64)> = claims
+            .values()
+            .filter(|claim| claim.addr.as_deref() == Some(addr) && claim.instance != instance)
+            .map(|claim| (claim.shard, claim.at_ms))
+            .collect();
+        orphans.sort_unstable();
+        orphans
     }
 }
 
@@ -85,9 +107,23 @@ pub struct Ownership {
     pending: Option<(Vec<u32>, i64)>,
     /// The name conflict last reported, not to repeat it every turn.
     conflict: Option<String>,
-    /// When shards to take were last looked at (the checks read watermarks).
+    /// When the topics' ends were last read for taking shards.
     last_take_check: i64,
+    /// The ends read, waiting for the followers to reach them.
+    take_check: Option<TakeCheck>,
 }
+
+/// The ends of the membership and the claims topics when they were read (`at`).
+#[derive(Debug, Clone, Copy)]
+struct TakeCheck {
+    at: i64,
+    members_end: i64,
+    claims_end: i64,
+}
+
+/// How long the followers may take to reach the ends read before they are read
+/// again.
+const TAKE_CHECK_PATIENCE_MS: i64 = 5_000;
 
 /// What the counter should do with its shards.
 #[derive(Debug, PartialEq, Eq)]
@@ -124,6 +160,7 @@ impl Ownership {
             pending: None,
             conflict: None,
             last_take_check: 0,
+            take_check: None,
         }
     }
 
@@ -168,13 +205,33 @@ impl Ownership {
         if kept.len() == wanted.len() {
             return Some(Change::Own(wanted));
         }
-        // Taking shards: not more often than every 200 ms (each look reads two
-        // watermarks), and only those no other live counter claims.
-        if now - self.last_take_check < 200 {
-            return (kept.len() < owned.len()).then_some(Change::Own(kept));
+        // Taking shards. First the ends of the membership and the claims are read
+        // (at most every 200 ms: two watermark requests); once the followers have
+        // read that far, liveness *as of then* decides — every heartbeat
+        // acknowledged before then is in that view, so a member it finds gone had
+        // its lease end a margin before — and a shard is taken only if no counter
+        // alive then claims it.
+        let drop_only = (kept.len() < owned.len()).then_some(Change::Own(kept));
+        let check = match self.take_check {
+            Some(check) if now - check.at < TAKE_CHECK_PATIENCE_MS => check,
+            _ => {
+                if now - self.last_take_check >= 200 {
+                    self.last_take_check = now;
+                    self.take_check = self.read_ends(consumer, now);
+                }
+                return drop_only;
+            }
+        };
+        let members_read = self.membership.caught_up(check.members_end);
+        if !members_read || self.claims.read_to.load(Ordering::SeqCst) < check.claims_end {
+            return drop_only;
         }
-        self.last_take_check = now;
-        let takeable = self.read_to_end(consumer);
+        self.take_check = None;
+        let live = self.membership.live(check.at, self.timeout_ms);
+        if !live.iter().any(|m| m.instance == self.me.instance) || self.assigned(&live) != wanted {
+            self.pending = None;
+            return drop_only;
+        }
         let others: Vec<&str> =
             live.iter().filter(|m| m.instance != self.me.instance).map(|m| m.addr.as_str()).collect();
         let taken: Vec<u32> = wanted
@@ -182,7 +239,7 @@ impl Ownership {
             .copied()
             .filter(|shard| {
                 owned.contains(shard)
-                    || (takeable && self.claims.claimed_by(*shard).is_none_or(|addr| !others.contains(&addr.as_str())))
+                    || self.claims.claimed_by(*shard).is_none_or(|addr| !others.contains(&addr.as_str()))
             })
             .collect();
         (taken != owned).then_some(Change::Own(taken))
@@ -205,17 +262,16 @@ impl Ownership {
             .collect()
     }
 
-    /// Whether the membership and the claims were read up to their ends as of now.
-    fn read_to_end<C: ConsumerContext>(&self, consumer: &BaseConsumer<C>) -> bool {
-        let high = |topic: &str| match consumer.fetch_watermarks(topic, 0, Duration::from_secs(2)) {
+    /// The ends of the membership and the claims as of `now`.
+    fn read_ends<C: ConsumerContext>(&self, consumer: &BaseConsumer<C>, now: i64) -> Option<TakeCheck> {
+        let end = |topic: &str| match consumer.fetch_watermarks(topic, 0, Duration::from_secs(2)) {
             Ok((_, high)) => Some(high),
             Err(err) => {
                 tracing::warn!(topic, error = %err, "reading a topic's end; taking shards later");
                 None
             }
         };
-        high(&self.topic).is_some_and(|high| self.membership.caught_up(high))
-            && high(&self.claims_topic).is_some_and(|high| self.claims.read_to.load(Ordering::SeqCst) >= high)
+        Some(TakeCheck { at: now, members_end: end(&self.topic)?, claims_end: end(&self.claims_topic)? })
     }
 }
 
@@ -223,6 +279,24 @@ impl Ownership {
 mod tests {
     use super::*;
     use tally_core::wire::Heartbeat;
+
+    #[test]
+    fn claims_keep_the_newest_epoch_and_name_a_previous_incarnations_orphans() {
+        let claims = Claims::default();
+        let claim = |shard, addr: Option<&str>, instance: &str, epoch| {
+            ShardOwner::new(shard, addr.map(String::from), instance.into(), epoch)
+        };
+        claims.record(claim(1, Some("me:1"), "old", 100)); // a killed incarnation's
+        claims.record(claim(2, Some("me:1"), "old", 100));
+        claims.record(claim(2, Some("b:1"), "b", 200)); // taken over since
+        claims.record(claim(2, Some("me:1"), "old", 100)); // late: ignored
+        claims.record(claim(3, Some("me:1"), "new", 300)); // this process's own
+        claims.record(claim(4, Some("me:1"), "old", 100));
+        claims.record(claim(4, None, "old", 100)); // released
+        assert_eq!(claims.claimed_by(2), Some("b:1".to_string()));
+        assert_eq!(claims.claimed_by(4), None);
+        assert_eq!(claims.orphans("me:1", "new"), vec![(1, 100)]);
+    }
 
     #[test]
     fn every_shard_has_one_owner_among_the_live_counters() {

@@ -95,6 +95,9 @@ impl Shards {
     /// The shards announced as this process's: the serving ones and the failed
     /// ones (whose reads must reach this process to learn they failed).
     pub fn announced(&self) -> Vec<u32> {
+        if !self.lease.valid(now_ms()) {
+            return Vec::new();
+        }
         let mut shards = self.serving();
         shards.extend(self.failures.failed());
         shards.sort_unstable();

@@ -236,16 +236,16 @@ impl Processor<DefaultConsumerContext> for GraphProcessor {
             // before — and while its outbox gets through.
             let caught_up = self.store.next_offset().unwrap_or(0) >= self.start_end;
             if caught_up {
-                self.announcer.announce(&[ShardOwner::GRAPH], false);
+                self.announcer.announce(&[ShardOwner::GRAPH], false, |_| None);
             }
             if let Some(next) = self.store.next_offset() {
                 commit_advisory(consumer, &self.input, &[(PARTITION, next)]);
             }
             let outbox_ok = relay_outbox(&self.store, &self.relay, &self.metrics);
             self.readiness.set(outbox_ok && caught_up);
-            if let Some(fatal) = self.relay.fatal() {
+            if let Some(fatal) = self.relay.fatal().or_else(|| self.announcer.fatal()) {
                 // It delivers nothing more: stop loudly; the outbox waits in the store.
-                return Err(Error::Processor(format!("the outbox producer failed for good: {fatal}")));
+                return Err(Error::Processor(format!("a producer (outbox or claims) failed for good: {fatal}")));
             }
         }
         Ok(())

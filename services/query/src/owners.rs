@@ -37,11 +37,12 @@ pub struct Owners {
 
 impl Owners {
     pub fn get(&self, shard: u32) -> Option<Claim> {
-        self.claims.read().ok()?.get(&shard).cloned()
+        self.claims.read().unwrap_or_else(|poisoned| poisoned.into_inner()).get(&shard).cloned()
     }
 
     pub fn record(&self, owner: ShardOwner, version: u64) {
-        if let Ok(mut claims) = self.claims.write() {
+        {
+            let mut claims = self.claims.write().unwrap_or_else(|poisoned| poisoned.into_inner());
             let current = claims.get(&owner.shard);
             if !owner.replaces(current.map(|c| (c.addr.is_some(), c.epoch))) {
                 tracing::info!(shard = owner.shard, addr = ?owner.addr, epoch = owner.at_ms, "ignoring a claim of an older epoch");
