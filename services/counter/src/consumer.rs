@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::ClientContext;
-use tally_core::assignment::Member;
 use tally_core::keys::{parse_count_key, ALL_TIME_WIDTH};
 use tally_core::time::Resolutions;
 use tally_core::wire::Rollup;
@@ -27,9 +26,7 @@ use tally_shared::consume::{
     Polled, Processor,
 };
 use tally_shared::failures::{Failure, FailureBoard};
-use tally_shared::follow::follow;
 use tally_shared::kafka::{client_config, now_ms, TopicNames};
-use tally_shared::membership::{self, Membership};
 use tally_shared::outbox::Relay;
 use tally_shared::snapshot::{restored_marker, Manifest, SnapshotStore, Snapshotter};
 use tally_shared::telemetry::Readiness;
@@ -38,7 +35,7 @@ use tokio_util::sync::CancellationToken;
 use crate::apply::{ApplyReport, ShardRecord};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
-use crate::ownership::{Change, Claims, FollowClaims, Ownership};
+use crate::ownership::{Change, Ownership};
 use crate::relay::relay_outboxes;
 use crate::shards::Shards;
 use crate::store::{ShardStore, StoreOptions};
@@ -224,44 +221,9 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             None
         }
         false => {
-            let me = Member { instance: config.counter.member_name(), addr: read_addr.clone() };
-            tracing::info!(instance = %me.instance, "joining the counters");
-            let topic = names.counter_members();
-            let membership = Arc::new(Membership::default());
-            let lease = shards.lease.clone();
-            let every = Duration::from_millis(config.counter.heartbeat_ms);
-            let beats =
-                membership::heartbeat(&config.kafka, topic.clone(), me.clone(), every, lease.clone(), leave.clone())?;
-            threads.push(("heartbeat", beats));
-            let follower =
-                membership::follow(&config.kafka, "counter-membership", &topic, membership.clone(), shutdown.clone())?;
-            threads.push(("membership", follower));
-            let claims = Arc::new(Claims::default());
-            let poll = Duration::from_millis(50);
-            let claims_topic = names.shard_owners();
-            let group = "tally-counter-claims";
-            let follower = follow(
-                &config.kafka,
-                "counter-claims",
-                group,
-                &claims_topic,
-                poll,
-                shutdown.clone(),
-                FollowClaims(claims.clone()),
-            )?;
-            threads.push(("claims", follower));
-            let timeout = config.counter.member_timeout_ms;
-            Some(Ownership::new(
-                membership,
-                claims,
-                claims_topic,
-                lease,
-                me,
-                topic,
-                shard_topic.clone(),
-                shard_count,
-                timeout,
-            ))
+            let joined = Ownership::join(&config, &read_addr, shards.lease.clone(), shard_count, &leave, &shutdown)?;
+            threads.extend(joined.1);
+            Some(joined.0)
         }
     };
     let announcer = Announcer::new(&config.kafka, names.shard_owners(), read_addr)?;

@@ -20,13 +20,19 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, RwLock};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use tally_core::assignment::{owner, Member};
 use tally_core::wire::ShardOwner;
-use tally_shared::follow::Follow;
-use tally_shared::membership::{Lease, Membership};
+use tally_shared::config::TallyConfig;
+use tally_shared::follow::{follow, Follow};
+use tally_shared::kafka::TopicNames;
+use tally_shared::membership::{self, Lease, Membership};
+use tokio_util::sync::CancellationToken;
+
+use crate::error::Result;
 
 /// How long an assignment must stay the same before it is acted on.
 pub const SETTLE: Duration = Duration::from_millis(1_000);
@@ -135,33 +141,46 @@ pub enum Change {
 }
 
 impl Ownership {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        membership: Arc<Membership>,
-        claims: Arc<Claims>,
-        claims_topic: String,
+    /// Joins the counters as `read_addr`: starts the heartbeat (until `leave`) and
+    /// the followers of the membership and the claims (until `shutdown`); returns
+    /// the ownership and those threads, to be watched.
+    pub fn join(
+        config: &TallyConfig,
+        read_addr: &str,
         lease: Arc<Lease>,
-        me: Member,
-        topic: String,
-        shard_topic: String,
         shard_count: u32,
-        timeout_ms: u64,
-    ) -> Self {
-        Self {
+        leave: &CancellationToken,
+        shutdown: &CancellationToken,
+    ) -> Result<(Self, Vec<(&'static str, JoinHandle<()>)>)> {
+        let names = TopicNames::new(&config.kafka.topic_prefix);
+        let me = Member { instance: config.counter.member_name(), addr: read_addr.to_string() };
+        tracing::info!(instance = %me.instance, "joining the counters");
+        let (topic, claims_topic) = (names.counter_members(), names.shard_owners());
+        let membership = Arc::new(Membership::default());
+        let claims = Arc::new(Claims::default());
+        let every = Duration::from_millis(config.counter.heartbeat_ms);
+        let kafka = &config.kafka;
+        let beats = membership::heartbeat(kafka, topic.clone(), me.clone(), every, lease.clone(), leave.clone())?;
+        let members = membership::follow(kafka, "counter-membership", &topic, membership.clone(), shutdown.clone())?;
+        let (poll, group) = (Duration::from_millis(50), "tally-counter-claims");
+        let read_claims = FollowClaims(claims.clone());
+        let claimed = follow(kafka, "counter-claims", group, &claims_topic, poll, shutdown.clone(), read_claims)?;
+        let ownership = Self {
             membership,
             claims,
             claims_topic,
             lease,
             me,
             topic,
-            shard_topic,
+            shard_topic: names.shards(),
             shard_count,
-            timeout_ms,
+            timeout_ms: config.counter.member_timeout_ms,
             pending: None,
             conflict: None,
             last_take_check: 0,
             take_check: None,
-        }
+        };
+        Ok((ownership, vec![("heartbeat", beats), ("membership", members), ("claims", claimed)]))
     }
 
     /// The change to make now to the shards `owned`, if any.
@@ -308,10 +327,21 @@ mod tests {
         let mut all = Vec::new();
         for name in ["a", "b", "c"] {
             let me = Member { instance: name.into(), addr: format!("{name}:1") };
-            let claims = Arc::new(Claims::default());
-            let lease = Arc::new(Lease::new(5_000));
-            let mut ownership =
-                Ownership::new(membership.clone(), claims, "o".into(), lease, me, "m".into(), "s".into(), 24, 5_000);
+            let mut ownership = Ownership {
+                membership: membership.clone(),
+                claims: Arc::new(Claims::default()),
+                claims_topic: "o".into(),
+                lease: Arc::new(Lease::new(5_000)),
+                me,
+                topic: "m".into(),
+                shard_topic: "s".into(),
+                shard_count: 24,
+                timeout_ms: 5_000,
+                pending: None,
+                conflict: None,
+                last_take_check: 0,
+                take_check: None,
+            };
             let shards = ownership.assigned(&live);
             assert!(!shards.is_empty(), "{name} owns shards");
             all.extend(shards);
