@@ -35,6 +35,44 @@ pub fn owner<'a>(members: &'a [Member], queue: &str, partition: i32) -> Option<&
     members.iter().max_by_key(|m| (score(&m.instance, queue, partition), &m.instance))
 }
 
+/// The owners of partitions `0..count` of `queue` among `members`, balanced: every
+/// member holds `count / members` of them or one more. Pairs of (partition, member)
+/// are taken by descending score, each partition going to the first member of its
+/// pairs with room, so every member computes the same answer from the same
+/// members, and a member joining or leaving moves few partitions besides its own.
+/// (Counters use this for their eight-odd shards, where plain rendezvous hashing
+/// can leave a counter with none.)
+pub fn balanced<'a>(members: &'a [Member], queue: &str, count: u32) -> Vec<Option<&'a Member>> {
+    let mut owners: Vec<Option<&Member>> = vec![None; count as usize];
+    if members.is_empty() {
+        return owners;
+    }
+    let (base, mut extra) = (count as usize / members.len(), count as usize % members.len());
+    let mut pairs: Vec<(u64, usize, u32)> = (0..count)
+        .flat_map(|p| {
+            members.iter().enumerate().map(move |(m, member)| (score(&member.instance, queue, p as i32), m, p))
+        })
+        .collect();
+    pairs.sort_unstable_by(|a, b| {
+        b.0.cmp(&a.0).then_with(|| members[b.1].instance.cmp(&members[a.1].instance)).then(a.2.cmp(&b.2))
+    });
+    let mut load = vec![0usize; members.len()];
+    for (_, m, p) in pairs {
+        if owners[p as usize].is_some() {
+            continue;
+        }
+        let room = load[m] < base || (load[m] == base && extra > 0);
+        if room {
+            if load[m] == base {
+                extra -= 1;
+            }
+            load[m] += 1;
+            owners[p as usize] = Some(&members[m]);
+        }
+    }
+    owners
+}
+
 /// Every partition of every queue (`queue` → partition count) `instance` owns.
 pub fn owned_by(members: &[Member], queues: &BTreeMap<String, i32>, instance: &str) -> Vec<(String, i32)> {
     queues
@@ -70,6 +108,29 @@ mod tests {
                 if before.instance != all[gone].instance {
                     prop_assert_eq!(owner(&rest, "q", p), Some(before));
                 }
+            }
+        }
+    }
+
+    proptest! {
+        /// Balanced: every partition has one owner, loads differ by at most one, and
+        /// a member leaving moves at most about its own share plus a few more.
+        #[test]
+        fn balanced_owners_are_even_and_mostly_stable(n in 1usize..9, gone in 0usize..9, count in 1u32..40) {
+            let all = members(n);
+            let owners = balanced(&all, "s", count);
+            prop_assert!(owners.iter().all(Option::is_some));
+            let load = |owners: &[Option<&Member>], m: &Member| owners.iter().filter(|o| **o == Some(m)).count();
+            let loads: Vec<usize> = all.iter().map(|m| load(&owners, m)).collect();
+            let (min, max) = (*loads.iter().min().unwrap(), *loads.iter().max().unwrap());
+            prop_assert!(max - min <= 1, "{:?}", loads);
+            prop_assert_eq!(loads.iter().sum::<usize>(), count as usize);
+            if n > 1 {
+                let gone = gone % n;
+                let rest: Vec<Member> = all.iter().enumerate().filter(|(i, _)| *i != gone).map(|(_, m)| m.clone()).collect();
+                let after = balanced(&rest, "s", count);
+                let moved = (0..count as usize).filter(|&p| owners[p] != Some(&all[gone]) && after[p].map(|m| &m.instance) != owners[p].map(|m| &m.instance)).count();
+                prop_assert!(moved <= count as usize / n + 2, "{} moved besides the leaver's", moved);
             }
         }
     }

@@ -358,7 +358,8 @@ pub struct ShardOwner {
     /// The claim's epoch: wall-clock ms when this owner first announced the shard
     /// in its tenure (above every epoch it read for the shard), the same in every
     /// repeat of the claim and in its release. A reader keeps the claim of the
-    /// newest epoch (log order between equal ones) and ignores an older one, so a
+    /// newest epoch (log order between equal ones) and ignores an older one —
+    /// unless the shard has no owner (then a stale claim answers `not_owner`) — so a
     /// paused or partitioned owner that comes back cannot take reads back with late
     /// claims or releases (it sends them under the epoch of its lost tenure).
     pub at_ms: i64,

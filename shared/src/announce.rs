@@ -5,9 +5,9 @@
 //!
 //! Each claim carries its epoch ([`ShardOwner::at_ms`]): when this process took the
 //! shard, repeated unchanged in every claim and in the release of that tenure. A
-//! shard taken again gets a new epoch. Readers keep the newest epoch, so the claims
-//! and releases a paused owner sends late, under the epoch of its lost tenure, are
-//! ignored.
+//! shard taken again gets a new epoch. Readers keep the newest epoch (an older claim
+//! only while the shard has no owner), so the claims and releases a paused owner
+//! sends late, under the epoch of its lost tenure, are ignored.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

@@ -165,6 +165,22 @@ pub struct SnapshotsConfig {
     pub interval_ms: u64,
     /// Snapshots kept per shard (the newest; at least two).
     pub keep: usize,
+    /// How long the shard topic and graph-updates keep records (`tally topics
+    /// apply`). 0: 7 days when snapshots go to a shared store (`url`), which every
+    /// counter restores from; otherwise as declared ("forever": with snapshots on
+    /// each counter's own disk, a shard that moves rebuilds from the log).
+    pub log_retention_ms: i64,
+}
+
+impl SnapshotsConfig {
+    /// The retention of the shard topic and graph-updates, when it is bounded.
+    pub fn log_retention_ms(&self) -> Option<i64> {
+        match self.log_retention_ms {
+            ms if ms > 0 => Some(ms),
+            _ if self.enabled && !self.url.trim().is_empty() => Some(7 * 86_400_000),
+            _ => None,
+        }
+    }
 }
 
 impl Default for SnapshotsConfig {
@@ -179,6 +195,7 @@ impl Default for SnapshotsConfig {
             every_records: 1_000_000,
             interval_ms: 300_000,
             keep: 2,
+            log_retention_ms: 0,
         }
     }
 }

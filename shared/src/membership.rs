@@ -64,6 +64,12 @@ impl Membership {
             .collect()
     }
 
+    /// When `instance`'s newest heartbeat read was sent.
+    pub fn heard_at(&self, instance: &str) -> Option<i64> {
+        let latest = self.latest.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        latest.get(instance).map(|h| h.at_ms)
+    }
+
     /// Whether every record before `high` (the topic's high watermark, fetched just
     /// now) was read: then no heartbeat acknowledged before it is missing here.
     pub fn caught_up(&self, high: i64) -> bool {

@@ -234,6 +234,17 @@ impl Declarations {
         Self::build(decls)
     }
 
+    /// Bounds the shard topic's and graph-updates' retention to `ms`, if given
+    /// ([`crate::config::SnapshotsConfig::log_retention_ms`]).
+    pub fn with_log_retention(mut self, ms: Option<i64>) -> Self {
+        if let Some(ms) = ms {
+            for topic in self.topics.iter_mut().filter(|t| t.name == "shards" || t.name == "graph-updates") {
+                topic.retention_ms = Some(ms);
+            }
+        }
+        self
+    }
+
     pub fn get(&self, name: &str) -> Option<&TopicDecl> {
         self.topics.iter().find(|t| t.name == name)
     }
@@ -542,10 +553,16 @@ mod tests {
         }
         let shards = decls.get("shards").unwrap();
         assert!(shards.fixed_partitions);
-        // A bounded log (snapshots cover what it no longer holds), never -1 (which
-        // the local broker's retention sweep reads as "delete everything").
-        let week = Some(7 * 86_400_000);
-        assert_eq!((shards.retention_ms, decls.get("graph-updates").unwrap().retention_ms), (week, week));
+        // Kept "forever" unless bounded by the config, never -1 (which the local
+        // broker's retention sweep reads as "delete everything").
+        let forever = Some(3_153_600_000_000);
+        assert_eq!((shards.retention_ms, decls.get("graph-updates").unwrap().retention_ms), (forever, forever));
+        let bounded = decls.clone().with_log_retention(Some(5));
+        let retention = |name| bounded.get(name).unwrap().retention_ms;
+        assert_eq!(
+            (retention("shards"), retention("graph-updates"), retention("increments")),
+            (Some(5), Some(5), Some(604_800_000))
+        );
     }
 
     #[test]

@@ -283,7 +283,8 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
 }
 
 async fn topics_apply(config: &TallyConfig, file: Option<PathBuf>) -> anyhow::Result<()> {
-    let decls = Declarations::load(file.as_deref().or(config.broker.declarations.as_deref()))?;
+    let decls = Declarations::load(file.as_deref().or(config.broker.declarations.as_deref()))?
+        .with_log_retention(config.snapshots.log_retention_ms());
     let actions = topics::apply(&config.kafka, &decls).await?;
     let mut drift = false;
     for action in actions {

@@ -8,7 +8,7 @@
 //!
 //! `--counters N` runs N counter processes that share the shards through the
 //! counters' membership (`counter-0` … with data in `counter-0/` …); one counter
-//! owns every shard statically.
+//! owns every shard statically on the local broker (on another Kafka, as configured).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -59,9 +59,9 @@ pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: Up
         broker = Some(started);
     }
 
-    let actions = topics::apply(&config.kafka, &Declarations::load(config.broker.declarations.as_deref())?)
-        .await
-        .context("applying topics")?;
+    let declarations = Declarations::load(config.broker.declarations.as_deref())?
+        .with_log_retention(config.snapshots.log_retention_ms());
+    let actions = topics::apply(&config.kafka, &declarations).await.context("applying topics")?;
     let created = actions.iter().filter(|a| matches!(a, topics::Action::Create { .. })).count();
     println!("tally: topics ready ({created} created)");
 

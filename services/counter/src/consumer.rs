@@ -96,6 +96,34 @@ impl CounterContext {
         Ok((store, restored))
     }
 
+    /// Replaces this process's copy of `shard` — kept from an earlier tenure, and
+    /// behind what the log still holds — with the newest snapshot, if that one
+    /// reaches offset `needed` and the copy is not in use; otherwise the copy stays
+    /// (and is refused by the caller's check).
+    fn restore_over(&self, shard: u32, needed: i64) -> Result<(Arc<ShardStore>, bool)> {
+        let Some(snapshots) = self.snapshots.as_ref() else { return self.open(shard) };
+        let newest = snapshots.latest(&snapshot_name(&self.topic, shard))?;
+        if newest.is_none_or(|manifest| manifest.next_offset.unwrap_or(0) < needed) {
+            return self.open(shard);
+        }
+        {
+            let mut opened = self.opened.lock().map_err(|_| Error::Consumer("store table poisoned".into()))?;
+            match opened.remove(&shard) {
+                // Still used (a snapshot being taken): tried again at the next assignment.
+                Some(copy) if Arc::strong_count(&copy) > 1 => {
+                    opened.insert(shard, copy);
+                    drop(opened);
+                    return self.open(shard);
+                }
+                _ => {}
+            }
+        }
+        let path = self.data_dir.join(store_dir(shard));
+        tracing::info!(shard, path = %path.display(), needed, "replacing a copy of the shard the log no longer reaches with its newest snapshot");
+        std::fs::remove_dir_all(&path)?;
+        self.open(shard)
+    }
+
     /// Restores the newest snapshot of `shard` into `path` (where no store is);
     /// whether there was one.
     fn restore(&self, snapshots: &SnapshotStore, shard: u32, path: &std::path::Path) -> Result<()> {
@@ -129,7 +157,20 @@ impl CounterContext {
                 }
             };
             held.push(shard);
-            let (store, restored) = match self.open(shard) {
+            let committed = committed.get(&shard).copied();
+            let check = |store: &ShardStore| {
+                unreplayable(LogCheck { next: store.next_offset(), log_start: start, log_end: end, committed })
+            };
+            let opened = self.open(shard).and_then(|(store, restored)| {
+                if check(&store).is_none() || before.contains(&shard) {
+                    return Ok((store, restored));
+                }
+                // A copy kept from an earlier tenure that the log no longer reaches:
+                // the newest snapshot may.
+                drop(store);
+                self.restore_over(shard, start.max(committed.unwrap_or(0)))
+            });
+            let (store, restored) = match opened {
                 Ok(opened) => opened,
                 Err(err) => {
                     let reason = format!("opening its store: {err}");
@@ -137,13 +178,7 @@ impl CounterContext {
                     continue;
                 }
             };
-            let check = LogCheck {
-                next: store.next_offset(),
-                log_start: start,
-                log_end: end,
-                committed: committed.get(&shard).copied(),
-            };
-            if let Some((offset, reason)) = unreplayable(check) {
+            if let Some((offset, reason)) = check(&store) {
                 failures.insert(shard, Failure { offset: Some(offset), reason, record: None });
                 continue;
             }
@@ -288,6 +323,8 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         leave,
     };
     let result = drive(&consumer, &setup, &mut counter, &shutdown);
+    // Stopping for good (also after an error): the helper threads end with it.
+    shutdown.cancel();
     counter.stop();
     result
 }
@@ -361,7 +398,7 @@ impl Processor<CounterContext> for Counter {
             self.announcer.announce(&self.serving, true, newest_seen);
         }
         let conflict = self.ownership.as_ref().and_then(Ownership::conflict);
-        report_state(&self.shards, &self.readiness, &self.metrics, conflict);
+        report_state(&self.shards, &self.readiness, &self.metrics, conflict, self.ownership.is_some());
         // Right after a batch that wrote totals for other shards; and with every
         // heartbeat, for what a store still held after a restart or a new assignment.
         if self.outbox_written > 0 || heartbeat {
@@ -467,15 +504,22 @@ impl Counter {
     }
 }
 
-/// Readiness and the failure gauge from the shards' state: ready while this counter
-/// serves shards and none failed; `/readyz` names each failure (and a name another
-/// counter uses too).
-fn report_state(shards: &Shards, readiness: &Readiness, metrics: &Metrics, conflict: Option<String>) {
+/// Readiness and the failure gauge from the shards' state; `/readyz` names each
+/// failure (and a name another counter uses too). Owning every shard statically:
+/// ready while it serves shards and none failed. Among several counters: while its
+/// lease holds and every shard it owns is served (none, when the others hold
+/// them all, is fine).
+fn report_state(shards: &Shards, readiness: &Readiness, metrics: &Metrics, conflict: Option<String>, member: bool) {
     let mut failures = shards.failures.descriptions();
     metrics.failed_shards.set(failures.len() as i64);
     failures.extend(conflict);
     readiness.set_failures(failures);
-    readiness.set(!shards.serving().is_empty());
+    let serving = shards.serving();
+    let ready = match member {
+        false => !serving.is_empty(),
+        true => shards.lease.valid(now_ms()) && serving == shards.owned(),
+    };
+    readiness.set(ready);
 }
 
 /// Applies a polled batch shard by shard; returns how many outbox messages it

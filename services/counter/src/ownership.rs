@@ -1,6 +1,6 @@
 //! Which shards this counter should own, from the counters' membership
-//! ([`tally_shared::membership`]): rendezvous hashing of the shards over the live
-//! counters, fenced by this counter's lease.
+//! ([`tally_shared::membership`]): balanced rendezvous hashing of the shards over
+//! the live counters ([`balanced`]), fenced by this counter's lease.
 //!
 //! - A lease that lapsed (the counter was paused, or cut off from Kafka, for longer
 //!   than it may hold shards) drops every shard at once; the counter then starts a
@@ -24,7 +24,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
-use tally_core::assignment::{owner, Member};
+use tally_core::assignment::{balanced, Member};
 use tally_core::wire::ShardOwner;
 use tally_shared::config::TallyConfig;
 use tally_shared::follow::{follow, Follow};
@@ -117,6 +117,8 @@ pub struct Ownership {
     last_take_check: i64,
     /// The ends read, waiting for the followers to reach them.
     take_check: Option<TakeCheck>,
+    /// When this process joined.
+    started_ms: i64,
 }
 
 /// The ends of the membership and the claims topics when they were read (`at`).
@@ -179,6 +181,7 @@ impl Ownership {
             conflict: None,
             last_take_check: 0,
             take_check: None,
+            started_ms: tally_shared::kafka::now_ms(),
         };
         Ok((ownership, vec![("heartbeat", beats), ("membership", members), ("claims", claimed)]))
     }
@@ -198,6 +201,14 @@ impl Ownership {
         let wanted: Vec<u32> = match live.iter().find(|m| m.instance == self.me.instance) {
             // Not seen yet (just started, or a new tenure): nothing to decide.
             None => return None,
+            // The last heartbeats of a previous process of this name (restarted
+            // quickly): this one's own come next.
+            Some(seen)
+                if seen.addr != self.me.addr
+                    && self.membership.heard_at(&seen.instance).is_some_and(|at| at <= self.started_ms) =>
+            {
+                return None
+            }
             Some(seen) if seen.addr != self.me.addr => {
                 if self.conflict.as_deref() != Some(&seen.addr) {
                     tracing::error!(
@@ -271,13 +282,12 @@ impl Ownership {
         })
     }
 
-    /// The shards rendezvous hashing gives this counter among `live`.
+    /// The shards balanced rendezvous hashing gives this counter among `live`.
     fn assigned(&mut self, live: &[Member]) -> Vec<u32> {
         self.conflict = None;
+        let owners = balanced(live, &self.shard_topic, self.shard_count);
         (0..self.shard_count)
-            .filter(|&shard| {
-                owner(live, &self.shard_topic, shard as i32).is_some_and(|m| m.instance == self.me.instance)
-            })
+            .filter(|&shard| owners[shard as usize].is_some_and(|m| m.instance == self.me.instance))
             .collect()
     }
 
@@ -335,18 +345,19 @@ mod tests {
                 me,
                 topic: "m".into(),
                 shard_topic: "s".into(),
-                shard_count: 24,
+                shard_count: 8,
                 timeout_ms: 5_000,
                 pending: None,
                 conflict: None,
                 last_take_check: 0,
                 take_check: None,
+                started_ms: 0,
             };
             let shards = ownership.assigned(&live);
-            assert!(!shards.is_empty(), "{name} owns shards");
+            assert!((2..=3).contains(&shards.len()), "{name} owns {shards:?} of 8");
             all.extend(shards);
         }
         all.sort();
-        assert_eq!(all, (0..24).collect::<Vec<_>>());
+        assert_eq!(all, (0..8).collect::<Vec<_>>());
     }
 }

@@ -144,6 +144,8 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
         processor.threads.push(("snapshots", every));
     }
     let result = drive(&consumer, &setup, &mut processor, &shutdown);
+    // Stopping for good (also after an error): the helper threads end with it.
+    shutdown.cancel();
     processor.readiness.set(false);
     relay_outbox(&store, &processor.relay, &processor.metrics);
     processor.announcer.release_all();

@@ -47,9 +47,9 @@ pub struct Outgoing {
     pub partition: Option<i32>,
     pub key: Vec<u8>,
     pub payload: Vec<u8>,
-    /// The record's timestamp: for routed entries, the time of the input record of
-    /// the last entry (receivers run their dedupe window on it); `None` lets the
-    /// producer stamp it.
+    /// For routed entries, the time of the input record of the last entry (receivers
+    /// run their dedupe window on it), sent in the `tally.record-time.v1` header;
+    /// the Kafka timestamp is always the producer's (when it was routed).
     pub timestamp: Option<i64>,
 }
 
