@@ -290,6 +290,40 @@ impl Snapshotter {
         self.snapshot(name, store, false)
     }
 
+    /// One round of a service's snapshot thread over the `stores` it serves now
+    /// (snapshot name, store): operators' `requests` answered with a snapshot of
+    /// each as of now (or the first failure), then each snapshot if due. Returns
+    /// how many were taken and how many failed (failures are tried again next round).
+    pub fn round(&mut self, requests: &SnapshotRequests, stores: &[(String, &Store)]) -> (u64, u64) {
+        let (mut taken, mut failed) = (0, 0);
+        for reply in requests.take() {
+            let mut now = Vec::new();
+            let mut answer = Ok(());
+            for (name, store) in stores {
+                match self.now(name, store) {
+                    Ok(manifest) => now.extend(manifest),
+                    Err(err) => {
+                        failed += 1;
+                        answer = Err(format!("{name}: {err}"));
+                        break;
+                    }
+                }
+            }
+            let _ = reply.send(answer.map(|()| now));
+        }
+        for (name, store) in stores {
+            match self.consider(name, store) {
+                Ok(Some(_)) => taken += 1,
+                Ok(None) => {}
+                Err(err) => {
+                    failed += 1;
+                    tracing::warn!(snapshot = %name, error = %err, "taking a snapshot; trying again later");
+                }
+            }
+        }
+        (taken, failed)
+    }
+
     /// Snapshots `store` as `name` now unless its newest snapshot is of its current
     /// offset already (an operator's `tally snapshot`); the snapshot of now, if it
     /// has applied anything.

@@ -28,7 +28,7 @@ use tally_shared::consume::{
 use tally_shared::failures::{Failure, FailureBoard};
 use tally_shared::kafka::{client_config, now_ms, TopicNames};
 use tally_shared::outbox::Relay;
-use tally_shared::snapshot::{restored_marker, Manifest, SnapshotStore, Snapshotter};
+use tally_shared::snapshot::{restored_marker, SnapshotStore, Snapshotter};
 use tally_shared::telemetry::Readiness;
 use tokio_util::sync::CancellationToken;
 
@@ -71,9 +71,6 @@ struct CounterContext {
     /// The shard topic (the snapshots' namespace).
     topic: String,
     metrics: Metrics,
-    /// The shards last assigned (failed ones included): what ownership compares
-    /// with what it wants.
-    held: Mutex<Vec<u32>>,
 }
 
 impl CounterContext {
@@ -145,7 +142,6 @@ impl CounterContext {
         let committed = committed_offsets(consumer, &self.topic, wanted);
         let mut stores = HashMap::new();
         let mut failures = BTreeMap::new();
-        let mut held = Vec::new();
         let mut assigned = TopicPartitionList::new();
         for &shard in wanted {
             let partition = shard as i32;
@@ -156,7 +152,6 @@ impl CounterContext {
                     continue;
                 }
             };
-            held.push(shard);
             let committed = committed.get(&shard).copied();
             let check = |store: &ShardStore| {
                 unreplayable(LogCheck { next: store.next_offset(), log_start: start, log_end: end, committed })
@@ -204,12 +199,7 @@ impl CounterContext {
         consumer.resume(&assigned)?;
         tracing::info!(shards = ?stores.keys().collect::<std::collections::BTreeSet<_>>(), "shards assigned");
         self.shards.replace(stores, failures);
-        *self.held.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = held;
         Ok(())
-    }
-
-    fn held(&self) -> Vec<u32> {
-        self.held.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
     }
 }
 
@@ -237,7 +227,6 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         snapshots: snapshots.clone(),
         topic: shard_topic.clone(),
         metrics: metrics.clone(),
-        held: Mutex::new(Vec::new()),
     };
     let mut consumer_config = client_config(&config.kafka)?;
     consumer_config
@@ -452,7 +441,7 @@ impl Counter {
     /// end could not be read are tried again with each heartbeat).
     fn reassign(&mut self, consumer: &BaseConsumer<CounterContext>, heartbeat: bool) -> Result<()> {
         let context = consumer.context();
-        let held = context.held();
+        let held = self.shards.held();
         let Some(ownership) = self.ownership.as_mut() else {
             if heartbeat && held.len() < self.shard_count as usize {
                 context.assign(consumer, &(0..self.shard_count).collect::<Vec<_>>())?;
@@ -684,37 +673,14 @@ impl ShardSnapshots {
 
     fn run(mut self) -> impl FnMut() + Send + 'static {
         move || {
-            // An operator's `tally snapshot`: every serving shard now.
-            for request in self.shards.snapshot_requests.take() {
-                let _ = request.send(self.snapshot_all_now());
-            }
-            for shard in self.shards.serving() {
-                let Some(store) = self.shards.get(shard) else { continue };
-                match self.snapshotter.consider(&snapshot_name(&self.topic, shard), &store.store) {
-                    Ok(Some(_)) => self.metrics.snapshots_taken.inc(),
-                    Ok(None) => {}
-                    Err(err) => {
-                        self.metrics.snapshot_failures.inc();
-                        tracing::warn!(shard, error = %err, "taking a snapshot; trying again later");
-                    }
-                }
-            }
+            let serving: Vec<(String, Arc<ShardStore>)> = (self.shards.serving().into_iter())
+                .filter_map(|shard| Some((snapshot_name(&self.topic, shard), self.shards.get(shard)?)))
+                .collect();
+            let stores: Vec<(String, &tally_shared::store::Store)> =
+                serving.iter().map(|(name, store)| (name.clone(), &store.store)).collect();
+            let (taken, failed) = self.snapshotter.round(&self.shards.snapshot_requests, &stores);
+            self.metrics.snapshots_taken.inc_by(taken);
+            self.metrics.snapshot_failures.inc_by(failed);
         }
-    }
-
-    fn snapshot_all_now(&mut self) -> Result<Vec<Manifest>, String> {
-        let mut manifests = Vec::new();
-        for shard in self.shards.serving() {
-            let Some(store) = self.shards.get(shard) else { continue };
-            match self.snapshotter.now(&snapshot_name(&self.topic, shard), &store.store) {
-                Ok(Some(manifest)) => manifests.push(manifest),
-                Ok(None) => {}
-                Err(err) => {
-                    self.metrics.snapshot_failures.inc();
-                    return Err(format!("shard {shard}: {err}"));
-                }
-            }
-        }
-        Ok(manifests)
     }
 }

@@ -92,6 +92,16 @@ impl Shards {
         shards
     }
 
+    /// The shards last assigned: the owned ones and those that failed (also those
+    /// that failed to open) — what ownership compares with what it wants.
+    pub fn held(&self) -> Vec<u32> {
+        let mut shards = self.owned();
+        shards.extend(self.failures.failed());
+        shards.sort_unstable();
+        shards.dedup();
+        shards
+    }
+
     /// The shards announced as this process's: the serving ones and the failed
     /// ones (whose reads must reach this process to learn they failed).
     pub fn announced(&self) -> Vec<u32> {

@@ -123,23 +123,10 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
             (snapshot_name(&names), store.clone(), processor.metrics.clone());
         let every =
             tally_shared::shutdown::every("graph-snapshots", Duration::from_secs(2), shutdown.clone(), move || {
-                // An operator's `tally snapshot`: now.
-                for reply in requests.take() {
-                    let taken = snapshotter.now(&name, snapshot_store.store());
-                    if taken.is_err() {
-                        snapshot_metrics.snapshot_failures.inc();
-                    }
-                    let _ =
-                        reply.send(taken.map(|manifest| manifest.into_iter().collect()).map_err(|err| err.to_string()));
-                }
-                match snapshotter.consider(&name, snapshot_store.store()) {
-                    Ok(Some(_)) => snapshot_metrics.snapshots_taken.inc(),
-                    Ok(None) => {}
-                    Err(err) => {
-                        snapshot_metrics.snapshot_failures.inc();
-                        tracing::warn!(error = %err, "taking a snapshot of the graph; trying again later");
-                    }
-                }
+                let stores = [(name.clone(), snapshot_store.store())];
+                let (taken, failed) = snapshotter.round(&requests, &stores);
+                snapshot_metrics.snapshots_taken.inc_by(taken);
+                snapshot_metrics.snapshot_failures.inc_by(failed);
             })?;
         processor.threads.push(("snapshots", every));
     }
