@@ -7,8 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 source scripts/common.sh
-# openssl and stunnel4: the TLS-only Kafka of the e2e tests.
-install_native_packages openssl stunnel4
+# openssl and stunnel4: the TLS-only Kafka of the e2e tests; python3-venv: moto's S3
+# server (below).
+install_native_packages openssl stunnel4 python3-venv
 
 # The e2e tests start Tansu themselves and would install it too; installing it here
 # first keeps parallel tests from racing to install it (same path and version as

@@ -64,6 +64,46 @@ impl Manifest {
     fn decode(bytes: &[u8]) -> Result<Self> {
         Ok(tally_core::format::decode_json(bytes, "snapshot manifest", |manifest: &Self| manifest.v)?)
     }
+
+    /// Decodes the manifest found in folder `folder` (`<name>/<id>`) of the
+    /// snapshot store, which is read from outside: it must name that folder, and
+    /// each of its files must be a plain file name (a restore writes them into a
+    /// directory and must not write anywhere else).
+    fn decode_from(bytes: &[u8], folder: &str) -> Result<Self> {
+        let manifest = Self::decode(bytes)?;
+        let plain = |file: &str| {
+            let mut parts = Path::new(file).components();
+            matches!((parts.next(), parts.next()), (Some(std::path::Component::Normal(_)), None))
+        };
+        if format!("{}/{}", manifest.name, manifest.id) != folder {
+            return Err(Error::corrupt(format!(
+                "snapshot manifest in {folder} names {}/{}",
+                manifest.name, manifest.id
+            )));
+        }
+        if let Some(file) = manifest.files.iter().find(|f| !plain(&f.name)) {
+            return Err(Error::corrupt(format!("snapshot manifest in {folder}: {:?} is not a file name", file.name)));
+        }
+        Ok(manifest)
+    }
+}
+
+/// Removes `path` (a directory) if it is there; failing to is an error.
+fn remove_dir_if_there(path: &Path) -> std::io::Result<()> {
+    match std::fs::remove_dir_all(path) {
+        Err(err) if err.kind() != std::io::ErrorKind::NotFound => Err(err),
+        _ => Ok(()),
+    }
+}
+
+/// Removes the mark a restore left beside the store in `dir`, once its service
+/// persisted its wait to catch up with the log; failing to is an error (the store
+/// would wait again after every restart).
+pub fn clear_restored_marker(dir: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(restored_marker(dir)) {
+        Err(err) if err.kind() != std::io::ErrorKind::NotFound => Err(err),
+        _ => Ok(()),
+    }
 }
 
 /// Where snapshots are kept. Blocking calls: for the processors' plain threads, on
@@ -115,7 +155,10 @@ impl SnapshotStore {
     pub fn take(&self, store: &Store, name: &str, scratch: &Path) -> Result<Manifest> {
         let checkpoint = scratch.join(format!("{}-{}", name.replace('/', "_"), now_ms()));
         let taken = self.take_from(store, name, &checkpoint);
-        let _ = std::fs::remove_dir_all(&checkpoint);
+        // A checkpoint left behind holds hard links to old files (removed at start).
+        if let Err(err) = remove_dir_if_there(&checkpoint) {
+            tracing::warn!(checkpoint = %checkpoint.display(), error = %err, "removing a checkpoint");
+        }
         taken
     }
 
@@ -161,7 +204,10 @@ impl SnapshotStore {
             for dir in listed.common_prefixes {
                 let location = dir.child(MANIFEST);
                 match self.objects.get(&location).await {
-                    Ok(got) => manifests.push(Manifest::decode(&got.bytes().await.map_err(objects_error)?)?),
+                    Ok(got) => {
+                        let bytes = got.bytes().await.map_err(objects_error)?;
+                        manifests.push(Manifest::decode_from(&bytes, dir.as_ref())?);
+                    }
                     // Being uploaded, or abandoned half way: not a snapshot.
                     Err(object_store::Error::NotFound { .. }) => {}
                     Err(err) => return Err(objects_error(err)),
@@ -200,22 +246,26 @@ impl SnapshotStore {
             return Err(Error::Snapshot(format!("{}: restore needs a directory that does not exist", dir.display())));
         }
         let partial = dir.with_extension("restoring");
-        let _ = std::fs::remove_dir_all(&partial);
+        remove_dir_if_there(&partial)?;
         std::fs::create_dir_all(&partial)?;
         for file in &manifest.files {
             let location = ObjectPath::from(format!("{}/{}/{}", manifest.name, manifest.id, file.name));
-            let bytes = self.runtime.block_on(async { self.objects.get(&location).await?.bytes().await });
-            let bytes = bytes.map_err(objects_error)?;
-            if bytes.len() as u64 != file.bytes {
+            // The size is checked before an object is loaded (it is loaded whole).
+            let got = self.runtime.block_on(async {
+                let got = self.objects.get(&location).await?;
+                let size = got.meta.size;
+                match size == file.bytes {
+                    true => got.bytes().await.map(|bytes| (size, Some(bytes))),
+                    false => Ok((size, None)),
+                }
+            });
+            let (size, bytes) = got.map_err(objects_error)?;
+            let Some(bytes) = bytes.filter(|bytes| bytes.len() as u64 == file.bytes) else {
                 return Err(Error::corrupt(format!(
-                    "snapshot {}/{}: {} is {} bytes, the manifest says {}",
-                    manifest.name,
-                    manifest.id,
-                    file.name,
-                    bytes.len(),
-                    file.bytes
+                    "snapshot {}/{}: {} is {size} bytes, the manifest says {}",
+                    manifest.name, manifest.id, file.name, file.bytes
                 )));
-            }
+            };
             let mut written = std::fs::File::create(partial.join(&file.name))?;
             std::io::Write::write_all(&mut written, &bytes)?;
             written.sync_all()?;
@@ -273,7 +323,9 @@ pub struct Snapshotter {
 impl Snapshotter {
     pub fn new(snapshots: SnapshotStore, config: &SnapshotsConfig, scratch: PathBuf) -> Self {
         // Checkpoints a crash left behind hold hard links to old files.
-        let _ = std::fs::remove_dir_all(&scratch);
+        if let Err(err) = remove_dir_if_there(&scratch) {
+            tracing::warn!(scratch = %scratch.display(), error = %err, "removing old checkpoints");
+        }
         Self {
             snapshots,
             scratch,
@@ -490,6 +542,32 @@ mod tests {
         runtime_handle.block_on(snapshots.objects.put(&garbage, newer.to_vec().into())).unwrap();
         let err = snapshots.latest("t.shards/shard-0002").unwrap_err().to_string();
         assert!(err.contains("version 2"), "{err}");
+        // Read from outside: it must name its own folder, and only plain file names.
+        let folder = "t.shards/shard-0002/00000000000000000001-1";
+        for (manifest, says) in [
+            (
+                r#"{"v":1,"name":"t.shards/shard-0009","id":"00000000000000000001-1","next_offset":1,"created_ms":0,"files":[]}"#,
+                "names t.shards/shard-0009",
+            ),
+            (
+                r#"{"v":1,"name":"t.shards/shard-0002","id":"00000000000000000001-1","next_offset":1,"created_ms":0,"files":[{"name":"../../evil","bytes":1}]}"#,
+                "\"../../evil\" is not a file name",
+            ),
+            (
+                r#"{"v":1,"name":"t.shards/shard-0002","id":"00000000000000000001-1","next_offset":1,"created_ms":0,"files":[{"name":"/etc/x","bytes":1}]}"#,
+                "is not a file name",
+            ),
+        ] {
+            runtime_handle.block_on(snapshots.objects.put(&garbage, manifest.as_bytes().to_vec().into())).unwrap();
+            let err = snapshots.latest("t.shards/shard-0002").unwrap_err().to_string();
+            assert!(err.contains(folder) && err.contains(says), "{err}");
+        }
+        // An object bigger than its manifest says is refused before it is loaded.
+        let oversized = second.files.iter().max_by_key(|f| f.bytes).unwrap().name.clone();
+        let location = ObjectPath::from(format!("{}/{}/{oversized}", second.name, second.id));
+        runtime_handle.block_on(snapshots.objects.put(&location, vec![0u8; 1 << 20].into())).unwrap();
+        let err = snapshots.restore(&second, &dir.path().join("again")).unwrap_err().to_string();
+        assert!(err.contains(&format!("{oversized} is 1048576 bytes, the manifest says")), "{err}");
         assert_eq!(snapshots.prune("t.shards/shard-0001", 1).unwrap(), 1, "two stay at least");
         assert_eq!(snapshots.list("t.shards/shard-0001").unwrap(), vec![second, third]);
     }

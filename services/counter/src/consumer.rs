@@ -28,7 +28,7 @@ use tally_shared::consume::{
 use tally_shared::failures::{Failure, FailureBoard};
 use tally_shared::kafka::{client_config, now_ms, TopicNames};
 use tally_shared::outbox::Relay;
-use tally_shared::snapshot::{restored_marker, SnapshotStore, Snapshotter};
+use tally_shared::snapshot::{clear_restored_marker, restored_marker, SnapshotStore, Snapshotter};
 use tally_shared::telemetry::Readiness;
 use tokio_util::sync::CancellationToken;
 
@@ -184,7 +184,7 @@ impl CounterContext {
                 // previous owner did (nor partially).
                 store.rebuild_until(end)?;
                 // The wait is persisted: an operator's restore mark has done its job.
-                let _ = std::fs::remove_file(restored_marker(&self.data_dir.join(store_dir(shard))));
+                clear_restored_marker(&self.data_dir.join(store_dir(shard)))?;
                 if store.next_offset().is_none_or(|next| next < end) {
                     tracing::info!(shard, end, next_offset = ?store.next_offset(), "catching up with the shard's log; served once caught up");
                 }

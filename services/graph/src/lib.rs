@@ -64,7 +64,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
             let opened = store::GraphStore::open(&data_dir, options)?;
             // The graph is announced only once it caught up with the log it found at
             // start, restored or not: a restore's mark has nothing more to hold.
-            let _ = std::fs::remove_file(tally_shared::snapshot::restored_marker(&data_dir));
+            tally_shared::snapshot::clear_restored_marker(&data_dir)?;
             Ok::<_, Error>(opened)
         })
         .await
