@@ -2,6 +2,7 @@
 //! subcommands apply topics, produce test input, read counters and run benchmarks.
 
 pub mod bench_jobs;
+pub mod bench_pipeline;
 pub mod jobs;
 pub mod shards;
 pub mod snapshots;
@@ -160,6 +161,10 @@ struct QueryArgs {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// End to end: increments/s from a backlog through the ingester and a counter vs the raw consume rate.
+    Ingest(bench_pipeline::IngestBenchArgs),
+    /// Read latency through tally-query (p50/p99/p999), idle and while ingesting.
+    Read(bench_pipeline::ReadBenchArgs),
     /// A dequeue broker: dequeue latency, dequeue → ack round trips and jobs/s vs the raw consume rate.
     Jobs(bench_jobs::JobsBenchArgs),
     /// What hierarchy costs: an edge add with many ancestors, increments with three levels of ancestors.
@@ -273,6 +278,10 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
             };
             bench_counter(options).await
         }
+        Command::Bench { command: BenchCommand::Ingest(args) } => {
+            bench_pipeline::ingest(config, cli.config, args).await
+        }
+        Command::Bench { command: BenchCommand::Read(args) } => bench_pipeline::read(config, cli.config, args).await,
         Command::Bench { command: BenchCommand::Jobs(args) } => bench_jobs::run(config, args).await,
         Command::Bench { command: BenchCommand::Restore { history, tail } } => bench_restore(history, tail).await,
         Command::Bench { command: BenchCommand::Graph { ancestors, bystanders, increments, shards } } => {

@@ -1,0 +1,573 @@
+//! `tally bench ingest` and `tally bench read`: the real services, each its own
+//! process as `tally up` runs them, on the configured Kafka (or a local broker),
+//! against a baseline measured in the same run.
+//!
+//! - **ingest**: a backlog of increments (one or many per message) is produced first;
+//!   the baseline is a plain consumer reading those same records; then a counter and
+//!   an ingester start on the backlog and the time from the ingester's first record to
+//!   the counter having applied every increment gives increments/s end to end.
+//! - **read**: p50/p99/p999 of single reads and of batches of 100 through tally-query,
+//!   from closed-loop clients on keep-alive connections; idle, then while the ingester
+//!   and the counter catch up with a fresh backlog at full speed.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use tally_shared::config::TallyConfig;
+use tally_shared::kafka::{client_config, producer_config, TopicNames};
+use tally_shared::local_broker::{ensure_installed, free_port, LocalBroker};
+use tally_shared::topics::{self, Declarations};
+use tokio::process::{Child, Command};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct IngestBenchArgs {
+    /// Cases as INCREMENTS_PER_MESSAGExMESSAGES, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = ["1x200000".to_string(), "100x10000".to_string()])]
+    pub cases: Vec<String>,
+    #[arg(long, default_value_t = 100_000)]
+    pub entities: usize,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ReadBenchArgs {
+    /// Seconds each phase (single reads, batches; idle, ingesting) runs.
+    #[arg(long, default_value_t = 5)]
+    pub seconds: u64,
+    /// Concurrent clients, each on its own keep-alive connection.
+    #[arg(long, default_value_t = 4)]
+    pub connections: usize,
+    /// Entities written (and read) with a Zipf skew.
+    #[arg(long, default_value_t = 10_000)]
+    pub entities: usize,
+    /// Messages of one increment the ingester catches up with while reads run.
+    #[arg(long, default_value_t = 300_000)]
+    pub ingest_messages: usize,
+}
+
+/// One backlog: `messages` records of `per_message` increments each.
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    per_message: usize,
+    messages: usize,
+}
+
+impl Case {
+    fn parse(text: &str) -> anyhow::Result<Self> {
+        let (per, messages) = text.split_once('x').with_context(|| format!("case `{text}`: want PERxMESSAGES"))?;
+        let case = Self { per_message: per.trim().parse()?, messages: messages.trim().parse()? };
+        anyhow::ensure!(case.per_message > 0 && case.messages > 0, "case `{text}`: both must be above 0");
+        Ok(case)
+    }
+
+    fn increments(&self) -> u64 {
+        (self.per_message * self.messages) as u64
+    }
+}
+
+/// Entities drawn with a Zipf(1.1) skew, as producers' traffic is.
+struct Entities {
+    cumulative: Vec<f64>,
+    rng: StdRng,
+}
+
+impl Entities {
+    fn new(count: usize, seed: u64) -> Self {
+        let mut sum = 0.0;
+        let cumulative = (1..=count.max(1))
+            .map(|rank| {
+                sum += 1.0 / (rank as f64).powf(1.1);
+                sum
+            })
+            .collect();
+        Self { cumulative, rng: StdRng::seed_from_u64(seed) }
+    }
+
+    fn next(&mut self) -> usize {
+        let total = *self.cumulative.last().unwrap_or(&1.0);
+        let draw = self.rng.random::<f64>() * total;
+        self.cumulative.partition_point(|&c| c < draw).min(self.cumulative.len() - 1)
+    }
+}
+
+fn bar(len: u64, what: &str) -> ProgressBar {
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template("{msg:>28} [{bar:30}] {human_pos}/{human_len} ({per_sec}, {eta})")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_message(what.to_string());
+    bar
+}
+
+/// A broker, a topic prefix of its own, and the services as child processes.
+struct Rig {
+    config: TallyConfig,
+    config_path: Option<PathBuf>,
+    scratch: tempfile::TempDir,
+    local: Option<LocalBroker>,
+    bin_dir: PathBuf,
+    ports: Ports,
+    children: Vec<(&'static str, Child)>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Ports {
+    counter_read: u16,
+    counter_admin: u16,
+    ingester_admin: u16,
+    query: u16,
+    query_admin: u16,
+}
+
+impl Rig {
+    async fn start(mut config: TallyConfig, config_path: Option<PathBuf>) -> anyhow::Result<Self> {
+        let bin_dir =
+            std::env::current_exe()?.parent().map(Path::to_path_buf).context("locating the service binaries")?;
+        for name in ["tally-ingester", "tally-counter", "tally-query"] {
+            anyhow::ensure!(
+                bin_dir.join(name).exists(),
+                "{name} is not next to this tally binary ({}): build every binary first (cargo build --release --bins)",
+                bin_dir.display()
+            );
+        }
+        let scratch = tempfile::Builder::new().prefix("tally-bench").tempdir_in(".")?;
+        let mut local = None;
+        if config.kafka.bootstrap_servers.trim().is_empty() {
+            let (port, dir) = (free_port()?, scratch.path().join("kafka"));
+            let broker = tokio::task::spawn_blocking(move || -> anyhow::Result<LocalBroker> {
+                Ok(LocalBroker::start(&ensure_installed()?, port, &dir)?)
+            })
+            .await??;
+            config.kafka.bootstrap_servers = broker.bootstrap_servers.clone();
+            local = Some(broker);
+        }
+        let ports = Ports {
+            counter_read: free_port()?,
+            counter_admin: free_port()?,
+            ingester_admin: free_port()?,
+            query: free_port()?,
+            query_admin: free_port()?,
+        };
+        let config_path = config_path.map(std::fs::canonicalize).transpose()?;
+        Ok(Self { config, config_path, scratch, local, bin_dir, ports, children: Vec::new() })
+    }
+
+    /// A fresh topic prefix (fresh topics) for the next case, with its topics applied.
+    async fn fresh_topics(&mut self) -> anyhow::Result<TopicNames> {
+        self.config.kafka.topic_prefix = format!("bench{:08x}.", rand::random::<u32>());
+        let declarations = Declarations::load(self.config.broker.declarations.as_deref())?;
+        topics::apply(&self.config.kafka, &declarations).await.context("applying topics")?;
+        Ok(TopicNames::new(&self.config.kafka.topic_prefix))
+    }
+
+    fn env(&self) -> Vec<(String, String)> {
+        let data = self.scratch.path().join(&self.config.kafka.topic_prefix);
+        let p = self.ports;
+        let mut env = vec![
+            ("TALLY__KAFKA__BOOTSTRAP_SERVERS", self.config.kafka.bootstrap_servers.clone()),
+            ("TALLY__KAFKA__TOPIC_PREFIX", self.config.kafka.topic_prefix.clone()),
+            ("TALLY__COUNTER__DATA_DIR", data.join("counter").display().to_string()),
+            ("TALLY__SNAPSHOTS__DIR", data.join("snapshots").display().to_string()),
+            ("TALLY__COUNTER__STATIC_ASSIGNMENT", "true".into()),
+            ("TALLY__INGESTER__STATIC_ASSIGNMENT", "true".into()),
+            ("TALLY__COUNTER__READ_LISTEN", format!("127.0.0.1:{}", p.counter_read)),
+            ("TALLY__COUNTER__ADMIN_LISTEN", format!("127.0.0.1:{}", p.counter_admin)),
+            ("TALLY__INGESTER__ADMIN_LISTEN", format!("127.0.0.1:{}", p.ingester_admin)),
+            ("TALLY__QUERY__LISTEN", format!("127.0.0.1:{}", p.query)),
+            ("TALLY__QUERY__ADMIN_LISTEN", format!("127.0.0.1:{}", p.query_admin)),
+            ("TALLY__LOG__LEVEL", "warn".into()),
+        ];
+        if let Some(path) = &self.config_path {
+            env.push(("TALLY_CONFIG", path.display().to_string()));
+        }
+        env.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+    }
+
+    /// Starts a service and waits until its `/readyz` answers 200.
+    async fn run(&mut self, name: &'static str, admin_port: u16) -> anyhow::Result<()> {
+        let child = Command::new(self.bin_dir.join(name))
+            .envs(self.env())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {name}"))?;
+        self.children.push((name, child));
+        let url = format!("http://127.0.0.1:{admin_port}/readyz");
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if reqwest::get(&url).await.is_ok_and(|r| r.status().is_success()) {
+                return Ok(());
+            }
+            if let Some((_, child)) = self.children.iter_mut().find(|(n, _)| *n == name) {
+                if let Some(status) = child.try_wait()? {
+                    bail!("{name} exited ({status}) before it was ready");
+                }
+            }
+            anyhow::ensure!(Instant::now() < deadline, "{name} was not ready within 120 s");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Stops a service gracefully (SIGTERM) and waits for it.
+    async fn stop(&mut self, name: &str) -> anyhow::Result<()> {
+        while let Some(at) = self.children.iter().position(|(n, _)| *n == name) {
+            let (_, mut child) = self.children.remove(at);
+            if let Some(pid) = child.id() {
+                // SAFETY: signalling a child process of ours by its pid.
+                unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+            }
+            tokio::time::timeout(Duration::from_secs(60), child.wait()).await.context("waiting for a service")??;
+        }
+        Ok(())
+    }
+
+    async fn stop_all(&mut self) -> anyhow::Result<()> {
+        for name in ["tally-ingester", "tally-query", "tally-counter"] {
+            self.stop(name).await?;
+        }
+        Ok(())
+    }
+
+    async fn finish(mut self) -> anyhow::Result<()> {
+        self.stop_all().await?;
+        if let Some(mut broker) = self.local.take() {
+            tokio::task::spawn_blocking(move || broker.stop()).await?;
+        }
+        Ok(())
+    }
+}
+
+/// One value of a Prometheus counter from a service's `/metrics` (summed over labels).
+async fn scrape(client: &reqwest::Client, admin_port: u16, metric: &str) -> anyhow::Result<f64> {
+    let text = client.get(format!("http://127.0.0.1:{admin_port}/metrics")).send().await?.text().await?;
+    Ok(text
+        .lines()
+        .filter(|line| line.strip_prefix(metric).is_some_and(|rest| rest.starts_with([' ', '{'])))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum())
+}
+
+/// Produces a backlog of `case` on the increments topic.
+async fn produce_backlog(
+    config: &TallyConfig,
+    topic: &str,
+    case: Case,
+    entities: usize,
+    seed: u64,
+) -> anyhow::Result<()> {
+    let producer: FutureProducer = producer_config(&config.kafka)?.create()?;
+    let mut draw = Entities::new(entities, seed);
+    let progress = bar(case.messages as u64, "producing the backlog");
+    let mut pending = futures::stream::FuturesUnordered::new();
+    use futures::StreamExt;
+    for _ in 0..case.messages {
+        let first = draw.next();
+        let payload = if case.per_message == 1 {
+            format!(r#"{{"entity":"user:{first}","metric":"views"}}"#)
+        } else {
+            let items: Vec<String> = std::iter::once(first)
+                .chain((1..case.per_message).map(|_| draw.next()))
+                .map(|e| format!(r#"{{"entity":"user:{e}","metric":"views"}}"#))
+                .collect();
+            format!("[{}]", items.join(","))
+        };
+        let key = format!("user:{first}");
+        let producer = producer.clone();
+        let topic = topic.to_string();
+        pending.push(async move {
+            producer.send(FutureRecord::to(&topic).key(&key).payload(&payload), Duration::from_secs(120)).await
+        });
+        while pending.len() >= 20_000 {
+            if let Some(result) = pending.next().await {
+                result.map_err(|(err, _)| anyhow::anyhow!("producing: {err}"))?;
+                progress.inc(1);
+            }
+        }
+    }
+    while let Some(result) = pending.next().await {
+        result.map_err(|(err, _)| anyhow::anyhow!("producing: {err}"))?;
+        progress.inc(1);
+    }
+    progress.finish_and_clear();
+    Ok(())
+}
+
+/// The raw consume rate: a plain consumer reads every partition of `topic` from its
+/// start; records/s from the first record to the last.
+async fn raw_consume(config: &TallyConfig, topic: &str, records: usize) -> anyhow::Result<f64> {
+    let kafka = config.kafka.clone();
+    let topic = topic.to_string();
+    tokio::task::spawn_blocking(move || -> anyhow::Result<f64> {
+        let mut consumer_config = client_config(&kafka)?;
+        consumer_config.set("group.id", "tally-bench-raw").set("enable.auto.commit", "false");
+        let consumer: BaseConsumer = consumer_config.create()?;
+        let partitions = tally_shared::kafka::partition_count(&consumer, &topic, Duration::from_secs(10))?;
+        let mut assignment = TopicPartitionList::new();
+        for partition in 0..partitions as i32 {
+            assignment.add_partition_offset(&topic, partition, Offset::Beginning)?;
+        }
+        consumer.assign(&assignment)?;
+        let progress = bar(records as u64, "raw consume (baseline)");
+        let (mut seen, mut first, deadline) = (0usize, None, Instant::now() + Duration::from_secs(600));
+        while seen < records {
+            anyhow::ensure!(Instant::now() < deadline, "raw consume: {seen} of {records} records in 600 s");
+            match consumer.poll(Duration::from_millis(100)) {
+                Some(Ok(_)) => {
+                    first.get_or_insert_with(Instant::now);
+                    seen += 1;
+                    if seen % 1000 == 0 {
+                        progress.set_position(seen as u64);
+                    }
+                }
+                Some(Err(err)) => bail!("raw consume: {err}"),
+                None => {}
+            }
+        }
+        progress.finish_and_clear();
+        let elapsed = first.map_or(Duration::ZERO, |f| f.elapsed()).as_secs_f64();
+        Ok((seen.saturating_sub(1)) as f64 / elapsed.max(1e-9))
+    })
+    .await?
+}
+
+/// Starts the ingester on a backlog (the counter already running) and measures
+/// increments/s from the ingester's first record to the counter having applied
+/// `expected` increments in total.
+async fn ingest_backlog(rig: &mut Rig, expected: u64, label: &str) -> anyhow::Result<f64> {
+    let client = reqwest::Client::new();
+    let applied_before = scrape(&client, rig.ports.counter_admin, "tally_counter_applied_increments_total").await?;
+    let ingester_admin = rig.ports.ingester_admin;
+    rig.run("tally-ingester", ingester_admin).await?;
+    let progress = bar(expected, label);
+    let deadline = Instant::now() + Duration::from_secs(900);
+    let mut first: Option<(Instant, f64)> = None;
+    loop {
+        let applied =
+            scrape(&client, rig.ports.counter_admin, "tally_counter_applied_increments_total").await? - applied_before;
+        if first.is_none() && scrape(&client, ingester_admin, "tally_ingester_input_records_total").await? > 0.0 {
+            first = Some((Instant::now(), applied));
+        }
+        progress.set_position(applied as u64);
+        if applied as u64 >= expected {
+            progress.finish_and_clear();
+            let (started, at_start) = first.unwrap_or((Instant::now(), 0.0));
+            return Ok((applied - at_start) / started.elapsed().as_secs_f64().max(1e-9));
+        }
+        anyhow::ensure!(Instant::now() < deadline, "{label}: {applied} of {expected} increments applied in 900 s");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: IngestBenchArgs) -> anyhow::Result<()> {
+    let cases = args.cases.iter().map(|c| Case::parse(c)).collect::<anyhow::Result<Vec<_>>>()?;
+    let mut rig = Rig::start(config, config_path).await?;
+    println!(
+        "ingest bench: backlogs of {} on the increments topic, {} entities (Zipf 1.1); broker {}; services as processes from {}",
+        args.cases.join(", "),
+        args.entities,
+        rig.config.kafka.bootstrap_servers,
+        rig.bin_dir.display()
+    );
+    for (i, case) in cases.iter().enumerate() {
+        let names = rig.fresh_topics().await?;
+        produce_backlog(&rig.config, &names.increments(), *case, args.entities, i as u64).await?;
+        let raw = raw_consume(&rig.config, &names.increments(), case.messages).await?;
+        let counter_admin = rig.ports.counter_admin;
+        rig.run("tally-counter", counter_admin).await?;
+        let label = format!("{} per message, end to end", case.per_message);
+        let through = ingest_backlog(&mut rig, case.increments(), &label).await?;
+        rig.stop_all().await?;
+        let raw_increments = raw * case.per_message as f64;
+        println!(
+            "{:>3} increments/message: raw consume {:>9.0} records/s = {:>10.0} increments/s; tally end to end {:>10.0} increments/s = {:.2}x raw",
+            case.per_message,
+            raw,
+            raw_increments,
+            through,
+            through / raw_increments.max(1e-9)
+        );
+    }
+    rig.finish().await
+}
+
+/// Latencies of one phase, sorted.
+struct Latencies(Vec<Duration>);
+
+impl Latencies {
+    fn at(&self, p: f64) -> f64 {
+        let sorted = &self.0;
+        if sorted.is_empty() {
+            return f64::NAN;
+        }
+        sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)].as_secs_f64() * 1e3
+    }
+
+    fn line(&self, label: &str, seconds: f64) -> String {
+        format!(
+            "{label:<34} p50 {:>6.2} ms  p99 {:>6.2} ms  p999 {:>6.2} ms  ({} reads, {:.0}/s)",
+            self.at(0.50),
+            self.at(0.99),
+            self.at(0.999),
+            self.0.len(),
+            self.0.len() as f64 / seconds
+        )
+    }
+}
+
+/// A minimal HTTP/1.1 keep-alive client: one request at a time on one connection.
+struct Connection {
+    reader: BufReader<TcpStream>,
+    writer: TcpStream,
+}
+
+impl Connection {
+    fn open(port: u16) -> anyhow::Result<Self> {
+        let stream = TcpStream::connect(("127.0.0.1", port))?;
+        stream.set_nodelay(true)?;
+        Ok(Self { writer: stream.try_clone()?, reader: BufReader::new(stream) })
+    }
+
+    /// Sends `request` (a whole HTTP request) and reads the answer; its status.
+    fn exchange(&mut self, request: &[u8], body: &mut Vec<u8>) -> anyhow::Result<u16> {
+        self.writer.write_all(request)?;
+        let mut line = String::new();
+        self.reader.read_line(&mut line)?;
+        let status: u16 = line.split(' ').nth(1).context("no status line")?.parse()?;
+        let mut length = 0usize;
+        loop {
+            line.clear();
+            self.reader.read_line(&mut line)?;
+            if line == "\r\n" || line.is_empty() {
+                break;
+            }
+            if let Some((name, value)) = line.split_once(':') {
+                if name.eq_ignore_ascii_case("content-length") {
+                    length = value.trim().parse()?;
+                }
+            }
+        }
+        body.resize(length, 0);
+        self.reader.read_exact(body)?;
+        Ok(status)
+    }
+}
+
+/// Runs `connections` closed-loop clients for `seconds`; each request is made by
+/// `request(rng)`. Every answer must be 200.
+async fn load(
+    port: u16,
+    connections: usize,
+    seconds: u64,
+    entities: usize,
+    request: fn(&mut Entities) -> Vec<u8>,
+    label: &str,
+) -> anyhow::Result<Latencies> {
+    let progress = bar(seconds, label);
+    let clients: Vec<_> = (0..connections)
+        .map(|c| {
+            tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<Duration>> {
+                let mut connection = Connection::open(port)?;
+                let mut draw = Entities::new(entities, 1_000 + c as u64);
+                let (mut latencies, mut body) = (Vec::new(), Vec::new());
+                let end = Instant::now() + Duration::from_secs(seconds);
+                while Instant::now() < end {
+                    let request = request(&mut draw);
+                    let started = Instant::now();
+                    let status = connection.exchange(&request, &mut body)?;
+                    latencies.push(started.elapsed());
+                    anyhow::ensure!(status == 200, "a read answered {status}: {}", String::from_utf8_lossy(&body));
+                }
+                Ok(latencies)
+            })
+        })
+        .collect();
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(seconds) {
+        progress.set_position(started.elapsed().as_secs());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let mut all = Vec::new();
+    for client in clients {
+        all.extend(client.await??);
+    }
+    progress.finish_and_clear();
+    all.sort();
+    Ok(Latencies(all))
+}
+
+fn single_read(draw: &mut Entities) -> Vec<u8> {
+    format!("GET /v1/counters/user:{}/views HTTP/1.1\r\nhost: bench\r\n\r\n", draw.next()).into_bytes()
+}
+
+fn batch_read(draw: &mut Entities) -> Vec<u8> {
+    let queries: Vec<String> =
+        (0..100).map(|_| format!(r#"{{"entity":"user:{}","metric":"views"}}"#, draw.next())).collect();
+    let body = format!(r#"{{"queries":[{}]}}"#, queries.join(","));
+    format!(
+        "POST /v1/query HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadBenchArgs) -> anyhow::Result<()> {
+    let mut rig = Rig::start(config, config_path).await?;
+    if rig.config.query.auth_token.is_some() {
+        rig.finish().await?;
+        bail!("tally bench read sends no token: run it with query.auth_token unset");
+    }
+    let names = rig.fresh_topics().await?;
+    println!(
+        "read bench: {} closed-loop clients on keep-alive connections, {} s per phase, {} entities (Zipf 1.1); broker {}",
+        args.connections, args.seconds, args.entities, rig.config.kafka.bootstrap_servers
+    );
+    // Every entity exists (and more counts on the popular ones).
+    let warm = Case { per_message: 100, messages: (args.entities * 3).div_ceil(100) };
+    produce_backlog(&rig.config, &names.increments(), warm, args.entities, 7).await?;
+    let (counter_admin, query_admin) = (rig.ports.counter_admin, rig.ports.query_admin);
+    rig.run("tally-counter", counter_admin).await?;
+    ingest_backlog(&mut rig, warm.increments(), "writing the counters").await?;
+    rig.run("tally-query", query_admin).await?;
+    let (port, secs) = (rig.ports.query, args.seconds);
+    let (conns, entities) = (args.connections, args.entities);
+
+    let idle_single = load(port, conns, secs, entities, single_read, "single reads, idle").await?;
+    let idle_batch = load(port, conns, secs, entities, batch_read, "batches of 100, idle").await?;
+
+    // Busy: the ingester stops, a backlog builds, and reads run while it catches up.
+    rig.stop("tally-ingester").await?;
+    let busy = Case { per_message: 1, messages: args.ingest_messages };
+    produce_backlog(&rig.config, &names.increments(), busy, args.entities, 8).await?;
+    let client = reqwest::Client::new();
+    let applied = |client: reqwest::Client| async move {
+        scrape(&client, counter_admin, "tally_counter_applied_increments_total").await
+    };
+    let before = applied(client.clone()).await?;
+    let ingester_admin = rig.ports.ingester_admin;
+    rig.run("tally-ingester", ingester_admin).await?;
+    let busy_single = load(port, conns, secs, entities, single_read, "single reads, ingesting").await?;
+    let busy_batch = load(port, conns, secs, entities, batch_read, "batches of 100, ingesting").await?;
+    let during = applied(client.clone()).await? - before;
+    rig.finish().await?;
+
+    let s = secs as f64;
+    println!("{}", idle_single.line("single read, idle", s));
+    println!("{}", idle_batch.line("batch of 100, idle", s));
+    println!("{}", busy_single.line("single read, while ingesting", s));
+    println!("{}", busy_batch.line("batch of 100, while ingesting", s));
+    println!(
+        "ingesting meanwhile: {during:.0} increments applied in the busy phases ({:.0}/s){}",
+        during / (2.0 * s),
+        if (during as u64) < busy.increments() { "" } else { " — the backlog ran out: raise --ingest-messages" }
+    );
+    Ok(())
+}
