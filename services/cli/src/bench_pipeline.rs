@@ -339,10 +339,19 @@ async fn raw_consume(config: &TallyConfig, topic: &str, records: usize) -> anyho
     .await?
 }
 
+/// What an end-to-end run measured.
+struct Throughput {
+    per_sec: f64,
+    /// From the ingester's first record to its having read the whole backlog.
+    routed_after: Duration,
+    /// From the ingester's first record to the counter having applied everything.
+    applied_after: Duration,
+}
+
 /// Starts the ingester on a backlog (the counter already running) and measures
 /// increments/s from the ingester's first record to the counter having applied
 /// `expected` increments in total.
-async fn ingest_backlog(rig: &mut Rig, expected: u64, label: &str) -> anyhow::Result<f64> {
+async fn ingest_backlog(rig: &mut Rig, expected: u64, messages: u64, label: &str) -> anyhow::Result<Throughput> {
     let client = reqwest::Client::new();
     let applied_before = scrape(&client, rig.ports.counter_admin, "tally_counter_applied_increments_total").await?;
     let ingester_admin = rig.ports.ingester_admin;
@@ -350,17 +359,29 @@ async fn ingest_backlog(rig: &mut Rig, expected: u64, label: &str) -> anyhow::Re
     let progress = bar(expected, label);
     let deadline = Instant::now() + Duration::from_secs(900);
     let mut first: Option<(Instant, f64)> = None;
+    let mut routed_all: Option<Duration> = None;
     loop {
         let applied =
             scrape(&client, rig.ports.counter_admin, "tally_counter_applied_increments_total").await? - applied_before;
-        if first.is_none() && scrape(&client, ingester_admin, "tally_ingester_input_records_total").await? > 0.0 {
-            first = Some((Instant::now(), applied));
+        if first.is_none() || routed_all.is_none() {
+            let read = scrape(&client, ingester_admin, "tally_ingester_input_records_total").await?;
+            if first.is_none() && read > 0.0 {
+                first = Some((Instant::now(), applied));
+            }
+            if let Some((started, _)) = first.filter(|_| read as u64 >= messages) {
+                routed_all = Some(started.elapsed());
+            }
         }
         progress.set_position(applied as u64);
         if applied as u64 >= expected {
             progress.finish_and_clear();
             let (started, at_start) = first.unwrap_or((Instant::now(), 0.0));
-            return Ok((applied - at_start) / started.elapsed().as_secs_f64().max(1e-9));
+            let elapsed = started.elapsed();
+            return Ok(Throughput {
+                per_sec: (applied - at_start) / elapsed.as_secs_f64().max(1e-9),
+                routed_after: routed_all.unwrap_or(elapsed),
+                applied_after: elapsed,
+            });
         }
         anyhow::ensure!(Instant::now() < deadline, "{label}: {applied} of {expected} increments applied in 900 s");
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -384,16 +405,18 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
         let counter_admin = rig.ports.counter_admin;
         rig.run("tally-counter", counter_admin).await?;
         let label = format!("{} per message, end to end", case.per_message);
-        let through = ingest_backlog(&mut rig, case.increments(), &label).await?;
+        let through = ingest_backlog(&mut rig, case.increments(), case.messages as u64, &label).await?;
         rig.stop_all().await?;
         let raw_increments = raw * case.per_message as f64;
         println!(
-            "{:>3} increments/message: raw consume {:>9.0} records/s = {:>10.0} increments/s; tally end to end {:>10.0} increments/s = {:.2}x raw",
+            "{:>3} increments/message: raw consume {:>9.0} records/s = {:>10.0} increments/s; tally end to end {:>10.0} increments/s = {:.2}x raw (ingester read it all after {:.2} s, the counter applied it all after {:.2} s)",
             case.per_message,
             raw,
             raw_increments,
-            through,
-            through / raw_increments.max(1e-9)
+            through.per_sec,
+            through.per_sec / raw_increments.max(1e-9),
+            through.routed_after.as_secs_f64(),
+            through.applied_after.as_secs_f64(),
         );
     }
     rig.finish().await
@@ -535,7 +558,7 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
     produce_backlog(&rig.config, &names.increments(), warm, args.entities, 7).await?;
     let (counter_admin, query_admin) = (rig.ports.counter_admin, rig.ports.query_admin);
     rig.run("tally-counter", counter_admin).await?;
-    ingest_backlog(&mut rig, warm.increments(), "writing the counters").await?;
+    ingest_backlog(&mut rig, warm.increments(), warm.messages as u64, "writing the counters").await?;
     rig.run("tally-query", query_admin).await?;
     let (port, secs) = (rig.ports.query, args.seconds);
     let (conns, entities) = (args.connections, args.entities);

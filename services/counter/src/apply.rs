@@ -582,8 +582,30 @@ mod tests {
         assert_eq!(store.progress().next_offset, Some(6), "stays at the failed record");
         assert_eq!(report.changed.len(), 4);
         assert_eq!(store.pending_rollups(100).unwrap(), report.changed, "marked for publishing");
-        store.rollups_published(&report.changed).unwrap();
-        assert!(store.pending_rollups(100).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_rollup_mark_stays_when_its_key_changed_after_the_value_was_published() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ShardStore::open(0, dir.path(), options()).unwrap();
+        let first = message(0, &[(1, 0, "a", 1, None), (1, 1, "b", 1, None)]);
+        let report = store.apply(&[ShardRecord { offset: 0, payload: &first, timestamp: None }], NOW, true).unwrap();
+        assert_eq!(report.changed.len(), 8, "four buckets of each entity");
+        let pending = store.pending_rollups(100).unwrap();
+        assert_eq!(pending, report.changed, "marked for publishing");
+        let published: Vec<_> = pending.iter().cloned().zip(store.count_values(&pending).unwrap()).collect();
+        // `a` changes while its old value is on the way to the broker.
+        let later = message(0, &[(2, 0, "a", 1, None)]);
+        let changed = store.apply(&[ShardRecord { offset: 1, payload: &later, timestamp: None }], NOW, true).unwrap();
+        store.rollups_published(published).unwrap();
+        let mut left = store.pending_rollups(100).unwrap();
+        left.sort();
+        let mut expected = changed.changed.clone();
+        expected.sort();
+        assert_eq!(left, expected, "`b`'s marks are gone, `a`'s stay for its newer value");
+        let published: Vec<_> = left.iter().cloned().zip(store.count_values(&left).unwrap()).collect();
+        store.rollups_published(published).unwrap();
+        assert_eq!(store.pending_rollups(100).unwrap(), Vec::<Vec<u8>>::new());
     }
 
     #[test]

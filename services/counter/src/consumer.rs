@@ -9,23 +9,19 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::ClientContext;
-use tally_core::keys::{parse_count_key, ALL_TIME_WIDTH};
-use tally_core::time::Resolutions;
-use tally_core::wire::Rollup;
 use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
 use tally_shared::consume::{
     commit_advisory, committed_offsets, drive, spawn_lag_reporter, unreplayable, BatchLimits, LogCheck, LoopSetup,
     Polled, Processor,
 };
-use tally_shared::failures::{Failure, FailureBoard};
+use tally_shared::failures::Failure;
 use tally_shared::kafka::{client_config, now_ms, TopicNames};
 use tally_shared::outbox::Relay;
 use tally_shared::snapshot::{clear_restored_marker, restored_marker, SnapshotStore, Snapshotter};
@@ -37,13 +33,9 @@ use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::ownership::{Change, Ownership};
 use crate::relay::relay_outboxes;
+use crate::rollups::Rollups;
 use crate::shards::Shards;
 use crate::store::{ShardStore, StoreOptions};
-
-/// How long a round of rollups waits for its acknowledgements.
-const ROLLUP_WAIT: Duration = Duration::from_secs(5);
-/// Most marked rollups one heartbeat sends per shard.
-const ROLLUP_PAGE: usize = 10_000;
 
 /// Everything the consumer thread needs.
 pub struct ConsumerSetup {
@@ -252,11 +244,12 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     };
     let announcer = Announcer::new(&config.kafka, names.shard_owners(), read_addr)?;
     let rollups = match config.counter.rollups {
-        true => Some(Rollups {
-            relay: Relay::new(&config.kafka, names.rollups())?.waiting_at_most(ROLLUP_WAIT),
-            resolutions: resolutions.clone(),
-            healthy: AtomicBool::new(true),
-        }),
+        true => {
+            let rollups = Arc::new(Rollups::new(&config.kafka, names.rollups(), resolutions.clone())?);
+            let thread = rollups.clone().spawn(shards.clone(), metrics.clone(), shutdown.clone())?;
+            threads.push(("rollups", thread));
+            Some(rollups)
+        }
         false => None,
     };
 
@@ -325,7 +318,8 @@ struct Counter {
     metrics: Metrics,
     readiness: Readiness,
     announcer: Announcer,
-    rollups: Option<Rollups>,
+    /// Published by a thread of their own; here for its producer's health.
+    rollups: Option<Arc<Rollups>>,
     /// Sends the shards' outboxes (totals for other shards).
     relay: Relay,
     topic: String,
@@ -353,7 +347,7 @@ impl Processor<CounterContext> for Counter {
     }
 
     fn apply(&mut self, consumer: &BaseConsumer<CounterContext>, batch: &[Polled]) -> Vec<u32> {
-        let (written, failed) = apply_batch(batch, &self.shards, &self.metrics, self.rollups.as_ref());
+        let (written, failed) = apply_batch(batch, &self.shards, &self.metrics, self.rollups.is_some());
         self.outbox_written += written;
         let owned = self.shards.owned().into_iter();
         let offsets: Vec<(u32, i64)> =
@@ -402,23 +396,9 @@ impl Processor<CounterContext> for Counter {
                     return Err(Error::Consumer(format!("the {name} thread stopped unexpectedly")));
                 }
             }
-            if let Some(rollups) = &self.rollups {
-                // What a crash, a failed round or a rebuild left marked, a page at a time.
-                for shard in self.shards.serving() {
-                    let Some(store) = self.shards.get(shard) else { continue };
-                    match store.pending_rollups(ROLLUP_PAGE) {
-                        Ok(pending) => rollups.publish(&store, &pending, &self.metrics, &self.shards.failures),
-                        Err(err) if err.is_corruption() => {
-                            let reason = format!("reading the rollup marks: {err}");
-                            self.shards.failures.fail(shard, Failure { offset: None, reason, record: None });
-                        }
-                        Err(err) => tracing::error!(shard, error = %err, "reading the rollup marks"),
-                    }
-                }
-            }
             // A producer that hit a fatal error delivers nothing more: stop loudly
             // (the stores hold everything; the next start relays it).
-            let rollup_relay = self.rollups.as_ref().map(|r| &r.relay);
+            let rollup_relay = self.rollups.as_ref().map(|r| r.relay());
             let relays = std::iter::once(&self.relay).chain(rollup_relay).find_map(Relay::fatal);
             if let Some(fatal) = relays.or_else(|| self.announcer.fatal()) {
                 return Err(Error::Consumer(format!("a producer failed for good: {fatal}")));
@@ -515,7 +495,7 @@ fn report_state(shards: &Shards, readiness: &Readiness, metrics: &Metrics, confl
 /// wrote and the shards that failed in it. A failed shard applies nothing more
 /// (records of it polled before it was paused are dropped: its store's offset
 /// stays at the failure); the others go on.
-fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, rollups: Option<&Rollups>) -> (u64, Vec<u32>) {
+fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, mark_rollups: bool) -> (u64, Vec<u32>) {
     let mut outbox_written = 0;
     let mut failed = Vec::new();
     let mut by_shard: HashMap<u32, Vec<ShardRecord<'_>>> = HashMap::new();
@@ -530,7 +510,7 @@ fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, rollups: Op
         let Some(store) = shards.get(shard).filter(|_| !shards.failures.is_failed(shard)) else { continue };
         records.sort_by_key(|r| r.offset);
         let started = Instant::now();
-        let report = match store.apply(&records, now_ms(), rollups.is_some()) {
+        let report = match store.apply(&records, now_ms(), mark_rollups) {
             Ok(report) => report,
             Err(err) => {
                 let offset = store.next_offset();
@@ -553,12 +533,6 @@ fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, rollups: Op
             failed.push(shard);
         }
         outbox_written += report.outbox_messages;
-        // Marked in the batch; sent now unless the last round failed (then the
-        // heartbeat's round retries, and counting never waits on a broken topic).
-        let publish = store.serving() && shards.lease.valid(now_ms());
-        if let Some(rollups) = rollups.filter(|r| publish && r.healthy.load(Ordering::Relaxed)) {
-            rollups.publish(&store, &report.changed, metrics, &shards.failures);
-        }
     }
     (outbox_written, failed)
 }
@@ -571,72 +545,6 @@ fn record_metrics(metrics: &Metrics, report: &ApplyReport) {
     metrics.batch_keys.observe(report.keys as f64);
     metrics.graph_entries.with_label_values(&["desc_change"]).inc_by(report.desc_changes);
     metrics.graph_entries.with_label_values(&["remote_total"]).inc_by(report.totals_received);
-}
-
-/// Publishes the latest values of changed buckets to the compacted rollups topic,
-/// at least once: the keys a batch changed are marked in its write batch
-/// ([`ApplyReport::changed`]) and unmarked only once the broker acknowledged their
-/// values; what a crash or a failed round leaves marked goes again with the next
-/// heartbeat. Each record carries the full value, so a repeat is harmless.
-struct Rollups {
-    relay: Relay,
-    resolutions: Resolutions,
-    /// Whether the last round was acknowledged.
-    healthy: AtomicBool,
-}
-
-impl Rollups {
-    /// Publishes the latest values of `keys`; corrupt data met on the way fails the
-    /// shard.
-    fn publish(&self, store: &ShardStore, keys: &[Vec<u8>], metrics: &Metrics, failures: &FailureBoard) {
-        if keys.is_empty() {
-            return;
-        }
-        match self.try_publish(store, keys) {
-            Ok(()) => {
-                self.healthy.store(true, Ordering::Relaxed);
-                metrics.rollups_published.inc_by(keys.len() as u64)
-            }
-            Err(err) if err.is_corruption() => {
-                let reason = format!("publishing rollups met corrupt data: {err}");
-                failures.fail(store.shard, Failure { offset: None, reason, record: None });
-            }
-            Err(err) => {
-                self.healthy.store(false, Ordering::Relaxed);
-                metrics.rollups_failed.inc();
-                tracing::warn!(shard = store.shard, error = %err, "publishing rollups; they go again with the next heartbeat");
-            }
-        }
-    }
-
-    fn try_publish(&self, store: &ShardStore, keys: &[Vec<u8>]) -> Result<()> {
-        let values = store.get_counts(keys)?;
-        let mut records = Vec::with_capacity(keys.len());
-        for (stored_key, counts) in keys.iter().zip(values) {
-            let changed = parse_count_key(stored_key)?;
-            let resolution = if changed.width_ms == ALL_TIME_WIDTH {
-                "all".to_string()
-            } else {
-                self.resolutions
-                    .by_width(changed.width_ms)
-                    .map_or_else(|| format!("{}ms", changed.width_ms), |r| r.name.clone())
-            };
-            let key = format!("{}/{}/{}/{}", changed.entity, changed.metric, resolution, changed.bucket);
-            let rollup = Rollup {
-                v: tally_core::format::JSON_V1,
-                entity: changed.entity.to_string(),
-                metric: changed.metric.to_string(),
-                resolution,
-                bucket: changed.bucket,
-                total: counts.total,
-                direct: counts.direct,
-            };
-            let payload = serde_json::to_vec(&rollup).map_err(|err| Error::Consumer(err.to_string()))?;
-            records.push((key, payload));
-        }
-        self.relay.send_keyed(records.iter().map(|(key, payload)| (key.as_str(), payload.as_slice())))?;
-        store.rollups_published(keys)
-    }
 }
 
 /// The directory of a shard's store.

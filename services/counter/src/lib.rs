@@ -9,6 +9,7 @@
 //! - [`ownership`]: which shards this counter owns among the live counters, fenced
 //!   by its lease;
 //! - [`relay`]: sends each shard's outbox of totals to the shards of descendants;
+//! - [`rollups`]: publishes the latest values of changed buckets, on a thread of its own;
 //! - [`http`]: the internal read API; [`metrics`]: what it exports.
 
 pub mod apply;
@@ -22,6 +23,7 @@ pub mod metrics;
 pub mod ownership;
 pub mod read;
 pub mod relay;
+pub mod rollups;
 pub mod shards;
 pub mod store;
 

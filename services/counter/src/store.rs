@@ -190,10 +190,10 @@ impl ShardStore {
         Ok(keys)
     }
 
-    /// Unmarks rollups the broker acknowledged. Only the consumer thread marks and
-    /// unmarks, one after the other, so a key marked again since is not lost.
-    pub fn rollups_published(&self, keys: &[Vec<u8>]) -> Result<()> {
-        Ok(self.store.delete(CF_ROLLUPS, keys)?)
+    /// Unmarks rollups the broker acknowledged: each `(count key, value published)`
+    /// whose key still holds that value (a key a later batch changed keeps its mark).
+    pub fn rollups_published(&self, published: Vec<(Vec<u8>, Option<Vec<u8>>)>) -> Result<()> {
+        Ok(self.store.unmark_unchanged(CF_ROLLUPS, CF_COUNTS, &published)?)
     }
 
     pub(crate) fn cf(&self, name: &str) -> Result<&ColumnFamily> {
@@ -250,6 +250,13 @@ impl ShardStore {
     }
 
     /// The counts stored under each key (zero when absent; an error when malformed).
+    /// The stored values of count keys, as bytes (`None`: never written).
+    pub fn count_values<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Option<Vec<u8>>>> {
+        let cf = self.cf(CF_COUNTS)?;
+        let values = self.store.db().batched_multi_get_cf(cf, keys.iter().map(AsRef::as_ref), false);
+        values.into_iter().map(|value| Ok(value?.map(|v| v.to_vec()))).collect()
+    }
+
     pub fn get_counts<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Counts>> {
         let cf = self.cf(CF_COUNTS)?;
         self.store

@@ -6,34 +6,46 @@
 //! Exactly-once effect downstream without Kafka transactions: every routed entry
 //! carries a deterministic stamp (input partition, offset, index in the message), so
 //! when a restart replays input from the last committed offset the counter drops the
-//! entries it already applied. Input offsets are committed only after every output
-//! record of the batch is acknowledged, so nothing is lost either.
+//! entries it already applied. An input position is committed only after every
+//! output record before it is acknowledged ([`in_flight`]), so nothing is lost either.
+//!
+//! The loop is pipelined on one plain thread: while the producer's threads deliver a
+//! batch, the next is consumed and routed; the idempotent, gapless producer keeps
+//! every shard partition's records in the order they were sent.
 
 pub mod error;
+pub mod in_flight;
 pub mod metrics;
 pub mod route;
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use futures::future::join_all;
 use prometheus::Registry;
-use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::message::{BorrowedMessage, Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
-use rdkafka::Message;
+use rdkafka::{ClientContext, Message};
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{client_config, producer_config, wait_for_topic, TopicNames};
 use tally_shared::telemetry::{serve_admin, Readiness};
 use tokio_util::sync::CancellationToken;
 
 pub use error::{Error, Result};
+use in_flight::{InFlight, InputPartition};
 use route::{Outgoing, Router};
 
-/// How long a stopping ingester still waits for the batch in hand to be acknowledged.
+/// How long a stopping ingester still waits for what it sent to be acknowledged.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// Most batches sent and not yet acknowledged; the loop waits for the oldest beyond.
+const MAX_IN_FLIGHT: usize = 16;
+/// How often acknowledged positions are committed (and at shutdown).
+const COMMIT_EVERY: Duration = Duration::from_millis(100);
 
-/// Runs an ingester until `shutdown`; the batch in hand is delivered and committed
+/// Runs an ingester until `shutdown`; what was sent is delivered and committed
 /// first (unless Kafka does not acknowledge it within [`SHUTDOWN_GRACE`]).
 pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()> {
     let registry = Registry::new();
@@ -49,13 +61,16 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         .set("group.id", &config.ingester.group_id)
         .set("enable.auto.commit", "false")
         .set("auto.offset.reset", "earliest");
-    let consumer: StreamConsumer = consumer_config.create()?;
+    let consumer: BaseConsumer = consumer_config.create()?;
     let inputs = [names.increments(), names.graph()];
+    let mut partitions = Vec::new();
+    for input in &inputs {
+        partitions.push(wait_for_topic(&config.kafka, input, Duration::from_secs(60)).await?);
+    }
     if config.ingester.static_assignment {
         let mut tpl = TopicPartitionList::new();
-        for input in &inputs {
-            let partitions = wait_for_topic(&config.kafka, input, Duration::from_secs(60)).await?;
-            for partition in 0..partitions as i32 {
+        for (input, count) in inputs.iter().zip(&partitions) {
+            for partition in 0..*count as i32 {
                 tpl.add_partition_offset(input, partition, Offset::Stored)?;
             }
         }
@@ -63,79 +78,200 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     } else {
         consumer.subscribe(&[&inputs[0], &inputs[1]])?;
     }
-    let producer: FutureProducer = producer_config(&config.kafka)?.create()?;
+    let (acks, acknowledged) = mpsc::channel();
+    let producer: ThreadedProducer<Acks> =
+        producer_config(&config.kafka)?.create_with_context(Acks { sender: Mutex::new(acks) })?;
+
+    // Lag per input partition, measured on threads and clients of their own from the
+    // positions the loop has read up to.
+    let positions: Arc<Mutex<HashMap<InputPartition, i64>>> = Arc::default();
+    let mut reporters = Vec::new();
+    for (index, input) in inputs.iter().enumerate() {
+        let (read, lag) = (positions.clone(), metrics.consumer_lag.clone());
+        let topic = input.clone();
+        let count = partitions[index] as i32;
+        reporters.push(tally_shared::consume::spawn_lag_reporter(
+            &config.kafka,
+            "ingester-lag",
+            input.clone(),
+            Duration::from_secs(5),
+            shutdown.clone(),
+            move || {
+                let read = read.lock().map(|p| p.clone()).unwrap_or_default();
+                // A partition not read yet counts from its committed position: 0 here
+                // (the reporter has no group), so a fresh ingester shows its backlog.
+                (0..count).map(|p| (p as u32, read.get(&(index, p)).copied().unwrap_or(0))).collect()
+            },
+            move |partition, records| lag.with_label_values(&[&topic, &partition.to_string()]).set(records),
+        )?);
+    }
 
     let router = Router::new(names.clone(), shards, config.kafka.record_budget());
-    let linger = Duration::from_millis(config.ingester.batch_linger_ms);
-    let max_records = config.ingester.batch_max_records.max(1);
-    let max_bytes = config.ingester.batch_max_bytes.max(1);
-    let mut health = tokio::time::interval(Duration::from_secs(5));
-    let result = loop {
-        let first = tokio::select! {
-            _ = shutdown.cancelled() => break Ok(()),
-            // Idle or not: lag and readiness (it holds input partitions) stay current.
-            _ = health.tick() => {
-                tokio::task::block_in_place(|| report_health(&consumer, &metrics, &readiness));
-                continue;
-            }
-            message = consumer.recv() => message,
-        };
-        let mut batch: Vec<BorrowedMessage<'_>> = Vec::with_capacity(max_records);
-        let mut batch_bytes = 0usize;
-        match first {
-            Ok(message) => {
-                batch_bytes += message.payload_len();
-                batch.push(message);
-            }
-            Err(err) => {
-                tracing::warn!(error = %err, "consumer error");
-                continue;
-            }
-        }
-        let deadline = tokio::time::Instant::now() + linger;
-        while batch.len() < max_records && batch_bytes < max_bytes {
-            match tokio::time::timeout_at(deadline, consumer.recv()).await {
-                Ok(Ok(message)) => {
-                    batch_bytes += message.payload_len();
-                    batch.push(message);
-                }
-                Ok(Err(err)) => tracing::warn!(error = %err, "consumer error"),
-                Err(_) => break,
-            }
-        }
-        let outgoing = match router.route(&batch, &metrics) {
-            Ok(outgoing) => outgoing,
-            Err(err) => break Err(err),
-        };
-        let delivered = deliver(&producer, outgoing);
-        tokio::pin!(delivered);
-        let done = tokio::select! {
-            done = &mut delivered => done,
-            _ = shutdown.cancelled() => match tokio::time::timeout(SHUTDOWN_GRACE, &mut delivered).await {
-                Ok(done) => done,
-                // Records never time out, so a Kafka that is gone would hold the
-                // batch for ever: stop without committing (the next run replays it).
-                Err(_) => {
-                    tracing::warn!("stopping with a batch not acknowledged; it is replayed on the next start");
-                    break Ok(());
-                }
-            },
-        };
-        if let Err(err) = done.and_then(|()| commit(&consumer, &batch)) {
-            break Err(err);
-        }
-        metrics.batch_records.observe(batch.len() as f64);
+    let pipeline = Pipeline {
+        consumer,
+        producer,
+        acknowledged,
+        inputs,
+        router,
+        metrics,
+        readiness: readiness.clone(),
+        positions,
+        linger: Duration::from_millis(config.ingester.batch_linger_ms),
+        max_records: config.ingester.batch_max_records.max(1),
+        max_bytes: config.ingester.batch_max_bytes.max(1),
     };
+    let stop = shutdown.clone();
+    let result = tokio::task::spawn_blocking(move || pipeline.run(&stop))
+        .await
+        .unwrap_or_else(|err| Err(Error::Delivery(format!("the ingest loop panicked: {err}"))));
     readiness.set(false);
+    shutdown.cancel();
+    for reporter in reporters {
+        let _ = reporter.join();
+    }
     tracing::info!("tally-ingester stopping");
     result
 }
 
-/// Sends every output record and waits until all are acknowledged.
-async fn deliver(producer: &FutureProducer, outgoing: Vec<Outgoing>) -> Result<()> {
-    let mut deliveries = Vec::with_capacity(outgoing.len());
-    for out in &outgoing {
-        let mut record = FutureRecord::to(&out.topic).payload(&out.payload).key(&out.key);
+/// An acknowledgement of one output record of batch `seq`, or why it failed.
+type Ack = std::result::Result<u64, String>;
+
+/// Passes every delivery report to the loop.
+struct Acks {
+    sender: Mutex<Sender<Ack>>,
+}
+
+impl ClientContext for Acks {}
+
+impl ProducerContext for Acks {
+    type DeliveryOpaque = Box<u64>;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, seq: Box<u64>) {
+        let ack = match result {
+            Ok(_) => Ok(*seq),
+            Err((err, _)) => Err(err.to_string()),
+        };
+        if let Ok(sender) = self.sender.lock() {
+            // The loop is gone only when the ingester is stopping.
+            let _ = sender.send(ack);
+        }
+    }
+}
+
+/// The consume → route → produce → commit loop and what it owns.
+struct Pipeline {
+    consumer: BaseConsumer,
+    producer: ThreadedProducer<Acks>,
+    acknowledged: Receiver<Ack>,
+    inputs: [String; 2],
+    router: Router,
+    metrics: metrics::Metrics,
+    readiness: Readiness,
+    positions: Arc<Mutex<HashMap<InputPartition, i64>>>,
+    linger: Duration,
+    max_records: usize,
+    max_bytes: usize,
+}
+
+impl Pipeline {
+    fn run(&self, shutdown: &CancellationToken) -> Result<()> {
+        let mut in_flight = InFlight::default();
+        let mut batch: Vec<BorrowedMessage<'_>> = Vec::with_capacity(self.max_records);
+        let mut last_commit = Instant::now();
+        let mut last_health: Option<Instant> = None;
+        let result = loop {
+            if shutdown.is_cancelled() {
+                break Ok(());
+            }
+            if last_health.is_none_or(|at| at.elapsed() >= Duration::from_secs(5)) {
+                last_health = Some(Instant::now());
+                // Ready while it holds input partitions.
+                self.readiness.set(self.consumer.assignment().is_ok_and(|assigned| assigned.count() > 0));
+            }
+            self.poll_batch(&mut batch);
+            if !batch.is_empty() {
+                if let Err(err) = self.send(&batch, &mut in_flight) {
+                    break Err(err);
+                }
+                self.metrics.batch_records.observe(batch.len() as f64);
+                batch.clear();
+            }
+            // Wait for the oldest batches while too many are out.
+            let mut failed = None;
+            while in_flight.len() >= MAX_IN_FLIGHT && failed.is_none() && !shutdown.is_cancelled() {
+                failed = self.settle(&mut in_flight, Some(Duration::from_millis(50))).err();
+            }
+            if let Some(err) = failed.or_else(|| self.settle(&mut in_flight, None).err()) {
+                break Err(err);
+            }
+            if last_commit.elapsed() >= COMMIT_EVERY {
+                last_commit = Instant::now();
+                self.commit(&mut in_flight, CommitMode::Async)?;
+            }
+        };
+        // What was sent is delivered and committed before stopping; a failure or a
+        // Kafka that does not answer leaves it to be replayed on the next start.
+        if result.is_ok() {
+            let deadline = Instant::now() + SHUTDOWN_GRACE;
+            while !in_flight.is_empty() && Instant::now() < deadline {
+                self.settle(&mut in_flight, Some(Duration::from_millis(50)))?;
+            }
+            if !in_flight.is_empty() {
+                tracing::warn!("stopping with records not acknowledged; they are replayed on the next start");
+            }
+            self.commit(&mut in_flight, CommitMode::Sync)?;
+        }
+        result
+    }
+
+    /// Collects one bounded batch: it closes when full, `linger` after its first
+    /// record, or after an idle poll while still empty.
+    fn poll_batch<'c>(&'c self, batch: &mut Vec<BorrowedMessage<'c>>) {
+        let mut bytes = 0usize;
+        let mut deadline = None;
+        loop {
+            let wait =
+                deadline.map_or(Duration::from_millis(100), |d: Instant| d.saturating_duration_since(Instant::now()));
+            match self.consumer.poll(wait) {
+                Some(Ok(message)) => {
+                    bytes += message.payload_len();
+                    batch.push(message);
+                    deadline.get_or_insert_with(|| Instant::now() + self.linger);
+                }
+                Some(Err(err)) => tracing::warn!(error = %err, "consumer error"),
+                None if batch.is_empty() => return,
+                None => {}
+            }
+            if batch.len() >= self.max_records
+                || bytes >= self.max_bytes
+                || deadline.is_some_and(|d| Instant::now() >= d)
+            {
+                return;
+            }
+        }
+    }
+
+    /// Routes a batch and hands its output to the producer.
+    fn send(&self, batch: &[BorrowedMessage<'_>], in_flight: &mut InFlight) -> Result<()> {
+        let outgoing = self.router.route(batch, &self.metrics)?;
+        let mut next: HashMap<InputPartition, i64> = HashMap::new();
+        for message in batch {
+            let input = self.inputs.iter().position(|name| name == message.topic()).unwrap_or(0);
+            let entry = next.entry((input, message.partition())).or_insert(0);
+            *entry = (*entry).max(message.offset() + 1);
+        }
+        if let Ok(mut positions) = self.positions.lock() {
+            positions.extend(next.iter().map(|(k, v)| (*k, *v)));
+        }
+        let seq = in_flight.open(next.into_iter().collect(), outgoing.len());
+        for out in &outgoing {
+            self.produce(out, seq, in_flight)?;
+        }
+        Ok(())
+    }
+
+    fn produce(&self, out: &Outgoing, seq: u64, in_flight: &mut InFlight) -> Result<()> {
+        let mut record = BaseRecord::with_opaque_to(&out.topic, Box::new(seq)).payload(&out.payload).key(&out.key);
         if let Some(partition) = out.partition {
             record = record.partition(partition);
         }
@@ -147,58 +283,54 @@ async fn deliver(producer: &FutureProducer, outgoing: Vec<Outgoing>) -> Result<(
             record = record.headers(OwnedHeaders::new_with_capacity(1).insert(header));
         }
         loop {
-            match producer.send_result(record) {
-                Ok(delivery) => {
-                    deliveries.push(delivery);
-                    break;
-                }
+            match self.producer.send(record) {
+                Ok(()) => return Ok(()),
                 Err((err, returned))
                     if matches!(err.rdkafka_error_code(), Some(rdkafka::types::RDKafkaErrorCode::QueueFull)) =>
                 {
                     record = returned;
-                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    self.settle(in_flight, Some(Duration::from_millis(5)))?;
                 }
                 Err((err, _)) => return Err(err.into()),
             }
         }
     }
-    for delivery in join_all(deliveries).await {
-        match delivery {
-            Ok(Ok(_)) => {}
-            Ok(Err((err, _))) => return Err(Error::Delivery(err.to_string())),
-            Err(_) => return Err(Error::Delivery("producer dropped a delivery".into())),
-        }
-    }
-    Ok(())
-}
 
-/// Commits the next offset of every input partition of the batch.
-fn commit(consumer: &StreamConsumer, batch: &[BorrowedMessage<'_>]) -> Result<()> {
-    let mut next: std::collections::BTreeMap<(&str, i32), i64> = std::collections::BTreeMap::new();
-    for message in batch {
-        let entry = next.entry((message.topic(), message.partition())).or_insert(0);
-        *entry = (*entry).max(message.offset() + 1);
-    }
-    let mut tpl = TopicPartitionList::new();
-    for ((topic, partition), offset) in next {
-        tpl.add_partition_offset(topic, partition, Offset::Offset(offset))?;
-    }
-    if let Err(err) = consumer.commit(&tpl, CommitMode::Async) {
-        // After a rebalance the new owner replays; stamps make that harmless.
-        tracing::warn!(error = %err, "offset commit failed");
-    }
-    Ok(())
-}
-
-/// Lag per input topic and partition; ready while it holds input partitions.
-fn report_health(consumer: &StreamConsumer, metrics: &metrics::Metrics, readiness: &Readiness) {
-    readiness.set(consumer.assignment().is_ok_and(|assigned| assigned.count() > 0));
-    let Ok(positions) = consumer.position() else { return };
-    for element in positions.elements() {
-        let Offset::Offset(position) = element.offset() else { continue };
-        if let Ok((_, high)) = consumer.fetch_watermarks(element.topic(), element.partition(), Duration::from_secs(1)) {
-            let labels = [element.topic(), &element.partition().to_string()];
-            metrics.consumer_lag.with_label_values(&labels).set((high - position).max(0));
+    /// Takes in the acknowledgements that arrived (waiting up to `wait` for one).
+    /// A failed delivery is fatal: the producer is gapless, so nothing after it may
+    /// be committed; the next start replays from the last commit.
+    fn settle(&self, in_flight: &mut InFlight, wait: Option<Duration>) -> Result<()> {
+        let mut next = match wait {
+            Some(wait) => self.acknowledged.recv_timeout(wait).ok(),
+            None => self.acknowledged.try_recv().ok(),
+        };
+        while let Some(ack) = next {
+            match ack {
+                Ok(seq) => in_flight.acknowledged(seq),
+                Err(err) => return Err(Error::Delivery(err)),
+            }
+            next = self.acknowledged.try_recv().ok();
         }
+        if let Some((code, reason)) = self.producer.client().fatal_error() {
+            return Err(Error::Delivery(format!("the producer failed for good: {code:?}: {reason}")));
+        }
+        Ok(())
+    }
+
+    /// Commits the positions whose batches (and all before) are acknowledged.
+    fn commit(&self, in_flight: &mut InFlight, mode: CommitMode) -> Result<()> {
+        let committable = in_flight.take_committable();
+        if committable.is_empty() {
+            return Ok(());
+        }
+        let mut tpl = TopicPartitionList::new();
+        for ((input, partition), offset) in committable {
+            tpl.add_partition_offset(&self.inputs[input], partition, Offset::Offset(offset))?;
+        }
+        if let Err(err) = self.consumer.commit(&tpl, mode) {
+            // After a rebalance the new owner replays; stamps make that harmless.
+            tracing::warn!(error = %err, "offset commit failed");
+        }
+        Ok(())
     }
 }
