@@ -20,7 +20,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use tally_jobs_client::{self as worker, BrokerClient, Outcome, WorkerOptions};
 use tally_shared::config::TallyConfig;
-use tally_shared::kafka::{client_config, producer_config, TopicNames};
+use tally_shared::kafka::{producer_config, TopicNames};
 use tally_shared::local_broker::{ensure_installed, free_port, LocalBroker};
 use tally_shared::topics::{self, Declarations};
 use tokio_util::sync::CancellationToken;
@@ -89,7 +89,7 @@ pub async fn run(mut config: TallyConfig, args: JobsBenchArgs) -> anyhow::Result
     let kafka = config.kafka.clone();
     let (raw_topic, total) = (topic.clone(), args.jobs);
     let raw_per_sec = tokio::task::spawn_blocking(move || -> anyhow::Result<f64> {
-        let mut consumer_config = client_config(&kafka)?;
+        let mut consumer_config = tally_shared::kafka::consumer_config(&kafka)?;
         consumer_config.set("group.id", "tally-bench-raw").set("enable.auto.commit", "false");
         let consumer: BaseConsumer = consumer_config.create()?;
         let mut assignment = TopicPartitionList::new();

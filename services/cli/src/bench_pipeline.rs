@@ -23,7 +23,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use tally_shared::config::TallyConfig;
-use tally_shared::kafka::{client_config, producer_config, TopicNames};
+use tally_shared::kafka::{producer_config, TopicNames};
 use tally_shared::local_broker::{ensure_installed, free_port, LocalBroker};
 use tally_shared::topics::{self, Declarations};
 use tokio::process::{Child, Command};
@@ -307,7 +307,7 @@ async fn raw_consume(config: &TallyConfig, topic: &str, records: usize) -> anyho
     let kafka = config.kafka.clone();
     let topic = topic.to_string();
     tokio::task::spawn_blocking(move || -> anyhow::Result<f64> {
-        let mut consumer_config = client_config(&kafka)?;
+        let mut consumer_config = tally_shared::kafka::consumer_config(&kafka)?;
         consumer_config.set("group.id", "tally-bench-raw").set("enable.auto.commit", "false");
         let consumer: BaseConsumer = consumer_config.create()?;
         let partitions = tally_shared::kafka::partition_count(&consumer, &topic, Duration::from_secs(10))?;
@@ -407,14 +407,20 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
         let label = format!("{} per message, end to end", case.per_message);
         let through = ingest_backlog(&mut rig, case.increments(), case.messages as u64, &label).await?;
         rig.stop_all().await?;
-        let raw_increments = raw * case.per_message as f64;
+        // A broker can slow down as its data grows (the local one does): the raw rate
+        // again after the run, and the ratio against both.
+        let raw_after = raw_consume(&rig.config, &names.increments(), case.messages).await?;
+        let per = case.per_message as f64;
         println!(
-            "{:>3} increments/message: raw consume {:>9.0} records/s = {:>10.0} increments/s; tally end to end {:>10.0} increments/s = {:.2}x raw (ingester read it all after {:.2} s, the counter applied it all after {:.2} s)",
+            "{:>3} increments/message: raw consume {:>9.0} records/s before, {:>9.0} after ({:.0} and {:.0} increments/s); tally end to end {:>9.0} increments/s = {:.2}x raw before, {:.2}x after (the ingester read it all after {:.2} s, the counter applied it all after {:.2} s)",
             case.per_message,
             raw,
-            raw_increments,
+            raw_after,
+            raw * per,
+            raw_after * per,
             through.per_sec,
-            through.per_sec / raw_increments.max(1e-9),
+            through.per_sec / (raw * per).max(1e-9),
+            through.per_sec / (raw_after * per).max(1e-9),
             through.routed_after.as_secs_f64(),
             through.applied_after.as_secs_f64(),
         );

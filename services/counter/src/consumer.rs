@@ -22,7 +22,7 @@ use tally_shared::consume::{
     Polled, Processor,
 };
 use tally_shared::failures::Failure;
-use tally_shared::kafka::{client_config, now_ms, TopicNames};
+use tally_shared::kafka::{now_ms, TopicNames};
 use tally_shared::outbox::Relay;
 use tally_shared::snapshot::{clear_restored_marker, restored_marker, SnapshotStore, Snapshotter};
 use tally_shared::telemetry::Readiness;
@@ -220,7 +220,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         topic: shard_topic.clone(),
         metrics: metrics.clone(),
     };
-    let mut consumer_config = client_config(&config.kafka)?;
+    let mut consumer_config = tally_shared::kafka::consumer_config(&config.kafka)?;
     consumer_config
         .set("group.id", &config.counter.group_id)
         .set("enable.auto.commit", "false")

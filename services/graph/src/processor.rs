@@ -23,7 +23,7 @@ use tally_shared::consume::{
     commit_advisory, committed_offsets, drive, pause, spawn_lag_reporter, unreplayable, BatchLimits, LogCheck,
     LoopSetup, Polled, Processor,
 };
-use tally_shared::kafka::{client_config, now_ms, TopicNames};
+use tally_shared::kafka::{now_ms, TopicNames};
 use tally_shared::outbox::Relay;
 use tally_shared::snapshot::{SnapshotRequests, SnapshotStore, Snapshotter};
 use tally_shared::telemetry::Readiness;
@@ -57,7 +57,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
     let ProcessorSetup { config, store, failures, metrics, readiness, read_addr, snapshots } = setup;
     let names = TopicNames::new(&config.kafka.topic_prefix);
     let input = names.graph_updates();
-    let mut consumer_config = client_config(&config.kafka)?;
+    let mut consumer_config = tally_shared::kafka::consumer_config(&config.kafka)?;
     // A store offset the log no longer holds restarts at the earliest record: the
     // gap fails the graph rather than jumping to the end.
     consumer_config

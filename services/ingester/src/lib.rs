@@ -30,7 +30,7 @@ use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, T
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::{ClientContext, Message};
 use tally_shared::config::TallyConfig;
-use tally_shared::kafka::{client_config, producer_config, wait_for_topic, TopicNames};
+use tally_shared::kafka::{consumer_config, producer_config, wait_for_topic, TopicNames};
 use tally_shared::telemetry::{serve_admin, Readiness};
 use tokio_util::sync::CancellationToken;
 
@@ -56,7 +56,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let shards = wait_for_topic(&config.kafka, &names.shards(), Duration::from_secs(60)).await?;
     tracing::info!(admin = %admin, shards, "tally-ingester starting");
 
-    let mut consumer_config = client_config(&config.kafka)?;
+    let mut consumer_config = consumer_config(&config.kafka)?;
     consumer_config
         .set("group.id", &config.ingester.group_id)
         .set("enable.auto.commit", "false")
