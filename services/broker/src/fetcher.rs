@@ -40,7 +40,7 @@ type Key = (String, i32);
 
 pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
     let FetcherSetup { config, broker, membership } = setup;
-    let mut consumer_config = tally_shared::kafka::consumer_config(&config.kafka)?;
+    let mut consumer_config = client_config(&config.kafka)?;
     consumer_config
         .set("group.id", &config.broker.group_id)
         .set("enable.auto.commit", "false")
