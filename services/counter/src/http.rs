@@ -1,8 +1,10 @@
-//! The internal read API `tally-query` calls: one request per shard, answered from
-//! one snapshot. A shard this process does not own, or not now (still catching up
-//! with the log, or its lease lapsed), answers 409 `not_owner`, which
-//! tells the caller to look up the owner again; a failed shard answers 503
-//! `shard_failed`. `POST /internal/v1/shards/{shard}/skip` is `tally shards skip`
+//! The internal read API `tally-query` calls: `POST /internal/v2/read` asks one
+//! counter about several shards at once, each answered from one snapshot of its
+//! store, all on one blocking thread. A shard this process does not own, or not now
+//! (still catching up with the log, or its lease lapsed), answers `not_owner`, which
+//! tells the caller to look up the owner again; a failed shard answers `failed`
+//! (`shard_failed` to clients). The metrics listing asks about one shard: 409
+//! `not_owner`, 503 `shard_failed`. `POST /internal/v1/shards/{shard}/skip` is `tally shards skip`
 //! ([`tally_shared::failures`]), `POST /internal/v1/snapshots` is `tally snapshot`
 //! ([`snapshot_router`]).
 
@@ -13,7 +15,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use tally_core::wire::{ShardMetricsRequest, ShardReadRequest, ShardReadResponse};
+use tally_core::wire::{ReadRequest, ReadResponse, ShardMetricsRequest, ShardOutcome, ShardQueries};
 use tally_shared::failures::{skip_router, Failure};
 use tally_shared::http::ApiError;
 use tally_shared::snapshot::snapshot_router;
@@ -32,7 +34,7 @@ pub struct ReadState {
 
 pub fn router(state: ReadState) -> Router {
     Router::new()
-        .route("/internal/v1/read", post(read))
+        .route("/internal/v2/read", post(read))
         .route("/internal/v1/metrics", post(metrics))
         .with_state(state.clone())
         .merge(skip_router(state.shards.failures.clone()))
@@ -71,17 +73,37 @@ async fn answer<T: serde::Serialize + Send + 'static>(
     }
 }
 
-async fn read(State(state): State<ReadState>, Json(request): Json<ShardReadRequest>) -> Response {
-    let store = match serving(&state, request.shard) {
-        Ok(store) => store,
-        Err(response) => return response,
+async fn read(State(state): State<ReadState>, Json(request): Json<ReadRequest>) -> Response {
+    let asked: usize = request.shards.iter().map(|shard| shard.queries.len()).sum();
+    state.metrics.reads.inc_by(asked as u64);
+    let now_ms = request.now_ms;
+    let work = move || {
+        let shards = request.shards.into_iter().map(|shard| read_shard(&state, shard, now_ms)).collect();
+        ReadResponse { shards }
     };
-    state.metrics.reads.inc_by(request.queries.len() as u64);
-    let shard = request.shard;
-    answer(&state, shard, move || {
-        store.read(&request.queries, request.now_ms).map(|answers| ShardReadResponse { answers })
-    })
-    .await
+    match tokio::task::spawn_blocking(work).await {
+        Ok(response) => Json(response).into_response(),
+        Err(err) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", err.to_string()).into_response(),
+    }
+}
+
+/// One shard's part of a read. Corrupt data it meets fails the shard.
+fn read_shard(state: &ReadState, ShardQueries { shard, queries }: ShardQueries, now_ms: i64) -> ShardOutcome {
+    let failures = &state.shards.failures;
+    if let Some(failure) = failures.failure(shard) {
+        return ShardOutcome::Failed { message: failures.describe(shard, &failure) };
+    }
+    let Some(store) = state.shards.served(shard) else { return ShardOutcome::NotOwner };
+    match store.read(&queries, now_ms) {
+        Ok(answers) => ShardOutcome::Answers { answers },
+        Err(err) if err.is_corruption() => {
+            let failure = Failure { offset: None, reason: format!("a read met corrupt data: {err}"), record: None };
+            let message = failures.describe(shard, &failure);
+            failures.fail(shard, failure);
+            ShardOutcome::Failed { message }
+        }
+        Err(err) => ShardOutcome::Unavailable { message: format!("shard {shard}: {err}") },
+    }
 }
 
 async fn metrics(State(state): State<ReadState>, Json(request): Json<ShardMetricsRequest>) -> Response {

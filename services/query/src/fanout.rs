@@ -1,8 +1,9 @@
-//! Sending reads to the counters that own the shards: one request per shard per
-//! client request, all shards in parallel, retried against a newer owner when a
-//! counter says it no longer owns the shard or does not answer.
+//! Sending reads to the counters that own the shards: one request per counter per
+//! client request (all its shards at once), all counters in parallel, shards retried
+//! against a newer owner when a counter says it no longer owns them or does not
+//! answer.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,8 +12,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tally_core::sharding::shard_of;
 use tally_core::wire::{
-    GraphNeighboursRequest, GraphNeighboursResponse, ShardAnswer, ShardMetricsRequest, ShardMetricsResponse,
-    ShardOwner, ShardQuery, ShardReadRequest, ShardReadResponse,
+    GraphNeighboursRequest, GraphNeighboursResponse, ReadRequest, ReadResponse, ShardAnswer, ShardMetricsRequest,
+    ShardMetricsResponse, ShardOutcome, ShardOwner, ShardQueries, ShardQuery,
 };
 
 use crate::error::ApiError;
@@ -33,31 +34,107 @@ impl Fanout {
         shard_of(entity, self.shards)
     }
 
-    /// Answers `queries` in order, reading each shard once.
+    /// Answers `queries` in order: one request per counter that owns any of their
+    /// shards (each shard read once, from one snapshot); shards whose owner moved or
+    /// did not answer are asked again of the owner of a newer claim.
     pub async fn read(&self, queries: Vec<ShardQuery>, now_ms: i64) -> Result<Vec<ShardAnswer>, ApiError> {
         let total = queries.len();
-        let mut by_shard: HashMap<u32, (Vec<usize>, Vec<ShardQuery>)> = HashMap::new();
+        let mut pending: BTreeMap<u32, (Vec<usize>, Vec<ShardQuery>)> = BTreeMap::new();
         for (index, query) in queries.into_iter().enumerate() {
-            let slot = by_shard.entry(self.shard_of(&query.entity)).or_default();
+            let slot = pending.entry(self.shard_of(&query.entity)).or_default();
             slot.0.push(index);
             slot.1.push(query);
         }
-        let calls = by_shard.into_iter().map(|(shard, (indexes, queries))| async move {
-            let request = ShardReadRequest { shard, now_ms, queries };
-            let response: ShardReadResponse = self.call(shard, "/internal/v1/read", &request).await?;
-            Ok::<_, ApiError>((indexes, response.answers))
-        });
         let mut answers: Vec<Option<ShardAnswer>> = vec![None; total];
-        for result in join_all(calls).await {
-            let (indexes, shard_answers) = result?;
-            for (index, answer) in indexes.into_iter().zip(shard_answers) {
-                answers[index] = Some(answer);
+        // The claim version each shard was last asked under.
+        let mut tried: HashMap<u32, u64> = HashMap::new();
+        for _ in 0..ATTEMPTS {
+            if pending.is_empty() {
+                break;
             }
+            let claims = join_all(pending.keys().map(|&shard| {
+                let last = tried.get(&shard).copied();
+                async move { (shard, self.claim_newer_than(shard, last).await) }
+            }))
+            .await;
+            let mut by_owner: HashMap<String, Vec<u32>> = HashMap::new();
+            for (shard, claim) in claims {
+                let Some(Claim { addr: Some(addr), version, .. }) = claim else {
+                    return Err(ApiError::unavailable(format!(
+                        "nothing serves {} right now; retry shortly",
+                        owner_name(shard)
+                    )));
+                };
+                tried.insert(shard, version);
+                by_owner.entry(addr).or_default().push(shard);
+            }
+            let calls = by_owner.into_iter().map(|(addr, shards)| {
+                let request = ReadRequest {
+                    now_ms,
+                    shards: shards
+                        .iter()
+                        .map(|shard| ShardQueries { shard: *shard, queries: pending[shard].1.clone() })
+                        .collect(),
+                };
+                async move {
+                    let response = self.post::<_, ReadResponse>(&addr, "/internal/v2/read", &request).await;
+                    (addr, shards, response)
+                }
+            });
+            for (addr, shards, response) in join_all(calls).await {
+                let response = match response {
+                    Ok(Ok(response)) => response,
+                    Ok(Err(refused)) => return Err(refused),
+                    Err(err) => {
+                        tracing::debug!(addr, error = %err, "owner unreachable; waiting for a newer claim");
+                        continue;
+                    }
+                };
+                if response.shards.len() != shards.len() {
+                    return Err(ApiError::unavailable(format!("{addr} answered for fewer shards than asked")));
+                }
+                for (shard, outcome) in shards.into_iter().zip(response.shards) {
+                    match outcome {
+                        ShardOutcome::Answers { answers: shard_answers } => {
+                            let Some((indexes, asked)) = pending.remove(&shard) else { continue };
+                            if shard_answers.len() != asked.len() {
+                                return Err(ApiError::unavailable(format!(
+                                    "shard {shard} answered {} of {} queries",
+                                    shard_answers.len(),
+                                    asked.len()
+                                )));
+                            }
+                            for (index, answer) in indexes.into_iter().zip(shard_answers) {
+                                answers[index] = Some(answer);
+                            }
+                        }
+                        ShardOutcome::NotOwner => {
+                            tracing::debug!(shard, addr, "owner moved; waiting for a newer claim")
+                        }
+                        // A shard stopped by a failure: said as such, with the owner's words.
+                        ShardOutcome::Failed { message } => return Err(ApiError::shard_failed(message)),
+                        ShardOutcome::Unavailable { message } => return Err(ApiError::unavailable(message)),
+                    }
+                }
+            }
+        }
+        if let Some(shard) = pending.keys().next() {
+            return Err(ApiError::unavailable(format!("{} is unavailable; retry shortly", owner_name(*shard))));
         }
         answers
             .into_iter()
             .map(|a| a.ok_or_else(|| ApiError::unavailable("a shard answered fewer queries than asked")))
             .collect()
+    }
+
+    /// The current claim of `shard` when it is newer than version `than` (any, when
+    /// `None`); else waits for one up to `owner_wait`.
+    async fn claim_newer_than(&self, shard: u32, than: Option<u64>) -> Option<Claim> {
+        let current = self.owners.get(shard).filter(|c| c.addr.is_some() && than.is_none_or(|v| c.version > v));
+        match current {
+            Some(claim) => Some(claim),
+            None => self.owners.wait_newer(shard, than, self.owner_wait).await,
+        }
     }
 
     /// One page of an entity's metrics.
@@ -92,28 +169,12 @@ impl Fanout {
                 })?,
             };
             let Some(addr) = &current.addr else { continue };
-            let sent = self.client.post(format!("http://{addr}{path}")).json(body).send().await;
-            match sent {
-                Ok(response) if response.status().is_success() => {
-                    return response
-                        .json::<Resp>()
-                        .await
-                        .map_err(|err| ApiError::unavailable(format!("shard {shard}: bad answer: {err}")));
-                }
-                Ok(response) if response.status() == reqwest::StatusCode::CONFLICT => {
+            match self.post::<Req, Resp>(addr, path, body).await {
+                Ok(Ok(answer)) => return Ok(answer),
+                Ok(Err(refused)) if refused.code == "not_owner" => {
                     tracing::debug!(shard, addr, "owner moved; waiting for a newer claim");
                 }
-                Ok(response) => {
-                    let status = response.status();
-                    let text = response.text().await.unwrap_or_default();
-                    return Err(match serde_json::from_str::<serde_json::Value>(&text) {
-                        // A shard stopped by a failure: said as such, with the owner's words.
-                        Ok(body) if body["error"]["code"] == "shard_failed" => ApiError::shard_failed(
-                            body["error"]["message"].as_str().unwrap_or("the shard failed").to_string(),
-                        ),
-                        _ => ApiError::unavailable(format!("shard {shard} failed ({status}): {text}")),
-                    });
-                }
+                Ok(Err(refused)) => return Err(refused),
                 Err(err) => tracing::debug!(shard, addr, error = %err, "owner unreachable; waiting for a newer claim"),
             }
             claim = self.owners.wait_newer(shard, Some(current.version), self.owner_wait).await;
@@ -122,6 +183,39 @@ impl Fanout {
             }
         }
         Err(ApiError::unavailable(format!("{} is unavailable; retry shortly", owner_name(shard))))
+    }
+}
+
+impl Fanout {
+    /// POSTs `body` to the owner at `addr`: its answer; its refusal as the client's
+    /// error (`not_owner` for a 409, `shard_failed` with the owner's words); or why
+    /// it could not be reached.
+    async fn post<Req: Serialize, Resp: DeserializeOwned>(
+        &self,
+        addr: &str,
+        path: &str,
+        body: &Req,
+    ) -> Result<Result<Resp, ApiError>, reqwest::Error> {
+        let response = self.client.post(format!("http://{addr}{path}")).json(body).send().await?;
+        let status = response.status();
+        if status.is_success() {
+            let answer = response.json::<Resp>().await;
+            return Ok(answer.map_err(|err| ApiError::unavailable(format!("{addr}: bad answer: {err}"))));
+        }
+        if status == reqwest::StatusCode::CONFLICT {
+            return Ok(Err(ApiError::new(
+                axum::http::StatusCode::CONFLICT,
+                "not_owner",
+                format!("{addr} no longer owns it"),
+            )));
+        }
+        let text = response.text().await.unwrap_or_default();
+        Ok(Err(match serde_json::from_str::<serde_json::Value>(&text) {
+            Ok(body) if body["error"]["code"] == "shard_failed" => {
+                ApiError::shard_failed(body["error"]["message"].as_str().unwrap_or("the shard failed").to_string())
+            }
+            _ => ApiError::unavailable(format!("{addr} failed ({status}): {text}")),
+        }))
     }
 }
 
