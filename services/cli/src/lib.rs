@@ -399,7 +399,12 @@ async fn bench_graph(options: tally_counter::bench_graph::GraphBenchOptions) -> 
     );
     let dir = tempfile::Builder::new().prefix("tally-bench").tempdir_in(".")?;
     let path = dir.path().to_path_buf();
-    let r = tokio::task::spawn_blocking(move || tally_counter::bench_graph::run(&options, &path)).await??;
+    let shape = tally_counter::bench_graph::LatencyShape::default();
+    let (r, latency) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+        let r = tally_counter::bench_graph::run(&options, &path)?;
+        Ok((r, tally_counter::bench_graph::edge_latency(shape, &path)?))
+    })
+    .await??;
     let ms = |s: f64| s * 1_000.0;
     println!("edge add, graph processor : {:>9.2} ms for {} descendant changes", ms(r.incremental_seconds), r.changes);
     println!(
@@ -422,6 +427,27 @@ async fn bench_graph(options: tally_counter::bench_graph::GraphBenchOptions) -> 
         ms(r.flat_seconds),
         r.hierarchy_seconds / r.flat_seconds.max(1e-9)
     );
+    let l = latency;
+    println!(
+        "edge latency, {} leaves → {} mids → {} tops, {} Zipf increments; top:0 → a fresh root ({} ancestors-side entities), in process, one shard:",
+        shape.leaves, shape.mids, shape.tops, shape.increments, l.changes
+    );
+    println!(
+        "  add   : graph {:>6.2} ms + shard {:>6.2} ms = {:>6.2} ms (root total {} = top:0's {})",
+        ms(l.add_graph_seconds),
+        ms(l.add_shard_seconds),
+        ms(l.add_graph_seconds + l.add_shard_seconds),
+        l.root_after_add,
+        l.top_total
+    );
+    println!(
+        "  remove: graph {:>6.2} ms + shard {:>6.2} ms = {:>6.2} ms (root total {})",
+        ms(l.remove_graph_seconds),
+        ms(l.remove_shard_seconds),
+        ms(l.remove_graph_seconds + l.remove_shard_seconds),
+        l.root_after_remove
+    );
+    println!("  (differential-dataflow, one worker, the same shape: about 2.6 ms per update as measured for issue 10; not run here)");
     Ok(())
 }
 

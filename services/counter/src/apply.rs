@@ -262,13 +262,16 @@ impl ShardStore {
         let mut local: BTreeMap<Vec<u8>, i64> = BTreeMap::new();
         let mut remote: BTreeMap<u32, Vec<TotalDelta>> = BTreeMap::new();
         let mut descendants = self.descendants.lock().map_err(|_| self.poisoned())?;
+        // One iterator for every origin of the record (a seek each), not one each:
+        // what the record changes is written only when it commits.
+        let mut counts = self.store.db().raw_iterator_cf(counts_cf);
         for (stamp, change) in entries {
             if !progress.advance(source, stamp) {
                 report.redelivered += 1;
                 continue;
             }
             report.desc_changes += 1;
-            let direct = self.retained_direct(&change.origin, now)?;
+            let direct = self.retained_direct(&mut counts, &change.origin, now)?;
             let direct: Vec<((&str, i64, i64), i64)> = direct
                 .iter()
                 .map(|((metric, width, bucket), value)| ((metric.as_str(), *width, *bucket), *value))
@@ -299,6 +302,7 @@ impl ShardStore {
             }
         }
         drop(descendants);
+        drop(counts);
         report.keys += local.len();
         for (key, delta) in local {
             batch.merge_cf(counts_cf, &key, Counts { direct: 0, total: delta }.encode());
@@ -323,28 +327,34 @@ impl ShardStore {
 
     /// The origin's direct value in every bucket still retained at `now`, keyed by
     /// `(metric, width_ms, bucket)`.
-    fn retained_direct(&self, origin: &str, now: i64) -> Result<DirectBuckets> {
+    fn retained_direct(
+        &self,
+        counts: &mut rocksdb::DBRawIteratorWithThreadMode<'_, rocksdb::DB>,
+        origin: &str,
+        now: i64,
+    ) -> Result<DirectBuckets> {
         let mut prefix = Vec::new();
         encode_entity_prefix(&mut prefix, origin);
-        let counts_cf = self.cf(CF_COUNTS)?;
         let mut direct = Vec::new();
-        for item in self.store.db().prefix_iterator_cf(counts_cf, &prefix) {
-            let (key, value) = item?;
+        counts.seek(&prefix);
+        while let (Some(key), Some(value)) = (counts.key(), counts.value()) {
             if !key.starts_with(&prefix) {
                 break;
             }
-            let count_key = parse_count_key(&key)?;
+            let count_key = parse_count_key(key)?;
             let retained = count_key.width_ms == ALL_TIME_WIDTH
                 || self
                     .options
                     .resolutions
                     .by_width(count_key.width_ms)
                     .is_some_and(|r| r.retains(count_key.bucket, now));
-            let value = Counts::decode(&value)?.direct;
+            let value = Counts::decode(value)?.direct;
             if retained && value != 0 {
                 direct.push(((count_key.metric.to_string(), count_key.width_ms, count_key.bucket), value));
             }
+            counts.next();
         }
+        counts.status()?;
         Ok(direct)
     }
 

@@ -9,6 +9,11 @@
 //!    and `w`'s totals).
 //! 2. A batch of `increments` on leaves with three levels of ancestors
 //!    (`leaf → l1 → l2 → l3`) against the same batch on leaves without ancestors.
+//! 3. Latency, end to end in process, in the shape of differential-dataflow's
+//!    figure: 20 k leaves → 200 mids → 20 tops with Zipf-skewed increments on the
+//!    leaves; an edge from a top to a fresh root is added, then removed. Its ancestor
+//!    side is the top, its 10 mids and their 1 000 leaves: the graph step, then one
+//!    shard (all entities local) applying the descendant changes.
 
 use std::path::Path;
 use std::time::Instant;
@@ -68,9 +73,9 @@ fn increments_record(offset: i64, entities: impl Iterator<Item = String>, now: i
         .unwrap_or_default()
 }
 
-fn changes_record(changes: Vec<DescChange>) -> Vec<u8> {
+fn changes_record(offset: i64, changes: Vec<DescChange>) -> Vec<u8> {
     let source = Source { stream: Source::GRAPH_PROCESSOR, partition: 0 };
-    let entries = changes.into_iter().enumerate().map(|(i, c)| (Stamp { offset: 1, index: i as u32 }, c)).collect();
+    let entries = changes.into_iter().enumerate().map(|(i, c)| (Stamp { offset, index: i as u32 }, c)).collect();
     ShardMessage::DescChanges { source, entries }.encode().unwrap_or_default()
 }
 
@@ -117,7 +122,7 @@ pub fn run(options: &GraphBenchOptions, dir: &Path) -> Result<GraphBenchReport> 
     let store =
         ShardStore::open(0, &dir.join("edge-add"), StoreOptions { shards: options.shards, ..Default::default() })?;
     let counted = increments_record(0, answers.iter().cloned(), now);
-    let known = changes_record(initial);
+    let known = changes_record(1, initial);
     store.apply(
         &[
             ShardRecord { offset: 0, payload: &counted, timestamp: None },
@@ -127,12 +132,8 @@ pub fn run(options: &GraphBenchOptions, dir: &Path) -> Result<GraphBenchReport> 
         false,
     )?;
     let change_count = changes.len();
-    let mut moved = changes_record(changes);
     // Stamps continue after the initial changes.
-    if let Ok(ShardMessage::DescChanges { source, entries }) = ShardMessage::decode(&moved) {
-        let entries = entries.into_iter().map(|(stamp, c)| (Stamp { offset: 2, index: stamp.index }, c)).collect();
-        moved = ShardMessage::DescChanges { source, entries }.encode()?;
-    }
+    let moved = changes_record(2, changes);
     let started = Instant::now();
     store.apply(&[ShardRecord { offset: 2, payload: &moved, timestamp: None }], now, false)?;
     let shard_apply_seconds = started.elapsed().as_secs_f64();
@@ -150,7 +151,7 @@ pub fn run(options: &GraphBenchOptions, dir: &Path) -> Result<GraphBenchReport> 
         })
         .map(|(from, to)| EdgeUpdate { op: EdgeOp::Add, from, to })
         .collect();
-    let views = changes_record(levels.apply_batch(&chain));
+    let views = changes_record(1, levels.apply_batch(&chain));
     hierarchical.apply(&[ShardRecord { offset: 0, payload: &views, timestamp: None }], now, false)?;
     let flat = ShardStore::open(0, &dir.join("flat"), StoreOptions { shards: options.shards, ..Default::default() })?;
     let batch =
@@ -177,6 +178,111 @@ pub fn run(options: &GraphBenchOptions, dir: &Path) -> Result<GraphBenchReport> 
     })
 }
 
+/// The leaves → mids → tops shape of part 3.
+#[derive(Debug, Clone, Copy)]
+pub struct LatencyShape {
+    pub leaves: usize,
+    pub mids: usize,
+    pub tops: usize,
+    /// Zipf-skewed increments on the leaves before the edge changes.
+    pub increments: usize,
+}
+
+impl Default for LatencyShape {
+    fn default() -> Self {
+        Self { leaves: 20_000, mids: 200, tops: 20, increments: 200_000 }
+    }
+}
+
+/// Part 3's figures, in seconds.
+#[derive(Debug, Clone)]
+pub struct LatencyReport {
+    /// Entities whose descendant sets the edge changes (its ancestor side).
+    pub changes: usize,
+    pub add_graph_seconds: f64,
+    pub add_shard_seconds: f64,
+    pub remove_graph_seconds: f64,
+    pub remove_shard_seconds: f64,
+    /// All-time totals: `top:0` before, the root after the add and after the remove.
+    pub top_total: i64,
+    pub root_after_add: i64,
+    pub root_after_remove: i64,
+}
+
+fn all_time_total(store: &ShardStore, entity: &str) -> Result<i64> {
+    let mut key = Vec::new();
+    tally_core::keys::encode_count_key(&mut key, entity, "views", tally_core::keys::ALL_TIME_WIDTH, 0);
+    Ok(store.get_counts(&[key])?[0].total)
+}
+
+/// Part 3: adds, then removes, `top:0 → root:fresh` (see the module docs).
+pub fn edge_latency(shape: LatencyShape, dir: &Path) -> Result<LatencyReport> {
+    let now = tally_shared::kafka::now_ms();
+    let per_mid = shape.leaves.div_ceil(shape.mids.max(1));
+    let per_top = shape.mids.div_ceil(shape.tops.max(1));
+    let mut graph = Graph::default();
+    let edges: Vec<EdgeUpdate> = (0..shape.leaves)
+        .map(|i| (format!("leaf:{i}"), format!("mid:{}", i / per_mid)))
+        .chain((0..shape.mids).map(|j| (format!("mid:{j}"), format!("top:{}", j / per_top))))
+        .map(|(from, to)| EdgeUpdate { op: EdgeOp::Add, from, to })
+        .collect();
+    let views = changes_record(0, graph.apply_batch(&edges));
+    let store = ShardStore::open(0, &dir.join("latency"), StoreOptions { shards: 1, ..Default::default() })?;
+    store.apply(&[ShardRecord { offset: 0, payload: &views, timestamp: None }], now, false)?;
+    // Zipf(1.1) over the leaves, in records of 1 000 increments.
+    let mut cumulative = Vec::with_capacity(shape.leaves);
+    let mut sum = 0.0;
+    for rank in 1..=shape.leaves.max(1) {
+        sum += 1.0 / (rank as f64).powf(1.1);
+        cumulative.push(sum);
+    }
+    let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(3);
+    let mut offset = 1;
+    let records: Vec<Vec<u8>> = (0..shape.increments.div_ceil(1_000))
+        .map(|_| {
+            offset += 1;
+            let leaves = (0..1_000).map(|_| {
+                let draw = rand::Rng::random::<f64>(&mut rng) * sum;
+                format!("leaf:{}", cumulative.partition_point(|&c| c < draw).min(shape.leaves - 1))
+            });
+            increments_record(offset, leaves, now)
+        })
+        .collect();
+    let counted: Vec<ShardRecord<'_>> = records
+        .iter()
+        .enumerate()
+        .map(|(i, payload)| ShardRecord { offset: 1 + i as i64, payload, timestamp: None })
+        .collect();
+    store.apply(&counted, now, false)?;
+    let mut next_offset = 1 + records.len() as i64;
+    let mut step = |op: EdgeOp| -> Result<(usize, f64, f64)> {
+        let started = Instant::now();
+        let changes = graph.apply_batch(&[EdgeUpdate { op, from: "top:0".into(), to: "root:fresh".into() }]);
+        let graph_seconds = started.elapsed().as_secs_f64();
+        let count = changes.len();
+        let started = Instant::now();
+        let record = changes_record(next_offset, changes);
+        store.apply(&[ShardRecord { offset: next_offset, payload: &record, timestamp: None }], now, false)?;
+        next_offset += 1;
+        Ok((count, graph_seconds, started.elapsed().as_secs_f64()))
+    };
+    let top_total = all_time_total(&store, "top:0")?;
+    let (changes, add_graph_seconds, add_shard_seconds) = step(EdgeOp::Add)?;
+    let root_after_add = all_time_total(&store, "root:fresh")?;
+    let (_, remove_graph_seconds, remove_shard_seconds) = step(EdgeOp::Remove)?;
+    let root_after_remove = all_time_total(&store, "root:fresh")?;
+    Ok(LatencyReport {
+        changes,
+        add_graph_seconds,
+        add_shard_seconds,
+        remove_graph_seconds,
+        remove_shard_seconds,
+        top_total,
+        root_after_add,
+        root_after_remove,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -191,5 +297,22 @@ mod tests {
                 .unwrap();
         assert_eq!(report.changes, 201, "u and its 200 ancestors gain v and w");
         assert!(report.outbox_messages > 0);
+    }
+
+    /// The latency shape, small: the edge from a top reaches the top, its mids and
+    /// their leaves, and the root's total is their increments once added, none once
+    /// removed.
+    #[test]
+    fn latency_shape_changes_the_whole_ancestor_side() {
+        let dir = tempfile::tempdir().unwrap();
+        let shape = LatencyShape { leaves: 200, mids: 20, tops: 2, increments: 3_000 };
+        let report = edge_latency(shape, dir.path()).unwrap();
+        assert_eq!(report.changes, 1 + 10 + 100, "top:0, its 10 mids, their 100 leaves");
+        assert!(report.top_total > 0, "the top counts its leaves' increments");
+        assert_eq!(
+            (report.root_after_add, report.root_after_remove),
+            (report.top_total, 0),
+            "the root's total is the top's while the edge exists"
+        );
     }
 }
