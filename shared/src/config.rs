@@ -350,8 +350,11 @@ pub struct CounterConfig {
     /// Longest wait for a batch to fill, in ms: under light load batches are small
     /// and reads see increments within about this long.
     pub batch_linger_ms: u64,
-    /// Publish `tally.rollups` after each batch.
+    /// Publish the latest values of changed buckets to `tally.rollups`.
     pub rollups: bool,
+    /// How often, at most, the changed buckets' values are published, in ms: a
+    /// bucket changed many times meanwhile goes once, with its newest value.
+    pub rollup_interval_ms: u64,
     /// fsync the RocksDB WAL on every batch (survives power loss, not just `kill -9`).
     pub sync_writes: bool,
     /// Own every shard without the counters' membership (one instance only).
@@ -396,6 +399,7 @@ impl Default for CounterConfig {
             batch_max_bytes: 16 << 20,
             batch_linger_ms: 20,
             rollups: true,
+            rollup_interval_ms: 1_000,
             sync_writes: false,
             static_assignment: false,
             instance: String::new(),

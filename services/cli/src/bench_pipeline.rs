@@ -406,6 +406,8 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
         rig.run("tally-counter", counter_admin).await?;
         let label = format!("{} per message, end to end", case.per_message);
         let through = ingest_backlog(&mut rig, case.increments(), case.messages as u64, &label).await?;
+        let client = reqwest::Client::new();
+        let rollups = scrape(&client, counter_admin, "tally_counter_rollups_published_total").await?;
         rig.stop_all().await?;
         // A broker can slow down as its data grows (the local one does): the raw rate
         // again after the run, and the ratio against both.
@@ -424,6 +426,7 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
             through.routed_after.as_secs_f64(),
             through.applied_after.as_secs_f64(),
         );
+        println!("    rollup records published by then: {rollups:.0}");
     }
     rig.finish().await
 }

@@ -178,6 +178,9 @@ enum BenchCommand {
         increments: usize,
         #[arg(long, default_value_t = 8)]
         shards: u32,
+        /// Edge adds and removes timed in the latency shape (medians printed).
+        #[arg(long, default_value_t = 21)]
+        repeats: usize,
     },
     /// Time for a shard that lost its disk to serve again: restored from a snapshot
     /// (and the log after it) vs replaying its whole log, at several history sizes.
@@ -284,9 +287,9 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Bench { command: BenchCommand::Read(args) } => bench_pipeline::read(config, cli.config, args).await,
         Command::Bench { command: BenchCommand::Jobs(args) } => bench_jobs::run(config, args).await,
         Command::Bench { command: BenchCommand::Restore { history, tail } } => bench_restore(history, tail).await,
-        Command::Bench { command: BenchCommand::Graph { ancestors, bystanders, increments, shards } } => {
-            bench_graph(tally_counter::bench_graph::GraphBenchOptions { ancestors, bystanders, increments, shards })
-                .await
+        Command::Bench { command: BenchCommand::Graph { ancestors, bystanders, increments, shards, repeats } } => {
+            let options = tally_counter::bench_graph::GraphBenchOptions { ancestors, bystanders, increments, shards };
+            bench_graph(options, repeats).await
         }
     }
 }
@@ -392,14 +395,14 @@ async fn get_and_print(config: &TallyConfig, url: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn bench_graph(options: tally_counter::bench_graph::GraphBenchOptions) -> anyhow::Result<()> {
+async fn bench_graph(options: tally_counter::bench_graph::GraphBenchOptions, repeats: usize) -> anyhow::Result<()> {
     println!(
         "graph bench: an edge add with {} ancestors in a graph with {} other edges; {} increments on leaves with 3 levels of ancestors; {} shards; RocksDB on disk",
         options.ancestors, options.bystanders, options.increments, options.shards
     );
     let dir = tempfile::Builder::new().prefix("tally-bench").tempdir_in(".")?;
     let path = dir.path().to_path_buf();
-    let shape = tally_counter::bench_graph::LatencyShape::default();
+    let shape = tally_counter::bench_graph::LatencyShape { repeats, ..Default::default() };
     let (r, latency) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
         let r = tally_counter::bench_graph::run(&options, &path)?;
         Ok((r, tally_counter::bench_graph::edge_latency(shape, &path)?))
@@ -429,8 +432,8 @@ async fn bench_graph(options: tally_counter::bench_graph::GraphBenchOptions) -> 
     );
     let l = latency;
     println!(
-        "edge latency, {} leaves → {} mids → {} tops, {} Zipf increments; top:0 → a fresh root ({} ancestors-side entities), in process, one shard:",
-        shape.leaves, shape.mids, shape.tops, shape.increments, l.changes
+        "edge latency, {} leaves → {} mids → {} tops, {} Zipf increments; top:0 → a fresh root ({} ancestors-side entities), in process, one shard, median of {}:",
+        shape.leaves, shape.mids, shape.tops, shape.increments, l.changes, shape.repeats
     );
     println!(
         "  add   : graph {:>6.2} ms + shard {:>6.2} ms = {:>6.2} ms (root total {} = top:0's {})",

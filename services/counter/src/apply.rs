@@ -265,11 +265,21 @@ impl ShardStore {
         // One iterator for every origin of the record (a seek each), not one each:
         // what the record changes is written only when it commits.
         let mut counts = self.store.db().raw_iterator_cf(counts_cf);
+        // Stamps are checked in their order; the changes that pass are then handled
+        // in origin order (stable: one origin's changes keep theirs), so the seeks move
+        // forward and the views are written in key order (RocksDB inserts each next
+        // to the previous one). Each change's deltas come from the counts as committed
+        // before the record, so the order changes no sum.
+        let mut accepted: Vec<DescChange> = Vec::with_capacity(entries.len());
         for (stamp, change) in entries {
-            if !progress.advance(source, stamp) {
+            if progress.advance(source, stamp) {
+                accepted.push(change);
+            } else {
                 report.redelivered += 1;
-                continue;
             }
+        }
+        accepted.sort_by(|a, b| a.origin.cmp(&b.origin));
+        for change in accepted {
             report.desc_changes += 1;
             let direct = self.retained_direct(&mut counts, &change.origin, now)?;
             let direct: Vec<((&str, i64, i64), i64)> = direct

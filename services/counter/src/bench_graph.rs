@@ -186,11 +186,13 @@ pub struct LatencyShape {
     pub tops: usize,
     /// Zipf-skewed increments on the leaves before the edge changes.
     pub increments: usize,
+    /// Adds and removes measured (the figures are their medians).
+    pub repeats: usize,
 }
 
 impl Default for LatencyShape {
     fn default() -> Self {
-        Self { leaves: 20_000, mids: 200, tops: 20, increments: 200_000 }
+        Self { leaves: 20_000, mids: 200, tops: 20, increments: 200_000, repeats: 21 }
     }
 }
 
@@ -267,10 +269,25 @@ pub fn edge_latency(shape: LatencyShape, dir: &Path) -> Result<LatencyReport> {
         Ok((count, graph_seconds, started.elapsed().as_secs_f64()))
     };
     let top_total = all_time_total(&store, "top:0")?;
-    let (changes, add_graph_seconds, add_shard_seconds) = step(EdgeOp::Add)?;
+    let (changes, mut add_graph_seconds, mut add_shard_seconds) = step(EdgeOp::Add)?;
     let root_after_add = all_time_total(&store, "root:fresh")?;
-    let (_, remove_graph_seconds, remove_shard_seconds) = step(EdgeOp::Remove)?;
+    let (_, mut remove_graph_seconds, mut remove_shard_seconds) = step(EdgeOp::Remove)?;
     let root_after_remove = all_time_total(&store, "root:fresh")?;
+    // The median of `repeats` adds and removes.
+    let (mut adds, mut removes) = (vec![(add_graph_seconds, add_shard_seconds)], vec![]);
+    removes.push((remove_graph_seconds, remove_shard_seconds));
+    for _ in 1..shape.repeats.max(1) {
+        let (_, graph, shard) = step(EdgeOp::Add)?;
+        adds.push((graph, shard));
+        let (_, graph, shard) = step(EdgeOp::Remove)?;
+        removes.push((graph, shard));
+    }
+    let median = |runs: &mut Vec<(f64, f64)>| {
+        runs.sort_by(|a, b| (a.0 + a.1).total_cmp(&(b.0 + b.1)));
+        runs[runs.len() / 2]
+    };
+    (add_graph_seconds, add_shard_seconds) = median(&mut adds);
+    (remove_graph_seconds, remove_shard_seconds) = median(&mut removes);
     Ok(LatencyReport {
         changes,
         add_graph_seconds,
@@ -305,7 +322,7 @@ mod tests {
     #[test]
     fn latency_shape_changes_the_whole_ancestor_side() {
         let dir = tempfile::tempdir().unwrap();
-        let shape = LatencyShape { leaves: 200, mids: 20, tops: 2, increments: 3_000 };
+        let shape = LatencyShape { leaves: 200, mids: 20, tops: 2, increments: 3_000, repeats: 3 };
         let report = edge_latency(shape, dir.path()).unwrap();
         assert_eq!(report.changes, 1 + 10 + 100, "top:0, its 10 mids, their 100 leaves");
         assert!(report.top_total > 0, "the top counts its leaves' increments");

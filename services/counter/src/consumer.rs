@@ -245,7 +245,8 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     let announcer = Announcer::new(&config.kafka, names.shard_owners(), read_addr)?;
     let rollups = match config.counter.rollups {
         true => {
-            let rollups = Arc::new(Rollups::new(&config.kafka, names.rollups(), resolutions.clone())?);
+            let interval = Duration::from_millis(config.counter.rollup_interval_ms);
+            let rollups = Arc::new(Rollups::new(&config.kafka, names.rollups(), resolutions.clone(), interval)?);
             let thread = rollups.clone().spawn(shards.clone(), metrics.clone(), shutdown.clone())?;
             threads.push(("rollups", thread));
             Some(rollups)

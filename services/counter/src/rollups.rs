@@ -8,8 +8,10 @@
 //! them removes each mark whose key still holds the published value — under the
 //! store's commit lock, so a key a later batch changed keeps its mark and goes again.
 //! Under load a key changed by many batches is published once with its newest value
-//! (the topic is compacted: only the newest value per key is kept anyway). Each
-//! record carries the full value, so a repeat is harmless.
+//! (the topic is compacted: only the newest value per key is kept anyway), and a
+//! round starts at most every `counter.rollup_interval_ms` (1 s): a hot bucket goes
+//! once a second, not once a batch. Each record carries the full value, so a repeat
+//! is harmless.
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -33,17 +35,19 @@ use crate::store::ShardStore;
 const ROLLUP_WAIT: Duration = Duration::from_secs(5);
 /// Most marked rollups sent at once per shard.
 const ROLLUP_PAGE: usize = 10_000;
-/// How long the thread rests when nothing was marked (or a round failed).
+/// The shortest rest between rounds.
 const IDLE: Duration = Duration::from_millis(50);
 
 pub struct Rollups {
     relay: Relay,
     resolutions: Resolutions,
+    /// A round starts at most this often (`counter.rollup_interval_ms`).
+    interval: Duration,
 }
 
 impl Rollups {
-    pub fn new(kafka: &KafkaConfig, topic: String, resolutions: Resolutions) -> Result<Self> {
-        Ok(Self { relay: Relay::new(kafka, topic)?.waiting_at_most(ROLLUP_WAIT), resolutions })
+    pub fn new(kafka: &KafkaConfig, topic: String, resolutions: Resolutions, interval: Duration) -> Result<Self> {
+        Ok(Self { relay: Relay::new(kafka, topic)?.waiting_at_most(ROLLUP_WAIT), resolutions, interval })
     }
 
     /// The producer, for its health.
@@ -61,40 +65,54 @@ impl Rollups {
     ) -> std::io::Result<JoinHandle<()>> {
         std::thread::Builder::new().name("counter-rollups".into()).spawn(move || {
             while !shutdown.is_cancelled() && self.relay.fatal().is_none() {
-                if !self.round(&shards, &metrics) {
-                    std::thread::sleep(IDLE);
+                let started = std::time::Instant::now();
+                self.round(&shards, &metrics);
+                let rest = self.interval.saturating_sub(started.elapsed()).max(IDLE);
+                let until = started + rest;
+                while !shutdown.is_cancelled() && std::time::Instant::now() < until {
+                    std::thread::sleep(IDLE.min(until.saturating_duration_since(std::time::Instant::now())));
                 }
             }
         })
     }
 
-    /// One page of every serving shard (this counter's lease holding); whether any
-    /// was published and all went well (then the next round starts at once).
-    fn round(&self, shards: &Shards, metrics: &Metrics) -> bool {
-        let mut busy = false;
+    /// Publishes everything marked in every serving shard (this counter's lease
+    /// holding), a page at a time; stops at the first failure (the next round
+    /// tries again).
+    fn round(&self, shards: &Shards, metrics: &Metrics) {
         for shard in shards.serving() {
             let Some(store) = shards.get(shard) else { continue };
-            if !store.serving() || !shards.lease.valid(now_ms()) {
-                continue;
+            if let Err(()) = self.drain(&store, shards, metrics) {
+                return;
             }
-            match self.publish_page(&store) {
-                Ok(0) => {}
+        }
+    }
+
+    fn drain(&self, store: &ShardStore, shards: &Shards, metrics: &Metrics) -> std::result::Result<(), ()> {
+        let shard = store.shard;
+        loop {
+            if !store.serving() || !shards.lease.valid(now_ms()) {
+                return Ok(());
+            }
+            match self.publish_page(store) {
                 Ok(published) => {
                     metrics.rollups_published.inc_by(published as u64);
-                    busy = true;
+                    if published < ROLLUP_PAGE {
+                        return Ok(());
+                    }
                 }
                 Err(err) if err.is_corruption() => {
                     let reason = format!("publishing rollups met corrupt data: {err}");
                     shards.failures.fail(shard, Failure { offset: None, reason, record: None });
+                    return Ok(());
                 }
                 Err(err) => {
                     metrics.rollups_failed.inc();
                     tracing::warn!(shard, error = %err, "publishing rollups; they go again with the next round");
-                    return false;
+                    return Err(());
                 }
             }
         }
-        busy
     }
 
     /// Publishes one page of a store's marked rollups; how many.
