@@ -21,7 +21,7 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use tally_jobs_client::{self as worker, BrokerClient, Outcome, WorkerOptions};
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{producer_config, TopicNames};
-use tally_shared::local_broker::{ensure_installed, free_port, LocalBroker};
+use tally_shared::local_broker::free_port;
 use tally_shared::topics::{self, Declarations};
 use tokio_util::sync::CancellationToken;
 
@@ -42,16 +42,7 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 
 pub async fn run(mut config: TallyConfig, args: JobsBenchArgs) -> anyhow::Result<()> {
     let scratch = tempfile::Builder::new().prefix("tally-bench").tempdir_in(".")?;
-    let mut local = None;
-    if config.kafka.bootstrap_servers.trim().is_empty() {
-        let (port, dir) = (free_port()?, scratch.path().join("kafka"));
-        let broker = tokio::task::spawn_blocking(move || -> anyhow::Result<LocalBroker> {
-            Ok(LocalBroker::start(&ensure_installed()?, port, &dir)?)
-        })
-        .await??;
-        config.kafka.bootstrap_servers = broker.bootstrap_servers.clone();
-        local = Some(broker);
-    }
+    let local = crate::bench_pipeline::local_broker_unless_configured(&mut config, scratch.path()).await?;
     config.kafka.topic_prefix = format!("bench{:08x}.", rand::random::<u32>());
     let names = TopicNames::new(&config.kafka.topic_prefix);
     let queue = "bench";

@@ -109,6 +109,24 @@ fn bar(len: u64, what: &str) -> ProgressBar {
     bar
 }
 
+/// Starts a local broker with its data under `scratch` when `config` names no Kafka,
+/// and points `config` at it.
+pub(crate) async fn local_broker_unless_configured(
+    config: &mut TallyConfig,
+    scratch: &Path,
+) -> anyhow::Result<Option<LocalBroker>> {
+    if !config.kafka.bootstrap_servers.trim().is_empty() {
+        return Ok(None);
+    }
+    let (port, dir) = (free_port()?, scratch.join("kafka"));
+    let broker = tokio::task::spawn_blocking(move || -> anyhow::Result<LocalBroker> {
+        Ok(LocalBroker::start(&ensure_installed()?, port, &dir)?)
+    })
+    .await??;
+    config.kafka.bootstrap_servers = broker.bootstrap_servers.clone();
+    Ok(Some(broker))
+}
+
 /// A broker, a topic prefix of its own, and the services as child processes.
 struct Rig {
     config: TallyConfig,
@@ -141,16 +159,7 @@ impl Rig {
             );
         }
         let scratch = tempfile::Builder::new().prefix("tally-bench").tempdir_in(".")?;
-        let mut local = None;
-        if config.kafka.bootstrap_servers.trim().is_empty() {
-            let (port, dir) = (free_port()?, scratch.path().join("kafka"));
-            let broker = tokio::task::spawn_blocking(move || -> anyhow::Result<LocalBroker> {
-                Ok(LocalBroker::start(&ensure_installed()?, port, &dir)?)
-            })
-            .await??;
-            config.kafka.bootstrap_servers = broker.bootstrap_servers.clone();
-            local = Some(broker);
-        }
+        let local = local_broker_unless_configured(&mut config, scratch.path()).await?;
         let ports = Ports {
             counter_read: free_port()?,
             counter_admin: free_port()?,
