@@ -131,12 +131,21 @@ impl Relay {
     fn send<'a>(&'a self, records: impl Iterator<Item = BaseRecord<'a, str, [u8]>>) -> Result<()> {
         self.producer.context().failures.store(0, Ordering::Relaxed);
         for mut record in records {
+            let queued_by = std::time::Instant::now() + self.wait;
             loop {
                 match self.producer.send(record) {
                     Ok(()) => break,
                     Err((err, returned))
                         if matches!(err.rdkafka_error_code(), Some(rdkafka::types::RDKafkaErrorCode::QueueFull)) =>
                     {
+                        // A broker that takes nothing: give up the round (the caller
+                        // sends again later, or stops) instead of waiting for ever.
+                        if std::time::Instant::now() >= queued_by {
+                            return Err(Error::Relay(format!(
+                                "the producer's queue stayed full for {:?}: is the broker reachable?",
+                                self.wait
+                            )));
+                        }
                         record = returned;
                         self.producer.poll(Duration::from_millis(5));
                     }

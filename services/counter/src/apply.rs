@@ -613,6 +613,13 @@ mod tests {
         assert_eq!(report.changed.len(), 8, "four buckets of each entity");
         let pending = store.pending_rollups(100).unwrap();
         assert_eq!(pending, report.changed, "marked for publishing");
+        let (first, rest) = pending.split_at(3);
+        assert_eq!(store.pending_rollups(3).unwrap(), first.to_vec(), "a page");
+        assert_eq!(
+            store.pending_rollups_after(first.last().map(Vec::as_slice), 100).unwrap(),
+            rest.to_vec(),
+            "the next page"
+        );
         let published: Vec<_> = pending.iter().cloned().zip(store.count_values(&pending).unwrap()).collect();
         // `a` changes while its old value is on the way to the broker.
         let later = message(0, &[(2, 0, "a", 1, None)]);

@@ -22,7 +22,6 @@ use tally_core::time::Resolutions;
 use tally_core::wire::Rollup;
 use tally_shared::config::KafkaConfig;
 use tally_shared::failures::Failure;
-use tally_shared::kafka::now_ms;
 use tally_shared::outbox::Relay;
 use tokio_util::sync::CancellationToken;
 
@@ -33,8 +32,9 @@ use crate::store::ShardStore;
 
 /// How long a round of rollups waits for its acknowledgements.
 const ROLLUP_WAIT: Duration = Duration::from_secs(5);
-/// Most marked rollups sent at once per shard.
-const ROLLUP_PAGE: usize = 10_000;
+/// Most marked rollups sent at once per shard (their marks are removed under the
+/// store's commit lock, which reads wait on: pages stay small).
+const ROLLUP_PAGE: usize = 1_000;
 /// The shortest rest between rounds.
 const IDLE: Duration = Duration::from_millis(50);
 
@@ -77,49 +77,52 @@ impl Rollups {
     }
 
     /// Publishes everything marked in every serving shard (this counter's lease
-    /// holding), a page at a time; stops at the first failure (the next round
-    /// tries again).
+    /// holding) once: a page of each shard in turn, each shard's pages resuming
+    /// after the last key sent, so a busy shard neither starves the others nor sends
+    /// its hot keys more than once a round. Stops at the first failure (the next
+    /// round tries again).
     fn round(&self, shards: &Shards, metrics: &Metrics) {
-        for shard in shards.serving() {
-            let Some(store) = shards.get(shard) else { continue };
-            if let Err(()) = self.drain(&store, shards, metrics) {
-                return;
-            }
-        }
-    }
-
-    fn drain(&self, store: &ShardStore, shards: &Shards, metrics: &Metrics) -> std::result::Result<(), ()> {
-        let shard = store.shard;
-        loop {
-            if !store.serving() || !shards.lease.valid(now_ms()) {
-                return Ok(());
-            }
-            match self.publish_page(store) {
-                Ok(published) => {
-                    metrics.rollups_published.inc_by(published as u64);
-                    if published < ROLLUP_PAGE {
-                        return Ok(());
+        // Per shard: its store when the round began, and the last key sent.
+        let mut cursors: Vec<(u32, Arc<ShardStore>, Option<Vec<u8>>)> =
+            shards.serving().into_iter().filter_map(|shard| Some((shard, shards.get(shard)?, None))).collect();
+        while !cursors.is_empty() {
+            let mut more = Vec::with_capacity(cursors.len());
+            for (shard, store, after) in cursors {
+                // Still this counter's, the same store, serving and not failed: a
+                // shard handed over mid-round publishes nothing more from here (its
+                // new owner's values are newer).
+                let current = shards.served(shard).filter(|now| Arc::ptr_eq(now, &store));
+                if current.is_none() || shards.failures.is_failed(shard) {
+                    continue;
+                }
+                match self.publish_page(&store, after.as_deref()) {
+                    Ok((published, last)) => {
+                        metrics.rollups_published.inc_by(published as u64);
+                        if published == ROLLUP_PAGE {
+                            more.push((shard, store, last));
+                        }
+                    }
+                    Err(err) if err.is_corruption() => {
+                        let reason = format!("publishing rollups met corrupt data: {err}");
+                        shards.failures.fail(shard, Failure { offset: None, reason, record: None });
+                    }
+                    Err(err) => {
+                        metrics.rollups_failed.inc();
+                        tracing::warn!(shard, error = %err, "publishing rollups; they go again with the next round");
+                        return;
                     }
                 }
-                Err(err) if err.is_corruption() => {
-                    let reason = format!("publishing rollups met corrupt data: {err}");
-                    shards.failures.fail(shard, Failure { offset: None, reason, record: None });
-                    return Ok(());
-                }
-                Err(err) => {
-                    metrics.rollups_failed.inc();
-                    tracing::warn!(shard, error = %err, "publishing rollups; they go again with the next round");
-                    return Err(());
-                }
             }
+            cursors = more;
         }
     }
 
-    /// Publishes one page of a store's marked rollups; how many.
-    fn publish_page(&self, store: &ShardStore) -> Result<usize> {
-        let keys = store.pending_rollups(ROLLUP_PAGE)?;
+    /// Publishes one page of a store's marked rollups after key `after`; how many,
+    /// and the last key sent.
+    fn publish_page(&self, store: &ShardStore, after: Option<&[u8]>) -> Result<(usize, Option<Vec<u8>>)> {
+        let keys = store.pending_rollups_after(after, ROLLUP_PAGE)?;
         if keys.is_empty() {
-            return Ok(0);
+            return Ok((0, None));
         }
         let values = store.count_values(&keys)?;
         let mut records = Vec::with_capacity(keys.len());
@@ -147,8 +150,8 @@ impl Rollups {
             records.push((key, payload));
         }
         self.relay.send_keyed(records.iter().map(|(key, payload)| (key.as_str(), payload.as_slice())))?;
-        let published = keys.len();
+        let (published, last) = (keys.len(), keys.last().cloned());
         store.rollups_published(keys.into_iter().zip(values).collect())?;
-        Ok(published)
+        Ok((published, last))
     }
 }

@@ -181,8 +181,19 @@ impl ShardStore {
     /// as rollups, in key order: marked with the counts that changed them, unmarked
     /// once published.
     pub fn pending_rollups(&self, limit: usize) -> Result<Vec<Vec<u8>>> {
+        self.pending_rollups_after(None, limit)
+    }
+
+    /// [`ShardStore::pending_rollups`] strictly after key `after`.
+    pub fn pending_rollups_after(&self, after: Option<&[u8]>, limit: usize) -> Result<Vec<Vec<u8>>> {
+        let mode = match after {
+            Some(key) => rocksdb::IteratorMode::From(key, rocksdb::Direction::Forward),
+            None => rocksdb::IteratorMode::Start,
+        };
         let mut keys = Vec::new();
-        for item in self.store.db().iterator_cf(self.cf(CF_ROLLUPS)?, rocksdb::IteratorMode::Start).take(limit) {
+        let items = self.store.db().iterator_cf(self.cf(CF_ROLLUPS)?, mode);
+        for item in items.filter(|item| !matches!((item, after), (Ok((key, _)), Some(a)) if &key[..] == a)).take(limit)
+        {
             let (key, value) = item?;
             tally_core::format::check_present(&value, "rollup mark")?;
             keys.push(key.to_vec());
@@ -249,7 +260,6 @@ impl ShardStore {
         Ok(self.store.commit(batch, progress)?)
     }
 
-    /// The counts stored under each key (zero when absent; an error when malformed).
     /// The stored values of count keys, as bytes (`None`: never written).
     pub fn count_values<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Option<Vec<u8>>>> {
         let cf = self.cf(CF_COUNTS)?;
@@ -257,6 +267,7 @@ impl ShardStore {
         values.into_iter().map(|value| Ok(value?.map(|v| v.to_vec()))).collect()
     }
 
+    /// The counts stored under each key (zero when absent; an error when malformed).
     pub fn get_counts<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Counts>> {
         let cf = self.cf(CF_COUNTS)?;
         self.store
