@@ -7,11 +7,11 @@ use std::sync::Arc;
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
-use axum::response::Html;
+use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tally_core::time::{format_duration, parse_duration, WindowSpec};
 use tally_core::validate::{check_entity, check_metric};
@@ -130,14 +130,61 @@ fn answer_error(answer: &ShardAnswer) -> Option<ApiError> {
     }
 }
 
-fn window_json(query: &ShardQuery, window: &str, answer: ShardAnswer) -> Value {
+/// One window's answer as clients see it: typed, so a batch of answers is written
+/// straight to the response without building a JSON tree first. Fields are declared
+/// in the order the answers always had (alphabetical).
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+enum WindowResult<'a> {
+    Window {
+        entity: &'a str,
+        from: i64,
+        kind: &'static str,
+        metric: &'a str,
+        resolution: String,
+        to: i64,
+        value: i64,
+        window: &'a str,
+    },
+    Error {
+        error: ErrorBody,
+    },
+}
+
+#[derive(Debug, Serialize)]
+struct ErrorBody {
+    code: String,
+    message: String,
+}
+
+#[derive(Debug, Serialize)]
+struct BatchResults<'a> {
+    results: Vec<WindowResult<'a>>,
+}
+
+/// `answer` as a JSON response, written straight from the typed value.
+fn json_response(answer: &impl Serialize) -> Result<Response, ApiError> {
+    let body = serde_json::to_vec(answer)
+        .map_err(|err| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", err.to_string()))?;
+    Ok(([(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response())
+}
+
+fn window_result<'a>(query: &'a ShardQuery, window: &'a str, answer: ShardAnswer) -> WindowResult<'a> {
     match answer {
-        ShardAnswer::Window { value, resolution, from, to } => json!({
-            "entity": query.entity, "metric": query.metric, "kind": query.kind.as_str(), "window": window,
-            "value": value, "resolution": resolution, "from": from, "to": to,
-        }),
-        ShardAnswer::Error { code, message } => json!({"error": {"code": code, "message": message}}),
-        ShardAnswer::Series { .. } => json!({"error": {"code": "internal", "message": "unexpected series answer"}}),
+        ShardAnswer::Window { value, resolution, from, to } => WindowResult::Window {
+            entity: &query.entity,
+            from,
+            kind: query.kind.as_str(),
+            metric: &query.metric,
+            resolution,
+            to,
+            value,
+            window,
+        },
+        ShardAnswer::Error { code, message } => WindowResult::Error { error: ErrorBody { code, message } },
+        ShardAnswer::Series { .. } => WindowResult::Error {
+            error: ErrorBody { code: "internal".into(), message: "unexpected series answer".into() },
+        },
     }
 }
 
@@ -145,7 +192,7 @@ async fn counter(
     State(state): State<Arc<ApiState>>,
     path: Result<Path<(String, String)>, PathRejection>,
     params: Result<Query<WindowParams>, QueryRejection>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let Path((entity, metric)) = path.map_err(path_error)?;
     let Query(params) = params.map_err(query_error)?;
     check_counter(&entity, &metric)?;
@@ -159,7 +206,7 @@ async fn counter(
     if let Some(err) = answer_error(&answer) {
         return Err(err);
     }
-    Ok(Json(window_json(&query, &window, answer)))
+    json_response(&window_result(&query, &window, answer))
 }
 
 async fn series(
@@ -193,7 +240,7 @@ async fn series(
 async fn batch(
     State(state): State<Arc<ApiState>>,
     body: Result<Json<BatchBody>, JsonRejection>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let Json(body) = body.map_err(|rejection| ApiError::bad_request("invalid_body", rejection.body_text()))?;
     if body.queries.len() > state.max_batch {
         return Err(ApiError::bad_request(
@@ -214,13 +261,13 @@ async fn batch(
     let timer = state.metrics.request_seconds.with_label_values(&["batch"]).start_timer();
     let answers = state.fanout.read(queries.clone(), now_ms()).await?;
     timer.observe_duration();
-    let results: Vec<Value> = queries
+    let results = queries
         .iter()
-        .zip(windows)
+        .zip(&windows)
         .zip(answers)
-        .map(|((query, window), answer)| window_json(query, &window, answer))
+        .map(|((query, window), answer)| window_result(query, window, answer))
         .collect();
-    Ok(Json(json!({ "results": results })))
+    json_response(&BatchResults { results })
 }
 
 async fn entity_metrics(
@@ -313,6 +360,22 @@ mod tests {
         assert_eq!(parse_window(Some("7 days")).unwrap_err().code, "invalid_window");
         assert_eq!(parse_kind(Some("direct")).unwrap(), Kind::Direct);
         assert_eq!(parse_kind(Some("sum")).unwrap_err().status, StatusCode::BAD_REQUEST);
+    }
+
+    #[test]
+    fn window_answers_serialize_as_they_always_did() {
+        let query =
+            ShardQuery { entity: "user:7".into(), metric: "views".into(), kind: Kind::Total, spec: WindowSpec::All };
+        let answer = ShardAnswer::Window { value: 42, resolution: "all".into(), from: 0, to: 9 };
+        assert_eq!(
+            serde_json::to_string(&window_result(&query, "all", answer)).unwrap(),
+            r#"{"entity":"user:7","from":0,"kind":"total","metric":"views","resolution":"all","to":9,"value":42,"window":"all"}"#
+        );
+        let refused = ShardAnswer::Error { code: "invalid_window".into(), message: "too long".into() };
+        assert_eq!(
+            serde_json::to_string(&window_result(&query, "all", refused)).unwrap(),
+            r#"{"error":{"code":"invalid_window","message":"too long"}}"#
+        );
     }
 
     #[test]
