@@ -73,7 +73,13 @@ async fn answer<T: serde::Serialize + Send + 'static>(
     }
 }
 
-async fn read(State(state): State<ReadState>, Json(request): Json<ReadRequest>) -> Response {
+async fn read(State(state): State<ReadState>, body: axum::body::Bytes) -> Response {
+    // Parsed here rather than by axum's `Json` extractor, which tracks the path of
+    // every field for its error messages (a fifth of this handler's time).
+    let request: ReadRequest = match serde_json::from_slice(&body) {
+        Ok(request) => request,
+        Err(err) => return ApiError::new(StatusCode::BAD_REQUEST, "invalid_body", err.to_string()).into_response(),
+    };
     let asked: usize = request.shards.iter().map(|shard| shard.queries.len()).sum();
     state.metrics.reads.inc_by(asked as u64);
     let now_ms = request.now_ms;
