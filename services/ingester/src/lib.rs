@@ -82,14 +82,13 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let producer: ThreadedProducer<Acks> =
         producer_config(&config.kafka)?.create_with_context(Acks { sender: Mutex::new(acks) })?;
 
-    // Lag per input partition, measured on threads and clients of their own from the
-    // positions the loop has read up to.
+    // Lag per input partition this ingester holds and has read from, measured on
+    // threads and clients of their own from the positions the loop has read up to.
     let positions: Arc<Mutex<HashMap<InputPartition, i64>>> = Arc::default();
     let mut reporters = Vec::new();
     for (index, input) in inputs.iter().enumerate() {
         let (read, lag) = (positions.clone(), metrics.consumer_lag.clone());
         let topic = input.clone();
-        let count = partitions[index] as i32;
         reporters.push(tally_shared::consume::spawn_lag_reporter(
             &config.kafka,
             "ingester-lag",
@@ -97,10 +96,8 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
             Duration::from_secs(5),
             shutdown.clone(),
             move || {
-                let read = read.lock().map(|p| p.clone()).unwrap_or_default();
-                // A partition not read yet counts from its committed position: 0 here
-                // (the reporter has no group), so a fresh ingester shows its backlog.
-                (0..count).map(|p| (p as u32, read.get(&(index, p)).copied().unwrap_or(0))).collect()
+                let read = read.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                read.iter().filter(|((input, _), _)| *input == index).map(|((_, p), next)| (*p as u32, *next)).collect()
             },
             move |partition, records| lag.with_label_values(&[&topic, &partition.to_string()]).set(records),
         )?);
@@ -185,8 +182,7 @@ impl Pipeline {
             }
             if last_health.is_none_or(|at| at.elapsed() >= Duration::from_secs(5)) {
                 last_health = Some(Instant::now());
-                // Ready while it holds input partitions.
-                self.readiness.set(self.consumer.assignment().is_ok_and(|assigned| assigned.count() > 0));
+                self.check_health();
             }
             self.poll_batch(&mut batch);
             if !batch.is_empty() {
@@ -222,6 +218,22 @@ impl Pipeline {
             self.commit(&mut in_flight, CommitMode::Sync)?;
         }
         result
+    }
+
+    /// Ready while it holds input partitions; the lag of partitions it no longer
+    /// holds (a rebalance moved them) is no longer reported here.
+    fn check_health(&self) {
+        let assigned = self.consumer.assignment().ok();
+        self.readiness.set(assigned.as_ref().is_some_and(|assigned| assigned.count() > 0));
+        let Some(assigned) = assigned else { return };
+        let holds =
+            |(input, partition): &InputPartition| assigned.find_partition(&self.inputs[*input], *partition).is_some();
+        let mut positions = self.positions.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for (input, partition) in positions.keys().filter(|key| !holds(key)) {
+            // Err only when it was never set.
+            let _ = self.metrics.consumer_lag.remove_label_values(&[&self.inputs[*input], &partition.to_string()]);
+        }
+        positions.retain(|key, _| holds(key));
     }
 
     /// Collects one bounded batch: it closes when full, `linger` after its first
@@ -260,9 +272,10 @@ impl Pipeline {
             let entry = next.entry((input, message.partition())).or_insert(0);
             *entry = (*entry).max(message.offset() + 1);
         }
-        if let Ok(mut positions) = self.positions.lock() {
-            positions.extend(next.iter().map(|(k, v)| (*k, *v)));
-        }
+        self.positions
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .extend(next.iter().map(|(k, v)| (*k, *v)));
         let seq = in_flight.open(next.into_iter().collect(), outgoing.len());
         for out in &outgoing {
             self.produce(out, seq, in_flight)?;
