@@ -69,6 +69,8 @@ impl Announcer {
                 self.released.insert(shard, (epoch, RELEASE_REPEATS));
             }
         }
+        // A shard claimed again stops repeating its old release.
+        self.released.retain(|shard, _| !shards.contains(shard));
         for (shard, (epoch, repeats)) in std::mem::take(&mut self.released) {
             self.publish(shard, None, epoch);
             if repeats > 1 {

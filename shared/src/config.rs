@@ -165,18 +165,20 @@ pub struct SnapshotsConfig {
     pub interval_ms: u64,
     /// Snapshots kept per shard (the newest; at least two).
     pub keep: usize,
-    /// How long the shard topic and graph-updates keep records (`tally topics
-    /// apply`). 0: 7 days when snapshots go to a shared store (`url`), which every
-    /// counter restores from; otherwise as declared ("forever": with snapshots on
-    /// each counter's own disk, a shard that moves rebuilds from the log).
-    pub log_retention_ms: i64,
+    /// How long the shard topic and graph-updates keep records, set when `tally
+    /// topics apply` creates them (on existing topics a difference is reported as
+    /// drift, to change by hand). 0: 7 days when snapshots go to a shared store
+    /// (`url`), which every counter restores from; otherwise as declared ("forever":
+    /// with snapshots on each counter's own disk, a shard that moves rebuilds from
+    /// the log).
+    pub log_retention_ms: u64,
 }
 
 impl SnapshotsConfig {
     /// The retention of the shard topic and graph-updates, when it is bounded.
     pub fn log_retention_ms(&self) -> Option<i64> {
         match self.log_retention_ms {
-            ms if ms > 0 => Some(ms),
+            ms if ms > 0 => Some(ms.min(i64::MAX as u64) as i64),
             _ if self.enabled && !self.url.trim().is_empty() => Some(7 * 86_400_000),
             _ => None,
         }
@@ -569,6 +571,21 @@ mod tests {
 
     fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn the_log_is_bounded_only_with_a_shared_snapshot_store_unless_configured() {
+        let mut snapshots = SnapshotsConfig::default();
+        assert_eq!(snapshots.log_retention_ms(), None, "snapshots on each counter's disk: the log is kept");
+        snapshots.url = "s3://bucket/tally".into();
+        assert_eq!(snapshots.log_retention_ms(), Some(7 * 86_400_000), "a shared store: 7 days");
+        snapshots.enabled = false;
+        assert_eq!(snapshots.log_retention_ms(), None, "snapshots off: the log is kept");
+        snapshots.log_retention_ms = 3_600_000;
+        assert_eq!(snapshots.log_retention_ms(), Some(3_600_000), "set: as set");
+        let env = [("TALLY__SNAPSHOTS__LOG_RETENTION_MS".to_string(), "-1".to_string())];
+        let refused = TallyConfig::load_with_env(None, env).unwrap_err().to_string();
+        assert!(refused.contains("log_retention_ms"), "a negative retention is refused, not read as 0: {refused}");
     }
 
     #[test]
