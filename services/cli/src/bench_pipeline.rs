@@ -18,10 +18,11 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use tally_counter::bench::Zipf;
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{producer_config, TopicNames};
 use tally_shared::local_broker::{ensure_installed, free_port, LocalBroker};
@@ -75,26 +76,17 @@ impl Case {
 
 /// Entities drawn with a Zipf(1.1) skew, as producers' traffic is.
 struct Entities {
-    cumulative: Vec<f64>,
+    zipf: Zipf,
     rng: StdRng,
 }
 
 impl Entities {
     fn new(count: usize, seed: u64) -> Self {
-        let mut sum = 0.0;
-        let cumulative = (1..=count.max(1))
-            .map(|rank| {
-                sum += 1.0 / (rank as f64).powf(1.1);
-                sum
-            })
-            .collect();
-        Self { cumulative, rng: StdRng::seed_from_u64(seed) }
+        Self { zipf: Zipf::new(count, 1.1), rng: StdRng::seed_from_u64(seed) }
     }
 
     fn next(&mut self) -> usize {
-        let total = *self.cumulative.last().unwrap_or(&1.0);
-        let draw = self.rng.random::<f64>() * total;
-        self.cumulative.partition_point(|&c| c < draw).min(self.cumulative.len() - 1)
+        self.zipf.sample(&mut self.rng)
     }
 }
 
@@ -136,6 +128,8 @@ struct Rig {
     bin_dir: PathBuf,
     ports: Ports,
     children: Vec<(&'static str, Child)>,
+    /// For the services' admin endpoints.
+    client: reqwest::Client,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -168,7 +162,8 @@ impl Rig {
             query_admin: free_port()?,
         };
         let config_path = config_path.map(std::fs::canonicalize).transpose()?;
-        Ok(Self { config, config_path, scratch, local, bin_dir, ports, children: Vec::new() })
+        let client = reqwest::Client::new();
+        Ok(Self { config, config_path, scratch, local, bin_dir, ports, children: Vec::new(), client })
     }
 
     /// A fresh topic prefix (fresh topics) for the next case, with its topics applied.
@@ -213,7 +208,7 @@ impl Rig {
         let url = format!("http://127.0.0.1:{admin_port}/readyz");
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
-            if reqwest::get(&url).await.is_ok_and(|r| r.status().is_success()) {
+            if self.client.get(&url).send().await.is_ok_and(|r| r.status().is_success()) {
                 return Ok(());
             }
             if let Some((_, child)) = self.children.iter_mut().find(|(n, _)| *n == name) {
@@ -226,15 +221,11 @@ impl Rig {
         }
     }
 
-    /// Stops a service gracefully (SIGTERM) and waits for it.
+    /// Stops a service as `tally up` does (SIGTERM, SIGKILL after 20 s).
     async fn stop(&mut self, name: &str) -> anyhow::Result<()> {
         while let Some(at) = self.children.iter().position(|(n, _)| *n == name) {
             let (_, mut child) = self.children.remove(at);
-            if let Some(pid) = child.id() {
-                // SAFETY: signalling a child process of ours by its pid.
-                unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-            }
-            tokio::time::timeout(Duration::from_secs(60), child.wait()).await.context("waiting for a service")??;
+            crate::up::stop(name, &mut child).await;
         }
         Ok(())
     }
@@ -255,14 +246,18 @@ impl Rig {
     }
 }
 
-/// One value of a Prometheus counter from a service's `/metrics` (summed over labels).
-async fn scrape(client: &reqwest::Client, admin_port: u16, metric: &str) -> anyhow::Result<f64> {
-    let text = client.get(format!("http://127.0.0.1:{admin_port}/metrics")).send().await?.text().await?;
-    Ok(text
-        .lines()
-        .filter(|line| line.strip_prefix(metric).is_some_and(|rest| rest.starts_with([' ', '{'])))
-        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum())
+impl Rig {
+    /// One value of a Prometheus counter from a service's `/metrics` (summed over
+    /// labels).
+    async fn scrape(&self, admin_port: u16, metric: &str) -> anyhow::Result<f64> {
+        let url = format!("http://127.0.0.1:{admin_port}/metrics");
+        let text = self.client.get(url).send().await?.text().await?;
+        Ok(text
+            .lines()
+            .filter(|line| line.strip_prefix(metric).is_some_and(|rest| rest.starts_with([' ', '{'])))
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum())
+    }
 }
 
 /// Produces a backlog of `case` on the increments topic.
@@ -361,8 +356,8 @@ struct Throughput {
 /// increments/s from the ingester's first record to the counter having applied
 /// `expected` increments in total.
 async fn ingest_backlog(rig: &mut Rig, expected: u64, messages: u64, label: &str) -> anyhow::Result<Throughput> {
-    let client = reqwest::Client::new();
-    let applied_before = scrape(&client, rig.ports.counter_admin, "tally_counter_applied_increments_total").await?;
+    const APPLIED: &str = "tally_counter_applied_increments_total";
+    let applied_before = rig.scrape(rig.ports.counter_admin, APPLIED).await?;
     let ingester_admin = rig.ports.ingester_admin;
     rig.run("tally-ingester", ingester_admin).await?;
     let progress = bar(expected, label);
@@ -370,10 +365,9 @@ async fn ingest_backlog(rig: &mut Rig, expected: u64, messages: u64, label: &str
     let mut first: Option<(Instant, f64)> = None;
     let mut routed_all: Option<Duration> = None;
     loop {
-        let applied =
-            scrape(&client, rig.ports.counter_admin, "tally_counter_applied_increments_total").await? - applied_before;
+        let applied = rig.scrape(rig.ports.counter_admin, APPLIED).await? - applied_before;
         if first.is_none() || routed_all.is_none() {
-            let read = scrape(&client, ingester_admin, "tally_ingester_input_records_total").await?;
+            let read = rig.scrape(ingester_admin, "tally_ingester_input_records_total").await?;
             if first.is_none() && read > 0.0 {
                 first = Some((Instant::now(), applied));
             }
@@ -415,8 +409,7 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
         rig.run("tally-counter", counter_admin).await?;
         let label = format!("{} per message, end to end", case.per_message);
         let through = ingest_backlog(&mut rig, case.increments(), case.messages as u64, &label).await?;
-        let client = reqwest::Client::new();
-        let rollups = scrape(&client, counter_admin, "tally_counter_rollups_published_total").await?;
+        let rollups = rig.scrape(counter_admin, "tally_counter_rollups_published_total").await?;
         rig.stop_all().await?;
         // A broker can slow down as its data grows (the local one does): the raw rate
         // again after the run, and the ratio against both.
@@ -445,11 +438,10 @@ struct Latencies(Vec<Duration>);
 
 impl Latencies {
     fn at(&self, p: f64) -> f64 {
-        let sorted = &self.0;
-        if sorted.is_empty() {
+        if self.0.is_empty() {
             return f64::NAN;
         }
-        sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)].as_secs_f64() * 1e3
+        crate::bench_jobs::percentile(&self.0, p).as_secs_f64() * 1e3
     }
 
     fn line(&self, label: &str, seconds: f64) -> String {
@@ -588,16 +580,13 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
     rig.stop("tally-ingester").await?;
     let busy = Case { per_message: 1, messages: args.ingest_messages };
     produce_backlog(&rig.config, &names.increments(), busy, args.entities, 8).await?;
-    let client = reqwest::Client::new();
-    let applied = |client: reqwest::Client| async move {
-        scrape(&client, counter_admin, "tally_counter_applied_increments_total").await
-    };
-    let before = applied(client.clone()).await?;
+    const APPLIED: &str = "tally_counter_applied_increments_total";
+    let before = rig.scrape(counter_admin, APPLIED).await?;
     let ingester_admin = rig.ports.ingester_admin;
     rig.run("tally-ingester", ingester_admin).await?;
     let busy_single = load(port, conns, secs, entities, single_read, "single reads, ingesting").await?;
     let busy_batch = load(port, conns, secs, entities, batch_read, "batches of 100, ingesting").await?;
-    let during = applied(client.clone()).await? - before;
+    let during = rig.scrape(counter_admin, APPLIED).await? - before;
     rig.finish().await?;
 
     let s = secs as f64;

@@ -211,7 +211,7 @@ async fn supervise(name: String, binary: PathBuf, env: Vec<(String, String)>, sh
 }
 
 /// SIGTERM, then SIGKILL after 20 s.
-async fn stop(name: &str, child: &mut Child) {
+pub(crate) async fn stop(name: &str, child: &mut Child) {
     if let Some(pid) = child.id() {
         // SAFETY: kill(2) on our own child's pid has no memory-safety preconditions.
         unsafe {

@@ -71,15 +71,35 @@ impl BenchReport {
     }
 }
 
+/// Ranks `0..n` drawn with a Zipf(`exponent`) skew: rank 0 the most popular, as
+/// producers' traffic is. The benchmarks' one sampler.
+pub struct Zipf {
+    cumulative: Vec<f64>,
+}
+
+impl Zipf {
+    pub fn new(n: usize, exponent: f64) -> Self {
+        let mut sum = 0.0;
+        let cumulative = (1..=n.max(1))
+            .map(|rank| {
+                sum += 1.0 / (rank as f64).powf(exponent);
+                sum
+            })
+            .collect();
+        Self { cumulative }
+    }
+
+    pub fn sample(&self, rng: &mut impl Rng) -> usize {
+        let total = self.cumulative.last().copied().unwrap_or(1.0);
+        let draw = rng.random::<f64>() * total;
+        self.cumulative.partition_point(|&c| c < draw).min(self.cumulative.len() - 1)
+    }
+}
+
 /// Encoded shard records of a Zipf workload.
 pub(crate) fn workload(options: &BenchOptions, count: usize, now: i64, seed: u64) -> Vec<Vec<u8>> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut cumulative = Vec::with_capacity(options.entities);
-    let mut sum = 0.0;
-    for rank in 1..=options.entities {
-        sum += 1.0 / (rank as f64).powf(options.zipf_exponent);
-        cumulative.push(sum);
-    }
+    let zipf = Zipf::new(options.entities, options.zipf_exponent);
     let mut records = Vec::new();
     let mut offset = 0i64;
     let mut remaining = count;
@@ -88,8 +108,7 @@ pub(crate) fn workload(options: &BenchOptions, count: usize, now: i64, seed: u64
         remaining -= n;
         let entries = (0..n)
             .map(|index| {
-                let draw = rng.random::<f64>() * sum;
-                let entity = cumulative.partition_point(|&c| c < draw);
+                let entity = zipf.sample(&mut rng);
                 let increment = Increment {
                     entity: format!("answer:{entity}"),
                     metric: format!("metric{}", rng.random_range(0..options.metrics)),

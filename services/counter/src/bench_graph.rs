@@ -232,22 +232,12 @@ pub fn edge_latency(shape: LatencyShape, dir: &Path) -> Result<LatencyReport> {
     let store = ShardStore::open(0, &dir.join("latency"), StoreOptions { shards: 1, ..Default::default() })?;
     store.apply(&[ShardRecord { offset: 0, payload: &views, timestamp: None }], now, false)?;
     // Zipf(1.1) over the leaves, in records of 1 000 increments.
-    let mut cumulative = Vec::with_capacity(shape.leaves);
-    let mut sum = 0.0;
-    for rank in 1..=shape.leaves.max(1) {
-        sum += 1.0 / (rank as f64).powf(1.1);
-        cumulative.push(sum);
-    }
+    let zipf = crate::bench::Zipf::new(shape.leaves, 1.1);
     let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(3);
-    let mut offset = 1;
     let records: Vec<Vec<u8>> = (0..shape.increments.div_ceil(1_000))
-        .map(|_| {
-            offset += 1;
-            let leaves = (0..1_000).map(|_| {
-                let draw = rand::Rng::random::<f64>(&mut rng) * sum;
-                format!("leaf:{}", cumulative.partition_point(|&c| c < draw).min(shape.leaves - 1))
-            });
-            increments_record(offset, leaves, now)
+        .map(|record| {
+            let leaves: Vec<String> = (0..1_000).map(|_| format!("leaf:{}", zipf.sample(&mut rng))).collect();
+            increments_record(record as i64, leaves.into_iter(), now)
         })
         .collect();
     let counted: Vec<ShardRecord<'_>> = records
