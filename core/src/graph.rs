@@ -154,6 +154,15 @@ impl Graph {
         names
     }
 
+    /// Every entity that reaches `entity` (whose descendants hold it), `entity`
+    /// excluded, sorted: the ancestors whose direct counts make up its total.
+    pub fn ancestors(&self, entity: &str) -> Vec<&str> {
+        let Some(id) = self.id(entity) else { return Vec::new() };
+        let mut names: Vec<&str> = self.reach(id, false).into_iter().map(|n| self.name(n)).collect();
+        names.sort_unstable();
+        names
+    }
+
     /// Every node reachable from `start` by one or more edges (forward or backward),
     /// `start` excluded.
     fn reach(&self, start: NodeId, forward: bool) -> FxHashSet<NodeId> {
@@ -338,6 +347,11 @@ mod tests {
                     let view = views.get(&origin).cloned().unwrap_or_default();
                     prop_assert_eq!(&view, &brute_desc(&edges, &origin), "origin {}", origin);
                     prop_assert_eq!(graph.descendants(&origin), view);
+                    let ancestors: Vec<String> = (0..8)
+                        .map(|a| format!("n{a}"))
+                        .filter(|a| brute_desc(&edges, a).contains(&origin))
+                        .collect();
+                    prop_assert_eq!(graph.ancestors(&origin), ancestors, "ancestors of {}", origin);
                 }
                 prop_assert_eq!(graph.edge_count(), edges.len());
             }

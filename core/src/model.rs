@@ -97,6 +97,24 @@ impl Model {
         points
     }
 
+    /// The contributors of (entity, metric) over `plan`'s single point: every other
+    /// entity that reaches `entity`, with its direct sum, the nonzero ones only,
+    /// largest first (ties by name). `direct + Σ values = total`.
+    pub fn contributors(&self, entity: &str, metric: &str, plan: &Plan) -> Vec<(String, i64)> {
+        let mut contributors: Vec<(String, i64)> = self
+            .origins(entity, Kind::Total)
+            .into_iter()
+            .filter(|origin| origin != entity)
+            .map(|origin| {
+                let value = self.sums(&origin, metric, Kind::Direct, plan)[0];
+                (origin, value)
+            })
+            .filter(|(_, value)| *value != 0)
+            .collect();
+        contributors.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        contributors
+    }
+
     /// Every metric counted on `entity` (directly or through the graph) with its
     /// all-time `(direct, total)`, sorted by metric.
     pub fn metrics(&self, entity: &str) -> BTreeMap<String, (i64, i64)> {

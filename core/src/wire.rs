@@ -520,6 +520,15 @@ pub struct GraphNeighboursRequest {
     pub limit: usize,
 }
 
+/// `tally-graph`'s ancestors of an entity (`POST /internal/v1/graph/ancestors`):
+/// every entity that reaches it, sorted, at most `limit` (`more` says when there are
+/// more). Answered with a [`GraphNeighboursResponse`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GraphAncestorsRequest {
+    pub entity: String,
+    pub limit: usize,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct GraphNeighboursResponse {
     pub entities: Vec<String>,

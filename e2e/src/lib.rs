@@ -426,7 +426,7 @@ pub fn encode(segment: &str) -> String {
 pub mod check {
     use serde_json::{json, Value};
     use tally_core::model::Model;
-    use tally_core::time::{parse_duration, Resolutions, WindowSpec};
+    use tally_core::time::{format_duration, parse_duration, Resolutions, WindowSpec};
     use tally_core::wire::Kind;
 
     use crate::{encode, Sandbox};
@@ -657,6 +657,90 @@ pub mod check {
         Ok(())
     }
 
+    /// Every counter's contributors (`all` and `24h`), paginated two at a time: the
+    /// model's ranking (every nonzero ancestor, largest first), its total and direct,
+    /// and `direct + Σ contributors = total` over the pages of one listing.
+    pub async fn contributors(sandbox: &Sandbox, model: &Model, entities: &[String], metrics: &[String]) {
+        try_contributors(sandbox, model, entities, metrics).await.unwrap_or_else(|mismatch| panic!("{mismatch}"));
+    }
+
+    /// [`contributors`], as a result (for negative controls).
+    pub async fn try_contributors(
+        sandbox: &Sandbox,
+        model: &Model,
+        entities: &[String],
+        metrics: &[String],
+    ) -> Result<(), String> {
+        let resolutions = Resolutions::default();
+        for entity in entities {
+            for metric in metrics {
+                for window in ["all", "24h"] {
+                    let base = format!(
+                        "/v1/counters/{}/{}/contributors?window={window}&limit=2",
+                        encode(entity),
+                        encode(metric)
+                    );
+                    let (mut listed, mut first, mut token) = (Vec::new(), None::<Value>, None::<String>);
+                    loop {
+                        let path = match &token {
+                            Some(token) => format!("{base}&page_token={token}"),
+                            None => base.clone(),
+                        };
+                        let (status, body) = sandbox.get(&path).await;
+                        same(status, 200, format!("{path}: {body}"))?;
+                        let page = body["contributors"].as_array().cloned().unwrap_or_default();
+                        same(page.len() <= 2, true, format!("{path}: at most `limit`: {body}"))?;
+                        for c in page {
+                            listed.push((c["entity"].as_str().unwrap_or_default().to_string(), c["value"].as_i64()));
+                        }
+                        let header = ["entity", "metric", "window", "resolution", "from", "to", "total", "direct"]
+                            .map(|field| body[field].clone());
+                        match &first {
+                            None => first = Some(json!(header)),
+                            Some(earlier) => same(&json!(header), earlier, format!("{path}: every page alike"))?,
+                        }
+                        match body["next_page_token"].as_str() {
+                            Some(next) => token = Some(next.to_string()),
+                            None => break,
+                        }
+                    }
+                    let header = first.unwrap_or_default();
+                    let to = header[5].as_i64().ok_or_else(|| format!("{base}: no `to`: {header}"))?;
+                    let spec = match window {
+                        "all" => WindowSpec::All,
+                        text => WindowSpec::Last { window_ms: parse_duration(text).unwrap() },
+                    };
+                    let plan = resolutions.plan(spec, to).unwrap();
+                    let echoed = match spec {
+                        WindowSpec::Last { window_ms } => format_duration(window_ms),
+                        _ => window.to_string(),
+                    };
+                    let want_header = json!([
+                        entity,
+                        metric,
+                        echoed,
+                        plan.resolution_name(),
+                        plan.start,
+                        to,
+                        model.sums(entity, metric, Kind::Total, &plan)[0],
+                        model.sums(entity, metric, Kind::Direct, &plan)[0]
+                    ]);
+                    same(&header, &want_header, &base)?;
+                    let want: Vec<(String, Option<i64>)> =
+                        model.contributors(entity, metric, &plan).into_iter().map(|(e, v)| (e, Some(v))).collect();
+                    same(&listed, &want, &base)?;
+                    let sum: i64 = listed.iter().filter_map(|(_, v)| *v).sum();
+                    same(
+                        header[7].as_i64().map(|direct| direct + sum),
+                        header[6].as_i64(),
+                        format!("{base}: adds up"),
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Bad requests are 400s with a JSON error, never 500s.
     pub async fn bad_requests(sandbox: &Sandbox) {
         let gets = [
@@ -674,6 +758,10 @@ pub mod check {
             "/v1/graph/user:1?direction=sideways",
             "/v1/graph/user:1?limit=0",
             "/v1/graph/%09tab",
+            "/v1/counters/user:1/views/contributors?limit=0",
+            "/v1/counters/user:1/views/contributors?window=7x",
+            "/v1/counters/user:1/views/contributors?page_token=YzE6MTp4",
+            "/v1/counters/user:1/views/contributors?sort=up",
         ];
         for path in gets {
             bad_request(sandbox, path).await.unwrap_or_else(|mismatch| panic!("{mismatch}"));

@@ -44,6 +44,19 @@ async fn totals_follow_the_graph_and_match_the_model() {
     check::windows(&sandbox, model, entities, metrics).await;
     check::series(&sandbox, model, &entities[..6], metrics).await;
     check::listings(&sandbox, model, entities).await;
+    let plan = tally_core::time::Plan { resolution: None, start: 0, step: 0, points: 1, to: 0 };
+    let explained = entities.iter().filter(|e| !model.contributors(e, &metrics[0], &plan).is_empty()).count();
+    assert!(explained > 3, "the workload gives totals with contributors ({explained})");
+    check::contributors(&sandbox, model, entities, metrics).await;
+    // A model with one more increment on an entity that reaches others must disagree.
+    let (origin, _) = model.edges().iter().next().expect("an edge").clone();
+    let mut wrong = model.clone();
+    let event = model.events().iter().find(|e| e.entity == origin).cloned();
+    let mut extra = event.unwrap_or_else(|| model.events()[0].clone());
+    extra.entity = origin;
+    extra.id = None;
+    wrong.apply(extra);
+    assert!(check::try_contributors(&sandbox, &wrong, entities, metrics).await.is_err(), "contributors can fail");
 
     for entity in entities {
         let out: Vec<String> = model.edges().iter().filter(|(f, _)| f == entity).map(|(_, t)| t.clone()).collect();

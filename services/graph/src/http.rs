@@ -1,5 +1,6 @@
-//! The internal neighbours API `tally-query` calls: one page of an entity's direct
-//! neighbours in the current graph, sorted, after the last name of the previous page.
+//! The internal graph API `tally-query` calls: one page of an entity's direct
+//! neighbours in the current graph, sorted, after the last name of the previous page;
+//! and an entity's ancestors (everything that reaches it, bounded), for `contributors`.
 //! A failed graph answers 503 `shard_failed`; `POST /internal/v1/shards/0/skip` is
 //! `tally shards skip graph`, `POST /internal/v1/snapshots` (merged in by `run`) is
 //! `tally snapshot`.
@@ -11,7 +12,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use tally_core::wire::{GraphNeighboursRequest, GraphNeighboursResponse};
+use tally_core::wire::{GraphAncestorsRequest, GraphNeighboursRequest, GraphNeighboursResponse};
 use tally_shared::failures::{skip_router, FailureBoard};
 use tally_shared::http::ApiError;
 
@@ -20,13 +21,17 @@ use crate::store::GraphStore;
 pub fn router(store: Arc<GraphStore>, failures: Arc<FailureBoard>) -> Router {
     Router::new()
         .route("/internal/v1/graph", post(neighbours))
+        .route("/internal/v1/graph/ancestors", post(ancestors))
         .with_state((store, failures.clone()))
         .merge(skip_router(failures))
 }
 
-async fn neighbours(
-    State((store, failures)): State<(Arc<GraphStore>, Arc<FailureBoard>)>,
-    Json(request): Json<GraphNeighboursRequest>,
+type GraphState = (Arc<GraphStore>, Arc<FailureBoard>);
+
+/// Runs `answer` on the current graph, unless the graph failed.
+fn with_graph(
+    (store, failures): &GraphState,
+    answer: impl FnOnce(&tally_core::graph::Graph) -> GraphNeighboursResponse,
 ) -> Response {
     if let Some(refusal) = failures.read_refusal(0) {
         return refusal;
@@ -34,9 +39,23 @@ async fn neighbours(
     let Ok(graph) = store.graph.read() else {
         return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "graph lock poisoned").into_response();
     };
-    let all = graph.neighbours(&request.entity, request.outgoing);
-    let start = request.after.as_deref().map_or(0, |after| all.partition_point(|name| *name <= after));
-    let entities: Vec<String> = all[start..].iter().take(request.limit).map(|name| name.to_string()).collect();
-    let more = start + entities.len() < all.len();
-    Json(GraphNeighboursResponse { entities, more }).into_response()
+    Json(answer(&graph)).into_response()
+}
+
+async fn ancestors(State(state): State<GraphState>, Json(request): Json<GraphAncestorsRequest>) -> Response {
+    with_graph(&state, |graph| {
+        let all = graph.ancestors(&request.entity);
+        let entities: Vec<String> = all.iter().take(request.limit).map(|name| name.to_string()).collect();
+        GraphNeighboursResponse { more: entities.len() < all.len(), entities }
+    })
+}
+
+async fn neighbours(State(state): State<GraphState>, Json(request): Json<GraphNeighboursRequest>) -> Response {
+    with_graph(&state, |graph| {
+        let all = graph.neighbours(&request.entity, request.outgoing);
+        let start = request.after.as_deref().map_or(0, |after| all.partition_point(|name| *name <= after));
+        let entities: Vec<String> = all[start..].iter().take(request.limit).map(|name| name.to_string()).collect();
+        let more = start + entities.len() < all.len();
+        GraphNeighboursResponse { entities, more }
+    })
 }

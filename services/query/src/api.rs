@@ -35,6 +35,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
     let v1 = Router::new()
         .route("/v1/counters/{entity}/{metric}", get(counter))
         .route("/v1/counters/{entity}/{metric}/series", get(series))
+        .route("/v1/counters/{entity}/{metric}/contributors", get(crate::contributors::contributors))
         .route("/v1/query", post(batch))
         .route("/v1/entities/{entity}/metrics", get(entity_metrics))
         .route("/v1/graph/{entity}", get(graph_neighbours));
@@ -86,11 +87,11 @@ struct BatchQuery {
     kind: Option<String>,
 }
 
-fn path_error(rejection: PathRejection) -> ApiError {
+pub(crate) fn path_error(rejection: PathRejection) -> ApiError {
     ApiError::bad_request("invalid_path", rejection.body_text())
 }
 
-fn query_error(rejection: QueryRejection) -> ApiError {
+pub(crate) fn query_error(rejection: QueryRejection) -> ApiError {
     ApiError::bad_request("invalid_parameter", rejection.body_text())
 }
 
@@ -102,7 +103,7 @@ fn parse_kind(kind: Option<&str>) -> Result<Kind, ApiError> {
     }
 }
 
-fn parse_window(window: Option<&str>) -> Result<(WindowSpec, String), ApiError> {
+pub(crate) fn parse_window(window: Option<&str>) -> Result<(WindowSpec, String), ApiError> {
     match window.unwrap_or("all") {
         "all" => Ok((WindowSpec::All, "all".into())),
         text => {
@@ -113,17 +114,17 @@ fn parse_window(window: Option<&str>) -> Result<(WindowSpec, String), ApiError> 
     }
 }
 
-fn check_counter(entity: &str, metric: &str) -> Result<(), ApiError> {
+pub(crate) fn check_counter(entity: &str, metric: &str) -> Result<(), ApiError> {
     check_entity(entity).map_err(|m| ApiError::bad_request("invalid_entity", m))?;
     check_metric(metric).map_err(|m| ApiError::bad_request("invalid_metric", m))
 }
 
-fn now_ms() -> i64 {
+pub(crate) fn now_ms() -> i64 {
     tally_shared::kafka::now_ms()
 }
 
 /// A shard's per-query error becomes the client's 400.
-fn answer_error(answer: &ShardAnswer) -> Option<ApiError> {
+pub(crate) fn answer_error(answer: &ShardAnswer) -> Option<ApiError> {
     match answer {
         ShardAnswer::Error { message, .. } => Some(ApiError::bad_request("invalid_window", message.clone())),
         _ => None,
@@ -163,7 +164,7 @@ struct BatchResults<'a> {
 }
 
 /// `answer` as a JSON response, written straight from the typed value.
-fn json_response(answer: &impl Serialize) -> Result<Response, ApiError> {
+pub(crate) fn json_response(answer: &impl Serialize) -> Result<Response, ApiError> {
     let body = serde_json::to_vec(answer)
         .map_err(|err| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", err.to_string()))?;
     Ok(([(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response())

@@ -12,8 +12,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tally_core::sharding::shard_of;
 use tally_core::wire::{
-    GraphNeighboursRequest, GraphNeighboursResponse, ReadRequest, ReadResponse, ShardAnswer, ShardMetricsRequest,
-    ShardMetricsResponse, ShardOutcome, ShardOwner, ShardQueries, ShardQuery,
+    GraphAncestorsRequest, GraphNeighboursRequest, GraphNeighboursResponse, ReadRequest, ReadResponse, ShardAnswer,
+    ShardMetricsRequest, ShardMetricsResponse, ShardOutcome, ShardOwner, ShardQueries, ShardQuery,
 };
 
 use crate::error::ApiError;
@@ -152,6 +152,13 @@ impl Fanout {
     /// One page of an entity's neighbours, from `tally-graph`.
     pub async fn neighbours(&self, request: &GraphNeighboursRequest) -> Result<GraphNeighboursResponse, ApiError> {
         self.call(ShardOwner::GRAPH, "/internal/v1/graph", request).await
+    }
+
+    /// Every entity that reaches `entity`, sorted, from `tally-graph`; at most
+    /// `limit` (`more` when there are more).
+    pub async fn ancestors(&self, entity: &str, limit: usize) -> Result<GraphNeighboursResponse, ApiError> {
+        let request = GraphAncestorsRequest { entity: entity.to_string(), limit };
+        self.call(ShardOwner::GRAPH, "/internal/v1/graph/ancestors", &request).await
     }
 
     async fn call<Req: Serialize, Resp: DeserializeOwned>(

@@ -5,6 +5,7 @@
 //! to their shards, one call per shard ([`fanout`]).
 
 pub mod api;
+pub mod contributors;
 pub mod error;
 pub mod fanout;
 pub mod metrics;
