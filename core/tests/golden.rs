@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use tally_core::format::{self, JSON_V1, PRESENT};
 use tally_core::graph::{DescChange, EdgeOp, EdgeUpdate};
-use tally_core::jobs::{DeadJob, Job};
+use tally_core::jobs::{DeadJob, DeadJobAction, DeadJobDecision, Job};
 use tally_core::keys::{decode_mark, decode_names, decode_stamp, encode_mark, encode_names, encode_stamp, Counts};
 use tally_core::records::Truncated;
 use tally_core::wire::{
@@ -171,6 +171,10 @@ fn json_records() {
     let bytes = golden("dead-job.json", &serde_json::to_vec(&dead).unwrap());
     let decoded = DeadJob::decode(&bytes).unwrap();
     assert_eq!((decoded.job.id.as_str(), decoded.attempts, decoded.error.as_str()), ("j1", 5, "smtp timeout"));
+
+    let decision = DeadJobDecision::new("emails", 0, 3, DeadJobAction::Requeued, 1_763_780_000_000);
+    let bytes = golden("dead-job-decision.json", &serde_json::to_vec(&decision).unwrap());
+    assert_eq!(DeadJobDecision::decode(&bytes).unwrap(), decision);
 }
 
 #[test]

@@ -218,8 +218,18 @@ impl Sandbox {
     /// Starts a dequeue broker instance serving the queues declared in `declarations`;
     /// returns its worker API URL.
     pub fn spawn_broker(&mut self, name: &'static str, declarations: &std::path::Path) -> String {
+        self.spawn_broker_with(name, declarations, &[])
+    }
+
+    /// [`Sandbox::spawn_broker`] with more environment (e.g. an auth token).
+    pub fn spawn_broker_with(
+        &mut self,
+        name: &'static str,
+        declarations: &std::path::Path,
+        extra: &[(&str, String)],
+    ) -> String {
         let port = free_port().unwrap();
-        let env = [
+        let mut env = vec![
             ("TALLY__BROKER__LISTEN", format!("127.0.0.1:{port}")),
             ("TALLY__BROKER__ADMIN_LISTEN", format!("127.0.0.1:{}", free_port().unwrap())),
             ("TALLY__BROKER__DECLARATIONS", declarations.display().to_string()),
@@ -227,6 +237,7 @@ impl Sandbox {
             ("TALLY__BROKER__HEARTBEAT_MS", "500".to_string()),
             ("TALLY__BROKER__MEMBER_TIMEOUT_MS", "3000".to_string()),
         ];
+        env.extend(extra.iter().cloned());
         self.spawn_instance(name, "tally-broker", &env);
         format!("http://127.0.0.1:{port}")
     }

@@ -74,6 +74,11 @@ impl TopicNames {
         self.name(&format!("jobs.{queue}.dead"))
     }
 
+    /// Operators' decisions about dead jobs (requeued, discarded), compacted.
+    pub fn dead_jobs_resolved(&self) -> String {
+        self.name("dead-jobs-resolved")
+    }
+
     /// Internal: the queue declarations running brokers follow (compacted).
     pub fn queues(&self) -> String {
         self.name("queues")

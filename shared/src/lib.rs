@@ -21,6 +21,7 @@
 pub mod announce;
 pub mod config;
 pub mod consume;
+pub mod dead_jobs;
 pub mod dedupe;
 pub mod error;
 pub mod failures;

@@ -76,6 +76,46 @@ pub struct DeadJob {
     pub truncated: Truncated,
 }
 
+/// What an operator decided about a dead job, on the compacted
+/// `tally.dead-jobs-resolved` topic keyed by [`DeadJobDecision::key`]: a decided
+/// job is no longer listed as dead (the dead topic itself is never rewritten).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeadJobDecision {
+    /// Format version ([`crate::format::JSON_V1`]).
+    pub v: u32,
+    pub queue: String,
+    /// The dead job's place in `tally.jobs.<queue>` (what identifies it).
+    pub partition: i32,
+    pub offset: i64,
+    pub action: DeadJobAction,
+    pub at_ms: i64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeadJobAction {
+    /// Enqueued again on `tally.jobs.<queue>` (attempts start over).
+    Requeued,
+    /// Dropped for good.
+    Discarded,
+}
+
+impl DeadJobDecision {
+    pub fn new(queue: &str, partition: i32, offset: i64, action: DeadJobAction, at_ms: i64) -> Self {
+        Self { v: crate::format::JSON_V1, queue: queue.to_string(), partition, offset, action, at_ms }
+    }
+
+    /// The record key: one decision per dead job survives compaction.
+    pub fn key(queue: &str, partition: i32, offset: i64) -> String {
+        format!("{queue}/{partition}/{offset}")
+    }
+
+    /// Decodes a decision of the current format.
+    pub fn decode(bytes: &[u8]) -> crate::Result<Self> {
+        crate::format::decode_json(bytes, "dead-job decision", |decision: &Self| decision.v)
+    }
+}
+
 impl DeadJob {
     /// Decodes a dead job of the current format.
     pub fn decode(bytes: &[u8]) -> crate::Result<Self> {

@@ -1,5 +1,5 @@
-//! The worker API (SPEC §6): dequeue (long poll), ack, nack, extend, and the queue
-//! stats. Every error is a JSON `{"error":{"code","message"}}` with a 4xx status.
+//! The worker API (SPEC §6): dequeue (long poll), ack, nack, extend, the queue
+//! stats, and dead jobs for operators ([`crate::dead`]). Every error is a JSON `{"error":{"code","message"}}` with a 4xx status.
 
 #![allow(clippy::result_large_err)] // handlers return ready responses as errors
 
@@ -25,6 +25,7 @@ use crate::state::{Broker, QueueRuntime};
 pub struct ApiState {
     pub broker: Arc<Broker>,
     pub auth_token: Option<String>,
+    pub dead: Arc<tally_shared::dead_jobs::DeadJobs>,
 }
 
 pub fn router(state: ApiState) -> Router {
@@ -34,17 +35,20 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/queues/{queue}/dequeue", post(dequeue))
         .route("/v1/queues/{queue}/ack", post(ack))
         .route("/v1/queues/{queue}/nack", post(nack))
-        .route("/v1/queues/{queue}/extend", post(extend));
+        .route("/v1/queues/{queue}/extend", post(extend))
+        .route("/v1/queues/{queue}/dead", get(crate::dead::list))
+        .route("/v1/queues/{queue}/dead/requeue", post(crate::dead::requeue))
+        .route("/v1/queues/{queue}/dead/discard", post(crate::dead::discard));
     tally_shared::http::require_bearer(routes, state.auth_token.clone())
         .layer(axum::extract::DefaultBodyLimit::max(1 << 20))
         .with_state(state)
 }
 
-fn error(status: StatusCode, code: &'static str, message: impl Into<String>) -> Response {
+pub(crate) fn error(status: StatusCode, code: &'static str, message: impl Into<String>) -> Response {
     ApiError::new(status, code, message).into_response()
 }
 
-fn find(state: &ApiState, queue: &str) -> Result<Arc<QueueRuntime>, Response> {
+pub(crate) fn find(state: &ApiState, queue: &str) -> Result<Arc<QueueRuntime>, Response> {
     state.broker.queue(queue).ok_or_else(|| {
         let message = format!(
             "no queue named {queue:?} is declared here: add a [[queue]] entry to the declarations file \
@@ -54,7 +58,7 @@ fn find(state: &ApiState, queue: &str) -> Result<Arc<QueueRuntime>, Response> {
     })
 }
 
-fn body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, Response> {
+pub(crate) fn body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, Response> {
     body.map(|Json(b)| b).map_err(|err| error(StatusCode::BAD_REQUEST, "invalid_body", err.body_text()))
 }
 

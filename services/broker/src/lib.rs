@@ -11,6 +11,7 @@
 //!   changed while it runs are served without a restart;
 //! - [`http`]: the worker API; [`metrics`]: what it exports.
 
+pub mod dead;
 pub mod declarations;
 pub mod error;
 pub mod fetcher;
@@ -97,7 +98,9 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         }
     });
 
-    let api = http::router(http::ApiState { broker: broker.clone(), auth_token: config.broker.auth_token.clone() });
+    let dead = Arc::new(tally_shared::dead_jobs::DeadJobs::new(&config.kafka, names.clone())?);
+    let api =
+        http::router(http::ApiState { broker: broker.clone(), auth_token: config.broker.auth_token.clone(), dead });
     let server_shutdown = shutdown.clone();
     tokio::spawn(async move {
         if let Err(err) = axum::serve(listener, api).with_graceful_shutdown(server_shutdown.cancelled_owned()).await {

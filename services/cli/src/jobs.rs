@@ -1,12 +1,11 @@
 //! `tally jobs`: enqueue a job, show queue stats, list or requeue dead jobs.
 
-use std::time::Duration;
-
 use anyhow::{bail, Context};
 use tally_core::jobs::api::QueueStats;
-use tally_core::jobs::{DeadJob, Job};
+use tally_core::jobs::{DeadJobAction, Job};
 use tally_shared::config::TallyConfig;
-use tally_shared::kafka::{read_to_end, TopicNames};
+use tally_shared::dead_jobs::DeadJobs;
+use tally_shared::kafka::TopicNames;
 
 #[derive(clap::Subcommand)]
 pub enum JobsCommand {
@@ -32,7 +31,8 @@ pub enum JobsCommand {
         #[arg(long)]
         broker: Option<String>,
     },
-    /// List the dead jobs of a queue; `--requeue` enqueues them again.
+    /// List the dead jobs of a queue not requeued or discarded yet; `--requeue`
+    /// enqueues them again (and they leave the list).
     Dead {
         queue: String,
         #[arg(long)]
@@ -102,41 +102,35 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
             Ok(())
         }
         JobsCommand::Dead { queue, requeue } => {
-            let topic = names.dead_jobs(&queue);
-            let kafka = config.kafka.clone();
-            let records =
-                tokio::task::spawn_blocking(move || read_to_end(&kafka, &topic, Duration::from_secs(30))).await??;
-            let mut dead: Vec<DeadJob> = Vec::with_capacity(records.len());
-            for (position, record) in records.iter().enumerate() {
-                match DeadJob::decode(record) {
-                    Ok(job) => dead.push(job),
-                    // Listed, never dropped silently: requeue leaves it where it is.
-                    Err(err) => eprintln!(
-                        "record {position} of {}: not a dead job ({err}); left as is",
-                        names.dead_jobs(&queue)
-                    ),
-                }
-            }
-            for job in &dead {
+            let dead = std::sync::Arc::new(DeadJobs::new(&config.kafka, names.clone())?);
+            let reader = dead.clone();
+            let listed = queue.clone();
+            let listing = tokio::task::spawn_blocking(move || reader.undecided(&listed)).await??;
+            for job in &listing.jobs {
                 println!(
                     "{}  attempts {}  partition {} offset {}  error: {}",
                     job.job.id, job.attempts, job.partition, job.offset, job.error
                 );
             }
-            println!("{} dead jobs on {queue}", dead.len());
+            println!("{} dead jobs on {queue} (not requeued or discarded yet)", listing.jobs.len());
+            if listing.unreadable > 0 {
+                eprintln!(
+                    "{} records of {} are not dead jobs this build reads",
+                    listing.unreadable,
+                    names.dead_jobs(&queue)
+                );
+            }
             if requeue {
-                // A job whose payload was cut to fit the dead topic is not the job
-                // that was enqueued: it is listed, never requeued.
-                let (whole, cut): (Vec<&DeadJob>, Vec<&DeadJob>) =
-                    dead.iter().partition(|job| !job.truncated.contains_key("payload"));
-                for job in &whole {
-                    let bytes = serde_json::to_vec(&job.job)?;
-                    send(config, &names.jobs(&queue), job.job.key.as_deref().unwrap_or(&job.job.id), &bytes).await?;
+                let mut requeued = 0;
+                for job in &listing.jobs {
+                    // A job whose payload was cut to fit the dead topic is listed, never requeued.
+                    match dead.decide(job, DeadJobAction::Requeued).await {
+                        Ok(()) => requeued += 1,
+                        Err(err) if job.truncated.contains_key("payload") => println!("not requeued: {err}"),
+                        Err(err) => return Err(err.into()),
+                    }
                 }
-                println!("requeued {} jobs (they stay listed in the dead topic)", whole.len());
-                for job in cut {
-                    println!("not requeued: {} (its payload was cut to fit the dead topic)", job.job.id);
-                }
+                println!("requeued {requeued} jobs");
             }
             Ok(())
         }

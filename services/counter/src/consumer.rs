@@ -256,6 +256,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
 
     let letters = Relay::unstamped(&config.kafka, names.dead_letter())?;
     let lag_shards = shards.clone();
+    let lag_shards_reported = shards.clone();
     let lag_metrics = metrics.clone();
     let lag_reporter = spawn_lag_reporter(
         &config.kafka,
@@ -267,7 +268,10 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             let owned = lag_shards.owned().into_iter();
             owned.filter_map(|shard| Some((shard, lag_shards.get(shard)?.next_offset().unwrap_or(0)))).collect()
         },
-        move |shard, lag| lag_metrics.consumer_lag.with_label_values(&[&shard.to_string()]).set(lag),
+        move |shard, lag| {
+            lag_metrics.consumer_lag.with_label_values(&[&shard.to_string()]).set(lag);
+            lag_shards_reported.record_lag(shard, lag);
+        },
     )?;
     threads.push(("lag reporter", lag_reporter));
     if let Some(snapshots) = snapshots {

@@ -4,7 +4,8 @@
 //! (still catching up with the log, or its lease lapsed), answers `not_owner`, which
 //! tells the caller to look up the owner again; a failed shard answers `failed`
 //! (`shard_failed` to clients). The metrics listing asks about one shard: 409
-//! `not_owner`, 503 `shard_failed`. `POST /internal/v1/shards/{shard}/skip` is `tally shards skip`
+//! `not_owner`, 503 `shard_failed`. `GET /internal/v1/status` lists the shards held and
+//! their lag (the dashboard's freshness). `POST /internal/v1/shards/{shard}/skip` is `tally shards skip`
 //! ([`tally_shared::failures`]), `POST /internal/v1/snapshots` is `tally snapshot`
 //! ([`snapshot_router`]).
 
@@ -13,9 +14,9 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::{get, post};
 use axum::{Json, Router};
-use tally_core::wire::{ReadRequest, ReadResponse, ShardMetricsRequest, ShardOutcome, ShardQueries};
+use tally_core::wire::{CounterStatus, ReadRequest, ReadResponse, ShardMetricsRequest, ShardOutcome, ShardQueries};
 use tally_shared::failures::{skip_router, Failure};
 use tally_shared::http::ApiError;
 use tally_shared::snapshot::snapshot_router;
@@ -36,6 +37,7 @@ pub fn router(state: ReadState) -> Router {
     Router::new()
         .route("/internal/v2/read", post(read))
         .route("/internal/v1/metrics", post(metrics))
+        .route("/internal/v1/status", get(status))
         .with_state(state.clone())
         .merge(skip_router(state.shards.failures.clone()))
         .merge(snapshot_router(state.snapshots.then(|| state.shards.snapshot_requests.clone())))
@@ -119,4 +121,8 @@ async fn metrics(State(state): State<ReadState>, Json(request): Json<ShardMetric
     };
     let shard = request.shard;
     answer(&state, shard, move || store.metrics(&request.entity, request.after.as_deref(), request.limit)).await
+}
+
+async fn status(State(state): State<ReadState>) -> Json<CounterStatus> {
+    Json(CounterStatus { shards: state.shards.status() })
 }

@@ -17,6 +17,8 @@ use tally_shared::kafka::now_ms;
 use tally_shared::membership::Lease;
 use tally_shared::snapshot::SnapshotRequests;
 
+use tally_core::wire::{ShardState, ShardStatus};
+
 use crate::store::ShardStore;
 
 pub struct Shards {
@@ -31,6 +33,8 @@ pub struct Shards {
     /// Bumped on every assignment change; a batch collected across a change is
     /// discarded, since the consumer positions were reset from the stores.
     epoch: AtomicU64,
+    /// Each owned shard's last measured lag: (records behind the log's end, when).
+    lags: RwLock<HashMap<u32, (i64, i64)>>,
 }
 
 /// A lock whose holder panicked still guards consistent data here (plain maps
@@ -58,7 +62,34 @@ impl Shards {
             failures: Arc::new(FailureBoard::new(|shard| format!("shard {shard}"))),
             lease,
             epoch: AtomicU64::new(0),
+            lags: RwLock::default(),
         }
+    }
+
+    /// Records that `shard` was `lag` records behind its log's end just now.
+    pub fn record_lag(&self, shard: u32, lag: i64) {
+        write(&self.lags).insert(shard, (lag, now_ms()));
+    }
+
+    /// What this counter holds and how fresh it is: every held shard's state and
+    /// last measured lag (`GET /internal/v1/status`, the dashboard's freshness).
+    pub fn status(&self) -> Vec<ShardStatus> {
+        let serving = self.serving();
+        let lags = read(&self.lags);
+        self.held()
+            .into_iter()
+            .map(|shard| {
+                let state = if self.failures.is_failed(shard) {
+                    ShardState::Failed
+                } else if serving.contains(&shard) {
+                    ShardState::Serving
+                } else {
+                    ShardState::CatchingUp
+                };
+                let lag = lags.get(&shard).copied();
+                ShardStatus { shard, state, lag: lag.map(|l| l.0), lag_at_ms: lag.map(|l| l.1) }
+            })
+            .collect()
     }
 
     pub fn get(&self, shard: u32) -> Option<Arc<ShardStore>> {

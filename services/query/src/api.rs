@@ -7,7 +7,7 @@ use std::sync::Arc;
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
-use axum::response::{Html, IntoResponse, Response};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine;
@@ -26,6 +26,7 @@ pub const MAX_BODY_BYTES: usize = 1 << 20;
 
 pub struct ApiState {
     pub fanout: Fanout,
+    pub brokers: crate::jobs::Brokers,
     pub metrics: Metrics,
     pub auth_token: Option<String>,
     pub max_batch: usize,
@@ -38,11 +39,18 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/v1/counters/{entity}/{metric}/contributors", get(crate::contributors::contributors))
         .route("/v1/query", post(batch))
         .route("/v1/entities/{entity}/metrics", get(entity_metrics))
-        .route("/v1/graph/{entity}", get(graph_neighbours));
+        .route("/v1/graph/{entity}", get(graph_neighbours))
+        .route("/v1/status", get(crate::status::status));
     let v1 = tally_shared::http::require_bearer(v1, state.auth_token.clone());
+    // The jobs console's data: guarded by the brokers' own token, passed on.
+    let jobs = Router::new()
+        .route("/v1/jobs", get(crate::jobs::overview))
+        .route("/v1/jobs/{queue}/dead", get(crate::jobs::dead))
+        .route("/v1/jobs/{queue}/dead/{action}", post(crate::jobs::decide));
     Router::new()
-        .route("/", get(|| async { Html(include_str!("dashboard.html")) }))
+        .merge(crate::dashboard::router())
         .merge(v1)
+        .merge(jobs)
         .fallback(|| async {
             ApiError { status: StatusCode::NOT_FOUND, code: "not_found", message: "no such endpoint".into() }
         })

@@ -1,15 +1,21 @@
 //! `tally-query`: the stateless HTTP front door for reads (SPEC §5) and the dashboard.
 //!
 //! It learns which counter owns which shard from the shard-owners topic ([`owners`]),
-//! validates requests and shapes answers ([`api`]), and sends each request's queries
-//! to their shards, one call per shard ([`fanout`]).
+//! validates requests and shapes answers ([`api`], [`contributors`]), and sends each
+//! request's queries to the counters that own their shards, one call per counter
+//! ([`fanout`]). It serves the dashboard ([`dashboard`]) and its data: freshness
+//! ([`status`]) and the jobs console's, asked of the dequeue brokers it finds on
+//! their membership topic ([`jobs`]).
 
 pub mod api;
 pub mod contributors;
+pub mod dashboard;
 pub mod error;
 pub mod fanout;
+pub mod jobs;
 pub mod metrics;
 pub mod owners;
+pub mod status;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,6 +23,7 @@ use std::time::Duration;
 use prometheus::Registry;
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{wait_for_topic, TopicNames};
+use tally_shared::membership::{self, Membership};
 use tally_shared::telemetry::{serve_admin, Readiness};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -41,7 +48,20 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         .pool_max_idle_per_host(64)
         .build()
         .map_err(|err| Error::Internal(err.to_string()))?;
+    // The dequeue brokers, for the jobs console (created by `tally topics apply`
+    // with the other topics).
+    wait_for_topic(&config.kafka, &names.queue_brokers(), Duration::from_secs(60)).await?;
+    let membership = Arc::new(Membership::default());
+    let broker_follower = membership::follow(
+        &config.kafka,
+        "query-brokers",
+        &names.queue_brokers(),
+        membership.clone(),
+        shutdown.clone(),
+    )?;
+    let brokers = jobs::Brokers { membership, timeout_ms: config.broker.member_timeout_ms };
     let state = Arc::new(api::ApiState {
+        brokers,
         fanout: fanout::Fanout {
             owners,
             client,
@@ -57,6 +77,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     tracing::info!(api = %addr, admin = %admin, shards, "tally-query serving");
     axum::serve(listener, api::router(state)).with_graceful_shutdown(shutdown.clone().cancelled_owned()).await?;
     shutdown.cancel();
+    let _ = tokio::task::spawn_blocking(move || broker_follower.join()).await;
     match tracked.await {
         Ok(false) => Ok(()),
         _ => Err(Error::Internal("the shard-owners follower stopped unexpectedly".into())),

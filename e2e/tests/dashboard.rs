@@ -1,0 +1,493 @@
+//! The dashboard in a real browser: Debian's Chromium, headless, driven over
+//! WebDriver (chromedriver, through the `fantoccini` client) against the real
+//! services on a real broker. The counters page renders from its URL, its chart's
+//! points, hover read-out and window totals equal the read API's answers, a
+//! neighbour link re-plots, the explain view equals `contributors`; the jobs console
+//! asks for the brokers' token, shows the merged queue stats and the dead jobs, and
+//! requeues (the job runs again) and discards them. Screenshots are saved under
+//! `target/tmp/screenshots/` (the README's tour shows copies).
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fantoccini::actions::{InputSource, MouseActions, PointerAction};
+use fantoccini::{Client, ClientBuilder, Locator};
+use serde_json::{json, Value};
+use tally_e2e::workload::Record;
+use tally_e2e::{encode, Sandbox};
+
+const READ_SERVICES: [&str; 4] = ["tally-ingester", "tally-counter", "tally-graph", "tally-query"];
+const HOUR: i64 = 3_600_000;
+
+/// A headless Chromium under chromedriver, closed on drop.
+struct Browser {
+    client: Client,
+    driver: Child,
+}
+
+impl Browser {
+    async fn start() -> Self {
+        let port = tally_shared::local_broker::free_port().unwrap();
+        let chromedriver = std::env::var("TALLY_CHROMEDRIVER").unwrap_or_else(|_| "chromedriver".into());
+        let driver = Command::new(&chromedriver)
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|err| panic!("{chromedriver}: {err} (scripts/test.sh installs chromium-driver)"));
+        let chromium = std::env::var("TALLY_CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
+        let mut capabilities = serde_json::Map::new();
+        capabilities.insert(
+            "goog:chromeOptions".into(),
+            json!({"binary": chromium, "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
+                "--disable-dev-shm-usage", "--window-size=1400,1250", "--lang=en-US"]}),
+        );
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let connector = hyper_util::client::legacy::connect::HttpConnector::new();
+            match ClientBuilder::new(connector)
+                .capabilities(capabilities.clone())
+                .connect(&format!("http://127.0.0.1:{port}"))
+                .await
+            {
+                Ok(client) => return Self { client, driver },
+                Err(err) if Instant::now() < deadline => {
+                    let _ = err;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(err) => panic!("no WebDriver session from {chromedriver}: {err}"),
+            }
+        }
+    }
+
+    async fn open(&self, url: &str) {
+        self.client.goto(url).await.unwrap_or_else(|err| panic!("{url}: {err}"));
+    }
+
+    async fn wait_for(&self, css: &str) -> fantoccini::elements::Element {
+        let found = self.client.wait().at_most(Duration::from_secs(30)).for_element(Locator::Css(css)).await;
+        match found {
+            Ok(element) => element,
+            Err(err) => panic!("{css} never appeared: {err}\n{}", self.client.source().await.unwrap_or_default()),
+        }
+    }
+
+    async fn attr(&self, css: &str, name: &str) -> String {
+        self.wait_for(css).await.attr(name).await.unwrap().unwrap_or_default()
+    }
+
+    /// The text of every element `css` matches (read again when the page redrew
+    /// them meanwhile: it refreshes itself).
+    async fn texts(&self, css: &str) -> Vec<String> {
+        for _ in 0..20 {
+            let mut texts = Vec::new();
+            let mut stale = false;
+            for element in self.client.find_all(Locator::Css(css)).await.unwrap() {
+                match element.text().await {
+                    Ok(text) => texts.push(text),
+                    Err(_) => stale = true,
+                }
+            }
+            if !stale {
+                return texts;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("{css}: redrawn under every read")
+    }
+
+    /// The text of the first element `css` matches, once there is one.
+    async fn text(&self, css: &str) -> String {
+        self.wait_for(css).await;
+        self.texts(css).await.into_iter().next().unwrap_or_default()
+    }
+
+    /// Clicks the element `css` matches (found again if the page redrew it).
+    async fn click(&self, css: &str) {
+        for _ in 0..20 {
+            if self.wait_for(css).await.click().await.is_ok() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("{css}: never clickable")
+    }
+
+    async fn screenshot(&self, name: &str) {
+        save_screenshot(name, self.client.screenshot().await.unwrap());
+    }
+
+    async fn close(mut self) {
+        let _ = self.client.clone().close().await;
+        let _ = self.driver.kill();
+        let _ = self.driver.wait();
+    }
+}
+
+/// Saves a screenshot as a test artifact under `target/tmp/screenshots/`.
+fn save_screenshot(name: &str, png: Vec<u8>) {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("screenshots");
+    std::fs::create_dir_all(&dir).unwrap();
+    assert!(png.starts_with(b"\x89PNG"), "{name}: a PNG");
+    std::fs::write(dir.join(name), png).unwrap();
+}
+
+/// Waits until `check` holds (the page refreshes itself); panics with its last
+/// complaint after 30 s.
+async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match check().await {
+            Ok(()) => return,
+            Err(complaint) if Instant::now() > deadline => panic!("{what}: {complaint}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+        }
+    }
+}
+
+fn increment(entity: &str, metric: &str, delta: i64, ts: i64) -> Record {
+    let payload = json!({"entity": entity, "metric": metric, "delta": delta, "ts": ts});
+    Record { graph: false, key: entity.into(), payload: payload.to_string().into_bytes(), timestamp: ts }
+}
+
+fn edge(from: &str, to: &str, now: i64) -> Record {
+    let payload = json!({"op": "add_edge", "from": from, "to": to});
+    Record { graph: true, key: from.into(), payload: payload.to_string().into_bytes(), timestamp: now }
+}
+
+/// A displayed number ("1,234") as a value.
+fn shown(text: &str) -> Option<i64> {
+    text.lines().next()?.replace(',', "").trim().parse().ok()
+}
+
+/// answer:3 → answer:1 → user:7 ← answer:2, user:7 → team:1; views spread over the
+/// last day. total(user:7) = 6 + 15 + 10 + 8 = 39, and so is team:1's.
+fn scenario(now: i64) -> Vec<Record> {
+    let mut records = vec![
+        edge("answer:1", "user:7", now),
+        edge("answer:2", "user:7", now),
+        edge("answer:3", "answer:1", now),
+        edge("user:7", "team:1", now),
+    ];
+    records.extend((0..5).map(|i| increment("answer:1", "views", 3, now - i * 2 * HOUR)));
+    records.extend((0..4).map(|i| increment("answer:2", "views", 2, now - i * 3 * HOUR - HOUR / 2)));
+    records.push(increment("answer:3", "views", 10, now - 5 * HOUR));
+    records.extend((0..6).map(|i| increment("user:7", "views", 1, now - i * HOUR)));
+    records.extend((0..2).map(|i| increment("user:7", "clicks", 1, now - i * HOUR)));
+    records
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counters_page_plots_totals_and_explains_what_the_api_answers() {
+    let mut sandbox = Sandbox::start().await;
+    for service in READ_SERVICES {
+        sandbox.spawn(service);
+    }
+    let now = tally_shared::kafka::now_ms();
+    sandbox.produce(&scenario(now)).await;
+    for entity in ["user:7", "team:1"] {
+        eventually(&format!("{entity} counted"), || async {
+            let (status, body) = sandbox.get(&format!("/v1/counters/{entity}/views")).await;
+            (status == 200 && body["value"] == 39).then_some(()).ok_or(format!("{status} {body}"))
+        })
+        .await;
+    }
+    let browser = Browser::start().await;
+    let base = &sandbox.query_url;
+
+    // The page renders from its URL alone; the chart draws the API's series.
+    browser.open(&format!("{base}/?entity=user:7&entity=answer:1&metric=views&range=24h&step=1h&kind=total")).await;
+    for entity in ["user:7", "answer:1"] {
+        let path = format!("/v1/counters/{}/views/series?step=1h&range=24h&kind=total", encode(entity));
+        eventually(&format!("{entity}'s chart equals the API"), || async {
+            let (_, api) = sandbox.get(&path).await;
+            let want: Vec<Value> =
+                api["points"].as_array().unwrap().iter().map(|p| json!([p["t"], p["value"]])).collect();
+            let drawn: Value = serde_json::from_str(
+                &browser.attr(&format!("path.series[data-label='{entity}']"), "data-points").await,
+            )
+            .unwrap();
+            (drawn == json!(want)).then_some(()).ok_or(format!("drawn {drawn}, API {}", json!(want)))
+        })
+        .await;
+    }
+    assert_eq!(
+        browser.texts(".legend span[data-label]").await,
+        vec!["user:7", "answer:1"],
+        "a legend entry per series"
+    );
+
+    // Live refresh off from here: the checks below read elements it would redraw.
+    browser.click("#live").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // Hovering reads out each series at the bucket under the pointer.
+    let chart = browser.wait_for("#chart svg rect").await;
+    let actions = MouseActions::new("mouse".into()).then(PointerAction::MoveToElement {
+        element: chart,
+        duration: None,
+        x: 300.0,
+        y: 0.0,
+    });
+    browser.client.perform_actions(actions).await.unwrap();
+    let t: i64 = browser.attr("#tooltip:not(.hidden)", "data-t").await.parse().unwrap();
+    let (_, api) = sandbox.get("/v1/counters/user:7/views/series?step=1h&range=24h&kind=total").await;
+    let at_t = api["points"].as_array().unwrap().iter().find(|p| p["t"] == t).map(|p| p["value"].as_i64().unwrap());
+    let read_out = browser.texts("#tooltip div[data-label='user:7'] b").await;
+    assert_eq!(read_out.iter().map(|text| shown(text)).collect::<Vec<_>>(), vec![at_t], "the read-out at {t}");
+
+    // Window totals equal the batch read API's, with their resolutions.
+    let windows = ["1h", "24h", "7d", "all"];
+    let queries: Vec<Value> = ["user:7", "answer:1"]
+        .iter()
+        .flat_map(|e| windows.map(|w| json!({"entity": e, "metric": "views", "window": w})))
+        .collect();
+    let (_, answers) = sandbox.post("/v1/query", &json!({ "queries": queries })).await;
+    let mut shown_totals = Vec::new();
+    for query in &queries {
+        let css = format!(
+            "#totals td[data-entity='{}'][data-kind='total'][data-window='{}']",
+            query["entity"].as_str().unwrap(),
+            query["window"].as_str().unwrap()
+        );
+        shown_totals.push(shown(&browser.text(&css).await));
+    }
+    let api_totals: Vec<Option<i64>> =
+        answers["results"].as_array().unwrap().iter().map(|r| r["value"].as_i64()).collect();
+    assert_eq!(shown_totals, api_totals, "window totals");
+    assert_eq!(api_totals[3], Some(39));
+    browser.screenshot("counters.png").await;
+
+    // The explain view lists what `contributors` answers, and it adds up.
+    let (_, explained) = sandbox.get("/v1/counters/user:7/views/contributors?window=all&limit=20").await;
+    let want: Vec<(String, Option<i64>)> = explained["contributors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["entity"].as_str().unwrap().to_string(), c["value"].as_i64()))
+        .collect();
+    assert_eq!(want, vec![("answer:1".into(), Some(15)), ("answer:3".into(), Some(10)), ("answer:2".into(), Some(8))]);
+    let mut listed = Vec::new();
+    for row in
+        browser.client.find_all(Locator::Css("#contributor-list li[data-entity]:not([data-entity=''])")).await.unwrap()
+    {
+        let entity = row.attr("data-entity").await.unwrap().unwrap_or_default();
+        listed.push((entity, shown(&row.find(Locator::Css("span.num")).await.unwrap().text().await.unwrap())));
+    }
+    assert_eq!(listed, want, "the ranked contributors");
+    assert_eq!(browser.attr("#contributor-list li[data-entity='']", "data-value").await, "6", "user:7's own count");
+    let card = browser.client.find(Locator::XPath("//section[.//*[@id='contributors']]")).await.unwrap();
+    save_screenshot("explain.png", card.screenshot().await.unwrap());
+
+    // A neighbour is a link that re-plots, and the URL says so.
+    browser.click("#descendants a[data-entity='team:1']").await;
+    browser.wait_for("path.series[data-label='team:1']").await;
+    let url = browser.client.current_url().await.unwrap();
+    assert_eq!(url.query(), Some("entity=team%3A1&metric=views&range=24h&step=1h&kind=total"), "{url}");
+    let (_, api) = sandbox.get("/v1/counters/team:1/views/series?step=1h&range=24h&kind=total").await;
+    let want: Vec<Value> = api["points"].as_array().unwrap().iter().map(|p| json!([p["t"], p["value"]])).collect();
+    let drawn: Value =
+        serde_json::from_str(&browser.attr("path.series[data-label='team:1']", "data-points").await).unwrap();
+    assert_eq!(drawn, json!(want), "team:1 re-plotted");
+
+    // A counter never written says so.
+    browser.open(&format!("{base}/?entity=nobody:1&metric=views")).await;
+    let message = browser.text("#message.info").await;
+    assert!(message.contains("never counted views") && message.contains("reads 0"), "{message}");
+
+    // Page weight: everything the dashboard loads, all bundled in tally-query.
+    let mut bytes = 0;
+    for path in ["/", "/jobs", "/assets/tally.js", "/assets/tally.css"] {
+        let body = reqwest::get(format!("{base}{path}")).await.unwrap().bytes().await.unwrap();
+        bytes += body.len();
+    }
+    let load_ms = browser
+        .client
+        .execute(
+            "const n = performance.getEntriesByType('navigation')[0]; return n.loadEventEnd - n.startTime;",
+            vec![],
+        )
+        .await
+        .unwrap();
+    println!("dashboard page weight: {bytes} bytes uncompressed (both pages, script, stylesheet); load {load_ms} ms");
+    assert!(bytes < 64 * 1024, "the dashboard stays light: {bytes} bytes");
+    browser.close().await;
+}
+
+const QUEUE: &str = r#"
+[[queue]]
+name = "mail"
+partitions = 2
+max_attempts = 1
+lease_ms = 5000
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_console_shows_queues_and_requeues_and_discards_dead_jobs_with_the_token() {
+    let mut sandbox = Sandbox::start().await;
+    sandbox.spawn("tally-query");
+    let declarations = sandbox.declare(QUEUE).await;
+    let broker =
+        sandbox.spawn_broker_with("broker-a", &declarations, &[("TALLY__BROKER__AUTH_TOKEN", "s3cret".into())]);
+    let http = reqwest::Client::new();
+    let jobs: Vec<(Option<String>, Vec<u8>)> = (1..=3)
+        .map(|i| {
+            (
+                Some(format!("job-{i}")),
+                json!({"id": format!("job-{i}"), "payload": {"to": format!("user{i}@example.com")}})
+                    .to_string()
+                    .into_bytes(),
+            )
+        })
+        .collect();
+    sandbox.produce_to(&sandbox.names.jobs("mail"), &jobs).await;
+
+    // A worker fails each job once: with max_attempts = 1 they die.
+    let mut failed = 0;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while failed < 3 {
+        assert!(Instant::now() < deadline, "the broker never handed out the jobs");
+        let response = http
+            .post(format!("{broker}/v1/queues/mail/dequeue"))
+            .bearer_auth("s3cret")
+            .json(&json!({"max": 10, "wait_ms": 500}))
+            .send()
+            .await;
+        let Ok(response) = response else { continue };
+        let body: Value = response.json().await.unwrap_or_default();
+        for job in body["jobs"].as_array().cloned().unwrap_or_default() {
+            let nack = json!({"lease": job["lease"], "error": "smtp 550: mailbox unavailable"});
+            let status = http
+                .post(format!("{broker}/v1/queues/mail/nack"))
+                .bearer_auth("s3cret")
+                .json(&nack)
+                .send()
+                .await
+                .unwrap()
+                .status();
+            assert_eq!(status, 200);
+            failed += 1;
+        }
+    }
+    let dead_listing = || async {
+        let response =
+            http.get(format!("{}/v1/jobs/mail/dead", sandbox.query_url)).bearer_auth("s3cret").send().await.unwrap();
+        response.json::<Value>().await.unwrap()
+    };
+    eventually("three dead jobs listed", || async {
+        let listing = dead_listing().await;
+        (listing["total"] == 3).then_some(()).ok_or(listing.to_string())
+    })
+    .await;
+    let unauthorized = http.get(format!("{}/v1/jobs", sandbox.query_url)).send().await.unwrap().status();
+    assert_eq!(unauthorized, 401, "the console's data needs the brokers' token");
+
+    let browser = Browser::start().await;
+    browser.open(&format!("{}/jobs", sandbox.query_url)).await;
+    browser.wait_for("#token").await.send_keys("s3cret").await.unwrap();
+    browser.click("#save-token").await;
+    browser.click("tr[data-queue='mail']").await;
+    eventually("the queue row equals the API", || async {
+        let overview: Value = http
+            .get(format!("{}/v1/jobs", sandbox.query_url))
+            .bearer_auth("s3cret")
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let queue =
+            overview["queues"].as_array().unwrap().iter().find(|q| q["queue"] == "mail").cloned().unwrap_or_default();
+        let fields = ["depth", "ready", "delayed", "in_flight", "dead", "lag"];
+        let want: Vec<Option<i64>> = fields.iter().map(|f| queue[*f].as_i64()).collect();
+        let mut got = Vec::new();
+        for field in fields {
+            got.push(shown(&browser.text(&format!("tr[data-queue='mail'] td[data-field='{field}']")).await));
+        }
+        (got == want && want[4] == Some(3)).then_some(()).ok_or(format!("shown {got:?}, API {want:?}"))
+    })
+    .await;
+    let owners = browser.texts("#brokers tr[data-broker] td").await;
+    assert_eq!(owners.len(), 4, "one broker row: {owners:?}");
+    assert_eq!(owners[1], broker.trim_start_matches("http://"), "its address");
+
+    // The dead jobs, with error, attempts and payload.
+    eventually("three dead rows", || async {
+        let rows = browser.texts("tr[data-dead-id]").await;
+        (rows.len() == 3).then_some(()).ok_or(format!("{rows:?}"))
+    })
+    .await;
+    let listing = dead_listing().await;
+    let first = &listing["dead"][0];
+    let row = browser.texts(&format!("tr[data-dead-id='{}'] td", first["id"].as_str().unwrap())).await;
+    assert_eq!(row.len(), 5, "{row:?}");
+    assert!(row[0].starts_with(first["id"].as_str().unwrap()), "{row:?}");
+    assert_eq!(row[1], "1", "attempts");
+    assert_eq!(row[2], "smtp 550: mailbox unavailable");
+    assert_eq!(row[3], first["payload"].to_string());
+    browser.screenshot("jobs.png").await;
+
+    // Requeue one: it leaves the list and a worker gets it again, payload and all.
+    let requeued = first["id"].as_str().unwrap().to_string();
+    browser.click(&format!("tr[data-dead-id='{requeued}'] button.requeue")).await;
+    eventually("requeued job gone from the list", || async {
+        let rows = browser.texts("tr[data-dead-id]").await;
+        (rows.len() == 2).then_some(()).ok_or(format!("{rows:?}"))
+    })
+    .await;
+    let mut again = None;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while again.is_none() {
+        assert!(Instant::now() < deadline, "the requeued job never came back");
+        let response = http
+            .post(format!("{broker}/v1/queues/mail/dequeue"))
+            .bearer_auth("s3cret")
+            .json(&json!({"max": 10, "wait_ms": 500}))
+            .send()
+            .await
+            .unwrap();
+        let body: Value = response.json().await.unwrap();
+        again = body["jobs"].as_array().and_then(|jobs| jobs.first().cloned());
+    }
+    let again = again.unwrap();
+    // Acked, so it does not die again when its lease runs out.
+    let ack = json!({"leases": [again["lease"]]});
+    let acked: Value = http
+        .post(format!("{broker}/v1/queues/mail/ack"))
+        .bearer_auth("s3cret")
+        .json(&ack)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(acked["acked"], 1, "{acked}");
+    assert_eq!(
+        (again["id"].clone(), again["payload"].clone(), again["attempt"].clone()),
+        (json!(requeued), first["payload"].clone(), json!(1))
+    );
+
+    // Discard another: gone for good.
+    let discarded = listing["dead"][1]["id"].as_str().unwrap().to_string();
+    browser.click(&format!("tr[data-dead-id='{discarded}'] button.discard")).await;
+    eventually("one dead job left", || async {
+        let listing = dead_listing().await;
+        let ids: Vec<&str> = listing["dead"].as_array().unwrap().iter().map(|j| j["id"].as_str().unwrap()).collect();
+        let rows = browser.texts("tr[data-dead-id]").await;
+        (listing["total"] == 1
+            && rows.len() == 1
+            && !ids.contains(&discarded.as_str())
+            && !ids.contains(&requeued.as_str()))
+        .then_some(())
+        .ok_or(format!("{listing} / {rows:?}"))
+    })
+    .await;
+    browser.close().await;
+}

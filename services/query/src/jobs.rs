@@ -1,0 +1,273 @@
+//! The jobs console's data (`/v1/jobs…`): tally-query finds the dequeue brokers
+//! itself (it follows their heartbeats on `queue-brokers`) and asks them. `GET
+//! /v1/jobs` merges every live broker's queue stats — each partition's numbers from
+//! the broker that owns it — with each queue's undecided dead jobs; the dead-job
+//! listing, requeue and discard go to any live broker. The client's `Authorization`
+//! header is passed on as it came: the brokers' bearer token guards the console, and
+//! tally-query holds no broker credentials of its own.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderMap, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures::future::join_all;
+use serde::Serialize;
+use tally_core::assignment::Member;
+use tally_core::jobs::api::{PartitionInfo, QueueStats};
+use tally_shared::kafka::now_ms;
+use tally_shared::membership::Membership;
+
+use crate::api::{json_response, ApiState};
+use crate::error::ApiError;
+
+/// The live dequeue brokers, as their heartbeats say.
+pub struct Brokers {
+    pub membership: Arc<Membership>,
+    pub timeout_ms: u64,
+}
+
+impl Brokers {
+    pub fn live(&self) -> Vec<Member> {
+        self.membership.live(now_ms(), self.timeout_ms)
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct BrokerView {
+    instance: String,
+    addr: String,
+    heard_at_ms: Option<i64>,
+}
+
+#[derive(Debug, Serialize, PartialEq)]
+struct QueueView {
+    queue: String,
+    /// Ready and delayed in the owners' buffers plus not yet fetched.
+    depth: i64,
+    ready: usize,
+    delayed: usize,
+    in_flight: usize,
+    /// Records not yet fetched by the owners (consumer lag).
+    lag: i64,
+    /// Dead jobs not requeued or discarded yet.
+    dead: Option<usize>,
+    /// Dequeues per second over all brokers, recently.
+    rate: f64,
+    rate_limit_per_sec: Option<u32>,
+    fifo: bool,
+    partitions: Vec<PartitionInfo>,
+}
+
+#[derive(Debug, Serialize)]
+struct JobsOverview {
+    at_ms: i64,
+    brokers: Vec<BrokerView>,
+    queues: Vec<QueueView>,
+}
+
+/// Every broker's stats of its queues → one view per queue: each partition as its
+/// owner reports it (as any broker does when no broker owns it), rates summed.
+fn merge(answers: Vec<Vec<QueueStats>>) -> Vec<QueueView> {
+    let mut queues: BTreeMap<String, (QueueStats, f64)> = BTreeMap::new();
+    for stats in answers.into_iter().flatten() {
+        let rate = stats.rate;
+        let (merged, rates) = queues.entry(stats.queue.clone()).or_insert_with(|| (stats.clone(), 0.0));
+        *rates += rate;
+        for partition in stats.partitions {
+            match merged.partitions.iter_mut().find(|p| p.partition == partition.partition) {
+                Some(known) if partition.owned_here && !known.owned_here => *known = partition,
+                Some(_) => {}
+                None => merged.partitions.push(partition),
+            }
+        }
+    }
+    queues
+        .into_values()
+        .map(|(stats, rate)| {
+            let mut partitions = stats.partitions;
+            partitions.sort_by_key(|p| p.partition);
+            let owned = || partitions.iter().filter(|p| p.owned_here);
+            let (ready, delayed) = (owned().map(|p| p.ready).sum(), owned().map(|p| p.delayed).sum::<usize>());
+            let lag = owned().map(|p| p.lag).sum::<i64>();
+            QueueView {
+                queue: stats.queue,
+                depth: (ready + delayed) as i64 + lag,
+                ready,
+                delayed,
+                in_flight: owned().map(|p| p.in_flight).sum(),
+                lag,
+                dead: None,
+                rate,
+                rate_limit_per_sec: stats.rate_limit_per_sec,
+                fifo: stats.fifo,
+                partitions,
+            }
+        })
+        .collect()
+}
+
+/// Sends a request to the broker at `addr` with the client's `Authorization`:
+/// the broker's status and body.
+async fn ask(
+    state: &ApiState,
+    addr: &str,
+    method: Method,
+    path: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Result<(StatusCode, Bytes), ApiError> {
+    let mut request = state.fanout.client.request(method, format!("http://{addr}{path}"));
+    if let Some(authorization) = headers.get(axum::http::header::AUTHORIZATION) {
+        request = request.header(axum::http::header::AUTHORIZATION, authorization);
+    }
+    if !body.is_empty() {
+        request = request.header(axum::http::header::CONTENT_TYPE, "application/json").body(body);
+    }
+    let unreachable = |err: reqwest::Error| {
+        ApiError::new(StatusCode::BAD_GATEWAY, "broker_unreachable", format!("dequeue broker at {addr}: {err}"))
+    };
+    let response = request.send().await.map_err(unreachable)?;
+    let status = StatusCode::from_u16(response.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    Ok((status, response.bytes().await.map_err(unreachable)?))
+}
+
+fn no_broker() -> ApiError {
+    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no_broker", "no dequeue broker is running (tally-broker)")
+}
+
+/// A broker's refusal passed on as it is (a 401 for a missing token, a 404 for an
+/// unknown queue: the broker's own JSON error).
+fn passed_on(status: StatusCode, body: Bytes) -> Response {
+    (status, [(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+/// `GET /v1/jobs`: the brokers and every queue they serve.
+pub async fn overview(State(state): State<Arc<ApiState>>, headers: HeaderMap) -> Result<Response, ApiError> {
+    let live = state.brokers.live();
+    let asked = join_all(
+        live.iter().map(|broker| ask(&state, &broker.addr, Method::GET, "/v1/queues", &headers, Bytes::new())),
+    )
+    .await;
+    let mut answers = Vec::new();
+    for answer in asked {
+        let (status, body) = answer?;
+        if !status.is_success() {
+            return Ok(passed_on(status, body));
+        }
+        let parsed: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+        let stats: Vec<QueueStats> = serde_json::from_value(parsed["queues"].clone())
+            .map_err(|err| ApiError::new(StatusCode::BAD_GATEWAY, "broker_answer", err.to_string()))?;
+        answers.push(stats);
+    }
+    let mut queues = merge(answers);
+    if let Some(broker) = live.first() {
+        let (state, headers) = (&state, &headers);
+        let totals = join_all(queues.iter().map(|queue| {
+            let path = format!("/v1/queues/{}/dead?limit=1", encode(&queue.queue));
+            async move { ask(state, &broker.addr, Method::GET, &path, headers, Bytes::new()).await }
+        }))
+        .await;
+        for (queue, total) in queues.iter_mut().zip(totals) {
+            if let Ok((StatusCode::OK, body)) = total {
+                let parsed: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+                queue.dead = parsed["total"].as_u64().map(|n| n as usize);
+            }
+        }
+    }
+    let brokers = live
+        .into_iter()
+        .map(|m| BrokerView {
+            heard_at_ms: state.brokers.membership.heard_at(&m.instance),
+            instance: m.instance,
+            addr: m.addr,
+        })
+        .collect();
+    json_response(&JobsOverview { at_ms: now_ms(), brokers, queues })
+}
+
+/// `GET /v1/jobs/{queue}/dead`: passed to a live broker as it came.
+pub async fn dead(
+    State(state): State<Arc<ApiState>>,
+    Path(queue): Path<String>,
+    RawQuery(query): RawQuery,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let mut target = format!("/v1/queues/{}/dead", encode(&queue));
+    if let Some(query) = query {
+        target.push('?');
+        target.push_str(&query);
+    }
+    pass_on(&state, Method::GET, &target, &headers, Bytes::new()).await
+}
+
+/// `POST /v1/jobs/{queue}/dead/requeue|discard`: passed to a live broker as it
+/// came (body and `Authorization`).
+pub async fn decide(
+    State(state): State<Arc<ApiState>>,
+    Path((queue, action)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    if action != "requeue" && action != "discard" {
+        return Err(ApiError::new(StatusCode::NOT_FOUND, "not_found", "dead jobs are requeued or discarded"));
+    }
+    let target = format!("/v1/queues/{}/dead/{action}", encode(&queue));
+    pass_on(&state, Method::POST, &target, &headers, body).await
+}
+
+async fn pass_on(
+    state: &ApiState,
+    method: Method,
+    target: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let broker = state.brokers.live().into_iter().next().ok_or_else(no_broker)?;
+    let (status, body) = ask(state, &broker.addr, method, target, headers, body).await?;
+    Ok(passed_on(status, body))
+}
+
+fn encode(segment: &str) -> String {
+    percent_encoding::utf8_percent_encode(segment, percent_encoding::NON_ALPHANUMERIC).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn partition(partition: i32, owner: &str, owned_here: bool, ready: usize) -> PartitionInfo {
+        PartitionInfo { partition, owner: Some(owner.into()), owned_here, ready, delayed: 1, in_flight: 2, lag: 3 }
+    }
+
+    #[test]
+    fn each_partition_comes_from_its_owner() {
+        let stats = |rate: f64, partitions: Vec<PartitionInfo>| QueueStats {
+            queue: "emails".into(),
+            rate,
+            partitions,
+            ..Default::default()
+        };
+        let a = stats(1.5, vec![partition(0, "a", true, 10), partition(1, "b", false, 0)]);
+        let b = stats(2.0, vec![partition(0, "a", false, 0), partition(1, "b", true, 20)]);
+        let merged = merge(vec![vec![a], vec![b]]);
+        assert_eq!(
+            merged,
+            vec![QueueView {
+                queue: "emails".into(),
+                depth: 10 + 20 + 2 + 6,
+                ready: 30,
+                delayed: 2,
+                in_flight: 4,
+                lag: 6,
+                dead: None,
+                rate: 3.5,
+                rate_limit_per_sec: None,
+                fifo: false,
+                partitions: vec![partition(0, "a", true, 10), partition(1, "b", true, 20)],
+            }]
+        );
+    }
+}
