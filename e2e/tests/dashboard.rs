@@ -431,6 +431,8 @@ async fn jobs_console_shows_queues_and_requeues_and_discards_dead_jobs_with_the_
     assert_eq!(row[1], "1", "attempts");
     assert_eq!(row[2], "smtp 550: mailbox unavailable");
     assert_eq!(row[3], first["payload"].to_string());
+    // A few refreshes, so the dequeue-rate chart has a history in the screenshot.
+    tokio::time::sleep(Duration::from_secs(7)).await;
     browser.screenshot("jobs.png").await;
 
     // Requeue one: it leaves the list and a worker gets it again, payload and all.
