@@ -93,7 +93,7 @@ pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: Up
     }
     let bin_dir = std::env::current_exe()?.parent().map(Path::to_path_buf).context("locating the service binaries")?;
 
-    println!("tally: read API and dashboard  http://{}/", config.query.listen);
+    println!("tally: read API and dashboard  http://{0}/  (job queues console: http://{0}/jobs)", config.query.listen);
     println!("tally: job queues (dequeue brokers)  http://{}/v1/queues", config.broker.listen);
     let counter_metrics: Vec<String> =
         counters.iter().map(|(_, env)| format!("http://{}/metrics", admin_listen_of(env, &config))).collect();
