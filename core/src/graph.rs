@@ -155,23 +155,35 @@ impl Graph {
     }
 
     /// Every entity that reaches `entity` (whose descendants hold it), `entity`
-    /// excluded, sorted: the ancestors whose direct counts make up its total.
-    pub fn ancestors(&self, entity: &str) -> Vec<&str> {
-        let Some(id) = self.id(entity) else { return Vec::new() };
-        let mut names: Vec<&str> = self.reach(id, false).into_iter().map(|n| self.name(n)).collect();
+    /// excluded, sorted: the ancestors whose direct counts make up its total. At most
+    /// `limit`; the walk stops there, and the flag says whether there were more.
+    pub fn ancestors(&self, entity: &str, limit: usize) -> (Vec<&str>, bool) {
+        let Some(id) = self.id(entity) else { return (Vec::new(), false) };
+        let reached = self.reach_at_most(id, false, limit.saturating_add(1));
+        let more = reached.len() > limit;
+        let mut names: Vec<&str> = reached.into_iter().map(|n| self.name(n)).collect();
         names.sort_unstable();
-        names
+        names.truncate(limit);
+        (names, more)
     }
 
     /// Every node reachable from `start` by one or more edges (forward or backward),
     /// `start` excluded.
     fn reach(&self, start: NodeId, forward: bool) -> FxHashSet<NodeId> {
+        self.reach_at_most(start, forward, usize::MAX)
+    }
+
+    /// Like [`Graph::reach`], stopping once `bound` nodes are reached.
+    fn reach_at_most(&self, start: NodeId, forward: bool, bound: usize) -> FxHashSet<NodeId> {
         let adjacency = if forward { &self.out } else { &self.inn };
         let mut seen = FxHashSet::default();
         let mut queue = VecDeque::from([start]);
         while let Some(node) = queue.pop_front() {
             for &next in &adjacency[node as usize] {
                 if next != start && seen.insert(next) {
+                    if seen.len() >= bound {
+                        return seen;
+                    }
                     queue.push_back(next);
                 }
             }
@@ -351,7 +363,11 @@ mod tests {
                         .map(|a| format!("n{a}"))
                         .filter(|a| brute_desc(&edges, a).contains(&origin))
                         .collect();
-                    prop_assert_eq!(graph.ancestors(&origin), ancestors, "ancestors of {}", origin);
+                    prop_assert_eq!(graph.ancestors(&origin, 8), (ancestors.iter().map(String::as_str).collect(), false), "ancestors of {}", origin);
+                    if !ancestors.is_empty() {
+                        let (bounded, more) = graph.ancestors(&origin, ancestors.len() - 1);
+                        prop_assert!(more && bounded.len() == ancestors.len() - 1, "bounded ancestors of {}", origin);
+                    }
                 }
                 prop_assert_eq!(graph.edge_count(), edges.len());
             }

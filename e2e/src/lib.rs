@@ -772,6 +772,7 @@ pub mod check {
             "/v1/counters/user:1/views/contributors?limit=0",
             "/v1/counters/user:1/views/contributors?window=7x",
             "/v1/counters/user:1/views/contributors?page_token=YzE6MTp4",
+            "/v1/counters/user:1/views/contributors?page_token=YzI6MDoxOmE",
             "/v1/counters/user:1/views/contributors?sort=up",
         ];
         for path in gets {

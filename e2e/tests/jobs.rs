@@ -401,6 +401,8 @@ async fn the_cli_enqueues_shows_stats_and_requeues_dead_jobs() {
     assert!(ok && out.contains("work"), "{out}");
     let (ok, out) = sandbox.cli(&["jobs", "dead", "work", "--requeue"]);
     assert!(ok && out.contains("requeued 3"), "{out}");
+    let (ok, out) = sandbox.cli(&["jobs", "dead", "work"]);
+    assert!(ok && out.lines().any(|l| l.starts_with("0 dead jobs on work")), "requeued jobs leave the list: {out}");
 
     // The requeued jobs run again.
     let ran: Arc<Mutex<HashSet<String>>> = Arc::default();

@@ -31,31 +31,45 @@ pub struct Listing {
     pub unreadable: usize,
 }
 
+/// What [`DeadJobs::decide_all`] did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Decided {
+    pub decided: usize,
+    /// Places with no undecided dead job (never dead, or decided already).
+    pub not_found: Vec<(i32, i64)>,
+    /// Jobs that cannot take the action, and why.
+    pub refused: Vec<((i32, i64), String)>,
+}
+
 pub struct DeadJobs {
     kafka: KafkaConfig,
     names: TopicNames,
     producer: FutureProducer,
+    deciding: tokio::sync::Mutex<()>,
 }
 
 impl DeadJobs {
     pub fn new(kafka: &KafkaConfig, names: TopicNames) -> Result<Self> {
         let producer = unstamped_producer_config(kafka)?.create()?;
-        Ok(Self { kafka: kafka.clone(), names, producer })
+        Ok(Self { kafka: kafka.clone(), names, producer, deciding: tokio::sync::Mutex::new(()) })
     }
 
     /// The queue's dead jobs without a decision. Blocking: reads two topics.
     pub fn undecided(&self, queue: &str) -> Result<Listing> {
-        let decided: HashSet<(i32, i64)> = read_to_end(&self.kafka, &self.names.dead_jobs_resolved(), WAIT)?
-            .iter()
-            .filter_map(|record| match DeadJobDecision::decode(record) {
-                Ok(decision) if decision.queue == queue => Some((decision.partition, decision.offset)),
-                Ok(_) => None,
-                Err(err) => {
-                    tracing::warn!(error = %err, "a dead-job decision this build cannot read: ignored");
-                    None
-                }
-            })
-            .collect();
+        let mut decided: HashSet<(i32, i64)> = HashSet::new();
+        for (position, record) in read_to_end(&self.kafka, &self.names.dead_jobs_resolved(), WAIT)?.iter().enumerate() {
+            // Fails closed: a decision skipped would list its job as undecided
+            // again, and a requeued job could be requeued twice.
+            let decision = DeadJobDecision::decode(record).map_err(|err| {
+                Error::Topics(format!(
+                    "record {position} of {} is not a decision this build reads ({err}); upgrade, or remove it",
+                    self.names.dead_jobs_resolved()
+                ))
+            })?;
+            if decision.queue == queue {
+                decided.insert((decision.partition, decision.offset));
+            }
+        }
         let mut listing = Listing::default();
         let mut by_place = BTreeMap::new();
         for record in read_to_end(&self.kafka, &self.names.dead_jobs(queue), WAIT)? {
@@ -71,15 +85,47 @@ impl DeadJobs {
         Ok(listing)
     }
 
-    /// Records `action` for `job`; a requeued job is enqueued again first (keyed
-    /// like the original: its ordering key, else its id), so a crash in between
-    /// leaves it listed — requeued twice at worst, which at-least-once allows. A job
-    /// whose payload was cut to fit the dead topic is not the job that was
-    /// enqueued: it can be discarded, never requeued.
-    pub async fn decide(&self, job: &DeadJob, action: DeadJobAction) -> Result<()> {
+    /// Decides `action` for the dead jobs of `queue` at `places` (their places in
+    /// the queue; repeats count once), one decision at a time per process: each job
+    /// is looked up among the undecided ones under the lock, so two requests racing
+    /// for one job decide it once. (Operators' consoles reach one broker, the first
+    /// live one; two processes deciding the same job at the same moment could
+    /// still both act on it.)
+    pub async fn decide_all(
+        self: &std::sync::Arc<Self>,
+        queue: &str,
+        places: &[(i32, i64)],
+        action: DeadJobAction,
+    ) -> Result<Decided> {
+        let _one_at_a_time = self.deciding.lock().await;
+        let reader = self.clone();
+        let listed = queue.to_string();
+        let listing = tokio::task::spawn_blocking(move || reader.undecided(&listed))
+            .await
+            .map_err(|err| Error::Topics(err.to_string()))??;
+        let mut report = Decided::default();
+        let mut seen = HashSet::new();
+        for &place in places.iter().filter(|place| seen.insert(**place)) {
+            match listing.jobs.iter().find(|job| (job.partition, job.offset) == place) {
+                None => report.not_found.push(place),
+                Some(job) => match self.decide(job, action).await? {
+                    None => report.decided += 1,
+                    Some(reason) => report.refused.push((place, reason)),
+                },
+            }
+        }
+        Ok(report)
+    }
+
+    /// Records `action` for `job`, or says why not (`Some(reason)`); a requeued job
+    /// is enqueued again first (keyed like the original: its ordering key, else its
+    /// id), so a crash in between leaves it listed — requeued twice at worst, which
+    /// at-least-once allows. A job whose payload was cut to fit the dead topic is not
+    /// the job that was enqueued: it can be discarded, never requeued.
+    async fn decide(&self, job: &DeadJob, action: DeadJobAction) -> Result<Option<String>> {
         if action == DeadJobAction::Requeued {
             if job.truncated.contains_key("payload") {
-                return Err(Error::Topics(format!(
+                return Ok(Some(format!(
                     "job {} cannot be requeued: its payload was cut to fit the dead topic",
                     job.job.id
                 )));
@@ -91,7 +137,7 @@ impl DeadJobs {
         let decision = DeadJobDecision::new(&job.queue, job.partition, job.offset, action, now_ms());
         let bytes = serde_json::to_vec(&decision).map_err(|err| Error::Topics(err.to_string()))?;
         let key = DeadJobDecision::key(&job.queue, job.partition, job.offset);
-        self.send(&self.names.dead_jobs_resolved(), &key, &bytes).await
+        self.send(&self.names.dead_jobs_resolved(), &key, &bytes).await.map(|()| None)
     }
 
     async fn send(&self, topic: &str, key: &str, payload: &[u8]) -> Result<()> {

@@ -17,7 +17,6 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tally_core::jobs::{DeadJob, DeadJobAction};
 use tally_shared::dead_jobs::Listing;
-use tally_shared::http::ApiError;
 
 use crate::http::{body, error, find, ApiState};
 
@@ -153,32 +152,23 @@ async fn decide(
     if request.jobs.is_empty() || request.jobs.len() > MAX_DECIDED {
         return error(StatusCode::BAD_REQUEST, "invalid_jobs", format!("jobs: name 1-{MAX_DECIDED} dead jobs"));
     }
-    let listing = match undecided(&state, &queue.name).await {
-        Ok(listing) => listing,
-        Err(response) => return response,
+    let places: Vec<(i32, i64)> = request.jobs.iter().map(|p| (p.partition, p.offset)).collect();
+    let report = match state.dead.decide_all(&queue.name, &places, action).await {
+        Ok(report) => report,
+        Err(err) => return error(StatusCode::SERVICE_UNAVAILABLE, "unavailable", format!("deciding dead jobs: {err}")),
     };
-    let (mut decided, mut not_found, mut refused) = (0usize, Vec::new(), Vec::new());
-    for wanted in request.jobs {
-        let Some(job) = listing.jobs.iter().find(|job| place(job) == wanted) else {
-            not_found.push(wanted);
-            continue;
-        };
-        match state.dead.decide(job, action).await {
-            Ok(()) => decided += 1,
-            Err(err @ tally_shared::Error::Topics(_)) if job.truncated.contains_key("payload") => {
-                refused.push(json!({"partition": wanted.partition, "offset": wanted.offset, "reason": err.to_string()}))
-            }
-            Err(err) => {
-                let message = format!("{decided} decided, then: {err}");
-                return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message).into_response();
-            }
-        }
-    }
     let verb = match action {
         DeadJobAction::Requeued => "requeued",
         DeadJobAction::Discarded => "discarded",
     };
-    Json(json!({ verb: decided, "not_found": not_found, "refused": refused })).into_response()
+    let not_found: Vec<Place> =
+        report.not_found.iter().map(|&(partition, offset)| Place { partition, offset }).collect();
+    let refused: Vec<_> = report
+        .refused
+        .iter()
+        .map(|((partition, offset), reason)| json!({"partition": partition, "offset": offset, "reason": reason}))
+        .collect();
+    Json(json!({ verb: report.decided, "not_found": not_found, "refused": refused })).into_response()
 }
 
 #[cfg(test)]

@@ -121,16 +121,12 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
                 );
             }
             if requeue {
-                let mut requeued = 0;
-                for job in &listing.jobs {
-                    // A job whose payload was cut to fit the dead topic is listed, never requeued.
-                    match dead.decide(job, DeadJobAction::Requeued).await {
-                        Ok(()) => requeued += 1,
-                        Err(err) if job.truncated.contains_key("payload") => println!("not requeued: {err}"),
-                        Err(err) => return Err(err.into()),
-                    }
+                let places: Vec<(i32, i64)> = listing.jobs.iter().map(|job| (job.partition, job.offset)).collect();
+                let report = dead.decide_all(&queue, &places, DeadJobAction::Requeued).await?;
+                println!("requeued {} jobs", report.decided);
+                for (_, reason) in report.refused {
+                    println!("not requeued: {reason}");
                 }
-                println!("requeued {requeued} jobs");
             }
             Ok(())
         }

@@ -42,11 +42,16 @@ fn with_graph(
     Json(answer(&graph)).into_response()
 }
 
+/// A walk of up to `limit` nodes: on a blocking thread, off the async runtime.
 async fn ancestors(State(state): State<GraphState>, Json(request): Json<GraphAncestorsRequest>) -> Response {
-    with_graph(&state, |graph| {
-        let all = graph.ancestors(&request.entity);
-        let entities: Vec<String> = all.iter().take(request.limit).map(|name| name.to_string()).collect();
-        GraphNeighboursResponse { more: entities.len() < all.len(), entities }
+    let walk = move || {
+        with_graph(&state, |graph| {
+            let (names, more) = graph.ancestors(&request.entity, request.limit);
+            GraphNeighboursResponse { entities: names.into_iter().map(str::to_string).collect(), more }
+        })
+    };
+    tokio::task::spawn_blocking(walk).await.unwrap_or_else(|err| {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", err.to_string()).into_response()
     })
 }
 

@@ -40,17 +40,15 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/v1/query", post(batch))
         .route("/v1/entities/{entity}/metrics", get(entity_metrics))
         .route("/v1/graph/{entity}", get(graph_neighbours))
-        .route("/v1/status", get(crate::status::status));
-    let v1 = tally_shared::http::require_bearer(v1, state.auth_token.clone());
-    // The jobs console's data: guarded by the brokers' own token, passed on.
-    let jobs = Router::new()
+        .route("/v1/status", get(crate::status::status))
+        // The jobs console's data, from the brokers with their token passed on.
         .route("/v1/jobs", get(crate::jobs::overview))
         .route("/v1/jobs/{queue}/dead", get(crate::jobs::dead))
         .route("/v1/jobs/{queue}/dead/{action}", post(crate::jobs::decide));
+    let v1 = tally_shared::http::require_bearer(v1, state.auth_token.clone());
     Router::new()
         .merge(crate::dashboard::router())
         .merge(v1)
-        .merge(jobs)
         .fallback(|| async {
             ApiError { status: StatusCode::NOT_FOUND, code: "not_found", message: "no such endpoint".into() }
         })

@@ -4,12 +4,15 @@
 //!
 //! Cost and bounds: every page asks tally-graph for the entity's ancestors (at most
 //! [`MAX_ANCESTORS`]; more is a 422 `too_many_ancestors`) and reads the direct count of
-//! each in one fan-out (one request per counter, chunks of [`READ_CHUNK`] queries),
+//! each at one read time (fan-outs of up to [`READ_CHUNK`] queries, each one request
+//! per counter),
 //! then sorts them: O(A log A) for A ancestors, whatever the page size. The page
-//! token carries the read time of the first page, so every page of one listing sums
-//! the same window, and `direct + Σ contributors = total` holds exactly across the
-//! pages of a listing while no graph change or increment is in flight. Ancestors
-//! whose direct count in the window is 0 contribute nothing and are left out.
+//! token carries the read time of the first page (refused after an hour) and the
+//! last contributor shown, so every page of one listing sums the same window and
+//! continues after that contributor in rank order; `direct + Σ contributors = total`
+//! holds exactly across the pages of a listing while no graph change or increment is
+//! in flight. Ancestors whose direct count in the window is 0 contribute nothing and
+//! are left out.
 
 use std::sync::Arc;
 
@@ -58,29 +61,48 @@ struct Contributors<'a> {
     next_page_token: Option<String>,
 }
 
-/// Where a listing stands: the read time of its first page and the next offset.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How old a page token's read time may be: a listing is read page after page
+/// within minutes, and a read time much older than its buckets' retention would
+/// read buckets past it.
+const TOKEN_MAX_AGE_MS: i64 = 3_600_000;
+
+/// Where a listing stands: the read time of its first page, and the last
+/// contributor shown (pages continue after it in rank order: a contributor whose
+/// value changes between pages is neither lost nor shown twice by its position).
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Position {
     now_ms: i64,
-    offset: usize,
+    after: Option<(i64, String)>,
 }
 
-fn encode_position(position: Position) -> String {
-    let text = format!("c1:{}:{}", position.now_ms, position.offset);
+fn encode_position(position: &Position) -> String {
+    let (value, entity) = position.after.clone().unwrap_or_default();
+    let text = format!("c2:{}:{value}:{entity}", position.now_ms);
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(text)
 }
 
-fn decode_position(token: &str) -> Result<Position, ApiError> {
+/// The position a token carries, refused unless this API issued it within the last
+/// [`TOKEN_MAX_AGE_MS`] (by its read time; a minute of clock skew allowed).
+fn decode_position(token: &str, now_ms: i64) -> Result<Position, ApiError> {
     let invalid = || ApiError::bad_request("invalid_page_token", "page_token: not a token this API issued");
     let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(token).map_err(|_| invalid())?;
     let text = String::from_utf8(bytes).map_err(|_| invalid())?;
-    let mut parts = text.split(':');
-    let (Some("c1"), Some(now), Some(offset), None) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
+    let mut parts = text.splitn(4, ':');
+    let (Some("c2"), Some(read_at), Some(value), Some(entity)) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
         return Err(invalid());
     };
-    let now_ms = now.parse::<i64>().ok().filter(|now| *now >= 0).ok_or_else(invalid)?;
-    let offset = offset.parse::<usize>().map_err(|_| invalid())?;
-    Ok(Position { now_ms, offset })
+    let read_at = read_at.parse::<i64>().map_err(|_| invalid())?;
+    if !(now_ms - TOKEN_MAX_AGE_MS..=now_ms + 60_000).contains(&read_at) {
+        return Err(ApiError::bad_request(
+            "expired_page_token",
+            "page_token: issued more than an hour ago; start the listing again",
+        ));
+    }
+    let value = value.parse::<i64>().map_err(|_| invalid())?;
+    check_entity(entity).map_err(|_| invalid())?;
+    Ok(Position { now_ms: read_at, after: Some((value, entity.to_string())) })
 }
 
 /// The nonzero contributors, largest first (ties by name).
@@ -109,8 +131,8 @@ pub async fn contributors(
         return Err(ApiError::bad_request("invalid_limit", "limit: must be 1-1000"));
     }
     let position = match params.page_token.as_deref() {
-        None | Some("") => Position { now_ms: now_ms(), offset: 0 },
-        Some(token) => decode_position(token)?,
+        None | Some("") => Position { now_ms: now_ms(), after: None },
+        Some(token) => decode_position(token, now_ms())?,
     };
     let timer = state.metrics.request_seconds.with_label_values(&["contributors"]).start_timer();
     let graph = state.fanout.ancestors(&entity, MAX_ANCESTORS).await?;
@@ -150,12 +172,19 @@ pub async fn contributors(
         return Err(ApiError::unavailable("no answer"));
     };
     let ranked = rank(&graph.entities, ancestor_values);
-    let page: Vec<Contributor> = ranked.into_iter().skip(position.offset).take(limit + 1).collect();
+    let start = match &position.after {
+        None => 0,
+        Some((value, entity)) => {
+            ranked.partition_point(|c| (std::cmp::Reverse(c.value), c.entity) <= (std::cmp::Reverse(*value), entity))
+        }
+    };
+    let mut page: Vec<Contributor> = ranked.into_iter().skip(start).take(limit + 1).collect();
     let more = page.len() > limit;
-    let mut page = page;
     page.truncate(limit);
-    let next_page_token =
-        more.then(|| encode_position(Position { now_ms: position.now_ms, offset: position.offset + limit }));
+    let next_page_token = more.then(|| {
+        let last = page.last().map(|c| (c.value, c.entity.to_string()));
+        encode_position(&Position { now_ms: position.now_ms, after: last })
+    });
     json_response(&Contributors {
         entity: &entity,
         metric: &metric,
@@ -175,12 +204,37 @@ mod tests {
     use super::*;
 
     #[test]
-    fn positions_round_trip_and_reject_forgeries() {
-        let position = Position { now_ms: 1_763_780_000_000, offset: 200 };
-        assert_eq!(decode_position(&encode_position(position)).unwrap(), position);
-        for forged in ["", "!!", "YzE6MTp4", "YzI6MToy", "YzE6LTE6Mg", "YzE6MToyOjM"] {
-            assert_eq!(decode_position(forged).unwrap_err().code, "invalid_page_token", "{forged}");
+    fn positions_round_trip_and_reject_forgeries_and_old_tokens() {
+        let now = 1_763_780_000_000;
+        let position = Position { now_ms: now - 5_000, after: Some((-3, "a:b:c".into())) };
+        assert_eq!(decode_position(&encode_position(&position), now).unwrap(), position);
+        let token = |text: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(text);
+        for forged in [
+            "",
+            "!!",
+            &token("c1:1:2"),
+            &token("c2:x:1:a"),
+            &token("c2:1763780000000:x:a"),
+            &token("c2:1763780000000:1:a\tb"),
+        ] {
+            assert_eq!(decode_position(forged, now).unwrap_err().code, "invalid_page_token", "{forged}");
         }
+        for stale in [now - TOKEN_MAX_AGE_MS - 1, now + 60_001, i64::MAX, 0] {
+            let token = encode_position(&Position { now_ms: stale, after: Some((1, "a".into())) });
+            assert_eq!(decode_position(&token, now).unwrap_err().code, "expired_page_token", "{stale}");
+        }
+    }
+
+    #[test]
+    fn pages_continue_after_the_last_contributor_shown() {
+        let ancestors: Vec<String> = ["a", "b", "c", "d"].iter().map(|s| s.to_string()).collect();
+        let ranked = rank(&ancestors, &[5, 9, 5, 1]);
+        let after = (5, "a".to_string());
+        let start = ranked.partition_point(|c| {
+            (std::cmp::Reverse(c.value), c.entity) <= (std::cmp::Reverse(after.0), after.1.as_str())
+        });
+        let rest: Vec<&str> = ranked[start..].iter().map(|c| c.entity).collect();
+        assert_eq!(rest, vec!["c", "d"]);
     }
 
     #[test]

@@ -1,13 +1,19 @@
 //! The jobs console's data (`/v1/jobs…`): tally-query finds the dequeue brokers
 //! itself (it follows their heartbeats on `queue-brokers`) and asks them. `GET
 //! /v1/jobs` merges every live broker's queue stats — each partition's numbers from
-//! the broker that owns it — with each queue's undecided dead jobs; the dead-job
-//! listing, requeue and discard go to any live broker. The client's `Authorization`
-//! header is passed on as it came: the brokers' bearer token guards the console, and
-//! tally-query holds no broker credentials of its own.
+//! the broker that owns it; a broker that does not answer is listed as unreachable
+//! and the others still shown — with each queue's undecided dead jobs (counted at
+//! most every [`DEAD_TOTALS_TTL`]); the dead-job listing, requeue and discard go to
+//! the first live broker (so decisions about one job meet in one process). These
+//! routes sit behind tally-query's own token like the rest of `/v1`; the brokers'
+//! token comes from the client in `X-Broker-Authorization` and is passed on as the
+//! broker's `Authorization` — tally-query holds no broker credentials of its own.
+//! A broker's 401 becomes `broker_unauthorized`, so a client can tell which token
+//! is missing.
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::extract::{Path, RawQuery, State};
@@ -23,15 +29,42 @@ use tally_shared::membership::Membership;
 use crate::api::{json_response, ApiState};
 use crate::error::ApiError;
 
+/// How long a queue's count of undecided dead jobs is reused (counting reads the
+/// dead topic and the decisions to their ends).
+pub const DEAD_TOTALS_TTL: Duration = Duration::from_secs(10);
+
+/// How long a request to a broker may take (a decision reads two topics and
+/// produces two records).
+const BROKER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The header that carries the brokers' bearer token.
+pub const BROKER_AUTHORIZATION: &str = "x-broker-authorization";
+
 /// The live dequeue brokers, as their heartbeats say.
 pub struct Brokers {
     pub membership: Arc<Membership>,
     pub timeout_ms: u64,
+    /// queue → (when counted, undecided dead jobs).
+    dead_totals: Mutex<HashMap<String, (Instant, usize)>>,
 }
 
 impl Brokers {
+    pub fn new(membership: Arc<Membership>, timeout_ms: u64) -> Self {
+        Self { membership, timeout_ms, dead_totals: Mutex::default() }
+    }
+
     pub fn live(&self) -> Vec<Member> {
         self.membership.live(now_ms(), self.timeout_ms)
+    }
+
+    fn cached_dead_total(&self, queue: &str) -> Option<usize> {
+        let totals = self.dead_totals.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        totals.get(queue).filter(|(at, _)| at.elapsed() < DEAD_TOTALS_TTL).map(|(_, total)| *total)
+    }
+
+    fn cache_dead_total(&self, queue: &str, total: usize) {
+        let mut totals = self.dead_totals.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        totals.insert(queue.to_string(), (Instant::now(), total));
     }
 }
 
@@ -40,6 +73,8 @@ struct BrokerView {
     instance: String,
     addr: String,
     heard_at_ms: Option<i64>,
+    /// Why its stats are missing, when it did not answer.
+    error: Option<String>,
 }
 
 #[derive(Debug, Serialize, PartialEq)]
@@ -119,8 +154,8 @@ async fn ask(
     headers: &HeaderMap,
     body: Bytes,
 ) -> Result<(StatusCode, Bytes), ApiError> {
-    let mut request = state.fanout.client.request(method, format!("http://{addr}{path}"));
-    if let Some(authorization) = headers.get(axum::http::header::AUTHORIZATION) {
+    let mut request = state.fanout.client.request(method, format!("http://{addr}{path}")).timeout(BROKER_TIMEOUT);
+    if let Some(authorization) = headers.get(BROKER_AUTHORIZATION) {
         request = request.header(axum::http::header::AUTHORIZATION, authorization);
     }
     if !body.is_empty() {
@@ -131,6 +166,10 @@ async fn ask(
     };
     let response = request.send().await.map_err(unreachable)?;
     let status = StatusCode::from_u16(response.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    if status == StatusCode::UNAUTHORIZED {
+        let message = "the dequeue brokers need their bearer token (X-Broker-Authorization)";
+        return Err(ApiError::new(StatusCode::UNAUTHORIZED, "broker_unauthorized", message));
+    }
     Ok((status, response.bytes().await.map_err(unreachable)?))
 }
 
@@ -138,8 +177,8 @@ fn no_broker() -> ApiError {
     ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no_broker", "no dequeue broker is running (tally-broker)")
 }
 
-/// A broker's refusal passed on as it is (a 401 for a missing token, a 404 for an
-/// unknown queue: the broker's own JSON error).
+/// A broker's answer passed on as it is (a 404 for an unknown queue is the
+/// broker's own JSON error).
 fn passed_on(status: StatusCode, body: Bytes) -> Response {
     (status, [(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response()
 }
@@ -152,39 +191,46 @@ pub async fn overview(State(state): State<Arc<ApiState>>, headers: HeaderMap) ->
     )
     .await;
     let mut answers = Vec::new();
-    for answer in asked {
-        let (status, body) = answer?;
-        if !status.is_success() {
-            return Ok(passed_on(status, body));
-        }
-        let parsed: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
-        let stats: Vec<QueueStats> = serde_json::from_value(parsed["queues"].clone())
-            .map_err(|err| ApiError::new(StatusCode::BAD_GATEWAY, "broker_answer", err.to_string()))?;
-        answers.push(stats);
+    let mut brokers = Vec::new();
+    for (member, answer) in live.iter().zip(asked) {
+        let stats = match answer {
+            Err(refused) if refused.code == "broker_unauthorized" => return Err(refused),
+            Err(unreachable) => Err(unreachable.message),
+            Ok((status, body)) if status.is_success() => {
+                let parsed: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+                serde_json::from_value::<Vec<QueueStats>>(parsed["queues"].clone())
+                    .map_err(|err| format!("an answer this build cannot read: {err}"))
+            }
+            Ok((status, body)) => Err(format!("{status}: {}", String::from_utf8_lossy(&body))),
+        };
+        let error = stats.as_ref().err().cloned();
+        answers.extend(stats.ok());
+        brokers.push(BrokerView {
+            heard_at_ms: state.brokers.membership.heard_at(&member.instance),
+            instance: member.instance.clone(),
+            addr: member.addr.clone(),
+            error,
+        });
     }
     let mut queues = merge(answers);
     if let Some(broker) = live.first() {
         let (state, headers) = (&state, &headers);
-        let totals = join_all(queues.iter().map(|queue| {
+        let totals = join_all(queues.iter().map(|queue| async move {
+            if let Some(total) = state.brokers.cached_dead_total(&queue.queue) {
+                return Some(total);
+            }
             let path = format!("/v1/queues/{}/dead?limit=1", encode(&queue.queue));
-            async move { ask(state, &broker.addr, Method::GET, &path, headers, Bytes::new()).await }
+            let (status, body) = ask(state, &broker.addr, Method::GET, &path, headers, Bytes::new()).await.ok()?;
+            let parsed: serde_json::Value = serde_json::from_slice(&body).ok().filter(|_| status == StatusCode::OK)?;
+            let total = parsed["total"].as_u64()? as usize;
+            state.brokers.cache_dead_total(&queue.queue, total);
+            Some(total)
         }))
         .await;
         for (queue, total) in queues.iter_mut().zip(totals) {
-            if let Ok((StatusCode::OK, body)) = total {
-                let parsed: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
-                queue.dead = parsed["total"].as_u64().map(|n| n as usize);
-            }
+            queue.dead = total;
         }
     }
-    let brokers = live
-        .into_iter()
-        .map(|m| BrokerView {
-            heard_at_ms: state.brokers.membership.heard_at(&m.instance),
-            instance: m.instance,
-            addr: m.addr,
-        })
-        .collect();
     json_response(&JobsOverview { at_ms: now_ms(), brokers, queues })
 }
 
@@ -215,7 +261,10 @@ pub async fn decide(
         return Err(ApiError::new(StatusCode::NOT_FOUND, "not_found", "dead jobs are requeued or discarded"));
     }
     let target = format!("/v1/queues/{}/dead/{action}", encode(&queue));
-    pass_on(&state, Method::POST, &target, &headers, body).await
+    let answer = pass_on(&state, Method::POST, &target, &headers, body).await;
+    // The next overview counts this queue's dead jobs again.
+    state.brokers.dead_totals.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).remove(&queue);
+    answer
 }
 
 async fn pass_on(

@@ -59,7 +59,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         membership.clone(),
         shutdown.clone(),
     )?;
-    let brokers = jobs::Brokers { membership, timeout_ms: config.broker.member_timeout_ms };
+    let brokers = jobs::Brokers::new(membership, config.broker.member_timeout_ms);
     let state = Arc::new(api::ApiState {
         brokers,
         fanout: fanout::Fanout {

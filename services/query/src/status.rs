@@ -30,8 +30,9 @@ struct ShardView {
 #[derive(Debug, Serialize)]
 struct Status {
     at_ms: i64,
-    /// Records not applied yet over every shard whose lag is known.
-    lag: i64,
+    /// Records not applied yet over every serving shard; `None` while a serving
+    /// shard's lag has not been measured yet.
+    lag: Option<i64>,
     /// The oldest lag measurement summed in `lag`.
     lag_at_ms: Option<i64>,
     serving: usize,
@@ -80,7 +81,7 @@ pub async fn status(State(state): State<Arc<ApiState>>) -> Result<Response, ApiE
     let graph = fanout.owners.get(ShardOwner::GRAPH).and_then(|claim| claim.addr);
     json_response(&Status {
         at_ms: now_ms(),
-        lag: shards.iter().filter_map(|s| s.lag).sum(),
+        lag: shards.iter().filter(|s| s.state == "serving").map(|s| s.lag).sum(),
         lag_at_ms: shards.iter().filter_map(|s| s.lag_at_ms).min(),
         serving: shards.iter().filter(|s| s.state == "serving").count(),
         shards,

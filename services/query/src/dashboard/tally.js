@@ -1,11 +1,13 @@
-// The dashboard's shared script: fetching the API (with the bearer token the user
-// gave, kept for this tab only), formatting, and hand-written SVG charts.
+// The dashboard's shared script: fetching the API (with the bearer tokens the user
+// gave — tally-query's, and the dequeue brokers' for the jobs console — kept for
+// this tab only), formatting, and hand-written SVG charts.
 "use strict";
 
 const tally = (() => {
   const SVG = "http://www.w3.org/2000/svg";
   const COLOURS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777"];
-  const TOKEN = "tally.token";
+  // Where each token is kept, by the error code that asks for it.
+  const TOKENS = { unauthorized: "tally.token", broker_unauthorized: "tally.broker-token" };
 
   const $ = (selector, root = document) => root.querySelector(selector);
 
@@ -30,8 +32,10 @@ const tally = (() => {
   /// JSON from the API; a JSON error becomes an ApiError with its message.
   async function api(path, options = {}) {
     const headers = { ...(options.headers || {}) };
-    const token = sessionStorage.getItem(TOKEN);
+    const token = sessionStorage.getItem(TOKENS.unauthorized);
     if (token) headers.Authorization = `Bearer ${token}`;
+    const brokerToken = sessionStorage.getItem(TOKENS.broker_unauthorized);
+    if (brokerToken && path.startsWith("/v1/jobs")) headers["X-Broker-Authorization"] = `Bearer ${brokerToken}`;
     if (options.body !== undefined) headers["Content-Type"] = "application/json";
     const response = await fetch(path, { method: options.method || "GET", headers,
       body: options.body === undefined ? undefined : JSON.stringify(options.body) });
@@ -45,15 +49,17 @@ const tally = (() => {
     return body;
   }
 
-  /// A form asking for the bearer token, shown in `box` after a 401.
-  function askToken(box, what, then) {
+  /// A form asking, after a 401 (`error`), for the token it names: tally-query's
+  /// or the dequeue brokers'.
+  function askToken(box, error, then) {
+    const broker = error.code === "broker_unauthorized";
     box.className = "message info";
     box.replaceChildren(
-      `${what} needs a bearer token. `,
-      el("input", { id: "token", type: "password", placeholder: "token", size: 24 }),
+      `${broker ? "The dequeue brokers' API" : "The read API"} needs a bearer token. `,
+      el("input", { id: "token", type: "password", placeholder: broker ? "broker token" : "token", size: 24 }),
       " ",
       el("button", { id: "save-token", class: "primary", onclick: () => {
-        sessionStorage.setItem(TOKEN, $("#token").value);
+        sessionStorage.setItem(broker ? TOKENS.broker_unauthorized : TOKENS.unauthorized, $("#token").value);
         box.className = "hidden";
         then();
       } }, "use token"));
@@ -167,9 +173,10 @@ const tally = (() => {
     try {
       const status = await api("/v1/status");
       const all = status.shards.length;
-      const level = status.serving < all ? "bad" : status.lag > 1000 ? "warn" : "ok";
+      const known = status.lag !== null;
+      const level = status.serving < all ? "bad" : !known || status.lag > 1000 ? "warn" : "ok";
       box.replaceChildren(el("span", { class: `dot ${level}` }),
-        el("span", { id: "lag", "data-lag": status.lag }, `lag ${fmt(status.lag)} records`),
+        el("span", { id: "lag", "data-lag": known ? status.lag : "" }, known ? `lag ${fmt(status.lag)} records` : "lag not measured yet"),
         ` · ${status.serving}/${all} shards serving · updated ${time(status.at_ms)}`);
     } catch (err) {
       box.replaceChildren(el("span", { class: "dot bad" }), `status unavailable: ${err.message}`);
