@@ -321,6 +321,15 @@ async fn counters_page_plots_totals_and_explains_what_the_api_answers() {
     browser.close().await;
 }
 
+/// A worker's call to the broker's API for the `mail` queue (with its token): the
+/// JSON answer.
+async fn worker(http: &reqwest::Client, broker: &str, call: &str, body: Value) -> Value {
+    let url = format!("{broker}/v1/queues/mail/{call}");
+    let response = http.post(&url).bearer_auth("s3cret").json(&body).send().await.unwrap();
+    assert!(response.status().is_success(), "{url}: {}", response.status());
+    response.json().await.unwrap()
+}
+
 const QUEUE: &str = r#"
 [[queue]]
 name = "mail"
@@ -349,30 +358,23 @@ async fn jobs_console_shows_queues_and_requeues_and_discards_dead_jobs_with_the_
         .collect();
     sandbox.produce_to(&sandbox.names.jobs("mail"), &jobs).await;
 
+    eventually("the broker serves", || async {
+        let answer = http.get(format!("{broker}/v1/queues")).bearer_auth("s3cret").send().await;
+        answer.ok().filter(|r| r.status().is_success()).map(|_| ()).ok_or("not yet".to_string())
+    })
+    .await;
     // A worker fails each job once: with max_attempts = 1 they die.
     let mut failed = 0;
     let deadline = Instant::now() + Duration::from_secs(60);
     while failed < 3 {
         assert!(Instant::now() < deadline, "the broker never handed out the jobs");
-        let response = http
-            .post(format!("{broker}/v1/queues/mail/dequeue"))
-            .bearer_auth("s3cret")
-            .json(&json!({"max": 10, "wait_ms": 500}))
-            .send()
-            .await;
-        let Ok(response) = response else { continue };
-        let body: Value = response.json().await.unwrap_or_default();
-        for job in body["jobs"].as_array().cloned().unwrap_or_default() {
+        for job in worker(&http, &broker, "dequeue", json!({"max": 10, "wait_ms": 500})).await["jobs"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+        {
             let nack = json!({"lease": job["lease"], "error": "smtp 550: mailbox unavailable"});
-            let status = http
-                .post(format!("{broker}/v1/queues/mail/nack"))
-                .bearer_auth("s3cret")
-                .json(&nack)
-                .send()
-                .await
-                .unwrap()
-                .status();
-            assert_eq!(status, 200);
+            assert_eq!(worker(&http, &broker, "nack", nack).await, json!({"nacked": true}));
             failed += 1;
         }
     }
@@ -456,29 +458,13 @@ async fn jobs_console_shows_queues_and_requeues_and_discards_dead_jobs_with_the_
     let deadline = Instant::now() + Duration::from_secs(60);
     while again.is_none() {
         assert!(Instant::now() < deadline, "the requeued job never came back");
-        let response = http
-            .post(format!("{broker}/v1/queues/mail/dequeue"))
-            .bearer_auth("s3cret")
-            .json(&json!({"max": 10, "wait_ms": 500}))
-            .send()
-            .await
-            .unwrap();
-        let body: Value = response.json().await.unwrap();
+        let body = worker(&http, &broker, "dequeue", json!({"max": 10, "wait_ms": 500})).await;
         again = body["jobs"].as_array().and_then(|jobs| jobs.first().cloned());
     }
     let again = again.unwrap();
     // Acked, so it does not die again when its lease runs out.
     let ack = json!({"leases": [again["lease"]]});
-    let acked: Value = http
-        .post(format!("{broker}/v1/queues/mail/ack"))
-        .bearer_auth("s3cret")
-        .json(&ack)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let acked = worker(&http, &broker, "ack", ack).await;
     assert_eq!(acked["acked"], 1, "{acked}");
     assert_eq!(
         (again["id"].clone(), again["payload"].clone(), again["attempt"].clone()),

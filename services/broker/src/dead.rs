@@ -12,11 +12,11 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use base64::Engine;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tally_core::jobs::{DeadJob, DeadJobAction};
 use tally_shared::dead_jobs::Listing;
+use tally_shared::http::page_token;
 
 use crate::http::{body, error, find, ApiState};
 
@@ -45,14 +45,12 @@ pub struct DecideRequest {
 }
 
 fn encode_place(place: Place) -> String {
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("{}:{}", place.partition, place.offset))
+    page_token::encode("d1", &[&place.partition.to_string(), &place.offset.to_string()])
 }
 
 fn decode_place(token: &str) -> Option<Place> {
-    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(token).ok()?;
-    let text = String::from_utf8(bytes).ok()?;
-    let (partition, offset) = text.split_once(':')?;
-    Some(Place { partition: partition.parse().ok()?, offset: offset.parse().ok()? })
+    let fields = page_token::decode(token, "d1", 2)?;
+    Some(Place { partition: fields[0].parse().ok()?, offset: fields[1].parse().ok()? })
 }
 
 fn place(job: &DeadJob) -> Place {
@@ -180,6 +178,7 @@ mod tests {
         let place = Place { partition: 3, offset: 1_234 };
         assert_eq!(decode_place(&encode_place(place)), Some(place));
         assert_eq!(decode_place("!!"), None);
-        assert_eq!(decode_place("MzE"), None); // "31": no separator
+        assert_eq!(decode_place(&page_token::encode("d1", &["3"])), None);
+        assert_eq!(decode_place(&page_token::encode("n1", &["3", "4"])), None);
     }
 }

@@ -10,12 +10,12 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use base64::Engine;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tally_core::time::{format_duration, parse_duration, WindowSpec};
 use tally_core::validate::{check_entity, check_metric};
 use tally_core::wire::{GraphNeighboursRequest, Kind, ShardAnswer, ShardQuery};
+use tally_shared::http::page_token;
 
 use crate::error::ApiError;
 use crate::fanout::Fanout;
@@ -342,15 +342,15 @@ async fn graph_neighbours(
     })))
 }
 
+/// A metrics or neighbours page token: the last name listed.
 fn encode_token(name: &str) -> String {
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(name)
+    page_token::encode("n1", &[name])
 }
 
 /// The name a page token carries, checked like the names it stands for.
 fn decode_token(token: &str, check: fn(&str) -> Result<(), &'static str>) -> Result<String, ApiError> {
     let invalid = || ApiError::bad_request("invalid_page_token", "page_token: not a token this API issued");
-    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(token).map_err(|_| invalid())?;
-    let name = String::from_utf8(bytes).map_err(|_| invalid())?;
+    let name = page_token::decode(token, "n1", 1).and_then(|mut fields| fields.pop()).ok_or_else(invalid)?;
     check(&name).map_err(|_| invalid())?;
     Ok(name)
 }

@@ -20,10 +20,10 @@ use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::Response;
-use base64::Engine;
 use serde::{Deserialize, Serialize};
 use tally_core::validate::check_entity;
 use tally_core::wire::{Kind, ShardAnswer, ShardQuery};
+use tally_shared::http::page_token;
 
 use crate::api::{answer_error, check_counter, json_response, now_ms, parse_window, path_error, query_error, ApiState};
 use crate::error::ApiError;
@@ -77,22 +77,15 @@ struct Position {
 
 fn encode_position(position: &Position) -> String {
     let (value, entity) = position.after.clone().unwrap_or_default();
-    let text = format!("c2:{}:{value}:{entity}", position.now_ms);
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(text)
+    page_token::encode("c2", &[&position.now_ms.to_string(), &value.to_string(), &entity])
 }
 
 /// The position a token carries, refused unless this API issued it within the last
 /// [`TOKEN_MAX_AGE_MS`] (by its read time; a minute of clock skew allowed).
 fn decode_position(token: &str, now_ms: i64) -> Result<Position, ApiError> {
     let invalid = || ApiError::bad_request("invalid_page_token", "page_token: not a token this API issued");
-    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(token).map_err(|_| invalid())?;
-    let text = String::from_utf8(bytes).map_err(|_| invalid())?;
-    let mut parts = text.splitn(4, ':');
-    let (Some("c2"), Some(read_at), Some(value), Some(entity)) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return Err(invalid());
-    };
+    let fields = page_token::decode(token, "c2", 3).ok_or_else(invalid)?;
+    let [read_at, value, entity] = fields.as_slice() else { return Err(invalid()) };
     let read_at = read_at.parse::<i64>().map_err(|_| invalid())?;
     if !(now_ms - TOKEN_MAX_AGE_MS..=now_ms + 60_000).contains(&read_at) {
         return Err(ApiError::bad_request(
@@ -208,15 +201,15 @@ mod tests {
         let now = 1_763_780_000_000;
         let position = Position { now_ms: now - 5_000, after: Some((-3, "a:b:c".into())) };
         assert_eq!(decode_position(&encode_position(&position), now).unwrap(), position);
-        let token = |text: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(text);
-        for forged in [
-            "",
-            "!!",
-            &token("c1:1:2"),
-            &token("c2:x:1:a"),
-            &token("c2:1763780000000:x:a"),
-            &token("c2:1763780000000:1:a\tb"),
-        ] {
+        let forgeries = [
+            "".to_string(),
+            "!!".to_string(),
+            page_token::encode("c1", &["1", "2"]),
+            page_token::encode("c2", &["x", "1", "a"]),
+            page_token::encode("c2", &["1763780000000", "x", "a"]),
+            page_token::encode("c2", &["1763780000000", "1", "a\tb"]),
+        ];
+        for forged in &forgeries {
             assert_eq!(decode_position(forged, now).unwrap_err().code, "invalid_page_token", "{forged}");
         }
         for stale in [now - TOKEN_MAX_AGE_MS - 1, now + 60_001, i64::MAX, 0] {
