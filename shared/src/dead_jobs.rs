@@ -39,6 +39,8 @@ pub struct Decided {
     pub not_found: Vec<(i32, i64)>,
     /// Jobs that cannot take the action, and why.
     pub refused: Vec<((i32, i64), String)>,
+    /// Why deciding stopped before the end (Kafka failing), after `decided` jobs.
+    pub failed: Option<String>,
 }
 
 pub struct DeadJobs {
@@ -58,11 +60,14 @@ impl DeadJobs {
     pub fn undecided(&self, queue: &str) -> Result<Listing> {
         let mut decided: HashSet<(i32, i64)> = HashSet::new();
         for (position, record) in read_to_end(&self.kafka, &self.names.dead_jobs_resolved(), WAIT)?.iter().enumerate() {
+            if record.is_empty() {
+                continue; // a tombstone: an operator removed a decision on purpose
+            }
             // Fails closed: a decision skipped would list its job as undecided
             // again, and a requeued job could be requeued twice.
             let decision = DeadJobDecision::decode(record).map_err(|err| {
                 Error::Topics(format!(
-                    "record {position} of {} is not a decision this build reads ({err}); upgrade, or remove it",
+                    "record {position} of {} is not a decision this build reads ({err}); upgrade, or remove it (a tombstone for its key)",
                     self.names.dead_jobs_resolved()
                 ))
             })?;
@@ -108,9 +113,14 @@ impl DeadJobs {
         for &place in places.iter().filter(|place| seen.insert(**place)) {
             match listing.jobs.iter().find(|job| (job.partition, job.offset) == place) {
                 None => report.not_found.push(place),
-                Some(job) => match self.decide(job, action).await? {
-                    None => report.decided += 1,
-                    Some(reason) => report.refused.push((place, reason)),
+                Some(job) => match self.decide(job, action).await {
+                    Ok(None) => report.decided += 1,
+                    Ok(Some(reason)) => report.refused.push((place, reason)),
+                    Err(err) => {
+                        report.failed =
+                            Some(format!("at job {} (partition {}, offset {}): {err}", job.job.id, place.0, place.1));
+                        break;
+                    }
                 },
             }
         }

@@ -159,6 +159,10 @@ async fn decide(
         DeadJobAction::Requeued => "requeued",
         DeadJobAction::Discarded => "discarded",
     };
+    if let Some(failed) = report.failed {
+        let message = format!("{} {verb}, then deciding stopped {failed}", report.decided);
+        return error(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message);
+    }
     let not_found: Vec<Place> =
         report.not_found.iter().map(|&(partition, offset)| Place { partition, offset }).collect();
     let refused: Vec<_> = report

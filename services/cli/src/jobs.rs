@@ -127,6 +127,9 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
                 for (_, reason) in report.refused {
                     println!("not requeued: {reason}");
                 }
+                if let Some(failed) = report.failed {
+                    anyhow::bail!("requeueing stopped {failed}");
+                }
             }
             Ok(())
         }

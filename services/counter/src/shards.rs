@@ -153,7 +153,12 @@ impl Shards {
     /// A new assignment: `stores` are owned, `failures` those that failed to open.
     /// Failures of before are forgotten: a record that failed fails again.
     pub(crate) fn replace(&self, stores: HashMap<u32, Arc<ShardStore>>, failures: BTreeMap<u32, Failure>) {
-        *write(&self.owned) = stores;
+        {
+            // A lag measured in an earlier tenure says nothing of a shard taken again.
+            let mut owned = write(&self.owned);
+            write(&self.lags).retain(|shard, _| owned.contains_key(shard) && stores.contains_key(shard));
+            *owned = stores;
+        }
         self.failures.reset(failures);
         self.epoch.fetch_add(1, Ordering::SeqCst);
     }

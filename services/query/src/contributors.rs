@@ -67,8 +67,9 @@ struct Contributors<'a> {
 const TOKEN_MAX_AGE_MS: i64 = 3_600_000;
 
 /// Where a listing stands: the read time of its first page, and the last
-/// contributor shown (pages continue after it in rank order: a contributor whose
-/// value changes between pages is neither lost nor shown twice by its position).
+/// contributor shown (pages continue after it in rank order, so the others keep
+/// their place when some value changes between pages; a contributor whose own value
+/// moves it across that point may be missed or shown twice).
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Position {
     now_ms: i64,

@@ -33,9 +33,13 @@ use crate::error::ApiError;
 /// dead topic and the decisions to their ends).
 pub const DEAD_TOTALS_TTL: Duration = Duration::from_secs(10);
 
-/// How long a request to a broker may take (a decision reads two topics and
-/// produces two records).
-const BROKER_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a broker may take to list its stats or count a queue's dead jobs: a
+/// broker slower than this is shown as unreachable in the overview.
+const OVERVIEW_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a dead-job listing or decision may take (it reads two topics to
+/// their ends and produces records).
+const DEAD_JOBS_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The header that carries the brokers' bearer token.
 pub const BROKER_AUTHORIZATION: &str = "x-broker-authorization";
@@ -149,12 +153,11 @@ fn merge(answers: Vec<Vec<QueueStats>>) -> Vec<QueueView> {
 async fn ask(
     state: &ApiState,
     addr: &str,
-    method: Method,
-    path: &str,
+    (method, path, timeout): (Method, &str, Duration),
     headers: &HeaderMap,
     body: Bytes,
 ) -> Result<(StatusCode, Bytes), ApiError> {
-    let mut request = state.fanout.client.request(method, format!("http://{addr}{path}")).timeout(BROKER_TIMEOUT);
+    let mut request = state.fanout.client.request(method, format!("http://{addr}{path}")).timeout(timeout);
     if let Some(authorization) = headers.get(BROKER_AUTHORIZATION) {
         request = request.header(axum::http::header::AUTHORIZATION, authorization);
     }
@@ -186,9 +189,9 @@ fn passed_on(status: StatusCode, body: Bytes) -> Response {
 /// `GET /v1/jobs`: the brokers and every queue they serve.
 pub async fn overview(State(state): State<Arc<ApiState>>, headers: HeaderMap) -> Result<Response, ApiError> {
     let live = state.brokers.live();
-    let asked = join_all(
-        live.iter().map(|broker| ask(&state, &broker.addr, Method::GET, "/v1/queues", &headers, Bytes::new())),
-    )
+    let asked = join_all(live.iter().map(|broker| {
+        ask(&state, &broker.addr, (Method::GET, "/v1/queues", OVERVIEW_TIMEOUT), &headers, Bytes::new())
+    }))
     .await;
     let mut answers = Vec::new();
     let mut brokers = Vec::new();
@@ -213,14 +216,15 @@ pub async fn overview(State(state): State<Arc<ApiState>>, headers: HeaderMap) ->
         });
     }
     let mut queues = merge(answers);
-    if let Some(broker) = live.first() {
+    if let Some(broker) = brokers.iter().find(|broker| broker.error.is_none()) {
         let (state, headers) = (&state, &headers);
         let totals = join_all(queues.iter().map(|queue| async move {
             if let Some(total) = state.brokers.cached_dead_total(&queue.queue) {
                 return Some(total);
             }
             let path = format!("/v1/queues/{}/dead?limit=1", encode(&queue.queue));
-            let (status, body) = ask(state, &broker.addr, Method::GET, &path, headers, Bytes::new()).await.ok()?;
+            let call = (Method::GET, path.as_str(), OVERVIEW_TIMEOUT);
+            let (status, body) = ask(state, &broker.addr, call, headers, Bytes::new()).await.ok()?;
             let parsed: serde_json::Value = serde_json::from_slice(&body).ok().filter(|_| status == StatusCode::OK)?;
             let total = parsed["total"].as_u64()? as usize;
             state.brokers.cache_dead_total(&queue.queue, total);
@@ -275,7 +279,7 @@ async fn pass_on(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let broker = state.brokers.live().into_iter().next().ok_or_else(no_broker)?;
-    let (status, body) = ask(state, &broker.addr, method, target, headers, body).await?;
+    let (status, body) = ask(state, &broker.addr, (method, target, DEAD_JOBS_TIMEOUT), headers, body).await?;
     Ok(passed_on(status, body))
 }
 

@@ -82,7 +82,7 @@ pub async fn status(State(state): State<Arc<ApiState>>) -> Result<Response, ApiE
     json_response(&Status {
         at_ms: now_ms(),
         lag: shards.iter().filter(|s| s.state == "serving").map(|s| s.lag).sum(),
-        lag_at_ms: shards.iter().filter_map(|s| s.lag_at_ms).min(),
+        lag_at_ms: shards.iter().filter(|s| s.state == "serving").filter_map(|s| s.lag_at_ms).min(),
         serving: shards.iter().filter(|s| s.state == "serving").count(),
         shards,
         graph,
