@@ -339,14 +339,19 @@ async fn the_generic_worker_runs_jobs_with_a_command() {
     sandbox.spawn_instance("worker", "tally-worker", &env);
     let records: Vec<_> = (0..50).map(|i| job(&format!("c{i}"), serde_json::json!({"n": i}), None, None)).collect();
     sandbox.produce_to(&sandbox.names.jobs("work"), &records).await;
+    // A job's file exists from the moment `cat` opens it: wait for every payload
+    // written whole, not just for 50 files (a file read while `cat` still ran was
+    // empty once).
+    let payload = |i: usize| format!(r#"{{"n":{i}}}"#);
+    let all_written = || (0..50).all(|i| std::fs::read_to_string(format!("{out}/c{i}")).is_ok_and(|w| w == payload(i)));
     let deadline = Instant::now() + Duration::from_secs(60);
-    while std::fs::read_dir(&out).unwrap().count() < 50 && Instant::now() < deadline {
+    while !all_written() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     for i in 0..50 {
         let written = std::fs::read_to_string(format!("{out}/c{i}"))
             .unwrap_or_else(|_| panic!("job c{i} never ran\n{}", tail(&sandbox.log("worker"))));
-        assert_eq!(written, format!(r#"{{"n":{i}}}"#));
+        assert_eq!(written, payload(i));
     }
 }
 
