@@ -448,8 +448,13 @@ async fn jobs_console_shows_queues_and_requeues_and_discards_dead_jobs_with_the_
     assert_eq!(row[1], "1", "attempts");
     assert_eq!(row[2], "smtp 550: mailbox unavailable");
     assert_eq!(row[3], first["payload"].to_string());
-    // A few refreshes, so the dequeue-rate chart has a history in the screenshot.
-    tokio::time::sleep(Duration::from_secs(7)).await;
+    // The console refreshes itself once the token is given: the dequeue-rate chart
+    // gathers a point per refresh (three, for the screenshot too).
+    eventually("the console refreshes itself", || async {
+        let points = browser.attr("tr[data-queue='mail'] svg.spark polyline", "points").await;
+        (points.split(' ').count() >= 3).then_some(()).ok_or(format!("rate history: {points:?}"))
+    })
+    .await;
     browser.screenshot("jobs.png").await;
 
     // Requeue one: it leaves the list and a worker gets it again, payload and all.

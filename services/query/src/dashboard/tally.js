@@ -61,6 +61,7 @@ const tally = (() => {
       el("button", { id: "save-token", class: "primary", onclick: () => {
         sessionStorage.setItem(broker ? TOKENS.broker_unauthorized : TOKENS.unauthorized, $("#token").value);
         box.className = "hidden";
+        box.replaceChildren(); // the pages pause their refresh while the form is there
         then();
       } }, "use token"));
   }
