@@ -403,6 +403,39 @@ async fn jobs_console_shows_queues_and_requeues_and_discards_dead_jobs_with_the_
     assert_eq!(unauthorized.status(), 401, "the console's data needs the brokers' token");
     let refusal: Value = unauthorized.json().await.unwrap();
     assert_eq!(refusal["error"]["code"], "broker_unauthorized", "{refusal}");
+    // Garbage and oversized requests are 4xx with a JSON error, and decide nothing.
+    let too_many: Vec<Value> = (0..1_001).map(|i| json!({"partition": 0, "offset": i})).collect();
+    let bad = [
+        ("POST", "/v1/jobs/mail/dead/requeue", "not json".to_string(), 400, "invalid_body"),
+        ("POST", "/v1/jobs/mail/dead/discard", json!({"jobs": []}).to_string(), 400, "invalid_jobs"),
+        ("POST", "/v1/jobs/mail/dead/requeue", json!({ "jobs": too_many }).to_string(), 400, "invalid_jobs"),
+        ("POST", "/v1/jobs/mail/dead/requeue", json!({"jobs": [{"partition": "x"}]}).to_string(), 400, "invalid_body"),
+        ("POST", "/v1/jobs/mail/dead/explode", "{}".to_string(), 404, "not_found"),
+        (
+            "POST",
+            "/v1/jobs/nope/dead/discard",
+            json!({"jobs": [{"partition": 0, "offset": 0}]}).to_string(),
+            404,
+            "unknown_queue",
+        ),
+        ("GET", "/v1/jobs/mail/dead?page_token=%21%21", String::new(), 400, "invalid_page_token"),
+        ("GET", "/v1/jobs/mail/dead?limit=0", String::new(), 400, "invalid_limit"),
+    ];
+    for (method, path, body, status, code) in bad {
+        let url = format!("{}{path}", sandbox.query_url);
+        let request = if method == "POST" { http.post(&url).body(body) } else { http.get(&url) };
+        let response = request
+            .header("content-type", "application/json")
+            .header("X-Broker-Authorization", "Bearer s3cret")
+            .send()
+            .await
+            .unwrap();
+        let got = response.status().as_u16();
+        let answer: Value = response.json().await.unwrap_or_default();
+        let shown: String = answer.to_string().chars().take(300).collect();
+        assert_eq!((got, answer["error"]["code"].as_str()), (status, Some(code)), "{method} {path}: {shown}");
+    }
+    assert_eq!(dead_listing().await["total"], 3, "bad requests decided nothing");
 
     let browser = Browser::start().await;
     browser.open(&format!("{}/jobs", sandbox.query_url)).await;
