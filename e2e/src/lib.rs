@@ -635,6 +635,23 @@ pub mod check {
         Ok(())
     }
 
+    /// Every page of the listing at `base` (a path with its query), following
+    /// `next_page_token`: each page's path and body; `Err` unless every page is a 200.
+    pub async fn pages(sandbox: &Sandbox, base: &str) -> Result<Vec<(String, Value)>, String> {
+        let mut pages = Vec::new();
+        let mut path = base.to_string();
+        loop {
+            let (status, body) = sandbox.get(&path).await;
+            same(status, 200, format!("{path}: {body}"))?;
+            let next = body["next_page_token"].as_str().map(|token| format!("{base}&page_token={token}"));
+            pages.push((path, body));
+            match next {
+                Some(next) => path = next,
+                None => return Ok(pages),
+            }
+        }
+    }
+
     /// Metric listings, paginated two at a time.
     pub async fn listings(sandbox: &Sandbox, model: &Model, entities: &[String]) {
         try_listings(sandbox, model, entities).await.unwrap_or_else(|mismatch| panic!("{mismatch}"));
@@ -644,21 +661,10 @@ pub mod check {
     pub async fn try_listings(sandbox: &Sandbox, model: &Model, entities: &[String]) -> Result<(), String> {
         for entity in entities {
             let mut listed: Vec<(String, (Option<i64>, Option<i64>))> = Vec::new();
-            let mut token: Option<String> = None;
-            loop {
-                let mut path = format!("/v1/entities/{}/metrics?limit=2", encode(entity));
-                if let Some(token) = &token {
-                    path.push_str(&format!("&page_token={token}"));
-                }
-                let (status, body) = sandbox.get(&path).await;
-                same(status, 200, format!("{path}: {body}"))?;
+            for (_, body) in pages(sandbox, &format!("/v1/entities/{}/metrics?limit=2", encode(entity))).await? {
                 for m in body["metrics"].as_array().cloned().unwrap_or_default() {
                     let counts = (m["direct"].as_i64(), m["total"].as_i64());
                     listed.push((m["metric"].as_str().unwrap_or_default().to_string(), counts));
-                }
-                match body["next_page_token"].as_str() {
-                    Some(next) => token = Some(next.to_string()),
-                    None => break,
                 }
             }
             let want: Vec<(String, (Option<i64>, Option<i64>))> =
@@ -691,14 +697,8 @@ pub mod check {
                         encode(entity),
                         encode(metric)
                     );
-                    let (mut listed, mut first, mut token) = (Vec::new(), None::<Value>, None::<String>);
-                    loop {
-                        let path = match &token {
-                            Some(token) => format!("{base}&page_token={token}"),
-                            None => base.clone(),
-                        };
-                        let (status, body) = sandbox.get(&path).await;
-                        same(status, 200, format!("{path}: {body}"))?;
+                    let (mut listed, mut first) = (Vec::new(), None::<Value>);
+                    for (path, body) in pages(sandbox, &base).await? {
                         let page = body["contributors"].as_array().cloned().unwrap_or_default();
                         same(page.len() <= 2, true, format!("{path}: at most `limit`: {body}"))?;
                         for c in page {
@@ -709,10 +709,6 @@ pub mod check {
                         match &first {
                             None => first = Some(json!(header)),
                             Some(earlier) => same(&json!(header), earlier, format!("{path}: every page alike"))?,
-                        }
-                        match body["next_page_token"].as_str() {
-                            Some(next) => token = Some(next.to_string()),
-                            None => break,
                         }
                     }
                     let header = first.unwrap_or_default();

@@ -12,21 +12,13 @@ const SERVICES: [&str; 4] = ["tally-ingester", "tally-counter", "tally-graph", "
 
 /// The neighbours the read API lists for `entity`, two per page.
 async fn neighbours(sandbox: &Sandbox, entity: &str, direction: &str) -> Vec<String> {
-    let mut listed = Vec::new();
-    let mut token: Option<String> = None;
-    loop {
-        let mut path = format!("/v1/graph/{}?direction={direction}&limit=2", encode(entity));
-        if let Some(token) = &token {
-            path.push_str(&format!("&page_token={token}"));
-        }
-        let (status, body) = sandbox.get(&path).await;
-        assert_eq!(status, 200, "{path}: {body}");
-        listed.extend(body["entities"].as_array().unwrap().iter().map(|e| e.as_str().unwrap().to_string()));
-        match body["next_page_token"].as_str() {
-            Some(next) => token = Some(next.to_string()),
-            None => return listed,
-        }
-    }
+    let base = format!("/v1/graph/{}?direction={direction}&limit=2", encode(entity));
+    let pages = check::pages(sandbox, &base).await.unwrap_or_else(|failure| panic!("{failure}"));
+    pages
+        .iter()
+        .flat_map(|(_, body)| body["entities"].as_array().unwrap().iter())
+        .map(|e| e.as_str().unwrap().to_string())
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
