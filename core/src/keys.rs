@@ -81,10 +81,17 @@ pub fn encode_dedupe_key(buf: &mut Vec<u8>, entity: &str, id: &str) {
 /// A sorted list of entity names (an origin's descendant view): the version byte,
 /// then bincode.
 pub fn encode_names(names: &[String]) -> crate::Result<Vec<u8>> {
-    let mut out = vec![crate::format::VALUE_V1];
-    bincode::serde::encode_into_std_write(names, &mut out, bincode::config::standard())
-        .map_err(|err| crate::Error::Format(format!("descendant view: {err}")))?;
+    let mut out = Vec::new();
+    encode_names_into(names, &mut out)?;
     Ok(out)
+}
+
+/// [`encode_names`], appended to `out` (a buffer reused from view to view).
+pub fn encode_names_into(names: &[String], out: &mut Vec<u8>) -> crate::Result<()> {
+    out.push(crate::format::VALUE_V1);
+    bincode::serde::encode_into_std_write(names, out, bincode::config::standard())
+        .map_err(|err| crate::Error::Format(format!("descendant view: {err}")))?;
+    Ok(())
 }
 
 /// Decodes [`encode_names`]; anything else is an error.

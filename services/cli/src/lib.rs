@@ -1,6 +1,7 @@
 //! `tally`, the command line: `up` runs the whole pipeline on one machine; the other
 //! subcommands apply topics, produce test input, read counters and run benchmarks.
 
+pub mod bench_graph;
 pub mod bench_jobs;
 pub mod bench_pipeline;
 pub mod jobs;
@@ -289,7 +290,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Bench { command: BenchCommand::Restore { history, tail } } => bench_restore(history, tail).await,
         Command::Bench { command: BenchCommand::Graph { ancestors, bystanders, increments, shards, repeats } } => {
             let options = tally_counter::bench_graph::GraphBenchOptions { ancestors, bystanders, increments, shards };
-            bench_graph(options, repeats).await
+            bench_graph::run(options, repeats).await
         }
     }
 }
@@ -392,65 +393,6 @@ async fn get_and_print(config: &TallyConfig, url: &str) -> anyhow::Result<()> {
     if !status.is_success() {
         bail!("{status}");
     }
-    Ok(())
-}
-
-async fn bench_graph(options: tally_counter::bench_graph::GraphBenchOptions, repeats: usize) -> anyhow::Result<()> {
-    println!(
-        "graph bench: an edge add with {} ancestors in a graph with {} other edges; {} increments on leaves with 3 levels of ancestors; {} shards; RocksDB on disk",
-        options.ancestors, options.bystanders, options.increments, options.shards
-    );
-    let dir = tempfile::Builder::new().prefix("tally-bench").tempdir_in(".")?;
-    let path = dir.path().to_path_buf();
-    let shape = tally_counter::bench_graph::LatencyShape { repeats, ..Default::default() };
-    let (r, latency) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-        let r = tally_counter::bench_graph::run(&options, &path)?;
-        Ok((r, tally_counter::bench_graph::edge_latency(shape, &path)?))
-    })
-    .await??;
-    let ms = |s: f64| s * 1_000.0;
-    println!("edge add, graph processor : {:>9.2} ms for {} descendant changes", ms(r.incremental_seconds), r.changes);
-    println!(
-        "  recompute-everything baseline: {:>9.2} ms  ratio {:.1}x",
-        ms(r.recompute_seconds),
-        r.recompute_seconds / r.incremental_seconds.max(1e-9)
-    );
-    println!(
-        "edge add, counter shard   : {:>9.2} ms to apply them ({:.0} changes/s)",
-        ms(r.shard_apply_seconds),
-        r.changes as f64 / r.shard_apply_seconds.max(1e-9)
-    );
-    println!(
-        "increments, 3 levels up   : {:>9.2} ms  ({} outbox messages for other shards)",
-        ms(r.hierarchy_seconds),
-        r.outbox_messages
-    );
-    println!(
-        "  same batch, no ancestors: {:>9.2} ms  hierarchy costs {:.1}x",
-        ms(r.flat_seconds),
-        r.hierarchy_seconds / r.flat_seconds.max(1e-9)
-    );
-    let l = latency;
-    println!(
-        "edge latency, {} leaves → {} mids → {} tops, {} Zipf increments; top:0 → a fresh root ({} ancestors-side entities), in process, one shard, median of {}:",
-        shape.leaves, shape.mids, shape.tops, shape.increments, l.changes, shape.repeats
-    );
-    println!(
-        "  add   : graph {:>6.2} ms + shard {:>6.2} ms = {:>6.2} ms (root total {} = top:0's {})",
-        ms(l.add_graph_seconds),
-        ms(l.add_shard_seconds),
-        ms(l.add_graph_seconds + l.add_shard_seconds),
-        l.root_after_add,
-        l.top_total
-    );
-    println!(
-        "  remove: graph {:>6.2} ms + shard {:>6.2} ms = {:>6.2} ms (root total {})",
-        ms(l.remove_graph_seconds),
-        ms(l.remove_shard_seconds),
-        ms(l.remove_graph_seconds + l.remove_shard_seconds),
-        l.root_after_remove
-    );
-    println!("  (differential-dataflow, one worker, the same shape: about 2.6 ms per update as measured for issue 10; not run here)");
     Ok(())
 }
 

@@ -86,8 +86,20 @@ pub struct ApplyReport {
     pub changed: Vec<Vec<u8>>,
 }
 
-/// An origin's direct value per `(metric, width_ms, bucket)`.
-type DirectBuckets = Vec<((String, i64, i64), i64)>;
+/// An origin's direct value per `(metric, width_ms, bucket)`; the metric is a
+/// `start..end` range of [`Scratch::metrics`].
+type DirectBuckets = Vec<(((u32, u32), i64, i64), i64)>;
+
+/// Buffers one record of descendant changes reuses from origin to origin (a change
+/// allocates nothing of its own unless it writes a key the record has not).
+#[derive(Default)]
+struct Scratch {
+    prefix: Vec<u8>,
+    metrics: String,
+    direct: DirectBuckets,
+    key: Vec<u8>,
+    view: Vec<u8>,
+}
 
 /// A decoded record waiting in a run: offset, record time, message.
 type Decoded<'a> = (i64, i64, ShardMessageRef<'a>);
@@ -279,36 +291,50 @@ impl ShardStore {
             }
         }
         accepted.sort_by(|a, b| a.origin.cmp(&b.origin));
-        for change in accepted {
+        let mut scratch = Scratch::default();
+        for change in &accepted {
             report.desc_changes += 1;
-            let direct = self.retained_direct(&mut counts, &change.origin, now)?;
-            let direct: Vec<((&str, i64, i64), i64)> = direct
-                .iter()
-                .map(|((metric, width, bucket), value)| ((metric.as_str(), *width, *bucket), *value))
-                .collect();
-            for (d, (metric, width_ms, bucket), delta) in change_deltas(&change, &direct) {
-                match shard_of(d, self.options.shards) {
-                    target if target == self.shard => {
-                        let mut key = Vec::new();
-                        encode_count_key(&mut key, d, metric, width_ms, bucket);
-                        *local.entry(key).or_default() += delta;
+            self.retained_direct(&mut counts, &change.origin, now, &mut scratch)?;
+            // Deltas come descendant by descendant: its shard is looked up once.
+            let mut last_target: Option<(&str, u32)> = None;
+            for (d, ((metric_start, metric_end), width_ms, bucket), delta) in change_deltas(change, &scratch.direct) {
+                let target = match last_target {
+                    Some((last, target)) if last == d => target,
+                    _ => shard_of(d, self.options.shards),
+                };
+                last_target = Some((d, target));
+                let metric = &scratch.metrics[metric_start as usize..metric_end as usize];
+                if target == self.shard {
+                    scratch.key.clear();
+                    encode_count_key(&mut scratch.key, d, metric, width_ms, bucket);
+                    match local.get_mut(scratch.key.as_slice()) {
+                        Some(sum) => *sum += delta,
+                        None => {
+                            local.insert(scratch.key.clone(), delta);
+                        }
                     }
-                    target => remote.entry(target).or_default().push(TotalDelta {
+                } else {
+                    remote.entry(target).or_default().push(TotalDelta {
                         entity: d.to_string(),
                         metric: metric.to_string(),
                         width_ms,
                         bucket,
                         delta,
-                    }),
+                    });
                 }
             }
-            let view = descendants.entry(change.origin.clone()).or_default();
+            let view = match descendants.get_mut(&change.origin) {
+                Some(view) => view,
+                None => descendants.entry(change.origin.clone()).or_default(),
+            };
             apply_change(view, &change.added, &change.removed);
             if view.is_empty() {
                 descendants.remove(&change.origin);
                 batch.delete_cf(desc_cf, change.origin.as_bytes());
             } else {
-                batch.put_cf(desc_cf, change.origin.as_bytes(), tally_core::keys::encode_names(view)?);
+                scratch.view.clear();
+                tally_core::keys::encode_names_into(view, &mut scratch.view)?;
+                batch.put_cf(desc_cf, change.origin.as_bytes(), &scratch.view);
             }
         }
         drop(descendants);
@@ -335,20 +361,22 @@ impl ShardStore {
         self.commit(batch, progress.clone())
     }
 
-    /// The origin's direct value in every bucket still retained at `now`, keyed by
-    /// `(metric, width_ms, bucket)`.
+    /// The origin's direct value in every bucket still retained at `now`, into
+    /// `scratch.direct` (its metrics' names into `scratch.metrics`).
     fn retained_direct(
         &self,
         counts: &mut rocksdb::DBRawIteratorWithThreadMode<'_, rocksdb::DB>,
         origin: &str,
         now: i64,
-    ) -> Result<DirectBuckets> {
-        let mut prefix = Vec::new();
-        encode_entity_prefix(&mut prefix, origin);
-        let mut direct = Vec::new();
-        counts.seek(&prefix);
+        scratch: &mut Scratch,
+    ) -> Result<()> {
+        scratch.prefix.clear();
+        encode_entity_prefix(&mut scratch.prefix, origin);
+        scratch.direct.clear();
+        scratch.metrics.clear();
+        counts.seek(&scratch.prefix);
         while let (Some(key), Some(value)) = (counts.key(), counts.value()) {
-            if !key.starts_with(&prefix) {
+            if !key.starts_with(&scratch.prefix) {
                 break;
             }
             let count_key = parse_count_key(key)?;
@@ -360,12 +388,25 @@ impl ShardStore {
                     .is_some_and(|r| r.retains(count_key.bucket, now));
             let value = Counts::decode(value)?.direct;
             if retained && value != 0 {
-                direct.push(((count_key.metric.to_string(), count_key.width_ms, count_key.bucket), value));
+                // An origin's keys come metric by metric: a name is stored once.
+                let metric = match scratch.direct.last() {
+                    Some((((start, end), _, _), _))
+                        if &scratch.metrics[*start as usize..*end as usize] == count_key.metric =>
+                    {
+                        (*start, *end)
+                    }
+                    _ => {
+                        let start = scratch.metrics.len() as u32;
+                        scratch.metrics.push_str(count_key.metric);
+                        (start, scratch.metrics.len() as u32)
+                    }
+                };
+                scratch.direct.push(((metric, count_key.width_ms, count_key.bucket), value));
             }
             counts.next();
         }
         counts.status()?;
-        Ok(direct)
+        Ok(())
     }
 
     fn put_outbox(

@@ -209,6 +209,9 @@ pub struct LatencyReport {
     pub top_total: i64,
     pub root_after_add: i64,
     pub root_after_remove: i64,
+    /// The increments each leaf got (index: the leaf's number), for a baseline that
+    /// computes the same totals (`tally-baseline-differential`).
+    pub leaf_counts: Vec<i64>,
 }
 
 fn all_time_total(store: &ShardStore, entity: &str) -> Result<i64> {
@@ -234,9 +237,16 @@ pub fn edge_latency(shape: LatencyShape, dir: &Path) -> Result<LatencyReport> {
     // Zipf(1.1) over the leaves, in records of 1 000 increments.
     let zipf = crate::bench::Zipf::new(shape.leaves, 1.1);
     let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(3);
+    let mut leaf_counts = vec![0i64; shape.leaves];
     let records: Vec<Vec<u8>> = (0..shape.increments.div_ceil(1_000))
         .map(|record| {
-            let leaves: Vec<String> = (0..1_000).map(|_| format!("leaf:{}", zipf.sample(&mut rng))).collect();
+            let leaves: Vec<String> = (0..1_000)
+                .map(|_| {
+                    let leaf = zipf.sample(&mut rng);
+                    leaf_counts[leaf] += 1;
+                    format!("leaf:{leaf}")
+                })
+                .collect();
             increments_record(record as i64, leaves.into_iter(), now)
         })
         .collect();
@@ -287,6 +297,7 @@ pub fn edge_latency(shape: LatencyShape, dir: &Path) -> Result<LatencyReport> {
         top_total,
         root_after_add,
         root_after_remove,
+        leaf_counts,
     })
 }
 
