@@ -128,10 +128,20 @@ impl ShardStore {
         let dedupe_window = DedupeWindow::new(options.dedupe_window_ms);
         dedupe.set_compaction_filter("tally_dedupe_ttl", dedupe_window.compaction_filter());
 
+        // The descendant views are read only when the store opens (into
+        // `descendants`); an edge high in the graph rewrites one view per ancestor in
+        // one commit. A vector memtable appends each, where the skiplist searched for
+        // its place (sorted once, when flushed or read). It takes no concurrent
+        // inserts: RocksDB then inserts a write group's batches one after another
+        // (the store's writes already go one at a time, under its commit lock).
+        let mut desc = Options::default();
+        desc.set_memtable_factory(rocksdb::MemtableFactory::Vector);
+        db_options.set_allow_concurrent_memtable_write(false);
+
         let families = vec![
             ColumnFamilyDescriptor::new(CF_COUNTS, counts),
             ColumnFamilyDescriptor::new(CF_DEDUPE, dedupe),
-            ColumnFamilyDescriptor::new(CF_DESC, Options::default()),
+            ColumnFamilyDescriptor::new(CF_DESC, desc),
             ColumnFamilyDescriptor::new(CF_OUTBOX, Options::default()),
             ColumnFamilyDescriptor::new(CF_ROLLUPS, Options::default()),
         ];
