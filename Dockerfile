@@ -10,25 +10,29 @@
 # chart's securityContext says the same) and makes the data directories it owns, so
 # named volumes mounted on them are writable.
 FROM rust:1-bookworm AS build
-# The packages scripts/common.sh builds with: RocksDB, and librdkafka with TLS
-# (OpenSSL), SASL (Cyrus, for GSSAPI), zlib and zstd.
+# The packages scripts/common.sh builds with: RocksDB's headers and Snappy, and
+# librdkafka with TLS (OpenSSL), SASL (Cyrus, for GSSAPI), zlib and zstd.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends cmake pkg-config libclang-dev libcurl4-openssl-dev librocksdb-dev \
-      libssl-dev libsasl2-dev zlib1g-dev libzstd-dev \
+      libsnappy-dev libssl-dev libsasl2-dev zlib1g-dev libzstd-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
-RUN cargo build --release --workspace --bins \
+# RocksDB is compiled from source (optimized, no assertions; ~15 min more on 2 cores)
+# rather than linked against Debian's library, which is built with its assertions on
+# and runs the counter's hot paths at about half the speed (BENCHMARKS.md).
+RUN ROCKSDB_COMPILE=1 cargo build --release --workspace --bins \
  && mkdir /out \
  && cp target/release/tally target/release/tally-ingester target/release/tally-counter \
        target/release/tally-graph target/release/tally-query target/release/tally-broker \
        target/release/tally-worker /out/
 
 FROM debian:bookworm-slim
-# The libraries the binaries load: RocksDB, OpenSSL, Cyrus SASL (with its PLAIN/SCRAM
-# and GSSAPI mechanisms), zstd, zlib, curl; and the CA certificates for TLS.
+# The libraries the binaries load: the C++ runtime and Snappy (RocksDB is linked in),
+# OpenSSL, Cyrus SASL (with its PLAIN/SCRAM and GSSAPI mechanisms), zstd, zlib, curl;
+# and the CA certificates for TLS.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends ca-certificates librocksdb7.8 libssl3 libsasl2-2 \
+ && apt-get install -y --no-install-recommends ca-certificates libstdc++6 libsnappy1v5 libssl3 libsasl2-2 \
       libsasl2-modules libsasl2-modules-gssapi-mit libzstd1 zlib1g libcurl4 \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 tally \

@@ -232,6 +232,9 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         return config_check(cli.config.as_deref());
     }
     let config = TallyConfig::load(cli.config.as_deref())?;
+    if matches!(cli.command, Command::Bench { .. }) {
+        println!("RocksDB: {}", rocksdb_build());
+    }
     match cli.command {
         Command::Up(args) => up::run(config, cli.config, args).await,
         Command::Topics { command: TopicsCommand::Apply { file } } => topics_apply(&config, file).await,
@@ -292,6 +295,18 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
             let options = tally_counter::bench_graph::GraphBenchOptions { ancestors, bystanders, increments, shards };
             bench_graph::run(options, repeats).await
         }
+    }
+}
+
+/// Which RocksDB this process runs on: Debian's shared library (what debug builds link,
+/// `.cargo/config.toml`) is built with its assertions on and runs the counter's hot
+/// paths at up to half the speed of one compiled from source, so a benchmark says so.
+fn rocksdb_build() -> &'static str {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    if maps.contains("librocksdb.so") {
+        "Debian's shared library (built with assertions: counter figures up to 2x slower than BENCHMARKS.md's; build with ROCKSDB_COMPILE=1)"
+    } else {
+        "compiled in from source (ROCKSDB_COMPILE=1)"
     }
 }
 
