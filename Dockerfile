@@ -18,7 +18,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
-# RocksDB is compiled from source (optimized, no assertions; ~15 min more on 2 cores)
+# RocksDB is compiled from source (optimized, no assertions; 9-13 min more on 2 cores)
 # rather than linked against Debian's library, which is built with its assertions on
 # and runs the counter's hot paths at about half the speed (BENCHMARKS.md).
 RUN ROCKSDB_COMPILE=1 cargo build --release --workspace --bins \

@@ -876,7 +876,8 @@ def check_dockerfile(report: Report) -> None:
                  needed <= runtime["packages"], f"missing {sorted(needed - runtime['packages'])}")
     text = (ROOT / "Dockerfile").read_text()
     report.check("the build stage compiles RocksDB (ROCKSDB_COMPILE=1 on its cargo build; not Debian's library with assertions)",
-                 re.search(r"RUN ROCKSDB_COMPILE=1 cargo build --release", text) is not None, "no ROCKSDB_COMPILE=1 cargo build")
+                 re.search(r"^RUN ROCKSDB_COMPILE=1 cargo build --release", text, re.M) is not None,
+                 "no line starts RUN ROCKSDB_COMPILE=1 cargo build --release")
     bins = workspace_bins()
     copied = {Path(c).name for c in build["copies"]} & bins
     report.check("the image gets every binary of the workspace", copied == bins, f"missing {sorted(bins - copied)}")
@@ -904,8 +905,13 @@ def check_linked_libraries(report: Report, runtime_packages: set[str]) -> None:
             continue
         # The libraries the binary itself names (the runtime packages' dependencies
         # bring what those load in turn).
-        dynamic = subprocess.run(["readelf", "-d", str(b)], capture_output=True, text=True).stdout
-        needed = set(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic))
+        dynamic = subprocess.run(["readelf", "-d", str(b)], capture_output=True, text=True)
+        needed = set(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic.stdout))
+        if not report.check(f"readelf -d {b.name} names the libraries it needs", dynamic.returncode == 0 and bool(needed),
+                            dynamic.stderr.strip() or "no NEEDED entries"):
+            continue
+        unresolved = sorted(re.findall(r"^\s*(\S+) => not found", out.stdout, re.M))
+        report.check(f"every library {b.name} loads is found on this machine", not unresolved, f"not found: {unresolved}")
         seen[b.name] = [m.group(2) for m in re.finditer(r"^\s*(\S+) => (/\S+)", out.stdout, re.M) if m.group(1) in needed]
     # A local build may link Debian's RocksDB (.cargo/config.toml); the image's binaries
     # have it compiled in (ROCKSDB_COMPILE=1, checked above).

@@ -140,8 +140,8 @@ fn median(runs: &mut [f64]) -> f64 {
 mod tests {
     use super::*;
 
-    /// The root's total after the add is the sum of the top's leaves (every leaf of a
-    /// small shape is under top 0 except the last mid's), 0 after the remove.
+    /// The root's total after the add is the sum of top 0's leaves (half of them in
+    /// this shape), 0 after the remove.
     #[test]
     fn the_root_totals_the_tops_leaves_then_nothing() {
         // 12 leaves → 4 mids (3 leaves each) → 2 tops (2 mids each): top 0 has leaves 0..6.

@@ -298,15 +298,17 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-/// Which RocksDB this process runs on: Debian's shared library (what debug builds link,
+/// Which RocksDB this build runs on: Debian's shared library (what debug builds link,
 /// `.cargo/config.toml`) is built with its assertions on and runs the counter's hot
 /// paths at up to half the speed of one compiled from source, so a benchmark says so.
+/// It looks at this process; the services a benchmark starts come from the same build.
 fn rocksdb_build() -> &'static str {
-    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
-    if maps.contains("librocksdb.so") {
-        "Debian's shared library (built with assertions: counter figures up to 2x slower than BENCHMARKS.md's; build with ROCKSDB_COMPILE=1)"
-    } else {
-        "compiled in from source (ROCKSDB_COMPILE=1)"
+    match std::fs::read_to_string("/proc/self/maps") {
+        Ok(maps) if maps.contains("librocksdb.so") => {
+            "Debian's shared library (built with assertions: counter figures up to 2x slower than BENCHMARKS.md's; build with ROCKSDB_COMPILE=1)"
+        }
+        Ok(_) => "compiled in from source (ROCKSDB_COMPILE=1)",
+        Err(_) => "unknown (/proc/self/maps unreadable)",
     }
 }
 

@@ -90,8 +90,10 @@ pub struct ApplyReport {
 /// `start..end` range of [`Scratch::metrics`].
 type DirectBuckets = Vec<(((u32, u32), i64, i64), i64)>;
 
-/// Buffers one record of descendant changes reuses from origin to origin (a change
-/// allocates nothing of its own unless it writes a key the record has not).
+/// Buffers one record of descendant changes reuses from origin to origin: the
+/// origin's retained buckets, its metrics' names, the key being summed and the encoded
+/// view (what still allocates: a key the record has not summed yet, a delta for
+/// another shard, a view for a new origin).
 #[derive(Default)]
 struct Scratch {
     prefix: Vec<u8>,
@@ -623,6 +625,103 @@ mod tests {
             .collect();
         receiver.apply(&replayed, NOW, false).unwrap();
         assert_eq!(counts(&receiver, remote_entity), Counts { direct: 0, total: 5 });
+    }
+
+    /// One record of changes for two origins with two metrics, a bucket past its
+    /// retention, a local and a remote descendant: every retained bucket of every
+    /// metric moves, each origin's into its own descendants only.
+    #[test]
+    fn a_record_of_changes_moves_every_metric_and_retained_bucket_of_each_origin() {
+        use tally_core::time::{bucket_start, Resolutions};
+        const MINUTE: i64 = 60_000;
+        const HOUR: i64 = 3_600_000;
+        const DAY: i64 = 86_400_000;
+        let old = NOW - 10 * DAY;
+        let two = StoreOptions { shards: 2, ..options() };
+        let shard = shard_of("near", 2);
+        let far = (0..).map(|i| format!("far{i}")).find(|e| shard_of(e, 2) != shard).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let store = ShardStore::open(shard, dir.path(), two).unwrap();
+        let increment = |index: u32, entity: &str, metric: &str, delta: i64, ts: i64| {
+            let increment = Increment { entity: entity.into(), metric: metric.into(), delta, ts, id: None };
+            (Stamp { offset: 1, index }, increment)
+        };
+        let increments = ShardMessage::Increments {
+            source: Source { stream: Source::INCREMENTS, partition: 0 },
+            entries: vec![
+                increment(0, "o1", "views", 3, NOW),
+                increment(1, "o1", "views", 4, old),
+                increment(2, "o1", "clicks", 5, NOW),
+                increment(3, "o2", "views", 7, NOW),
+            ],
+        }
+        .encode()
+        .unwrap();
+        let change = |origin: &str, added: Vec<String>| DescChange { origin: origin.into(), added, removed: vec![] };
+        let changes = ShardMessage::DescChanges {
+            source: Source { stream: Source::GRAPH_PROCESSOR, partition: 0 },
+            entries: vec![
+                (Stamp { offset: 0, index: 0 }, change("o2", vec!["near".into()])),
+                (Stamp { offset: 0, index: 1 }, change("o1", vec!["near".into(), far.clone()])),
+            ],
+        }
+        .encode()
+        .unwrap();
+        let records = [
+            ShardRecord { offset: 0, payload: &increments, timestamp: None },
+            ShardRecord { offset: 1, payload: &changes, timestamp: None },
+        ];
+        assert_eq!(store.apply(&records, NOW, false).unwrap().desc_changes, 2);
+        // Every bucket of both metrics, at NOW and ten days before (its minute is past
+        // the 6 h retention: nothing of it moves).
+        let resolutions = Resolutions::default();
+        assert_eq!(resolutions.iter().map(|r| r.width_ms).collect::<Vec<_>>(), vec![MINUTE, HOUR, DAY]);
+        let mut keys = vec![("views", ALL_TIME_WIDTH, 0), ("clicks", ALL_TIME_WIDTH, 0)];
+        for width in [MINUTE, HOUR, DAY] {
+            for ts in [NOW, old] {
+                keys.push(("views", width, bucket_start(ts, width)));
+                keys.push(("clicks", width, bucket_start(ts, width)));
+            }
+        }
+        let encoded: Vec<Vec<u8>> = keys
+            .iter()
+            .map(|&(metric, width, bucket)| {
+                let mut key = Vec::new();
+                encode_count_key(&mut key, "near", metric, width, bucket);
+                key
+            })
+            .collect();
+        let near: Vec<i64> = store.get_counts(&encoded).unwrap().iter().map(|c| c.total).collect();
+        // views all, clicks all; then per width: views now, clicks now, views old, clicks old.
+        assert_eq!(near, vec![14, 5, 10, 5, 0, 0, 10, 5, 4, 0, 10, 5, 4, 0]);
+        // far lives on the other shard: o1's buckets only, through the outbox.
+        let mut sent: Vec<(String, String, i64, i64, i64)> = Vec::new();
+        for entry in store.outbox().unwrap() {
+            assert_eq!(entry.partition, 1 - shard);
+            let ShardMessage::Totals { entries, .. } = ShardMessage::decode(&entry.payload).unwrap() else {
+                panic!("the outbox holds totals")
+            };
+            sent.extend(entries.into_iter().map(|(_, d)| (d.entity, d.metric, d.width_ms, d.bucket, d.delta)));
+        }
+        sent.sort();
+        let mut expected: Vec<(String, String, i64, i64, i64)> = vec![
+            (far.clone(), "views".into(), ALL_TIME_WIDTH, 0, 7),
+            (far.clone(), "clicks".into(), ALL_TIME_WIDTH, 0, 5),
+            (far.clone(), "views".into(), MINUTE, bucket_start(NOW, MINUTE), 3),
+            (far.clone(), "clicks".into(), MINUTE, bucket_start(NOW, MINUTE), 5),
+        ];
+        for width in [HOUR, DAY] {
+            expected.push((far.clone(), "views".into(), width, bucket_start(NOW, width), 3));
+            expected.push((far.clone(), "views".into(), width, bucket_start(old, width), 4));
+            expected.push((far.clone(), "clicks".into(), width, bucket_start(NOW, width), 5));
+        }
+        expected.sort();
+        assert_eq!(sent, expected);
+        assert_eq!(store.descendants_of("o1"), {
+            let mut view = vec!["near".to_string(), far.clone()];
+            view.sort();
+            view
+        });
     }
 
     #[test]

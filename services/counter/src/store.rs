@@ -29,6 +29,8 @@ use crate::error::Result;
 
 pub(crate) const CF_COUNTS: &str = "counts";
 pub(crate) const CF_DEDUPE: &str = "dedupe";
+/// Descendant views; read only when the store opens (see the vector memtable in
+/// [`ShardStore::open`]).
 pub(crate) const CF_DESC: &str = "desc";
 pub(crate) const CF_OUTBOX: &str = "outbox";
 pub(crate) const CF_ROLLUPS: &str = "rollups";
@@ -131,9 +133,11 @@ impl ShardStore {
         // The descendant views are read only when the store opens (into
         // `descendants`); an edge high in the graph rewrites one view per ancestor in
         // one commit. A vector memtable appends each, where the skiplist searched for
-        // its place (sorted once, when flushed or read). It takes no concurrent
-        // inserts: RocksDB then inserts a write group's batches one after another
-        // (the store's writes already go one at a time, under its commit lock).
+        // its place (sorted when flushed). Keep it write-only: a read of a mutable
+        // vector memtable copies and sorts the whole memtable. It takes no
+        // concurrent inserts, so RocksDB inserts a write group's batches one after
+        // another (writes from other threads — outbox and rollup deletes, metadata —
+        // are serialised by RocksDB, as before, just not inserted in parallel).
         let mut desc = Options::default();
         desc.set_memtable_factory(rocksdb::MemtableFactory::Vector);
         db_options.set_allow_concurrent_memtable_write(false);
