@@ -55,7 +55,7 @@ pub fn edge_latency(shape: &Shape) -> Report {
         let (top0, root) = (leaves + mids, leaves + mids + tops);
         let root_total = Rc::new(Cell::new(0i64));
         let seen = Rc::clone(&root_total);
-        let mut probe = Handle::new();
+        let probe = Handle::new();
         let (mut edges, mut counts) = worker.dataflow::<u32, _, _>(|scope| {
             let (edge_input, edges) = scope.new_collection::<(u32, u32), isize>();
             let (count_input, counts) = scope.new_collection::<(u32, u8), isize>();
@@ -78,7 +78,7 @@ pub fn edge_latency(shape: &Shape) -> Report {
                         seen.set(seen.get() + *total as i64 * *diff as i64);
                     }
                 })
-                .probe_with(&mut probe);
+                .probe_with(&probe);
             (edge_input, count_input)
         });
         let per_mid = leaves.div_ceil(mids);
