@@ -22,6 +22,9 @@ if [ ! -x "$TANSU_ROOT/bin/tansu" ]; then
 fi
 export TALLY_TANSU_ROOT="$TANSU_ROOT"
 
+# A run from a clean clone gains nothing from incremental compilation; it only
+# writes gigabytes of session data (CI shares this machine's disk).
+export CARGO_INCREMENTAL=0
 echo "==> building"
 cargo build --workspace --bins --tests
 echo "==> deployment checks (Helm chart, docker-compose, Dockerfile; tools from PyPI/npm)"
