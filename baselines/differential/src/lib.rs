@@ -89,11 +89,9 @@ pub fn edge_latency(shape: &Shape) -> Report {
         for mid in 0..mids {
             edges.insert((leaves + mid, top0 + mid / per_top));
         }
-        for (leaf, count) in shape.leaf_counts.iter().enumerate() {
+        for (leaf, count) in shape.leaf_counts.iter().enumerate().filter(|(_, count)| **count != 0) {
             for bucket in 0..shape.buckets {
-                if *count != 0 {
-                    counts.update((leaf as u32, bucket), *count as isize);
-                }
+                counts.update((leaf as u32, bucket), *count as isize);
             }
         }
         let mut round = 1;

@@ -9,8 +9,7 @@ use tally_baseline_differential as differential;
 use tally_counter::bench_graph::{edge_latency, GraphBenchOptions, LatencyReport, LatencyShape};
 
 /// tally's edge updates on `shape`, then differential-dataflow's on the same graph
-/// and the same counts (each kept in every resolution's bucket and the all-time row,
-/// as in the shard). An error when the two disagree on the root's totals: the
+/// and the same counts, each in as many buckets as the shard keeps it in. An error when the two disagree on the root's totals: the
 /// baseline would be computing something else.
 pub fn edge_latency_against_differential(
     shape: LatencyShape,
@@ -21,7 +20,7 @@ pub fn edge_latency_against_differential(
         mids: shape.mids as u32,
         tops: shape.tops as u32,
         leaf_counts: latency.leaf_counts.clone(),
-        buckets: tally_core::time::Resolutions::default().iter().count() as u8 + 1,
+        buckets: latency.buckets_per_count as u8,
         repeats: shape.repeats,
     });
     let (ours, theirs) =

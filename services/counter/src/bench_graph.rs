@@ -212,6 +212,8 @@ pub struct LatencyReport {
     /// The increments each leaf got (index: the leaf's number), for a baseline that
     /// computes the same totals (`tally-baseline-differential`).
     pub leaf_counts: Vec<i64>,
+    /// The buckets the shard keeps each count in: one per resolution, and all-time.
+    pub buckets_per_count: usize,
 }
 
 fn all_time_total(store: &ShardStore, entity: &str) -> Result<i64> {
@@ -232,7 +234,9 @@ pub fn edge_latency(shape: LatencyShape, dir: &Path) -> Result<LatencyReport> {
         .map(|(from, to)| EdgeUpdate { op: EdgeOp::Add, from, to })
         .collect();
     let views = changes_record(0, graph.apply_batch(&edges));
-    let store = ShardStore::open(0, &dir.join("latency"), StoreOptions { shards: 1, ..Default::default() })?;
+    let store_options = StoreOptions { shards: 1, ..Default::default() };
+    let buckets_per_count = store_options.resolutions.iter().count() + 1;
+    let store = ShardStore::open(0, &dir.join("latency"), store_options)?;
     store.apply(&[ShardRecord { offset: 0, payload: &views, timestamp: None }], now, false)?;
     // Zipf(1.1) over the leaves, in records of 1 000 increments.
     let zipf = crate::bench::Zipf::new(shape.leaves, 1.1);
@@ -298,6 +302,7 @@ pub fn edge_latency(shape: LatencyShape, dir: &Path) -> Result<LatencyReport> {
         root_after_add,
         root_after_remove,
         leaf_counts,
+        buckets_per_count,
     })
 }
 
@@ -326,6 +331,9 @@ mod tests {
         let shape = LatencyShape { leaves: 200, mids: 20, tops: 2, increments: 3_000, repeats: 3 };
         let report = edge_latency(shape, dir.path()).unwrap();
         assert_eq!(report.changes, 1 + 10 + 100, "top:0, its 10 mids, their 100 leaves");
+        assert_eq!(report.buckets_per_count, 4, "1m, 1h, 1d and all-time");
+        assert_eq!(report.leaf_counts.len(), 200);
+        assert_eq!(report.leaf_counts.iter().sum::<i64>(), 3_000, "every increment on a leaf");
         assert!(report.top_total > 0, "the top counts its leaves' increments");
         assert_eq!(
             (report.root_after_add, report.root_after_remove),
