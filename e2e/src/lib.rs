@@ -636,14 +636,22 @@ pub mod check {
     }
 
     /// Every page of the listing at `base` (a path with its query), following
-    /// `next_page_token`: each page's path and body; `Err` unless every page is a 200.
+    /// `next_page_token`: each page's path and body; `Err` unless every page is a 200,
+    /// and when a token comes back a second time (a listing that would never end).
     pub async fn pages(sandbox: &Sandbox, base: &str) -> Result<Vec<(String, Value)>, String> {
         let mut pages = Vec::new();
         let mut path = base.to_string();
+        let mut tokens = std::collections::HashSet::new();
         loop {
             let (status, body) = sandbox.get(&path).await;
             same(status, 200, format!("{path}: {body}"))?;
-            let next = body["next_page_token"].as_str().map(|token| format!("{base}&page_token={token}"));
+            let next = match body["next_page_token"].as_str() {
+                Some(token) => {
+                    same(tokens.insert(token.to_string()), true, format!("{path}: token {token} again: {body}"))?;
+                    Some(format!("{base}&page_token={token}"))
+                }
+                None => None,
+            };
             pages.push((path, body));
             match next {
                 Some(next) => path = next,
