@@ -2,7 +2,7 @@
 //! updates.
 //!
 //! A message holds one JSON object or an array of them. Every element is either
-//! accepted as a typed [`Increment`] / [`GraphUpdate`] or rejected with a precise
+//! accepted as a typed [`IncrementCow`] / [`GraphUpdate`] or rejected with a precise
 //! reason; a bad element in an array rejects that element only.
 
 use std::borrow::Cow;
@@ -12,7 +12,7 @@ use serde_json::value::RawValue;
 
 use crate::graph::{EdgeOp, EdgeUpdate};
 use crate::validate::{check_entity, check_id, check_metric};
-use crate::wire::{GraphUpdate, Increment};
+use crate::wire::{GraphUpdate, IncrementCow};
 
 /// One element (or the whole message) a producer got wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,14 +43,15 @@ struct RawIncrement<'a> {
 }
 
 /// Parses an increments message, calling `accept(index, increment)` for each valid
-/// element and `reject(rejection)` for each invalid one, in message order.
+/// element (its names borrowed from `payload` where they can be) and
+/// `reject(rejection)` for each invalid one, in message order.
 ///
 /// `record_ts` is the Kafka record's timestamp: the event time of increments that
 /// carry no `ts`.
 pub fn parse_increments<'a>(
     payload: &'a [u8],
     record_ts: i64,
-    accept: impl FnMut(u32, Increment),
+    accept: impl FnMut(u32, IncrementCow<'a>),
     reject: impl FnMut(Rejection<'a>),
 ) {
     parse_elements(payload, |raw| parse_one(raw, record_ts), accept, reject);
@@ -69,15 +70,18 @@ pub fn parse_graph_updates<'a>(
 /// One object or an array of objects, each parsed by `parse`.
 fn parse_elements<'a, T>(
     payload: &'a [u8],
-    parse: impl Fn(&[u8]) -> Result<T, String>,
+    parse: impl Fn(&'a str) -> Result<T, String>,
     mut accept: impl FnMut(u32, T),
     mut reject: impl FnMut(Rejection<'a>),
 ) {
     let whole = |reason: String| Rejection { index: None, reason, raw: payload };
     match first_significant_byte(payload) {
-        Some(b'{') => match parse(payload) {
-            Ok(element) => accept(0, element),
-            Err(reason) => reject(whole(reason)),
+        Some(b'{') => match std::str::from_utf8(payload) {
+            Ok(text) => match parse(text) {
+                Ok(element) => accept(0, element),
+                Err(reason) => reject(whole(reason)),
+            },
+            Err(err) => reject(whole(format!("message: invalid UTF-8: {err}"))),
         },
         Some(b'[') => {
             let elements: Vec<&RawValue> = match serde_json::from_slice(payload) {
@@ -86,10 +90,10 @@ fn parse_elements<'a, T>(
             };
             for (index, element) in elements.into_iter().enumerate() {
                 let index = u32::try_from(index).unwrap_or(u32::MAX);
-                let raw = element.get().as_bytes();
-                match parse(raw) {
+                let text = element.get();
+                match parse(text) {
                     Ok(parsed) => accept(index, parsed),
-                    Err(reason) => reject(Rejection { index: Some(index), reason, raw }),
+                    Err(reason) => reject(Rejection { index: Some(index), reason, raw: text.as_bytes() }),
                 }
             }
         }
@@ -102,11 +106,15 @@ fn first_significant_byte(payload: &[u8]) -> Option<u8> {
 }
 
 /// Deserializes one JSON object, naming the field that is wrong.
-fn deserialize_object<'a, T: Deserialize<'a>>(raw: &'a [u8]) -> Result<T, String> {
-    if first_significant_byte(raw) != Some(b'{') {
+fn deserialize_object<'a, T: Deserialize<'a>>(text: &'a str) -> Result<T, String> {
+    if first_significant_byte(text.as_bytes()) != Some(b'{') {
         return Err("element: expected a JSON object".into());
     }
-    let text = std::str::from_utf8(raw).map_err(|err| format!("message: invalid UTF-8: {err}"))?;
+    // Most elements are valid: parse without tracking the path, and only for one
+    // that fails again with it, to name the field (the same parser accepts the same).
+    if let Ok(parsed) = serde_json::from_str(text) {
+        return Ok(parsed);
+    }
     let mut deserializer = serde_json::Deserializer::from_str(text);
     let parsed: T = serde_path_to_error::deserialize(&mut deserializer).map_err(|err| {
         let path = err.path().to_string();
@@ -135,7 +143,7 @@ struct RawGraphUpdate<'a> {
     id: Option<Cow<'a, str>>,
 }
 
-fn parse_graph_update(raw: &[u8]) -> Result<GraphUpdate, String> {
+fn parse_graph_update(raw: &str) -> Result<GraphUpdate, String> {
     let parsed: RawGraphUpdate = deserialize_object(raw)?;
     let op = match parsed.op.as_ref() {
         "add_edge" => EdgeOp::Add,
@@ -156,7 +164,7 @@ fn parse_graph_update(raw: &[u8]) -> Result<GraphUpdate, String> {
     })
 }
 
-fn parse_one(raw: &[u8], record_ts: i64) -> Result<Increment, String> {
+fn parse_one(raw: &str, record_ts: i64) -> Result<IncrementCow<'_>, String> {
     let parsed: RawIncrement = deserialize_object(raw)?;
     check_entity(&parsed.entity)?;
     check_metric(&parsed.metric)?;
@@ -167,18 +175,19 @@ fn parse_one(raw: &[u8], record_ts: i64) -> Result<Increment, String> {
     if ts < 0 {
         return Err("ts: must be milliseconds since the epoch (>= 0)".into());
     }
-    Ok(Increment {
-        entity: parsed.entity.into_owned(),
-        metric: parsed.metric.into_owned(),
+    Ok(IncrementCow {
+        entity: parsed.entity,
+        metric: parsed.metric,
         delta: parsed.delta.unwrap_or(1),
         ts,
-        id: parsed.id.map(Cow::into_owned),
+        id: parsed.id,
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::Increment;
 
     type Rejected = Vec<(Option<u32>, String, String)>;
 
@@ -188,7 +197,7 @@ mod tests {
         parse_increments(
             payload.as_bytes(),
             1_000,
-            |i, inc| accepted.push((i, inc)),
+            |i, inc| accepted.push((i, inc.into_owned())),
             |r| rejected.push((r.index, r.reason, String::from_utf8(r.raw.to_vec()).unwrap())),
         );
         (accepted, rejected)

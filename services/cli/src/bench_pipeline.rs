@@ -26,6 +26,8 @@ use tally_counter::bench::Zipf;
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{producer_config, TopicNames};
 use tally_shared::local_broker::{ensure_installed, free_port, LocalBroker};
+
+use crate::cpu::CpuWatch;
 use tally_shared::topics::{self, Declarations};
 use tokio::process::{Child, Command};
 
@@ -247,6 +249,17 @@ impl Rig {
 }
 
 impl Rig {
+    /// The running services' and the local broker's process ids, by name.
+    fn pids(&self) -> Vec<(&'static str, u32)> {
+        let services = self.children.iter().filter_map(|(name, child)| Some((*name, child.id()?)));
+        services.chain(self.local.as_ref().map(|broker| ("broker", broker.pid()))).collect()
+    }
+
+    /// The local broker's process id (0, whose CPU is unknown, when Kafka is remote).
+    fn broker_pid(&self) -> u32 {
+        self.local.as_ref().map_or(0, LocalBroker::pid)
+    }
+
     /// One value of a Prometheus counter from a service's `/metrics` (summed over
     /// labels).
     async fn scrape(&self, admin_port: u16, metric: &str) -> anyhow::Result<f64> {
@@ -350,6 +363,8 @@ struct Throughput {
     routed_after: Duration,
     /// From the ingester's first record to the counter having applied everything.
     applied_after: Duration,
+    /// The ingester's, the counter's and the local broker's CPU over the same span.
+    cpu: CpuWatch,
 }
 
 /// Starts the ingester on a backlog (the counter already running) and measures
@@ -362,28 +377,29 @@ async fn ingest_backlog(rig: &mut Rig, expected: u64, messages: u64, label: &str
     rig.run("tally-ingester", ingester_admin).await?;
     let progress = bar(expected, label);
     let deadline = Instant::now() + Duration::from_secs(900);
-    let mut first: Option<(Instant, f64)> = None;
+    let mut first: Option<(Instant, f64, CpuWatch)> = None;
     let mut routed_all: Option<Duration> = None;
     loop {
         let applied = rig.scrape(rig.ports.counter_admin, APPLIED).await? - applied_before;
         if first.is_none() || routed_all.is_none() {
             let read = rig.scrape(ingester_admin, "tally_ingester_input_records_total").await?;
             if first.is_none() && read > 0.0 {
-                first = Some((Instant::now(), applied));
+                first = Some((Instant::now(), applied, CpuWatch::start(&rig.pids())));
             }
-            if let Some((started, _)) = first.filter(|_| read as u64 >= messages) {
+            if let Some((started, _, _)) = first.as_ref().filter(|_| read as u64 >= messages) {
                 routed_all = Some(started.elapsed());
             }
         }
         progress.set_position(applied as u64);
         if applied as u64 >= expected {
             progress.finish_and_clear();
-            let (started, at_start) = first.unwrap_or((Instant::now(), 0.0));
+            let (started, at_start, cpu) = first.unwrap_or_else(|| (Instant::now(), 0.0, CpuWatch::start(&rig.pids())));
             let elapsed = started.elapsed();
             return Ok(Throughput {
                 per_sec: (applied - at_start) / elapsed.as_secs_f64().max(1e-9),
                 routed_after: routed_all.unwrap_or(elapsed),
                 applied_after: elapsed,
+                cpu,
             });
         }
         anyhow::ensure!(Instant::now() < deadline, "{label}: {applied} of {expected} increments applied in 900 s");
@@ -404,11 +420,14 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
     for (i, case) in cases.iter().enumerate() {
         let names = rig.fresh_topics().await?;
         produce_backlog(&rig.config, &names.increments(), *case, args.entities, i as u64).await?;
+        let raw_cpu = CpuWatch::start(&[("consumer", std::process::id()), ("broker", rig.broker_pid())]);
         let raw = raw_consume(&rig.config, &names.increments(), case.messages).await?;
+        let raw_cpu = raw_cpu.per_unit(case.increments() as f64 / 1e6);
         let counter_admin = rig.ports.counter_admin;
         rig.run("tally-counter", counter_admin).await?;
         let label = format!("{} per message, end to end", case.per_message);
         let through = ingest_backlog(&mut rig, case.increments(), case.messages as u64, &label).await?;
+        let tally_cpu = through.cpu.per_unit(case.increments() as f64 / 1e6);
         let rollups = rig.scrape(counter_admin, "tally_counter_rollups_published_total").await?;
         rig.stop_all().await?;
         // A broker can slow down as its data grows (the local one does): the raw rate
@@ -429,6 +448,7 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
             through.applied_after.as_secs_f64(),
         );
         println!("    rollup records published by then: {rollups:.0}");
+        println!("    CPU per million increments: tally end to end: {tally_cpu}; raw consume: {raw_cpu}");
     }
     rig.finish().await
 }

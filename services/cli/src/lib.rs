@@ -4,6 +4,7 @@
 pub mod bench_graph;
 pub mod bench_jobs;
 pub mod bench_pipeline;
+pub mod cpu;
 pub mod jobs;
 pub mod shards;
 pub mod snapshots;

@@ -10,7 +10,7 @@ use rdkafka::Message;
 use tally_core::input::{parse_graph_updates, parse_increments, Rejection};
 use tally_core::records::split_by_size;
 use tally_core::sharding::shard_of;
-use tally_core::wire::{DeadLetter, GraphMessage, GraphUpdate, Increment, ShardMessage, Source, Stamp};
+use tally_core::wire::{DeadLetter, GraphMessage, GraphUpdate, IncrementCow, ShardMessage, Source, Stamp};
 use tally_shared::kafka::{now_ms, TopicNames};
 
 use crate::error::Result;
@@ -90,7 +90,7 @@ impl Router {
 
     /// Routes records; returns the output and what was accepted and rejected.
     pub fn route_records(&self, records: &[InputRecord<'_>]) -> Result<(Vec<Outgoing>, RouteCounts)> {
-        let mut per_shard: BTreeMap<(i32, u32), Vec<(Stamp, Increment)>> = BTreeMap::new();
+        let mut per_shard: BTreeMap<(i32, u32), Vec<(Stamp, IncrementCow<'_>)>> = BTreeMap::new();
         let mut graph: BTreeMap<i32, Vec<(Stamp, GraphUpdate)>> = BTreeMap::new();
         // The time of every input record, by (partition, offset): a routed record
         // carries the time of its last entry's input record.
@@ -144,11 +144,12 @@ impl Router {
         for ((partition, shard), entries) in per_shard {
             let source = Source { stream: Source::INCREMENTS, partition: partition as u32 };
             for chunk in split_by_size(&entries, self.record_budget, |(_, increment)| increment.size_bound()) {
+                let bound = chunk.iter().map(|(_, increment)| increment.size_bound()).sum();
                 outgoing.push(Outgoing {
                     topic: shard_topic.clone(),
                     partition: Some(shard as i32),
                     key: partition.to_string().into_bytes(),
-                    payload: ShardMessage::encode_increments(source, chunk)?,
+                    payload: ShardMessage::encode_increments(source, chunk, bound)?,
                     timestamp: last_time(&record_times, partition, chunk),
                 });
             }
