@@ -128,18 +128,27 @@ impl Store {
     /// Deletes the marks (column family `marks`) of the keys whose value in column
     /// family `state` is still the one given — what was published from it — under
     /// the commit lock, so no batch commits in between: a key a later batch changed
-    /// keeps its mark. Bookkeeping of what was acknowledged, never state.
-    pub fn unmark_unchanged(&self, marks: &str, state: &str, published: &[(Vec<u8>, Option<Vec<u8>>)]) -> Result<()> {
+    /// keeps its mark. Bookkeeping of what was acknowledged, never state. Returns
+    /// the positions in `published` whose marks were deleted.
+    pub fn unmark_unchanged(
+        &self,
+        marks: &str,
+        state: &str,
+        published: &[(Vec<u8>, Option<Vec<u8>>)],
+    ) -> Result<Vec<usize>> {
         let _no_commits = self.committed();
         let (marks_cf, state_cf) = (self.cf(marks)?, self.cf(state)?);
         let now = self.db.batched_multi_get_cf(state_cf, published.iter().map(|(key, _)| key.as_slice()), false);
         let mut batch = WriteBatch::default();
-        for ((key, value), now) in published.iter().zip(now) {
+        let mut unmarked = Vec::new();
+        for (at, ((key, value), now)) in published.iter().zip(now).enumerate() {
             if now.map_err(rocks)?.as_deref() == value.as_deref() {
                 batch.delete_cf(marks_cf, key);
+                unmarked.push(at);
             }
         }
-        self.db.write(batch).map_err(rocks)
+        self.db.write(batch).map_err(rocks)?;
+        Ok(unmarked)
     }
 
     /// The outbox held in column family `cf`, in send order.

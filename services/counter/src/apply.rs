@@ -23,6 +23,7 @@
 //! index: a replay of the same log — after a crash, or on another counter that
 //! rebuilds the shard — produces the same stamps, which the receivers drop.
 
+use crate::marks::MarkedKeys;
 use std::collections::{BTreeMap, HashSet};
 
 use rocksdb::WriteBatch;
@@ -80,10 +81,11 @@ pub struct ApplyReport {
     pub outbox_messages: u64,
     /// Distinct bucket keys written.
     pub keys: usize,
-    /// The count keys the batch changed (for rollups); filled only when asked for,
-    /// and then also marked in the `rollups` column family in the same write batch,
-    /// so a crash before they are published leaves them to publish after restart.
-    pub changed: Vec<Vec<u8>>,
+    /// Rollup marks written: when asked for, every count key the batch changed is
+    /// marked in the `rollups` column family in the same write batch (so a crash
+    /// before they are published leaves them to publish after restart), unless its
+    /// mark is known to be there already ([`crate::marks`]).
+    pub marked: usize,
 }
 
 /// An origin's direct value per `(metric, width_ms, bucket)`; the metric is a
@@ -101,6 +103,23 @@ struct Scratch {
     direct: DirectBuckets,
     key: Vec<u8>,
     view: Vec<u8>,
+}
+
+/// Marks `key` for rollups in `batch` unless its mark is known to be committed
+/// already; the hashes of the marks written go to `new_marks` (for the marked set,
+/// once the batch is committed).
+fn mark(
+    marked: &MarkedKeys,
+    batch: &mut WriteBatch,
+    rollups_cf: &rocksdb::ColumnFamily,
+    key: &[u8],
+    new_marks: &mut Vec<u128>,
+) {
+    let hash = marked.hash(key);
+    if !marked.contains(hash) {
+        batch.put_cf(rollups_cf, key, PRESENT);
+        new_marks.push(hash);
+    }
 }
 
 /// A decoded record waiting in a run: offset, record time, message.
@@ -238,17 +257,22 @@ impl ShardStore {
 
         let (counts_cf, rollups_cf) = (self.cf(CF_COUNTS)?, self.cf(CF_ROLLUPS)?);
         report.keys += coalescer.keys();
+        // Held until the commit (see `marks`).
+        let mut marked = self.marked()?;
+        let mut new_marks = Vec::new();
         coalescer.for_each(|entity, metric, width_ms, bucket, counts| {
             key.clear();
             encode_count_key(&mut key, entity, metric, width_ms, bucket);
             batch.merge_cf(counts_cf, &key, counts.encode());
             if collect_changes {
-                batch.put_cf(rollups_cf, &key, PRESENT);
-                report.changed.push(key.clone());
+                mark(&marked, &mut batch, rollups_cf, &key, &mut new_marks);
             }
         });
         drop(descendants);
         self.commit(batch, progress.clone())?;
+        report.marked += new_marks.len();
+        marked.insert_committed(new_marks);
+        drop(marked);
         // Only producers' increments move their sources' stream time.
         for (_, record_time, message) in run {
             if let ShardMessageRef::Increments { source, .. } = message {
@@ -342,11 +366,13 @@ impl ShardStore {
         drop(descendants);
         drop(counts);
         report.keys += local.len();
+        // Held until the commit (see `marks`).
+        let mut marked = self.marked()?;
+        let mut new_marks = Vec::new();
         for (key, delta) in local {
             batch.merge_cf(counts_cf, &key, Counts { direct: 0, total: delta }.encode());
             if collect_changes {
-                batch.put_cf(rollups_cf, &key, PRESENT);
-                report.changed.push(key);
+                mark(&marked, &mut batch, rollups_cf, &key, &mut new_marks);
             }
         }
         let mut index = 0u32;
@@ -360,7 +386,10 @@ impl ShardStore {
                 .collect();
             self.put_outbox(&mut batch, outbox_cf, offset, target, entries, report)?;
         }
-        self.commit(batch, progress.clone())
+        self.commit(batch, progress.clone())?;
+        report.marked += new_marks.len();
+        marked.insert_committed(new_marks);
+        Ok(())
     }
 
     /// The origin's direct value in every bucket still retained at `now`, into
@@ -740,8 +769,22 @@ mod tests {
         assert_eq!((offset, report.increments), (6, 1));
         assert!(reason.contains("not a tally record"), "{reason}");
         assert_eq!(store.progress().next_offset, Some(6), "stays at the failed record");
-        assert_eq!(report.changed.len(), 4);
-        assert_eq!(store.pending_rollups(100).unwrap(), report.changed, "marked for publishing");
+        assert_eq!(report.marked, 4);
+        assert_eq!(store.pending_rollups(100).unwrap(), count_keys(&store, "a"), "marked for publishing");
+    }
+
+    /// Every count key of `entity` in the store, in key order.
+    fn count_keys(store: &ShardStore, entity: &str) -> Vec<Vec<u8>> {
+        let cf = store.cf(CF_COUNTS).unwrap();
+        let mut prefix = Vec::new();
+        tally_core::keys::encode_entity_prefix(&mut prefix, entity);
+        store
+            .store
+            .db()
+            .iterator_cf(cf, rocksdb::IteratorMode::Start)
+            .map(|item| item.unwrap().0.to_vec())
+            .filter(|key| key.starts_with(&prefix))
+            .collect()
     }
 
     #[test]
@@ -750,9 +793,9 @@ mod tests {
         let store = ShardStore::open(0, dir.path(), options()).unwrap();
         let first = message(0, &[(1, 0, "a", 1, None), (1, 1, "b", 1, None)]);
         let report = store.apply(&[ShardRecord { offset: 0, payload: &first, timestamp: None }], NOW, true).unwrap();
-        assert_eq!(report.changed.len(), 8, "four buckets of each entity");
+        assert_eq!(report.marked, 8, "four buckets of each entity");
         let pending = store.pending_rollups(100).unwrap();
-        assert_eq!(pending, report.changed, "marked for publishing");
+        assert_eq!(pending, [count_keys(&store, "a"), count_keys(&store, "b")].concat(), "marked for publishing");
         let (first, rest) = pending.split_at(3);
         assert_eq!(store.pending_rollups(3).unwrap(), first.to_vec(), "a page");
         assert_eq!(
@@ -764,15 +807,61 @@ mod tests {
         // `a` changes while its old value is on the way to the broker.
         let later = message(0, &[(2, 0, "a", 1, None)]);
         let changed = store.apply(&[ShardRecord { offset: 1, payload: &later, timestamp: None }], NOW, true).unwrap();
+        assert_eq!((changed.keys, changed.marked), (4, 0), "`a`'s marks are there already: not written again");
         store.rollups_published(published).unwrap();
-        let mut left = store.pending_rollups(100).unwrap();
-        left.sort();
-        let mut expected = changed.changed.clone();
-        expected.sort();
-        assert_eq!(left, expected, "`b`'s marks are gone, `a`'s stay for its newer value");
+        let left = store.pending_rollups(100).unwrap();
+        assert_eq!(left, count_keys(&store, "a"), "`b`'s marks are gone, `a`'s stay for its newer value");
         let published: Vec<_> = left.iter().cloned().zip(store.count_values(&left).unwrap()).collect();
         store.rollups_published(published).unwrap();
         assert_eq!(store.pending_rollups(100).unwrap(), Vec::<Vec<u8>>::new());
+        // Unmarked keys are forgotten: the next change marks them again.
+        let again = message(0, &[(3, 0, "a", 1, None)]);
+        let report = store.apply(&[ShardRecord { offset: 2, payload: &again, timestamp: None }], NOW, true).unwrap();
+        assert_eq!(report.marked, 4);
+        assert_eq!(store.pending_rollups(100).unwrap(), count_keys(&store, "a"));
+    }
+
+    #[test]
+    fn every_change_is_published_while_rollups_run_alongside_the_batches() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = std::sync::Arc::new(ShardStore::open(0, dir.path(), options()).unwrap());
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        // The rollups thread's part: publish pages of marks, unmark what is unchanged;
+        // the last value published of each key.
+        let publisher = {
+            let (store, done) = (store.clone(), done.clone());
+            std::thread::spawn(move || {
+                let mut last = std::collections::BTreeMap::new();
+                loop {
+                    let finished = done.load(std::sync::atomic::Ordering::SeqCst);
+                    let pending = store.pending_rollups(3).unwrap();
+                    if pending.is_empty() && finished {
+                        return last;
+                    }
+                    let values = store.count_values(&pending).unwrap();
+                    for (key, value) in pending.iter().zip(&values) {
+                        last.insert(key.clone(), value.clone());
+                    }
+                    std::thread::yield_now();
+                    store.rollups_published(pending.into_iter().zip(values).collect()).unwrap();
+                }
+            })
+        };
+        for offset in 0..400i64 {
+            let entity = ["a", "b", "c"][offset as usize % 3];
+            let record = message(0, &[(offset, 0, entity, 1, None), (offset, 1, "d", 1, None)]);
+            store.apply(&[ShardRecord { offset, payload: &record, timestamp: None }], NOW, true).unwrap();
+        }
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        let published = publisher.join().unwrap();
+        let keys: Vec<Vec<u8>> = ["a", "b", "c", "d"].iter().flat_map(|e| count_keys(&store, e)).collect();
+        assert_eq!(keys.len(), 16);
+        let published_keys: Vec<&Vec<u8>> = published.keys().collect();
+        assert_eq!(published_keys, keys.iter().collect::<Vec<_>>(), "every changed key published");
+        for key in &keys {
+            let now = store.count_values(std::slice::from_ref(key)).unwrap().remove(0);
+            assert_eq!(published[key], now, "the last value published is the final one");
+        }
     }
 
     #[test]

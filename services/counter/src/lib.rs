@@ -19,6 +19,7 @@ pub mod bench_restore;
 pub mod consumer;
 pub mod error;
 pub mod http;
+pub mod marks;
 pub mod metrics;
 pub mod ownership;
 pub mod read;

@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use rocksdb::compaction_filter::Decision;
 use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, MergeOperands, Options, WriteBatch};
@@ -26,6 +26,7 @@ use tally_shared::progress::Progress;
 use tally_shared::store::Store;
 
 use crate::error::Result;
+use crate::marks::MarkedKeys;
 
 pub(crate) const CF_COUNTS: &str = "counts";
 pub(crate) const CF_DEDUPE: &str = "dedupe";
@@ -73,6 +74,8 @@ pub struct ShardStore {
     pub(crate) descendants: Mutex<HashMap<String, Vec<String>>>,
     /// Idempotency marks live for this window of record time.
     dedupe: DedupeWindow,
+    /// Count keys whose rollup marks are committed ([`crate::marks`]).
+    marked: Mutex<MarkedKeys>,
     /// A store built from scratch must reach this shard-topic offset (the log's end
     /// when it was assigned) before it serves: until then its totals are partial.
     /// `i64::MIN`: serving.
@@ -161,6 +164,7 @@ impl ShardStore {
             options,
             descendants: Mutex::new(descendants),
             dedupe: dedupe_window,
+            marked: Mutex::new(MarkedKeys::new(crate::marks::MAX_MARKED)),
             rebuild_until: AtomicI64::new(rebuild_until),
         })
     }
@@ -218,7 +222,21 @@ impl ShardStore {
     /// Unmarks rollups the broker acknowledged: each `(count key, value published)`
     /// whose key still holds that value (a key a later batch changed keeps its mark).
     pub fn rollups_published(&self, published: Vec<(Vec<u8>, Option<Vec<u8>>)>) -> Result<()> {
-        Ok(self.store.unmark_unchanged(CF_ROLLUPS, CF_COUNTS, &published)?)
+        // The marked set first, then (inside) the commit lock: the order a batch
+        // takes them in (see `marks`).
+        let mut marked = self.marked()?;
+        for at in self.store.unmark_unchanged(CF_ROLLUPS, CF_COUNTS, &published)? {
+            marked.remove(&published[at].0);
+        }
+        Ok(())
+    }
+
+    /// The count keys known to be marked for rollups; held by a batch from its
+    /// first look-up until it committed.
+    pub(crate) fn marked(&self) -> Result<MutexGuard<'_, MarkedKeys>> {
+        self.marked
+            .lock()
+            .map_err(|_| crate::Error::Shard { shard: self.shard, message: "rollup marks poisoned".into() })
     }
 
     pub(crate) fn cf(&self, name: &str) -> Result<&ColumnFamily> {
