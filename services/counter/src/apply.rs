@@ -257,21 +257,23 @@ impl ShardStore {
 
         let (counts_cf, rollups_cf) = (self.cf(CF_COUNTS)?, self.cf(CF_ROLLUPS)?);
         report.keys += coalescer.keys();
-        // Held until the commit (see `marks`).
-        let mut marked = self.marked()?;
+        // Held until the commit (see `marks`); not taken when nothing is marked.
+        let mut marked = if collect_changes { Some(self.marked()?) } else { None };
         let mut new_marks = Vec::new();
         coalescer.for_each(|entity, metric, width_ms, bucket, counts| {
             key.clear();
             encode_count_key(&mut key, entity, metric, width_ms, bucket);
             batch.merge_cf(counts_cf, &key, counts.encode());
-            if collect_changes {
-                mark(&marked, &mut batch, rollups_cf, &key, &mut new_marks);
+            if let Some(marked) = &marked {
+                mark(marked, &mut batch, rollups_cf, &key, &mut new_marks);
             }
         });
         drop(descendants);
         self.commit(batch, progress.clone())?;
         report.marked += new_marks.len();
-        marked.insert_committed(new_marks);
+        if let Some(marked) = &mut marked {
+            marked.insert_committed(new_marks);
+        }
         drop(marked);
         // Only producers' increments move their sources' stream time.
         for (_, record_time, message) in run {
@@ -366,13 +368,13 @@ impl ShardStore {
         drop(descendants);
         drop(counts);
         report.keys += local.len();
-        // Held until the commit (see `marks`).
-        let mut marked = self.marked()?;
+        // Held until the commit (see `marks`); not taken when nothing is marked.
+        let mut marked = if collect_changes { Some(self.marked()?) } else { None };
         let mut new_marks = Vec::new();
         for (key, delta) in local {
             batch.merge_cf(counts_cf, &key, Counts { direct: 0, total: delta }.encode());
-            if collect_changes {
-                mark(&marked, &mut batch, rollups_cf, &key, &mut new_marks);
+            if let Some(marked) = &marked {
+                mark(marked, &mut batch, rollups_cf, &key, &mut new_marks);
             }
         }
         let mut index = 0u32;
@@ -388,7 +390,9 @@ impl ShardStore {
         }
         self.commit(batch, progress.clone())?;
         report.marked += new_marks.len();
-        marked.insert_committed(new_marks);
+        if let Some(marked) = &mut marked {
+            marked.insert_committed(new_marks);
+        }
         Ok(())
     }
 

@@ -2,8 +2,8 @@
 //! compacted rollups topic at least once, by a thread of its own so counting never
 //! waits on the rollups topic.
 //!
-//! A batch marks the count keys it changed in its own write batch
-//! ([`ApplyReport::changed`](crate::apply::ApplyReport)); this thread reads a page of
+//! A batch marks the count keys it changed in its own write batch (a key whose mark
+//! is there already is not marked again: [`crate::marks`]); this thread reads a page of
 //! marks, publishes the values the keys hold *now*, and once the broker acknowledged
 //! them removes each mark whose key still holds the published value — under the
 //! store's commit lock, so a key a later batch changed keeps its mark and goes again.

@@ -278,7 +278,16 @@ impl ShardStore {
     /// had data of its own then), so its answers and rollups are whole.
     pub fn serving(&self) -> bool {
         let until = self.rebuild_until.load(Ordering::Relaxed);
-        until == i64::MIN || self.next_offset().is_some_and(|next| next >= until)
+        if until == i64::MIN {
+            return true;
+        }
+        if self.next_offset().is_some_and(|next| next >= until) {
+            // Caught up, and offsets only move forward: later calls need not take the
+            // commit lock (every read asks). A wait set since then stays.
+            let _ = self.rebuild_until.compare_exchange(until, i64::MIN, Ordering::Relaxed, Ordering::Relaxed);
+            return true;
+        }
+        false
     }
 
     /// `source`'s stream time in the dedupe window moves to `record_time` (a
@@ -333,6 +342,11 @@ mod tests {
         let store = ShardStore::open(0, dir.path(), options()).unwrap();
         assert!(!store.serving(), "restarted mid-rebuild: still 2 of 3");
         store.commit(WriteBatch::default(), Progress { next_offset: Some(3), ..Default::default() }).unwrap();
+        assert!(store.serving());
+        assert!(store.serving(), "still, once the wait is lifted");
+        store.rebuild_until(5).unwrap();
+        assert!(!store.serving(), "a later rebuild waits again");
+        store.commit(WriteBatch::default(), Progress { next_offset: Some(5), ..Default::default() }).unwrap();
         assert!(store.serving());
         // A restored store (data of its own, older than the log) waits too.
         drop(store);
