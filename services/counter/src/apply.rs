@@ -23,7 +23,6 @@
 //! index: a replay of the same log — after a crash, or on another counter that
 //! rebuilds the shard — produces the same stamps, which the receivers drop.
 
-use crate::marks::MarkedKeys;
 use std::collections::{BTreeMap, HashSet};
 
 use rocksdb::WriteBatch;
@@ -41,6 +40,7 @@ use tally_core::wire::{ShardMessage, ShardMessageRef, Source, Stamp, TotalDelta}
 use tally_shared::dedupe::DedupeWindow;
 
 use crate::error::Result;
+use crate::marks::MarkedKeys;
 use tally_shared::outbox::outbox_key;
 
 use tally_shared::progress::Progress;
