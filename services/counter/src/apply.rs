@@ -24,6 +24,7 @@
 //! rebuilds the shard — produces the same stamps, which the receivers drop.
 
 use std::collections::{BTreeMap, HashSet};
+use std::sync::MutexGuard;
 
 use rocksdb::WriteBatch;
 use tally_core::counting::Coalescer;
@@ -105,20 +106,32 @@ struct Scratch {
     view: Vec<u8>,
 }
 
-/// Marks `key` for rollups in `batch` unless its mark is known to be committed
-/// already; the hashes of the marks written go to `new_marks` (for the marked set,
-/// once the batch is committed).
-fn mark(
-    marked: &MarkedKeys,
-    batch: &mut WriteBatch,
-    rollups_cf: &rocksdb::ColumnFamily,
-    key: &[u8],
-    new_marks: &mut Vec<u128>,
-) {
-    let hash = marked.hash(key);
-    if !marked.contains(hash) {
-        batch.put_cf(rollups_cf, key, PRESENT);
-        new_marks.push(hash);
+/// The rollup marks one write batch adds ([`crate::marks`]): holds the marked set
+/// from its first look-up until [`Marking::committed`], after the batch's commit.
+/// Without rollups it marks nothing and holds nothing.
+struct Marking<'s> {
+    marked: Option<MutexGuard<'s, MarkedKeys>>,
+    written: Vec<u128>,
+}
+
+impl Marking<'_> {
+    /// Marks `key` in `batch` unless its mark is known to be committed already.
+    fn mark(&mut self, batch: &mut WriteBatch, rollups_cf: &rocksdb::ColumnFamily, key: &[u8]) {
+        if let Some(marked) = &self.marked {
+            let hash = marked.hash(key);
+            if !marked.contains(hash) {
+                batch.put_cf(rollups_cf, key, PRESENT);
+                self.written.push(hash);
+            }
+        }
+    }
+
+    /// The batch is committed: its marks join the set (and the lock is let go).
+    fn committed(self, report: &mut ApplyReport) {
+        report.marked += self.written.len();
+        if let Some(mut marked) = self.marked {
+            marked.insert_committed(self.written);
+        }
     }
 }
 
@@ -257,24 +270,16 @@ impl ShardStore {
 
         let (counts_cf, rollups_cf) = (self.cf(CF_COUNTS)?, self.cf(CF_ROLLUPS)?);
         report.keys += coalescer.keys();
-        // Held until the commit (see `marks`); not taken when nothing is marked.
-        let mut marked = if collect_changes { Some(self.marked()?) } else { None };
-        let mut new_marks = Vec::new();
+        let mut marking = self.marking(collect_changes)?;
         coalescer.for_each(|entity, metric, width_ms, bucket, counts| {
             key.clear();
             encode_count_key(&mut key, entity, metric, width_ms, bucket);
             batch.merge_cf(counts_cf, &key, counts.encode());
-            if let Some(marked) = &marked {
-                mark(marked, &mut batch, rollups_cf, &key, &mut new_marks);
-            }
+            marking.mark(&mut batch, rollups_cf, &key);
         });
         drop(descendants);
         self.commit(batch, progress.clone())?;
-        report.marked += new_marks.len();
-        if let Some(marked) = &mut marked {
-            marked.insert_committed(new_marks);
-        }
-        drop(marked);
+        marking.committed(report);
         // Only producers' increments move their sources' stream time.
         for (_, record_time, message) in run {
             if let ShardMessageRef::Increments { source, .. } = message {
@@ -368,14 +373,10 @@ impl ShardStore {
         drop(descendants);
         drop(counts);
         report.keys += local.len();
-        // Held until the commit (see `marks`); not taken when nothing is marked.
-        let mut marked = if collect_changes { Some(self.marked()?) } else { None };
-        let mut new_marks = Vec::new();
+        let mut marking = self.marking(collect_changes)?;
         for (key, delta) in local {
             batch.merge_cf(counts_cf, &key, Counts { direct: 0, total: delta }.encode());
-            if let Some(marked) = &marked {
-                mark(marked, &mut batch, rollups_cf, &key, &mut new_marks);
-            }
+            marking.mark(&mut batch, rollups_cf, &key);
         }
         let mut index = 0u32;
         for (target, deltas) in remote {
@@ -389,10 +390,7 @@ impl ShardStore {
             self.put_outbox(&mut batch, outbox_cf, offset, target, entries, report)?;
         }
         self.commit(batch, progress.clone())?;
-        report.marked += new_marks.len();
-        if let Some(marked) = &mut marked {
-            marked.insert_committed(new_marks);
-        }
+        marking.committed(report);
         Ok(())
     }
 
@@ -463,6 +461,11 @@ impl ShardStore {
             report.outbox_messages += 1;
         }
         Ok(())
+    }
+
+    /// The marks of one write batch; `rollups` off: none.
+    fn marking(&self, rollups: bool) -> Result<Marking<'_>> {
+        Ok(Marking { marked: if rollups { Some(self.marked()?) } else { None }, written: Vec::new() })
     }
 
     fn poisoned(&self) -> crate::Error {
