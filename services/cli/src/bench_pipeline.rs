@@ -26,10 +26,10 @@ use tally_counter::bench::Zipf;
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{producer_config, TopicNames};
 use tally_shared::local_broker::{ensure_installed, free_port, LocalBroker};
-
-use crate::cpu::CpuWatch;
 use tally_shared::topics::{self, Declarations};
 use tokio::process::{Child, Command};
+
+use crate::cpu::CpuWatch;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct IngestBenchArgs {
@@ -252,12 +252,12 @@ impl Rig {
     /// The running services' and the local broker's process ids, by name.
     fn pids(&self) -> Vec<(&'static str, u32)> {
         let services = self.children.iter().filter_map(|(name, child)| Some((*name, child.id()?)));
-        services.chain(self.local.as_ref().map(|broker| ("broker", broker.pid()))).collect()
+        services.chain(self.broker_process()).collect()
     }
 
-    /// The local broker's process id (0, whose CPU is unknown, when Kafka is remote).
-    fn broker_pid(&self) -> u32 {
-        self.local.as_ref().map_or(0, LocalBroker::pid)
+    /// The local broker, named, with its process id (none when Kafka is remote).
+    fn broker_process(&self) -> Option<(&'static str, u32)> {
+        self.local.as_ref().map(|broker| ("broker", broker.pid()))
     }
 
     /// One value of a Prometheus counter from a service's `/metrics` (summed over
@@ -363,8 +363,9 @@ struct Throughput {
     routed_after: Duration,
     /// From the ingester's first record to the counter having applied everything.
     applied_after: Duration,
-    /// The ingester's, the counter's and the local broker's CPU over the same span.
-    cpu: CpuWatch,
+    /// The ingester's, the counter's and the local broker's CPU over the same span
+    /// (`None` if the ingester was never seen reading).
+    cpu: Option<CpuWatch>,
 }
 
 /// Starts the ingester on a backlog (the counter already running) and measures
@@ -393,7 +394,10 @@ async fn ingest_backlog(rig: &mut Rig, expected: u64, messages: u64, label: &str
         progress.set_position(applied as u64);
         if applied as u64 >= expected {
             progress.finish_and_clear();
-            let (started, at_start, cpu) = first.unwrap_or_else(|| (Instant::now(), 0.0, CpuWatch::start(&rig.pids())));
+            let (started, at_start, cpu) = match first {
+                Some((started, at_start, cpu)) => (started, at_start, Some(cpu)),
+                None => (Instant::now(), 0.0, None),
+            };
             let elapsed = started.elapsed();
             return Ok(Throughput {
                 per_sec: (applied - at_start) / elapsed.as_secs_f64().max(1e-9),
@@ -420,14 +424,17 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
     for (i, case) in cases.iter().enumerate() {
         let names = rig.fresh_topics().await?;
         produce_backlog(&rig.config, &names.increments(), *case, args.entities, i as u64).await?;
-        let raw_cpu = CpuWatch::start(&[("consumer", std::process::id()), ("broker", rig.broker_pid())]);
+        let raw_cpu = CpuWatch::start(
+            &[("consumer", std::process::id())].into_iter().chain(rig.broker_process()).collect::<Vec<_>>(),
+        );
         let raw = raw_consume(&rig.config, &names.increments(), case.messages).await?;
         let raw_cpu = raw_cpu.per_unit(case.increments() as f64 / 1e6);
         let counter_admin = rig.ports.counter_admin;
         rig.run("tally-counter", counter_admin).await?;
         let label = format!("{} per message, end to end", case.per_message);
         let through = ingest_backlog(&mut rig, case.increments(), case.messages as u64, &label).await?;
-        let tally_cpu = through.cpu.per_unit(case.increments() as f64 / 1e6);
+        let tally_cpu =
+            through.cpu.as_ref().map_or_else(|| "unknown".into(), |cpu| cpu.per_unit(case.increments() as f64 / 1e6));
         let rollups = rig.scrape(counter_admin, "tally_counter_rollups_published_total").await?;
         rig.stop_all().await?;
         // A broker can slow down as its data grows (the local one does): the raw rate
