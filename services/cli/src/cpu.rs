@@ -50,14 +50,8 @@ impl CpuWatch {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// This thread's CPU seconds, by another clock than `/proc`'s.
-    fn thread_cpu() -> f64 {
-        let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-        // SAFETY: a valid timespec to write to.
-        assert_eq!(unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) }, 0);
-        now.tv_sec as f64 + now.tv_nsec as f64 / 1e9
-    }
+    // This thread's CPU seconds, by another clock than `/proc`'s.
+    use tally_counter::bench::thread_cpu_seconds as thread_cpu;
 
     #[test]
     fn counts_the_cpu_a_process_spends() {

@@ -174,7 +174,7 @@ pub fn run(options: &BenchOptions, dir: &Path) -> Result<BenchReport> {
 }
 
 /// CPU time the calling thread has used.
-fn thread_cpu_seconds() -> f64 {
+pub fn thread_cpu_seconds() -> f64 {
     let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: `now` is a valid timespec for the call to fill.
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
