@@ -19,8 +19,13 @@ use crate::{Error, Result};
 
 /// The first byte of every binary internal record.
 pub const RECORD_MAGIC: u8 = 0xA7;
-/// The current version of binary internal records.
+/// Version 1 of binary internal records: the bincode of the message. Every binary
+/// record but a shard record of increments is still written in it.
 pub const RECORD_V1: u8 = 1;
+/// Version 2: a shard record of increments in the compact encoding
+/// ([`crate::compact`]: names once per record, small differences). Counters read
+/// both versions of shard records; an ingester writes version 2.
+pub const RECORD_V2: u8 = 2;
 /// The current version of RocksDB values.
 pub const VALUE_V1: u8 = 1;
 /// The current version of the JSON records tally writes (their `"v"`).
@@ -53,10 +58,19 @@ pub fn parse_record_time(bytes: &[u8]) -> Result<i64> {
     Ok(i64::from_be_bytes(bytes))
 }
 
-/// The header of a binary internal record of the current version.
+/// The header of a version 1 binary internal record.
 pub const RECORD_HEADER: [u8; 2] = [RECORD_MAGIC, RECORD_V1];
 
-/// The body of a binary internal record named `what`, after checking its header.
+/// The format version (1 or 2) and body of a shard record.
+pub fn shard_record_body(bytes: &[u8]) -> Result<(u8, &[u8])> {
+    match bytes {
+        [RECORD_MAGIC, version @ (RECORD_V1 | RECORD_V2), body @ ..] => Ok((*version, body)),
+        _ => record_body(bytes, "shard record").map(|body| (RECORD_V1, body)),
+    }
+}
+
+/// The body of a version 1 binary internal record named `what`, after checking its
+/// header.
 pub fn record_body<'a>(bytes: &'a [u8], what: &str) -> Result<&'a [u8]> {
     match bytes {
         [RECORD_MAGIC, RECORD_V1, body @ ..] => Ok(body),

@@ -10,11 +10,13 @@
 //!   [`propagation`] (the rule a shard applies);
 //! - [`jobs`]: the job format and a queue partition's buffer; [`assignment`]: which
 //!   live member (dequeue broker, counter) owns which partition;
-//! - [`format`] (versions of everything kept), [`wire`] (internal messages),
+//! - [`format`] (versions of everything kept), [`wire`] (internal messages; shard
+//!   records of increments in the [`compact`] encoding),
 //!   [`keys`] (RocksDB keys and values), [`records`] (every record fits the broker);
 //! - [`model`]: the brute-force model every test compares with.
 
 pub mod assignment;
+pub mod compact;
 pub mod counting;
 pub mod error;
 pub mod format;

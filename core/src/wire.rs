@@ -68,6 +68,30 @@ impl IncrementCow<'_> {
     }
 }
 
+macro_rules! increment_fields {
+    ($($form:ty),*) => {$(
+        impl crate::compact::IncrementFields for $form {
+            fn entity(&self) -> &str {
+                &self.entity
+            }
+            fn metric(&self) -> &str {
+                &self.metric
+            }
+            fn delta(&self) -> i64 {
+                self.delta
+            }
+            fn ts(&self) -> i64 {
+                self.ts
+            }
+            fn id(&self) -> Option<&str> {
+                self.id.as_deref()
+            }
+        }
+    )*};
+}
+
+increment_fields!(Increment, IncrementCow<'_>, IncrementRef<'_>);
+
 /// Where an internal message's content comes from: the input stream and partition.
 /// Receivers keep one high-water mark per source.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -252,9 +276,27 @@ pub struct IncrementRef<'a> {
     pub id: Option<&'a str>,
 }
 
+impl IncrementRef<'_> {
+    pub fn into_owned(self) -> Increment {
+        Increment {
+            entity: self.entity.to_string(),
+            metric: self.metric.to_string(),
+            delta: self.delta,
+            ts: self.ts,
+            id: self.id.map(str::to_string),
+        }
+    }
+}
+
 impl<'a> ShardMessageRef<'a> {
+    /// Decodes a shard record of either format version: increments are written in
+    /// version 2 ([`crate::compact`]), everything else in version 1 (bincode).
     pub fn decode(bytes: &'a [u8]) -> Result<Self> {
-        let body = crate::format::record_body(bytes, "shard record")?;
+        let (version, body) = crate::format::shard_record_body(bytes)?;
+        if version == crate::format::RECORD_V2 {
+            let (source, entries) = crate::compact::decode_increments(body)?;
+            return Ok(ShardMessageRef::Increments { source, entries });
+        }
         let (message, used) = bincode::serde::borrow_decode_from_slice(body, bincode_config())
             .map_err(|err| Error::Format(format!("shard record: {err}")))?;
         if used != body.len() {
@@ -280,24 +322,31 @@ impl ShardMessage {
     }
 
     /// The bytes of `ShardMessage::Increments { source, entries }` without building
-    /// it, so the ingester encodes its entries in place instead of cloning them.
-    /// `T` is [`Increment`] or [`IncrementCow`] (same encoding); `size_bound` is the
-    /// sum of the entries' size bounds (the buffer's capacity).
-    pub fn encode_increments<T: Serialize>(
+    /// it, so the ingester encodes its entries in place instead of cloning them: record
+    /// format version 2 ([`crate::compact`]). `T` is any form of an increment (all
+    /// encode alike); `size_bound` is the sum of the entries' size bounds, which the
+    /// encoding never exceeds (it sizes the buffer).
+    pub fn encode_increments<T: crate::compact::IncrementFields>(
         source: Source,
         entries: &[(Stamp, T)],
         size_bound: usize,
     ) -> Result<Vec<u8>> {
-        /// Same shape as [`ShardMessage`] (bincode writes the variant's index, not its name).
-        #[derive(Serialize)]
-        enum Borrowed<'a, T> {
-            Increments { source: Source, entries: &'a [(Stamp, T)] },
-        }
-        // Header, variant, source and length: well under 32 bytes.
-        encode_sized(&Borrowed::Increments { source, entries }, size_bound + 32)
+        // Header, kind, source and the two counts: well under 32 bytes.
+        let mut out = Vec::with_capacity(size_bound + 32);
+        out.extend_from_slice(&[crate::format::RECORD_MAGIC, crate::format::RECORD_V2]);
+        crate::compact::encode_increments(source, entries, &mut out);
+        Ok(out)
     }
 
+    /// Decodes a shard record of either format version ([`ShardMessageRef::decode`]).
     pub fn decode(bytes: &[u8]) -> Result<Self> {
+        if crate::format::shard_record_body(bytes)?.0 == crate::format::RECORD_V2 {
+            let ShardMessageRef::Increments { source, entries } = ShardMessageRef::decode(bytes)? else {
+                unreachable!("a version 2 record decodes to increments")
+            };
+            let entries = entries.into_iter().map(|(stamp, increment)| (stamp, increment.into_owned())).collect();
+            return Ok(ShardMessage::Increments { source, entries });
+        }
         decode(bytes, "shard record")
     }
 }

@@ -14,8 +14,8 @@ use tally_core::jobs::{DeadJob, DeadJobAction, DeadJobDecision, Job};
 use tally_core::keys::{decode_mark, decode_names, decode_stamp, encode_mark, encode_names, encode_stamp, Counts};
 use tally_core::records::Truncated;
 use tally_core::wire::{
-    DeadLetter, GraphMessage, GraphUpdate, Heartbeat, Increment, Rollup, ShardMessage, ShardOwner, Source, Stamp,
-    TotalDelta,
+    DeadLetter, GraphMessage, GraphUpdate, Heartbeat, Increment, Rollup, ShardMessage, ShardMessageRef, ShardOwner,
+    Source, Stamp, TotalDelta,
 };
 
 /// Compares `encoded` with the committed bytes of `name` and returns them.
@@ -27,6 +27,13 @@ fn golden(name: &str, encoded: &[u8]) -> Vec<u8> {
     let committed = std::fs::read(&path).unwrap_or_else(|err| panic!("{}: {err}", path.display()));
     assert_eq!(encoded, committed.as_slice(), "{name}: the current encoder no longer writes the committed bytes");
     committed
+}
+
+/// The committed bytes of `name`, which the current encoder no longer writes (an
+/// older format version that must keep decoding).
+fn committed(name: &str) -> Vec<u8> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(name);
+    std::fs::read(&path).unwrap_or_else(|err| panic!("{}: {err}", path.display()))
 }
 
 const SOURCE: Source = Source { stream: Source::INCREMENTS, partition: 7 };
@@ -52,8 +59,17 @@ fn shard_records() {
             ),
         ],
     };
-    let bytes = golden("shard-increments.bin", &increments.encode().unwrap());
+    let bytes = golden("shard-increments-v2.bin", &increments.encode().unwrap());
+    assert_eq!(bytes[..2], [format::RECORD_MAGIC, format::RECORD_V2]);
     assert_eq!(ShardMessage::decode(&bytes).unwrap(), increments);
+    // Version 1, which ingesters wrote before version 2, still reads.
+    let v1 = committed("shard-increments.bin");
+    assert_eq!(v1[..2], [format::RECORD_MAGIC, format::RECORD_V1]);
+    assert_eq!(ShardMessage::decode(&v1).unwrap(), increments);
+    let Ok(ShardMessageRef::Increments { entries, .. }) = ShardMessageRef::decode(&v1) else { panic!("v1 increments") };
+    let borrowed: Vec<(Stamp, Increment)> = entries.into_iter().map(|(s, i)| (s, i.into_owned())).collect();
+    let ShardMessage::Increments { entries: want, .. } = &increments else { unreachable!() };
+    assert_eq!(&borrowed, want);
 
     let changes = ShardMessage::DescChanges {
         source: Source { stream: Source::GRAPH_PROCESSOR, partition: 0 },
@@ -180,9 +196,13 @@ fn json_records() {
 #[test]
 fn other_versions_fail_loudly() {
     let mut newer = ShardMessage::Totals { source: SOURCE, entries: vec![] }.encode().unwrap();
-    newer[1] = 2;
+    newer[1] = 3;
     let err = ShardMessage::decode(&newer).unwrap_err().to_string();
-    assert!(err.contains("unknown format version 2"), "{err}");
+    assert!(err.contains("unknown format version 3"), "{err}");
+    assert!(ShardMessageRef::decode(&newer).unwrap_err().to_string().contains("unknown format version 3"));
+    // Version 2 is a shard record of increments only.
+    newer[1] = 2;
+    assert!(GraphMessage::decode(&newer).unwrap_err().to_string().contains("unknown format version 2"));
     assert!(GraphMessage::decode(b"{\"op\":\"add_edge\"}").unwrap_err().to_string().contains("not a tally record"));
     let mut counts = Counts::default().encode();
     counts[0] = 2;
