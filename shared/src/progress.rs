@@ -4,6 +4,7 @@
 //! a batch changed, so it is never ahead of or behind the data. Values are versioned
 //! ([`tally_core::format`]); a malformed one fails the load, it is never skipped.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 use rocksdb::{WriteBatch, DB};
@@ -85,11 +86,18 @@ impl Progress {
     /// Moves `source`'s high-water mark to `stamp`; false when the stamp was
     /// already applied (a redelivery or a replay).
     pub fn advance(&mut self, source: Source, stamp: Stamp) -> bool {
-        if self.high_water.get(&source).is_some_and(|high_water| stamp <= *high_water) {
-            return false;
+        // One hash per entry (this runs for every increment a counter applies).
+        match self.high_water.entry(source) {
+            Entry::Occupied(high_water) if stamp <= *high_water.get() => false,
+            Entry::Occupied(mut high_water) => {
+                high_water.insert(stamp);
+                true
+            }
+            Entry::Vacant(vacant) => {
+                vacant.insert(stamp);
+                true
+            }
         }
-        self.high_water.insert(source, stamp);
-        true
     }
 }
 

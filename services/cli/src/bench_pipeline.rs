@@ -263,14 +263,30 @@ impl Rig {
     /// One value of a Prometheus counter from a service's `/metrics` (summed over
     /// labels).
     async fn scrape(&self, admin_port: u16, metric: &str) -> anyhow::Result<f64> {
+        self.scrape_lines(admin_port, metric, |_| true).await
+    }
+
+    /// [`Rig::scrape`] of the series whose labels include the value `label`.
+    async fn scrape_labelled(&self, admin_port: u16, metric: &str, label: &str) -> anyhow::Result<f64> {
+        let quoted = format!("=\"{label}\"");
+        self.scrape_lines(admin_port, metric, |labels| labels.contains(&quoted)).await
+    }
+
+    async fn scrape_lines(&self, admin_port: u16, metric: &str, labels: impl Fn(&str) -> bool) -> anyhow::Result<f64> {
         let url = format!("http://127.0.0.1:{admin_port}/metrics");
         let text = self.client.get(url).send().await?.text().await?;
-        Ok(text
-            .lines()
-            .filter(|line| line.strip_prefix(metric).is_some_and(|rest| rest.starts_with([' ', '{'])))
-            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum())
+        Ok(sum_series(&text, metric, labels))
     }
+}
+
+/// The sum of the values of `metric`'s series in a Prometheus text exposition whose
+/// labels (`{…}`, or "" without) pass `labels`.
+fn sum_series(text: &str, metric: &str, labels: impl Fn(&str) -> bool) -> f64 {
+    text.lines()
+        .filter_map(|line| line.strip_prefix(metric).filter(|rest| rest.starts_with([' ', '{'])))
+        .filter(|rest| labels(rest.rsplit_once(' ').map_or("", |(labels, _)| labels)))
+        .filter_map(|rest| rest.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 /// Produces a backlog of `case` on the increments topic.
@@ -436,6 +452,10 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
         let tally_cpu =
             through.cpu.as_ref().map_or_else(|| "unknown".into(), |cpu| cpu.per_unit(case.increments() as f64 / 1e6));
         let rollups = rig.scrape(counter_admin, "tally_counter_rollups_published_total").await?;
+        let ingester_admin = rig.ports.ingester_admin;
+        let input_bytes = rig.scrape(ingester_admin, "tally_ingester_input_bytes_total").await?;
+        let shard_bytes =
+            rig.scrape_labelled(ingester_admin, "tally_ingester_output_bytes_total", &names.shards()).await?;
         rig.stop_all().await?;
         // A broker can slow down as its data grows (the local one does): the raw rate
         // again after the run, and the ratio against both.
@@ -455,6 +475,12 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
             through.applied_after.as_secs_f64(),
         );
         println!("    rollup records published by then: {rollups:.0}");
+        let increments = case.increments() as f64;
+        println!(
+            "    bytes per increment: input {:.1}, shard topic {:.1}",
+            input_bytes / increments,
+            shard_bytes / increments
+        );
         println!("    CPU per million increments: tally end to end: {tally_cpu}; raw consume: {raw_cpu}");
     }
     rig.finish().await
@@ -627,4 +653,23 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
         if (during as u64) < busy.increments() { "" } else { " — the backlog ran out: raise --ingest-messages" }
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sums_the_series_of_one_metric_whose_labels_pass() {
+        let text = "# HELP tally_x_total x\n\
+                    tally_x_total{topic=\"a\"} 5\n\
+                    tally_x_total{topic=\"b\"} 7\n\
+                    tally_x_total_more 100\n\
+                    tally_x_totals 1000\n\
+                    tally_y 3\n";
+        assert_eq!(sum_series(text, "tally_x_total", |_| true), 12.0);
+        assert_eq!(sum_series(text, "tally_x_total", |labels| labels.contains("=\"b\"")), 7.0);
+        assert_eq!(sum_series(text, "tally_y", |labels| labels.is_empty()), 3.0);
+        assert_eq!(sum_series(text, "tally_z", |_| true), 0.0);
+    }
 }

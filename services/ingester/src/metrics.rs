@@ -6,6 +6,9 @@ use tally_shared::telemetry::register;
 #[derive(Clone)]
 pub struct Metrics {
     pub input_records: IntCounter,
+    pub input_bytes: IntCounter,
+    /// Payload bytes produced, by topic (shard records, graph updates, dead letters).
+    pub output_bytes: IntCounterVec,
     /// Valid elements routed on, by kind (`increment`, `graph_update`).
     pub accepted: IntCounterVec,
     pub dead_letters: IntCounter,
@@ -20,6 +23,19 @@ impl Metrics {
                 registry,
                 IntCounter::new("tally_ingester_input_records_total", "Producer records consumed")
                     .expect("valid metric"),
+            ),
+            input_bytes: register(
+                registry,
+                IntCounter::new("tally_ingester_input_bytes_total", "Payload bytes of the producer records consumed")
+                    .expect("valid metric"),
+            ),
+            output_bytes: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new("tally_ingester_output_bytes_total", "Payload bytes produced, per topic"),
+                    &["topic"],
+                )
+                .expect("valid metric"),
             ),
             accepted: register(
                 registry,

@@ -82,6 +82,10 @@ impl Router {
         let records: Vec<InputRecord<'_>> = batch.iter().map(InputRecord::from).collect();
         let (outgoing, counts) = self.route_records(&records)?;
         metrics.input_records.inc_by(records.len() as u64);
+        metrics.input_bytes.inc_by(records.iter().map(|record| record.payload.len() as u64).sum());
+        for out in &outgoing {
+            metrics.output_bytes.with_label_values(&[&out.topic]).inc_by(out.payload.len() as u64);
+        }
         metrics.accepted.with_label_values(&["increment"]).inc_by(counts.increments);
         metrics.accepted.with_label_values(&["graph_update"]).inc_by(counts.graph_updates);
         metrics.dead_letters.inc_by(counts.rejected);
