@@ -176,8 +176,13 @@ impl Rig {
         Ok(TopicNames::new(&self.config.kafka.topic_prefix))
     }
 
+    /// The current case's data directory (the counter's stores, its snapshots).
+    fn data_dir(&self) -> PathBuf {
+        self.scratch.path().join(&self.config.kafka.topic_prefix)
+    }
+
     fn env(&self) -> Vec<(String, String)> {
-        let data = self.scratch.path().join(&self.config.kafka.topic_prefix);
+        let data = self.data_dir();
         let p = self.ports;
         let mut env = vec![
             ("TALLY__KAFKA__BOOTSTRAP_SERVERS", self.config.kafka.bootstrap_servers.clone()),
@@ -201,23 +206,39 @@ impl Rig {
 
     /// Starts a service and waits until its `/readyz` answers 200.
     async fn run(&mut self, name: &'static str, admin_port: u16) -> anyhow::Result<()> {
+        self.spawn(name)?;
+        self.ready(name, admin_port).await
+    }
+
+    fn spawn(&mut self, name: &'static str) -> anyhow::Result<()> {
         let child = Command::new(self.bin_dir.join(name))
             .envs(self.env())
             .kill_on_drop(true)
             .spawn()
             .with_context(|| format!("starting {name}"))?;
         self.children.push((name, child));
+        Ok(())
+    }
+
+    /// An error if the service `name` started exited.
+    fn still_running(&mut self, name: &str) -> anyhow::Result<()> {
+        if let Some((_, child)) = self.children.iter_mut().find(|(n, _)| *n == name) {
+            if let Some(status) = child.try_wait()? {
+                bail!("{name} exited ({status})");
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until a started service's `/readyz` answers 200.
+    async fn ready(&mut self, name: &'static str, admin_port: u16) -> anyhow::Result<()> {
         let url = format!("http://127.0.0.1:{admin_port}/readyz");
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             if self.client.get(&url).send().await.is_ok_and(|r| r.status().is_success()) {
                 return Ok(());
             }
-            if let Some((_, child)) = self.children.iter_mut().find(|(n, _)| *n == name) {
-                if let Some(status) = child.try_wait()? {
-                    bail!("{name} exited ({status}) before it was ready");
-                }
-            }
+            self.still_running(name)?;
             anyhow::ensure!(Instant::now() < deadline, "{name} was not ready within 120 s");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -456,6 +477,7 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
         let input_bytes = rig.scrape(ingester_admin, "tally_ingester_input_bytes_total").await?;
         let shard_bytes =
             rig.scrape_labelled(ingester_admin, "tally_ingester_output_bytes_total", &names.shards()).await?;
+        let rebuild = rebuild_from_the_log(&mut rig, case.increments()).await?;
         rig.stop_all().await?;
         // A broker can slow down as its data grows (the local one does): the raw rate
         // again after the run, and the ratio against both.
@@ -482,8 +504,55 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
             shard_bytes / increments
         );
         println!("    CPU per million increments: tally end to end: {tally_cpu}; raw consume: {raw_cpu}");
+        println!(
+            "    the counter alone, rebuilding every shard from the shard topic: {:.0} increments/s ({:.2} s; CPU per million increments: {})",
+            case.increments() as f64 / rebuild.elapsed.as_secs_f64().max(1e-9),
+            rebuild.elapsed.as_secs_f64(),
+            rebuild.cpu,
+        );
     }
     rig.finish().await
+}
+
+/// How long the counter took to rebuild its shards from the shard topic alone.
+struct Rebuild {
+    elapsed: Duration,
+    /// The counter's and the broker's CPU per million increments.
+    cpu: String,
+}
+
+/// Stops the ingester and the counter, deletes the counter's stores (and snapshots)
+/// and starts it again: it rebuilds every shard from the shard topic, as a counter
+/// that lost its disk does without snapshots. Timed from its start to every
+/// increment applied, process start and store opening included.
+async fn rebuild_from_the_log(rig: &mut Rig, expected: u64) -> anyhow::Result<Rebuild> {
+    rig.stop("tally-ingester").await?;
+    rig.stop("tally-counter").await?;
+    for dir in ["counter", "snapshots"] {
+        let path = rig.data_dir().join(dir);
+        if path.exists() {
+            std::fs::remove_dir_all(&path).with_context(|| format!("removing {}", path.display()))?;
+        }
+    }
+    let started = Instant::now();
+    rig.spawn("tally-counter")?;
+    let cpu = CpuWatch::start(&rig.pids());
+    let progress = bar(expected, "the counter rebuilding");
+    let deadline = started + Duration::from_secs(900);
+    loop {
+        // Not served (nor ready) before it caught up: its metrics answer earlier.
+        let applied =
+            rig.scrape(rig.ports.counter_admin, "tally_counter_applied_increments_total").await.unwrap_or(0.0);
+        progress.set_position(applied as u64);
+        if applied as u64 >= expected {
+            progress.finish_and_clear();
+            let cpu = cpu.per_unit(expected as f64 / 1e6);
+            return Ok(Rebuild { elapsed: started.elapsed(), cpu });
+        }
+        rig.still_running("tally-counter")?;
+        anyhow::ensure!(Instant::now() < deadline, "the counter rebuilt {applied} of {expected} increments in 900 s");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// Latencies of one phase, sorted.
