@@ -500,65 +500,18 @@ fn report_state(shards: &Shards, readiness: &Readiness, metrics: &Metrics, confl
 /// wrote and the shards that failed in it. A failed shard applies nothing more
 /// (records of it polled before it was paused are dropped: its store's offset
 /// stays at the failure); the others go on.
-/// A batch is applied on several threads, one group of shards each, when it holds
-/// at least this many payload bytes (a smaller one is not worth the threads).
-const PARALLEL_APPLY_BYTES: usize = 256 << 10;
-
-/// Applies a batch shard by shard; returns the outbox messages written and the
-/// shards that failed. Shards are independent stores, so a big batch's shards are
-/// applied on up to one thread per core (balanced by bytes): a counter catching up
-/// with a backlog uses every core it has, not one.
 fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, mark_rollups: bool) -> (u64, Vec<u32>) {
-    let mut by_shard: BTreeMap<u32, (usize, Vec<ShardRecord<'_>>)> = BTreeMap::new();
-    for polled in batch {
-        let (bytes, records) = by_shard.entry(polled.partition as u32).or_default();
-        *bytes += polled.payload.len();
-        records.push(ShardRecord { offset: polled.offset, payload: &polled.payload, timestamp: polled.timestamp });
-    }
-    let total: usize = by_shard.values().map(|(bytes, _)| bytes).sum();
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = if total >= PARALLEL_APPLY_BYTES { cores.min(by_shard.len()) } else { 1 };
-    let mut groups = balanced_groups(by_shard, threads);
-    let first = groups.pop().unwrap_or_default();
-    let apply = |group| apply_shards(group, shards, metrics, mark_rollups);
-    let (mut written, mut failed) = (0, Vec::new());
-    std::thread::scope(|scope| {
-        let others: Vec<_> = groups.into_iter().map(|group| scope.spawn(move || apply(group))).collect();
-        for (group_written, group_failed) in std::iter::once(apply(first)).chain(others.into_iter().map(|other| {
-            // A panic on another thread is one here (as it was when it ran here).
-            other.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-        })) {
-            written += group_written;
-            failed.extend(group_failed);
-        }
-    });
-    (written, failed)
-}
-
-/// Splits shards into `count` groups of about equal bytes (largest first, each to
-/// the lightest group).
-fn balanced_groups<T>(by_shard: BTreeMap<u32, (usize, T)>, count: usize) -> Vec<Vec<(u32, T)>> {
-    let mut shards: Vec<(u32, (usize, T))> = by_shard.into_iter().collect();
-    shards.sort_by_key(|(shard, (bytes, _))| (std::cmp::Reverse(*bytes), *shard));
-    let mut groups: Vec<(usize, Vec<(u32, T)>)> = (0..count.max(1)).map(|_| (0, Vec::new())).collect();
-    for (shard, (bytes, records)) in shards {
-        let lightest = groups.iter_mut().min_by_key(|(load, _)| *load).expect("at least one group");
-        lightest.0 += bytes;
-        lightest.1.push((shard, records));
-    }
-    groups.into_iter().map(|(_, group)| group).filter(|group| !group.is_empty()).collect()
-}
-
-/// Applies each shard's records to its store (one thread's share of a batch).
-fn apply_shards(
-    group: Vec<(u32, Vec<ShardRecord<'_>>)>,
-    shards: &Shards,
-    metrics: &Metrics,
-    mark_rollups: bool,
-) -> (u64, Vec<u32>) {
     let mut outbox_written = 0;
     let mut failed = Vec::new();
-    for (shard, mut records) in group {
+    let mut by_shard: HashMap<u32, Vec<ShardRecord<'_>>> = HashMap::new();
+    for polled in batch {
+        by_shard.entry(polled.partition as u32).or_default().push(ShardRecord {
+            offset: polled.offset,
+            payload: &polled.payload,
+            timestamp: polled.timestamp,
+        });
+    }
+    for (shard, mut records) in by_shard {
         let Some(store) = shards.get(shard).filter(|_| !shards.failures.is_failed(shard)) else { continue };
         records.sort_by_key(|r| r.offset);
         let started = Instant::now();
@@ -642,84 +595,5 @@ impl ShardSnapshots {
             self.metrics.snapshots_taken.inc_by(taken);
             self.metrics.snapshot_failures.inc_by(failed);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use tally_core::keys::{encode_count_key, ALL_TIME_WIDTH};
-    use tally_core::wire::{Increment, ShardMessage, Source, Stamp};
-
-    type Groups = Vec<Vec<u32>>;
-
-    fn ids(groups: Vec<Vec<(u32, ())>>) -> Groups {
-        groups.into_iter().map(|group| group.into_iter().map(|(shard, _)| shard).collect()).collect()
-    }
-
-    #[test]
-    fn shards_are_grouped_by_bytes() {
-        let shards: BTreeMap<u32, (usize, ())> = [(0, (5, ())), (1, (4, ())), (2, (3, ())), (3, (2, ()))].into();
-        assert_eq!(ids(balanced_groups(shards.clone(), 2)), vec![vec![0, 3], vec![1, 2]]);
-        assert_eq!(ids(balanced_groups(shards.clone(), 8)), vec![vec![0], vec![1], vec![2], vec![3]]);
-        assert_eq!(ids(balanced_groups(shards, 1)), vec![vec![0, 1, 2, 3]]);
-        assert_eq!(ids(balanced_groups(BTreeMap::new(), 2)), Groups::new());
-    }
-
-    /// A record of 1 000 increments of `delta` on entities e0..e999.
-    fn record(offset: i64, delta: i64) -> Vec<u8> {
-        let entries = (0..1_000)
-            .map(|index| {
-                let increment = Increment {
-                    entity: format!("e{index}"),
-                    metric: "views".into(),
-                    delta,
-                    ts: 1_763_780_000_000,
-                    id: None,
-                };
-                (Stamp { offset, index }, increment)
-            })
-            .collect();
-        ShardMessage::Increments { source: Source { stream: Source::INCREMENTS, partition: 0 }, entries }
-            .encode()
-            .unwrap()
-    }
-
-    #[test]
-    fn a_big_batch_applies_its_shards_on_several_threads_with_the_same_result() {
-        let dir = tempfile::tempdir().unwrap();
-        let stores: HashMap<u32, Arc<ShardStore>> = (0..3)
-            .map(|shard| {
-                let path = dir.path().join(store_dir(shard));
-                (shard, Arc::new(ShardStore::open(shard, &path, StoreOptions::default()).unwrap()))
-            })
-            .collect();
-        let shards = Shards::default();
-        shards.replace(stores, BTreeMap::new());
-        // Shard s gets records 0..8 adding s + 1 each; shard 1's record 3 is garbage.
-        let mut batch = Vec::new();
-        for offset in 0..8 {
-            for shard in 0..3 {
-                let payload = if shard == 1 && offset == 3 { b"garbage".to_vec() } else { record(offset, shard + 1) };
-                batch.push(Polled { partition: shard as i32, offset, timestamp: None, payload });
-            }
-        }
-        let bytes: usize = batch.iter().map(|polled| polled.payload.len()).sum();
-        assert!(bytes >= PARALLEL_APPLY_BYTES, "{bytes} bytes: the batch must be big enough to be split");
-        let metrics = Metrics::new(&prometheus::Registry::new());
-        let (written, failed) = apply_batch(&batch, &shards, &metrics, true);
-        assert_eq!((written, failed), (0, vec![1]));
-        assert!(shards.failures.is_failed(1));
-        let all_time = |shard: u32, entity: &str| {
-            let mut key = Vec::new();
-            encode_count_key(&mut key, entity, "views", ALL_TIME_WIDTH, 0);
-            shards.get(shard).unwrap().get_counts(&[key]).unwrap()[0].direct
-        };
-        // Shards 0 and 2 applied all eight records; shard 1 the three before its garbage.
-        let expected: Vec<(i64, i64)> = vec![(8, 8), (6, 3), (24, 8)];
-        let got: Vec<(i64, i64)> =
-            (0..3).map(|shard| (all_time(shard, "e999"), shards.get(shard).unwrap().next_offset().unwrap())).collect();
-        assert_eq!(got, expected);
-        assert_eq!(metrics.applied_increments.get(), 19_000);
     }
 }
