@@ -21,9 +21,9 @@
 //!   varint id: 0 = none, n = an id of n - 1 bytes, which follow
 //! ```
 //! The first entry's differences are from 0; differences wrap (any `i64` encodes).
-//! Decoding fails closed: a truncated or overlong varint, a name number out of the
-//! table, invalid UTF-8, a count larger than the bytes could hold, an unknown kind
-//! or trailing bytes are each a [`Error::Format`] naming the fault.
+//! Decoding fails closed: a truncated varint or one over 64 bits, a name number out
+//! of the table, invalid UTF-8, a count larger than the bytes could hold, an unknown
+//! kind or trailing bytes are each a [`Error::Format`] naming the fault.
 
 use rustc_hash::FxHashMap;
 
@@ -45,48 +45,64 @@ pub trait IncrementFields {
     fn id(&self) -> Option<&str>;
 }
 
-/// Appends the body of a version 2 increments record (after its header) to `out`.
-pub fn encode_increments<T: IncrementFields>(source: Source, entries: &[(Stamp, T)], out: &mut Vec<u8>) {
-    // Names are numbered in the order of their first use.
+/// The bytes of a version 2 increments record, its header included, in a buffer of
+/// exactly their size (a bound would over-allocate several times: names are written
+/// once, not per entry).
+pub fn encode_increments<T: IncrementFields>(source: Source, entries: &[(Stamp, T)]) -> Vec<u8> {
+    // Names are numbered in the order of their first use; the size is counted on the way.
     let mut numbers: FxHashMap<&str, u32> = FxHashMap::default();
     let mut names: Vec<&str> = Vec::new();
     let mut refs: Vec<(u32, u32)> = Vec::with_capacity(entries.len());
-    for (_, increment) in entries {
+    let (mut offset, mut ts) = (0i64, 0i64);
+    let mut size = 4 + varint_len(u64::from(source.partition)) + varint_len(entries.len() as u64);
+    for (stamp, increment) in entries {
         let mut number = |name| {
             *numbers.entry(name).or_insert_with(|| {
                 names.push(name);
                 (names.len() - 1) as u32
             })
         };
-        refs.push((number(increment.entity()), number(increment.metric())));
+        let (entity, metric) = (number(increment.entity()), number(increment.metric()));
+        refs.push((entity, metric));
+        size += zigzag_len(stamp.offset.wrapping_sub(offset))
+            + varint_len(u64::from(stamp.index))
+            + varint_len(u64::from(entity))
+            + varint_len(u64::from(metric))
+            + zigzag_len(increment.delta())
+            + zigzag_len(increment.ts().wrapping_sub(ts))
+            + increment.id().map_or(1, |id| varint_len(id.len() as u64 + 1) + id.len());
+        (offset, ts) = (stamp.offset, increment.ts());
     }
-    out.push(KIND_INCREMENTS);
-    out.push(source.stream);
-    put_varint(out, u64::from(source.partition));
-    put_varint(out, names.len() as u64);
+    size += varint_len(names.len() as u64) + names.iter().map(|n| varint_len(n.len() as u64) + n.len()).sum::<usize>();
+
+    let mut out = Vec::with_capacity(size);
+    out.extend_from_slice(&[crate::format::RECORD_MAGIC, crate::format::RECORD_V2, KIND_INCREMENTS, source.stream]);
+    put_varint(&mut out, u64::from(source.partition));
+    put_varint(&mut out, names.len() as u64);
     for name in &names {
-        put_varint(out, name.len() as u64);
+        put_varint(&mut out, name.len() as u64);
         out.extend_from_slice(name.as_bytes());
     }
-    put_varint(out, entries.len() as u64);
+    put_varint(&mut out, entries.len() as u64);
     let (mut offset, mut ts) = (0i64, 0i64);
     for ((stamp, increment), (entity, metric)) in entries.iter().zip(refs) {
-        put_zigzag(out, stamp.offset.wrapping_sub(offset));
-        offset = stamp.offset;
-        put_varint(out, u64::from(stamp.index));
-        put_varint(out, u64::from(entity));
-        put_varint(out, u64::from(metric));
-        put_zigzag(out, increment.delta());
-        put_zigzag(out, increment.ts().wrapping_sub(ts));
-        ts = increment.ts();
+        put_zigzag(&mut out, stamp.offset.wrapping_sub(offset));
+        put_varint(&mut out, u64::from(stamp.index));
+        put_varint(&mut out, u64::from(entity));
+        put_varint(&mut out, u64::from(metric));
+        put_zigzag(&mut out, increment.delta());
+        put_zigzag(&mut out, increment.ts().wrapping_sub(ts));
+        (offset, ts) = (stamp.offset, increment.ts());
         match increment.id() {
             None => out.push(0),
             Some(id) => {
-                put_varint(out, id.len() as u64 + 1);
+                put_varint(&mut out, id.len() as u64 + 1);
                 out.extend_from_slice(id.as_bytes());
             }
         }
     }
+    debug_assert_eq!(out.len(), size, "the counted size");
+    out
 }
 
 /// Decodes the body of a version 2 record (after its header); names and ids borrow
@@ -137,6 +153,18 @@ fn fault(what: String) -> Error {
     Error::Format(format!("shard record (format version 2): {what}"))
 }
 
+fn varint_len(value: u64) -> usize {
+    (64 - value.leading_zeros() as usize).div_ceil(7).max(1)
+}
+
+fn zigzag(value: i64) -> u64 {
+    ((value << 1) ^ (value >> 63)) as u64
+}
+
+fn zigzag_len(value: i64) -> usize {
+    varint_len(zigzag(value))
+}
+
 fn put_varint(out: &mut Vec<u8>, mut value: u64) {
     while value >= 0x80 {
         out.push(value as u8 | 0x80);
@@ -146,7 +174,7 @@ fn put_varint(out: &mut Vec<u8>, mut value: u64) {
 }
 
 fn put_zigzag(out: &mut Vec<u8>, value: i64) {
-    put_varint(out, ((value << 1) ^ (value >> 63)) as u64);
+    put_varint(out, zigzag(value));
 }
 
 struct Reader<'a> {
@@ -228,10 +256,11 @@ mod tests {
         (Stamp { offset, index }, increment)
     }
 
+    /// The body (after the record header) of the entries' version 2 record.
     fn encoded(entries: &[(Stamp, Increment)]) -> Vec<u8> {
-        let mut out = Vec::new();
-        encode_increments(Source { stream: Source::INCREMENTS, partition: 300 }, entries, &mut out);
-        out
+        let record = encode_increments(Source { stream: Source::INCREMENTS, partition: 300 }, entries);
+        assert_eq!(record[..2], [crate::format::RECORD_MAGIC, crate::format::RECORD_V2]);
+        record[2..].to_vec()
     }
 
     #[test]
@@ -299,8 +328,10 @@ mod tests {
             "{}",
             error(&huge_count)
         );
-        let overlong = [KIND_INCREMENTS, 1, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f];
-        assert!(error(&overlong).contains("overflows 64 bits"), "{}", error(&overlong));
+        let over_64_bits = [KIND_INCREMENTS, 1, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f];
+        assert!(error(&over_64_bits).contains("overflows 64 bits"), "{}", error(&over_64_bits));
+        let eleven_bytes = [KIND_INCREMENTS, 1, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x81, 0];
+        assert!(error(&eleven_bytes).contains("overflows 64 bits"), "{}", error(&eleven_bytes));
         let wide_partition = [KIND_INCREMENTS, 1, 0x80, 0x80, 0x80, 0x80, 0x10, 0, 0];
         assert!(error(&wide_partition).contains("overflows 32 bits"), "{}", error(&wide_partition));
     }

@@ -2,7 +2,8 @@
 //!
 //! - A binary internal record (the shard topic, the graph-updates topic, the outboxes
 //!   that hold them) starts with [`RECORD_MAGIC`] and its format version, then the
-//!   bincode body. The magic byte tells a stray producer's bytes from tally's.
+//!   body: bincode in version 1, the compact encoding of increments in version 2
+//!   ([`RECORD_V2`]). The magic byte tells a stray producer's bytes from tally's.
 //! - A JSON record tally writes has a version field: `"v"` (shard owners, broker
 //!   heartbeats, dead letters, dead jobs, rollups), `"version"` (queue declarations).
 //! - Every RocksDB value starts with its format version byte; a store also keeps the
@@ -150,8 +151,12 @@ mod tests {
     #[test]
     fn headers_and_versions_are_checked() {
         assert_eq!(record_body(&[RECORD_MAGIC, RECORD_V1, 7, 8], "r").unwrap(), &[7, 8]);
-        let newer = record_body(&[RECORD_MAGIC, 2, 7], "shard record").unwrap_err().to_string();
-        assert!(newer.contains("unknown format version 2"), "{newer}");
+        let newer = record_body(&[RECORD_MAGIC, 3, 7], "graph-updates record").unwrap_err().to_string();
+        assert!(newer.contains("unknown format version 3"), "{newer}");
+        assert_eq!(shard_record_body(&[RECORD_MAGIC, RECORD_V2, 9]).unwrap(), (RECORD_V2, &[9u8][..]));
+        assert_eq!(shard_record_body(&[RECORD_MAGIC, RECORD_V1, 9]).unwrap(), (RECORD_V1, &[9u8][..]));
+        let newer = shard_record_body(&[RECORD_MAGIC, 3, 7]).unwrap_err().to_string();
+        assert!(newer.contains("shard record: unknown format version 3"), "{newer}");
         assert!(record_body(&[1, 2, 3], "r").unwrap_err().to_string().contains("not a tally record"));
         assert!(record_body(&[], "r").is_err());
 

@@ -16,12 +16,13 @@ pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 1_000_000;
 /// Room kept in every record for its key, headers and the framing around it.
 pub const RECORD_OVERHEAD_BYTES: usize = 4_096;
 
-/// An upper bound of the bincode size of a string (a varint length, then the bytes).
+/// An upper bound of the encoded size of a string (a varint length, then the bytes),
+/// in bincode and in the compact encoding of shard records alike.
 pub fn str_bound(s: &str) -> usize {
     s.len() + 9
 }
 
-/// An upper bound of the bincode size of any integer (varint).
+/// An upper bound of the encoded size of any integer (a varint, in either encoding).
 pub const INT_BOUND: usize = 10;
 
 /// Splits `entries` into consecutive runs whose bounds (`size_of`) add up to at most

@@ -1,8 +1,10 @@
 //! Messages that travel between tally services.
 //!
 //! Internal Kafka messages are bincode (compact and fast) behind a format header
-//! ([`crate::format`]); messages that humans or other systems read — dead letters,
-//! rollups, shard ownership, the internal read API — are JSON.
+//! ([`crate::format`]), but for shard records of increments: those are written in the
+//! [`crate::compact`] encoding (format version 2). Messages that humans or other
+//! systems read — dead letters, rollups, shard ownership, the internal read API — are
+//! JSON.
 
 use std::borrow::Cow;
 
@@ -25,7 +27,8 @@ pub struct Increment {
     pub id: Option<String>,
 }
 
-/// The bincode size of a [`Stamp`] at most.
+/// The bincode size of a [`Stamp`] at most (an entry's bound holds for both formats
+/// of a shard record: [`ShardMessage::encode_increments`]).
 const STAMP_BOUND: usize = 2 * INT_BOUND;
 
 impl Increment {
@@ -314,40 +317,53 @@ impl ShardMessage {
     pub fn encode(&self) -> Result<Vec<u8>> {
         match self {
             ShardMessage::Increments { source, entries } => {
-                let bound = entries.iter().map(|(_, increment)| increment.size_bound()).sum();
-                Self::encode_increments(*source, entries, bound)
+                Self::encode_increments(*source, entries, crate::format::RECORD_V2)
             }
             other => encode(other),
         }
     }
 
     /// The bytes of `ShardMessage::Increments { source, entries }` without building
-    /// it, so the ingester encodes its entries in place instead of cloning them: record
-    /// format version 2 ([`crate::compact`]). `T` is any form of an increment (all
-    /// encode alike); `size_bound` is the sum of the entries' size bounds, which the
-    /// encoding never exceeds (it sizes the buffer).
-    pub fn encode_increments<T: crate::compact::IncrementFields>(
+    /// it, so the ingester encodes its entries in place instead of cloning them, in
+    /// record format `version`: [`RECORD_V2`](crate::format::RECORD_V2) (compact,
+    /// [`crate::compact`]; what [`ShardMessage::encode`] writes) or
+    /// [`RECORD_V1`](crate::format::RECORD_V1) (bincode: for counters of a release
+    /// that reads only version 1, while an upgrade is under way). Either never
+    /// exceeds the entries' size bounds plus 32 bytes.
+    pub fn encode_increments<T: crate::compact::IncrementFields + Serialize>(
         source: Source,
         entries: &[(Stamp, T)],
-        size_bound: usize,
+        version: u8,
     ) -> Result<Vec<u8>> {
-        // Header, kind, source and the two counts: well under 32 bytes.
-        let mut out = Vec::with_capacity(size_bound + 32);
-        out.extend_from_slice(&[crate::format::RECORD_MAGIC, crate::format::RECORD_V2]);
-        crate::compact::encode_increments(source, entries, &mut out);
-        Ok(out)
+        /// Same shape as [`ShardMessage`] (bincode writes the variant's index, not its name).
+        #[derive(Serialize)]
+        enum Borrowed<'a, T> {
+            Increments { source: Source, entries: &'a [(Stamp, T)] },
+        }
+        match version {
+            crate::format::RECORD_V2 => Ok(crate::compact::encode_increments(source, entries)),
+            crate::format::RECORD_V1 => {
+                let bound: usize = entries
+                    .iter()
+                    .map(|(_, increment)| increment_size_bound(increment.entity(), increment.metric(), increment.id()))
+                    .sum();
+                // Header, variant, source and length: well under 32 bytes.
+                encode_sized(&Borrowed::Increments { source, entries }, bound + 32)
+            }
+            other => Err(Error::Wire(format!("shard records have no format version {other}"))),
+        }
     }
 
     /// Decodes a shard record of either format version ([`ShardMessageRef::decode`]).
     pub fn decode(bytes: &[u8]) -> Result<Self> {
-        if crate::format::shard_record_body(bytes)?.0 == crate::format::RECORD_V2 {
-            let ShardMessageRef::Increments { source, entries } = ShardMessageRef::decode(bytes)? else {
-                unreachable!("a version 2 record decodes to increments")
-            };
-            let entries = entries.into_iter().map(|(stamp, increment)| (stamp, increment.into_owned())).collect();
-            return Ok(ShardMessage::Increments { source, entries });
+        match crate::format::shard_record_body(bytes)? {
+            (crate::format::RECORD_V2, body) => {
+                let (source, entries) = crate::compact::decode_increments(body)?;
+                let entries = entries.into_iter().map(|(stamp, increment)| (stamp, increment.into_owned())).collect();
+                Ok(ShardMessage::Increments { source, entries })
+            }
+            _ => decode(bytes, "shard record"),
         }
-        decode(bytes, "shard record")
     }
 }
 
@@ -742,19 +758,27 @@ mod tests {
         let source = Source { stream: Source::INCREMENTS, partition: u32::MAX };
         let entries: Vec<(Stamp, Increment)> = (0..50)
             .map(|i| {
+                // Every name new, every difference as wide as it gets (offsets and
+                // times swing between the extremes): the compact format's worst case.
+                let extreme = if i % 2 == 0 { i64::MIN } else { i64::MAX };
                 let increment = Increment {
                     entity: "é".repeat(i * 3),
                     metric: "m".repeat(i),
                     delta: i64::MIN,
-                    ts: i64::MAX,
+                    ts: extreme,
                     id: (i % 2 == 0).then(|| "x".repeat(i)),
                 };
-                (Stamp { offset: i64::MIN, index: u32::MAX }, increment)
+                (Stamp { offset: extreme, index: u32::MAX }, increment)
             })
             .collect();
         let bound: usize = entries.iter().map(|(_, inc)| inc.size_bound()).sum();
-        let encoded = ShardMessage::encode_increments(source, &entries, bound).unwrap();
+        let encoded = ShardMessage::encode_increments(source, &entries, crate::format::RECORD_V2).unwrap();
         assert!(encoded.len() <= bound + 32, "{} > {bound}", encoded.len());
+        let v1 = ShardMessage::encode_increments(source, &entries, crate::format::RECORD_V1).unwrap();
+        assert!(v1.len() <= bound + 32, "{} > {bound}", v1.len());
+        assert_eq!(v1[..2], crate::format::RECORD_HEADER);
+        assert_eq!(ShardMessage::decode(&v1).unwrap(), ShardMessage::decode(&encoded).unwrap());
+        assert!(ShardMessage::encode_increments(source, &entries, 3).is_err());
         // The borrowed form the ingester routes encodes to the same bytes.
         let borrowed: Vec<(Stamp, IncrementCow<'_>)> = entries
             .iter()
@@ -770,7 +794,8 @@ mod tests {
                 (*stamp, cow)
             })
             .collect();
-        assert_eq!(ShardMessage::encode_increments(source, &borrowed, bound).unwrap(), encoded);
+        assert_eq!(ShardMessage::encode_increments(source, &borrowed, crate::format::RECORD_V2).unwrap(), encoded);
+        assert_eq!(ShardMessage::encode_increments(source, &borrowed, crate::format::RECORD_V1).unwrap(), v1);
         assert_eq!(borrowed.into_iter().map(|(s, c)| (s, c.into_owned())).collect::<Vec<_>>(), entries);
 
         let change = DescChange {

@@ -307,8 +307,7 @@ pub struct IngesterConfig {
     pub group_id: String,
     /// Most input records handled in one batch. A batch becomes one shard record per
     /// (input partition, shard) it touches, so bigger batches hand the broker fewer,
-    /// larger records (`tally bench ingest`: 2 000 → 20 000 took a backlog of
-    /// one-increment messages from 0.79–0.81× to 0.87–0.88× the raw consume rate).
+    /// larger records (BENCHMARKS.md, "Bigger ingester batches").
     pub batch_max_records: usize,
     /// Most input payload bytes held in one batch (memory stays bounded whatever
     /// the records' sizes).
@@ -319,6 +318,10 @@ pub struct IngesterConfig {
     /// instance only). For brokers whose group coordinator cannot evict a killed
     /// member, such as the local Tansu; offsets are still committed to the group.
     pub static_assignment: bool,
+    /// The format version of the shard records of increments it writes: 2 (compact,
+    /// the default) or 1 — for counters of a release that reads only version 1,
+    /// until they are upgraded (README: "Upgrading").
+    pub shard_record_format: u8,
 }
 
 impl Default for IngesterConfig {
@@ -330,6 +333,7 @@ impl Default for IngesterConfig {
             batch_max_bytes: 16 << 20,
             batch_linger_ms: 20,
             static_assignment: false,
+            shard_record_format: 2,
         }
     }
 }
@@ -349,8 +353,10 @@ pub struct CounterConfig {
     pub group_id: String,
     /// Most shard records applied in one write batch.
     pub batch_max_records: usize,
-    /// Most shard-record payload bytes in one batch (about 30 bytes an increment).
-    /// Large batches are what make a backlog fast: each hot bucket is written once.
+    /// Most shard-record payload bytes in one batch (about 9 bytes an increment in
+    /// format 2 under a skewed load; while applied, a batch's increments take about 80
+    /// bytes each in memory). Large batches are what make a backlog fast: each hot
+    /// bucket is written once.
     pub batch_max_bytes: usize,
     /// Longest wait for a batch to fill, in ms: under light load batches are small
     /// and reads see increments within about this long.

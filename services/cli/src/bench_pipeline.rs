@@ -5,7 +5,10 @@
 //! - **ingest**: a backlog of increments (one or many per message) is produced first;
 //!   the baseline is a plain consumer reading those same records; then a counter and
 //!   an ingester start on the backlog and the time from the ingester's first record to
-//!   the counter having applied every increment gives increments/s end to end.
+//!   the counter having applied every increment gives increments/s end to end, with
+//!   each process's CPU per million increments and the bytes per increment on the
+//!   input and the shard topic. Then the raw rate again, and the counter alone
+//!   rebuilding every shard from the shard topic (its stores deleted).
 //! - **read**: p50/p99/p999 of single reads and of batches of 100 through tally-query,
 //!   from closed-loop clients on keep-alive connections; idle, then while the ingester
 //!   and the counter catch up with a fresh backlog at full speed.
@@ -211,8 +214,14 @@ impl Rig {
     }
 
     fn spawn(&mut self, name: &'static str) -> anyhow::Result<()> {
+        self.spawn_with(name, &[])
+    }
+
+    /// [`Rig::spawn`] with more environment variables.
+    fn spawn_with(&mut self, name: &'static str, env: &[(&str, &str)]) -> anyhow::Result<()> {
         let child = Command::new(self.bin_dir.join(name))
             .envs(self.env())
+            .envs(env.iter().copied())
             .kill_on_drop(true)
             .spawn()
             .with_context(|| format!("starting {name}"))?;
@@ -477,11 +486,11 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
         let input_bytes = rig.scrape(ingester_admin, "tally_ingester_input_bytes_total").await?;
         let shard_bytes =
             rig.scrape_labelled(ingester_admin, "tally_ingester_output_bytes_total", &names.shards()).await?;
-        let rebuild = rebuild_from_the_log(&mut rig, case.increments()).await?;
         rig.stop_all().await?;
         // A broker can slow down as its data grows (the local one does): the raw rate
         // again after the run, and the ratio against both.
         let raw_after = raw_consume(&rig.config, &names.increments(), case.messages).await?;
+        let rebuild = rebuild_from_the_log(&mut rig, case.increments()).await?;
         let per = case.per_message as f64;
         println!(
             "{:>3} increments/message: raw consume {:>9.0} records/s before, {:>9.0} after ({:.0} and {:.0} increments/s); tally end to end {:>9.0} increments/s = {:.2}x raw before, {:.2}x after (the ingester read it all after {:.2} s, the counter applied it all after {:.2} s)",
@@ -521,13 +530,11 @@ struct Rebuild {
     cpu: String,
 }
 
-/// Stops the ingester and the counter, deletes the counter's stores (and snapshots)
-/// and starts it again: it rebuilds every shard from the shard topic, as a counter
-/// that lost its disk does without snapshots. Timed from its start to every
-/// increment applied, process start and store opening included.
+/// Deletes the (stopped) counter's stores and snapshots and starts it again, with
+/// snapshots off: it rebuilds every shard from the shard topic, as a counter that
+/// lost its disk does without snapshots. Timed from its start to every increment
+/// applied, process start and store opening included; then it is stopped.
 async fn rebuild_from_the_log(rig: &mut Rig, expected: u64) -> anyhow::Result<Rebuild> {
-    rig.stop("tally-ingester").await?;
-    rig.stop("tally-counter").await?;
     for dir in ["counter", "snapshots"] {
         let path = rig.data_dir().join(dir);
         if path.exists() {
@@ -535,7 +542,7 @@ async fn rebuild_from_the_log(rig: &mut Rig, expected: u64) -> anyhow::Result<Re
         }
     }
     let started = Instant::now();
-    rig.spawn("tally-counter")?;
+    rig.spawn_with("tally-counter", &[("TALLY__SNAPSHOTS__ENABLED", "false")])?;
     let cpu = CpuWatch::start(&rig.pids());
     let progress = bar(expected, "the counter rebuilding");
     let deadline = started + Duration::from_secs(900);
@@ -547,9 +554,13 @@ async fn rebuild_from_the_log(rig: &mut Rig, expected: u64) -> anyhow::Result<Re
         if applied as u64 >= expected {
             progress.finish_and_clear();
             let cpu = cpu.per_unit(expected as f64 / 1e6);
-            return Ok(Rebuild { elapsed: started.elapsed(), cpu });
+            let elapsed = started.elapsed();
+            rig.stop("tally-counter").await?;
+            return Ok(Rebuild { elapsed, cpu });
         }
         rig.still_running("tally-counter")?;
+        let failed = rig.scrape(rig.ports.counter_admin, "tally_counter_failed_shards").await.unwrap_or(0.0);
+        anyhow::ensure!(failed == 0.0, "{failed} shards failed while the counter rebuilt them (see its /readyz)");
         anyhow::ensure!(Instant::now() < deadline, "the counter rebuilt {applied} of {expected} increments in 900 s");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

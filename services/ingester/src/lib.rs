@@ -103,7 +103,8 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         )?);
     }
 
-    let router = Router::new(names.clone(), shards, config.kafka.record_budget());
+    let router = Router::new(names.clone(), shards, config.kafka.record_budget())
+        .writing_shard_records_in(config.ingester.shard_record_format)?;
     let pipeline = Pipeline {
         consumer,
         producer,

@@ -57,7 +57,7 @@ impl Metrics {
                 registry,
                 Histogram::with_opts(
                     HistogramOpts::new("tally_ingester_batch_records", "Input records per batch")
-                        .buckets(vec![1.0, 10.0, 100.0, 1_000.0, 10_000.0]),
+                        .buckets(vec![1.0, 10.0, 100.0, 1_000.0, 10_000.0, 20_000.0, 100_000.0]),
                 )
                 .expect("valid metric"),
             ),

@@ -65,6 +65,9 @@ pub struct RouteCounts {
 pub struct Router {
     names: TopicNames,
     shards: u32,
+    /// The format version shard records of increments are written in
+    /// (`ingester.shard_record_format`).
+    shard_record_format: u8,
     /// The most bytes one output record's payload may take
     /// ([`KafkaConfig::record_budget`](tally_shared::config::KafkaConfig::record_budget)):
     /// messages are split to fit, dead letters truncated.
@@ -73,7 +76,17 @@ pub struct Router {
 
 impl Router {
     pub fn new(names: TopicNames, shards: u32, record_budget: usize) -> Self {
-        Self { names, shards, record_budget }
+        Self { names, shards, shard_record_format: tally_core::format::RECORD_V2, record_budget }
+    }
+
+    /// Writes shard records of increments in format `version` (1 or 2) instead of 2.
+    pub fn writing_shard_records_in(mut self, version: u8) -> Result<Self> {
+        if !matches!(version, tally_core::format::RECORD_V1 | tally_core::format::RECORD_V2) {
+            let reason = format!("ingester.shard_record_format is {version}: it is 1 or 2");
+            return Err(tally_shared::Error::Config(reason).into());
+        }
+        self.shard_record_format = version;
+        Ok(self)
     }
 
     /// Routes a batch of consumer messages. An output that cannot be encoded fails
@@ -83,8 +96,12 @@ impl Router {
         let (outgoing, counts) = self.route_records(&records)?;
         metrics.input_records.inc_by(records.len() as u64);
         metrics.input_bytes.inc_by(records.iter().map(|record| record.payload.len() as u64).sum());
+        let mut output_bytes: BTreeMap<&str, u64> = BTreeMap::new();
         for out in &outgoing {
-            metrics.output_bytes.with_label_values(&[&out.topic]).inc_by(out.payload.len() as u64);
+            *output_bytes.entry(&out.topic).or_default() += out.payload.len() as u64;
+        }
+        for (topic, bytes) in output_bytes {
+            metrics.output_bytes.with_label_values(&[topic]).inc_by(bytes);
         }
         metrics.accepted.with_label_values(&["increment"]).inc_by(counts.increments);
         metrics.accepted.with_label_values(&["graph_update"]).inc_by(counts.graph_updates);
@@ -148,12 +165,11 @@ impl Router {
         for ((partition, shard), entries) in per_shard {
             let source = Source { stream: Source::INCREMENTS, partition: partition as u32 };
             for chunk in split_by_size(&entries, self.record_budget, |(_, increment)| increment.size_bound()) {
-                let bound = chunk.iter().map(|(_, increment)| increment.size_bound()).sum();
                 outgoing.push(Outgoing {
                     topic: shard_topic.clone(),
                     partition: Some(shard as i32),
                     key: partition.to_string().into_bytes(),
-                    payload: ShardMessage::encode_increments(source, chunk, bound)?,
+                    payload: ShardMessage::encode_increments(source, chunk, self.shard_record_format)?,
                     timestamp: last_time(&record_times, partition, chunk),
                 });
             }
@@ -205,6 +221,24 @@ mod tests {
 
     fn record(partition: i32, offset: i64, payload: &str) -> InputRecord<'_> {
         InputRecord { topic: "tally.increments", partition, offset, timestamp: Some(5), payload: payload.as_bytes() }
+    }
+
+    #[test]
+    fn shard_records_are_written_in_the_configured_format() {
+        let records = [record(0, 10, r#"[{"entity":"a","metric":"v"},{"entity":"b","metric":"v","delta":3}]"#)];
+        let shard_records = |router: Router| -> Vec<Vec<u8>> {
+            let (out, _) = router.route_records(&records).unwrap();
+            out.into_iter().filter(|o| o.topic == "tally.shards").map(|o| o.payload).collect()
+        };
+        let v2 = shard_records(Router::new(TopicNames::new("tally."), 1, 900_000));
+        let v1 = shard_records(Router::new(TopicNames::new("tally."), 1, 900_000).writing_shard_records_in(1).unwrap());
+        assert_eq!((v1.len(), v2.len()), (1, 1));
+        assert_eq!((v1[0][1], v2[0][1]), (tally_core::format::RECORD_V1, tally_core::format::RECORD_V2));
+        assert_eq!(ShardMessage::decode(&v1[0]).unwrap(), ShardMessage::decode(&v2[0]).unwrap());
+        let Err(err) = Router::new(TopicNames::new("tally."), 1, 900_000).writing_shard_records_in(3) else {
+            panic!("format 3 accepted")
+        };
+        assert!(err.to_string().contains("ingester.shard_record_format is 3: it is 1 or 2"), "{err}");
     }
 
     #[test]
