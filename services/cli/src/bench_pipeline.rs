@@ -552,9 +552,9 @@ async fn rebuild_from_the_log(rig: &mut Rig, expected: u64) -> anyhow::Result<Re
             rig.scrape(rig.ports.counter_admin, "tally_counter_applied_increments_total").await.unwrap_or(0.0);
         progress.set_position(applied as u64);
         if applied as u64 >= expected {
+            let elapsed = started.elapsed();
             progress.finish_and_clear();
             let cpu = cpu.per_unit(expected as f64 / 1e6);
-            let elapsed = started.elapsed();
             rig.stop("tally-counter").await?;
             return Ok(Rebuild { elapsed, cpu });
         }
