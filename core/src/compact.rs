@@ -27,23 +27,13 @@
 
 use rustc_hash::FxHashMap;
 
-use crate::wire::{IncrementRef, Source, Stamp};
+use crate::wire::{IncrementFields, IncrementRef, Source, Stamp};
 use crate::{Error, Result};
 
 /// The only kind of version 2 record so far.
 const KIND_INCREMENTS: u8 = 0;
 /// The fewest bytes an entry takes (six one-byte integers and the id's tag).
 const MIN_ENTRY_BYTES: usize = 7;
-
-/// What [`encode_increments`] needs of an increment (implemented by every form of
-/// one: owned, borrowed from the input, borrowed from a record).
-pub trait IncrementFields {
-    fn entity(&self) -> &str;
-    fn metric(&self) -> &str;
-    fn delta(&self) -> i64;
-    fn ts(&self) -> i64;
-    fn id(&self) -> Option<&str>;
-}
 
 /// The bytes of a version 2 increments record, its header included, in a buffer of
 /// exactly their size (a bound would over-allocate several times: names are written

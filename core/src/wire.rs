@@ -31,15 +31,25 @@ pub struct Increment {
 /// of a shard record: [`ShardMessage::encode_increments`]).
 const STAMP_BOUND: usize = 2 * INT_BOUND;
 
-impl Increment {
-    /// An upper bound of its encoded size with its stamp, for [`crate::records::split_by_size`].
-    pub fn size_bound(&self) -> usize {
-        increment_size_bound(&self.entity, &self.metric, self.id.as_deref())
-    }
-}
+/// What the shard-record encoders need of an increment, whichever form it has: owned
+/// ([`Increment`]) or borrowed from the producer's message ([`IncrementCow`]).
+pub trait IncrementFields {
+    fn entity(&self) -> &str;
+    fn metric(&self) -> &str;
+    fn delta(&self) -> i64;
+    fn ts(&self) -> i64;
+    fn id(&self) -> Option<&str>;
 
-fn increment_size_bound(entity: &str, metric: &str, id: Option<&str>) -> usize {
-    STAMP_BOUND + str_bound(entity) + str_bound(metric) + 2 * INT_BOUND + 1 + id.map_or(0, str_bound)
+    /// An upper bound of its encoded size with its stamp, in either format of a shard
+    /// record, for [`crate::records::split_by_size`].
+    fn size_bound(&self) -> usize {
+        STAMP_BOUND
+            + str_bound(self.entity())
+            + str_bound(self.metric())
+            + 2 * INT_BOUND
+            + 1
+            + self.id().map_or(0, str_bound)
+    }
 }
 
 /// An [`Increment`] borrowing its names from the producer's message where it can (a
@@ -55,11 +65,6 @@ pub struct IncrementCow<'a> {
 }
 
 impl IncrementCow<'_> {
-    /// See [`Increment::size_bound`].
-    pub fn size_bound(&self) -> usize {
-        increment_size_bound(&self.entity, &self.metric, self.id.as_deref())
-    }
-
     pub fn into_owned(self) -> Increment {
         Increment {
             entity: self.entity.into_owned(),
@@ -73,7 +78,7 @@ impl IncrementCow<'_> {
 
 macro_rules! increment_fields {
     ($($form:ty),*) => {$(
-        impl crate::compact::IncrementFields for $form {
+        impl IncrementFields for $form {
             fn entity(&self) -> &str {
                 &self.entity
             }
@@ -93,7 +98,7 @@ macro_rules! increment_fields {
     )*};
 }
 
-increment_fields!(Increment, IncrementCow<'_>, IncrementRef<'_>);
+increment_fields!(Increment, IncrementCow<'_>);
 
 /// Where an internal message's content comes from: the input stream and partition.
 /// Receivers keep one high-water mark per source.
@@ -330,7 +335,7 @@ impl ShardMessage {
     /// [`RECORD_V1`](crate::format::RECORD_V1) (bincode: for counters of a release
     /// that reads only version 1, while an upgrade is under way). Either never
     /// exceeds the entries' size bounds plus 32 bytes.
-    pub fn encode_increments<T: crate::compact::IncrementFields + Serialize>(
+    pub fn encode_increments<T: IncrementFields + Serialize>(
         source: Source,
         entries: &[(Stamp, T)],
         version: u8,
@@ -343,10 +348,7 @@ impl ShardMessage {
         match version {
             crate::format::RECORD_V2 => Ok(crate::compact::encode_increments(source, entries)),
             crate::format::RECORD_V1 => {
-                let bound: usize = entries
-                    .iter()
-                    .map(|(_, increment)| increment_size_bound(increment.entity(), increment.metric(), increment.id()))
-                    .sum();
+                let bound: usize = entries.iter().map(|(_, increment)| increment.size_bound()).sum();
                 // Header, variant, source and length: well under 32 bytes.
                 encode_sized(&Borrowed::Increments { source, entries }, bound + 32)
             }

@@ -141,7 +141,7 @@ type Decoded<'a> = (i64, i64, ShardMessageRef<'a>);
 impl ShardStore {
     /// Applies `records` (in offset order) at wall-clock `now` (which decides the
     /// buckets still retained); the dedupe window runs on each record's own time.
-    pub fn apply(&self, records: &[ShardRecord<'_>], now: i64, collect_changes: bool) -> Result<ApplyReport> {
+    pub fn apply(&self, records: &[ShardRecord<'_>], now: i64, mark_rollups: bool) -> Result<ApplyReport> {
         let mut report = ApplyReport { records: records.len(), ..Default::default() };
         let mut progress = self.progress();
         let mut run: Vec<Decoded<'_>> = Vec::new();
@@ -158,7 +158,7 @@ impl ShardStore {
                 Ok(ShardMessageRef::DescChanges { source, entries }) => {
                     // The run before is committed first, with the progress up to it:
                     // a crash in between re-applies this record, never skips it.
-                    self.apply_counts(&run, &mut progress, now, collect_changes, &mut report)?;
+                    self.apply_counts(&run, &mut progress, now, mark_rollups, &mut report)?;
                     run.clear();
                     progress.next_offset = Some(record.offset + 1);
                     self.apply_desc_changes(
@@ -167,7 +167,7 @@ impl ShardStore {
                         entries,
                         &mut progress,
                         now,
-                        collect_changes,
+                        mark_rollups,
                         &mut report,
                     )?;
                     continue;
@@ -181,7 +181,7 @@ impl ShardStore {
             progress.next_offset = Some(record.offset + 1);
         }
         // Also commits the progress past stale records.
-        self.apply_counts(&run, &mut progress, now, collect_changes, &mut report)?;
+        self.apply_counts(&run, &mut progress, now, mark_rollups, &mut report)?;
         Ok(report)
     }
 
@@ -191,7 +191,7 @@ impl ShardStore {
         run: &[Decoded<'_>],
         progress: &mut Progress,
         now: i64,
-        collect_changes: bool,
+        mark_rollups: bool,
         report: &mut ApplyReport,
     ) -> Result<()> {
         let descendants = self.descendants.lock().map_err(|_| self.poisoned())?;
@@ -270,7 +270,7 @@ impl ShardStore {
 
         let (counts_cf, rollups_cf) = (self.cf(CF_COUNTS)?, self.cf(CF_ROLLUPS)?);
         report.keys += coalescer.keys();
-        let mut marking = self.marking(collect_changes)?;
+        let mut marking = self.marking(mark_rollups)?;
         coalescer.for_each(|entity, metric, width_ms, bucket, counts| {
             key.clear();
             encode_count_key(&mut key, entity, metric, width_ms, bucket);
@@ -298,7 +298,7 @@ impl ShardStore {
         entries: Vec<(Stamp, DescChange)>,
         progress: &mut Progress,
         now: i64,
-        collect_changes: bool,
+        mark_rollups: bool,
         report: &mut ApplyReport,
     ) -> Result<()> {
         let mut batch = WriteBatch::default();
@@ -373,7 +373,7 @@ impl ShardStore {
         drop(descendants);
         drop(counts);
         report.keys += local.len();
-        let mut marking = self.marking(collect_changes)?;
+        let mut marking = self.marking(mark_rollups)?;
         for (key, delta) in local {
             batch.merge_cf(counts_cf, &key, Counts { direct: 0, total: delta }.encode());
             marking.mark(&mut batch, rollups_cf, &key);

@@ -10,7 +10,9 @@ use rdkafka::Message;
 use tally_core::input::{parse_graph_updates, parse_increments, Rejection};
 use tally_core::records::split_by_size;
 use tally_core::sharding::shard_of;
-use tally_core::wire::{DeadLetter, GraphMessage, GraphUpdate, IncrementCow, ShardMessage, Source, Stamp};
+use tally_core::wire::{
+    DeadLetter, GraphMessage, GraphUpdate, IncrementCow, IncrementFields, ShardMessage, Source, Stamp,
+};
 use tally_shared::kafka::{now_ms, TopicNames};
 
 use crate::error::Result;
