@@ -25,6 +25,7 @@ pub struct TallyConfig {
     pub kafka: KafkaConfig,
     pub counting: CountingConfig,
     pub log: LogConfig,
+    pub runtime: RuntimeConfig,
     pub ingester: IngesterConfig,
     pub counter: CounterConfig,
     pub graph: GraphConfig,
@@ -299,6 +300,25 @@ impl Default for LogConfig {
     }
 }
 
+/// The async runtime of each service binary.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RuntimeConfig {
+    /// Threads that run the service's async tasks (HTTP, Kafka glue), at least 1.
+    /// Heavy work runs on threads of its own (applying batches, RocksDB, rollups),
+    /// so one is the default: on a machine whose cores the services and the broker
+    /// share, more threads per service only contend for them and lengthen the
+    /// read tail (BENCHMARKS.md, "One runtime thread per service"). Raise it for a
+    /// service with cores of its own, e.g. a query pod with 4 CPUs: 4.
+    pub worker_threads: usize,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        Self { worker_threads: 1 }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct IngesterConfig {
@@ -500,6 +520,9 @@ impl TallyConfig {
         })?;
         config.counting.resolutions()?;
         config.counting.dedupe_window_ms()?;
+        if config.runtime.worker_threads == 0 {
+            return Err(Error::Config("runtime.worker_threads: must be at least 1".into()));
+        }
         // A relative declarations file sits next to the config that names it.
         let mut config = config;
         if let (Some(declarations), Some(dir)) = (&config.broker.declarations, path.and_then(Path::parent)) {
@@ -595,6 +618,16 @@ mod tests {
         let env = [("TALLY__SNAPSHOTS__LOG_RETENTION_MS".to_string(), "-1".to_string())];
         let refused = TallyConfig::load_with_env(None, env).unwrap_err().to_string();
         assert!(refused.contains("log_retention_ms"), "a negative retention is refused, not read as 0: {refused}");
+    }
+
+    #[test]
+    fn a_service_runs_one_runtime_thread_unless_configured_and_never_none() {
+        assert_eq!(TallyConfig::load_with_env(None, env(&[])).unwrap().runtime.worker_threads, 1);
+        let four = TallyConfig::load_with_env(None, env(&[("TALLY__RUNTIME__WORKER_THREADS", "4")])).unwrap();
+        assert_eq!(four.runtime.worker_threads, 4);
+        let refused =
+            TallyConfig::load_with_env(None, env(&[("TALLY__RUNTIME__WORKER_THREADS", "0")])).unwrap_err().to_string();
+        assert_eq!(refused, "config: runtime.worker_threads: must be at least 1");
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::config::TallyConfig;
+use crate::config::{RuntimeConfig, TallyConfig};
 
 /// Runs a service binary. `run` receives the loaded config and the shutdown token.
 pub fn service_main<F, Fut, E>(name: &str, run: F) -> ExitCode
@@ -29,7 +29,7 @@ where
         }
     };
     crate::telemetry::init_logging(&config.log);
-    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+    let runtime = match runtime(&config.runtime) {
         Ok(runtime) => runtime,
         Err(err) => {
             eprintln!("{name}: starting the async runtime: {err}");
@@ -51,6 +51,12 @@ where
             ExitCode::FAILURE
         }
     }
+}
+
+/// The service's async runtime: `worker_threads` threads (the main thread only
+/// waits on the service's top future).
+fn runtime(config: &RuntimeConfig) -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(config.worker_threads).enable_all().build()
 }
 
 /// `--config PATH` (or `TALLY_CONFIG`), `--help`, `--version`.
@@ -92,4 +98,17 @@ pub fn advertised_addr(bound: std::net::SocketAddr, advertise_host: Option<&str>
         None => bound.ip().to_string(),
     };
     format!("{host}:{}", bound.port())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_runtime_has_the_configured_threads() {
+        for threads in [1, 3] {
+            let runtime = runtime(&RuntimeConfig { worker_threads: threads }).unwrap();
+            assert_eq!(runtime.metrics().num_workers(), threads);
+        }
+    }
 }

@@ -309,6 +309,12 @@ queues.toml: |
       fieldPath: status.podIP
 {{- end -}}
 
+{{/* A service's async runtime threads: (dict "threads" .Values.<service>.workerThreads). */}}
+{{- define "tally.runtimeEnv" -}}
+- name: TALLY__RUNTIME__WORKER_THREADS
+  value: {{ .threads | int | toString | quote }}
+{{- end -}}
+
 {{/* The Kafka passwords, from the user's Secrets, for every container that talks to
 Kafka (the workers do not); nothing when none is set. */}}
 {{- define "tally.kafkaEnv" -}}
