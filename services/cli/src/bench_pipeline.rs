@@ -494,8 +494,9 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
         let rebuild = rebuild_from_the_log(&mut rig, case.increments()).await?;
         let per = case.per_message as f64;
         println!(
-            "{:>3} increments/message: raw consume {:>9.0} records/s before, {:>9.0} after ({:.0} and {:.0} increments/s); tally end to end {:>9.0} increments/s = {:.2}x raw before, {:.2}x after (the ingester read it all after {:.2} s, the counter applied it all after {:.2} s)",
+            "{:>3} {}/message: raw consume {:>9.0} records/s before, {:>9.0} after ({:.0} and {:.0} increments/s); tally end to end {:>9.0} increments/s = {:.2}x raw before, {:.2}x after (the ingester read it all after {:.2} s, the counter applied it all after {:.2} s)",
             case.per_message,
+            if case.per_message == 1 { "increment" } else { "increments" },
             raw,
             raw_after,
             raw * per,
