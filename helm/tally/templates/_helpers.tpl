@@ -309,10 +309,11 @@ queues.toml: |
       fieldPath: status.podIP
 {{- end -}}
 
-{{/* A service's async runtime threads: (dict "threads" .Values.<service>.workerThreads). */}}
+{{/* A service's async runtime threads: (dict "threads" .Values.<service>.workerThreads);
+1 when unset (the schema refuses 0). */}}
 {{- define "tally.runtimeEnv" -}}
 - name: TALLY__RUNTIME__WORKER_THREADS
-  value: {{ .threads | int | toString | quote }}
+  value: {{ .threads | default 1 | int | toString | quote }}
 {{- end -}}
 
 {{/* The Kafka passwords, from the user's Secrets, for every container that talks to

@@ -1,7 +1,7 @@
 //! The internal read API `tally-query` calls: `POST /internal/v2/read` asks one
 //! counter about several shards at once, each answered from one snapshot of its
-//! store, all on one blocking thread (one or two window totals on the runtime's
-//! thread: cheaper than the hand-off). A shard this process does not own, or not now
+//! store, all on one blocking thread (the all-time totals of one or two counters —
+//! a point read each — on the runtime's thread: cheaper than the hand-off). A shard this process does not own, or not now
 //! (still catching up with the log, or its lease lapsed), answers `not_owner`, which
 //! tells the caller to look up the owner again; a failed shard answers `failed`
 //! (`shard_failed` to clients). The metrics listing asks about one shard: 409
@@ -77,7 +77,7 @@ async fn answer<T: serde::Serialize + Send + 'static>(
     }
 }
 
-/// Window totals of at most this many counters are read on the runtime's thread.
+/// All-time totals of at most this many counters are read on the runtime's thread.
 const INLINE_READS: usize = 2;
 
 async fn read(State(state): State<ReadState>, body: axum::body::Bytes) -> Response {
@@ -89,12 +89,12 @@ async fn read(State(state): State<ReadState>, body: axum::body::Bytes) -> Respon
     };
     let asked: usize = request.shards.iter().map(|shard| shard.queries.len()).sum();
     state.metrics.reads.inc_by(asked as u64);
-    // A window total of a counter or two (a few point reads, microseconds from the
-    // memtable or the block cache) is answered on this thread: handing it to the
+    // The all-time total of a counter or two (a point read each, microseconds from
+    // the memtable or the block cache) is answered on this thread: handing it to the
     // blocking pool and back cost more than the read, in two thread wake-ups. A
-    // series (up to 10 000 points) goes to the pool.
-    let small =
-        request.shards.iter().flat_map(|shard| &shard.queries).all(|q| !matches!(q.spec, WindowSpec::Series { .. }));
+    // window (a scan of up to hundreds of buckets) or a series goes to the pool, so
+    // the runtime's thread — the only one by default — never scans.
+    let small = request.shards.iter().flat_map(|shard| &shard.queries).all(|q| matches!(q.spec, WindowSpec::All));
     let now_ms = request.now_ms;
     let work = move || {
         let shards = request.shards.into_iter().map(|shard| read_shard(&state, shard, now_ms)).collect();

@@ -42,25 +42,34 @@ fn with_graph(
     Json(answer(&graph)).into_response()
 }
 
-/// A walk of up to `limit` nodes: on a blocking thread, off the async runtime.
-async fn ancestors(State(state): State<GraphState>, Json(request): Json<GraphAncestorsRequest>) -> Response {
-    let walk = move || {
-        with_graph(&state, |graph| {
-            let (names, more) = graph.ancestors(&request.entity, request.limit);
-            GraphNeighboursResponse { entities: names.into_iter().map(str::to_string).collect(), more }
-        })
-    };
-    tokio::task::spawn_blocking(walk).await.unwrap_or_else(|err| {
+/// [`with_graph`] on a blocking thread: a read waits for the graph's lock, which the
+/// processor holds while it applies a record of edges, and may walk or sort many
+/// nodes — neither belongs on the runtime's thread (one by default).
+async fn off_runtime(
+    state: GraphState,
+    answer: impl FnOnce(&tally_core::graph::Graph) -> GraphNeighboursResponse + Send + 'static,
+) -> Response {
+    tokio::task::spawn_blocking(move || with_graph(&state, answer)).await.unwrap_or_else(|err| {
         ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", err.to_string()).into_response()
     })
 }
 
+/// A walk of up to `limit` nodes.
+async fn ancestors(State(state): State<GraphState>, Json(request): Json<GraphAncestorsRequest>) -> Response {
+    off_runtime(state, move |graph| {
+        let (names, more) = graph.ancestors(&request.entity, request.limit);
+        GraphNeighboursResponse { entities: names.into_iter().map(str::to_string).collect(), more }
+    })
+    .await
+}
+
 async fn neighbours(State(state): State<GraphState>, Json(request): Json<GraphNeighboursRequest>) -> Response {
-    with_graph(&state, |graph| {
+    off_runtime(state, move |graph| {
         let all = graph.neighbours(&request.entity, request.outgoing);
         let start = request.after.as_deref().map_or(0, |after| all.partition_point(|name| *name <= after));
         let entities: Vec<String> = all[start..].iter().take(request.limit).map(|name| name.to_string()).collect();
         let more = start + entities.len() < all.len();
         GraphNeighboursResponse { entities, more }
     })
+    .await
 }

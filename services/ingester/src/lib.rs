@@ -124,9 +124,9 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         .unwrap_or_else(|err| Err(Error::Delivery(format!("the ingest loop panicked: {err}"))));
     readiness.set(false);
     shutdown.cancel();
-    for reporter in reporters {
-        let _ = reporter.join();
-    }
+    // A reporter may be mid-tick (watermark look-ups of up to a second): joined off
+    // the runtime, whose thread still serves the admin endpoints.
+    let _ = tokio::task::spawn_blocking(move || reporters.into_iter().for_each(|reporter| drop(reporter.join()))).await;
     tracing::info!("tally-ingester stopping");
     result
 }
