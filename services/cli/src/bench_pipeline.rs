@@ -54,10 +54,14 @@ pub struct ReadBenchArgs {
     /// Entities written (and read) with a Zipf skew.
     #[arg(long, default_value_t = 10_000)]
     pub entities: usize,
-    /// Messages of one increment the ingester catches up with while reads run
-    /// (enough that it is still catching up when the last phase ends).
+    /// Messages the ingester catches up with while reads run (enough that it is
+    /// still catching up when the last phase ends).
     #[arg(long, default_value_t = 1_000_000)]
     pub ingest_messages: usize,
+    /// Increments per message of that backlog: 1 (the broker's per-record work
+    /// dominates) or more (tally's applying does; e.g. 100 with 50 000 messages).
+    #[arg(long, default_value_t = 1)]
+    pub ingest_per_message: usize,
 }
 
 /// One backlog: `messages` records of `per_message` increments each.
@@ -695,8 +699,13 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
     }
     let names = rig.fresh_topics().await?;
     println!(
-        "read bench: {} closed-loop clients on keep-alive connections, {} s per phase, {} entities (Zipf 1.1); broker {}",
-        args.connections, args.seconds, args.entities, rig.config.kafka.bootstrap_servers
+        "read bench: {} closed-loop clients on keep-alive connections, {} s per phase, {} entities (Zipf 1.1); while ingesting {} messages of {} increments; broker {}",
+        args.connections,
+        args.seconds,
+        args.entities,
+        args.ingest_messages,
+        args.ingest_per_message.max(1),
+        rig.config.kafka.bootstrap_servers
     );
     // Every entity exists (and more counts on the popular ones).
     let warm = Case { per_message: 100, messages: (args.entities * 3).div_ceil(100) };
@@ -713,7 +722,7 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
 
     // Busy: the ingester stops, a backlog builds, and reads run while it catches up.
     rig.stop("tally-ingester").await?;
-    let busy = Case { per_message: 1, messages: args.ingest_messages };
+    let busy = Case { per_message: args.ingest_per_message.max(1), messages: args.ingest_messages };
     produce_backlog(&rig.config, &names.increments(), busy, args.entities, 8).await?;
     const APPLIED: &str = "tally_counter_applied_increments_total";
     let before = rig.scrape(counter_admin, APPLIED).await?;
