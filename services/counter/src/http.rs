@@ -1,12 +1,13 @@
 //! The internal read API `tally-query` calls: `POST /internal/v2/read` asks one
 //! counter about several shards at once, each answered from one snapshot of its
-//! store, all on one blocking thread (the all-time totals of one or two counters —
-//! a point read each — on the runtime's thread: cheaper than the hand-off). A shard this process does not own, or not now
-//! (still catching up with the log, or its lease lapsed), answers `not_owner`, which
-//! tells the caller to look up the owner again; a failed shard answers `failed`
-//! (`shard_failed` to clients). The metrics listing asks about one shard: 409
-//! `not_owner`, 503 `shard_failed`. `GET /internal/v1/status` lists the shards held and
-//! their lag (the dashboard's freshness). `POST /internal/v1/shards/{shard}/skip` is `tally shards skip`
+//! store, all on one blocking thread (the all-time totals of one or two counters — a
+//! point read each — on the runtime's thread: cheaper than the hand-off). A shard
+//! this process does not own, or not now (still catching up with the log, or its
+//! lease lapsed), answers `not_owner`, which tells the caller to look up the owner
+//! again; a failed shard answers `failed` (`shard_failed` to clients). The metrics
+//! listing asks about one shard: 409 `not_owner`, 503 `shard_failed`.
+//! `GET /internal/v1/status` lists the shards held and their lag (the dashboard's
+//! freshness). `POST /internal/v1/shards/{shard}/skip` is `tally shards skip`
 //! ([`tally_shared::failures`]), `POST /internal/v1/snapshots` is `tally snapshot`
 //! ([`snapshot_router`]).
 
