@@ -699,12 +699,13 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
     }
     let names = rig.fresh_topics().await?;
     println!(
-        "read bench: {} closed-loop clients on keep-alive connections, {} s per phase, {} entities (Zipf 1.1); while ingesting {} messages of {} increments; broker {}",
+        "read bench: {} closed-loop clients on keep-alive connections, {} s per phase, {} entities (Zipf 1.1); while ingesting {} messages of {} {}; broker {}",
         args.connections,
         args.seconds,
         args.entities,
         args.ingest_messages,
         args.ingest_per_message.max(1),
+        if args.ingest_per_message <= 1 { "increment" } else { "increments" },
         rig.config.kafka.bootstrap_servers
     );
     // Every entity exists (and more counts on the popular ones).
@@ -728,10 +729,11 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
     let before = rig.scrape(counter_admin, APPLIED).await?;
     let ingester_admin = rig.ports.ingester_admin;
     rig.run("tally-ingester", ingester_admin).await?;
+    let started = Instant::now();
     let busy_single = load(port, conns, secs, entities, single_read, "single reads, ingesting").await?;
-    let between = rig.scrape(counter_admin, APPLIED).await?;
+    let (between, between_at) = (rig.scrape(counter_admin, APPLIED).await?, Instant::now());
     let busy_batch = load(port, conns, secs, entities, batch_read, "batches of 100, ingesting").await?;
-    let after = rig.scrape(counter_admin, APPLIED).await?;
+    let (after, after_at) = (rig.scrape(counter_admin, APPLIED).await?, Instant::now());
     rig.finish().await?;
 
     let s = secs as f64;
@@ -741,8 +743,8 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
     println!("{}", busy_batch.line("batch of 100, while ingesting", s));
     println!(
         "ingesting meanwhile: {:.0} increments/s applied during the single reads, {:.0}/s during the batches{}",
-        (between - before) / s,
-        (after - between) / s,
+        (between - before) / (between_at - started).as_secs_f64(),
+        (after - between) / (after_at - between_at).as_secs_f64(),
         if ((after - before) as u64) < busy.increments() {
             ""
         } else {
