@@ -344,6 +344,15 @@ pub struct IngesterConfig {
     pub shard_record_format: u8,
 }
 
+/// Refuses a shard-record format the ingester cannot write (`ingester.shard_record_format`):
+/// at load, so `tally config check` says so before an ingester starts.
+pub fn check_shard_record_format(version: u8) -> Result<()> {
+    match version {
+        tally_core::format::RECORD_V1 | tally_core::format::RECORD_V2 => Ok(()),
+        _ => Err(Error::Config(format!("ingester.shard_record_format is {version}: it is 1 or 2"))),
+    }
+}
+
 impl Default for IngesterConfig {
     fn default() -> Self {
         Self {
@@ -523,6 +532,7 @@ impl TallyConfig {
         if config.runtime.worker_threads == 0 {
             return Err(Error::Config("runtime.worker_threads: must be at least 1".into()));
         }
+        check_shard_record_format(config.ingester.shard_record_format)?;
         // A relative declarations file sits next to the config that names it.
         let mut config = config;
         if let (Some(declarations), Some(dir)) = (&config.broker.declarations, path.and_then(Path::parent)) {
@@ -628,6 +638,18 @@ mod tests {
         let refused =
             TallyConfig::load_with_env(None, env(&[("TALLY__RUNTIME__WORKER_THREADS", "0")])).unwrap_err().to_string();
         assert_eq!(refused, "config: runtime.worker_threads: must be at least 1");
+    }
+
+    #[test]
+    fn only_a_shard_record_format_the_ingester_writes_loads() {
+        for format in ["1", "2"] {
+            let config = TallyConfig::load_with_env(None, env(&[("TALLY__INGESTER__SHARD_RECORD_FORMAT", format)]));
+            assert_eq!(config.unwrap().ingester.shard_record_format.to_string(), format);
+        }
+        let refused = TallyConfig::load_with_env(None, env(&[("TALLY__INGESTER__SHARD_RECORD_FORMAT", "3")]))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(refused, "config: ingester.shard_record_format is 3: it is 1 or 2");
     }
 
     #[test]

@@ -83,10 +83,7 @@ impl Router {
 
     /// Writes shard records of increments in format `version` (1 or 2) instead of 2.
     pub fn writing_shard_records_in(mut self, version: u8) -> Result<Self> {
-        if !matches!(version, tally_core::format::RECORD_V1 | tally_core::format::RECORD_V2) {
-            let reason = format!("ingester.shard_record_format is {version}: it is 1 or 2");
-            return Err(tally_shared::Error::Config(reason).into());
-        }
+        tally_shared::config::check_shard_record_format(version)?;
         self.shard_record_format = version;
         Ok(self)
     }
