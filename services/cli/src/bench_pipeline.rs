@@ -60,8 +60,8 @@ pub struct ReadBenchArgs {
     pub ingest_messages: usize,
     /// Increments per message of that backlog: 1 (the broker's per-record work
     /// dominates) or more (tally's applying does; e.g. 100 with 50 000 messages).
-    #[arg(long, default_value_t = 1)]
-    pub ingest_per_message: usize,
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub ingest_per_message: u32,
 }
 
 /// One backlog: `messages` records of `per_message` increments each.
@@ -81,6 +81,15 @@ impl Case {
 
     fn increments(&self) -> u64 {
         (self.per_message * self.messages) as u64
+    }
+
+    /// "increment" or "increments", for the count per message.
+    fn increment_word(&self) -> &'static str {
+        if self.per_message == 1 {
+            "increment"
+        } else {
+            "increments"
+        }
     }
 }
 
@@ -500,7 +509,7 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
         println!(
             "{:>3} {}/message: raw consume {:>9.0} records/s before, {:>9.0} after ({:.0} and {:.0} increments/s); tally end to end {:>9.0} increments/s = {:.2}x raw before, {:.2}x after (the ingester read it all after {:.2} s, the counter applied it all after {:.2} s)",
             case.per_message,
-            if case.per_message == 1 { "increment" } else { "increments" },
+            case.increment_word(),
             raw,
             raw_after,
             raw * per,
@@ -698,14 +707,15 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
         bail!("tally bench read sends no token: run it with query.auth_token unset");
     }
     let names = rig.fresh_topics().await?;
+    let busy = Case { per_message: args.ingest_per_message as usize, messages: args.ingest_messages };
     println!(
         "read bench: {} closed-loop clients on keep-alive connections, {} s per phase, {} entities (Zipf 1.1); while ingesting {} messages of {} {}; broker {}",
         args.connections,
         args.seconds,
         args.entities,
-        args.ingest_messages,
-        args.ingest_per_message.max(1),
-        if args.ingest_per_message <= 1 { "increment" } else { "increments" },
+        busy.messages,
+        busy.per_message,
+        busy.increment_word(),
         rig.config.kafka.bootstrap_servers
     );
     // Every entity exists (and more counts on the popular ones).
@@ -723,7 +733,6 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
 
     // Busy: the ingester stops, a backlog builds, and reads run while it catches up.
     rig.stop("tally-ingester").await?;
-    let busy = Case { per_message: args.ingest_per_message.max(1), messages: args.ingest_messages };
     produce_backlog(&rig.config, &names.increments(), busy, args.entities, 8).await?;
     const APPLIED: &str = "tally_counter_applied_increments_total";
     let before = rig.scrape(counter_admin, APPLIED).await?;
