@@ -13,10 +13,10 @@ use crate::graph::DescChange;
 
 /// The total deltas a change makes, given the origin's direct value under each key
 /// (`(key, value)`, for every metric and retained bucket): `(descendant, key, delta)`.
-pub fn change_deltas<'a, K: Copy + 'a>(
-    change: &'a DescChange,
-    direct: &'a [(K, i64)],
-) -> impl Iterator<Item = (&'a str, K, i64)> + 'a {
+pub fn change_deltas<'c, 'd, K: Copy + 'd>(
+    change: &'c DescChange,
+    direct: &'d [(K, i64)],
+) -> impl Iterator<Item = (&'c str, K, i64)> + use<'c, 'd, K> {
     let signed = change.added.iter().map(|d| (d, 1)).chain(change.removed.iter().map(|d| (d, -1)));
     signed.flat_map(move |(d, sign)| {
         direct.iter().filter(|(_, value)| *value != 0).map(move |&(key, value)| (d.as_str(), key, sign * value))

@@ -397,6 +397,11 @@ pub struct CounterConfig {
     pub rollup_interval_ms: u64,
     /// fsync the RocksDB WAL on every batch (survives power loss, not just `kill -9`).
     pub sync_writes: bool,
+    /// Bytes of origins' direct counts kept in memory per shard, so an edge change
+    /// of origins changed lately moves their counts without reading RocksDB (0:
+    /// none). An origin with many buckets takes more: a busy counter has a bucket per
+    /// minute for 6 hours, per hour for 35 days and per day for 400 days.
+    pub direct_cache_bytes: usize,
     /// Own every shard without the counters' membership (one instance only).
     pub static_assignment: bool,
     /// This counter's name among the counters: unique, and stable across restarts
@@ -441,6 +446,7 @@ impl Default for CounterConfig {
             rollups: true,
             rollup_interval_ms: 1_000,
             sync_writes: false,
+            direct_cache_bytes: 8 << 20,
             static_assignment: false,
             instance: String::new(),
             heartbeat_ms: 500,

@@ -24,6 +24,8 @@
 //! rebuilds the shard — produces the same stamps, which the receivers drop.
 
 use std::collections::{BTreeMap, HashSet};
+
+use rustc_hash::FxHashMap;
 use std::sync::MutexGuard;
 
 use rocksdb::WriteBatch;
@@ -40,6 +42,7 @@ use tally_core::sharding::shard_of;
 use tally_core::wire::{ShardMessage, ShardMessageRef, Source, Stamp, TotalDelta};
 use tally_shared::dedupe::DedupeWindow;
 
+use crate::direct::{DirectCache, EntityDirect, MetricBuckets};
 use crate::error::Result;
 use crate::marks::MarkedKeys;
 use tally_shared::outbox::outbox_key;
@@ -94,15 +97,15 @@ pub struct ApplyReport {
 type DirectBuckets = Vec<(((u32, u32), i64, i64), i64)>;
 
 /// Buffers one record of descendant changes reuses from origin to origin: the
-/// origin's retained buckets, its metrics' names, the key being summed and the encoded
-/// view (what still allocates: a key the record has not summed yet, a delta for
+/// origin's retained buckets, its metrics' names and the encoded view (what still allocates: a key the record has not summed yet, a delta for
 /// another shard, a view for a new origin).
 #[derive(Default)]
 struct Scratch {
     prefix: Vec<u8>,
     metrics: String,
     direct: DirectBuckets,
-    key: Vec<u8>,
+    /// `direct` with each metric's number in the record instead of its range.
+    numbered: Vec<((u32, i64, i64), i64)>,
     view: Vec<u8>,
 }
 
@@ -271,14 +274,33 @@ impl ShardStore {
         let (counts_cf, rollups_cf) = (self.cf(CF_COUNTS)?, self.cf(CF_ROLLUPS)?);
         report.keys += coalescer.keys();
         let mut marking = self.marking(mark_rollups)?;
+        // The direct deltas of cached origins, added to their copies once committed.
+        let mut cache = self.direct.lock().map_err(|_| self.poisoned())?;
+        let caching = !cache.is_empty();
+        let mut cached_deltas: Vec<(&str, &str, i64, i64, i64)> = Vec::new();
+        let mut last_entity: Option<(&str, bool)> = None;
         coalescer.for_each(|entity, metric, width_ms, bucket, counts| {
             key.clear();
             encode_count_key(&mut key, entity, metric, width_ms, bucket);
             batch.merge_cf(counts_cf, &key, counts.encode());
             marking.mark(&mut batch, rollups_cf, &key);
+            if caching && counts.direct != 0 {
+                // Deltas come entity by entity: each is looked up once.
+                let cached = match last_entity {
+                    Some((last, cached)) if last == entity => cached,
+                    _ => cache.contains(entity),
+                };
+                last_entity = Some((entity, cached));
+                if cached {
+                    cached_deltas.push((entity, metric, width_ms, bucket, counts.direct));
+                }
+            }
         });
-        drop(descendants);
         self.commit(batch, progress.clone())?;
+        for (entity, metric, width_ms, bucket, delta) in cached_deltas {
+            cache.add(entity, metric, width_ms, bucket, delta);
+        }
+        drop((cache, descendants));
         marking.committed(report);
         // Only producers' increments move their sources' stream time.
         for (_, record_time, message) in run {
@@ -304,7 +326,10 @@ impl ShardStore {
         let mut batch = WriteBatch::default();
         let (counts_cf, desc_cf, outbox_cf) = (self.cf(CF_COUNTS)?, self.cf(CF_DESC)?, self.cf(CF_OUTBOX)?);
         let rollups_cf = self.cf(CF_ROLLUPS)?;
-        let mut local: BTreeMap<Vec<u8>, i64> = BTreeMap::new();
+        // Totals here summed by (descendant, metric number, width, bucket): keys are
+        // encoded once each, when written.
+        let mut local: FxHashMap<(&str, u32, i64, i64), i64> = FxHashMap::default();
+        let mut metric_names: Vec<String> = Vec::new();
         let mut remote: BTreeMap<u32, Vec<TotalDelta>> = BTreeMap::new();
         let mut descendants = self.descendants.lock().map_err(|_| self.poisoned())?;
         // One iterator for every origin of the record (a seek each), not one each:
@@ -325,31 +350,45 @@ impl ShardStore {
         }
         accepted.sort_by(|a, b| a.origin.cmp(&b.origin));
         let mut scratch = Scratch::default();
+        let mut cache = self.direct.lock().map_err(|_| self.poisoned())?;
         for change in &accepted {
             report.desc_changes += 1;
-            self.retained_direct(&mut counts, &change.origin, now, &mut scratch)?;
+            self.origin_direct(&mut counts, &mut cache, &change.origin, now, &mut scratch)?;
+            // The origin's buckets with their metrics numbered (a name is looked up
+            // once per origin, among the record's few).
+            scratch.numbered.clear();
+            let mut last_metric: Option<((u32, u32), u32)> = None;
+            for &((range, width_ms, bucket), value) in &scratch.direct {
+                let number = match last_metric {
+                    Some((last, number)) if last == range => number,
+                    _ => {
+                        let name = &scratch.metrics[range.0 as usize..range.1 as usize];
+                        match metric_names.iter().position(|known| known == name) {
+                            Some(at) => at as u32,
+                            None => {
+                                metric_names.push(name.to_string());
+                                metric_names.len() as u32 - 1
+                            }
+                        }
+                    }
+                };
+                last_metric = Some((range, number));
+                scratch.numbered.push(((number, width_ms, bucket), value));
+            }
             // Deltas come descendant by descendant: its shard is looked up once.
             let mut last_target: Option<(&str, u32)> = None;
-            for (d, ((metric_start, metric_end), width_ms, bucket), delta) in change_deltas(change, &scratch.direct) {
+            for (d, (metric, width_ms, bucket), delta) in change_deltas(change, &scratch.numbered) {
                 let target = match last_target {
                     Some((last, target)) if last == d => target,
                     _ => shard_of(d, self.options.shards),
                 };
                 last_target = Some((d, target));
-                let metric = &scratch.metrics[metric_start as usize..metric_end as usize];
                 if target == self.shard {
-                    scratch.key.clear();
-                    encode_count_key(&mut scratch.key, d, metric, width_ms, bucket);
-                    match local.get_mut(scratch.key.as_slice()) {
-                        Some(sum) => *sum += delta,
-                        None => {
-                            local.insert(scratch.key.clone(), delta);
-                        }
-                    }
+                    *local.entry((d, metric, width_ms, bucket)).or_insert(0) += delta;
                 } else {
                     remote.entry(target).or_default().push(TotalDelta {
                         entity: d.to_string(),
-                        metric: metric.to_string(),
+                        metric: metric_names[metric as usize].clone(),
                         width_ms,
                         bucket,
                         delta,
@@ -370,11 +409,20 @@ impl ShardStore {
                 batch.put_cf(desc_cf, change.origin.as_bytes(), &scratch.view);
             }
         }
-        drop(descendants);
+        drop((descendants, cache));
         drop(counts);
         report.keys += local.len();
+        let mut sums: Vec<(Vec<u8>, i64)> = local
+            .into_iter()
+            .map(|((d, metric, width_ms, bucket), delta)| {
+                let mut key = Vec::new();
+                encode_count_key(&mut key, d, &metric_names[metric as usize], width_ms, bucket);
+                (key, delta)
+            })
+            .collect();
+        sums.sort_unstable();
         let mut marking = self.marking(mark_rollups)?;
-        for (key, delta) in local {
+        for (key, delta) in sums {
             batch.merge_cf(counts_cf, &key, Counts { direct: 0, total: delta }.encode());
             marking.mark(&mut batch, rollups_cf, &key);
         }
@@ -394,8 +442,54 @@ impl ShardStore {
         Ok(())
     }
 
+    /// Whether a bucket is still retained at `now` (all-time always is).
+    fn retained(&self, width_ms: i64, bucket: i64, now: i64) -> bool {
+        width_ms == ALL_TIME_WIDTH
+            || self.options.resolutions.by_width(width_ms).is_some_and(|r| r.retains(bucket, now))
+    }
+
+    /// [`ShardStore::retained_direct`], from the cache when it holds the origin;
+    /// else read from the store and cached ([`crate::direct`]).
+    fn origin_direct(
+        &self,
+        counts: &mut rocksdb::DBRawIteratorWithThreadMode<'_, rocksdb::DB>,
+        cache: &mut DirectCache,
+        origin: &str,
+        now: i64,
+        scratch: &mut Scratch,
+    ) -> Result<()> {
+        if let Some(cached) = cache.get(origin, |width_ms, bucket| self.retained(width_ms, bucket, now)) {
+            scratch.direct.clear();
+            scratch.metrics.clear();
+            for metric in cached {
+                let start = scratch.metrics.len() as u32;
+                scratch.metrics.push_str(&metric.metric);
+                let range = (start, scratch.metrics.len() as u32);
+                scratch
+                    .direct
+                    .extend(metric.buckets.iter().map(|&(width_ms, bucket, value)| ((range, width_ms, bucket), value)));
+            }
+            return Ok(());
+        }
+        self.retained_direct(counts, origin, now, scratch)?;
+        if cache.caches() {
+            let mut direct: EntityDirect = Vec::new();
+            for &(((start, end), width_ms, bucket), value) in &scratch.direct {
+                let metric = &scratch.metrics[start as usize..end as usize];
+                match direct.last_mut() {
+                    Some(last) if last.metric == metric => last.buckets.push((width_ms, bucket, value)),
+                    _ => direct
+                        .push(MetricBuckets { metric: metric.to_string(), buckets: vec![(width_ms, bucket, value)] }),
+                }
+            }
+            cache.insert(origin, direct);
+        }
+        Ok(())
+    }
+
     /// The origin's direct value in every bucket still retained at `now`, into
-    /// `scratch.direct` (its metrics' names into `scratch.metrics`).
+    /// `scratch.direct` (its metrics' names into `scratch.metrics`), read from the
+    /// store.
     fn retained_direct(
         &self,
         counts: &mut rocksdb::DBRawIteratorWithThreadMode<'_, rocksdb::DB>,
@@ -413,12 +507,7 @@ impl ShardStore {
                 break;
             }
             let count_key = parse_count_key(key)?;
-            let retained = count_key.width_ms == ALL_TIME_WIDTH
-                || self
-                    .options
-                    .resolutions
-                    .by_width(count_key.width_ms)
-                    .is_some_and(|r| r.retains(count_key.bucket, now));
+            let retained = self.retained(count_key.width_ms, count_key.bucket, now);
             let value = Counts::decode(value)?.direct;
             if retained && value != 0 {
                 // An origin's keys come metric by metric: a name is stored once.
@@ -904,5 +993,113 @@ mod tests {
         assert_eq!((report.gap, report.increments), (Some((4, 7)), 1));
         assert_eq!(store.progress().next_offset, Some(4), "stays before the gap");
         assert_eq!(counts(&store, "a"), Counts { direct: 1, total: 1 });
+    }
+
+    mod direct_cache {
+        use proptest::prelude::*;
+
+        use super::*;
+
+        #[derive(Debug, Clone)]
+        enum Step {
+            /// `(entity, metric, minutes before now, delta)`.
+            Increments(Vec<(u8, u8, i64, i64)>),
+            /// `(origin, added, removed)`; descendants `d0`/`d1` (either shard).
+            Change(u8, Vec<u8>, Vec<u8>),
+            /// The clock moves on this many minutes (buckets leave retention).
+            Later(i64),
+        }
+
+        fn steps() -> impl Strategy<Value = Vec<Step>> {
+            let increment = (0..4u8, 0..2u8, 0..480i64, -2i64..5);
+            let increments = proptest::collection::vec(increment, 1..6).prop_map(Step::Increments);
+            let names = || proptest::collection::vec(0..4u8, 0..3);
+            let change =
+                (0..4u8, names(), names()).prop_map(|(origin, added, removed)| Step::Change(origin, added, removed));
+            let later = (0..200i64).prop_map(Step::Later);
+            proptest::collection::vec(prop_oneof![3 => increments, 3 => change, 1 => later], 1..40)
+        }
+
+        fn record(offset: i64, step: &Step, now: i64) -> Option<Vec<u8>> {
+            let stamp = |index: usize| Stamp { offset, index: index as u32 };
+            let names = |list: &[u8]| {
+                let mut names: Vec<String> = list.iter().map(|d| format!("d{d}")).collect();
+                names.sort();
+                names.dedup();
+                names
+            };
+            let message = match step {
+                Step::Increments(list) => ShardMessage::Increments {
+                    source: Source { stream: Source::INCREMENTS, partition: 0 },
+                    entries: list
+                        .iter()
+                        .enumerate()
+                        .map(|(index, &(entity, metric, minutes, delta))| {
+                            let increment = Increment {
+                                entity: format!("e{entity}"),
+                                metric: format!("m{metric}"),
+                                delta,
+                                ts: now - minutes * 60_000,
+                                id: None,
+                            };
+                            (stamp(index), increment)
+                        })
+                        .collect(),
+                },
+                Step::Change(origin, added, removed) => {
+                    let added = names(added);
+                    let removed: Vec<String> = names(removed).into_iter().filter(|d| !added.contains(d)).collect();
+                    let change = DescChange { origin: format!("e{origin}"), added, removed };
+                    let source = Source { stream: Source::GRAPH_PROCESSOR, partition: 0 };
+                    ShardMessage::DescChanges { source, entries: vec![(stamp(0), change)] }
+                }
+                Step::Later(_) => return None,
+            };
+            Some(message.encode().unwrap())
+        }
+
+        /// Every count key and value, and the outbox, of a store.
+        fn contents(store: &ShardStore) -> (Vec<(Vec<u8>, Vec<u8>)>, Vec<(Vec<u8>, Vec<u8>)>) {
+            let cf = store.cf(CF_COUNTS).unwrap();
+            let counts = store
+                .store
+                .db()
+                .iterator_cf(cf, rocksdb::IteratorMode::Start)
+                .map(|item| item.map(|(k, v)| (k.to_vec(), v.to_vec())).unwrap())
+                .collect();
+            let outbox = store.outbox().unwrap().into_iter().map(|e| (e.key, e.payload)).collect();
+            (counts, outbox)
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(48))]
+            /// A store that keeps origins' direct counts in memory (in a cache of any
+            /// size, small ones turning over all the time) writes exactly what one
+            /// that reads them from RocksDB every time writes: every count and every
+            /// outbox record, byte for byte.
+            #[test]
+            fn the_cache_changes_nothing_a_store_writes(steps in steps(), capacity in prop_oneof![0usize..1_500, Just(8usize << 20)]) {
+                let dir = tempfile::tempdir().unwrap();
+                let open = |name: &str, direct_cache_bytes: usize| {
+                    let options = StoreOptions { shards: 2, direct_cache_bytes, ..options() };
+                    ShardStore::open(0, &dir.path().join(name), options).unwrap()
+                };
+                let (cached, uncached) = (open("cached", capacity), open("uncached", 0));
+                let (mut now, mut offset) = (NOW, 0);
+                for step in &steps {
+                    if let Step::Later(minutes) = step {
+                        now += minutes * 60_000;
+                    }
+                    let Some(payload) = record(offset, step, now) else { continue };
+                    for store in [&cached, &uncached] {
+                        let record = ShardRecord { offset, payload: &payload, timestamp: None };
+                        let report = store.apply(&[record], now, false).unwrap();
+                        prop_assert_eq!((report.gap, report.undecodable), (None, None));
+                    }
+                    prop_assert_eq!(contents(&cached), contents(&uncached), "after record {} ({:?})", offset, step);
+                    offset += 1;
+                }
+            }
+        }
     }
 }

@@ -215,6 +215,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             sync_writes: config.counter.sync_writes,
             shards: shard_count,
             record_budget: config.kafka.record_budget(),
+            direct_cache_bytes: config.counter.direct_cache_bytes,
         },
         snapshots: snapshots.clone(),
         topic: shard_topic.clone(),

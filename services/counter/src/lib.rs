@@ -17,6 +17,7 @@ pub mod bench;
 pub mod bench_graph;
 pub mod bench_restore;
 pub mod consumer;
+pub mod direct;
 pub mod error;
 pub mod http;
 pub mod marks;

@@ -25,6 +25,7 @@ use tally_shared::outbox::OutboxEntry;
 use tally_shared::progress::Progress;
 use tally_shared::store::Store;
 
+use crate::direct::DirectCache;
 use crate::error::Result;
 use crate::marks::MarkedKeys;
 
@@ -49,6 +50,9 @@ pub struct StoreOptions {
     pub shards: u32,
     /// The most bytes of one outbox record ([`tally_core::records`]).
     pub record_budget: usize,
+    /// About how many bytes of origins' direct counts are kept in memory
+    /// ([`crate::direct`]); 0: none.
+    pub direct_cache_bytes: usize,
 }
 
 impl Default for StoreOptions {
@@ -59,6 +63,7 @@ impl Default for StoreOptions {
             sync_writes: false,
             shards: 1,
             record_budget: tally_shared::config::KafkaConfig::default().record_budget(),
+            direct_cache_bytes: tally_shared::config::CounterConfig::default().direct_cache_bytes,
         }
     }
 }
@@ -76,6 +81,9 @@ pub struct ShardStore {
     dedupe: DedupeWindow,
     /// Count keys whose rollup marks are committed ([`crate::marks`]).
     marked: Mutex<MarkedKeys>,
+    /// Direct counts of origins read lately ([`crate::direct`]); only the consumer
+    /// thread touches it.
+    pub(crate) direct: Mutex<DirectCache>,
     /// A store built from scratch must reach this shard-topic offset (the log's end
     /// when it was assigned) before it serves: until then its totals are partial.
     /// `i64::MIN`: serving.
@@ -158,6 +166,7 @@ impl ShardStore {
             Some(bytes) => tally_core::format::decode_i64_value(&bytes, "rebuild_until")?,
             None => i64::MIN,
         };
+        let direct = Mutex::new(DirectCache::new(options.direct_cache_bytes));
         Ok(Self {
             shard,
             store,
@@ -165,6 +174,7 @@ impl ShardStore {
             descendants: Mutex::new(descendants),
             dedupe: dedupe_window,
             marked: Mutex::new(MarkedKeys::new(crate::marks::MAX_MARKED)),
+            direct,
             rebuild_until: AtomicI64::new(rebuild_until),
         })
     }
