@@ -31,7 +31,6 @@ use std::sync::MutexGuard;
 use rocksdb::WriteBatch;
 use tally_core::counting::Coalescer;
 use tally_core::format::PRESENT;
-use tally_core::graph::apply_change;
 use tally_core::graph::DescChange;
 use tally_core::keys::{
     encode_count_key, encode_dedupe_key, encode_entity_prefix, parse_count_key, Counts, ALL_TIME_WIDTH,
@@ -49,7 +48,7 @@ use tally_shared::outbox::outbox_key;
 
 use tally_shared::progress::Progress;
 
-use crate::store::{ShardStore, CF_COUNTS, CF_DEDUPE, CF_DESC, CF_OUTBOX, CF_ROLLUPS};
+use crate::store::{ShardStore, CF_COUNTS, CF_DEDUPE, CF_DESC, CF_DESC_LOG, CF_OUTBOX, CF_ROLLUPS};
 
 /// One record of the shard topic.
 #[derive(Debug, Clone, Copy)]
@@ -97,8 +96,9 @@ pub struct ApplyReport {
 type DirectBuckets = Vec<(((u32, u32), i64, i64), i64)>;
 
 /// Buffers one record of descendant changes reuses from origin to origin: the
-/// origin's retained buckets, its metrics' names and the encoded view (what still allocates: a key the record has not summed yet, a delta for
-/// another shard, a view for a new origin).
+/// origin's retained buckets and its metrics' names (what still allocates: a key
+/// the record has not summed yet, a delta for another shard, a view for a new
+/// origin).
 #[derive(Default)]
 struct Scratch {
     prefix: Vec<u8>,
@@ -106,7 +106,6 @@ struct Scratch {
     direct: DirectBuckets,
     /// `direct` with each metric's number in the record instead of its range.
     numbered: Vec<((u32, i64, i64), i64)>,
-    view: Vec<u8>,
 }
 
 /// The rollup marks one write batch adds ([`crate::marks`]): holds the marked set
@@ -165,7 +164,7 @@ impl ShardStore {
                     run.clear();
                     progress.next_offset = Some(record.offset + 1);
                     self.apply_desc_changes(
-                        record.offset,
+                        (record.offset, record.payload),
                         source,
                         entries,
                         &mut progress,
@@ -228,7 +227,7 @@ impl ShardStore {
                         let (entity, metric, ts, delta) =
                             (increment.entity, increment.metric, increment.ts, increment.delta);
                         coalescer.add(entity, metric, ts, Counts { direct: delta, total: delta });
-                        for d in descendants.get(entity).into_iter().flatten() {
+                        for d in descendants.map.get(entity).into_iter().flatten() {
                             let counts = Counts { direct: 0, total: delta };
                             match shard_of(d, self.options.shards) {
                                 target if target == self.shard => coalescer.add(d, metric, ts, counts),
@@ -315,7 +314,7 @@ impl ShardStore {
     #[allow(clippy::too_many_arguments)]
     fn apply_desc_changes(
         &self,
-        offset: i64,
+        (offset, payload): (i64, &[u8]),
         source: Source,
         entries: Vec<(Stamp, DescChange)>,
         progress: &mut Progress,
@@ -324,7 +323,8 @@ impl ShardStore {
         report: &mut ApplyReport,
     ) -> Result<()> {
         let mut batch = WriteBatch::default();
-        let (counts_cf, desc_cf, outbox_cf) = (self.cf(CF_COUNTS)?, self.cf(CF_DESC)?, self.cf(CF_OUTBOX)?);
+        let (counts_cf, outbox_cf) = (self.cf(CF_COUNTS)?, self.cf(CF_OUTBOX)?);
+        let view_cfs = (self.cf(CF_DESC)?, self.cf(CF_DESC_LOG)?);
         let rollups_cf = self.cf(CF_ROLLUPS)?;
         // Totals here summed by (descendant, metric number, width, bucket): keys are
         // encoded once each, when written.
@@ -340,18 +340,19 @@ impl ShardStore {
         // forward and the views are written in key order (RocksDB inserts each next
         // to the previous one). Each change's deltas come from the counts as committed
         // before the record, so the order changes no sum.
-        let mut accepted: Vec<DescChange> = Vec::with_capacity(entries.len());
+        let mut accepted: Vec<(Stamp, DescChange)> = Vec::with_capacity(entries.len());
+        let all = entries.len();
         for (stamp, change) in entries {
             if progress.advance(source, stamp) {
-                accepted.push(change);
+                accepted.push((stamp, change));
             } else {
                 report.redelivered += 1;
             }
         }
-        accepted.sort_by(|a, b| a.origin.cmp(&b.origin));
+        accepted.sort_by(|(_, a), (_, b)| a.origin.cmp(&b.origin));
         let mut scratch = Scratch::default();
         let mut cache = self.direct.lock().map_err(|_| self.poisoned())?;
-        for change in &accepted {
+        for (_, change) in &accepted {
             report.desc_changes += 1;
             self.origin_direct(&mut counts, &mut cache, &change.origin, now, &mut scratch)?;
             // The origin's buckets with their metrics numbered (a name is looked up
@@ -395,22 +396,9 @@ impl ShardStore {
                     });
                 }
             }
-            let view = match descendants.get_mut(&change.origin) {
-                Some(view) => view,
-                None => descendants.entry(change.origin.clone()).or_default(),
-            };
-            apply_change(view, &change.added, &change.removed);
-            if view.is_empty() {
-                descendants.remove(&change.origin);
-                batch.delete_cf(desc_cf, change.origin.as_bytes());
-            } else {
-                scratch.view.clear();
-                tally_core::keys::encode_names_into(view, &mut scratch.view)?;
-                batch.put_cf(desc_cf, change.origin.as_bytes(), &scratch.view);
-            }
+            descendants.change(change);
         }
-        drop((descendants, cache));
-        drop(counts);
+        drop((cache, counts));
         report.keys += local.len();
         let mut sums: Vec<(Vec<u8>, i64)> = local
             .into_iter()
@@ -421,6 +409,14 @@ impl ShardStore {
             })
             .collect();
         sums.sort_unstable();
+        // The record is logged as it came, or with only the changes accepted.
+        let reencoded = match accepted.len() == all {
+            true => None,
+            false => Some(ShardMessage::DescChanges { source, entries: accepted }.encode()?),
+        };
+        let logged = reencoded.as_deref().unwrap_or(payload);
+        descendants.persist(&mut batch, view_cfs, offset, logged, self.options.view_log_bytes)?;
+        drop(descendants);
         let mut marking = self.marking(mark_rollups)?;
         for (key, delta) in sums {
             batch.merge_cf(counts_cf, &key, Counts { direct: 0, total: delta }.encode());

@@ -216,6 +216,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             shards: shard_count,
             record_budget: config.kafka.record_budget(),
             direct_cache_bytes: config.counter.direct_cache_bytes,
+            ..StoreOptions::default()
         },
         snapshots: snapshots.clone(),
         topic: shard_topic.clone(),

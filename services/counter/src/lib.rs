@@ -28,6 +28,7 @@ pub mod relay;
 pub mod rollups;
 pub mod shards;
 pub mod store;
+pub mod views;
 
 use std::sync::Arc;
 

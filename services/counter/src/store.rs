@@ -3,8 +3,8 @@
 //!
 //! Column families: `counts` (bucket values, summed by a merge operator so the write
 //! path never reads), `dedupe` (idempotency marks with their first record's time,
-//! [`DedupeWindow`]), `desc` (the current descendant view of each origin this shard
-//! owns), `outbox` (totals for other shards, written with the state that produced
+//! [`DedupeWindow`]), `desc` and `desc_log` (the descendant view of each origin this
+//! shard owns, and the records of changes not yet folded into it: [`crate::views`]), `outbox` (totals for other shards, written with the state that produced
 //! them and deleted once relayed), `rollups` (count keys whose latest values are
 //! still to be published, marked in the same write batch as the counts), and the
 //! default one for progress: the next shard-topic offset to consume, the high-water
@@ -28,12 +28,16 @@ use tally_shared::store::Store;
 use crate::direct::DirectCache;
 use crate::error::Result;
 use crate::marks::MarkedKeys;
+use crate::views::Views;
 
 pub(crate) const CF_COUNTS: &str = "counts";
 pub(crate) const CF_DEDUPE: &str = "dedupe";
 /// Descendant views; read only when the store opens (see the vector memtable in
 /// [`ShardStore::open`]).
 pub(crate) const CF_DESC: &str = "desc";
+/// Records of descendant changes not yet folded into `desc` ([`crate::views`]);
+/// read only when the store opens, like `desc`.
+pub(crate) const CF_DESC_LOG: &str = "desc_log";
 pub(crate) const CF_OUTBOX: &str = "outbox";
 pub(crate) const CF_ROLLUPS: &str = "rollups";
 /// The shard-topic offset a store built from scratch must reach before it serves.
@@ -53,6 +57,9 @@ pub struct StoreOptions {
     /// About how many bytes of origins' direct counts are kept in memory
     /// ([`crate::direct`]); 0: none.
     pub direct_cache_bytes: usize,
+    /// Bytes of records of descendant changes logged before they are folded into
+    /// the views ([`crate::views`]): what a store replays when it opens.
+    pub view_log_bytes: usize,
 }
 
 impl Default for StoreOptions {
@@ -64,6 +71,7 @@ impl Default for StoreOptions {
             shards: 1,
             record_budget: tally_shared::config::KafkaConfig::default().record_budget(),
             direct_cache_bytes: tally_shared::config::CounterConfig::default().direct_cache_bytes,
+            view_log_bytes: 4 << 20,
         }
     }
 }
@@ -75,8 +83,9 @@ pub struct ShardStore {
     pub(crate) store: Store,
     pub(crate) options: StoreOptions,
     /// desc(origin) of every origin with descendants, sorted; mirrors the `desc`
-    /// column family. Only the consumer thread touches it.
-    pub(crate) descendants: Mutex<HashMap<String, Vec<String>>>,
+    /// column family and its log ([`crate::views`]). Only the consumer thread
+    /// changes it.
+    pub(crate) descendants: Mutex<Views>,
     /// Idempotency marks live for this window of record time.
     dedupe: DedupeWindow,
     /// Count keys whose rollup marks are committed ([`crate::marks`]).
@@ -156,12 +165,13 @@ impl ShardStore {
         let families = vec![
             ColumnFamilyDescriptor::new(CF_COUNTS, counts),
             ColumnFamilyDescriptor::new(CF_DEDUPE, dedupe),
-            ColumnFamilyDescriptor::new(CF_DESC, desc),
+            ColumnFamilyDescriptor::new(CF_DESC, desc.clone()),
+            ColumnFamilyDescriptor::new(CF_DESC_LOG, desc),
             ColumnFamilyDescriptor::new(CF_OUTBOX, Options::default()),
             ColumnFamilyDescriptor::new(CF_ROLLUPS, Options::default()),
         ];
         let store = Store::open(path, db_options, families, options.sync_writes)?;
-        let descendants = Self::load_descendants(&store)?;
+        let descendants = Views::load(&store)?;
         let rebuild_until = match store.db().get(KEY_REBUILD_UNTIL)? {
             Some(bytes) => tally_core::format::decode_i64_value(&bytes, "rebuild_until")?,
             None => i64::MIN,
@@ -179,20 +189,9 @@ impl ShardStore {
         })
     }
 
-    fn load_descendants(store: &Store) -> Result<HashMap<String, Vec<String>>> {
-        let mut descendants = HashMap::new();
-        for item in store.db().iterator_cf(store.cf(CF_DESC)?, rocksdb::IteratorMode::Start) {
-            let (key, value) = item?;
-            let origin = String::from_utf8(key.to_vec())
-                .map_err(|_| tally_core::Error::Format(format!("descendant view key {key:?}: not UTF-8")))?;
-            descendants.insert(origin, tally_core::keys::decode_names(&value)?);
-        }
-        Ok(descendants)
-    }
-
     /// desc(origin) as this shard currently sees it.
     pub fn descendants_of(&self, origin: &str) -> Vec<String> {
-        self.descendants.lock().ok().and_then(|map| map.get(origin).cloned()).unwrap_or_default()
+        self.descendants.lock().ok().and_then(|views| views.map.get(origin).cloned()).unwrap_or_default()
     }
 
     /// The outbox in send order (by source offset, then target shard).
