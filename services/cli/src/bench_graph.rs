@@ -87,6 +87,11 @@ pub async fn run(options: GraphBenchOptions, repeats: usize) -> anyhow::Result<(
         ms(l.remove_graph_seconds + l.remove_shard_seconds),
         l.root_after_remove
     );
+    println!(
+        "  shard step of the first add (origins' counts read from RocksDB, not yet in memory): {:>6.2} ms; slowest of all: {:>6.2} ms",
+        ms(l.first_add_shard_seconds),
+        ms(l.slowest_shard_seconds)
+    );
     let d = differential;
     println!(
         "  differential-dataflow, same shape and counts, one worker, in memory (same totals): add {:>6.2} ms, remove {:>6.2} ms",

@@ -205,6 +205,12 @@ pub struct LatencyReport {
     pub add_shard_seconds: f64,
     pub remove_graph_seconds: f64,
     pub remove_shard_seconds: f64,
+    /// The first add's shard step: the origins' direct counts are read from RocksDB
+    /// (not yet in memory, [`crate::direct`]).
+    pub first_add_shard_seconds: f64,
+    /// The slowest shard step of all the adds and removes (one of them folds the
+    /// descendant views' log, [`crate::views`]).
+    pub slowest_shard_seconds: f64,
     /// All-time totals: `top:0` before, the root after the add and after the remove.
     pub top_total: i64,
     pub root_after_add: i64,
@@ -274,6 +280,7 @@ pub fn edge_latency(shape: LatencyShape, dir: &Path) -> Result<LatencyReport> {
     };
     let top_total = all_time_total(&store, "top:0")?;
     let (changes, mut add_graph_seconds, mut add_shard_seconds) = step(EdgeOp::Add)?;
+    let first_add_shard_seconds = add_shard_seconds;
     let root_after_add = all_time_total(&store, "root:fresh")?;
     let (_, mut remove_graph_seconds, mut remove_shard_seconds) = step(EdgeOp::Remove)?;
     let root_after_remove = all_time_total(&store, "root:fresh")?;
@@ -286,6 +293,7 @@ pub fn edge_latency(shape: LatencyShape, dir: &Path) -> Result<LatencyReport> {
         let (_, graph, shard) = step(EdgeOp::Remove)?;
         removes.push((graph, shard));
     }
+    let slowest_shard_seconds = adds.iter().chain(&removes).map(|(_, shard)| *shard).fold(0.0, f64::max);
     let median = |runs: &mut Vec<(f64, f64)>| {
         runs.sort_by(|a, b| (a.0 + a.1).total_cmp(&(b.0 + b.1)));
         runs[runs.len() / 2]
@@ -298,6 +306,8 @@ pub fn edge_latency(shape: LatencyShape, dir: &Path) -> Result<LatencyReport> {
         add_shard_seconds,
         remove_graph_seconds,
         remove_shard_seconds,
+        first_add_shard_seconds,
+        slowest_shard_seconds,
         top_total,
         root_after_add,
         root_after_remove,
