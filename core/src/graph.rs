@@ -46,6 +46,23 @@ pub struct DescChange {
     pub removed: Vec<String>,
 }
 
+/// Borrowed [`DescChange`] (names point into the record); same encoding.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct DescChangeRef<'a> {
+    pub origin: &'a str,
+    #[serde(borrow)]
+    pub added: Vec<&'a str>,
+    #[serde(borrow)]
+    pub removed: Vec<&'a str>,
+}
+
+impl DescChangeRef<'_> {
+    pub fn into_owned(self) -> DescChange {
+        let owned = |names: Vec<&str>| names.into_iter().map(str::to_string).collect();
+        DescChange { origin: self.origin.to_string(), added: owned(self.added), removed: owned(self.removed) }
+    }
+}
+
 type NodeId = u32;
 
 /// A directed graph over interned entity names, with out- and in-edges.
@@ -289,11 +306,11 @@ impl Graph {
 }
 
 /// Applies a change to a sorted descendant list, keeping it sorted.
-pub fn apply_change(desc: &mut Vec<String>, added: &[String], removed: &[String]) {
-    desc.retain(|d| removed.binary_search(d).is_err());
+pub fn apply_change<S: AsRef<str>>(desc: &mut Vec<String>, added: &[S], removed: &[S]) {
+    desc.retain(|d| removed.binary_search_by(|r| r.as_ref().cmp(d)).is_err());
     for d in added {
-        if let Err(at) = desc.binary_search(d) {
-            desc.insert(at, d.clone());
+        if let Err(at) = desc.binary_search_by(|known| known.as_str().cmp(d.as_ref())) {
+            desc.insert(at, d.as_ref().to_string());
         }
     }
 }

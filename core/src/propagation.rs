@@ -9,17 +9,15 @@
 //! interleaving of increments and graph updates, once every change has been applied
 //! total(d) = direct(d) + Σ direct(a) over the a whose current view holds d.
 
-use crate::graph::DescChange;
-
 /// The total deltas a change makes, given the origin's direct value under each key
 /// (`(key, value)`, for every metric and retained bucket): `(descendant, key, delta)`.
-pub fn change_deltas<'c, 'd, K: Copy + 'd>(
-    change: &'c DescChange,
+pub fn change_deltas<'c, 'd, S: AsRef<str>, K: Copy + 'd>(
+    (added, removed): (&'c [S], &'c [S]),
     direct: &'d [(K, i64)],
-) -> impl Iterator<Item = (&'c str, K, i64)> + use<'c, 'd, K> {
-    let signed = change.added.iter().map(|d| (d, 1)).chain(change.removed.iter().map(|d| (d, -1)));
+) -> impl Iterator<Item = (&'c str, K, i64)> + use<'c, 'd, S, K> {
+    let signed = added.iter().map(|d| (d, 1)).chain(removed.iter().map(|d| (d, -1)));
     signed.flat_map(move |(d, sign)| {
-        direct.iter().filter(|(_, value)| *value != 0).map(move |&(key, value)| (d.as_str(), key, sign * value))
+        direct.iter().filter(|(_, value)| *value != 0).map(move |&(key, value)| (d.as_ref(), key, sign * value))
     })
 }
 
@@ -31,7 +29,7 @@ mod tests {
 
     use super::*;
     use crate::counting::Coalescer;
-    use crate::graph::{apply_change, EdgeOp, EdgeUpdate, Graph};
+    use crate::graph::{apply_change, DescChange, EdgeOp, EdgeUpdate, Graph};
     use crate::keys::Counts;
     use crate::model::Model;
     use crate::time::Resolutions;
@@ -107,7 +105,7 @@ mod tests {
                     .map(|((_, metric, width, bucket), counts)| ((metric.clone(), *width, *bucket), counts.direct))
                     .collect();
                 let keys: Vec<(usize, i64)> = direct.iter().enumerate().map(|(i, (_, v))| (i, *v)).collect();
-                for (d, i, delta) in change_deltas(&change, &keys) {
+                for (d, i, delta) in change_deltas((&change.added, &change.removed), &keys) {
                     add(store, d, &direct[i].0, Counts { direct: 0, total: delta });
                 }
             };

@@ -10,7 +10,7 @@ use std::borrow::Cow;
 
 use serde::{Deserialize, Serialize};
 
-use crate::graph::{DescChange, EdgeUpdate};
+use crate::graph::{DescChange, DescChangeRef, EdgeUpdate};
 use crate::records::{str_bound, truncate_utf8, Truncated, INT_BOUND};
 use crate::time::WindowSpec;
 use crate::{Error, Result};
@@ -265,7 +265,8 @@ pub enum ShardMessageRef<'a> {
     },
     DescChanges {
         source: Source,
-        entries: Vec<(Stamp, DescChange)>,
+        #[serde(borrow)]
+        entries: Vec<(Stamp, DescChangeRef<'a>)>,
     },
     Totals {
         source: Source,
@@ -731,11 +732,11 @@ mod tests {
         let change = DescChange { origin: "a".into(), added: vec!["b".into()], removed: vec![] };
         let changes =
             ShardMessage::DescChanges { source, entries: vec![(Stamp { offset: 1, index: 0 }, change.clone())] };
-        let Ok(ShardMessageRef::DescChanges { entries, .. }) = ShardMessageRef::decode(&changes.encode().unwrap())
-        else {
+        let bytes = changes.encode().unwrap();
+        let Ok(ShardMessageRef::DescChanges { entries, .. }) = ShardMessageRef::decode(&bytes) else {
             panic!("changes")
         };
-        assert_eq!(entries[0].1, change);
+        assert_eq!(entries[0].1.clone().into_owned(), change);
 
         let edge = EdgeUpdate { op: crate::graph::EdgeOp::Remove, from: "a".into(), to: "b".into() };
         let graph = GraphMessage::Updates {

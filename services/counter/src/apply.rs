@@ -31,7 +31,7 @@ use std::sync::MutexGuard;
 use rocksdb::WriteBatch;
 use tally_core::counting::Coalescer;
 use tally_core::format::PRESENT;
-use tally_core::graph::DescChange;
+use tally_core::graph::DescChangeRef;
 use tally_core::keys::{
     encode_count_key, encode_dedupe_key, encode_entity_prefix, parse_count_key, Counts, ALL_TIME_WIDTH,
 };
@@ -316,7 +316,7 @@ impl ShardStore {
         &self,
         (offset, payload): (i64, &[u8]),
         source: Source,
-        entries: Vec<(Stamp, DescChange)>,
+        entries: Vec<(Stamp, DescChangeRef<'_>)>,
         progress: &mut Progress,
         now: i64,
         mark_rollups: bool,
@@ -340,7 +340,7 @@ impl ShardStore {
         // forward and the views are written in key order (RocksDB inserts each next
         // to the previous one). Each change's deltas come from the counts as committed
         // before the record, so the order changes no sum.
-        let mut accepted: Vec<(Stamp, DescChange)> = Vec::with_capacity(entries.len());
+        let mut accepted: Vec<(Stamp, DescChangeRef<'_>)> = Vec::with_capacity(entries.len());
         let all = entries.len();
         for (stamp, change) in entries {
             if progress.advance(source, stamp) {
@@ -354,7 +354,7 @@ impl ShardStore {
         let mut cache = self.direct.lock().map_err(|_| self.poisoned())?;
         for (_, change) in &accepted {
             report.desc_changes += 1;
-            self.origin_direct(&mut counts, &mut cache, &change.origin, now, &mut scratch)?;
+            self.origin_direct(&mut counts, &mut cache, change.origin, now, &mut scratch)?;
             // The origin's buckets with their metrics numbered (a name is looked up
             // once per origin, among the record's few).
             scratch.numbered.clear();
@@ -378,7 +378,9 @@ impl ShardStore {
             }
             // Deltas come descendant by descendant: its shard is looked up once.
             let mut last_target: Option<(&str, u32)> = None;
-            for (d, (metric, width_ms, bucket), delta) in change_deltas(change, &scratch.numbered) {
+            for (d, (metric, width_ms, bucket), delta) in
+                change_deltas((&change.added, &change.removed), &scratch.numbered)
+            {
                 let target = match last_target {
                     Some((last, target)) if last == d => target,
                     _ => shard_of(d, self.options.shards),
@@ -412,7 +414,10 @@ impl ShardStore {
         // The record is logged as it came, or with only the changes accepted.
         let reencoded = match accepted.len() == all {
             true => None,
-            false => Some(ShardMessage::DescChanges { source, entries: accepted }.encode()?),
+            false => {
+                let entries = accepted.into_iter().map(|(stamp, change)| (stamp, change.into_owned())).collect();
+                Some(ShardMessage::DescChanges { source, entries }.encode()?)
+            }
         };
         let logged = reencoded.as_deref().unwrap_or(payload);
         descendants.persist(&mut batch, view_cfs, offset, logged, self.options.view_log_bytes)?;
@@ -560,6 +565,7 @@ impl ShardStore {
 
 #[cfg(test)]
 mod tests {
+    use tally_core::graph::DescChange;
     use tally_core::keys::ALL_TIME_WIDTH;
     use tally_core::wire::Increment;
 

@@ -20,7 +20,7 @@
 use std::collections::{HashMap, HashSet};
 
 use rocksdb::{ColumnFamily, WriteBatch};
-use tally_core::graph::{apply_change, DescChange};
+use tally_core::graph::{apply_change, DescChangeRef};
 use tally_core::wire::ShardMessageRef;
 use tally_shared::store::Store;
 
@@ -73,17 +73,18 @@ impl Views {
 
     /// Applies `change` to its origin's view in memory (it is made durable by
     /// [`Views::persist`]).
-    pub fn change(&mut self, change: &DescChange) {
-        let view = match self.map.get_mut(&change.origin) {
+    pub fn change(&mut self, change: &DescChangeRef<'_>) {
+        let origin = change.origin;
+        let view = match self.map.get_mut(origin) {
             Some(view) => view,
-            None => self.map.entry(change.origin.clone()).or_default(),
+            None => self.map.entry(origin.to_string()).or_default(),
         };
         apply_change(view, &change.added, &change.removed);
         if view.is_empty() {
-            self.map.remove(&change.origin);
+            self.map.remove(origin);
         }
-        if !self.unfolded.contains(&change.origin) {
-            self.unfolded.insert(change.origin.clone());
+        if !self.unfolded.contains(origin) {
+            self.unfolded.insert(origin.to_string());
         }
     }
 
@@ -127,6 +128,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use proptest::prelude::*;
+    use tally_core::graph::DescChange;
     use tally_core::wire::{ShardMessage, Source, Stamp};
 
     use super::*;

@@ -298,8 +298,8 @@ mod tests {
                 panic!("the graph only sends descendant changes");
             };
             for (_, change) in entries {
-                assert_eq!(entry.partition, shard_of(&change.origin, 4));
-                all.push(change);
+                assert_eq!(entry.partition, shard_of(change.origin, 4));
+                all.push(change.into_owned());
             }
         }
         all.sort_by(|a, b| a.origin.cmp(&b.origin));
