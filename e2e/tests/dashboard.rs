@@ -73,8 +73,16 @@ impl Browser {
         }
     }
 
+    /// The attribute `name` of the element `css` matches (found again if the page
+    /// redrew it between finding and reading: it refreshes itself).
     async fn attr(&self, css: &str, name: &str) -> String {
-        self.wait_for(css).await.attr(name).await.unwrap().unwrap_or_default()
+        for _ in 0..20 {
+            match self.wait_for(css).await.attr(name).await {
+                Ok(value) => return value.unwrap_or_default(),
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+        panic!("{css}: redrawn under every read of {name}")
     }
 
     /// The text of every element `css` matches (read again when the page redrew

@@ -332,14 +332,14 @@ impl ShardStore {
         let mut metric_names: Vec<String> = Vec::new();
         let mut remote: BTreeMap<u32, Vec<TotalDelta>> = BTreeMap::new();
         let mut descendants = self.descendants.lock().map_err(|_| self.poisoned())?;
-        // One iterator for every origin of the record (a seek each), not one each:
-        // what the record changes is written only when it commits.
+        // One iterator for every origin of the record whose counts are not in memory
+        // (a seek each), not one each: what the record changes is written only when
+        // it commits.
         let mut counts = self.store.db().raw_iterator_cf(counts_cf);
         // Stamps are checked in their order; the changes that pass are then handled
         // in origin order (stable: one origin's changes keep theirs), so the seeks move
-        // forward and the views are written in key order (RocksDB inserts each next
-        // to the previous one). Each change's deltas come from the counts as committed
-        // before the record, so the order changes no sum.
+        // forward. Each change's deltas come from the counts as committed before the
+        // record, so the order changes no sum.
         let mut accepted: Vec<(Stamp, DescChangeRef<'_>)> = Vec::with_capacity(entries.len());
         let all = entries.len();
         for (stamp, change) in entries {
@@ -420,8 +420,7 @@ impl ShardStore {
             }
         };
         let logged = reencoded.as_deref().unwrap_or(payload);
-        descendants.persist(&mut batch, view_cfs, offset, logged, self.options.view_log_bytes)?;
-        drop(descendants);
+        let persisted = descendants.persist(&mut batch, view_cfs, offset, logged, self.options.view_log_bytes)?;
         let mut marking = self.marking(mark_rollups)?;
         for (key, delta) in sums {
             batch.merge_cf(counts_cf, &key, Counts { direct: 0, total: delta }.encode());
@@ -439,6 +438,8 @@ impl ShardStore {
             self.put_outbox(&mut batch, outbox_cf, offset, target, entries, report)?;
         }
         self.commit(batch, progress.clone())?;
+        descendants.committed(persisted);
+        drop(descendants);
         marking.committed(report);
         Ok(())
     }

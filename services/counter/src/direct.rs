@@ -3,8 +3,8 @@
 //!
 //! A record of descendant changes moves each origin's retained direct counts into
 //! the totals of the descendants it gains or loses, so it reads them first: a prefix
-//! scan of the origin's count keys, two thirds of the record's time on a warm store
-//! (BENCHMARKS.md, "Hierarchy"). An edge high in the graph changes the same ancestors
+//! scan of the origin's count keys, 64 % of the record's time in a profile of
+//! `tally bench graph`'s latency shape (BENCHMARKS.md, "Hierarchy"). An edge high in the graph changes the same ancestors
 //! again and again (a topic's ancestors whenever it moves), and differential-dataflow,
 //! the yardstick, keeps every count in memory. So an origin read once is cached here
 //! with all its direct buckets, and every committed increment of a cached entity is
@@ -15,10 +15,13 @@
 //! committed store, and only the consumer thread, which commits every count, changes
 //! the store's direct counts; it adds a batch's direct deltas to the cached entities
 //! after the batch committed (a failed commit leaves both as they were). Buckets at
-//! zero are left out, as the scan skips them. A bucket past its retention is
-//! dropped when met, as compaction drops it from the store; only a wall clock that
-//! moves back across a bucket's expiry could tell the two apart, and there the
-//! store's own answer depends on when compaction ran.
+//! zero are left out, as the scan skips them. A bucket past its retention at the
+//! batch's `now` is dropped when met; compaction drops it from the store by its own
+//! clock, a little later or — for a bucket expiring during the batch, or a clock that
+//! moved back — sooner, so there a scan's own answer depends on when compaction ran
+//! (a bucket at the edge of its retention, read by no window). Counts are decoded —
+//! and a corrupt one fails the shard — when an entry is made from the scan; a hit
+//! does not read the store (reads and merges of a corrupt count still fail it).
 //!
 //! Memory is bounded by an estimate of the bytes held ([`DirectCache::new`]), in two
 //! generations of at most half of it each: entries are made and used in the young
@@ -133,7 +136,8 @@ impl DirectCache {
         };
         let buckets = &mut direct[at].buckets;
         match buckets.binary_search_by(|&(w, b, _)| (w, b).cmp(&(width_ms, bucket))) {
-            Ok(found) => buckets[found].2 += delta,
+            // Wrapping, like the store's merge of counts.
+            Ok(found) => buckets[found].2 = buckets[found].2.wrapping_add(delta),
             Err(found) => {
                 let capacity = buckets.capacity();
                 buckets.insert(found, (width_ms, bucket, delta));

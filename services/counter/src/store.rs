@@ -4,12 +4,13 @@
 //! Column families: `counts` (bucket values, summed by a merge operator so the write
 //! path never reads), `dedupe` (idempotency marks with their first record's time,
 //! [`DedupeWindow`]), `desc` and `desc_log` (the descendant view of each origin this
-//! shard owns, and the records of changes not yet folded into it: [`crate::views`]), `outbox` (totals for other shards, written with the state that produced
-//! them and deleted once relayed), `rollups` (count keys whose latest values are
-//! still to be published, marked in the same write batch as the counts), and the
-//! default one for progress: the next shard-topic offset to consume, the high-water
-//! stamp of every source and, while a rebuild runs, the offset it must reach. Expired buckets and marks are
-//! dropped by compaction filters; reads never look at them.
+//! shard owns, and the records of changes not yet folded into it: [`crate::views`]),
+//! `outbox` (totals for other shards, written with the state that produced them and
+//! deleted once relayed), `rollups` (count keys whose latest values are still to be
+//! published, marked in the same write batch as the counts), and the default one for
+//! progress: the next shard-topic offset to consume, the high-water stamp of every
+//! source and, while a rebuild runs, the offset it must reach. Expired buckets and
+//! marks are dropped by compaction filters; reads never look at them.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -150,10 +151,10 @@ impl ShardStore {
         let dedupe_window = DedupeWindow::new(options.dedupe_window_ms);
         dedupe.set_compaction_filter("tally_dedupe_ttl", dedupe_window.compaction_filter());
 
-        // The descendant views are read only when the store opens (into
-        // `descendants`); an edge high in the graph rewrites one view per ancestor in
-        // one commit. A vector memtable appends each, where the skiplist searched for
-        // its place (sorted when flushed). Keep it write-only: a read of a mutable
+        // The descendant views and their log are read only when the store opens
+        // (into `descendants`); a fold of the log rewrites the view of every origin
+        // changed since the last one in one commit. A vector memtable appends each,
+        // where the skiplist searched for its place (sorted when flushed). Keep it write-only: a read of a mutable
         // vector memtable copies and sorts the whole memtable. It takes no
         // concurrent inserts, so RocksDB inserts a write group's batches one after
         // another (writes from other threads — outbox and rollup deletes, metadata —

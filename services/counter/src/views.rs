@@ -90,25 +90,26 @@ impl Views {
 
     /// Makes the changes of the record at `offset` durable in `batch`: logs
     /// `logged` (a shard record of them), or folds the log when it would pass
-    /// `fold_bytes`.
+    /// `fold_bytes`. What it did counts once the batch is committed
+    /// ([`Views::committed`]): a batch that fails leaves the log as it was on disk,
+    /// so its bookkeeping stays too.
     pub fn persist(
-        &mut self,
+        &self,
         batch: &mut WriteBatch,
         (desc_cf, log_cf): (&ColumnFamily, &ColumnFamily),
         offset: i64,
         logged: &[u8],
         fold_bytes: usize,
-    ) -> Result<()> {
+    ) -> Result<Persisted> {
         if self.logged_bytes + logged.len() <= fold_bytes {
             batch.put_cf(log_cf, log_key(offset), logged);
-            self.logged_bytes += logged.len();
-            return Ok(());
+            return Ok(Persisted::Logged(logged.len()));
         }
-        let mut origins: Vec<String> = self.unfolded.drain().collect();
+        let mut origins: Vec<&String> = self.unfolded.iter().collect();
         origins.sort_unstable();
         let mut encoded = Vec::new();
         for origin in origins {
-            match self.map.get(&origin) {
+            match self.map.get(origin) {
                 Some(view) => {
                     encoded.clear();
                     tally_core::keys::encode_names_into(view, &mut encoded)?;
@@ -118,9 +119,27 @@ impl Views {
             }
         }
         batch.delete_range_cf(log_cf, log_key(0), log_key(i64::MAX));
-        self.logged_bytes = 0;
-        Ok(())
+        Ok(Persisted::Folded)
     }
+
+    /// The batch [`Views::persist`] wrote into is committed.
+    pub fn committed(&mut self, persisted: Persisted) {
+        match persisted {
+            Persisted::Logged(bytes) => self.logged_bytes += bytes,
+            Persisted::Folded => {
+                self.unfolded.clear();
+                self.logged_bytes = 0;
+            }
+        }
+    }
+}
+
+/// What [`Views::persist`] wrote: a log entry of so many bytes, or a fold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum Persisted {
+    Logged(usize),
+    Folded,
 }
 
 #[cfg(test)]
