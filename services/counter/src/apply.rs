@@ -349,7 +349,7 @@ impl ShardStore {
                 report.redelivered += 1;
             }
         }
-        accepted.sort_by(|(_, a), (_, b)| a.origin.cmp(&b.origin));
+        accepted.sort_by(|(_, a), (_, b)| a.origin.cmp(b.origin));
         let mut scratch = Scratch::default();
         let mut cache = self.direct.lock().map_err(|_| self.poisoned())?;
         for (_, change) in &accepted {
@@ -1061,8 +1061,11 @@ mod tests {
             Some(message.encode().unwrap())
         }
 
+        /// Keys and values.
+        type Pairs = Vec<(Vec<u8>, Vec<u8>)>;
+
         /// Every count key and value, and the outbox, of a store.
-        fn contents(store: &ShardStore) -> (Vec<(Vec<u8>, Vec<u8>)>, Vec<(Vec<u8>, Vec<u8>)>) {
+        fn contents(store: &ShardStore) -> (Pairs, Pairs) {
             let cf = store.cf(CF_COUNTS).unwrap();
             let counts = store
                 .store

@@ -188,7 +188,11 @@ mod tests {
         (ShardMessage::DescChanges { source, entries }.encode().unwrap(), accepted)
     }
 
-    fn changes() -> impl Strategy<Value = Vec<(Vec<(u8, Vec<u8>, Vec<u8>)>, usize)>> {
+    /// A change `(origin, added, removed)`.
+    type Change = (u8, Vec<u8>, Vec<u8>);
+
+    /// Records of changes, each with how many of its first entries are stale.
+    fn changes() -> impl Strategy<Value = Vec<(Vec<Change>, usize)>> {
         let names = || proptest::collection::vec(0..4u8, 0..3);
         let change = (0..4u8, names(), names());
         proptest::collection::vec((proptest::collection::vec(change, 1..5), 0..2usize), 1..16)
