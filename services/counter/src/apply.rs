@@ -24,11 +24,10 @@
 //! rebuilds the shard — produces the same stamps, which the receivers drop.
 
 use std::collections::{BTreeMap, HashSet};
-
-use rustc_hash::FxHashMap;
 use std::sync::MutexGuard;
 
 use rocksdb::WriteBatch;
+use rustc_hash::FxHashMap;
 use tally_core::counting::Coalescer;
 use tally_core::format::PRESENT;
 use tally_core::graph::DescChangeRef;

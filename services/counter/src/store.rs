@@ -154,11 +154,12 @@ impl ShardStore {
         // The descendant views and their log are read only when the store opens
         // (into `descendants`); a fold of the log rewrites the view of every origin
         // changed since the last one in one commit. A vector memtable appends each,
-        // where the skiplist searched for its place (sorted when flushed). Keep it write-only: a read of a mutable
-        // vector memtable copies and sorts the whole memtable. It takes no
-        // concurrent inserts, so RocksDB inserts a write group's batches one after
-        // another (writes from other threads — outbox and rollup deletes, metadata —
-        // are serialised by RocksDB, as before, just not inserted in parallel).
+        // where the skiplist searched for its place (sorted when flushed). Keep it
+        // write-only: a read of a mutable vector memtable copies and sorts the whole
+        // memtable. It takes no concurrent inserts, so RocksDB inserts a write
+        // group's batches one after another (writes from other threads — outbox and
+        // rollup deletes, metadata — are serialised by RocksDB, as before, just not
+        // inserted in parallel).
         let mut desc = Options::default();
         desc.set_memtable_factory(rocksdb::MemtableFactory::Vector);
         db_options.set_allow_concurrent_memtable_write(false);
