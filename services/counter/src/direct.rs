@@ -29,9 +29,8 @@
 //! old entry used again moves back to the young one. A single entity larger than
 //! half the bound is not cached (its scan is long anyway).
 
+use std::collections::HashMap;
 use std::mem;
-
-use rustc_hash::FxHashMap;
 
 /// One metric of an entity: `(width_ms, bucket, direct)` in key order.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -49,9 +48,12 @@ fn footprint(entity: &str, direct: &EntityDirect) -> usize {
     64 + entity.len() + direct.iter().map(|m| 56 + m.metric.len() + 24 * m.buckets.capacity()).sum::<usize>()
 }
 
+/// Entities by name. Names come from producers, so the hash is seeded per process
+/// (foldhash: a look-up in a few nanoseconds, where std's SipHash takes about 20;
+/// an unseeded hash would let a producer pick names that collide).
 #[derive(Default)]
 struct Generation {
-    entries: FxHashMap<String, EntityDirect>,
+    entries: HashMap<String, EntityDirect, foldhash::fast::RandomState>,
     bytes: usize,
 }
 
