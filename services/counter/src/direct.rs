@@ -4,11 +4,11 @@
 //! A record of descendant changes moves each origin's retained direct counts into
 //! the totals of the descendants it gains or loses, so it reads them first: a prefix
 //! scan of the origin's count keys, 64 % of the record's time in a profile of
-//! `tally bench graph`'s latency shape (BENCHMARKS.md, "Hierarchy"). An edge high in the graph changes the same ancestors
-//! again and again (a topic's ancestors whenever it moves), and differential-dataflow,
-//! the yardstick, keeps every count in memory. So an origin read once is cached here
-//! with all its direct buckets, and every committed increment of a cached entity is
-//! added to its copy.
+//! `tally bench graph`'s latency shape (BENCHMARKS.md, "Hierarchy"). An edge high in
+//! the graph changes the same ancestors again and again (a topic's ancestors whenever
+//! it moves), and differential-dataflow, the yardstick, keeps every count in memory.
+//! So an origin read once is cached here with all its direct buckets, and every
+//! committed increment of a cached entity is added to its copy.
 //!
 //! The rule that keeps it exact: an entry holds exactly what the store holds for
 //! that entity's direct counts. Entries are made from a full prefix scan of the
@@ -49,8 +49,8 @@ fn footprint(entity: &str, direct: &EntityDirect) -> usize {
 }
 
 /// Entities by name. Names come from producers, so the hash is seeded per process
-/// (foldhash: a look-up in a few nanoseconds, where std's SipHash takes about 20;
-/// an unseeded hash would let a producer pick names that collide).
+/// (foldhash: cheaper than std's SipHash; an unseeded hash would let a producer pick
+/// names that collide).
 #[derive(Default)]
 struct Generation {
     entries: HashMap<String, EntityDirect, foldhash::fast::RandomState>,
