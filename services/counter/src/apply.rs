@@ -94,17 +94,32 @@ pub struct ApplyReport {
 /// `start..end` range of [`Scratch::metrics`].
 type DirectBuckets = Vec<(((u32, u32), i64, i64), i64)>;
 
-/// Buffers one record of descendant changes reuses from origin to origin: the
-/// origin's retained buckets and its metrics' names (what still allocates: a key
-/// the record has not summed yet, a delta for another shard, a view for a new
-/// origin).
+/// Buffers one record of descendant changes reuses from origin to origin (what
+/// still allocates: each sum's key, a delta for another shard, a metric new to the
+/// record, an origin's entry in the cache, a view for a new origin).
 #[derive(Default)]
 struct Scratch {
+    /// An origin read from the store: its key prefix, its buckets and, in
+    /// `metrics`, the names their ranges point into.
     prefix: Vec<u8>,
     metrics: String,
     direct: DirectBuckets,
-    /// `direct` with each metric's number in the record instead of its range.
+    /// The origin's retained buckets by metric number: what its changes move.
     numbered: Vec<((u32, i64, i64), i64)>,
+    /// The names of the record's metrics, numbered in order of appearance (a
+    /// record has few).
+    metric_names: Vec<String>,
+}
+
+/// The number of metric `name` in `names`, added when new.
+fn metric_number(names: &mut Vec<String>, name: &str) -> u32 {
+    match names.iter().position(|known| known == name) {
+        Some(at) => at as u32,
+        None => {
+            names.push(name.to_string());
+            names.len() as u32 - 1
+        }
+    }
 }
 
 /// The rollup marks one write batch adds ([`crate::marks`]): holds the marked set
@@ -328,7 +343,6 @@ impl ShardStore {
         // Totals here summed by (descendant, metric number, width, bucket): keys are
         // encoded once each, when written.
         let mut local: FxHashMap<(&str, u32, i64, i64), i64> = FxHashMap::default();
-        let mut metric_names: Vec<String> = Vec::new();
         let mut remote: BTreeMap<u32, Vec<TotalDelta>> = BTreeMap::new();
         let mut descendants = self.descendants.lock().map_err(|_| self.poisoned())?;
         // One iterator for every origin of the record whose counts are not in memory
@@ -354,27 +368,6 @@ impl ShardStore {
         for (_, change) in &accepted {
             report.desc_changes += 1;
             self.origin_direct(&mut counts, &mut cache, change.origin, now, &mut scratch)?;
-            // The origin's buckets with their metrics numbered (a name is looked up
-            // once per origin, among the record's few).
-            scratch.numbered.clear();
-            let mut last_metric: Option<((u32, u32), u32)> = None;
-            for &((range, width_ms, bucket), value) in &scratch.direct {
-                let number = match last_metric {
-                    Some((last, number)) if last == range => number,
-                    _ => {
-                        let name = &scratch.metrics[range.0 as usize..range.1 as usize];
-                        match metric_names.iter().position(|known| known == name) {
-                            Some(at) => at as u32,
-                            None => {
-                                metric_names.push(name.to_string());
-                                metric_names.len() as u32 - 1
-                            }
-                        }
-                    }
-                };
-                last_metric = Some((range, number));
-                scratch.numbered.push(((number, width_ms, bucket), value));
-            }
             // Deltas come descendant by descendant: its shard is looked up once.
             let mut last_target: Option<(&str, u32)> = None;
             for (d, (metric, width_ms, bucket), delta) in
@@ -390,7 +383,7 @@ impl ShardStore {
                 } else {
                     remote.entry(target).or_default().push(TotalDelta {
                         entity: d.to_string(),
-                        metric: metric_names[metric as usize].clone(),
+                        metric: scratch.metric_names[metric as usize].clone(),
                         width_ms,
                         bucket,
                         delta,
@@ -405,7 +398,7 @@ impl ShardStore {
             .into_iter()
             .map(|((d, metric, width_ms, bucket), delta)| {
                 let mut key = Vec::new();
-                encode_count_key(&mut key, d, &metric_names[metric as usize], width_ms, bucket);
+                encode_count_key(&mut key, d, &scratch.metric_names[metric as usize], width_ms, bucket);
                 (key, delta)
             })
             .collect();
@@ -449,8 +442,10 @@ impl ShardStore {
             || self.options.resolutions.by_width(width_ms).is_some_and(|r| r.retains(bucket, now))
     }
 
-    /// [`ShardStore::retained_direct`], from the cache when it holds the origin;
-    /// else read from the store and cached ([`crate::direct`]).
+    /// The origin's retained direct buckets, into `scratch.numbered` (metrics by
+    /// their numbers in `scratch.metric_names`): from the cache when it holds the
+    /// origin; else read from the store ([`ShardStore::retained_direct`]) and cached
+    /// ([`crate::direct`]). Either way in key order.
     fn origin_direct(
         &self,
         counts: &mut rocksdb::DBRawIteratorWithThreadMode<'_, rocksdb::DB>,
@@ -459,20 +454,27 @@ impl ShardStore {
         now: i64,
         scratch: &mut Scratch,
     ) -> Result<()> {
+        scratch.numbered.clear();
         if let Some(cached) = cache.get(origin, |width_ms, bucket| self.retained(width_ms, bucket, now)) {
-            scratch.direct.clear();
-            scratch.metrics.clear();
             for metric in cached {
-                let start = scratch.metrics.len() as u32;
-                scratch.metrics.push_str(&metric.metric);
-                let range = (start, scratch.metrics.len() as u32);
-                scratch
-                    .direct
-                    .extend(metric.buckets.iter().map(|&(width_ms, bucket, value)| ((range, width_ms, bucket), value)));
+                let number = metric_number(&mut scratch.metric_names, &metric.metric);
+                let buckets =
+                    metric.buckets.iter().map(|&(width_ms, bucket, value)| ((number, width_ms, bucket), value));
+                scratch.numbered.extend(buckets);
             }
             return Ok(());
         }
         self.retained_direct(counts, origin, now, scratch)?;
+        // A metric's buckets come together: its name is looked up once.
+        let mut last_metric: Option<((u32, u32), u32)> = None;
+        for &((range, width_ms, bucket), value) in &scratch.direct {
+            let number = match last_metric {
+                Some((last, number)) if last == range => number,
+                _ => metric_number(&mut scratch.metric_names, &scratch.metrics[range.0 as usize..range.1 as usize]),
+            };
+            last_metric = Some((range, number));
+            scratch.numbered.push(((number, width_ms, bucket), value));
+        }
         if cache.caches() {
             let mut direct: EntityDirect = Vec::new();
             for &(((start, end), width_ms, bucket), value) in &scratch.direct {
