@@ -586,23 +586,46 @@ pub struct ShardQuery {
 /// The internal read API tally-query uses: the questions for every shard one
 /// counter owns, in one request (a batch of 100 over 8 shards is one round trip, not
 /// eight). Each shard is answered from one snapshot of its store.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReadRequest {
     /// The clock of the request, so every answer of a batch uses the same `now`.
     pub now_ms: i64,
     pub shards: Vec<ShardQueries>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardQueries {
     pub shard: u32,
     pub queries: Vec<ShardQuery>,
 }
 
 /// One outcome per shard asked, in request order.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReadResponse {
     pub shards: Vec<ShardOutcome>,
+}
+
+impl ReadRequest {
+    /// The binary form the read link carries (`tally_shared::read_link`): the
+    /// record header ([`crate::format`], version 1), then bincode.
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        encode(self)
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        decode(bytes, "read request")
+    }
+}
+
+impl ReadResponse {
+    /// The binary form the read link carries, as [`ReadRequest::encode`].
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        encode(self)
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        decode(bytes, "read response")
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -14,9 +14,10 @@ use tally_core::graph::{DescChange, EdgeOp, EdgeUpdate};
 use tally_core::jobs::{DeadJob, DeadJobAction, DeadJobDecision, Job};
 use tally_core::keys::{decode_mark, decode_names, decode_stamp, encode_mark, encode_names, encode_stamp, Counts};
 use tally_core::records::Truncated;
+use tally_core::time::WindowSpec;
 use tally_core::wire::{
-    DeadLetter, GraphMessage, GraphUpdate, Heartbeat, Increment, Rollup, ShardMessage, ShardMessageRef, ShardOwner,
-    Source, Stamp, TotalDelta,
+    DeadLetter, GraphMessage, GraphUpdate, Heartbeat, Increment, Kind, ReadRequest, ReadResponse, Rollup, ShardAnswer,
+    ShardMessage, ShardMessageRef, ShardOutcome, ShardOwner, ShardQueries, ShardQuery, Source, Stamp, TotalDelta,
 };
 
 fn golden_path(name: &str) -> PathBuf {
@@ -122,6 +123,50 @@ fn graph_update_records() {
     };
     let bytes = golden("graph-updates.bin", &updates.encode().unwrap());
     assert_eq!(GraphMessage::decode(&bytes).unwrap(), updates);
+}
+
+/// The read link's messages (tally-query ↔ counter): a query of an older release
+/// must still be understood by a newer counter, and the other way round.
+#[test]
+fn read_link_messages() {
+    let query = |entity: &str, kind, spec| ShardQuery { entity: entity.into(), metric: "views".into(), kind, spec };
+    let request = ReadRequest {
+        now_ms: 1_700_000_000_000,
+        shards: vec![
+            ShardQueries { shard: 3, queries: vec![query("user:1", Kind::Total, WindowSpec::All)] },
+            ShardQueries {
+                shard: 60,
+                queries: vec![
+                    query("ü", Kind::Direct, WindowSpec::Last { window_ms: 3_600_000 }),
+                    query("t", Kind::Total, WindowSpec::Series { step_ms: 60_000, range_ms: 180_000 }),
+                ],
+            },
+        ],
+    };
+    let bytes = golden("read-request.bin", &request.encode().unwrap());
+    assert_eq!(bytes[..2], [format::RECORD_MAGIC, format::RECORD_V1]);
+    assert_eq!(ReadRequest::decode(&bytes).unwrap(), request);
+
+    let response = ReadResponse {
+        shards: vec![
+            ShardOutcome::Answers {
+                answers: vec![
+                    ShardAnswer::Window { value: -7, resolution: "all".into(), from: 0, to: 1_700_000_000_000 },
+                    ShardAnswer::Series { resolution: "1m".into(), points: vec![(60_000, 1), (120_000, 0)] },
+                    ShardAnswer::Error { code: "invalid_window".into(), message: "too long".into() },
+                ],
+            },
+            ShardOutcome::NotOwner,
+            ShardOutcome::Failed { message: "shard 9 failed".into() },
+            ShardOutcome::Unavailable { message: "shard 10: io".into() },
+        ],
+    };
+    let bytes = golden("read-response.bin", &response.encode().unwrap());
+    assert_eq!(ReadResponse::decode(&bytes).unwrap(), response);
+    let mut trailing = bytes.clone();
+    trailing.push(0);
+    assert!(ReadResponse::decode(&trailing).is_err(), "trailing bytes are refused");
+    assert!(ReadResponse::decode(&bytes[..bytes.len() - 1]).is_err(), "a truncated response is refused");
 }
 
 #[test]

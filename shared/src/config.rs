@@ -468,6 +468,10 @@ pub struct QueryConfig {
     pub max_batch: usize,
     /// How long a read waits for a shard owner to appear, in ms.
     pub owner_wait_ms: u64,
+    /// Reads go to the counters over their read links (one binary connection per
+    /// counter, shared by concurrent reads); `false`: one JSON request per read over
+    /// HTTP, as before the links (a proxy that drops upgrades falls back by itself).
+    pub read_link: bool,
 }
 
 impl Default for QueryConfig {
@@ -478,6 +482,7 @@ impl Default for QueryConfig {
             auth_token: None,
             max_batch: 1_000,
             owner_wait_ms: 6_000,
+            read_link: true,
         }
     }
 }

@@ -1,7 +1,9 @@
-//! The internal read API `tally-query` calls: `POST /internal/v2/read` asks one
-//! counter about several shards at once, each answered from one snapshot of its
-//! store, all on one blocking thread (the all-time totals of one or two counters — a
-//! point read each — on the runtime's thread: cheaper than the hand-off). A shard
+//! The internal read API `tally-query` calls: the read link
+//! ([`crate::read_link`], binary, many reads at once on one connection) or
+//! `POST /internal/v2/read` (the same messages as JSON) asks one counter about
+//! several shards at once, each answered from one snapshot of its store, all on one
+//! blocking thread (the all-time totals of one or two counters — a point read each —
+//! on the runtime's thread: cheaper than the hand-off). A shard
 //! this process does not own, or not now (still catching up with the log, or its
 //! lease lapsed), answers `not_owner`, which tells the caller to look up the owner
 //! again; a failed shard answers `failed` (`shard_failed` to clients). The metrics
@@ -23,6 +25,7 @@ use tally_core::wire::{CounterStatus, ReadRequest, ReadResponse, ShardMetricsReq
 use tally_shared::failures::{skip_router, Failure};
 use tally_shared::http::ApiError;
 use tally_shared::snapshot::snapshot_router;
+use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
 use crate::shards::Shards;
@@ -34,11 +37,14 @@ pub struct ReadState {
     pub metrics: Metrics,
     /// Whether this counter takes snapshots (`tally snapshot` asks it to).
     pub snapshots: bool,
+    /// Cancelled when the counter stops: read links close.
+    pub shutdown: CancellationToken,
 }
 
 pub fn router(state: ReadState) -> Router {
     Router::new()
         .route("/internal/v2/read", post(read))
+        .route(tally_shared::read_link::PATH, get(crate::read_link::open))
         .route("/internal/v1/metrics", post(metrics))
         .route("/internal/v1/status", get(status))
         .with_state(state.clone())
@@ -81,6 +87,26 @@ async fn answer<T: serde::Serialize + Send + 'static>(
 /// All-time totals of at most this many counters are read on the runtime's thread.
 const INLINE_READS: usize = 2;
 
+/// Whether `request` is answered on the runtime's thread: the all-time total of a
+/// counter or two (a point read each, microseconds from the memtable or the block
+/// cache). Handing it to the blocking pool and back cost more than the read, in two
+/// thread wake-ups. A window (a scan of up to hundreds of buckets) or a series goes
+/// to the pool, so the runtime's thread — the only one by default — never scans.
+pub(crate) fn answers_inline(request: &ReadRequest) -> bool {
+    let mut queries = request.shards.iter().flat_map(|shard| &shard.queries);
+    queries.clone().count() <= INLINE_READS && queries.all(|q| matches!(q.spec, WindowSpec::All))
+}
+
+/// Answers every shard of `request`, each from one snapshot of its store.
+pub(crate) fn answer_read(state: &ReadState, request: ReadRequest) -> ReadResponse {
+    let asked: usize = request.shards.iter().map(|shard| shard.queries.len()).sum();
+    state.metrics.reads.inc_by(asked as u64);
+    let now_ms = request.now_ms;
+    ReadResponse { shards: request.shards.into_iter().map(|shard| read_shard(state, shard, now_ms)).collect() }
+}
+
+/// `POST /internal/v2/read`: the read link's messages as JSON, for a tally-query
+/// that does not use the link ([`crate::read_link`]).
 async fn read(State(state): State<ReadState>, body: axum::body::Bytes) -> Response {
     // Parsed here rather than by axum's `Json` extractor, which tracks the path of
     // every field for its error messages (a fifth of this handler's time).
@@ -88,23 +114,10 @@ async fn read(State(state): State<ReadState>, body: axum::body::Bytes) -> Respon
         Ok(request) => request,
         Err(err) => return ApiError::new(StatusCode::BAD_REQUEST, "invalid_body", err.to_string()).into_response(),
     };
-    let asked: usize = request.shards.iter().map(|shard| shard.queries.len()).sum();
-    state.metrics.reads.inc_by(asked as u64);
-    // The all-time total of a counter or two (a point read each, microseconds from
-    // the memtable or the block cache) is answered on this thread: handing it to the
-    // blocking pool and back cost more than the read, in two thread wake-ups. A
-    // window (a scan of up to hundreds of buckets) or a series goes to the pool, so
-    // the runtime's thread — the only one by default — never scans.
-    let small = request.shards.iter().flat_map(|shard| &shard.queries).all(|q| matches!(q.spec, WindowSpec::All));
-    let now_ms = request.now_ms;
-    let work = move || {
-        let shards = request.shards.into_iter().map(|shard| read_shard(&state, shard, now_ms)).collect();
-        ReadResponse { shards }
-    };
-    if asked <= INLINE_READS && small {
-        return Json(work()).into_response();
+    if answers_inline(&request) {
+        return Json(answer_read(&state, request)).into_response();
     }
-    match tokio::task::spawn_blocking(work).await {
+    match tokio::task::spawn_blocking(move || answer_read(&state, request)).await {
         Ok(response) => Json(response).into_response(),
         Err(err) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", err.to_string()).into_response(),
     }

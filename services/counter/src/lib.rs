@@ -10,7 +10,8 @@
 //!   by its lease;
 //! - [`relay`]: sends each shard's outbox of totals to the shards of descendants;
 //! - [`rollups`]: publishes the latest values of changed buckets, on a thread of its own;
-//! - [`http`]: the internal read API; [`metrics`]: what it exports.
+//! - [`http`]: the internal read API, and [`read_link`] its binary connection;
+//!   [`metrics`]: what it exports.
 
 pub mod apply;
 pub mod bench;
@@ -24,6 +25,7 @@ pub mod marks;
 pub mod metrics;
 pub mod ownership;
 pub mod read;
+pub mod read_link;
 pub mod relay;
 pub mod rollups;
 pub mod shards;
@@ -75,6 +77,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         shards: shards.clone(),
         metrics: metrics.clone(),
         snapshots: config.snapshots.enabled,
+        shutdown: shutdown.clone(),
     });
     let server_shutdown = shutdown.clone();
     tokio::spawn(async move {

@@ -1,5 +1,6 @@
 //! Sending reads to the counters that own the shards: one request per counter per
-//! client request (all its shards at once), all counters in parallel, shards retried
+//! client request (all its shards at once, over the counter's read link), all
+//! counters in parallel, shards retried
 //! against a newer owner when a counter says it no longer owns them or does not
 //! answer.
 
@@ -18,12 +19,16 @@ use tally_core::wire::{
 
 use crate::error::ApiError;
 use crate::owners::{Claim, Owners};
+use crate::read_link::{LinkError, Links};
 
 const ATTEMPTS: usize = 4;
 
 pub struct Fanout {
     pub owners: Arc<Owners>,
     pub client: reqwest::Client,
+    /// Read links to the counters (`None`: `query.read_link = false`, reads go over
+    /// HTTP).
+    pub links: Option<Links>,
     pub shards: u32,
     /// How long to wait for an owner to (re)appear.
     pub owner_wait: Duration,
@@ -77,7 +82,7 @@ impl Fanout {
                         .collect(),
                 };
                 async move {
-                    let response = self.post::<_, ReadResponse>(&addr, "/internal/v2/read", &request).await;
+                    let response = self.ask(&addr, &request).await;
                     (addr, shards, response)
                 }
             });
@@ -85,8 +90,8 @@ impl Fanout {
                 let response = match response {
                     Ok(Ok(response)) => response,
                     Ok(Err(refused)) => return Err(refused),
-                    Err(err) => {
-                        tracing::debug!(addr, error = %err, "owner unreachable; waiting for a newer claim");
+                    Err(why) => {
+                        tracing::debug!(addr, why, "owner unreachable; waiting for a newer claim");
                         continue;
                     }
                 };
@@ -194,6 +199,20 @@ impl Fanout {
 }
 
 impl Fanout {
+    /// Asks the counter at `addr` over its read link, or over HTTP when the link is
+    /// turned off or the counter does not open links: its answer; its refusal as the
+    /// client's error; or why it could not be reached.
+    async fn ask(&self, addr: &str, request: &ReadRequest) -> Result<Result<ReadResponse, ApiError>, String> {
+        if let Some(links) = &self.links {
+            match links.read(addr, request).await {
+                Ok(response) => return Ok(Ok(response)),
+                Err(LinkError::Failed(why)) => return Err(why),
+                Err(LinkError::Unsupported) => {}
+            }
+        }
+        self.post(addr, "/internal/v2/read", request).await.map_err(|err| err.to_string())
+    }
+
     /// POSTs `body` to the owner at `addr`: its answer; its refusal as the client's
     /// error (`not_owner` for a 409, `shard_failed` with the owner's words); or why
     /// it could not be reached.

@@ -15,6 +15,7 @@ pub mod fanout;
 pub mod jobs;
 pub mod metrics;
 pub mod owners;
+pub mod read_link;
 pub mod status;
 
 use std::sync::Arc;
@@ -65,6 +66,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         fanout: fanout::Fanout {
             owners,
             client,
+            links: config.query.read_link.then(|| read_link::Links::new(Duration::from_secs(10))),
             shards,
             owner_wait: Duration::from_millis(config.query.owner_wait_ms),
         },
