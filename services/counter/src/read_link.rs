@@ -98,3 +98,167 @@ fn send(frames: &mpsc::UnboundedSender<Vec<u8>>, id: u64, response: &tally_core:
         Err(err) => tracing::error!(error = %err, "a read-link answer could not be encoded"),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, HashMap};
+    use std::sync::Arc;
+
+    use tally_core::time::WindowSpec;
+    use tally_core::wire::{
+        Increment, Kind, ReadResponse, ShardAnswer, ShardMessage, ShardOutcome, ShardQueries, ShardQuery, Source, Stamp,
+    };
+    use tally_shared::read_link::PATH;
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+    use crate::apply::ShardRecord;
+    use crate::shards::Shards;
+    use crate::store::{ShardStore, StoreOptions};
+
+    const NOW: i64 = 1_763_780_000_000;
+
+    /// A counter's read API on a free port, owning shard 0 with `user:1` at 3 views
+    /// (2 in the last hour) and `user:2` at 5.
+    async fn counter() -> (tempfile::TempDir, String, ReadState) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ShardStore::open(0, dir.path(), StoreOptions::default()).unwrap();
+        let events = [("user:1", 1, NOW - 7_200_000), ("user:1", 2, NOW - 60_000), ("user:2", 5, NOW)];
+        let entries = events
+            .iter()
+            .enumerate()
+            .map(|(i, &(entity, delta, ts))| {
+                let increment = Increment { entity: entity.into(), metric: "views".into(), delta, ts, id: None };
+                (Stamp { offset: i as i64, index: 0 }, increment)
+            })
+            .collect();
+        let source = Source { stream: Source::INCREMENTS, partition: 0 };
+        let payload = ShardMessage::Increments { source, entries }.encode().unwrap();
+        store.apply(&[ShardRecord { offset: 0, payload: &payload, timestamp: None }], NOW, false).unwrap();
+        let shards = Arc::new(Shards::default());
+        shards.replace(HashMap::from([(0, Arc::new(store))]), BTreeMap::new());
+        let metrics = crate::metrics::Metrics::new(&prometheus::Registry::new());
+        let state = ReadState { shards, metrics, snapshots: false, shutdown: CancellationToken::new() };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let app = crate::http::router(state.clone());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (dir, addr, state)
+    }
+
+    /// Sends `head` and reads the answer's head: its status line and the stream.
+    async fn upgrade(addr: &str, head: &str) -> (String, BufReader<TcpStream>) {
+        let mut stream = BufReader::new(TcpStream::connect(addr).await.unwrap());
+        stream.get_mut().write_all(head.as_bytes()).await.unwrap();
+        let mut status = String::new();
+        stream.read_line(&mut status).await.unwrap();
+        let mut line = String::new();
+        while line != "\r\n" {
+            line.clear();
+            stream.read_line(&mut line).await.unwrap();
+        }
+        (status.trim_end().to_string(), stream)
+    }
+
+    fn query(entity: &str, spec: WindowSpec) -> ShardQuery {
+        ShardQuery { entity: entity.into(), metric: "views".into(), kind: Kind::Total, spec }
+    }
+
+    fn window(value: i64, resolution: &str, from: i64, to: i64) -> ShardAnswer {
+        ShardAnswer::Window { value, resolution: resolution.into(), from, to }
+    }
+
+    #[tokio::test]
+    async fn a_link_answers_every_request_by_its_id_as_the_json_api_does() {
+        let (_dir, addr, _state) = counter().await;
+        let head = format!("GET {PATH} HTTP/1.1\r\nhost: t\r\nconnection: upgrade\r\nupgrade: {PROTOCOL}\r\n\r\n");
+        let (status, mut link) = upgrade(&addr, &head).await;
+        assert_eq!(status, "HTTP/1.1 101 Switching Protocols");
+        // An all-time total (answered inline), a window (on the blocking pool) and a
+        // shard this counter does not own, on one connection at once.
+        let requests = [
+            ReadRequest {
+                now_ms: NOW,
+                shards: vec![ShardQueries { shard: 0, queries: vec![query("user:2", WindowSpec::All)] }],
+            },
+            ReadRequest {
+                now_ms: NOW,
+                shards: vec![ShardQueries {
+                    shard: 0,
+                    queries: vec![
+                        query("user:1", WindowSpec::Last { window_ms: 3_600_000 }),
+                        query("user:1", WindowSpec::All),
+                        query("nobody", WindowSpec::All),
+                    ],
+                }],
+            },
+            ReadRequest {
+                now_ms: NOW,
+                shards: vec![ShardQueries { shard: 5, queries: vec![query("x", WindowSpec::All)] }],
+            },
+        ];
+        let mut frames = Vec::new();
+        for (id, request) in [40u64, 41, 42].into_iter().zip(&requests) {
+            frames.extend(frame(id, &request.encode().unwrap()).unwrap());
+        }
+        link.get_mut().write_all(&frames).await.unwrap();
+        let mut answers = BTreeMap::new();
+        let mut message = Vec::new();
+        for _ in 0..3 {
+            let id = read_frame(&mut link, &mut message).await.unwrap().unwrap();
+            answers.insert(id, ReadResponse::decode(&message).unwrap());
+        }
+        let one = |answers| ReadResponse { shards: vec![ShardOutcome::Answers { answers }] };
+        let want = BTreeMap::from([
+            (40, one(vec![window(5, "all", 0, NOW)])),
+            (
+                41,
+                one(vec![
+                    window(2, "1m", NOW / 60_000 * 60_000 - 3_540_000, NOW),
+                    window(3, "all", 0, NOW),
+                    window(0, "all", 0, NOW),
+                ]),
+            ),
+            (42, ReadResponse { shards: vec![ShardOutcome::NotOwner] }),
+        ]);
+        assert_eq!(answers, want);
+
+        // The JSON API answers the same request alike.
+        let json: ReadResponse = reqwest::Client::new()
+            .post(format!("http://{addr}/internal/v2/read"))
+            .json(&requests[1])
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(json, want[&41]);
+
+        // A frame that is not a read request closes the link.
+        link.get_mut().write_all(&frame(43, b"not a request").unwrap()).await.unwrap();
+        let closed = tokio::time::timeout(std::time::Duration::from_secs(5), read_frame(&mut link, &mut message));
+        assert_eq!(closed.await.expect("the link closes").unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn a_plain_get_is_refused_and_stopping_the_counter_closes_its_links() {
+        let (_dir, addr, state) = counter().await;
+        let (status, mut refused) = upgrade(&addr, &format!("GET {PATH} HTTP/1.1\r\nhost: t\r\n\r\n")).await;
+        assert_eq!(status, "HTTP/1.1 400 Bad Request");
+        let mut body = vec![0; 200];
+        let read = refused.read(&mut body).await.unwrap();
+        let error: serde_json::Value = serde_json::from_slice(&body[..read]).unwrap();
+        assert_eq!(error["error"]["code"], "invalid_upgrade");
+
+        let head = format!("GET {PATH} HTTP/1.1\r\nhost: t\r\nconnection: upgrade\r\nupgrade: {PROTOCOL}\r\n\r\n");
+        let (status, mut link) = upgrade(&addr, &head).await;
+        assert_eq!(status, "HTTP/1.1 101 Switching Protocols");
+        state.shutdown.cancel();
+        let mut message = Vec::new();
+        let closed = tokio::time::timeout(std::time::Duration::from_secs(5), read_frame(&mut link, &mut message));
+        assert_eq!(closed.await.expect("the link closes").unwrap(), None);
+    }
+}

@@ -210,3 +210,139 @@ async fn read_answers<R: AsyncRead + Unpin>(reader: &mut R, link: &std::sync::We
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use tally_core::wire::ShardOutcome;
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    #[derive(Clone, Copy)]
+    enum Peer {
+        /// Answers the first two requests of a link in reverse order, later ones at once.
+        Reversing,
+        /// Closes its first link after reading a request; answers on later ones.
+        ClosingFirst,
+        /// Never answers.
+        Silent,
+        /// Answers the upgrade with 404, as a counter without links does.
+        NoLinks,
+    }
+
+    /// An answer that says which request it is for: its clock.
+    fn answer_to(request: &ReadRequest) -> ReadResponse {
+        ReadResponse { shards: vec![ShardOutcome::Unavailable { message: format!("answer to {}", request.now_ms) }] }
+    }
+
+    fn request(now_ms: i64) -> ReadRequest {
+        ReadRequest { now_ms, shards: Vec::new() }
+    }
+
+    /// A scripted counter on a free port: its address and how many connections it took.
+    async fn peer(peer: Peer) -> (String, Arc<AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let counted = connections.clone();
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = listener.accept().await.unwrap();
+                let index = counted.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(serve(peer, index, stream));
+            }
+        });
+        (addr, connections)
+    }
+
+    async fn serve(peer: Peer, index: usize, stream: TcpStream) {
+        let (reader, mut writer) = stream.into_split();
+        let mut reader = BufReader::new(reader);
+        let mut line = String::new();
+        while line != "\r\n" {
+            line.clear();
+            reader.read_line(&mut line).await.unwrap();
+        }
+        if let Peer::NoLinks = peer {
+            writer.write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n").await.unwrap();
+            return;
+        }
+        let switching =
+            format!("HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: {PROTOCOL}\r\n\r\n");
+        writer.write_all(switching.as_bytes()).await.unwrap();
+        let mut message = Vec::new();
+        let mut held = Vec::new();
+        while let Ok(Some(id)) = read_frame(&mut reader, &mut message).await {
+            let request = ReadRequest::decode(&message).unwrap();
+            match peer {
+                Peer::Silent => continue,
+                Peer::ClosingFirst if index == 0 => return,
+                Peer::Reversing if held.is_empty() && request.now_ms < 2 => {
+                    held.push((id, request));
+                    continue;
+                }
+                _ => {}
+            }
+            held.insert(0, (id, request));
+            for (id, request) in held.drain(..) {
+                let answer = frame(id, &answer_to(&request).encode().unwrap()).unwrap();
+                writer.write_all(&answer).await.unwrap();
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn concurrent_reads_share_one_link_and_each_gets_its_own_answer() {
+        let (addr, connections) = peer(Peer::Reversing).await;
+        let links = Links::new(Duration::from_secs(5));
+        let (zero, one) = (request(0), request(1));
+        let (first, second) = tokio::join!(links.read(&addr, &zero), links.read(&addr, &one));
+        assert_eq!((first, second), (Ok(answer_to(&request(0))), Ok(answer_to(&request(1)))));
+        assert_eq!(links.read(&addr, &request(7)).await, Ok(answer_to(&request(7))));
+        assert_eq!(connections.load(Ordering::SeqCst), 1, "one link for all three reads");
+    }
+
+    #[tokio::test]
+    async fn a_broken_link_fails_its_reads_and_the_next_read_opens_another() {
+        let (addr, connections) = peer(Peer::ClosingFirst).await;
+        let links = Links::new(Duration::from_secs(5));
+        let broken = links.read(&addr, &request(3)).await;
+        assert_eq!(broken, Err(LinkError::Failed("the counter closed the read link".into())));
+        assert_eq!(links.read(&addr, &request(4)).await, Ok(answer_to(&request(4))));
+        assert_eq!(connections.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_read_without_an_answer_times_out() {
+        let (addr, _) = peer(Peer::Silent).await;
+        let links = Links::new(Duration::from_millis(300));
+        let started = Instant::now();
+        assert_eq!(links.read(&addr, &request(5)).await, Err(LinkError::Failed("no answer within 300ms".into())));
+        assert!(started.elapsed() >= Duration::from_millis(300));
+        assert!(lock(&links.slots).values().all(|slot| match &*slot.try_lock().unwrap() {
+            Slot::Open(link) => lock(&link.state).waiting.is_empty(),
+            _ => false,
+        }));
+    }
+
+    #[tokio::test]
+    async fn a_counter_without_links_is_read_over_http_and_not_asked_again_for_a_while() {
+        let (addr, connections) = peer(Peer::NoLinks).await;
+        let links = Links::new(Duration::from_secs(5));
+        assert_eq!(links.read(&addr, &request(6)).await, Err(LinkError::Unsupported));
+        assert_eq!(links.read(&addr, &request(6)).await, Err(LinkError::Unsupported));
+        assert_eq!(connections.load(Ordering::SeqCst), 1, "the refusal is remembered");
+        let unreachable = Links::new(Duration::from_secs(5));
+        let closed_port = {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            listener.local_addr().unwrap().to_string()
+        };
+        assert!(
+            matches!(unreachable.read(&closed_port, &request(6)).await, Err(LinkError::Failed(why)) if why.contains("refused")),
+            "an unreachable counter is not one without links"
+        );
+    }
+}
