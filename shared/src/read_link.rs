@@ -23,9 +23,14 @@ pub const PATH: &str = "/internal/v1/read-link";
 /// The protocol named in the upgrade: the framing's version (the messages carry
 /// their own).
 pub const PROTOCOL: &str = "tally-read-link.v1";
-/// Largest frame either side accepts; a longer length prefix means the stream is
-/// not a read link (or is corrupt), and the connection is closed.
+/// Largest request frame a counter accepts (tally-query's requests are bounded by
+/// its 1 MiB request bodies); a longer length prefix means the stream is not a read
+/// link (or is corrupt), and the connection is closed.
+pub const MAX_REQUEST_BYTES: usize = 4 << 20;
+/// Largest frame either side accepts: an answer of many long series.
 pub const MAX_FRAME_BYTES: usize = 64 << 20;
+/// A reader's buffer that grew past this for one large frame is let go after it.
+const KEPT_BUFFER_BYTES: usize = 1 << 20;
 /// Bytes of a frame's header: length and id.
 const HEADER_BYTES: usize = 12;
 /// A writer stops adding queued frames to one write at this size.
@@ -46,8 +51,12 @@ pub fn frame(id: u64, message: &[u8]) -> io::Result<Vec<u8>> {
 
 /// Reads the next frame's message into `message`: its request id, or `None` when
 /// the stream ended cleanly between frames. A stream that ends inside a frame, or a
-/// length over [`MAX_FRAME_BYTES`], is an error.
-pub async fn read_frame<R: AsyncRead + Unpin>(reader: &mut R, message: &mut Vec<u8>) -> io::Result<Option<u64>> {
+/// frame over `max_bytes`, is an error.
+pub async fn read_frame<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    message: &mut Vec<u8>,
+    max_bytes: usize,
+) -> io::Result<Option<u64>> {
     let mut header = [0u8; HEADER_BYTES];
     let first = reader.read(&mut header).await?;
     if first == 0 {
@@ -55,17 +64,20 @@ pub async fn read_frame<R: AsyncRead + Unpin>(reader: &mut R, message: &mut Vec<
     }
     reader.read_exact(&mut header[first..]).await?;
     let length = u32::from_be_bytes(header[..4].try_into().expect("4 bytes")) as usize;
-    if !(8..=MAX_FRAME_BYTES).contains(&length) {
+    if !(8..=max_bytes.min(MAX_FRAME_BYTES)).contains(&length) {
         return Err(io::Error::new(io::ErrorKind::InvalidData, format!("a read-link frame of {length} bytes")));
     }
     let id = u64::from_be_bytes(header[4..].try_into().expect("8 bytes"));
+    if message.capacity() > KEPT_BUFFER_BYTES && length - 8 <= KEPT_BUFFER_BYTES {
+        *message = Vec::new();
+    }
     message.resize(length - 8, 0);
     reader.read_exact(message).await?;
     Ok(Some(id))
 }
 
 /// Writes the frames sent to `frames` until every sender is gone, each time putting
-/// whatever has queued (up to 1 MiB) into one write.
+/// whatever has queued (up to 1 MiB, or one larger frame) into one write.
 pub async fn write_frames<W: AsyncWrite + Unpin>(
     mut writer: W,
     mut frames: mpsc::UnboundedReceiver<Vec<u8>>,
@@ -104,7 +116,7 @@ mod tests {
         let mut reader = server;
         let mut message = Vec::new();
         let mut read = Vec::new();
-        while let Some(id) = read_frame(&mut reader, &mut message).await.unwrap() {
+        while let Some(id) = read_frame(&mut reader, &mut message, MAX_FRAME_BYTES).await.unwrap() {
             read.push((id, message.clone()));
         }
         let want = vec![(1u64, b"one".to_vec()), (u64::MAX, Vec::new()), (7, vec![0xA7; 300])];
@@ -116,13 +128,16 @@ mod tests {
         let whole = frame(3, b"message").unwrap();
         for cut in [1, 11, 12, whole.len() - 1] {
             let mut reader = &whole[..cut];
-            let error = read_frame(&mut reader, &mut Vec::new()).await.unwrap_err();
+            let error = read_frame(&mut reader, &mut Vec::new(), MAX_FRAME_BYTES).await.unwrap_err();
             assert_eq!(error.kind(), io::ErrorKind::UnexpectedEof, "cut at {cut}");
         }
-        for length in [0u32, 7, MAX_FRAME_BYTES as u32 + 1] {
+        for (length, max) in [(0u32, MAX_FRAME_BYTES), (7, MAX_FRAME_BYTES), (MAX_FRAME_BYTES as u32 + 1, usize::MAX)]
+            .into_iter()
+            .chain([(MAX_REQUEST_BYTES as u32 + 1, MAX_REQUEST_BYTES)])
+        {
             let mut bytes = length.to_be_bytes().to_vec();
             bytes.extend_from_slice(&[0; 64]);
-            let error = read_frame(&mut bytes.as_slice(), &mut Vec::new()).await.unwrap_err();
+            let error = read_frame(&mut bytes.as_slice(), &mut Vec::new(), max).await.unwrap_err();
             assert_eq!(error.kind(), io::ErrorKind::InvalidData, "length {length}");
         }
         assert!(frame(1, &vec![0; MAX_FRAME_BYTES]).is_err(), "a message with its id over the limit");

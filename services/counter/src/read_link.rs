@@ -2,8 +2,10 @@
 //! that opens it on the read port, then one task per link reading request frames and
 //! answering each as [`crate::http`] answers `POST /internal/v2/read` (the same
 //! inline-or-blocking-pool rule, the same outcomes), in whatever order they finish.
-//! A frame that does not decode closes the link (logged): the client's reads on it
-//! fail over as from an unreachable owner. The link closes when the counter stops.
+//! A frame that does not decode, or is over 4 MiB, closes the link (logged): the
+//! client's reads on it fail over as from an unreachable owner. A read that fails
+//! (a panic, an answer too large to send) is answered `unavailable`, never left
+//! without an answer. The link closes when the counter stops.
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -11,9 +13,9 @@ use axum::http::header::{CONNECTION, UPGRADE};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use hyper_util::rt::TokioIo;
-use tally_core::wire::ReadRequest;
+use tally_core::wire::{ReadRequest, ReadResponse, ShardOutcome};
 use tally_shared::http::ApiError;
-use tally_shared::read_link::{frame, read_frame, write_frames, PROTOCOL};
+use tally_shared::read_link::{frame, read_frame, write_frames, MAX_FRAME_BYTES, MAX_REQUEST_BYTES, PROTOCOL};
 use tokio::io::{AsyncRead, AsyncWrite, BufReader};
 use tokio::sync::mpsc;
 
@@ -23,7 +25,8 @@ use crate::http::{answer_read, answers_inline, ReadState};
 /// link. Without that upgrade: 400 `invalid_upgrade`.
 pub(crate) async fn open(State(state): State<ReadState>, mut request: Request) -> Response {
     let asked = request.headers().get(UPGRADE).and_then(|value| value.to_str().ok());
-    if asked != Some(PROTOCOL) {
+    // Without hyper's upgrade handle (an HTTP/1.0 request) there is nothing to switch.
+    if asked != Some(PROTOCOL) || request.extensions().get::<hyper::upgrade::OnUpgrade>().is_none() {
         let message = format!("this path opens a read link: send `Upgrade: {PROTOCOL}`");
         return ApiError::new(StatusCode::BAD_REQUEST, "invalid_upgrade", message).into_response();
     }
@@ -54,7 +57,7 @@ pub(crate) async fn serve<IO: AsyncRead + AsyncWrite + Send + 'static>(state: Re
     loop {
         let read = tokio::select! {
             _ = state.shutdown.cancelled() => break,
-            read = read_frame(&mut reader, &mut message) => read,
+            read = read_frame(&mut reader, &mut message, MAX_REQUEST_BYTES) => read,
         };
         let id = match read {
             Ok(Some(id)) => id,
@@ -71,13 +74,16 @@ pub(crate) async fn serve<IO: AsyncRead + AsyncWrite + Send + 'static>(state: Re
                 break;
             }
         };
-        let frames = frames.clone();
         if answers_inline(&request) {
             send(&frames, id, &answer_read(&state, request));
-        } else {
-            let state = state.clone();
-            tokio::task::spawn_blocking(move || send(&frames, id, &answer_read(&state, request)));
+            continue;
         }
+        let (state, frames, shards) = (state.clone(), frames.clone(), request.shards.len());
+        let reading = tokio::task::spawn_blocking(move || answer_read(&state, request));
+        tokio::spawn(async move {
+            let response = reading.await.unwrap_or_else(|err| unavailable(shards, format!("the read failed: {err}")));
+            send(&frames, id, &response);
+        });
     }
     // The writer ends once the answers still being worked out are sent.
     drop(frames);
@@ -86,16 +92,25 @@ pub(crate) async fn serve<IO: AsyncRead + AsyncWrite + Send + 'static>(state: Re
     }
 }
 
-fn send(frames: &mpsc::UnboundedSender<Vec<u8>>, id: u64, response: &tally_core::wire::ReadResponse) {
-    match response
-        .encode()
-        .map_err(|err| err.to_string())
-        .and_then(|bytes| frame(id, &bytes).map_err(|e| e.to_string()))
-    {
-        // A closed link (its writer gone) has no one to answer.
-        Ok(bytes) => drop(frames.send(bytes)),
-        // The client's read times out and fails over.
-        Err(err) => tracing::error!(error = %err, "a read-link answer could not be encoded"),
+/// The answer for `shards` shards that could not be read.
+fn unavailable(shards: usize, message: String) -> ReadResponse {
+    ReadResponse { shards: vec![ShardOutcome::Unavailable { message }; shards] }
+}
+
+/// Sends the answer to request `id`; one that cannot be framed (over 64 MiB) is
+/// answered as unavailable, so the read fails now rather than at its timeout.
+fn send(frames: &mpsc::UnboundedSender<Vec<u8>>, id: u64, response: &ReadResponse) {
+    let framed = |response: &ReadResponse| -> Result<Vec<u8>, String> {
+        let message = response.encode().map_err(|err| err.to_string())?;
+        frame(id, &message).map_err(|err| err.to_string())
+    };
+    let bytes = framed(response).or_else(|err| {
+        tracing::error!(error = %err, "a read-link answer could not be sent");
+        framed(&unavailable(response.shards.len(), format!("the answer could not be sent: {err}")))
+    });
+    // A closed link (its writer gone) has no one to answer.
+    if let Ok(bytes) = bytes {
+        let _ = frames.send(bytes);
     }
 }
 
@@ -105,9 +120,7 @@ mod tests {
     use std::sync::Arc;
 
     use tally_core::time::WindowSpec;
-    use tally_core::wire::{
-        Increment, Kind, ReadResponse, ShardAnswer, ShardMessage, ShardOutcome, ShardQueries, ShardQuery, Source, Stamp,
-    };
+    use tally_core::wire::{Increment, Kind, ShardAnswer, ShardMessage, ShardQueries, ShardQuery, Source, Stamp};
     use tally_shared::read_link::PATH;
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
@@ -207,7 +220,7 @@ mod tests {
         let mut answers = BTreeMap::new();
         let mut message = Vec::new();
         for _ in 0..3 {
-            let id = read_frame(&mut link, &mut message).await.unwrap().unwrap();
+            let id = read_frame(&mut link, &mut message, MAX_FRAME_BYTES).await.unwrap().unwrap();
             answers.insert(id, ReadResponse::decode(&message).unwrap());
         }
         let one = |answers| ReadResponse { shards: vec![ShardOutcome::Answers { answers }] };
@@ -239,26 +252,50 @@ mod tests {
 
         // A frame that is not a read request closes the link.
         link.get_mut().write_all(&frame(43, b"not a request").unwrap()).await.unwrap();
-        let closed = tokio::time::timeout(std::time::Duration::from_secs(5), read_frame(&mut link, &mut message));
+        let closed = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            read_frame(&mut link, &mut message, MAX_FRAME_BYTES),
+        );
         assert_eq!(closed.await.expect("the link closes").unwrap(), None);
     }
 
     #[tokio::test]
-    async fn a_plain_get_is_refused_and_stopping_the_counter_closes_its_links() {
+    async fn a_get_that_cannot_upgrade_is_refused_and_stopping_the_counter_closes_its_links() {
         let (_dir, addr, state) = counter().await;
-        let (status, mut refused) = upgrade(&addr, &format!("GET {PATH} HTTP/1.1\r\nhost: t\r\n\r\n")).await;
-        assert_eq!(status, "HTTP/1.1 400 Bad Request");
-        let mut body = vec![0; 200];
-        let read = refused.read(&mut body).await.unwrap();
-        let error: serde_json::Value = serde_json::from_slice(&body[..read]).unwrap();
-        assert_eq!(error["error"]["code"], "invalid_upgrade");
+        let plain = format!("GET {PATH} HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n");
+        // HTTP/1.0 has no upgrades, whatever the headers say.
+        let old = format!("GET {PATH} HTTP/1.0\r\nconnection: upgrade\r\nupgrade: {PROTOCOL}\r\n\r\n");
+        for (head, status_line) in [(plain, "HTTP/1.1 400 Bad Request"), (old, "HTTP/1.0 400 Bad Request")] {
+            let (status, mut refused) = upgrade(&addr, &head).await;
+            assert_eq!(status, status_line);
+            let mut body = Vec::new();
+            refused.read_to_end(&mut body).await.unwrap();
+            let error: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            let message = format!("this path opens a read link: send `Upgrade: {PROTOCOL}`");
+            assert_eq!(error, serde_json::json!({"error": {"code": "invalid_upgrade", "message": message}}));
+        }
+
+        // A request frame over 4 MiB closes the link.
+        let head = format!("GET {PATH} HTTP/1.1\r\nhost: t\r\nconnection: upgrade\r\nupgrade: {PROTOCOL}\r\n\r\n");
+        let (_, mut link) = upgrade(&addr, &head).await;
+        let mut huge = (MAX_REQUEST_BYTES as u32 + 1).to_be_bytes().to_vec();
+        huge.extend_from_slice(&[0; 8]);
+        link.get_mut().write_all(&huge).await.unwrap();
+        let mut message = Vec::new();
+        let closed = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            read_frame(&mut link, &mut message, MAX_FRAME_BYTES),
+        );
+        assert_eq!(closed.await.expect("the link closes").unwrap(), None);
 
         let head = format!("GET {PATH} HTTP/1.1\r\nhost: t\r\nconnection: upgrade\r\nupgrade: {PROTOCOL}\r\n\r\n");
         let (status, mut link) = upgrade(&addr, &head).await;
         assert_eq!(status, "HTTP/1.1 101 Switching Protocols");
         state.shutdown.cancel();
-        let mut message = Vec::new();
-        let closed = tokio::time::timeout(std::time::Duration::from_secs(5), read_frame(&mut link, &mut message));
+        let closed = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            read_frame(&mut link, &mut message, MAX_FRAME_BYTES),
+        );
         assert_eq!(closed.await.expect("the link closes").unwrap(), None);
     }
 }

@@ -252,3 +252,61 @@ fn owner_name(shard: u32) -> String {
         format!("shard {shard}")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use axum::routing::{get, post};
+    use axum::Json;
+
+    use super::*;
+
+    /// A counter of an earlier release: no read link (404), reads over JSON, each
+    /// answered with the request's clock. Its address and how many links were asked.
+    async fn counter_without_links() -> (String, Arc<AtomicUsize>) {
+        let asked = Arc::new(AtomicUsize::new(0));
+        let counted = asked.clone();
+        let app = axum::Router::new()
+            .route(
+                tally_shared::read_link::PATH,
+                get(move || async move {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    axum::http::StatusCode::NOT_FOUND
+                }),
+            )
+            .route("/internal/v2/read", post(|Json(request): Json<ReadRequest>| async move { Json(answer(&request)) }));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (addr, asked)
+    }
+
+    fn answer(request: &ReadRequest) -> ReadResponse {
+        ReadResponse { shards: vec![ShardOutcome::Failed { message: format!("read at {}", request.now_ms) }] }
+    }
+
+    fn fanout(links: Option<Links>) -> Fanout {
+        Fanout {
+            owners: Arc::default(),
+            client: reqwest::Client::new(),
+            links,
+            shards: 4,
+            owner_wait: Duration::from_millis(100),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_counter_without_links_is_read_over_json_and_so_is_every_counter_with_links_off() {
+        let (addr, asked) = counter_without_links().await;
+        let request = |now_ms| ReadRequest { now_ms, shards: Vec::new() };
+        let with_links = fanout(Some(Links::new(Duration::from_secs(5))));
+        for now in [1, 2] {
+            assert_eq!(with_links.ask(&addr, &request(now)).await.unwrap().unwrap(), answer(&request(now)));
+        }
+        assert_eq!(asked.load(Ordering::SeqCst), 1, "the refusal is remembered");
+        let without = fanout(None);
+        assert_eq!(without.ask(&addr, &request(3)).await.unwrap().unwrap(), answer(&request(3)));
+        assert_eq!(asked.load(Ordering::SeqCst), 1, "links off: never asked");
+    }
+}

@@ -31,6 +31,9 @@ use tokio_util::sync::CancellationToken;
 
 pub use error::{Error, Result};
 
+/// How long a call to a counter, the graph or a broker may take, all told.
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Runs the query service until `shutdown`.
 pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()> {
     let registry = Registry::new();
@@ -45,7 +48,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let tracked =
         tokio::spawn(owners::track_readiness(owners.clone(), shards, readiness.clone(), shutdown.clone(), follower));
     let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(10))
+        .timeout(CALL_TIMEOUT)
         .pool_max_idle_per_host(64)
         .build()
         .map_err(|err| Error::Internal(err.to_string()))?;
@@ -66,7 +69,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         fanout: fanout::Fanout {
             owners,
             client,
-            links: config.query.read_link.then(|| read_link::Links::new(Duration::from_secs(10))),
+            links: config.query.read_link.then(|| read_link::Links::new(CALL_TIMEOUT)),
             shards,
             owner_wait: Duration::from_millis(config.query.owner_wait_ms),
         },

@@ -1,31 +1,47 @@
 //! tally-query's end of the read link ([`tally_shared::read_link`]): one connection
-//! per counter address, opened on first use and again after it breaks, shared by
+//! per counter address, opened on first use and again after it closes, shared by
 //! every read to that counter at once. A reader task hands each answer to the read
-//! waiting for its id; a broken link fails every read waiting on it, which the
-//! fan-out treats as an unreachable owner. A counter that refuses the upgrade is
-//! remembered for a minute as one to read over HTTP ([`LinkError::Unsupported`]).
+//! waiting for its id. Each read has one deadline (10 s) for everything: waiting
+//! for a link, opening it, its answer.
+//!
+//! - A link that closes (the counter stopped or closed it, a frame that did not
+//!   decode) fails every read waiting on it. A read that had found the link already
+//!   open tries once more on a new one (reads change nothing); otherwise the fan-out
+//!   treats the failure as an unreachable owner and waits for a newer claim.
+//! - A read that times out with no answer of any read arriving on its link since it
+//!   was sent closes the link (a paused or cut-off counter): later reads open a new
+//!   one instead of queueing behind it.
+//! - A link that cannot be opened is remembered as failed for a second, so the reads
+//!   queued behind the attempt fail over at once instead of each trying again.
+//! - A counter that refuses the upgrade (any answer but 101) is remembered for a
+//!   minute as one to read over HTTP ([`LinkError::Unsupported`]).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use tally_core::wire::{ReadRequest, ReadResponse};
-use tally_shared::read_link::{frame, read_frame, write_frames, PATH, PROTOCOL};
-use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
+use tally_shared::read_link::{frame, read_frame, write_frames, MAX_FRAME_BYTES, PATH, PROTOCOL};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
+use tokio::time::{timeout_at, Instant};
 
 /// How long a counter that refused the upgrade is read over HTTP before the link
 /// is tried again (it may have been upgraded meanwhile).
 const HTTP_ONLY_FOR: Duration = Duration::from_secs(60);
+/// How long a failure to open a link is the answer for reads to that counter.
+const FAILED_OPEN_FOR: Duration = Duration::from_secs(1);
 /// Longest status line and headers a counter's upgrade answer may have.
-const MAX_HEAD_BYTES: usize = 16 << 10;
+const MAX_HEAD_BYTES: u64 = 16 << 10;
 
+/// Why a read over a link got no answer. Not an error of the service: it tells the
+/// fan-out what to do next.
 #[derive(Debug, PartialEq, Eq)]
 pub enum LinkError {
     /// The counter does not speak the read link: read over HTTP.
     Unsupported,
-    /// The link could not be opened, broke, or gave no answer in time: what
+    /// The link could not be opened, closed, or gave no answer in time: what
     /// happened, for the log.
     Failed(String),
 }
@@ -35,7 +51,7 @@ type Waiting = oneshot::Sender<Result<ReadResponse, String>>;
 /// The read links of one tally-query, by counter address.
 pub struct Links {
     slots: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Slot>>>>,
-    /// How long a read waits for its answer (and an upgrade for its 101).
+    /// How long a read may take, all told.
     timeout: Duration,
 }
 
@@ -44,20 +60,68 @@ enum Slot {
     #[default]
     Closed,
     Open(Arc<Link>),
+    Failed(Instant, String),
     HttpOnly(Instant),
 }
 
 struct Link {
-    frames: mpsc::UnboundedSender<Vec<u8>>,
     state: Mutex<LinkState>,
 }
 
 #[derive(Default)]
 struct LinkState {
+    /// To the writer task; `None` once the link closed, which ends the writer.
+    frames: Option<mpsc::UnboundedSender<Vec<u8>>>,
     next_id: u64,
     waiting: HashMap<u64, Waiting>,
     /// Why the link closed; no read is added once it has.
     closed: Option<String>,
+    /// Answers read from the link so far.
+    answers: u64,
+    /// The reader task, stopped when the link closes (a paused counter would hold
+    /// it and its socket until it resumes).
+    reader: Option<tokio::task::AbortHandle>,
+}
+
+impl Link {
+    fn is_open(&self) -> bool {
+        lock(&self.state).closed.is_none()
+    }
+
+    /// Closes the link (the first reason stays): every waiting read fails with
+    /// `why`, and the writer ends, which closes the connection.
+    fn close(&self, why: String) {
+        let mut state = lock(&self.state);
+        let why = state.closed.get_or_insert(why).clone();
+        state.frames = None;
+        if let Some(reader) = state.reader.take() {
+            reader.abort();
+        }
+        for (_, waiting) in state.waiting.drain() {
+            let _ = waiting.send(Err(why.clone()));
+        }
+    }
+}
+
+/// A read's place among its link's waiting reads, given up when the read ends
+/// however it ends (answered, timed out, or dropped by its caller).
+struct Registered<'a> {
+    link: &'a Link,
+    id: u64,
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        lock(&self.link.state).waiting.remove(&self.id);
+    }
+}
+
+/// How one attempt on a link ended without an answer.
+enum Unanswered {
+    /// The link closed (before or while waiting).
+    Closed(String),
+    /// Something else: the read cannot be sent, or its time ran out.
+    Failed(String),
 }
 
 impl Links {
@@ -68,57 +132,85 @@ impl Links {
     /// Asks the counter at `addr` `request` over its link.
     pub async fn read(&self, addr: &str, request: &ReadRequest) -> Result<ReadResponse, LinkError> {
         let message = request.encode().map_err(|err| LinkError::Failed(err.to_string()))?;
-        let link = self.link(addr).await?;
-        let (answer, answered) = oneshot::channel();
-        let id = {
-            let mut state = lock(&link.state);
-            if let Some(why) = &state.closed {
-                return Err(LinkError::Failed(why.clone()));
+        let deadline = Instant::now() + self.timeout;
+        let (link, reused) = self.link(addr, deadline).await?;
+        let why = match self.exchange(&link, &message, deadline).await {
+            Ok(answer) => return Ok(answer),
+            // A link found open may have closed while idle: once more on a new one.
+            Err(Unanswered::Closed(_)) if reused => {
+                let (link, _) = self.link(addr, deadline).await?;
+                match self.exchange(&link, &message, deadline).await {
+                    Ok(answer) => return Ok(answer),
+                    Err(Unanswered::Closed(why) | Unanswered::Failed(why)) => why,
+                }
             }
+            Err(Unanswered::Closed(why) | Unanswered::Failed(why)) => why,
+        };
+        Err(LinkError::Failed(why))
+    }
+
+    /// Sends `message` on `link` and waits for its answer until `deadline`.
+    async fn exchange(&self, link: &Link, message: &[u8], deadline: Instant) -> Result<ReadResponse, Unanswered> {
+        let (answer, answered) = oneshot::channel();
+        let (id, answers_before) = {
+            let mut state = lock(&link.state);
             let id = state.next_id;
+            let Some(frames) = &state.frames else {
+                return Err(Unanswered::Closed(state.closed.clone().unwrap_or_default()));
+            };
+            let bytes = frame(id, message).map_err(|err| Unanswered::Failed(err.to_string()))?;
+            if frames.send(bytes).is_err() {
+                return Err(Unanswered::Closed("the read link's writer stopped".into()));
+            }
             state.next_id += 1;
             state.waiting.insert(id, answer);
-            id
+            (id, state.answers)
         };
-        let sent = frame(id, &message)
-            .map_err(|err| err.to_string())
-            .and_then(|bytes| link.frames.send(bytes).map_err(|_| "the read link closed".to_string()));
-        if let Err(why) = sent {
-            lock(&link.state).waiting.remove(&id);
-            return Err(LinkError::Failed(why));
-        }
-        match tokio::time::timeout(self.timeout, answered).await {
-            Ok(Ok(result)) => result.map_err(LinkError::Failed),
-            Ok(Err(_)) => Err(LinkError::Failed("the read link closed".into())),
+        let _registered = Registered { link, id };
+        match timeout_at(deadline, answered).await {
+            Ok(Ok(Ok(answer))) => Ok(answer),
+            Ok(Ok(Err(why))) => Err(Unanswered::Closed(why)),
+            Ok(Err(_)) => Err(Unanswered::Closed("the read link closed".into())),
             Err(_) => {
-                lock(&link.state).waiting.remove(&id);
-                Err(LinkError::Failed(format!("no answer within {:?}", self.timeout)))
+                let why = format!("no answer within {:?}", self.timeout);
+                if lock(&link.state).answers == answers_before {
+                    link.close(format!("{why}, nor to any later read"));
+                }
+                Err(Unanswered::Failed(why))
             }
         }
     }
 
-    /// The open link to `addr`, opening one when there is none (one opening at a
-    /// time per address; reads to other counters do not wait for it).
-    async fn link(&self, addr: &str) -> Result<Arc<Link>, LinkError> {
+    /// The open link to `addr` and whether it was open already, opening one when
+    /// there is none (one opening at a time per address; reads to other counters do
+    /// not wait for it).
+    async fn link(&self, addr: &str, deadline: Instant) -> Result<(Arc<Link>, bool), LinkError> {
+        let late = || LinkError::Failed(format!("no read link to {addr} within {:?}", self.timeout));
         let slot = lock(&self.slots).entry(addr.to_string()).or_default().clone();
-        let mut slot = slot.lock().await;
+        let mut slot = timeout_at(deadline, slot.lock()).await.map_err(|_| late())?;
         match &*slot {
-            Slot::Open(link) if lock(&link.state).closed.is_none() => return Ok(link.clone()),
+            Slot::Open(link) if link.is_open() => return Ok((link.clone(), true)),
             Slot::HttpOnly(since) if since.elapsed() < HTTP_ONLY_FOR => return Err(LinkError::Unsupported),
+            Slot::Failed(since, why) if since.elapsed() < FAILED_OPEN_FOR => {
+                return Err(LinkError::Failed(why.clone()))
+            }
             _ => {}
         }
-        match tokio::time::timeout(self.timeout, open(addr)).await {
-            Ok(Ok(link)) => {
+        let opened = timeout_at(deadline, open(addr)).await.unwrap_or_else(|_| Err(late()));
+        match opened {
+            Ok(link) => {
                 *slot = Slot::Open(link.clone());
-                Ok(link)
+                Ok((link, false))
             }
-            Ok(Err(LinkError::Unsupported)) => {
+            Err(LinkError::Unsupported) => {
                 tracing::info!(addr, "this counter does not open read links; reading from it over HTTP");
                 *slot = Slot::HttpOnly(Instant::now());
                 Err(LinkError::Unsupported)
             }
-            Ok(Err(err)) => Err(err),
-            Err(_) => Err(LinkError::Failed(format!("opening a read link to {addr} took over {:?}", self.timeout))),
+            Err(LinkError::Failed(why)) => {
+                *slot = Slot::Failed(Instant::now(), why.clone());
+                Err(LinkError::Failed(why))
+            }
         }
     }
 }
@@ -133,62 +225,68 @@ async fn open(addr: &str) -> Result<Arc<Link>, LinkError> {
     let upgrade = format!("GET {PATH} HTTP/1.1\r\nhost: {addr}\r\nconnection: upgrade\r\nupgrade: {PROTOCOL}\r\n\r\n");
     writer.write_all(upgrade.as_bytes()).await.map_err(failed)?;
     let mut reader = BufReader::with_capacity(64 << 10, reader);
-    let status = read_head(&mut reader).await.map_err(failed)?;
-    if status != 101 {
-        tracing::debug!(addr, status, "the read-link upgrade was answered without switching");
+    if !switched(&mut reader).await.map_err(failed)? {
         return Err(LinkError::Unsupported);
     }
     let (frames, queue) = mpsc::unbounded_channel();
-    let link = Arc::new(Link { frames, state: Mutex::default() });
-    let weak = Arc::downgrade(&link);
-    let addr = addr.to_string();
+    let link = Arc::new(Link { state: Mutex::new(LinkState { frames: Some(frames), ..LinkState::default() }) });
+    let (for_writer, for_reader) = (Arc::downgrade(&link), Arc::downgrade(&link));
     tokio::spawn(async move {
         if let Err(err) = write_frames(writer, queue).await {
-            tracing::debug!(addr, error = %err, "a read link's writer stopped");
-        }
-    });
-    tokio::spawn(async move {
-        let why = read_answers(&mut reader, &weak).await;
-        tracing::debug!(why, "a read link closed");
-        if let Some(link) = weak.upgrade() {
-            let mut state = lock(&link.state);
-            state.closed = Some(why.clone());
-            for (_, waiting) in state.waiting.drain() {
-                let _ = waiting.send(Err(why.clone()));
+            if let Some(link) = for_writer.upgrade() {
+                link.close(format!("the read link broke: {err}"));
             }
         }
     });
+    let addr = addr.to_string();
+    let reading = tokio::spawn(async move {
+        let why = read_answers(&mut reader, &for_reader).await;
+        tracing::debug!(addr, why, "a read link closed");
+        if let Some(link) = for_reader.upgrade() {
+            link.close(why);
+        }
+    });
+    lock(&link.state).reader = Some(reading.abort_handle());
     Ok(link)
 }
 
-/// Reads the answer to the upgrade up to its blank line: its status.
-async fn read_head<R: AsyncRead + Unpin>(reader: &mut BufReader<R>) -> std::io::Result<u16> {
-    let invalid = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
-    let (mut line, mut read) = (String::new(), 0);
-    reader.read_line(&mut line).await?;
-    let status = line.split(' ').nth(1).and_then(|code| code.parse().ok());
-    let status = status.ok_or_else(|| invalid(format!("not an HTTP answer: {:?}", line.trim_end())))?;
+/// Reads the answer to the upgrade: `true` when it switched protocols (its head read
+/// up to the blank line), `false` for any other status.
+async fn switched<R: AsyncRead + Unpin>(reader: &mut BufReader<R>) -> std::io::Result<bool> {
+    let invalid = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
+    let (mut line, mut left, mut first) = (Vec::new(), MAX_HEAD_BYTES, true);
     loop {
-        read += line.len();
-        if read > MAX_HEAD_BYTES {
-            return Err(invalid("an upgrade answer's head over 16 KiB".into()));
-        }
         line.clear();
-        if reader.read_line(&mut line).await? == 0 {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        let read = (&mut *reader).take(left).read_until(b'\n', &mut line).await?;
+        if !line.ends_with(b"\n") {
+            return Err(match read as u64 == left {
+                true => invalid("an upgrade answer's head over 16 KiB"),
+                false => std::io::ErrorKind::UnexpectedEof.into(),
+            });
         }
-        if line == "\r\n" {
-            return Ok(status);
+        left -= read as u64;
+        if first {
+            first = false;
+            let mut words = line.split(u8::is_ascii_whitespace).filter(|word| !word.is_empty());
+            let (version, status) = (words.next(), words.next());
+            if !version.is_some_and(|v| v.starts_with(b"HTTP/")) || status.is_none() {
+                return Err(invalid("not an HTTP answer"));
+            }
+            if status != Some(b"101".as_slice()) {
+                return Ok(false);
+            }
+        } else if line == b"\r\n" || line == b"\n" {
+            return Ok(true);
         }
     }
 }
 
-/// Hands every answer to the read waiting for it, until the link breaks or the
-/// last holder of the link lets go: why it ended.
-async fn read_answers<R: AsyncRead + Unpin>(reader: &mut R, link: &std::sync::Weak<Link>) -> String {
+/// Hands every answer to the read waiting for it, until the link breaks or nothing
+/// holds it any more: why it ended.
+async fn read_answers<R: AsyncRead + Unpin>(reader: &mut R, link: &Weak<Link>) -> String {
     let mut message = Vec::new();
     loop {
-        let id = match read_frame(reader, &mut message).await {
+        let id = match read_frame(reader, &mut message, MAX_FRAME_BYTES).await {
             Ok(Some(id)) => id,
             Ok(None) => return "the counter closed the read link".into(),
             Err(err) => return format!("the read link broke: {err}"),
@@ -199,8 +297,12 @@ async fn read_answers<R: AsyncRead + Unpin>(reader: &mut R, link: &std::sync::We
             Err(err) => return format!("a read-link answer did not decode: {err}"),
         };
         let Some(link) = link.upgrade() else { return "no longer used".into() };
-        // An answer nobody waits for any more (its read timed out) is dropped.
-        let waiting = lock(&link.state).waiting.remove(&id);
+        let waiting = {
+            let mut state = lock(&link.state);
+            state.answers += 1;
+            // An answer nobody waits for any more (its read timed out) is dropped.
+            state.waiting.remove(&id)
+        };
         if let Some(waiting) = waiting {
             let _ = waiting.send(Ok(answer));
         }
@@ -229,6 +331,11 @@ mod tests {
         ClosingFirst,
         /// Never answers.
         Silent,
+        /// Never answers the upgrade.
+        Mute,
+        /// Answers the first read of each link and closes the link at the next,
+        /// which it leaves unanswered.
+        OncePerLink,
         /// Answers the upgrade with 404, as a counter without links does.
         NoLinks,
     }
@@ -266,19 +373,22 @@ mod tests {
             line.clear();
             reader.read_line(&mut line).await.unwrap();
         }
-        if let Peer::NoLinks = peer {
-            writer.write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n").await.unwrap();
-            return;
+        match peer {
+            // No reason phrase, no headers: all a refusal needs.
+            Peer::NoLinks => return writer.write_all(b"HTTP/1.1 404\r\n").await.unwrap(),
+            Peer::Mute => return std::future::pending().await,
+            _ => {}
         }
         let switching =
             format!("HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: {PROTOCOL}\r\n\r\n");
         writer.write_all(switching.as_bytes()).await.unwrap();
         let mut message = Vec::new();
-        let mut held = Vec::new();
-        while let Ok(Some(id)) = read_frame(&mut reader, &mut message).await {
+        let (mut held, mut answered) = (Vec::new(), 0);
+        while let Ok(Some(id)) = read_frame(&mut reader, &mut message, MAX_FRAME_BYTES).await {
             let request = ReadRequest::decode(&message).unwrap();
             match peer {
                 Peer::Silent => continue,
+                Peer::OncePerLink if answered > 0 => return,
                 Peer::ClosingFirst if index == 0 => return,
                 Peer::Reversing if held.is_empty() && request.now_ms < 2 => {
                     held.push((id, request));
@@ -291,6 +401,7 @@ mod tests {
                 let answer = frame(id, &answer_to(&request).encode().unwrap()).unwrap();
                 writer.write_all(&answer).await.unwrap();
             }
+            answered += 1;
         }
     }
 
@@ -316,16 +427,45 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_read_without_an_answer_times_out() {
-        let (addr, _) = peer(Peer::Silent).await;
+    async fn a_read_without_an_answer_times_out_and_closes_the_silent_link() {
+        let (addr, connections) = peer(Peer::Silent).await;
         let links = Links::new(Duration::from_millis(300));
         let started = Instant::now();
         assert_eq!(links.read(&addr, &request(5)).await, Err(LinkError::Failed("no answer within 300ms".into())));
         assert!(started.elapsed() >= Duration::from_millis(300));
-        assert!(lock(&links.slots).values().all(|slot| match &*slot.try_lock().unwrap() {
-            Slot::Open(link) => lock(&link.state).waiting.is_empty(),
-            _ => false,
-        }));
+        {
+            let slot = lock(&links.slots)[&addr].clone();
+            let Slot::Open(link) = &*slot.try_lock().unwrap() else { panic!("no link") };
+            let state = lock(&link.state);
+            assert_eq!(state.closed.as_deref(), Some("no answer within 300ms, nor to any later read"));
+            assert!(state.waiting.is_empty() && state.frames.is_none() && state.reader.is_none());
+        }
+        assert_eq!(links.read(&addr, &request(6)).await, Err(LinkError::Failed("no answer within 300ms".into())));
+        assert_eq!(connections.load(Ordering::SeqCst), 2, "the next read opened a new link");
+    }
+
+    #[tokio::test]
+    async fn reads_queued_behind_an_opening_that_fails_fail_with_it() {
+        let (addr, connections) = peer(Peer::Mute).await;
+        let links = Links::new(Duration::from_millis(500));
+        let started = Instant::now();
+        let requests: Vec<ReadRequest> = (0..5).map(request).collect();
+        let reads = futures::future::join_all(requests.iter().map(|r| links.read(&addr, r))).await;
+        let why = format!("no read link to {addr} within 500ms");
+        assert_eq!(reads, (0..5).map(|_| Err(LinkError::Failed(why.clone()))).collect::<Vec<_>>());
+        // One opening's time, not one per read (2.5 s).
+        assert!(started.elapsed() < Duration::from_millis(1_500), "took {:?}", started.elapsed());
+        assert_eq!(connections.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_link_found_open_that_closes_under_a_read_is_replaced_within_it() {
+        let (addr, connections) = peer(Peer::OncePerLink).await;
+        let links = Links::new(Duration::from_secs(5));
+        for now in 0..3 {
+            assert_eq!(links.read(&addr, &request(now)).await, Ok(answer_to(&request(now))));
+        }
+        assert_eq!(connections.load(Ordering::SeqCst), 3);
     }
 
     #[tokio::test]
@@ -340,9 +480,8 @@ mod tests {
             let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             listener.local_addr().unwrap().to_string()
         };
-        assert!(
-            matches!(unreachable.read(&closed_port, &request(6)).await, Err(LinkError::Failed(why)) if why.contains("refused")),
-            "an unreachable counter is not one without links"
-        );
+        let refused = format!("{closed_port}: Connection refused (os error 111)");
+        // An unreachable counter is not one without links.
+        assert_eq!(unreachable.read(&closed_port, &request(6)).await, Err(LinkError::Failed(refused)));
     }
 }
