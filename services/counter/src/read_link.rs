@@ -3,9 +3,11 @@
 //! answering each as [`crate::http`] answers `POST /internal/v2/read` (the same
 //! inline-or-blocking-pool rule, the same outcomes), in whatever order they finish.
 //! A frame that does not decode, or is over 4 MiB, closes the link (logged): the
-//! client's reads on it fail over as from an unreachable owner. A read that fails
-//! (a panic, an answer too large to send) is answered `unavailable`, never left
-//! without an answer. The link closes when the counter stops.
+//! client's reads on it fail over as from an unreachable owner. A read on the
+//! blocking pool that panics, and an answer too large to send, are answered
+//! `unavailable`, never left without an answer (a panic in an inline read, a point
+//! read or two, ends the link's task and so closes the link). The link closes when
+//! the counter stops.
 
 use axum::body::Body;
 use axum::extract::{Request, State};

@@ -181,7 +181,7 @@ impl Fanout {
                 })?,
             };
             let Some(addr) = &current.addr else { continue };
-            match self.post::<Req, Resp>(addr, path, body).await {
+            match self.post::<Req, Resp>(addr, path, body, None).await {
                 Ok(Ok(answer)) => return Ok(answer),
                 Ok(Err(refused)) if refused.code == "not_owner" => {
                     tracing::debug!(shard, addr, "owner moved; waiting for a newer claim");
@@ -203,26 +203,35 @@ impl Fanout {
     /// turned off or the counter does not open links: its answer; its refusal as the
     /// client's error; or why it could not be reached.
     async fn ask(&self, addr: &str, request: &ReadRequest) -> Result<Result<ReadResponse, ApiError>, String> {
+        let mut within = None;
         if let Some(links) = &self.links {
+            let started = std::time::Instant::now();
             match links.read(addr, request).await {
                 Ok(response) => return Ok(Ok(response)),
                 Err(LinkError::Failed(why)) => return Err(why),
-                Err(LinkError::Unsupported) => {}
+                // What is left of the read's deadline.
+                Err(LinkError::Unsupported) => within = Some(links.timeout().saturating_sub(started.elapsed())),
             }
         }
-        self.post(addr, "/internal/v2/read", request).await.map_err(|err| err.to_string())
+        self.post(addr, "/internal/v2/read", request, within).await.map_err(|err| err.to_string())
     }
 
-    /// POSTs `body` to the owner at `addr`: its answer; its refusal as the client's
-    /// error (`not_owner` for a 409, `shard_failed` with the owner's words); or why
-    /// it could not be reached.
+    /// POSTs `body` to the owner at `addr` (taking at most `within`, when given, else
+    /// the client's timeout): its answer; its refusal as the client's error
+    /// (`not_owner` for a 409, `shard_failed` with the owner's words); or why it
+    /// could not be reached.
     async fn post<Req: Serialize, Resp: DeserializeOwned>(
         &self,
         addr: &str,
         path: &str,
         body: &Req,
+        within: Option<Duration>,
     ) -> Result<Result<Resp, ApiError>, reqwest::Error> {
-        let response = self.client.post(format!("http://{addr}{path}")).json(body).send().await?;
+        let mut post = self.client.post(format!("http://{addr}{path}")).json(body);
+        if let Some(within) = within {
+            post = post.timeout(within);
+        }
+        let response = post.send().await?;
         let status = response.status();
         if status.is_success() {
             let answer = response.json::<Resp>().await;

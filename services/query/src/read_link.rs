@@ -8,11 +8,11 @@
 //!   decode) fails every read waiting on it. A read that had found the link already
 //!   open tries once more on a new one (reads change nothing); otherwise the fan-out
 //!   treats the failure as an unreachable owner and waits for a newer claim.
-//! - A read that times out with no answer of any read arriving on its link since it
-//!   was sent closes the link (a paused or cut-off counter): later reads open a new
-//!   one instead of queueing behind it.
-//! - A link that cannot be opened is remembered as failed for a second, so the reads
-//!   queued behind the attempt fail over at once instead of each trying again.
+//! - A read that times out after waiting half its deadline or more, with no answer
+//!   of any read arriving on its link since it was sent, closes the link (a paused
+//!   or cut-off counter): later reads open a new one instead of queueing behind it.
+//! - A link that cannot be opened fails the reads that were queued behind the
+//!   attempt too, at once, instead of each trying again; later reads try again.
 //! - A counter that refuses the upgrade (any answer but 101) is remembered for a
 //!   minute as one to read over HTTP ([`LinkError::Unsupported`]).
 
@@ -30,8 +30,6 @@ use tokio::time::{timeout_at, Instant};
 /// How long a counter that refused the upgrade is read over HTTP before the link
 /// is tried again (it may have been upgraded meanwhile).
 const HTTP_ONLY_FOR: Duration = Duration::from_secs(60);
-/// How long a failure to open a link is the answer for reads to that counter.
-const FAILED_OPEN_FOR: Duration = Duration::from_secs(1);
 /// Longest status line and headers a counter's upgrade answer may have.
 const MAX_HEAD_BYTES: u64 = 16 << 10;
 
@@ -78,9 +76,9 @@ struct LinkState {
     closed: Option<String>,
     /// Answers read from the link so far.
     answers: u64,
-    /// The reader task, stopped when the link closes (a paused counter would hold
-    /// it and its socket until it resumes).
-    reader: Option<tokio::task::AbortHandle>,
+    /// The reader and writer tasks, stopped when the link closes (a paused counter
+    /// would hold them and the socket until it resumes).
+    tasks: Vec<tokio::task::AbortHandle>,
 }
 
 impl Link {
@@ -94,8 +92,8 @@ impl Link {
         let mut state = lock(&self.state);
         let why = state.closed.get_or_insert(why).clone();
         state.frames = None;
-        if let Some(reader) = state.reader.take() {
-            reader.abort();
+        for task in state.tasks.drain(..) {
+            task.abort();
         }
         for (_, waiting) in state.waiting.drain() {
             let _ = waiting.send(Err(why.clone()));
@@ -127,6 +125,11 @@ enum Unanswered {
 impl Links {
     pub fn new(timeout: Duration) -> Self {
         Self { slots: Mutex::default(), timeout }
+    }
+
+    /// How long a read may take, all told.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     /// Asks the counter at `addr` `request` over its link.
@@ -166,14 +169,17 @@ impl Links {
             state.waiting.insert(id, answer);
             (id, state.answers)
         };
-        let _registered = Registered { link, id };
+        let (_registered, sent) = (Registered { link, id }, Instant::now());
         match timeout_at(deadline, answered).await {
             Ok(Ok(Ok(answer))) => Ok(answer),
             Ok(Ok(Err(why))) => Err(Unanswered::Closed(why)),
             Ok(Err(_)) => Err(Unanswered::Closed("the read link closed".into())),
             Err(_) => {
                 let why = format!("no answer within {:?}", self.timeout);
-                if lock(&link.state).answers == answers_before {
+                // Silent for half a deadline or more (not a read that came late to
+                // its link with moments left): the counter is paused or cut off.
+                let silent = lock(&link.state).answers == answers_before;
+                if silent && sent.elapsed() >= self.timeout / 2 {
                     link.close(format!("{why}, nor to any later read"));
                 }
                 Err(Unanswered::Failed(why))
@@ -186,14 +192,14 @@ impl Links {
     /// not wait for it).
     async fn link(&self, addr: &str, deadline: Instant) -> Result<(Arc<Link>, bool), LinkError> {
         let late = || LinkError::Failed(format!("no read link to {addr} within {:?}", self.timeout));
+        let waiting_since = Instant::now();
         let slot = lock(&self.slots).entry(addr.to_string()).or_default().clone();
         let mut slot = timeout_at(deadline, slot.lock()).await.map_err(|_| late())?;
         match &*slot {
             Slot::Open(link) if link.is_open() => return Ok((link.clone(), true)),
             Slot::HttpOnly(since) if since.elapsed() < HTTP_ONLY_FOR => return Err(LinkError::Unsupported),
-            Slot::Failed(since, why) if since.elapsed() < FAILED_OPEN_FOR => {
-                return Err(LinkError::Failed(why.clone()))
-            }
+            // An opening that failed while this read waited for it is its answer too.
+            Slot::Failed(at, why) if *at >= waiting_since => return Err(LinkError::Failed(why.clone())),
             _ => {}
         }
         let opened = timeout_at(deadline, open(addr)).await.unwrap_or_else(|_| Err(late()));
@@ -231,7 +237,7 @@ async fn open(addr: &str) -> Result<Arc<Link>, LinkError> {
     let (frames, queue) = mpsc::unbounded_channel();
     let link = Arc::new(Link { state: Mutex::new(LinkState { frames: Some(frames), ..LinkState::default() }) });
     let (for_writer, for_reader) = (Arc::downgrade(&link), Arc::downgrade(&link));
-    tokio::spawn(async move {
+    let writing = tokio::spawn(async move {
         if let Err(err) = write_frames(writer, queue).await {
             if let Some(link) = for_writer.upgrade() {
                 link.close(format!("the read link broke: {err}"));
@@ -246,7 +252,7 @@ async fn open(addr: &str) -> Result<Arc<Link>, LinkError> {
             link.close(why);
         }
     });
-    lock(&link.state).reader = Some(reading.abort_handle());
+    lock(&link.state).tasks = vec![reading.abort_handle(), writing.abort_handle()];
     Ok(link)
 }
 
@@ -438,7 +444,7 @@ mod tests {
             let Slot::Open(link) = &*slot.try_lock().unwrap() else { panic!("no link") };
             let state = lock(&link.state);
             assert_eq!(state.closed.as_deref(), Some("no answer within 300ms, nor to any later read"));
-            assert!(state.waiting.is_empty() && state.frames.is_none() && state.reader.is_none());
+            assert!(state.waiting.is_empty() && state.frames.is_none() && state.tasks.is_empty());
         }
         assert_eq!(links.read(&addr, &request(6)).await, Err(LinkError::Failed("no answer within 300ms".into())));
         assert_eq!(connections.load(Ordering::SeqCst), 2, "the next read opened a new link");
@@ -456,6 +462,9 @@ mod tests {
         // One opening's time, not one per read (2.5 s).
         assert!(started.elapsed() < Duration::from_millis(1_500), "took {:?}", started.elapsed());
         assert_eq!(connections.load(Ordering::SeqCst), 1);
+        // A read that comes later tries again (the counter may be back).
+        assert_eq!(links.read(&addr, &request(5)).await, Err(LinkError::Failed(why)));
+        assert_eq!(connections.load(Ordering::SeqCst), 2);
     }
 
     #[tokio::test]
@@ -476,11 +485,11 @@ mod tests {
         assert_eq!(links.read(&addr, &request(6)).await, Err(LinkError::Unsupported));
         assert_eq!(connections.load(Ordering::SeqCst), 1, "the refusal is remembered");
         let unreachable = Links::new(Duration::from_secs(5));
-        let closed_port = {
-            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            listener.local_addr().unwrap().to_string()
-        };
-        let refused = format!("{closed_port}: Connection refused (os error 111)");
+        // A port held but not listened on: connections to it are refused.
+        let held = tokio::net::TcpSocket::new_v4().unwrap();
+        held.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let closed_port = held.local_addr().unwrap().to_string();
+        let refused = format!("{closed_port}: {}", TcpStream::connect(&closed_port).await.unwrap_err());
         // An unreachable counter is not one without links.
         assert_eq!(unreachable.read(&closed_port, &request(6)).await, Err(LinkError::Failed(refused)));
     }
