@@ -17,7 +17,7 @@ use axum::response::{IntoResponse, Response};
 use hyper_util::rt::TokioIo;
 use tally_core::wire::{ReadRequest, ReadResponse, ShardOutcome};
 use tally_shared::http::ApiError;
-use tally_shared::read_link::{frame, read_frame, write_frames, MAX_FRAME_BYTES, MAX_REQUEST_BYTES, PROTOCOL};
+use tally_shared::read_link::{frame, read_frame, write_frames, MAX_REQUEST_BYTES, PROTOCOL};
 use tokio::io::{AsyncRead, AsyncWrite, BufReader};
 use tokio::sync::mpsc;
 
@@ -123,7 +123,7 @@ mod tests {
 
     use tally_core::time::WindowSpec;
     use tally_core::wire::{Increment, Kind, ShardAnswer, ShardMessage, ShardQueries, ShardQuery, Source, Stamp};
-    use tally_shared::read_link::PATH;
+    use tally_shared::read_link::{MAX_FRAME_BYTES, PATH};
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
     use tokio_util::sync::CancellationToken;
