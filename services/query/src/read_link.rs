@@ -329,7 +329,7 @@ mod tests {
 
     use super::*;
 
-    #[derive(Clone, Copy)]
+    #[derive(Clone)]
     enum Peer {
         /// Answers the first two requests of a link in reverse order, later ones at once.
         Reversing,
@@ -342,6 +342,10 @@ mod tests {
         /// Answers the first read of each link and closes the link at the next,
         /// which it leaves unanswered.
         OncePerLink,
+        /// Answers the upgrade with these bytes, then waits.
+        Greeting(Vec<u8>),
+        /// Upgrades, then answers the first read with these bytes.
+        Answering(Vec<u8>),
         /// Answers the upgrade with 404, as a counter without links does.
         NoLinks,
     }
@@ -365,7 +369,7 @@ mod tests {
             loop {
                 let (stream, _) = listener.accept().await.unwrap();
                 let index = counted.fetch_add(1, Ordering::SeqCst);
-                tokio::spawn(serve(peer, index, stream));
+                tokio::spawn(serve(peer.clone(), index, stream));
             }
         });
         (addr, connections)
@@ -379,10 +383,14 @@ mod tests {
             line.clear();
             reader.read_line(&mut line).await.unwrap();
         }
-        match peer {
+        match &peer {
             // No reason phrase, no headers: all a refusal needs.
             Peer::NoLinks => return writer.write_all(b"HTTP/1.1 404\r\n").await.unwrap(),
             Peer::Mute => return std::future::pending().await,
+            Peer::Greeting(bytes) => {
+                writer.write_all(bytes).await.unwrap();
+                return std::future::pending().await;
+            }
             _ => {}
         }
         let switching =
@@ -392,8 +400,12 @@ mod tests {
         let (mut held, mut answered) = (Vec::new(), 0);
         while let Ok(Some(id)) = read_frame(&mut reader, &mut message, MAX_FRAME_BYTES).await {
             let request = ReadRequest::decode(&message).unwrap();
-            match peer {
+            match &peer {
                 Peer::Silent => continue,
+                Peer::Answering(bytes) => {
+                    writer.write_all(bytes).await.unwrap();
+                    continue;
+                }
                 Peer::OncePerLink if answered > 0 => return,
                 Peer::ClosingFirst if index == 0 => return,
                 Peer::Reversing if held.is_empty() && request.now_ms < 2 => {
@@ -492,5 +504,33 @@ mod tests {
         let refused = format!("{closed_port}: {}", TcpStream::connect(&closed_port).await.unwrap_err());
         // An unreachable counter is not one without links.
         assert_eq!(unreachable.read(&closed_port, &request(6)).await, Err(LinkError::Failed(refused)));
+    }
+
+    #[tokio::test]
+    async fn garbage_or_an_oversized_answer_from_a_counter_fails_the_read_and_closes_the_link() {
+        let garbage = b"not a read response".to_vec();
+        let undecodable = ReadResponse::decode(&garbage).unwrap_err();
+        let mut oversized = (MAX_FRAME_BYTES as u32 + 1).to_be_bytes().to_vec();
+        oversized.extend_from_slice(&[0; 8]);
+        let mut endless = b"HTTP/1.1 101 Switching Protocols\r\n".to_vec();
+        endless.extend(std::iter::repeat_n(b"x-padding: 0123456789\r\n".as_slice(), 1_000).flatten());
+        let cases = [
+            (Peer::Greeting(b"SSH-2.0-OpenSSH_9.2\r\n".to_vec()), "{addr}: not an HTTP answer".to_string()),
+            (Peer::Greeting(endless), "{addr}: an upgrade answer's head over 16 KiB".to_string()),
+            (Peer::Answering(frame(0, &garbage).unwrap()), format!("a read-link answer did not decode: {undecodable}")),
+            (
+                Peer::Answering(oversized),
+                format!("the read link broke: a read-link frame of {} bytes", MAX_FRAME_BYTES + 1),
+            ),
+        ];
+        for (peer, why) in cases {
+            let (addr, connections) = self::peer(peer).await;
+            let links = Links::new(Duration::from_secs(5));
+            let why = why.replace("{addr}", &addr);
+            for _ in 0..2 {
+                assert_eq!(links.read(&addr, &request(8)).await, Err(LinkError::Failed(why.clone())));
+            }
+            assert_eq!(connections.load(Ordering::SeqCst), 2, "{why}: each read on a link of its own");
+        }
     }
 }
