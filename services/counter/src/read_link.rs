@@ -177,6 +177,19 @@ mod tests {
         (status.trim_end().to_string(), stream)
     }
 
+    /// The request that opens a link.
+    fn link_head() -> String {
+        format!("GET {PATH} HTTP/1.1\r\nhost: t\r\nconnection: upgrade\r\nupgrade: {PROTOCOL}\r\n\r\n")
+    }
+
+    /// Asserts that the counter closes `link` (within 5 s) without another frame.
+    async fn assert_closed(link: &mut BufReader<TcpStream>) {
+        let mut message = Vec::new();
+        let next = read_frame(link, &mut message, MAX_FRAME_BYTES);
+        let next = tokio::time::timeout(std::time::Duration::from_secs(5), next);
+        assert_eq!(next.await.expect("the link closes").unwrap(), None);
+    }
+
     fn query(entity: &str, spec: WindowSpec) -> ShardQuery {
         ShardQuery { entity: entity.into(), metric: "views".into(), kind: Kind::Total, spec }
     }
@@ -188,8 +201,7 @@ mod tests {
     #[tokio::test]
     async fn a_link_answers_every_request_by_its_id_as_the_json_api_does() {
         let (_dir, addr, _state) = counter().await;
-        let head = format!("GET {PATH} HTTP/1.1\r\nhost: t\r\nconnection: upgrade\r\nupgrade: {PROTOCOL}\r\n\r\n");
-        let (status, mut link) = upgrade(&addr, &head).await;
+        let (status, mut link) = upgrade(&addr, &link_head()).await;
         assert_eq!(status, "HTTP/1.1 101 Switching Protocols");
         // An all-time total (answered inline), a window (on the blocking pool) and a
         // shard this counter does not own, on one connection at once.
@@ -254,11 +266,7 @@ mod tests {
 
         // A frame that is not a read request closes the link.
         link.get_mut().write_all(&frame(43, b"not a request").unwrap()).await.unwrap();
-        let closed = tokio::time::timeout(
-            std::time::Duration::from_secs(5),
-            read_frame(&mut link, &mut message, MAX_FRAME_BYTES),
-        );
-        assert_eq!(closed.await.expect("the link closes").unwrap(), None);
+        assert_closed(&mut link).await;
     }
 
     #[tokio::test]
@@ -278,26 +286,15 @@ mod tests {
         }
 
         // A request frame over 4 MiB closes the link.
-        let head = format!("GET {PATH} HTTP/1.1\r\nhost: t\r\nconnection: upgrade\r\nupgrade: {PROTOCOL}\r\n\r\n");
-        let (_, mut link) = upgrade(&addr, &head).await;
+        let (_, mut link) = upgrade(&addr, &link_head()).await;
         let mut huge = (MAX_REQUEST_BYTES as u32 + 1).to_be_bytes().to_vec();
         huge.extend_from_slice(&[0; 8]);
         link.get_mut().write_all(&huge).await.unwrap();
-        let mut message = Vec::new();
-        let closed = tokio::time::timeout(
-            std::time::Duration::from_secs(5),
-            read_frame(&mut link, &mut message, MAX_FRAME_BYTES),
-        );
-        assert_eq!(closed.await.expect("the link closes").unwrap(), None);
+        assert_closed(&mut link).await;
 
-        let head = format!("GET {PATH} HTTP/1.1\r\nhost: t\r\nconnection: upgrade\r\nupgrade: {PROTOCOL}\r\n\r\n");
-        let (status, mut link) = upgrade(&addr, &head).await;
+        let (status, mut link) = upgrade(&addr, &link_head()).await;
         assert_eq!(status, "HTTP/1.1 101 Switching Protocols");
         state.shutdown.cancel();
-        let closed = tokio::time::timeout(
-            std::time::Duration::from_secs(5),
-            read_frame(&mut link, &mut message, MAX_FRAME_BYTES),
-        );
-        assert_eq!(closed.await.expect("the link closes").unwrap(), None);
+        assert_closed(&mut link).await;
     }
 }
