@@ -1,8 +1,8 @@
 //! Sending reads to the counters that own the shards: one request per counter per
-//! client request (all its shards at once, over the counter's read link), all
-//! counters in parallel, shards retried
-//! against a newer owner when a counter says it no longer owns them or does not
-//! answer.
+//! client request (all its shards at once, over the counter's read link; over JSON
+//! when the link is off or the counter has none), all counters in parallel, shards
+//! retried against a newer owner when a counter says it no longer owns them or does
+//! not answer.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
