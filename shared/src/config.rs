@@ -8,6 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use figment::providers::{Format, Serialized, Toml};
 use figment::Figment;
@@ -311,11 +312,24 @@ pub struct RuntimeConfig {
     /// read tail (BENCHMARKS.md, "One runtime thread per service"). Raise it for a
     /// service with cores of its own, e.g. a query pod with 4 CPUs: 4.
     pub worker_threads: usize,
+    /// CPU time slice, in µs, that the service's request threads ask Linux for
+    /// (6.12 or later; 100–100 000): a short one lets a thread that wakes for a
+    /// request run at once on a busy core, which is most of a read's p99 on cores
+    /// shared with other services and the broker ([`crate::sched`]). Backlog loops
+    /// keep the kernel's default. 0: every thread keeps the kernel's default.
+    pub latency_slice_us: u64,
+}
+
+impl RuntimeConfig {
+    /// The slice request threads ask for ([`Duration::ZERO`]: the kernel's default).
+    pub fn latency_slice(&self) -> Duration {
+        Duration::from_micros(self.latency_slice_us)
+    }
 }
 
 impl Default for RuntimeConfig {
     fn default() -> Self {
-        Self { worker_threads: 1 }
+        Self { worker_threads: 1, latency_slice_us: 100 }
     }
 }
 
@@ -543,6 +557,12 @@ impl TallyConfig {
         if config.runtime.worker_threads == 0 {
             return Err(Error::Config("runtime.worker_threads: must be at least 1".into()));
         }
+        let slice = config.runtime.latency_slice();
+        if !slice.is_zero() && !(crate::sched::MIN_SLICE..=crate::sched::MAX_SLICE).contains(&slice) {
+            return Err(Error::Config(
+                "runtime.latency_slice_us: 0 (the kernel's default) or 100 to 100000 (what Linux grants)".into(),
+            ));
+        }
         check_shard_record_format(config.ingester.shard_record_format)?;
         // A relative declarations file sits next to the config that names it.
         let mut config = config;
@@ -649,6 +669,26 @@ mod tests {
         let refused =
             TallyConfig::load_with_env(None, env(&[("TALLY__RUNTIME__WORKER_THREADS", "0")])).unwrap_err().to_string();
         assert_eq!(refused, "config: runtime.worker_threads: must be at least 1");
+    }
+
+    #[test]
+    fn request_threads_ask_for_a_100_us_slice_unless_configured_within_what_linux_grants() {
+        let slice =
+            |pairs: &[(&str, &str)]| TallyConfig::load_with_env(None, env(pairs)).map(|c| c.runtime.latency_slice());
+        assert_eq!(slice(&[]).unwrap(), Duration::from_micros(100));
+        for (value, want) in
+            [("0", Duration::ZERO), ("100000", Duration::from_millis(100)), ("250", Duration::from_micros(250))]
+        {
+            assert_eq!(slice(&[("TALLY__RUNTIME__LATENCY_SLICE_US", value)]).unwrap(), want, "{value}");
+        }
+        for value in ["99", "100001"] {
+            let refused = slice(&[("TALLY__RUNTIME__LATENCY_SLICE_US", value)]).unwrap_err().to_string();
+            assert_eq!(
+                refused,
+                "config: runtime.latency_slice_us: 0 (the kernel's default) or 100 to 100000 (what Linux grants)",
+                "{value}"
+            );
+        }
     }
 
     #[test]

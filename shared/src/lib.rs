@@ -16,8 +16,9 @@
 //! [`dedupe`] (idempotency marks that expire by the records' own time), [`outbox`]
 //! (relaying what a store wrote with its state), [`failures`] (a partition that
 //! fails stops, visibly, until an operator skips), [`http`] (the one error format and
-//! auth layer), [`read_link`] (tally-query's binary connection to a counter) and
-//! [`local_broker`] (install/start/stop Tansu).
+//! auth layer), [`read_link`] (tally-query's binary connection to a counter),
+//! [`sched`] (short CPU slices for request threads, the default for backlog loops)
+//! and [`local_broker`] (install/start/stop Tansu).
 
 pub mod announce;
 pub mod config;
@@ -34,6 +35,7 @@ pub mod membership;
 pub mod outbox;
 pub mod progress;
 pub mod read_link;
+pub mod sched;
 pub mod service;
 pub mod shutdown;
 pub mod snapshot;

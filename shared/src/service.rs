@@ -54,9 +54,27 @@ where
 }
 
 /// The service's async runtime: `worker_threads` threads (the main thread only
-/// waits on the service's top future).
-fn runtime(config: &RuntimeConfig) -> std::io::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread().worker_threads(config.worker_threads).enable_all().build()
+/// waits on the service's top future). Its threads — async workers and the blocking
+/// pool, which answer requests — ask for `latency_slice_us` slices
+/// ([`crate::sched`]); the main thread, and the Kafka clients' and RocksDB's threads
+/// it starts, keep the kernel's default.
+pub fn runtime(config: &RuntimeConfig) -> std::io::Result<tokio::runtime::Runtime> {
+    let (slice, slice_us) = (config.latency_slice(), config.latency_slice_us);
+    let said = std::sync::Once::new();
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(config.worker_threads)
+        .on_thread_start(move || {
+            if slice.is_zero() {
+                return;
+            }
+            let result = crate::sched::set_slice(slice);
+            said.call_once(|| match result {
+                Ok(()) => tracing::info!(slice_us, "request threads ask for short CPU slices"),
+                Err(err) => tracing::warn!(error = %err, "request threads keep the kernel's CPU slice"),
+            });
+        })
+        .enable_all()
+        .build()
 }
 
 /// `--config PATH` (or `TALLY_CONFIG`), `--help`, `--version`.
@@ -107,8 +125,33 @@ mod tests {
     #[test]
     fn the_runtime_has_the_configured_threads() {
         for threads in [1, 3] {
-            let runtime = runtime(&RuntimeConfig { worker_threads: threads }).unwrap();
+            let runtime = runtime(&RuntimeConfig { worker_threads: threads, latency_slice_us: 0 }).unwrap();
             assert_eq!(runtime.metrics().num_workers(), threads);
         }
+    }
+
+    /// The slices of a runtime's async worker and of a blocking-pool thread, and the
+    /// kernel's default slice, read on a fresh thread.
+    #[cfg(target_os = "linux")]
+    fn slices_with(latency_slice_us: u64) -> [std::time::Duration; 3] {
+        std::thread::spawn(move || {
+            let default = crate::sched::slice().unwrap();
+            let runtime = runtime(&RuntimeConfig { worker_threads: 1, latency_slice_us }).unwrap();
+            let worker = runtime.block_on(async { tokio::spawn(async { crate::sched::slice() }).await.unwrap() });
+            let blocking = runtime.block_on(async { tokio::task::spawn_blocking(crate::sched::slice).await.unwrap() });
+            [worker.unwrap(), blocking.unwrap(), default]
+        })
+        .join()
+        .unwrap()
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn runtime_threads_ask_for_the_configured_slice_or_keep_the_kernels() {
+        let [worker, blocking, default] = slices_with(250);
+        assert_eq!([worker, blocking], [std::time::Duration::from_micros(250); 2]);
+        assert_ne!(default, worker, "the kernel's default is not what was asked for");
+        let [worker, blocking, default] = slices_with(0);
+        assert_eq!([worker, blocking], [default; 2]);
     }
 }

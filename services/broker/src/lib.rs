@@ -113,9 +113,9 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
 
     let setup = fetcher::FetcherSetup { config, broker, membership };
     let fetcher_shutdown = shutdown.clone();
-    let result = tokio::task::spawn_blocking(move || fetcher::run(setup, fetcher_shutdown))
+    let result = tally_shared::sched::spawn_background("broker-fetcher", move || fetcher::run(setup, fetcher_shutdown))
         .await
-        .map_err(|err| Error::Broker(err.to_string()))?;
+        .map_err(Error::Broker)?;
     shutdown.cancel();
     readiness.set(false);
     let died = watchdog.await.map_err(|err| Error::Broker(err.to_string()))?;

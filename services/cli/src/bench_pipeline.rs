@@ -643,19 +643,24 @@ impl Connection {
 }
 
 /// Runs `connections` closed-loop clients for `seconds`; each request is made by
-/// `request(rng)`. Every answer must be 200.
+/// `request(rng)`. Every answer must be 200. The clients stand for callers on other
+/// machines: they ask for the CPU slice the services' request threads ask for
+/// (`runtime.latency_slice_us`), so that their own wake-ups on the shared cores
+/// weigh on the tail no more than the services' do.
 async fn load(
     port: u16,
-    connections: usize,
+    clients: (usize, Duration),
     seconds: u64,
     entities: usize,
     request: fn(&mut Entities) -> Vec<u8>,
     label: &str,
 ) -> anyhow::Result<Latencies> {
+    let (connections, slice) = clients;
     let progress = bar(seconds, label);
     let clients: Vec<_> = (0..connections)
         .map(|c| {
             tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<Duration>> {
+                tally_shared::sched::set_slice(slice)?;
                 let mut connection = Connection::open(port)?;
                 let mut draw = Entities::new(entities, 1_000 + c as u64);
                 let (mut latencies, mut body) = (Vec::new(), Vec::new());
@@ -709,14 +714,18 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
     let names = rig.fresh_topics().await?;
     let busy = Case { per_message: args.ingest_per_message as usize, messages: args.ingest_messages };
     println!(
-        "read bench: {} closed-loop clients on keep-alive connections, {} s per phase, {} entities (Zipf 1.1); while ingesting {} messages of {} {}; broker {}",
+        "read bench: {} closed-loop clients on keep-alive connections, {} s per phase, {} entities (Zipf 1.1); while ingesting {} messages of {} {}; broker {}; CPU slice of request threads and clients: {}",
         args.connections,
         args.seconds,
         args.entities,
         busy.messages,
         busy.per_message,
         busy.increment_word(),
-        rig.config.kafka.bootstrap_servers
+        rig.config.kafka.bootstrap_servers,
+        match rig.config.runtime.latency_slice_us {
+            0 => "the kernel's default".to_string(),
+            us => format!("{us} µs (runtime.latency_slice_us)"),
+        }
     );
     // Every entity exists (and more counts on the popular ones).
     let warm = Case { per_message: 100, messages: (args.entities * 3).div_ceil(100) };
@@ -726,7 +735,7 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
     ingest_backlog(&mut rig, warm.increments(), warm.messages as u64, "writing the counters").await?;
     rig.run("tally-query", query_admin).await?;
     let (port, secs) = (rig.ports.query, args.seconds);
-    let (conns, entities) = (args.connections, args.entities);
+    let (conns, entities) = ((args.connections, rig.config.runtime.latency_slice()), args.entities);
 
     let idle_single = load(port, conns, secs, entities, single_read, "single reads, idle").await?;
     let idle_batch = load(port, conns, secs, entities, batch_read, "batches of 100, idle").await?;

@@ -95,9 +95,10 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     };
     let setup = consumer::ConsumerSetup { snapshots, config, shards, metrics, readiness, shard_count, read_addr };
     let consumer_shutdown = shutdown.clone();
-    let result = tokio::task::spawn_blocking(move || consumer::run(setup, consumer_shutdown))
-        .await
-        .map_err(|err| Error::Consumer(err.to_string()))?;
+    let result =
+        tally_shared::sched::spawn_background("counter-apply", move || consumer::run(setup, consumer_shutdown))
+            .await
+            .map_err(Error::Consumer)?;
     shutdown.cancel();
     result
 }

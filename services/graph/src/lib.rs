@@ -88,9 +88,10 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let snapshots = snapshots.zip(requests);
     let setup = processor::ProcessorSetup { config, store, failures, metrics, readiness, read_addr, snapshots };
     let processor_shutdown = shutdown.clone();
-    let result = tokio::task::spawn_blocking(move || processor::run(setup, processor_shutdown))
-        .await
-        .map_err(|err| Error::Processor(err.to_string()))?;
+    let result =
+        tally_shared::sched::spawn_background("graph-apply", move || processor::run(setup, processor_shutdown))
+            .await
+            .map_err(Error::Processor)?;
     shutdown.cancel();
     result
 }

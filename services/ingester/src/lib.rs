@@ -119,9 +119,9 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         max_bytes: config.ingester.batch_max_bytes.max(1),
     };
     let stop = shutdown.clone();
-    let result = tokio::task::spawn_blocking(move || pipeline.run(&stop))
+    let result = tally_shared::sched::spawn_background("ingest-pipeline", move || pipeline.run(&stop))
         .await
-        .unwrap_or_else(|err| Err(Error::Delivery(format!("the ingest loop panicked: {err}"))));
+        .unwrap_or_else(|err| Err(Error::Delivery(format!("the ingest loop: {err}"))));
     readiness.set(false);
     shutdown.cancel();
     // A reporter may be mid-tick (watermark look-ups of up to a second): joined off
