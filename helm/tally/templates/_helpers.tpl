@@ -309,11 +309,15 @@ queues.toml: |
       fieldPath: status.podIP
 {{- end -}}
 
-{{/* A service's async runtime threads: (dict "threads" .Values.<service>.workerThreads);
-1 when unset (the schema refuses 0). */}}
+{{/* A service's async runtime: (dict "threads" .Values.<service>.workerThreads "root" $);
+1 thread when unset (the schema refuses 0), and the chart's one CPU slice for request
+threads (100 µs when unset; 0 is kept). */}}
 {{- define "tally.runtimeEnv" -}}
 - name: TALLY__RUNTIME__WORKER_THREADS
   value: {{ .threads | default 1 | int | toString | quote }}
+{{- $runtime := .root.Values.runtime | default dict }}
+- name: TALLY__RUNTIME__LATENCY_SLICE_US
+  value: {{ hasKey $runtime "latencySliceUs" | ternary $runtime.latencySliceUs 100 | int | toString | quote }}
 {{- end -}}
 
 {{/* The Kafka passwords, from the user's Secrets, for every container that talks to
