@@ -11,13 +11,15 @@
 //! "Scheduling hints").
 //!
 //! Every service's runtime threads (async workers and the blocking pool) take
-//! `runtime.latency_slice_us` ([`crate::service`]); threads they start inherit it.
-//! The loops that apply or move backlogs (a counter's batches and rollups, the
-//! ingester's pipeline, the graph's processor, a dequeue broker's fetcher) run on
+//! `runtime.latency_slice_us` ([`crate::service`]); threads and processes they start
+//! inherit it. The loops that apply or move backlogs (a counter's batches and
+//! rollups, the ingester's pipeline, the graph's processor, a dequeue broker's
+//! fetcher) and what opens a RocksDB (whose background threads it starts) run on
 //! threads of their own through [`spawn_background`], which go back to the kernel's
-//! default. Elsewhere than Linux, and on kernels before 6.12 (which ignore the
-//! field), the hints change nothing. A thread under a real-time or idle policy
-//! keeps it; a nice value set by the operator is kept.
+//! default; a worker's job processes go back to it too. Elsewhere than Linux, and on
+//! kernels before 6.12 (which accept the field and ignore it), the hints change
+//! nothing ([`custom_slices`] tells). A thread under a real-time or idle policy
+//! keeps it; a nice value and reset-on-fork set by the operator are kept.
 
 use std::io;
 use std::time::Duration;
@@ -39,10 +41,16 @@ pub fn set_slice(slice: Duration) -> io::Result<()> {
     linux::set_slice(nanos)
 }
 
-/// The calling thread's time slice now (for logs and tests); `None` where it
-/// cannot be read.
+/// The calling thread's time slice now, as the kernel reports it: `None` where it
+/// cannot be read, zero on kernels before 6.12.
 pub fn slice() -> Option<Duration> {
     linux::slice(0).map(Duration::from_nanos)
+}
+
+/// Whether this kernel keeps a thread's own slice (Linux 6.12 or later): the
+/// kernel's figure for a new thread is its default slice, never zero.
+pub fn custom_slices() -> bool {
+    std::thread::spawn(slice).join().ok().flatten().is_some_and(|slice| !slice.is_zero())
 }
 
 /// Runs `work` on a new thread named `name` at the kernel's default slice (a loop
@@ -100,6 +108,8 @@ mod linux {
 
     const SCHED_OTHER: u32 = 0;
     const SCHED_BATCH: u32 = 3;
+    /// Kept as read: clearing it takes a privilege.
+    const SCHED_FLAG_RESET_ON_FORK: u64 = 1;
 
     fn get(tid: libc::pid_t) -> io::Result<SchedAttr> {
         let mut attr = SchedAttr::default();
@@ -119,7 +129,7 @@ mod linux {
             return Ok(());
         }
         attr.size = std::mem::size_of::<SchedAttr>() as u32;
-        attr.flags = 0;
+        attr.flags &= SCHED_FLAG_RESET_ON_FORK;
         attr.runtime = nanos;
         // SAFETY: `attr` is a valid `sched_attr`; the call only reads it.
         let result = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0) };
@@ -146,19 +156,23 @@ mod linux {
 }
 
 #[cfg(all(test, target_os = "linux"))]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    /// Whether this kernel keeps a thread's own slice (6.12 and later).
-    fn custom_slices() -> bool {
-        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
-        let mut numbers = release.trim().split(['.', '-']).map(|part| part.parse::<u32>().unwrap_or(0));
-        (numbers.next().unwrap(), numbers.next().unwrap()) >= (6, 12)
+    /// Whether the slice tests can run; says so when they cannot.
+    pub(crate) fn kernel_keeps_slices() -> bool {
+        let keeps = custom_slices();
+        if !keeps {
+            eprintln!("skipped: this kernel has no custom slices (Linux 6.12 or later)");
+        }
+        keeps
     }
 
     #[test]
     fn a_thread_gets_the_slice_it_asks_for_keeps_its_nice_value_and_can_go_back() {
-        assert!(custom_slices(), "these tests need Linux 6.12 or later (custom slices)");
+        if !kernel_keeps_slices() {
+            return;
+        }
         let (asked, clamped, back, nice) = std::thread::spawn(|| {
             let default = slice().unwrap();
             // SAFETY: setpriority on the calling thread (Linux: per thread).
@@ -181,23 +195,33 @@ mod tests {
         );
     }
 
-    #[tokio::test]
-    async fn background_threads_run_at_the_default_slice_and_report_panics() {
-        assert!(custom_slices(), "these tests need Linux 6.12 or later (custom slices)");
+    #[test]
+    fn background_threads_run_at_the_default_slice() {
+        if !kernel_keeps_slices() {
+            return;
+        }
         let (parent, default) = std::thread::spawn(|| {
             let default = slice().unwrap();
             set_slice(MIN_SLICE).unwrap();
             let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
-            let child = runtime.block_on(spawn_background("test-background", || {
-                (std::thread::current().name().map(String::from), slice().unwrap())
-            }));
+            let child = runtime.block_on(spawn_background("test-background", slice));
             (slice().unwrap(), (child, default))
         })
         .join()
         .unwrap();
         let (child, default) = default;
-        assert_eq!(parent, MIN_SLICE);
-        assert_eq!(child, Ok((Some("test-background".to_string()), default)));
+        assert_eq!((parent, child), (MIN_SLICE, Ok(Some(default))));
+    }
+
+    #[tokio::test]
+    async fn background_threads_are_named_in_the_runtime_and_report_panics() {
+        let (name, runtime) = spawn_background("test-background", || {
+            let spawned = tokio::runtime::Handle::try_current().map(|runtime| runtime.spawn(async { 7 }));
+            (std::thread::current().name().map(String::from), spawned.is_ok())
+        })
+        .await
+        .unwrap();
+        assert_eq!((name.as_deref(), runtime), (Some("test-background"), true));
         let panicked = spawn_background("test-panics", || -> u32 { panic!("on purpose") }).await;
         assert_eq!(panicked, Err("panicked: on purpose".to_string()));
     }

@@ -68,9 +68,14 @@ pub fn runtime(config: &RuntimeConfig) -> std::io::Result<tokio::runtime::Runtim
                 return;
             }
             let result = crate::sched::set_slice(slice);
-            said.call_once(|| match result {
-                Ok(()) => tracing::info!(slice_us, "request threads ask for short CPU slices"),
-                Err(err) => tracing::warn!(error = %err, "request threads keep the kernel's CPU slice"),
+            said.call_once(|| match (result, crate::sched::slice()) {
+                (Ok(()), Some(granted)) if granted == slice => {
+                    tracing::info!(slice_us, "request threads run on short CPU slices")
+                }
+                (Ok(()), _) => {
+                    tracing::info!(slice_us, "request threads keep the kernel's CPU slice (Linux before 6.12)")
+                }
+                (Err(err), _) => tracing::warn!(error = %err, "request threads keep the kernel's CPU slice"),
             });
         })
         .enable_all()
@@ -148,6 +153,9 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn runtime_threads_ask_for_the_configured_slice_or_keep_the_kernels() {
+        if !crate::sched::tests::kernel_keeps_slices() {
+            return;
+        }
         let [worker, blocking, default] = slices_with(250);
         assert_eq!([worker, blocking], [std::time::Duration::from_micros(250); 2]);
         assert_ne!(default, worker, "the kernel's default is not what was asked for");

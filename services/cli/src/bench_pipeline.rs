@@ -660,7 +660,8 @@ async fn load(
     let clients: Vec<_> = (0..connections)
         .map(|c| {
             tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<Duration>> {
-                tally_shared::sched::set_slice(slice)?;
+                // Refused (a sandbox without the call): the clients keep the kernel's.
+                let _ = tally_shared::sched::set_slice(slice);
                 let mut connection = Connection::open(port)?;
                 let mut draw = Entities::new(entities, 1_000 + c as u64);
                 let (mut latencies, mut body) = (Vec::new(), Vec::new());

@@ -52,8 +52,10 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let snapshot_name = processor::snapshot_name(&names);
     let restore_from = snapshots.clone();
     let restored_metric = metrics.restored.clone();
+    // On a thread at the kernel's default slice: RocksDB starts its background
+    // threads here, and they inherit it.
     let store = Arc::new(
-        tokio::task::spawn_blocking(move || {
+        tally_shared::sched::spawn_background("graph-open", move || {
             // A graph without a store (a new disk) restores the newest snapshot
             // and replays the log after it.
             if let Some(snapshots) = restore_from.filter(|_| !data_dir.exists()) {
@@ -68,7 +70,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
             Ok::<_, Error>(opened)
         })
         .await
-        .map_err(|err| Error::Processor(err.to_string()))??,
+        .map_err(Error::Processor)??,
     );
 
     let listener = TcpListener::bind(&config.graph.read_listen).await?;

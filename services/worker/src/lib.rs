@@ -75,7 +75,18 @@ impl Handler {
 }
 
 async fn run_command(program: &[String], job: &DequeuedJob) -> Outcome {
-    let spawned = tokio::process::Command::new(&program[0])
+    let mut command = tokio::process::Command::new(&program[0]);
+    // The job runs at the kernel's default CPU slice, not this request thread's short
+    // one, which a child inherits (`tally_shared::sched`).
+    // SAFETY: between fork and exec the closure makes two system calls and allocates
+    // nothing.
+    unsafe {
+        command.pre_exec(|| {
+            let _ = tally_shared::sched::set_slice(Duration::ZERO);
+            Ok(())
+        });
+    }
+    let spawned = command
         .args(&program[1..])
         .env("TALLY_JOB_ID", &job.id)
         .env("TALLY_JOB_ATTEMPT", job.attempt.to_string())
@@ -197,6 +208,28 @@ mod tests {
         }
         let missing = Handler::Command { program: vec!["/no/such/program".into()] };
         assert!(matches!(missing.run(&job("1")).await, Outcome::Retry { .. }));
+    }
+
+    #[tokio::test]
+    async fn a_job_runs_at_the_kernels_default_slice_not_the_workers_short_one() {
+        let readable = std::path::Path::new("/proc/self/sched").exists();
+        if !tally_shared::sched::custom_slices() || !readable {
+            eprintln!("skipped: needs Linux 6.12 or later with /proc/self/sched");
+            return;
+        }
+        let default = std::thread::spawn(tally_shared::sched::slice).join().unwrap().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("sched");
+        let report = Handler::Command {
+            program: vec!["sh".into(), "-c".into(), format!("grep '^se.slice ' /proc/self/sched > {}", out.display())],
+        };
+        tally_shared::sched::set_slice(tally_shared::sched::MIN_SLICE).unwrap();
+        let outcome = report.run(&job("1")).await;
+        tally_shared::sched::set_slice(Duration::ZERO).unwrap();
+        assert_eq!(outcome, Outcome::Ack);
+        let line = std::fs::read_to_string(&out).unwrap();
+        let reported = line.split(':').nth(1).map(|nanos| nanos.trim().parse::<u64>());
+        assert_eq!(reported, Some(Ok(default.as_nanos() as u64)), "{line}");
     }
 
     #[test]
