@@ -142,6 +142,21 @@ mod linux {
     pub(super) fn slice(tid: libc::pid_t) -> Option<u64> {
         get(tid).ok().map(|attr| attr.runtime)
     }
+
+    /// Sets the calling thread's reset-on-fork flag (what an operator's `chrt -R`
+    /// does) and says whether it is set.
+    #[cfg(test)]
+    pub(super) fn reset_on_fork(set: bool) -> bool {
+        let mut attr = get(0).unwrap();
+        if set {
+            attr.flags = SCHED_FLAG_RESET_ON_FORK;
+            // SAFETY: as in `set_slice`.
+            let result = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0) };
+            assert_eq!(result, 0, "{}", io::Error::last_os_error());
+            attr = get(0).unwrap();
+        }
+        attr.flags & SCHED_FLAG_RESET_ON_FORK != 0
+    }
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -193,6 +208,21 @@ pub(crate) mod tests {
             (Duration::from_micros(250), MIN_SLICE, true, 3),
             "slice asked, slice clamped, default again, nice kept"
         );
+    }
+
+    #[test]
+    fn an_operators_reset_on_fork_is_kept() {
+        if !kernel_keeps_slices() {
+            return;
+        }
+        let kept = std::thread::spawn(|| {
+            assert!(linux::reset_on_fork(true), "set");
+            set_slice(MIN_SLICE).unwrap();
+            (linux::reset_on_fork(false), slice().unwrap())
+        })
+        .join()
+        .unwrap();
+        assert_eq!(kept, (true, MIN_SLICE));
     }
 
     #[test]
