@@ -58,7 +58,7 @@ where
 /// pool, which answer requests — ask for `latency_slice_us` slices
 /// ([`crate::sched`]); the main thread, and the Kafka clients' and RocksDB's threads
 /// it starts, keep the kernel's default.
-pub fn runtime(config: &RuntimeConfig) -> std::io::Result<tokio::runtime::Runtime> {
+fn runtime(config: &RuntimeConfig) -> std::io::Result<tokio::runtime::Runtime> {
     let (slice, slice_us) = (config.latency_slice(), config.latency_slice_us);
     let said = std::sync::Once::new();
     tokio::runtime::Builder::new_multi_thread()
