@@ -41,6 +41,28 @@ pub fn set_slice(slice: Duration) -> io::Result<()> {
     linux::set_slice(nanos)
 }
 
+/// What came of asking for a slice ([`ask_for_slice`]).
+#[derive(Debug)]
+pub enum Asked {
+    /// The thread runs on the slice asked for (or the kernel's default, asked for).
+    Granted,
+    /// Accepted and ignored: a kernel before 6.12, or not Linux.
+    Ignored,
+    /// Refused (a sandbox without the call): the thread keeps its slice.
+    Refused(io::Error),
+}
+
+/// Asks for `slice` as the calling thread's time slice ([`set_slice`]) and reads
+/// back what the kernel gave, so that logs and reports say what is so.
+pub fn ask_for_slice(slice: Duration) -> Asked {
+    match (set_slice(slice), self::slice()) {
+        (Err(err), _) => Asked::Refused(err),
+        _ if slice.is_zero() => Asked::Granted,
+        (Ok(()), Some(granted)) if granted == slice.clamp(MIN_SLICE, MAX_SLICE) => Asked::Granted,
+        (Ok(()), _) => Asked::Ignored,
+    }
+}
+
 /// The calling thread's time slice now, as the kernel reports it: `None` where it
 /// cannot be read, zero on kernels before 6.12.
 pub fn slice() -> Option<Duration> {
@@ -143,6 +165,17 @@ mod linux {
         get(tid).ok().map(|attr| attr.runtime)
     }
 
+    /// Moves the calling thread to the idle policy (`SCHED_IDLE`), which keeps no
+    /// slice of its own.
+    #[cfg(test)]
+    pub(super) fn idle_policy() {
+        let mut attr = get(0).unwrap();
+        attr.policy = 5;
+        // SAFETY: as in `set_slice`.
+        let result = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0) };
+        assert_eq!(result, 0, "{}", io::Error::last_os_error());
+    }
+
     /// Sets the calling thread's reset-on-fork flag (what an operator's `chrt -R`
     /// does) and says whether it is set.
     #[cfg(test)]
@@ -208,6 +241,22 @@ pub(crate) mod tests {
             (Duration::from_micros(250), MIN_SLICE, true, 3),
             "slice asked, slice clamped, default again, nice kept"
         );
+    }
+
+    #[test]
+    fn asking_says_whether_the_slice_was_granted() {
+        if !kernel_keeps_slices() {
+            return;
+        }
+        let outcomes = std::thread::spawn(|| {
+            let asked = [Duration::from_micros(250), Duration::from_micros(10), Duration::ZERO];
+            let granted = asked.map(|slice| format!("{:?}", ask_for_slice(slice)));
+            linux::idle_policy();
+            (granted, format!("{:?}", ask_for_slice(MIN_SLICE)))
+        })
+        .join()
+        .unwrap();
+        assert_eq!(outcomes, (["Granted", "Granted", "Granted"].map(String::from), "Ignored".to_string()));
     }
 
     #[test]

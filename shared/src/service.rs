@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{RuntimeConfig, TallyConfig};
+use crate::sched::Asked;
 
 /// Runs a service binary. `run` receives the loaded config and the shutdown token.
 pub fn service_main<F, Fut, E>(name: &str, run: F) -> ExitCode
@@ -67,15 +68,13 @@ fn runtime(config: &RuntimeConfig) -> std::io::Result<tokio::runtime::Runtime> {
             if slice.is_zero() {
                 return;
             }
-            let result = crate::sched::set_slice(slice);
-            said.call_once(|| match (result, crate::sched::slice()) {
-                (Ok(()), Some(granted)) if granted == slice => {
-                    tracing::info!(slice_us, "request threads run on short CPU slices")
-                }
-                (Ok(()), _) => {
+            let asked = crate::sched::ask_for_slice(slice);
+            said.call_once(|| match asked {
+                Asked::Granted => tracing::info!(slice_us, "request threads run on short CPU slices"),
+                Asked::Ignored => {
                     tracing::info!(slice_us, "request threads keep the kernel's CPU slice (Linux before 6.12)")
                 }
-                (Err(err), _) => tracing::warn!(error = %err, "request threads keep the kernel's CPU slice"),
+                Asked::Refused(err) => tracing::warn!(error = %err, "request threads keep the kernel's CPU slice"),
             });
         })
         .enable_all()

@@ -691,6 +691,21 @@ async fn load(
     Ok(Latencies(all))
 }
 
+/// The slice the clients' threads (and the services' request threads, on the same
+/// kernel) get when they ask for `slice`, as the header says it.
+fn clients_slice(slice: Duration) -> String {
+    use tally_shared::sched::{ask_for_slice, Asked};
+    if slice.is_zero() {
+        return "the kernel's default".into();
+    }
+    match std::thread::spawn(move || ask_for_slice(slice)).join() {
+        Ok(Asked::Granted) => format!("{} µs (runtime.latency_slice_us)", slice.as_micros()),
+        Ok(Asked::Ignored) => "the kernel's default (it ignores runtime.latency_slice_us: Linux before 6.12)".into(),
+        Ok(Asked::Refused(err)) => format!("the kernel's default (runtime.latency_slice_us refused: {err})"),
+        Err(_) => "unknown (asking for it panicked)".into(),
+    }
+}
+
 fn single_read(draw: &mut Entities) -> Vec<u8> {
     format!("GET /v1/counters/user:{}/views HTTP/1.1\r\nhost: bench\r\n\r\n", draw.next()).into_bytes()
 }
@@ -723,10 +738,7 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
         busy.per_message,
         busy.increment_word(),
         rig.config.kafka.bootstrap_servers,
-        match rig.config.runtime.latency_slice_us {
-            0 => "the kernel's default".to_string(),
-            us => format!("{us} µs (runtime.latency_slice_us)"),
-        }
+        clients_slice(rig.config.runtime.latency_slice())
     );
     // Every entity exists (and more counts on the popular ones).
     let warm = Case { per_message: 100, messages: (args.entities * 3).div_ceil(100) };
