@@ -43,6 +43,14 @@ pub(crate) const CF_OUTBOX: &str = "outbox";
 pub(crate) const CF_ROLLUPS: &str = "rollups";
 /// The shard-topic offset a store built from scratch must reach before it serves.
 const KEY_REBUILD_UNTIL: &[u8] = b"rebuild_until";
+/// The most merge operands one count key stacks up in the memtable before the write
+/// that would add another sums them into a value instead (RocksDB's
+/// `max_successive_merges`; it reads the key once, at most every this many writes
+/// of it). A read of a key collects and sums every operand down to its last value,
+/// and under a backlog the popular keys — the ones read most — get one per batch:
+/// bounding them took the counter's CPU per batch read while ingesting from ~510 to
+/// ~400 µs (BENCHMARKS.md, "Merge operands").
+const MAX_SUCCESSIVE_MERGES: usize = 8;
 
 /// Settings of a shard store.
 #[derive(Debug, Clone)]
@@ -133,6 +141,7 @@ impl ShardStore {
         let mut counts = Options::default();
         counts.set_write_buffer_size(16 << 20);
         counts.set_merge_operator_associative("tally_add_counts", add_counts);
+        counts.set_max_successive_merges(MAX_SUCCESSIVE_MERGES);
         let retention: HashMap<i64, i64> = options.resolutions.iter().map(|r| (r.width_ms, r.retention_ms)).collect();
         counts.set_compaction_filter("tally_bucket_ttl", move |_level: u32, key: &[u8], _value: &[u8]| {
             match decode_count_key(key) {
@@ -366,6 +375,56 @@ mod tests {
         assert!(!store.serving(), "3 of 10");
         store.rebuild_until(2).unwrap();
         assert!(!store.serving(), "an older end does not lift the wait");
+    }
+
+    /// The counts family's options as RocksDB wrote them down in the store's newest
+    /// OPTIONS file (`name=value` lines of its `[CFOptions "counts"]` section).
+    fn counts_options(dir: &Path) -> Vec<String> {
+        let mut files: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|entry| entry.unwrap().path())
+            .filter(|path| path.file_name().unwrap().to_string_lossy().starts_with("OPTIONS-"))
+            .collect();
+        files.sort();
+        let text = std::fs::read_to_string(files.last().expect("an OPTIONS file")).unwrap();
+        let section = text.split("[CFOptions \"counts\"]").nth(1).expect("the counts section");
+        let section = section.split("\n[").next().unwrap();
+        section.lines().map(str::trim).filter(|line| line.contains('=')).map(String::from).collect()
+    }
+
+    #[test]
+    fn a_count_key_stacks_a_bounded_number_of_merge_operands_and_sums_exactly() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ShardStore::open(0, dir.path(), options()).unwrap();
+        let setting = format!("max_successive_merges={MAX_SUCCESSIVE_MERGES}");
+        let written = counts_options(dir.path());
+        let found: Vec<&String> = written.iter().filter(|line| line.starts_with("max_successive_merges=")).collect();
+        assert_eq!(found, vec![&setting]);
+
+        // Past the bound a write sums the key (a read and a merge at write time):
+        // one batch at a time, several writes of the key in one batch, and other keys
+        // in between, every sum stays exact.
+        let cf = store.cf(CF_COUNTS).unwrap();
+        let (hot, cold) = (b"hot".as_slice(), b"cold".as_slice());
+        let (mut want_hot, mut want_cold) = (Counts::default(), Counts::default());
+        for round in 1..=5 * MAX_SUCCESSIVE_MERGES as i64 {
+            let mut batch = WriteBatch::default();
+            for extra in 0..round % 3 + 1 {
+                let delta = Counts { direct: round + extra, total: 2 * round - extra };
+                batch.merge_cf(cf, hot, delta.encode());
+                want_hot = want_hot + delta;
+            }
+            if round % 4 == 0 {
+                let delta = Counts { direct: -round, total: round };
+                batch.merge_cf(cf, cold, delta.encode());
+                want_cold = want_cold + delta;
+            }
+            store.commit(batch, Progress { next_offset: Some(round), ..Default::default() }).unwrap();
+            assert_eq!(store.get_counts(&[hot, cold]).unwrap(), vec![want_hot, want_cold], "after round {round}");
+        }
+        drop(store);
+        let store = ShardStore::open(0, dir.path(), options()).unwrap();
+        assert_eq!(store.get_counts(&[hot, cold]).unwrap(), vec![want_hot, want_cold], "reopened");
     }
 
     #[test]
