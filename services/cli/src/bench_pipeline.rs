@@ -51,6 +51,13 @@ pub struct ReadBenchArgs {
     /// Concurrent clients, each on its own keep-alive connection.
     #[arg(long, default_value_t = 4)]
     pub connections: usize,
+    /// Requests per second each phase offers, spread evenly over the clients (open
+    /// loop, as wrk2 measures: each request's latency counts from when it was due,
+    /// so a client that falls behind counts its waiting). Unset: closed loop, each
+    /// client sends its next request when the last one is answered (the most the
+    /// machine serves).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub rate: Option<u32>,
     /// Entities written (and read) with a Zipf skew.
     #[arg(long, default_value_t = 10_000)]
     pub entities: usize,
@@ -642,21 +649,45 @@ impl Connection {
     }
 }
 
-/// Runs `connections` closed-loop clients for `seconds`; each request is made by
-/// `request(rng)`. Every answer must be 200. The clients stand for callers on other
-/// machines: they ask for the CPU slice the services' request threads ask for
-/// (`runtime.latency_slice_us`), so that their own wake-ups on the shared cores
-/// weigh on the tail no more than the services' do.
+/// When the requests of one open-loop client are due: every `interval`, from its
+/// own start (the clients' starts spread over one interval).
+struct Schedule {
+    next: Instant,
+    interval: Duration,
+}
+
+impl Schedule {
+    /// Client `client` of `clients` sharing `rate` requests per second from `start`.
+    fn new(start: Instant, client: usize, clients: usize, rate: u32) -> Self {
+        let interval = Duration::from_secs_f64(clients as f64 / rate as f64);
+        Self { next: start + interval.mul_f64(client as f64 / clients as f64), interval }
+    }
+
+    /// When the next request is due.
+    fn due(&mut self) -> Instant {
+        let due = self.next;
+        self.next += self.interval;
+        due
+    }
+}
+
+/// Runs `connections` clients for `seconds`: closed loop, or open loop at `rate`
+/// requests per second (latencies from when each request was due, [`Schedule`]).
+/// Each request is made by `request(rng)`; every answer must be 200. The clients
+/// stand for callers on other machines: they ask for the CPU slice the services'
+/// request threads ask for (`runtime.latency_slice_us`), so that their own wake-ups
+/// on the shared cores weigh on the tail no more than the services' do.
 async fn load(
     port: u16,
-    clients: (usize, Duration),
+    clients: (usize, Duration, Option<u32>),
     seconds: u64,
     entities: usize,
     request: fn(&mut Entities) -> Vec<u8>,
     label: &str,
 ) -> anyhow::Result<Latencies> {
-    let (connections, slice) = clients;
+    let (connections, slice, rate) = clients;
     let progress = bar(seconds, label);
+    let start = Instant::now();
     let clients: Vec<_> = (0..connections)
         .map(|c| {
             tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<Duration>> {
@@ -665,10 +696,21 @@ async fn load(
                 let mut connection = Connection::open(port)?;
                 let mut draw = Entities::new(entities, 1_000 + c as u64);
                 let (mut latencies, mut body) = (Vec::new(), Vec::new());
-                let end = Instant::now() + Duration::from_secs(seconds);
+                let mut schedule = rate.map(|rate| Schedule::new(start, c, connections, rate));
+                let end = start + Duration::from_secs(seconds);
                 while Instant::now() < end {
                     let request = request(&mut draw);
-                    let started = Instant::now();
+                    let started = match &mut schedule {
+                        Some(schedule) => {
+                            let due = schedule.due();
+                            if due >= end {
+                                break;
+                            }
+                            std::thread::sleep(due.saturating_duration_since(Instant::now()));
+                            due
+                        }
+                        None => Instant::now(),
+                    };
                     let status = connection.exchange(&request, &mut body)?;
                     latencies.push(started.elapsed());
                     anyhow::ensure!(status == 200, "a read answered {status}: {}", String::from_utf8_lossy(&body));
@@ -677,9 +719,8 @@ async fn load(
             })
         })
         .collect();
-    let started = Instant::now();
-    while started.elapsed() < Duration::from_secs(seconds) {
-        progress.set_position(started.elapsed().as_secs());
+    while start.elapsed() < Duration::from_secs(seconds) {
+        progress.set_position(start.elapsed().as_secs());
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let mut all = Vec::new();
@@ -730,8 +771,12 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
     let names = rig.fresh_topics().await?;
     let busy = Case { per_message: args.ingest_per_message as usize, messages: args.ingest_messages };
     println!(
-        "read bench: {} closed-loop clients on keep-alive connections, {} s per phase, {} entities (Zipf 1.1); while ingesting {} messages of {} {}; broker {}; CPU slice of request threads and clients: {}",
+        "read bench: {} clients on keep-alive connections, {}, {} s per phase, {} entities (Zipf 1.1); while ingesting {} messages of {} {}; broker {}; CPU slice of request threads and clients: {}",
         args.connections,
+        match args.rate {
+            Some(rate) => format!("open loop at {rate} requests/s (latency from when each was due)"),
+            None => "closed loop".into(),
+        },
         args.seconds,
         args.entities,
         busy.messages,
@@ -748,7 +793,7 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
     ingest_backlog(&mut rig, warm.increments(), warm.messages as u64, "writing the counters").await?;
     rig.run("tally-query", query_admin).await?;
     let (port, secs) = (rig.ports.query, args.seconds);
-    let (conns, entities) = ((args.connections, rig.config.runtime.latency_slice()), args.entities);
+    let (conns, entities) = ((args.connections, rig.config.runtime.latency_slice(), args.rate), args.entities);
 
     let idle_single = load(port, conns, secs, entities, single_read, "single reads, idle").await?;
     let idle_batch = load(port, conns, secs, entities, batch_read, "batches of 100, idle").await?;
@@ -788,6 +833,28 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn open_loop_clients_share_the_rate_evenly_and_keep_their_schedule() {
+        let start = Instant::now();
+        let ms = |at: Instant| (at - start).as_secs_f64() * 1e3;
+        // 1 000 requests/s over 4 clients: each every 4 ms, their starts 1 ms apart.
+        let dues: Vec<Vec<f64>> = (0..4)
+            .map(|client| {
+                let mut schedule = Schedule::new(start, client, 4, 1_000);
+                (0..3).map(|_| ms(schedule.due())).collect()
+            })
+            .collect();
+        let want: Vec<Vec<f64>> =
+            vec![vec![0.0, 4.0, 8.0], vec![1.0, 5.0, 9.0], vec![2.0, 6.0, 10.0], vec![3.0, 7.0, 11.0]];
+        assert_eq!(dues.len(), want.len());
+        for (got, want) in dues.iter().zip(&want) {
+            assert_eq!(got.len(), want.len());
+            for (got, want) in got.iter().zip(want) {
+                assert!((got - want).abs() < 1e-6, "{dues:?}");
+            }
+        }
+    }
 
     #[test]
     fn sums_the_series_of_one_metric_whose_labels_pass() {
