@@ -48,8 +48,9 @@ const KEY_REBUILD_UNTIL: &[u8] = b"rebuild_until";
 /// `max_successive_merges`; it reads the key once, at most every this many writes
 /// of it). A read of a key collects and sums every operand down to its last value,
 /// and under a backlog the popular keys — the ones read most — get one per batch:
-/// bounding them took the counter's CPU per batch read while ingesting from ~510 to
-/// ~400 µs (BENCHMARKS.md, "Merge operands").
+/// bounding them took batches of 100 reads while ingesting from p50 2.3–2.7 to
+/// 1.6–2.0 ms (BENCHMARKS.md, "Merge operands"). A stored value that write cannot
+/// read or decode leaves the operand stacked, and the read that needs it fails.
 const MAX_SUCCESSIVE_MERGES: usize = 8;
 
 /// Settings of a shard store.
@@ -425,6 +426,22 @@ mod tests {
         drop(store);
         let store = ShardStore::open(0, dir.path(), options()).unwrap();
         assert_eq!(store.get_counts(&[hot, cold]).unwrap(), vec![want_hot, want_cold], "reopened");
+    }
+
+    #[test]
+    fn a_corrupt_count_stays_an_error_past_the_merge_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ShardStore::open(0, dir.path(), options()).unwrap();
+        let cf = store.cf(CF_COUNTS).unwrap();
+        let key = b"broken".as_slice();
+        store.store.db().put_cf(cf, key, b"\xffnot counts").unwrap();
+        for round in 1..=3 * MAX_SUCCESSIVE_MERGES as i64 {
+            let mut batch = WriteBatch::default();
+            batch.merge_cf(cf, key, Counts { direct: 1, total: 1 }.encode());
+            store.commit(batch, Progress { next_offset: Some(round), ..Default::default() }).unwrap();
+            let read = store.get_counts(&[key]);
+            assert!(read.is_err(), "after round {round}: {read:?}");
+        }
     }
 
     #[test]
