@@ -687,19 +687,28 @@ async fn load(
 ) -> anyhow::Result<Latencies> {
     let (connections, slice, rate) = clients;
     let progress = bar(seconds, label);
+    // Connected before the phase starts, so that no client's first request waits
+    // for its connection.
+    let opened = tokio::task::spawn_blocking(move || {
+        (0..connections).map(|_| Connection::open(port)).collect::<anyhow::Result<Vec<Connection>>>()
+    });
+    let opened = opened.await??;
     let start = Instant::now();
-    let clients: Vec<_> = (0..connections)
-        .map(|c| {
+    let end = start + Duration::from_secs(seconds);
+    let clients: Vec<_> = opened
+        .into_iter()
+        .enumerate()
+        .map(|(c, mut connection)| {
             tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<Duration>> {
                 // Refused (a sandbox without the call): the clients keep the kernel's.
                 let _ = tally_shared::sched::set_slice(slice);
-                let mut connection = Connection::open(port)?;
                 let mut draw = Entities::new(entities, 1_000 + c as u64);
                 let (mut latencies, mut body) = (Vec::new(), Vec::new());
                 let mut schedule = rate.map(|rate| Schedule::new(start, c, connections, rate));
-                let end = start + Duration::from_secs(seconds);
-                while Instant::now() < end {
+                loop {
                     let request = request(&mut draw);
+                    // Open loop: every request due within the phase is sent, however
+                    // late (a client behind its schedule counts its waiting).
                     let started = match &mut schedule {
                         Some(schedule) => {
                             let due = schedule.due();
@@ -709,6 +718,7 @@ async fn load(
                             std::thread::sleep(due.saturating_duration_since(Instant::now()));
                             due
                         }
+                        None if Instant::now() >= end => break,
                         None => Instant::now(),
                     };
                     let status = connection.exchange(&request, &mut body)?;

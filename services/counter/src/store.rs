@@ -43,14 +43,16 @@ pub(crate) const CF_OUTBOX: &str = "outbox";
 pub(crate) const CF_ROLLUPS: &str = "rollups";
 /// The shard-topic offset a store built from scratch must reach before it serves.
 const KEY_REBUILD_UNTIL: &[u8] = b"rebuild_until";
-/// The most merge operands one count key stacks up in the memtable before the write
-/// that would add another sums them into a value instead (RocksDB's
-/// `max_successive_merges`; it reads the key once, at most every this many writes
-/// of it). A read of a key collects and sums every operand down to its last value,
+/// The most merge operands one count key stacks up at its head in the mutable
+/// memtable before the write that would add another sums them into a value instead
+/// (RocksDB's `max_successive_merges`: that write reads the key, from the files too
+/// in RocksDB 7.9; replaying the WAL after a restart skips it, so a key may have more
+/// until its next write). A read of a key collects and sums every operand down to its last value,
 /// and under a backlog the popular keys — the ones read most — get one per batch:
 /// bounding them took batches of 100 reads while ingesting from p50 2.3–2.7 to
 /// 1.6–2.0 ms (BENCHMARKS.md, "Merge operands"). A stored value that write cannot
-/// read or decode leaves the operand stacked, and the read that needs it fails.
+/// read or decode leaves the operand stacked, and the read that needs it fails; each
+/// later write of that key then tries again (and logs the corruption again).
 const MAX_SUCCESSIVE_MERGES: usize = 8;
 
 /// Settings of a shard store.
@@ -110,7 +112,9 @@ pub struct ShardStore {
 }
 
 /// Sums counts. A malformed value or operand fails the merge (`None`): RocksDB then
-/// reports corruption to the read or write that needed it, and the shard stops.
+/// reports corruption to the read that needed it (or to a flush or compaction), and
+/// the shard stops; a write that sums a key past [`MAX_SUCCESSIVE_MERGES`] keeps its
+/// operand instead, and the key stays unreadable.
 fn add_counts(key: &[u8], existing: Option<&[u8]>, operands: &MergeOperands) -> Option<Vec<u8>> {
     let decode = |bytes: &[u8]| match Counts::decode(bytes) {
         Ok(counts) => Some(counts),
