@@ -15,7 +15,7 @@
 //! inherit it. The loops that apply or move backlogs (a counter's batches and
 //! rollups, the ingester's pipeline, the graph's processor, a dequeue broker's
 //! fetcher) and what opens a RocksDB (whose background threads it starts) run on
-//! threads of their own through [`spawn_background`], which go back to the kernel's
+//! threads of their own ([`background_thread`], [`spawn_background`]), which go back to the kernel's
 //! default; a worker's job processes go back to it too. Elsewhere than Linux, and on
 //! kernels before 6.12 (which accept the field and ignore it), the hints change
 //! nothing ([`custom_slices`] tells). A thread under a real-time or idle policy
@@ -75,8 +75,22 @@ pub fn custom_slices() -> bool {
     std::thread::spawn(slice).join().ok().flatten().is_some_and(|slice| !slice.is_zero())
 }
 
-/// Runs `work` on a new thread named `name` at the kernel's default slice (a loop
-/// that applies or moves a backlog), in the caller's runtime context as
+/// Starts `work` on a new thread named `name` at the kernel's default slice (a loop
+/// that applies or moves a backlog), whatever slice the caller has.
+pub fn background_thread<T, F>(name: &str, work: F) -> io::Result<std::thread::JoinHandle<T>>
+where
+    T: Send + 'static,
+    F: FnOnce() -> T + Send + 'static,
+{
+    std::thread::Builder::new().name(name.into()).spawn(move || {
+        if let Err(err) = set_slice(Duration::ZERO) {
+            tracing::debug!(error = %err, "a background thread keeps its parent's slice");
+        }
+        work()
+    })
+}
+
+/// Runs `work` on a [`background_thread`], in the caller's runtime context as
 /// `spawn_blocking` would, and waits for it without holding an async worker. A
 /// panic in `work` comes back as its message.
 pub async fn spawn_background<T, F>(name: &str, work: F) -> Result<T, String>
@@ -86,11 +100,8 @@ where
 {
     let (done, finished) = oneshot::channel();
     let runtime = tokio::runtime::Handle::try_current().ok();
-    let spawned = std::thread::Builder::new().name(name.into()).spawn(move || {
+    let spawned = background_thread(name, move || {
         let _context = runtime.as_ref().map(|runtime| runtime.enter());
-        if let Err(err) = set_slice(Duration::ZERO) {
-            tracing::debug!(error = %err, "a background thread keeps its parent's slice");
-        }
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
         let _ = done.send(result.map_err(|panic| panic_message(&*panic)));
     });
@@ -284,12 +295,13 @@ pub(crate) mod tests {
             set_slice(MIN_SLICE).unwrap();
             let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
             let child = runtime.block_on(spawn_background("test-background", slice));
-            (slice().unwrap(), (child, default))
+            let thread = background_thread("test-thread", slice).unwrap().join().unwrap();
+            (slice().unwrap(), (child, thread, default))
         })
         .join()
         .unwrap();
-        let (child, default) = default;
-        assert_eq!((parent, child), (MIN_SLICE, Ok(Some(default))));
+        let (child, thread, default) = default;
+        assert_eq!((parent, child, thread), (MIN_SLICE, Ok(Some(default)), Some(default)));
     }
 
     #[tokio::test]

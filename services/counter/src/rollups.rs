@@ -63,9 +63,7 @@ impl Rollups {
         metrics: Metrics,
         shutdown: CancellationToken,
     ) -> std::io::Result<JoinHandle<()>> {
-        std::thread::Builder::new().name("counter-rollups".into()).spawn(move || {
-            // Backlog work: the kernel's default slice, not the request threads' short one.
-            let _ = tally_shared::sched::set_slice(std::time::Duration::ZERO);
+        tally_shared::sched::background_thread("counter-rollups", move || {
             while !shutdown.is_cancelled() && self.relay.fatal().is_none() {
                 let started = std::time::Instant::now();
                 self.round(&shards, &metrics);

@@ -47,12 +47,14 @@ const KEY_REBUILD_UNTIL: &[u8] = b"rebuild_until";
 /// memtable before the write that would add another sums them into a value instead
 /// (RocksDB's `max_successive_merges`: that write reads the key, from the files too
 /// in RocksDB 7.9; replaying the WAL after a restart skips it, so a key may have more
-/// until its next write). A read of a key collects and sums every operand down to its last value,
-/// and under a backlog the popular keys — the ones read most — get one per batch:
-/// bounding them took batches of 100 reads while ingesting from p50 2.3–2.7 to
-/// 1.6–2.0 ms (BENCHMARKS.md, "Merge operands"). A stored value that write cannot
-/// read or decode leaves the operand stacked, and the read that needs it fails; each
-/// later write of that key then tries again (and logs the corruption again).
+/// until its next write).
+///
+/// A read of a key collects and sums every operand down to its last value, and under
+/// a backlog the popular keys — the ones read most — get one per batch: bounding them
+/// took batches of 100 reads while ingesting from p50 2.3–2.7 to 1.6–2.0 ms
+/// (BENCHMARKS.md, "Merge operands"). A stored value that write cannot read or decode
+/// leaves the operand stacked, and the read that needs it fails; each later write of
+/// that key then tries again (and logs the corruption again).
 const MAX_SUCCESSIVE_MERGES: usize = 8;
 
 /// Settings of a shard store.
