@@ -17,7 +17,6 @@
 //! sets contain the true components): components are independent, and their
 //! traversals run in parallel on scoped threads.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 
 use rustc_hash::{FxHashMap, FxHashSet};
@@ -166,7 +165,9 @@ impl Graph {
     /// desc(entity), sorted.
     pub fn descendants(&self, entity: &str) -> Vec<String> {
         let Some(id) = self.id(entity) else { return Vec::new() };
-        let mut names: Vec<String> = self.reach(id, true).into_iter().map(|n| self.name(n).to_string()).collect();
+        let mut reached = Vec::new();
+        self.reach_into(&mut FxHashSet::default(), id, true, usize::MAX, &mut reached);
+        let mut names: Vec<String> = reached.into_iter().map(|n| self.name(n).to_string()).collect();
         names.sort_unstable();
         names
     }
@@ -176,7 +177,8 @@ impl Graph {
     /// `limit`; the walk stops there, and the flag says whether there were more.
     pub fn ancestors(&self, entity: &str, limit: usize) -> (Vec<&str>, bool) {
         let Some(id) = self.id(entity) else { return (Vec::new(), false) };
-        let reached = self.reach_at_most(id, false, limit.saturating_add(1));
+        let mut reached = Vec::new();
+        self.reach_into(&mut FxHashSet::default(), id, false, limit.saturating_add(1), &mut reached);
         let more = reached.len() > limit;
         let mut names: Vec<&str> = reached.into_iter().map(|n| self.name(n)).collect();
         names.sort_unstable();
@@ -184,28 +186,42 @@ impl Graph {
         (names, more)
     }
 
-    /// Every node reachable from `start` by one or more edges (forward or backward),
-    /// `start` excluded.
-    fn reach(&self, start: NodeId, forward: bool) -> FxHashSet<NodeId> {
-        self.reach_at_most(start, forward, usize::MAX)
+    /// Appends to `reached` every node reachable from `start` by one or more edges
+    /// (forward or backward), `start` excluded, stopping once `bound` nodes are
+    /// appended; `visited` must not hold any of them yet.
+    fn reach_into(
+        &self,
+        visited: &mut impl Visited,
+        start: NodeId,
+        forward: bool,
+        bound: usize,
+        reached: &mut Vec<NodeId>,
+    ) {
+        let first = reached.len();
+        visited.first_visit(start);
+        reached.push(start);
+        self.walk(visited, forward, reached, first, bound.saturating_add(1));
+        reached.swap_remove(first);
     }
 
-    /// Like [`Graph::reach`], stopping once `bound` nodes are reached.
-    fn reach_at_most(&self, start: NodeId, forward: bool, bound: usize) -> FxHashSet<NodeId> {
+    /// Breadth first from the nodes in `reached[from..]` (already visited): appends
+    /// each node they reach that `visited` did not hold, until `reached[from..]`
+    /// holds `bound` nodes. `reached` is the queue too: each node is expanded once.
+    fn walk(&self, visited: &mut impl Visited, forward: bool, reached: &mut Vec<NodeId>, from: usize, bound: usize) {
         let adjacency = if forward { &self.out } else { &self.inn };
-        let mut seen = FxHashSet::default();
-        let mut queue = VecDeque::from([start]);
-        while let Some(node) = queue.pop_front() {
-            for &next in &adjacency[node as usize] {
-                if next != start && seen.insert(next) {
-                    if seen.len() >= bound {
-                        return seen;
+        let mut next = from;
+        while next < reached.len() && reached.len() - from < bound {
+            let node = reached[next];
+            next += 1;
+            for &neighbour in &adjacency[node as usize] {
+                if visited.first_visit(neighbour) {
+                    reached.push(neighbour);
+                    if reached.len() - from >= bound {
+                        return;
                     }
-                    queue.push_back(next);
                 }
             }
         }
-        seen
     }
 
     /// Applies `updates` in order and returns the net descendant-set change of every
@@ -235,13 +251,26 @@ impl Graph {
         }
         let groups: Vec<Vec<NodeId>> = groups.into_values().collect();
 
-        // Before: each group's origins and their descendant sets.
-        let before: Vec<Vec<(NodeId, FxHashSet<NodeId>)>> = self.per_group(&groups, |graph, touched| {
-            let mut origins: FxHashSet<NodeId> = touched.iter().copied().collect();
+        // Before: each group's origins (its touched nodes and their ancestors) and
+        // their descendant sets, each sorted.
+        let before: Vec<DescSets> = self.per_group(&groups, |graph, stamps, touched| {
+            stamps.clear();
+            let mut origins = Vec::new();
             for &node in touched {
-                origins.extend(graph.reach(node, false));
+                if stamps.first_visit(node) {
+                    origins.push(node);
+                }
             }
-            origins.into_iter().map(|origin| (origin, graph.reach(origin, true))).collect()
+            graph.walk(stamps, false, &mut origins, 0, usize::MAX);
+            let mut sets = DescSets { origins: Vec::with_capacity(origins.len()), nodes: Vec::new() };
+            for origin in origins {
+                stamps.clear();
+                let start = sets.nodes.len();
+                graph.reach_into(stamps, origin, true, usize::MAX, &mut sets.nodes);
+                sets.nodes[start..].sort_unstable();
+                sets.origins.push((origin, start..sets.nodes.len()));
+            }
+            sets
         });
 
         for update in updates {
@@ -258,12 +287,23 @@ impl Graph {
 
         // After: the same origins' new sets, and the differences.
         let mut changes: Vec<DescChange> = self
-            .per_group(&before, |graph, group| {
+            .per_group(&before, |graph, stamps, sets| {
                 let mut changes = Vec::new();
-                for (origin, old) in group {
-                    let new = graph.reach(*origin, true);
-                    let mut added: Vec<String> = new.difference(old).map(|&n| graph.name(n).to_string()).collect();
-                    let mut removed: Vec<String> = old.difference(&new).map(|&n| graph.name(n).to_string()).collect();
+                let mut new = Vec::new();
+                for (origin, range) in &sets.origins {
+                    stamps.clear();
+                    new.clear();
+                    graph.reach_into(stamps, *origin, true, usize::MAX, &mut new);
+                    new.sort_unstable();
+                    let (mut added, mut removed) = (Vec::new(), Vec::new());
+                    for_each_difference(&sets.nodes[range.clone()], &new, |node, is_new| {
+                        let name = graph.name(node).to_string();
+                        if is_new {
+                            added.push(name)
+                        } else {
+                            removed.push(name)
+                        }
+                    });
                     if added.is_empty() && removed.is_empty() {
                         continue;
                     }
@@ -281,10 +321,11 @@ impl Graph {
     }
 
     /// Runs `work` on every group, on up to two scoped threads when there are
-    /// several groups (the graph is only read).
-    fn per_group<G: Sync, T: Send>(&self, groups: &[G], work: impl Fn(&Graph, &G) -> T + Sync) -> Vec<T> {
+    /// several groups (the graph is only read); each thread has its own stamps.
+    fn per_group<G: Sync, T: Send>(&self, groups: &[G], work: impl Fn(&Graph, &mut Stamps, &G) -> T + Sync) -> Vec<T> {
         if groups.len() < 2 {
-            return groups.iter().map(|group| work(self, group)).collect();
+            let mut stamps = Stamps::new(self.names.len());
+            return groups.iter().map(|group| work(self, &mut stamps, group)).collect();
         }
         let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).min(groups.len());
         let chunk = groups.len().div_ceil(threads);
@@ -293,7 +334,10 @@ impl Graph {
                 .chunks(chunk)
                 .map(|part| {
                     let work = &work;
-                    scope.spawn(move || part.iter().map(|group| work(self, group)).collect::<Vec<T>>())
+                    scope.spawn(move || {
+                        let mut stamps = Stamps::new(self.names.len());
+                        part.iter().map(|group| work(self, &mut stamps, group)).collect::<Vec<T>>()
+                    })
                 })
                 .collect();
             // A panic in a group is the batch's, not a silently empty group.
@@ -302,6 +346,82 @@ impl Graph {
                 .flat_map(|handle| handle.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
                 .collect()
         })
+    }
+}
+
+/// A group's origins and their descendant sets, each set a sorted range of `nodes`
+/// (one allocation for the group, not one per origin).
+struct DescSets {
+    origins: Vec<(NodeId, std::ops::Range<usize>)>,
+    nodes: Vec<NodeId>,
+}
+
+/// Calls `each(node, true)` for every node only in `new` and `each(node, false)` for
+/// every node only in `old`; both sorted.
+fn for_each_difference(old: &[NodeId], new: &[NodeId], mut each: impl FnMut(NodeId, bool)) {
+    let (mut i, mut j) = (0, 0);
+    while i < old.len() || j < new.len() {
+        match (old.get(i), new.get(j)) {
+            (Some(a), Some(b)) if a == b => (i, j) = (i + 1, j + 1),
+            (Some(&a), Some(&b)) if a < b => {
+                each(a, false);
+                i += 1;
+            }
+            (_, Some(&b)) => {
+                each(b, true);
+                j += 1;
+            }
+            (Some(&a), None) => {
+                each(a, false);
+                i += 1;
+            }
+            (None, None) => unreachable!("the loop runs while either has nodes"),
+        }
+    }
+}
+
+/// The nodes a traversal has visited.
+trait Visited {
+    /// Marks `node` visited; false when it already was.
+    fn first_visit(&mut self, node: NodeId) -> bool;
+}
+
+/// For one traversal: grows with what it visits.
+impl Visited for FxHashSet<NodeId> {
+    fn first_visit(&mut self, node: NodeId) -> bool {
+        self.insert(node)
+    }
+}
+
+/// For many traversals of one graph (a batch): each node is stamped with the number
+/// of the traversal that visited it, so the next traversal starts by counting on
+/// (no hashing, nothing to clear).
+struct Stamps {
+    stamps: Vec<u32>,
+    current: u32,
+}
+
+impl Stamps {
+    fn new(nodes: usize) -> Self {
+        Stamps { stamps: vec![0; nodes], current: 1 }
+    }
+
+    /// Forgets every visit.
+    fn clear(&mut self) {
+        self.current = self.current.wrapping_add(1);
+        if self.current == 0 {
+            self.stamps.fill(0);
+            self.current = 1;
+        }
+    }
+}
+
+impl Visited for Stamps {
+    fn first_visit(&mut self, node: NodeId) -> bool {
+        let stamp = &mut self.stamps[node as usize];
+        let first = *stamp != self.current;
+        *stamp = self.current;
+        first
     }
 }
 
@@ -389,6 +509,30 @@ mod tests {
                 prop_assert_eq!(graph.edge_count(), edges.len());
             }
         }
+    }
+
+    #[test]
+    fn stamps_forget_every_visit_when_their_count_wraps() {
+        let mut stamps = Stamps::new(3);
+        assert!(stamps.first_visit(1) && !stamps.first_visit(1));
+        stamps.clear();
+        assert!(stamps.first_visit(1) && stamps.first_visit(2));
+        stamps.current = u32::MAX;
+        assert!(stamps.first_visit(0) && !stamps.first_visit(0));
+        stamps.clear();
+        // Node 1 still holds stamp 2 from before the wrap, which must not read as visited.
+        assert_eq!((stamps.current, stamps.stamps.as_slice()), (1, &[0, 0, 0][..]));
+        assert!(stamps.first_visit(0) && stamps.first_visit(1) && stamps.first_visit(2));
+    }
+
+    #[test]
+    fn differences_of_sorted_sets() {
+        let mut seen = Vec::new();
+        for_each_difference(&[1, 3, 5, 9], &[2, 3, 9, 10, 11], |node, is_new| seen.push((node, is_new)));
+        assert_eq!(seen, vec![(1, false), (2, true), (5, false), (10, true), (11, true)]);
+        seen.clear();
+        for_each_difference(&[4], &[], |node, is_new| seen.push((node, is_new)));
+        assert_eq!(seen, vec![(4, false)]);
     }
 
     #[test]
