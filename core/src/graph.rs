@@ -74,7 +74,13 @@ pub struct Graph {
     /// Union-find parents: nodes ever joined by an edge share a root.
     parent: Vec<NodeId>,
     edges: usize,
+    /// Visit stamps for a batch's traversals, one per thread it ran on, kept from
+    /// batch to batch (4 bytes per node each) so a batch costs what it visits.
+    stamps: Vec<Stamps>,
 }
+
+/// Threads a batch's groups run on, at most (each keeps its own [`Stamps`]).
+const MAX_GROUP_THREADS: usize = 4;
 
 impl Graph {
     fn intern(&mut self, name: &str) -> NodeId {
@@ -250,10 +256,11 @@ impl Graph {
             groups.entry(self.root(node)).or_default().push(node);
         }
         let groups: Vec<Vec<NodeId>> = groups.into_values().collect();
+        let mut stamps = std::mem::take(&mut self.stamps);
 
         // Before: each group's origins (its touched nodes and their ancestors) and
         // their descendant sets, each sorted.
-        let before: Vec<DescSets> = self.per_group(&groups, |graph, stamps, touched| {
+        let before: Vec<DescSets> = self.per_group(&mut stamps, &groups, |graph, stamps, touched| {
             stamps.clear();
             let mut origins = Vec::new();
             for &node in touched {
@@ -287,7 +294,7 @@ impl Graph {
 
         // After: the same origins' new sets, and the differences.
         let mut changes: Vec<DescChange> = self
-            .per_group(&before, |graph, stamps, sets| {
+            .per_group(&mut stamps, &before, |graph, stamps, sets| {
                 let mut changes = Vec::new();
                 let mut new = Vec::new();
                 for (origin, range) in &sets.origins {
@@ -316,28 +323,42 @@ impl Graph {
             .into_iter()
             .flatten()
             .collect();
+        self.stamps = stamps;
         changes.sort_unstable_by(|a, b| a.origin.cmp(&b.origin));
         changes
     }
 
-    /// Runs `work` on every group, on up to two scoped threads when there are
-    /// several groups (the graph is only read); each thread has its own stamps.
-    fn per_group<G: Sync, T: Send>(&self, groups: &[G], work: impl Fn(&Graph, &mut Stamps, &G) -> T + Sync) -> Vec<T> {
-        if groups.len() < 2 {
-            let mut stamps = Stamps::new(self.names.len());
-            return groups.iter().map(|group| work(self, &mut stamps, group)).collect();
+    /// Runs `work` on every group, on up to [`MAX_GROUP_THREADS`] scoped threads
+    /// (at most the available cores) when there are several groups (the graph is
+    /// only read); each thread has its own stamps from `pool`, grown to the graph.
+    fn per_group<G: Sync, T: Send>(
+        &self,
+        pool: &mut Vec<Stamps>,
+        groups: &[G],
+        work: impl Fn(&Graph, &mut Stamps, &G) -> T + Sync,
+    ) -> Vec<T> {
+        // Asked only for several groups: it reads the cgroup's files each time.
+        let threads = match groups.len() {
+            0 | 1 => 1,
+            groups => std::thread::available_parallelism().map_or(2, |n| n.get()).min(MAX_GROUP_THREADS).min(groups),
+        };
+        if pool.len() < threads {
+            pool.resize_with(threads, Stamps::default);
         }
-        let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).min(groups.len());
+        for stamps in pool.iter_mut().take(threads) {
+            stamps.cover(self.names.len());
+        }
+        if threads == 1 {
+            return groups.iter().map(|group| work(self, &mut pool[0], group)).collect();
+        }
         let chunk = groups.len().div_ceil(threads);
         std::thread::scope(|scope| {
             let handles: Vec<_> = groups
                 .chunks(chunk)
-                .map(|part| {
+                .zip(pool.iter_mut())
+                .map(|(part, stamps)| {
                     let work = &work;
-                    scope.spawn(move || {
-                        let mut stamps = Stamps::new(self.names.len());
-                        part.iter().map(|group| work(self, &mut stamps, group)).collect::<Vec<T>>()
-                    })
+                    scope.spawn(move || part.iter().map(|group| work(self, stamps, group)).collect::<Vec<T>>())
                 })
                 .collect();
             // A panic in a group is the batch's, not a silently empty group.
@@ -393,17 +414,28 @@ impl Visited for FxHashSet<NodeId> {
     }
 }
 
-/// For many traversals of one graph (a batch): each node is stamped with the number
-/// of the traversal that visited it, so the next traversal starts by counting on
-/// (no hashing, nothing to clear).
+/// For many traversals of one graph (a batch, and the next): each node is stamped
+/// with the number of the traversal that visited it, so the next traversal starts by
+/// counting on (no hashing, no per-traversal reset; a full reset once every 2³²).
+#[derive(Debug, Clone)]
 struct Stamps {
     stamps: Vec<u32>,
+    /// The running traversal's number; never 0, the stamp of a node never visited.
     current: u32,
 }
 
+impl Default for Stamps {
+    fn default() -> Self {
+        Stamps { stamps: Vec::new(), current: 1 }
+    }
+}
+
 impl Stamps {
-    fn new(nodes: usize) -> Self {
-        Stamps { stamps: vec![0; nodes], current: 1 }
+    /// Grows to `nodes` nodes; the new ones unvisited.
+    fn cover(&mut self, nodes: usize) {
+        if self.stamps.len() < nodes {
+            self.stamps.resize(nodes, 0);
+        }
     }
 
     /// Forgets every visit.
@@ -513,16 +545,23 @@ mod tests {
 
     #[test]
     fn stamps_forget_every_visit_when_their_count_wraps() {
-        let mut stamps = Stamps::new(3);
+        let mut stamps = Stamps::default();
+        stamps.cover(3);
         assert!(stamps.first_visit(1) && !stamps.first_visit(1));
         stamps.clear();
         assert!(stamps.first_visit(1) && stamps.first_visit(2));
         stamps.current = u32::MAX;
         assert!(stamps.first_visit(0) && !stamps.first_visit(0));
         stamps.clear();
-        // Node 1 still holds stamp 2 from before the wrap, which must not read as visited.
-        assert_eq!((stamps.current, stamps.stamps.as_slice()), (1, &[0, 0, 0][..]));
-        assert!(stamps.first_visit(0) && stamps.first_visit(1) && stamps.first_visit(2));
+        assert!(stamps.first_visit(0) && stamps.first_visit(1));
+        // Node 2 held stamp 2 before the wrap: the traversal after next
+        // (number 2) must not take it for visited.
+        stamps.clear();
+        assert_eq!(stamps.current, 2);
+        assert!(stamps.first_visit(2), "a stamp from before the wrap reads as visited");
+        // Nodes added later start unvisited.
+        stamps.cover(5);
+        assert!(stamps.first_visit(4) && !stamps.first_visit(4));
     }
 
     #[test]
