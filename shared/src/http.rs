@@ -1,6 +1,8 @@
-//! The one HTTP error format, the one auth layer and the one page-token format of
-//! tally's APIs.
+//! The one HTTP server loop, the one HTTP error format, the one auth layer and the
+//! one page-token format of tally's APIs.
 //!
+//! Every API is served by [`serve`] (or [`spawn_serve`]): connections without
+//! Nagle's delay ([`no_delay`]).
 //! Every error answer is `{"error":{"code","message"}}` with a 4xx or 5xx status
 //! ([`ApiError`]); every API that takes a bearer token checks it with
 //! [`require_bearer`]; every paginated listing hands out [`page_token`]s.
@@ -10,7 +12,10 @@ use axum::http::header::AUTHORIZATION;
 use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use axum::serve::{ListenerExt, TapIo};
 use axum::{Json, Router};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
 
 /// An HTTP error answer: status, a stable machine-readable code, a message for people.
 #[derive(Debug, Clone)]
@@ -47,6 +52,36 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// `listener`, setting `TCP_NODELAY` on every connection it accepts. With Nagle's
+/// algorithm on, an answer written while the connection's previous answer is still
+/// unacknowledged waits until the peer's next packet brings the ACK; the peer
+/// delays its ACK, so on a connection that carries request after request (a read
+/// link: one request every 2 ms at 500 reads/s) every answer waited for the next
+/// request, phase after phase (BENCHMARKS.md, "Nagle on the read link").
+pub fn no_delay(listener: TcpListener) -> TapIo<TcpListener, fn(&mut TcpStream)> {
+    fn set_no_delay(connection: &mut TcpStream) {
+        if let Err(err) = connection.set_nodelay(true) {
+            tracing::debug!(error = %err, "a connection keeps Nagle's delay");
+        }
+    }
+    listener.tap_io(set_no_delay as fn(&mut TcpStream))
+}
+
+/// Serves `router` on `listener` ([`no_delay`]) until `shutdown`, then lets the
+/// requests in progress finish.
+pub async fn serve(listener: TcpListener, router: Router, shutdown: CancellationToken) -> std::io::Result<()> {
+    axum::serve(no_delay(listener), router).with_graceful_shutdown(shutdown.cancelled_owned()).await
+}
+
+/// [`serve`] on a task of its own; a failure is logged as `what` failing.
+pub fn spawn_serve(what: &'static str, listener: TcpListener, router: Router, shutdown: CancellationToken) {
+    tokio::spawn(async move {
+        if let Err(err) = serve(listener, router, shutdown).await {
+            tracing::error!(error = %err, "{what} failed");
+        }
+    });
+}
+
 /// Requires `Authorization: Bearer <token>` on every route of `router` when a token
 /// is configured; 401 `unauthorized` otherwise.
 pub fn require_bearer<S: Clone + Send + Sync + 'static>(router: Router<S>, token: Option<String>) -> Router<S> {
@@ -66,6 +101,27 @@ async fn authorize(State(expected): State<std::sync::Arc<String>>, request: Requ
             .into_response();
     }
     next.run(request).await
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::serve::Listener;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn accepted_connections_have_nagles_delay_off() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut served = no_delay(listener);
+        for _ in 0..2 {
+            let client = TcpStream::connect(addr).await.unwrap();
+            let (connection, peer) = served.accept().await;
+            assert_eq!(peer, client.local_addr().unwrap());
+            assert!(connection.nodelay().unwrap(), "an accepted connection keeps Nagle's delay");
+            assert!(!client.nodelay().unwrap(), "the client's end is the client's to set");
+        }
+    }
 }
 
 /// Opaque page tokens: a kind tag (which listing, which version of its token) and

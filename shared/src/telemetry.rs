@@ -87,12 +87,7 @@ pub async fn serve_admin(
     let listener = TcpListener::bind(listen).await?;
     let addr = listener.local_addr()?;
     let app = admin_router(registry, readiness);
-    tokio::spawn(async move {
-        let served = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await;
-        if let Err(err) = served {
-            tracing::error!(error = %err, "admin server failed");
-        }
-    });
+    crate::http::spawn_serve("admin server", listener, app, shutdown);
     Ok(addr)
 }
 

@@ -101,12 +101,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let dead = Arc::new(tally_shared::dead_jobs::DeadJobs::new(&config.kafka, names.clone())?);
     let api =
         http::router(http::ApiState { broker: broker.clone(), auth_token: config.broker.auth_token.clone(), dead });
-    let server_shutdown = shutdown.clone();
-    tokio::spawn(async move {
-        if let Err(err) = axum::serve(listener, api).with_graceful_shutdown(server_shutdown.cancelled_owned()).await {
-            tracing::error!(error = %err, "worker API failed");
-        }
-    });
+    tally_shared::http::spawn_serve("worker API", listener, api, shutdown.clone());
     let timeout_ms = config.broker.member_timeout_ms;
     let watched = [heartbeat, follower, declared];
     let watchdog = watch(watched, membership.clone(), instance, timeout_ms, readiness.clone(), shutdown.clone());

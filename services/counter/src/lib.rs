@@ -79,12 +79,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         snapshots: config.snapshots.enabled,
         shutdown: shutdown.clone(),
     });
-    let server_shutdown = shutdown.clone();
-    tokio::spawn(async move {
-        if let Err(err) = axum::serve(listener, app).with_graceful_shutdown(server_shutdown.cancelled_owned()).await {
-            tracing::error!(error = %err, "read API failed");
-        }
-    });
+    tally_shared::http::spawn_serve("read API", listener, app, shutdown.clone());
 
     let snapshots = match config.snapshots.enabled {
         true => Some(tally_shared::snapshot::SnapshotStore::from_config(

@@ -80,12 +80,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let failures = Arc::new(FailureBoard::new(|partition| format!("the graph (graph-updates partition {partition})")));
     let requests = snapshots.as_ref().map(|_| Arc::new(SnapshotRequests::default()));
     let app = http::router(store.clone(), failures.clone()).merge(snapshot_router(requests.clone()));
-    let server_shutdown = shutdown.clone();
-    tokio::spawn(async move {
-        if let Err(err) = axum::serve(listener, app).with_graceful_shutdown(server_shutdown.cancelled_owned()).await {
-            tracing::error!(error = %err, "graph read API failed");
-        }
-    });
+    tally_shared::http::spawn_serve("graph read API", listener, app, shutdown.clone());
 
     let snapshots = snapshots.zip(requests);
     let setup = processor::ProcessorSetup { config, store, failures, metrics, readiness, read_addr, snapshots };

@@ -80,7 +80,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let listener = TcpListener::bind(&config.query.listen).await?;
     let addr = listener.local_addr()?;
     tracing::info!(api = %addr, admin = %admin, shards, "tally-query serving");
-    axum::serve(listener, api::router(state)).with_graceful_shutdown(shutdown.clone().cancelled_owned()).await?;
+    tally_shared::http::serve(listener, api::router(state), shutdown.clone()).await?;
     shutdown.cancel();
     let _ = tokio::task::spawn_blocking(move || broker_follower.join()).await;
     match tracked.await {
