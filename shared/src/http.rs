@@ -103,27 +103,6 @@ async fn authorize(State(expected): State<std::sync::Arc<String>>, request: Requ
     next.run(request).await
 }
 
-#[cfg(test)]
-mod tests {
-    use axum::serve::Listener;
-
-    use super::*;
-
-    #[tokio::test]
-    async fn accepted_connections_have_nagles_delay_off() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let mut served = no_delay(listener);
-        for _ in 0..2 {
-            let client = TcpStream::connect(addr).await.unwrap();
-            let (connection, peer) = served.accept().await;
-            assert_eq!(peer, client.local_addr().unwrap());
-            assert!(connection.nodelay().unwrap(), "an accepted connection keeps Nagle's delay");
-            assert!(!client.nodelay().unwrap(), "the client's end is the client's to set");
-        }
-    }
-}
-
 /// Opaque page tokens: a kind tag (which listing, which version of its token) and
 /// the fields a listing resumes from, `:`-joined (the last field may hold `:`),
 /// base64url. A token of another kind, or with another number of fields, is not
@@ -162,6 +141,27 @@ pub mod page_token {
             assert_eq!(decode(&encode("n1", &["views"]), "n1", 1), Some(vec!["views".into()]));
             assert_eq!(decode("!!", "n1", 1), None);
             assert_eq!(decode(&encode("n1", &[]), "n1", 1), None);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::serve::Listener;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn accepted_connections_have_nagles_delay_off() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut served = no_delay(listener);
+        for _ in 0..2 {
+            let client = TcpStream::connect(addr).await.unwrap();
+            let (connection, peer) = served.accept().await;
+            assert_eq!(peer, client.local_addr().unwrap());
+            assert!(connection.nodelay().unwrap(), "an accepted connection keeps Nagle's delay");
+            assert!(!client.nodelay().unwrap(), "the client's end is the client's to set");
         }
     }
 }
