@@ -3,6 +3,7 @@
 //!
 //! Every API is served by [`serve`] (or [`spawn_serve`]): connections without
 //! Nagle's delay ([`no_delay`]).
+//!
 //! Every error answer is `{"error":{"code","message"}}` with a 4xx or 5xx status
 //! ([`ApiError`]); every API that takes a bearer token checks it with
 //! [`require_bearer`]; every paginated listing hands out [`page_token`]s.
