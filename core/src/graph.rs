@@ -381,24 +381,21 @@ struct DescSets {
 /// every node only in `old`; both sorted.
 fn for_each_difference(old: &[NodeId], new: &[NodeId], mut each: impl FnMut(NodeId, bool)) {
     let (mut i, mut j) = (0, 0);
-    while i < old.len() || j < new.len() {
-        match (old.get(i), new.get(j)) {
-            (Some(a), Some(b)) if a == b => (i, j) = (i + 1, j + 1),
-            (Some(&a), Some(&b)) if a < b => {
-                each(a, false);
+    while i < old.len() && j < new.len() {
+        match old[i].cmp(&new[j]) {
+            std::cmp::Ordering::Less => {
+                each(old[i], false);
                 i += 1;
             }
-            (_, Some(&b)) => {
-                each(b, true);
+            std::cmp::Ordering::Greater => {
+                each(new[j], true);
                 j += 1;
             }
-            (Some(&a), None) => {
-                each(a, false);
-                i += 1;
-            }
-            (None, None) => unreachable!("the loop runs while either has nodes"),
+            std::cmp::Ordering::Equal => (i, j) = (i + 1, j + 1),
         }
     }
+    old[i..].iter().for_each(|&node| each(node, false));
+    new[j..].iter().for_each(|&node| each(node, true));
 }
 
 /// The nodes a traversal has visited.
