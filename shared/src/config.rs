@@ -401,9 +401,14 @@ pub struct CounterConfig {
     /// bytes each in memory). Large batches are what make a backlog fast: each hot
     /// bucket is written once.
     pub batch_max_bytes: usize,
-    /// Longest wait for a batch to fill, in ms: under light load batches are small
+    /// How long a batch waits to fill, in ms: under light load batches are small
     /// and reads see increments within about this long.
     pub batch_linger_ms: u64,
+    /// Under load a batch waits as long as the one before took to apply, up to this
+    /// many ms: the counter then applies at most about half the time, in bigger
+    /// batches that cost less per increment, and reads see increments within about
+    /// twice the apply time. At most `batch_linger_ms`: always `batch_linger_ms`.
+    pub batch_max_linger_ms: u64,
     /// Publish the latest values of changed buckets to `tally.rollups`.
     pub rollups: bool,
     /// How often, at most, the changed buckets' values are published, in ms: a
@@ -457,6 +462,7 @@ impl Default for CounterConfig {
             batch_max_records: 20_000,
             batch_max_bytes: 16 << 20,
             batch_linger_ms: 20,
+            batch_max_linger_ms: 500,
             rollups: true,
             rollup_interval_ms: 1_000,
             sync_writes: false,

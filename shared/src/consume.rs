@@ -24,8 +24,24 @@ pub struct BatchLimits {
     pub max_records: usize,
     /// Payload bytes.
     pub max_bytes: usize,
-    /// How long a batch stays open after its first record.
+    /// How long a batch stays open (unless full), counted from when polling for it
+    /// began.
     pub linger: Duration,
+    /// How long [`drive`] may stretch `linger` under load ([`BatchLimits::open_for`]);
+    /// at most `linger`: never stretched.
+    pub max_linger: Duration,
+}
+
+impl BatchLimits {
+    /// How long the batch after one that took `applying` to apply may stay open: as
+    /// long, within `linger..=max_linger`. While the processor keeps up, it then
+    /// applies at most about half the time, and its batches grow with the load (a
+    /// hot key is written once per batch, so bigger batches cost less per record)
+    /// rather than its share of the CPU; under light load batches close after
+    /// `linger` as before. A backlog fills batches before they linger at all.
+    pub fn open_for(&self, applying: Duration) -> Duration {
+        applying.clamp(self.linger, self.max_linger.max(self.linger))
+    }
 }
 
 /// The time of the input record `message` came from: its [`RECORD_TIME_HEADER`],
@@ -60,18 +76,20 @@ pub struct Polled {
 }
 
 /// Polls one bounded batch into `batch` (cleared first). It closes when full, when
-/// `linger` passed since it opened, or — while still empty — after one idle poll
+/// `open_for` (at least `limits.linger`) passed since it opened, or — while still
+/// empty — after one idle poll
 /// (so the caller's heartbeat work runs). After every poll `interrupted()` is asked:
 /// true (a rebalance reset the positions) discards what was collected and returns.
 pub fn poll_batch<C: ConsumerContext>(
     consumer: &BaseConsumer<C>,
     limits: &BatchLimits,
+    open_for: Duration,
     batch: &mut Vec<Polled>,
     mut interrupted: impl FnMut() -> bool,
 ) {
     batch.clear();
     let mut bytes = 0usize;
-    let deadline = Instant::now() + limits.linger;
+    let deadline = Instant::now() + open_for.max(limits.linger);
     loop {
         let wait = if batch.is_empty() {
             Duration::from_millis(100)
@@ -285,7 +303,8 @@ pub struct LoopSetup<'a> {
 }
 
 /// The one consume loop of every stateful log processor: runs until `shutdown` or
-/// the processor's error; the batch in hand is applied before it returns.
+/// the processor's error; the batch in hand is applied before it returns. Each
+/// batch may stay open as long as the one before took to apply ([`BatchLimits::open_for`]).
 pub fn drive<C: ConsumerContext, P: Processor<C>>(
     consumer: &BaseConsumer<C>,
     setup: &LoopSetup<'_>,
@@ -294,13 +313,18 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
 ) -> Result<(), P::Error> {
     let mut batch: Vec<Polled> = Vec::new();
     let mut last_heartbeat: Option<Instant> = None;
+    let mut open_for = setup.limits.linger;
     while !shutdown.is_cancelled() {
-        poll_batch(consumer, &setup.limits, &mut batch, || processor.positions_reset());
+        poll_batch(consumer, &setup.limits, open_for, &mut batch, || processor.positions_reset());
         // Records of a failed partition polled before it was paused: not applied,
         // its store's offset stays at the failure.
         batch.retain(|polled| !setup.failures.is_failed(polled.partition as u32));
-        if !batch.is_empty() {
+        if batch.is_empty() {
+            open_for = setup.limits.linger;
+        } else {
+            let started = Instant::now();
             let failed = processor.apply(consumer, &batch);
+            open_for = setup.limits.open_for(started.elapsed());
             pause(consumer, setup.topic, &failed);
         }
         let skipped =
@@ -323,7 +347,117 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use rdkafka::mocking::MockCluster;
+    use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+
     use super::*;
+    use crate::failures::FailureBoard;
+    use crate::outbox::Relay;
+
+    #[test]
+    fn a_batch_lingers_as_long_as_the_one_before_took_within_the_bounds() {
+        let limits = BatchLimits {
+            max_records: 1,
+            max_bytes: 1,
+            linger: Duration::from_millis(20),
+            max_linger: Duration::from_millis(500),
+        };
+        let after = |ms| limits.open_for(Duration::from_millis(ms)).as_millis();
+        assert_eq!((after(0), after(20), after(300), after(500), after(9_000)), (20, 20, 300, 500, 500));
+        let fixed = BatchLimits { max_linger: Duration::ZERO, ..limits };
+        assert_eq!(fixed.open_for(Duration::from_millis(300)), Duration::from_millis(20));
+    }
+
+    /// Applies batches, the first slowly, and notes when each apply began and ended.
+    struct SlowFirst {
+        applies: Vec<(Instant, Instant)>,
+        first_takes: Duration,
+        shutdown: CancellationToken,
+    }
+
+    impl Processor<rdkafka::consumer::DefaultConsumerContext> for SlowFirst {
+        type Error = crate::Error;
+
+        fn apply(&mut self, _: &BaseConsumer, _: &[Polled]) -> Vec<u32> {
+            let began = Instant::now();
+            if self.applies.is_empty() {
+                std::thread::sleep(self.first_takes);
+            }
+            self.applies.push((began, Instant::now()));
+            if self.applies.len() == 2 {
+                self.shutdown.cancel();
+            }
+            Vec::new()
+        }
+
+        fn skip_record(&mut self, _: u32, _: i64) -> Result<()> {
+            Ok(())
+        }
+
+        fn turn(&mut self, _: &BaseConsumer, _: u64, _: bool) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    /// While records trickle in, the batch after a slow apply stays open as long as
+    /// that apply took (`max_linger` permitting), not just `linger`.
+    #[test]
+    fn drive_stretches_the_linger_after_a_slow_apply() {
+        let cluster = MockCluster::new(1).unwrap();
+        let topic = "linger";
+        cluster.create_topic(topic, 1, 1).unwrap();
+        let kafka = KafkaConfig { bootstrap_servers: cluster.bootstrap_servers(), ..Default::default() };
+        let producing = Arc::new(AtomicBool::new(true));
+        let trickle = {
+            let (producing, producer) =
+                (producing.clone(), client_config(&kafka).unwrap().create::<BaseProducer>().unwrap());
+            std::thread::spawn(move || {
+                while producing.load(Ordering::Relaxed) {
+                    let _ = producer.send(BaseRecord::<(), _>::to(topic).payload("x"));
+                    producer.poll(Duration::from_millis(5));
+                }
+                let _ = producer.flush(Duration::from_secs(5));
+            })
+        };
+        let mut consumer_config = crate::kafka::consumer_config(&kafka).unwrap();
+        consumer_config.set("group.id", "linger-test").set("enable.auto.commit", "false");
+        let consumer: BaseConsumer = consumer_config.create().unwrap();
+        let mut assignment = TopicPartitionList::new();
+        assignment.add_partition_offset(topic, 0, Offset::Beginning).unwrap();
+        consumer.assign(&assignment).unwrap();
+
+        let first_takes = Duration::from_millis(600);
+        let shutdown = CancellationToken::new();
+        let mut processor = SlowFirst { applies: Vec::new(), first_takes, shutdown: shutdown.clone() };
+        let failures = FailureBoard::new(|partition| format!("partition {partition}"));
+        let letters = Relay::unstamped(&kafka, "dead".into()).unwrap();
+        let setup = LoopSetup {
+            topic,
+            limits: BatchLimits {
+                max_records: usize::MAX,
+                max_bytes: usize::MAX,
+                linger: Duration::from_millis(10),
+                max_linger: Duration::from_secs(5),
+            },
+            failures: &failures,
+            letters: &letters,
+            record_budget: 1 << 20,
+            heartbeat: Duration::from_secs(1),
+        };
+        drive(&consumer, &setup, &mut processor, &shutdown).unwrap();
+        producing.store(false, Ordering::Relaxed);
+        trickle.join().unwrap();
+
+        let applies = &processor.applies;
+        assert_eq!(applies.len(), 2);
+        // Records came in while the first batch was applied, so the second one
+        // opened at once and lingered 600 ms (with `linger` alone: 10 ms).
+        let between = applies[1].0 - applies[0].1;
+        assert!(between >= first_takes - Duration::from_millis(50), "the second batch lingered {between:?}");
+    }
 
     #[test]
     fn a_store_the_log_no_longer_reaches_cannot_be_replayed() {

@@ -288,6 +288,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             max_records: config.counter.batch_max_records,
             max_bytes: config.counter.batch_max_bytes,
             linger: Duration::from_millis(config.counter.batch_linger_ms),
+            max_linger: Duration::from_millis(config.counter.batch_max_linger_ms),
         },
         failures: &shards.failures,
         letters: &letters,

@@ -96,6 +96,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
             max_records: config.graph.batch_max_records,
             max_bytes: usize::MAX,
             linger: Duration::from_millis(config.graph.batch_linger_ms),
+            max_linger: Duration::from_millis(config.graph.batch_linger_ms),
         },
         failures: &failures,
         letters: &letters,
