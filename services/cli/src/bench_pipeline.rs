@@ -101,22 +101,38 @@ impl Case {
 }
 
 /// Entities drawn with a Zipf(1.1) skew, as producers' traffic is.
-struct Entities {
+pub(crate) struct Entities {
     zipf: Zipf,
     rng: StdRng,
 }
 
 impl Entities {
-    fn new(count: usize, seed: u64) -> Self {
+    pub(crate) fn new(count: usize, seed: u64) -> Self {
         Self { zipf: Zipf::new(count, 1.1), rng: StdRng::seed_from_u64(seed) }
     }
 
-    fn next(&mut self) -> usize {
+    pub(crate) fn next(&mut self) -> usize {
         self.zipf.sample(&mut self.rng)
+    }
+
+    /// An input message of `per_message` increments of drawn entities (an object
+    /// for one, an array for more), keyed by its first entity.
+    pub(crate) fn message(&mut self, per_message: usize) -> (String, String) {
+        let first = self.next();
+        let payload = if per_message == 1 {
+            format!(r#"{{"entity":"user:{first}","metric":"views"}}"#)
+        } else {
+            let items: Vec<String> = std::iter::once(first)
+                .chain((1..per_message).map(|_| self.next()))
+                .map(|e| format!(r#"{{"entity":"user:{e}","metric":"views"}}"#))
+                .collect();
+            format!("[{}]", items.join(","))
+        };
+        (format!("user:{first}"), payload)
     }
 }
 
-fn bar(len: u64, what: &str) -> ProgressBar {
+pub(crate) fn bar(len: u64, what: &str) -> ProgressBar {
     let bar = ProgressBar::new(len);
     bar.set_style(
         ProgressStyle::with_template("{msg:>28} [{bar:30}] {human_pos}/{human_len} ({per_sec}, {eta})")
@@ -146,29 +162,29 @@ pub(crate) async fn local_broker_unless_configured(
 }
 
 /// A broker, a topic prefix of its own, and the services as child processes.
-struct Rig {
-    config: TallyConfig,
+pub(crate) struct Rig {
+    pub(crate) config: TallyConfig,
     config_path: Option<PathBuf>,
     scratch: tempfile::TempDir,
     local: Option<LocalBroker>,
     bin_dir: PathBuf,
-    ports: Ports,
+    pub(crate) ports: Ports,
     children: Vec<(&'static str, Child)>,
     /// For the services' admin endpoints.
     client: reqwest::Client,
 }
 
 #[derive(Debug, Clone, Copy)]
-struct Ports {
-    counter_read: u16,
-    counter_admin: u16,
-    ingester_admin: u16,
-    query: u16,
-    query_admin: u16,
+pub(crate) struct Ports {
+    pub(crate) counter_read: u16,
+    pub(crate) counter_admin: u16,
+    pub(crate) ingester_admin: u16,
+    pub(crate) query: u16,
+    pub(crate) query_admin: u16,
 }
 
 impl Rig {
-    async fn start(mut config: TallyConfig, config_path: Option<PathBuf>) -> anyhow::Result<Self> {
+    pub(crate) async fn start(mut config: TallyConfig, config_path: Option<PathBuf>) -> anyhow::Result<Self> {
         let bin_dir =
             std::env::current_exe()?.parent().map(Path::to_path_buf).context("locating the service binaries")?;
         for name in ["tally-ingester", "tally-counter", "tally-query"] {
@@ -193,7 +209,7 @@ impl Rig {
     }
 
     /// A fresh topic prefix (fresh topics) for the next case, with its topics applied.
-    async fn fresh_topics(&mut self) -> anyhow::Result<TopicNames> {
+    pub(crate) async fn fresh_topics(&mut self) -> anyhow::Result<TopicNames> {
         self.config.kafka.topic_prefix = format!("bench{:08x}.", rand::random::<u32>());
         let declarations = Declarations::load(self.config.broker.declarations.as_deref())?;
         topics::apply(&self.config.kafka, &declarations).await.context("applying topics")?;
@@ -229,7 +245,7 @@ impl Rig {
     }
 
     /// Starts a service and waits until its `/readyz` answers 200.
-    async fn run(&mut self, name: &'static str, admin_port: u16) -> anyhow::Result<()> {
+    pub(crate) async fn run(&mut self, name: &'static str, admin_port: u16) -> anyhow::Result<()> {
         self.spawn(name)?;
         self.ready(name, admin_port).await
     }
@@ -290,7 +306,7 @@ impl Rig {
         Ok(())
     }
 
-    async fn finish(mut self) -> anyhow::Result<()> {
+    pub(crate) async fn finish(mut self) -> anyhow::Result<()> {
         self.stop_all().await?;
         if let Some(mut broker) = self.local.take() {
             tokio::task::spawn_blocking(move || broker.stop()).await?;
@@ -313,8 +329,17 @@ impl Rig {
 
     /// One value of a Prometheus counter from a service's `/metrics` (summed over
     /// labels).
-    async fn scrape(&self, admin_port: u16, metric: &str) -> anyhow::Result<f64> {
+    pub(crate) async fn scrape(&self, admin_port: u16, metric: &str) -> anyhow::Result<f64> {
         self.scrape_lines(admin_port, metric, |_| true).await
+    }
+
+    /// The write batches the counter at `admin_port` applied since it started.
+    pub(crate) async fn batches(&self, admin_port: u16) -> anyhow::Result<Batches> {
+        Ok(Batches {
+            count: self.scrape(admin_port, "tally_counter_batch_keys_count").await?,
+            keys: self.scrape(admin_port, "tally_counter_batch_keys_sum").await?,
+            seconds: self.scrape(admin_port, "tally_counter_apply_seconds_sum").await?,
+        })
     }
 
     /// [`Rig::scrape`] of the series whose labels include the value `label`.
@@ -354,17 +379,7 @@ async fn produce_backlog(
     let mut pending = futures::stream::FuturesUnordered::new();
     use futures::StreamExt;
     for _ in 0..case.messages {
-        let first = draw.next();
-        let payload = if case.per_message == 1 {
-            format!(r#"{{"entity":"user:{first}","metric":"views"}}"#)
-        } else {
-            let items: Vec<String> = std::iter::once(first)
-                .chain((1..case.per_message).map(|_| draw.next()))
-                .map(|e| format!(r#"{{"entity":"user:{e}","metric":"views"}}"#))
-                .collect();
-            format!("[{}]", items.join(","))
-        };
-        let key = format!("user:{first}");
+        let (key, payload) = draw.message(case.per_message);
         let producer = producer.clone();
         let topic = topic.to_string();
         pending.push(async move {
@@ -503,6 +518,7 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
         let tally_cpu =
             through.cpu.as_ref().map_or_else(|| "unknown".into(), |cpu| cpu.per_unit(case.increments() as f64 / 1e6));
         let rollups = rig.scrape(counter_admin, "tally_counter_rollups_published_total").await?;
+        let live_batches = rig.batches(counter_admin).await?;
         let ingester_admin = rig.ports.ingester_admin;
         let input_bytes = rig.scrape(ingester_admin, "tally_ingester_input_bytes_total").await?;
         let shard_bytes =
@@ -536,6 +552,11 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
         );
         println!("    CPU per million increments: tally end to end: {tally_cpu}; raw consume: {raw_cpu}");
         println!(
+            "    the counter's write batches: live {}; rebuilding {}",
+            live_batches.describe(increments),
+            rebuild.batches.describe(increments)
+        );
+        println!(
             "    the counter alone, rebuilding every shard from the shard topic: {:.0} increments/s ({:.2} s; CPU per million increments: {})",
             case.increments() as f64 / rebuild.elapsed.as_secs_f64().max(1e-9),
             rebuild.elapsed.as_secs_f64(),
@@ -550,6 +571,38 @@ struct Rebuild {
     elapsed: Duration,
     /// The counter's and the broker's CPU per million increments.
     cpu: String,
+    batches: Batches,
+}
+
+/// The counter's write batches over a run (from its metrics; per shard, so a batch
+/// polled across several shards counts once for each).
+pub(crate) struct Batches {
+    count: f64,
+    keys: f64,
+    /// Wall-clock seconds spent applying them.
+    seconds: f64,
+}
+
+impl Batches {
+    /// The batches after `before` was read.
+    pub(crate) fn since(&self, before: &Batches) -> Batches {
+        Batches {
+            count: self.count - before.count,
+            keys: self.keys - before.keys,
+            seconds: self.seconds - before.seconds,
+        }
+    }
+
+    pub(crate) fn describe(&self, increments: f64) -> String {
+        format!(
+            "{:.0} batches in {:.2} s, {:.0} increments and {:.0} bucket keys written each on average ({:.2} keys per increment)",
+            self.count,
+            self.seconds,
+            increments / self.count.max(1.0),
+            self.keys / self.count.max(1.0),
+            self.keys / increments.max(1.0)
+        )
+    }
 }
 
 /// Deletes the (stopped) counter's stores and snapshots and starts it again, with
@@ -577,8 +630,9 @@ async fn rebuild_from_the_log(rig: &mut Rig, expected: u64) -> anyhow::Result<Re
             let elapsed = started.elapsed();
             progress.finish_and_clear();
             let cpu = cpu.per_unit(expected as f64 / 1e6);
+            let batches = rig.batches(rig.ports.counter_admin).await?;
             rig.stop("tally-counter").await?;
-            return Ok(Rebuild { elapsed, cpu });
+            return Ok(Rebuild { elapsed, cpu, batches });
         }
         rig.still_running("tally-counter")?;
         let failed = rig.scrape(rig.ports.counter_admin, "tally_counter_failed_shards").await.unwrap_or(0.0);
@@ -612,20 +666,20 @@ impl Latencies {
 }
 
 /// A minimal HTTP/1.1 keep-alive client: one request at a time on one connection.
-struct Connection {
+pub(crate) struct Connection {
     reader: BufReader<TcpStream>,
     writer: TcpStream,
 }
 
 impl Connection {
-    fn open(port: u16) -> anyhow::Result<Self> {
+    pub(crate) fn open(port: u16) -> anyhow::Result<Self> {
         let stream = TcpStream::connect(("127.0.0.1", port))?;
         stream.set_nodelay(true)?;
         Ok(Self { writer: stream.try_clone()?, reader: BufReader::new(stream) })
     }
 
     /// Sends `request` (a whole HTTP request) and reads the answer; its status.
-    fn exchange(&mut self, request: &[u8], body: &mut Vec<u8>) -> anyhow::Result<u16> {
+    pub(crate) fn exchange(&mut self, request: &[u8], body: &mut Vec<u8>) -> anyhow::Result<u16> {
         self.writer.write_all(request)?;
         let mut line = String::new();
         self.reader.read_line(&mut line)?;

@@ -1,6 +1,7 @@
 //! `tally`, the command line: `up` runs the whole pipeline on one machine; the other
 //! subcommands apply topics, produce test input, read counters and run benchmarks.
 
+pub mod bench_freshness;
 pub mod bench_graph;
 pub mod bench_jobs;
 pub mod bench_pipeline;
@@ -167,6 +168,8 @@ enum BenchCommand {
     Ingest(bench_pipeline::IngestBenchArgs),
     /// Read latency through tally-query (p50/p99/p999), idle and while ingesting.
     Read(bench_pipeline::ReadBenchArgs),
+    /// How soon a read shows an increment after it was sent, idle and under steady loads.
+    Freshness(bench_freshness::FreshnessBenchArgs),
     /// A dequeue broker: dequeue latency, dequeue → ack round trips and jobs/s vs the raw consume rate.
     Jobs(bench_jobs::JobsBenchArgs),
     /// What hierarchy costs: an edge add with many ancestors, increments with three levels of ancestors.
@@ -290,6 +293,9 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
             bench_pipeline::ingest(config, cli.config, args).await
         }
         Command::Bench { command: BenchCommand::Read(args) } => bench_pipeline::read(config, cli.config, args).await,
+        Command::Bench { command: BenchCommand::Freshness(args) } => {
+            bench_freshness::run(config, cli.config, args).await
+        }
         Command::Bench { command: BenchCommand::Jobs(args) } => bench_jobs::run(config, args).await,
         Command::Bench { command: BenchCommand::Restore { history, tail } } => bench_restore(history, tail).await,
         Command::Bench { command: BenchCommand::Graph { ancestors, bystanders, increments, shards, repeats } } => {

@@ -1,0 +1,262 @@
+//! `tally bench freshness`: how soon a read through tally-query shows an increment
+//! after it was sent (SPEC: within 2 s at p99 at nominal load), idle and under
+//! steady loads — the rate a deployment runs at, not a backlog it catches up with
+//! (`tally bench read` and `tally bench ingest` cover those).
+//!
+//! A probe is one increment of an entity of its own, sent every `--probe-every-ms`.
+//! One client reads that entity's all-time total every millisecond on a keep-alive
+//! connection; a probe's freshness runs from just before it was handed to the
+//! producer to the first read whose total includes it (producing, the ingester, the
+//! shard topic, the counter's batch and tally-query: everything a user waits for).
+//! Meanwhile a producer sends messages of `--per-message` Zipf-skewed increments at
+//! the phase's rate.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use futures::{FutureExt, StreamExt};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use tally_shared::config::TallyConfig;
+use tally_shared::kafka::producer_config;
+
+use crate::bench_pipeline::{bar, Connection, Entities, Rig};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct FreshnessBenchArgs {
+    /// Steady loads, in increments/s, one phase each (0: idle).
+    #[arg(long, value_delimiter = ',', default_values_t = [0u64, 100_000, 300_000])]
+    pub rates: Vec<u64>,
+    /// Seconds each phase sends probes.
+    #[arg(long, default_value_t = 10)]
+    pub seconds: u64,
+    /// Increments per message of the load.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..))]
+    pub per_message: u32,
+    /// How often a probe is sent, in ms.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
+    pub probe_every_ms: u64,
+    /// Entities the load writes, with a Zipf skew.
+    #[arg(long, default_value_t = 100_000)]
+    pub entities: usize,
+}
+
+/// The probes' entity: no load increment touches it.
+const PROBE: &str = "bench-probe";
+
+pub async fn run(
+    config: TallyConfig,
+    config_path: Option<std::path::PathBuf>,
+    args: FreshnessBenchArgs,
+) -> anyhow::Result<()> {
+    let mut rig = Rig::start(config, config_path).await?;
+    if rig.config.query.auth_token.is_some() {
+        rig.finish().await?;
+        bail!("tally bench freshness sends no token: run it with query.auth_token unset");
+    }
+    let names = rig.fresh_topics().await?;
+    println!(
+        "freshness bench: a probe increment every {} ms, read back through tally-query every millisecond; phases of {} s under steady loads of {} increments/s ({} per message, {} entities, Zipf 1.1); broker {}",
+        args.probe_every_ms,
+        args.seconds,
+        args.rates.iter().map(u64::to_string).collect::<Vec<_>>().join(", "),
+        args.per_message,
+        args.entities,
+        rig.config.kafka.bootstrap_servers,
+    );
+    let ports = rig.ports;
+    rig.run("tally-counter", ports.counter_admin).await?;
+    rig.run("tally-ingester", ports.ingester_admin).await?;
+    rig.run("tally-query", ports.query_admin).await?;
+    let producer: FutureProducer = producer_config(&rig.config.kafka)?.create()?;
+    let topic = names.increments();
+    let mut lines = Vec::new();
+    for (phase, &rate) in args.rates.iter().enumerate() {
+        let applied_before = rig.scrape(ports.counter_admin, APPLIED).await?;
+        let batches_before = rig.batches(ports.counter_admin).await?;
+        let (freshness, sent) = measure(&producer, &topic, ports.query, rate, phase as u64, &args).await?;
+        let applied = rig.scrape(ports.counter_admin, APPLIED).await? - applied_before;
+        let batches = rig.batches(ports.counter_admin).await?.since(&batches_before);
+        let load = if rate == 0 { "idle".to_string() } else { format!("{rate} increments/s") };
+        // By the time the last probe showed, a pipeline that keeps up has applied
+        // nearly all the load sent before it.
+        let behind = if applied < 0.95 * sent as f64 {
+            " — behind: the load was not all applied when the last probe showed, so freshness grew through the phase (more than this deployment sustains)"
+        } else {
+            ""
+        };
+        lines.push(format!(
+            "{load:<24} freshness p50 {:>7.1} ms  p90 {:>7.1} ms  p99 {:>7.1} ms  max {:>7.1} ms  ({} probes); {:.0} of the load's {sent} increments applied by then; the counter's write batches: {}{behind}",
+            freshness.at(0.50),
+            freshness.at(0.90),
+            freshness.at(0.99),
+            freshness.at(1.0),
+            freshness.0.len(),
+            applied,
+            batches.describe(applied),
+        ));
+    }
+    rig.finish().await?;
+    for line in lines {
+        println!("{line}");
+    }
+    Ok(())
+}
+
+const APPLIED: &str = "tally_counter_applied_increments_total";
+
+/// Freshness of each probe, sorted.
+struct Freshness(Vec<Duration>);
+
+impl Freshness {
+    /// The `p` quantile in ms (1.0: the largest).
+    fn at(&self, p: f64) -> f64 {
+        if self.0.is_empty() {
+            return f64::NAN;
+        }
+        crate::bench_jobs::percentile(&self.0, p).as_secs_f64() * 1e3
+    }
+}
+
+/// One phase: the load at `rate` and a probe every `probe_every_ms` for `seconds`;
+/// then waits (up to 30 s) for the last probe to show. Returns the probes'
+/// freshness and the load's increments sent.
+async fn measure(
+    producer: &FutureProducer,
+    topic: &str,
+    query_port: u16,
+    rate: u64,
+    seed: u64,
+    args: &FreshnessBenchArgs,
+) -> anyhow::Result<(Freshness, u64)> {
+    let label = if rate == 0 { "probes, idle".to_string() } else { format!("probes at {rate} increments/s") };
+    let progress = bar(args.seconds, &label);
+    let (base, reader) = settle(producer, topic, Connection::open(query_port)?).await?;
+    let sent: Arc<Mutex<Vec<Instant>>> = Arc::default();
+    let probes = (args.seconds * 1_000 / args.probe_every_ms) as usize;
+    let watcher = {
+        let sent = sent.clone();
+        tokio::task::spawn_blocking(move || watch(reader, base, probes, &sent))
+    };
+
+    let (start, end) = (Instant::now(), Instant::now() + Duration::from_secs(args.seconds));
+    let mut draw = Entities::new(args.entities, 100 + seed);
+    let per_message = args.per_message as usize;
+    let mut pending = futures::stream::FuturesUnordered::new();
+    let (mut owed, mut next_probe, mut tick) = (0.0f64, start, tokio::time::interval(Duration::from_millis(1)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let (mut last, mut sent_load) = (start, 0u64);
+    while Instant::now() < end {
+        tick.tick().await;
+        let now = Instant::now();
+        owed += rate as f64 / per_message as f64 * (now - last).as_secs_f64();
+        last = now;
+        while owed >= 1.0 {
+            owed -= 1.0;
+            let (key, payload) = draw.message(per_message);
+            let record = FutureRecord::to(topic).key(&key).payload(&payload);
+            pending
+                .push(producer.send_result(record).map_err(|(err, _)| anyhow::anyhow!("producing the load: {err}"))?);
+            sent_load += per_message as u64;
+        }
+        if now >= next_probe && sent.lock().map_or(0, |s| s.len()) < probes {
+            next_probe += Duration::from_millis(args.probe_every_ms);
+            let payload = format!(r#"{{"entity":"{PROBE}","metric":"views"}}"#);
+            sent.lock().map_err(|_| anyhow::anyhow!("a probe's clock"))?.push(Instant::now());
+            let record = FutureRecord::to(topic).key(PROBE).payload(&payload);
+            pending.push(producer.send_result(record).map_err(|(err, _)| anyhow::anyhow!("producing a probe: {err}"))?);
+        }
+        while let Some(Some(delivered)) = pending.next().now_or_never() {
+            check_delivered(delivered)?;
+        }
+        progress.set_position(start.elapsed().as_secs());
+    }
+    while let Some(delivered) = pending.next().await {
+        check_delivered(delivered)?;
+    }
+    progress.finish_and_clear();
+    let mut seen = watcher.await??;
+    seen.sort();
+    Ok((Freshness(seen), sent_load))
+}
+
+/// Sends one probe and waits until a read shows it: the producer's and the path's
+/// start-up (metadata, producer ids, connections) and the previous phase's tail
+/// stay out of the figures. Returns the probes' total then.
+async fn settle(producer: &FutureProducer, topic: &str, reader: Connection) -> anyhow::Result<(i64, Connection)> {
+    let payload = format!(r#"{{"entity":"{PROBE}","metric":"views"}}"#);
+    let (reader, before) = blocking_total(reader).await?;
+    let delivered = producer.send(FutureRecord::to(topic).key(PROBE).payload(&payload), Duration::from_secs(60)).await;
+    delivered.map_err(|(err, _)| anyhow::anyhow!("producing a probe: {err}"))?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut reader = reader;
+    loop {
+        let (back, total) = blocking_total(reader).await?;
+        reader = back;
+        if total > before {
+            return Ok((total, reader));
+        }
+        anyhow::ensure!(Instant::now() < deadline, "a probe did not show within 60 s");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// [`probe_total`] off the async runtime.
+async fn blocking_total(mut reader: Connection) -> anyhow::Result<(Connection, i64)> {
+    tokio::task::spawn_blocking(move || probe_total(&mut reader).map(|total| (reader, total))).await?
+}
+
+fn check_delivered(
+    delivered: Result<rdkafka::producer::future_producer::OwnedDeliveryResult, futures::channel::oneshot::Canceled>,
+) -> anyhow::Result<()> {
+    match delivered {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err((err, _))) => bail!("a record was not delivered: {err}"),
+        Err(_) => bail!("the producer dropped a record"),
+    }
+}
+
+/// Reads the probes' total every millisecond until all `probes` of this phase show
+/// (the total reaches `base + probes`, up to 30 s after the last was sent); each
+/// probe's freshness runs from its send time in `sent` to the first read that
+/// includes it.
+fn watch(
+    mut reader: Connection,
+    base: i64,
+    probes: usize,
+    sent: &Mutex<Vec<Instant>>,
+) -> anyhow::Result<Vec<Duration>> {
+    let mut freshness = Vec::with_capacity(probes);
+    let mut last_send = Instant::now();
+    while freshness.len() < probes {
+        let total = probe_total(&mut reader)?;
+        let read_at = Instant::now();
+        let shown = usize::try_from(total - base).context("the probes' total fell")?;
+        let sent = sent.lock().map_err(|_| anyhow::anyhow!("a probe's clock"))?;
+        anyhow::ensure!(shown <= sent.len(), "{shown} probes show but {} were sent", sent.len());
+        while freshness.len() < shown {
+            freshness.push(read_at - sent[freshness.len()]);
+        }
+        if let Some(&at) = sent.last() {
+            last_send = at;
+        }
+        drop(sent);
+        anyhow::ensure!(
+            last_send.elapsed() < Duration::from_secs(30) || freshness.len() == probes,
+            "{} of {probes} probes showed within 30 s of the last one sent",
+            freshness.len()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Ok(freshness)
+}
+
+/// The probes' all-time total as tally-query answers it (0 before the first).
+fn probe_total(reader: &mut Connection) -> anyhow::Result<i64> {
+    let request = format!("GET /v1/counters/{PROBE}/views HTTP/1.1\r\nhost: bench\r\n\r\n");
+    let mut body = Vec::new();
+    let status = reader.exchange(request.as_bytes(), &mut body)?;
+    anyhow::ensure!(status == 200, "reading the probes answered {status}: {}", String::from_utf8_lossy(&body));
+    let answer: serde_json::Value = serde_json::from_slice(&body).context("reading the probes' answer")?;
+    answer["value"].as_i64().with_context(|| format!("no value in {answer}"))
+}
