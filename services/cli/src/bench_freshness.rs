@@ -86,7 +86,7 @@ pub async fn run(
             ""
         };
         lines.push(format!(
-            "{load:<24} freshness p50 {:>7.1} ms  p90 {:>7.1} ms  p99 {:>7.1} ms  max {:>7.1} ms  ({} probes); {:.0} of the load's {sent} increments applied by then; the counter's write batches: {}{behind}",
+            "{load:<24} freshness p50 {:>7.1} ms  p90 {:>7.1} ms  p99 {:>7.1} ms  max {:>7.1} ms  ({} probes); {:.0} increments applied by then (the load sent {sent}, and the probes); the counter's write batches: {}{behind}",
             freshness.at(0.50),
             freshness.at(0.90),
             freshness.at(0.99),
