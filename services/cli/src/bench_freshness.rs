@@ -20,7 +20,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::producer_config;
 
-use crate::bench_pipeline::{bar, Connection, Entities, Rig};
+use crate::bench_pipeline::{bar, Connection, Entities, Latencies, Rig};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct FreshnessBenchArgs {
@@ -105,19 +105,6 @@ pub async fn run(
 
 const APPLIED: &str = "tally_counter_applied_increments_total";
 
-/// Freshness of each probe, sorted.
-struct Freshness(Vec<Duration>);
-
-impl Freshness {
-    /// The `p` quantile in ms (1.0: the largest).
-    fn at(&self, p: f64) -> f64 {
-        if self.0.is_empty() {
-            return f64::NAN;
-        }
-        crate::bench_jobs::percentile(&self.0, p).as_secs_f64() * 1e3
-    }
-}
-
 /// One phase: the load at `rate` and a probe every `probe_every_ms` for `seconds`;
 /// then waits (up to 30 s) for the last probe to show. Returns the probes'
 /// freshness and the load's increments sent.
@@ -128,7 +115,7 @@ async fn measure(
     rate: u64,
     seed: u64,
     args: &FreshnessBenchArgs,
-) -> anyhow::Result<(Freshness, u64)> {
+) -> anyhow::Result<(Latencies, u64)> {
     let label = if rate == 0 { "probes, idle".to_string() } else { format!("probes at {rate} increments/s") };
     let progress = bar(args.seconds, &label);
     let (base, reader) = settle(producer, topic, Connection::open(query_port)?).await?;
@@ -177,7 +164,7 @@ async fn measure(
     progress.finish_and_clear();
     let mut seen = watcher.await??;
     seen.sort();
-    Ok((Freshness(seen), sent_load))
+    Ok((Latencies(seen), sent_load))
 }
 
 /// Sends one probe and waits until a read shows it: the producer's and the path's

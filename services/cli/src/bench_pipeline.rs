@@ -643,10 +643,11 @@ async fn rebuild_from_the_log(rig: &mut Rig, expected: u64) -> anyhow::Result<Re
 }
 
 /// Latencies of one phase, sorted.
-struct Latencies(Vec<Duration>);
+pub(crate) struct Latencies(pub(crate) Vec<Duration>);
 
 impl Latencies {
-    fn at(&self, p: f64) -> f64 {
+    /// The `p` quantile in ms (1.0: the largest).
+    pub(crate) fn at(&self, p: f64) -> f64 {
         if self.0.is_empty() {
             return f64::NAN;
         }
