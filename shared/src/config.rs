@@ -407,7 +407,8 @@ pub struct CounterConfig {
     /// Under load a batch waits as long as the one before took to apply, up to this
     /// many ms: the counter then applies at most about half the time, in bigger
     /// batches that cost less per increment, and reads see increments within about
-    /// twice the apply time. At most `batch_linger_ms`: always `batch_linger_ms`.
+    /// twice the apply time. Set at or below `batch_linger_ms`, batches are never
+    /// stretched. After a full batch (a backlog) the next one is not held back.
     pub batch_max_linger_ms: u64,
     /// Publish the latest values of changed buckets to `tally.rollups`.
     pub rollups: bool,

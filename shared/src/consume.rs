@@ -28,7 +28,7 @@ pub struct BatchLimits {
     /// began.
     pub linger: Duration,
     /// How long [`drive`] may stretch `linger` under load ([`BatchLimits::open_for`]);
-    /// at most `linger`: never stretched.
+    /// set at or below `linger`, batches are never stretched.
     pub max_linger: Duration,
 }
 
@@ -38,8 +38,13 @@ impl BatchLimits {
     /// applies at most about half the time, and its batches grow with the load (a
     /// hot key is written once per batch, so bigger batches cost less per record)
     /// rather than its share of the CPU; under light load batches close after
-    /// `linger` as before. A backlog fills batches before they linger at all.
-    pub fn open_for(&self, applying: Duration) -> Duration {
+    /// `linger` as before. After a `full` batch (a backlog) it is `linger`: the
+    /// next batch fills without waiting, and the one that ends the backlog closes
+    /// as soon as under light load (a shard catching up is ready no later).
+    pub fn open_for(&self, applying: Duration, full: bool) -> Duration {
+        if full {
+            return self.linger;
+        }
         applying.clamp(self.linger, self.max_linger.max(self.linger))
     }
 }
@@ -75,18 +80,18 @@ pub struct Polled {
     pub payload: Vec<u8>,
 }
 
-/// Polls one bounded batch into `batch` (cleared first). It closes when full, when
-/// `open_for` (at least `limits.linger`) passed since it opened, or — while still
-/// empty — after one idle poll
-/// (so the caller's heartbeat work runs). After every poll `interrupted()` is asked:
-/// true (a rebalance reset the positions) discards what was collected and returns.
+/// Polls one bounded batch into `batch` (cleared first); true when it closed full.
+/// It closes when full, when `open_for` (at least `limits.linger`) passed since it
+/// opened, or — while still empty — after one idle poll (so the caller's heartbeat
+/// work runs). After every poll `interrupted()` is asked: true (a rebalance reset
+/// the positions) discards what was collected and returns.
 pub fn poll_batch<C: ConsumerContext>(
     consumer: &BaseConsumer<C>,
     limits: &BatchLimits,
     open_for: Duration,
     batch: &mut Vec<Polled>,
     mut interrupted: impl FnMut() -> bool,
-) {
+) -> bool {
     batch.clear();
     let mut bytes = 0usize;
     let deadline = Instant::now() + open_for.max(limits.linger);
@@ -99,7 +104,7 @@ pub fn poll_batch<C: ConsumerContext>(
         let polled = consumer.poll(wait);
         if interrupted() {
             batch.clear();
-            return;
+            return false;
         }
         match polled {
             Some(Ok(message)) => {
@@ -113,12 +118,12 @@ pub fn poll_batch<C: ConsumerContext>(
                 });
             }
             Some(Err(err)) => tracing::warn!(error = %err, "consumer error"),
-            None if batch.is_empty() => return,
+            None if batch.is_empty() => return false,
             None => {}
         }
         let full = batch.len() >= limits.max_records.max(1) || bytes >= limits.max_bytes.max(1);
         if full || (!batch.is_empty() && Instant::now() >= deadline) {
-            return;
+            return full;
         }
     }
 }
@@ -315,7 +320,7 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
     let mut last_heartbeat: Option<Instant> = None;
     let mut open_for = setup.limits.linger;
     while !shutdown.is_cancelled() {
-        poll_batch(consumer, &setup.limits, open_for, &mut batch, || processor.positions_reset());
+        let full = poll_batch(consumer, &setup.limits, open_for, &mut batch, || processor.positions_reset());
         // Records of a failed partition polled before it was paused: not applied,
         // its store's offset stays at the failure.
         batch.retain(|polled| !setup.failures.is_failed(polled.partition as u32));
@@ -324,7 +329,7 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
         } else {
             let started = Instant::now();
             let failed = processor.apply(consumer, &batch);
-            open_for = setup.limits.open_for(started.elapsed());
+            open_for = setup.limits.open_for(started.elapsed(), full);
             pause(consumer, setup.topic, &failed);
         }
         let skipped =
@@ -365,10 +370,12 @@ mod tests {
             linger: Duration::from_millis(20),
             max_linger: Duration::from_millis(500),
         };
-        let after = |ms| limits.open_for(Duration::from_millis(ms)).as_millis();
+        let after = |ms| limits.open_for(Duration::from_millis(ms), false).as_millis();
         assert_eq!((after(0), after(20), after(300), after(500), after(9_000)), (20, 20, 300, 500, 500));
         let fixed = BatchLimits { max_linger: Duration::ZERO, ..limits };
-        assert_eq!(fixed.open_for(Duration::from_millis(300)), Duration::from_millis(20));
+        assert_eq!(fixed.open_for(Duration::from_millis(300), false), Duration::from_millis(20));
+        // After a full batch (a backlog), the next one is not held back.
+        assert_eq!(limits.open_for(Duration::from_millis(300), true), Duration::from_millis(20));
     }
 
     /// Applies batches, the first slowly, and notes when each apply began and ended.
@@ -457,6 +464,8 @@ mod tests {
         // opened at once and lingered 600 ms (with `linger` alone: 10 ms).
         let between = applies[1].0 - applies[0].1;
         assert!(between >= first_takes - Duration::from_millis(50), "the second batch lingered {between:?}");
+        // As long as the apply took, not `max_linger`.
+        assert!(between < Duration::from_secs(3), "the second batch lingered {between:?}");
     }
 
     #[test]

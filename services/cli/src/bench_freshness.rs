@@ -11,6 +11,7 @@
 //! Meanwhile a producer sends messages of `--per-message` Zipf-skewed increments at
 //! the phase's rate.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -25,7 +26,7 @@ use crate::bench_pipeline::{bar, Connection, Entities, Latencies, Rig};
 #[derive(Debug, Clone, clap::Args)]
 pub struct FreshnessBenchArgs {
     /// Steady loads, in increments/s, one phase each (0: idle).
-    #[arg(long, value_delimiter = ',', default_values_t = [0u64, 100_000, 300_000])]
+    #[arg(long, value_delimiter = ',', default_values_t = [0u64, 100_000, 200_000])]
     pub rates: Vec<u64>,
     /// Seconds each phase sends probes.
     #[arg(long, default_value_t = 10)]
@@ -49,6 +50,7 @@ pub async fn run(
     config_path: Option<std::path::PathBuf>,
     args: FreshnessBenchArgs,
 ) -> anyhow::Result<()> {
+    anyhow::ensure!(args.seconds * 1_000 >= args.probe_every_ms, "a phase of --seconds must fit a probe");
     let mut rig = Rig::start(config, config_path).await?;
     if rig.config.query.auth_token.is_some() {
         rig.finish().await?;
@@ -71,6 +73,8 @@ pub async fn run(
     let producer: FutureProducer = producer_config(&rig.config.kafka)?.create()?;
     let topic = names.increments();
     let mut lines = Vec::new();
+    let applied_at_start = rig.scrape(ports.counter_admin, APPLIED).await?;
+    let mut sent_in_all = 0u64;
     for (phase, &rate) in args.rates.iter().enumerate() {
         let applied_before = rig.scrape(ports.counter_admin, APPLIED).await?;
         let batches_before = rig.batches(ports.counter_admin).await?;
@@ -78,15 +82,22 @@ pub async fn run(
         let applied = rig.scrape(ports.counter_admin, APPLIED).await? - applied_before;
         let batches = rig.batches(ports.counter_admin).await?.since(&batches_before);
         let load = if rate == 0 { "idle".to_string() } else { format!("{rate} increments/s") };
-        // By the time the last probe showed, a pipeline that keeps up has applied
-        // nearly all the load sent before it.
+        // Once its last probe showed, a pipeline that keeps up has applied nearly
+        // everything sent before it.
         let behind = if applied < 0.95 * sent as f64 {
-            " — behind: the load was not all applied when the last probe showed, so freshness grew through the phase (more than this deployment sustains)"
+            " — behind: not all of it was applied when the last probe showed, so freshness grew through the phase (more than this deployment sustains)"
         } else {
             ""
         };
+        // The next phase starts on a drained pipeline.
+        sent_in_all += sent;
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while rig.scrape(ports.counter_admin, APPLIED).await? - applied_at_start < sent_in_all as f64 {
+            anyhow::ensure!(Instant::now() < deadline, "the counter did not apply what the phase sent within 120 s");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         lines.push(format!(
-            "{load:<24} freshness p50 {:>7.1} ms  p90 {:>7.1} ms  p99 {:>7.1} ms  max {:>7.1} ms  ({} probes); {:.0} increments applied by then (the load sent {sent}, and the probes); the counter's write batches: {}{behind}",
+            "{load:<24} freshness p50 {:>7.1} ms  p90 {:>7.1} ms  p99 {:>7.1} ms  max {:>7.1} ms  ({} probes); of the {sent} increments sent (load and probes), {:.0} applied by then; the counter's write batches: {}{behind}",
             freshness.at(0.50),
             freshness.at(0.90),
             freshness.at(0.99),
@@ -106,8 +117,8 @@ pub async fn run(
 const APPLIED: &str = "tally_counter_applied_increments_total";
 
 /// One phase: the load at `rate` and a probe every `probe_every_ms` for `seconds`;
-/// then waits (up to 30 s) for the last probe to show. Returns the probes'
-/// freshness and the load's increments sent.
+/// then waits for the last probe to show. Returns the probes' freshness and the
+/// increments sent (the load, the probes and the one that settled the phase).
 async fn measure(
     producer: &FutureProducer,
     topic: &str,
@@ -120,10 +131,11 @@ async fn measure(
     let progress = bar(args.seconds, &label);
     let (base, reader) = settle(producer, topic, Connection::open(query_port)?).await?;
     let sent: Arc<Mutex<Vec<Instant>>> = Arc::default();
-    let probes = (args.seconds * 1_000 / args.probe_every_ms) as usize;
+    // How many probes the watcher waits for: all that were sent, once sending ended.
+    let expected = Arc::new(AtomicUsize::new(usize::MAX));
     let watcher = {
-        let sent = sent.clone();
-        tokio::task::spawn_blocking(move || watch(reader, base, probes, &sent))
+        let (sent, expected) = (sent.clone(), expected.clone());
+        tokio::task::spawn_blocking(move || watch(reader, base, &sent, &expected))
     };
 
     let (start, end) = (Instant::now(), Instant::now() + Duration::from_secs(args.seconds));
@@ -146,7 +158,7 @@ async fn measure(
                 .push(producer.send_result(record).map_err(|(err, _)| anyhow::anyhow!("producing the load: {err}"))?);
             sent_load += per_message as u64;
         }
-        if now >= next_probe && sent.lock().map_or(0, |s| s.len()) < probes {
+        if now >= next_probe {
             next_probe += Duration::from_millis(args.probe_every_ms);
             let payload = format!(r#"{{"entity":"{PROBE}","metric":"views"}}"#);
             sent.lock().map_err(|_| anyhow::anyhow!("a probe's clock"))?.push(Instant::now());
@@ -161,10 +173,12 @@ async fn measure(
     while let Some(delivered) = pending.next().await {
         check_delivered(delivered)?;
     }
+    let probes = sent.lock().map_err(|_| anyhow::anyhow!("a probe's clock"))?.len();
+    expected.store(probes, Ordering::SeqCst);
     progress.finish_and_clear();
     let mut seen = watcher.await??;
     seen.sort();
-    Ok((Latencies(seen), sent_load))
+    Ok((Latencies(seen), sent_load + probes as u64 + 1))
 }
 
 /// Sends one probe and waits until a read shows it: the producer's and the path's
@@ -203,36 +217,37 @@ fn check_delivered(
     }
 }
 
-/// Reads the probes' total every millisecond until all `probes` of this phase show
-/// (the total reaches `base + probes`, up to 30 s after the last was sent); each
-/// probe's freshness runs from its send time in `sent` to the first read that
+/// Reads the probes' total every millisecond until every probe of this phase
+/// shows (`expected`, once sending ended; up to 120 s after the last was sent);
+/// each probe's freshness runs from its send time in `sent` to the first read that
 /// includes it.
 fn watch(
     mut reader: Connection,
     base: i64,
-    probes: usize,
     sent: &Mutex<Vec<Instant>>,
+    expected: &AtomicUsize,
 ) -> anyhow::Result<Vec<Duration>> {
-    let mut freshness = Vec::with_capacity(probes);
+    let mut freshness = Vec::new();
     let mut last_send = Instant::now();
-    while freshness.len() < probes {
+    while freshness.len() < expected.load(Ordering::SeqCst) {
         let total = probe_total(&mut reader)?;
         let read_at = Instant::now();
         let shown = usize::try_from(total - base).context("the probes' total fell")?;
-        let sent = sent.lock().map_err(|_| anyhow::anyhow!("a probe's clock"))?;
-        anyhow::ensure!(shown <= sent.len(), "{shown} probes show but {} were sent", sent.len());
+        let times = sent.lock().map_err(|_| anyhow::anyhow!("a probe's clock"))?;
+        anyhow::ensure!(shown <= times.len(), "{shown} probes show but {} were sent", times.len());
         while freshness.len() < shown {
-            freshness.push(read_at - sent[freshness.len()]);
+            freshness.push(read_at - times[freshness.len()]);
         }
-        if let Some(&at) = sent.last() {
+        if let Some(&at) = times.last() {
             last_send = at;
         }
-        drop(sent);
         anyhow::ensure!(
-            last_send.elapsed() < Duration::from_secs(30) || freshness.len() == probes,
-            "{} of {probes} probes showed within 30 s of the last one sent",
-            freshness.len()
+            last_send.elapsed() < Duration::from_secs(120),
+            "{} of {} probes showed within 120 s of the last one sent: the load is far more than this deployment sustains (lower --rates)",
+            freshness.len(),
+            times.len()
         );
+        drop(times);
         std::thread::sleep(Duration::from_millis(1));
     }
     Ok(freshness)

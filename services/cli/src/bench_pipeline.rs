@@ -111,7 +111,7 @@ impl Entities {
         Self { zipf: Zipf::new(count, 1.1), rng: StdRng::seed_from_u64(seed) }
     }
 
-    pub(crate) fn next(&mut self) -> usize {
+    fn next(&mut self) -> usize {
         self.zipf.sample(&mut self.rng)
     }
 
@@ -176,7 +176,7 @@ pub(crate) struct Rig {
 
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Ports {
-    pub(crate) counter_read: u16,
+    counter_read: u16,
     pub(crate) counter_admin: u16,
     pub(crate) ingester_admin: u16,
     pub(crate) query: u16,
