@@ -6,8 +6,9 @@
 //!   the baseline is a plain consumer reading those same records; then a counter and
 //!   an ingester start on the backlog and the time from the ingester's first record to
 //!   the counter having applied every increment gives increments/s end to end, with
-//!   each process's CPU per million increments and the bytes per increment on the
-//!   input and the shard topic. Then the raw rate again, and the counter alone
+//!   each process's CPU per million increments, the bytes per increment on the
+//!   input and the shard topic, and the counter's write batches (how big, keys
+//!   written per increment). Then the raw rate again, and the counter alone
 //!   rebuilding every shard from the shard topic (its stores deleted).
 //! - **read**: p50/p99/p999 of single reads and of batches of 100 through tally-query,
 //!   from closed-loop clients on keep-alive connections; idle, then while the ingester
