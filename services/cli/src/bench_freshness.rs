@@ -44,6 +44,8 @@ pub struct FreshnessBenchArgs {
 
 /// The probes' entity: no load increment touches it.
 const PROBE: &str = "bench-probe";
+/// A probe: one increment of [`PROBE`]'s `views`.
+const PROBE_MESSAGE: &str = r#"{"entity":"bench-probe","metric":"views"}"#;
 
 pub async fn run(
     config: TallyConfig,
@@ -160,9 +162,8 @@ async fn measure(
         }
         if now >= next_probe {
             next_probe += Duration::from_millis(args.probe_every_ms);
-            let payload = format!(r#"{{"entity":"{PROBE}","metric":"views"}}"#);
             sent.lock().map_err(|_| anyhow::anyhow!("a probe's clock"))?.push(Instant::now());
-            let record = FutureRecord::to(topic).key(PROBE).payload(&payload);
+            let record = FutureRecord::to(topic).key(PROBE).payload(PROBE_MESSAGE);
             pending.push(producer.send_result(record).map_err(|(err, _)| anyhow::anyhow!("producing a probe: {err}"))?);
         }
         while let Some(Some(delivered)) = pending.next().now_or_never() {
@@ -185,9 +186,9 @@ async fn measure(
 /// start-up (metadata, producer ids, connections) and the previous phase's tail
 /// stay out of the figures. Returns the probes' total then.
 async fn settle(producer: &FutureProducer, topic: &str, reader: Connection) -> anyhow::Result<(i64, Connection)> {
-    let payload = format!(r#"{{"entity":"{PROBE}","metric":"views"}}"#);
     let (reader, before) = blocking_total(reader).await?;
-    let delivered = producer.send(FutureRecord::to(topic).key(PROBE).payload(&payload), Duration::from_secs(60)).await;
+    let delivered =
+        producer.send(FutureRecord::to(topic).key(PROBE).payload(PROBE_MESSAGE), Duration::from_secs(60)).await;
     delivered.map_err(|(err, _)| anyhow::anyhow!("producing a probe: {err}"))?;
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut reader = reader;
@@ -261,4 +262,15 @@ fn probe_total(reader: &mut Connection) -> anyhow::Result<i64> {
     anyhow::ensure!(status == 200, "reading the probes answered {status}: {}", String::from_utf8_lossy(&body));
     let answer: serde_json::Value = serde_json::from_slice(&body).context("reading the probes' answer")?;
     answer["value"].as_i64().with_context(|| format!("no value in {answer}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_probe_increments_the_entity_that_is_read_back() {
+        let message: serde_json::Value = serde_json::from_str(PROBE_MESSAGE).unwrap();
+        assert_eq!(message, serde_json::json!({"entity": PROBE, "metric": "views"}));
+    }
 }
