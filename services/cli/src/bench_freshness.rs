@@ -133,8 +133,10 @@ async fn measure(
     let progress = bar(args.seconds, &label);
     let (base, reader) = settle(producer, topic, Connection::open(query_port)?).await?;
     let sent: Arc<Mutex<Vec<Instant>>> = Arc::default();
-    // How many probes the watcher waits for: all that were sent, once sending ended.
+    // How many probes the watcher waits for: all that were sent, once sending ended
+    // (none, should sending fail: the guard stops the watcher with the phase).
     let expected = Arc::new(AtomicUsize::new(usize::MAX));
+    let _stop = StopWatching(expected.clone());
     let watcher = {
         let (sent, expected) = (sent.clone(), expected.clone());
         tokio::task::spawn_blocking(move || watch(reader, base, &sent, &expected))
@@ -180,6 +182,18 @@ async fn measure(
     let mut seen = watcher.await??;
     seen.sort();
     Ok((Latencies(seen), sent_load + probes as u64 + 1))
+}
+
+/// Ends a phase's watcher if the phase ends before sending did (an error): a
+/// watcher still told to wait for every probe would poll for its full 120 s, and the
+/// runtime waits for it before the bench can exit with the error.
+struct StopWatching(Arc<AtomicUsize>);
+
+impl Drop for StopWatching {
+    fn drop(&mut self) {
+        // Once sending ended the watcher was told how many probes to wait for.
+        let _ = self.0.compare_exchange(usize::MAX, 0, Ordering::SeqCst, Ordering::SeqCst);
+    }
 }
 
 /// Sends one probe and waits until a read shows it: the producer's and the path's
@@ -267,6 +281,18 @@ fn probe_total(reader: &mut Connection) -> anyhow::Result<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_phase_that_ends_before_sending_did_stops_its_watcher() {
+        let expected = Arc::new(AtomicUsize::new(usize::MAX));
+        drop(StopWatching(expected.clone()));
+        assert_eq!(expected.load(Ordering::SeqCst), 0, "a failed phase waits for no probe");
+        let expected = Arc::new(AtomicUsize::new(usize::MAX));
+        let stop = StopWatching(expected.clone());
+        expected.store(250, Ordering::SeqCst);
+        drop(stop);
+        assert_eq!(expected.load(Ordering::SeqCst), 250, "a phase that sent everything waits for every probe");
+    }
 
     #[test]
     fn a_probe_increments_the_entity_that_is_read_back() {
