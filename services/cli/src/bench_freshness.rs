@@ -282,11 +282,51 @@ fn probe_total(reader: &mut Connection) -> anyhow::Result<i64> {
 mod tests {
     use super::*;
 
+    /// Answers every read of the probes on one keep-alive connection with `total`.
+    fn answer_probe_totals(listener: std::net::TcpListener, total: i64) {
+        use std::io::{BufRead, Write};
+        let (stream, _) = listener.accept().unwrap();
+        let (mut writer, mut reader) = (stream.try_clone().unwrap(), std::io::BufReader::new(stream));
+        let body = format!(r#"{{"value":{total}}}"#);
+        let mut line = String::new();
+        loop {
+            // One request: lines up to the blank one.
+            loop {
+                line.clear();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                    return;
+                }
+                if line == "\r\n" {
+                    break;
+                }
+            }
+            let answer = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}", body.len());
+            if writer.write_all(answer.as_bytes()).is_err() {
+                return;
+            }
+        }
+    }
+
     #[test]
     fn a_phase_that_ends_before_sending_did_stops_its_watcher() {
-        let expected = Arc::new(AtomicUsize::new(usize::MAX));
-        drop(StopWatching(expected.clone()));
-        assert_eq!(expected.load(Ordering::SeqCst), 0, "a failed phase waits for no probe");
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || answer_probe_totals(listener, 7));
+        let (sent, expected) = (Arc::new(Mutex::new(Vec::new())), Arc::new(AtomicUsize::new(usize::MAX)));
+        let stop = StopWatching(expected.clone());
+        let watcher = {
+            let (sent, expected, reader) = (sent.clone(), expected.clone(), Connection::open(port).unwrap());
+            std::thread::spawn(move || watch(reader, 7, &sent, &expected))
+        };
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(!watcher.is_finished(), "the watcher waits while the phase sends");
+        // The phase fails (an early return drops the guard).
+        let failed = Instant::now();
+        drop(stop);
+        let seen = watcher.join().unwrap().unwrap();
+        assert!(failed.elapsed() < Duration::from_secs(1), "the watcher took {:?} to stop", failed.elapsed());
+        assert_eq!((seen, expected.load(Ordering::SeqCst)), (Vec::new(), 0), "a failed phase waits for no probe");
+        // A phase that sent everything told the watcher how many probes to wait for.
         let expected = Arc::new(AtomicUsize::new(usize::MAX));
         let stop = StopWatching(expected.clone());
         expected.store(250, Ordering::SeqCst);
