@@ -673,10 +673,22 @@ pub(crate) struct Connection {
     writer: TcpStream,
 }
 
+/// How long a bench's read waits for its answer before the bench stops with an
+/// error: a read is answered in milliseconds, and a service that holds the
+/// connection without answering must not hang the bench.
+const ANSWER_WITHIN: Duration = Duration::from_secs(30);
+
 impl Connection {
     pub(crate) fn open(port: u16) -> anyhow::Result<Self> {
+        Self::open_waiting(port, ANSWER_WITHIN)
+    }
+
+    /// A connection whose reads and writes fail after `wait`.
+    fn open_waiting(port: u16, wait: Duration) -> anyhow::Result<Self> {
         let stream = TcpStream::connect(("127.0.0.1", port))?;
         stream.set_nodelay(true)?;
+        stream.set_read_timeout(Some(wait))?;
+        stream.set_write_timeout(Some(wait))?;
         Ok(Self { writer: stream.try_clone()?, reader: BufReader::new(stream) })
     }
 
@@ -899,6 +911,33 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_read_that_is_never_answered_fails_instead_of_hanging() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        // Accepts, reads the request and never answers; holds the connection until
+        // told (a close would fail the read for another reason).
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let server = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut request = [0u8; 256];
+            let _ = std::io::Read::read(&mut stream, &mut request);
+            let _ = stopped.recv();
+        });
+        let mut connection = Connection::open_waiting(port, Duration::from_millis(200)).unwrap();
+        let (done, result) = std::sync::mpsc::channel();
+        let started = Instant::now();
+        std::thread::spawn(move || {
+            let mut body = Vec::new();
+            let _ = done.send(connection.exchange(b"GET / HTTP/1.1\r\nhost: bench\r\n\r\n", &mut body).is_err());
+        });
+        let failed = result.recv_timeout(Duration::from_secs(3)).expect("the read still waits after 3 s");
+        assert!(failed, "a read nobody answered succeeded");
+        assert!(started.elapsed() < Duration::from_secs(2), "it failed after {:?}", started.elapsed());
+        stop.send(()).unwrap();
+        server.join().unwrap();
+    }
 
     #[test]
     fn open_loop_clients_share_the_rate_evenly_and_keep_their_schedule() {
