@@ -100,7 +100,8 @@ async fn kill9_and_lost_disk_of_graph_and_kill9_of_counter_mid_workload_count_ex
                     sandbox.spawn("tally-graph");
                     let deadline = std::time::Instant::now() + Duration::from_secs(60);
                     while !sandbox.log("tally-graph").contains("snapshot stored") {
-                        assert!(std::time::Instant::now() < deadline, "no graph snapshot within 60 s");
+                        let waited = std::time::Instant::now() < deadline;
+                        assert!(waited, "no graph snapshot within 60 s:\n{}", sandbox.log("tally-graph"));
                         tokio::time::sleep(Duration::from_millis(100)).await;
                     }
                 }
