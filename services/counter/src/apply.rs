@@ -26,6 +26,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::sync::MutexGuard;
 
+use rocksdb::properties::NUM_ENTRIES_ACTIVE_MEM_TABLE;
 use rocksdb::WriteBatch;
 use rustc_hash::FxHashMap;
 use tally_core::counting::Coalescer;
@@ -43,6 +44,7 @@ use tally_shared::dedupe::DedupeWindow;
 use crate::direct::{DirectCache, EntityDirect, MetricBuckets};
 use crate::error::Result;
 use crate::marks::MarkedKeys;
+use crate::operands::OperandTally;
 use tally_shared::outbox::outbox_key;
 
 use tally_shared::progress::Progress;
@@ -148,6 +150,38 @@ impl Marking<'_> {
         if let Some(mut marked) = self.marked {
             marked.insert_committed(self.written);
         }
+    }
+}
+
+/// The count keys one write batch changes ([`crate::operands`]): a merge operand
+/// each, or, for a key that stacked up the most operands, its sum (its stored
+/// value, read just before the commit, plus the delta). Holds the tally until
+/// [`CountWrites::finish`].
+struct CountWrites<'s> {
+    tally: MutexGuard<'s, OperandTally>,
+    sums: Vec<(Vec<u8>, Counts)>,
+}
+
+impl CountWrites<'_> {
+    fn add(&mut self, batch: &mut WriteBatch, counts_cf: &rocksdb::ColumnFamily, key: &[u8], delta: Counts) {
+        match self.tally.write_sum(key) {
+            true => self.sums.push((key.to_vec(), delta)),
+            false => batch.merge_cf(counts_cf, key, delta.encode()),
+        }
+    }
+
+    /// Writes the sums (only the consumer thread writes counts, so nothing changes
+    /// a key between this read and the commit). A stored value that does not
+    /// decode fails the batch, as a read of it would.
+    fn finish(self, store: &ShardStore, batch: &mut WriteBatch, counts_cf: &rocksdb::ColumnFamily) -> Result<()> {
+        if self.sums.is_empty() {
+            return Ok(());
+        }
+        let stored = store.get_counts(&self.sums.iter().map(|(key, _)| key).collect::<Vec<_>>())?;
+        for ((key, delta), value) in self.sums.iter().zip(stored) {
+            batch.put_cf(counts_cf, key, (value + *delta).encode());
+        }
+        Ok(())
     }
 }
 
@@ -292,10 +326,11 @@ impl ShardStore {
         let caching = !cache.is_empty();
         let mut cached_deltas: Vec<(&str, &str, i64, i64, i64)> = Vec::new();
         let mut last_entity: Option<(&str, bool)> = None;
+        let mut writes = self.count_writes()?;
         coalescer.for_each(|entity, metric, width_ms, bucket, counts| {
             key.clear();
             encode_count_key(&mut key, entity, metric, width_ms, bucket);
-            batch.merge_cf(counts_cf, &key, counts.encode());
+            writes.add(&mut batch, counts_cf, &key, counts);
             marking.mark(&mut batch, rollups_cf, &key);
             if caching && counts.direct != 0 {
                 // Deltas come entity by entity: each is looked up once.
@@ -309,6 +344,7 @@ impl ShardStore {
                 }
             }
         });
+        writes.finish(self, &mut batch, counts_cf)?;
         self.commit(batch, progress.clone())?;
         for (entity, metric, width_ms, bucket, delta) in cached_deltas {
             cache.add(entity, metric, width_ms, bucket, delta);
@@ -414,10 +450,12 @@ impl ShardStore {
         let logged = reencoded.as_deref().unwrap_or(payload);
         let persisted = descendants.persist(&mut batch, view_cfs, offset, logged, self.options.view_log_bytes)?;
         let mut marking = self.marking(mark_rollups)?;
+        let mut writes = self.count_writes()?;
         for (key, delta) in sums {
-            batch.merge_cf(counts_cf, &key, Counts { direct: 0, total: delta }.encode());
+            writes.add(&mut batch, counts_cf, &key, Counts { direct: 0, total: delta });
             marking.mark(&mut batch, rollups_cf, &key);
         }
+        writes.finish(self, &mut batch, counts_cf)?;
         let mut index = 0u32;
         for (target, deltas) in remote {
             let entries = deltas
@@ -556,6 +594,16 @@ impl ShardStore {
     }
 
     /// The marks of one write batch; `rollups` off: none.
+    fn count_writes(&self) -> Result<CountWrites<'_>> {
+        let mut tally = self.operands.lock().map_err(|_| self.poisoned())?;
+        // Unreadable, the counts carry on (a key is then summed sooner, never wrong).
+        let entries = self.store.db().property_int_value_cf(self.cf(CF_COUNTS)?, NUM_ENTRIES_ACTIVE_MEM_TABLE);
+        if let Ok(Some(entries)) = entries {
+            tally.memtable_holds(entries);
+        }
+        Ok(CountWrites { tally, sums: Vec::new() })
+    }
+
     fn marking(&self, rollups: bool) -> Result<Marking<'_>> {
         Ok(Marking { marked: if rollups { Some(self.marked()?) } else { None }, written: Vec::new() })
     }
@@ -665,6 +713,114 @@ mod tests {
             .unwrap();
         assert_eq!(report.increments, 1);
         assert_eq!(all_time(&store, "a"), 3);
+    }
+
+    /// The counts of `entity`'s all-time key and how many merge operands a read
+    /// collected to sum them (RocksDB counts them for iterators, not point reads).
+    fn counts_and_operands(store: &ShardStore, entity: &str) -> (Counts, u64) {
+        use rocksdb::perf::{set_perf_stats, PerfContext, PerfMetric, PerfStatsLevel};
+        let mut key = Vec::new();
+        encode_count_key(&mut key, entity, "views", ALL_TIME_WIDTH, 0);
+        set_perf_stats(PerfStatsLevel::EnableCount);
+        let mut context = PerfContext::default();
+        context.reset();
+        let mut iterator = store.store.db().raw_iterator_cf(store.cf(CF_COUNTS).unwrap());
+        iterator.seek(&key);
+        assert_eq!(iterator.key(), Some(key.as_slice()));
+        let read = Counts::decode(iterator.value().unwrap()).unwrap();
+        (read, context.metric(PerfMetric::InternalMergeCount))
+    }
+
+    #[test]
+    fn a_popular_key_stacks_a_bounded_number_of_operands_and_sums_exactly() {
+        use crate::operands::MAX_OPERANDS;
+        let dir = tempfile::tempdir().unwrap();
+        let store = ShardStore::open(0, dir.path(), options()).unwrap();
+        let (mut hot, mut cold) = (0, 0);
+        let mut operands_read = Vec::new();
+        // Batch after batch (several increments of the hot key in each, coalesced to
+        // one write; the cold key now and then), every sum stays exact and no read
+        // collects more than the bound.
+        let rounds = 5 * (i64::from(MAX_OPERANDS) + 1);
+        for round in 0..rounds {
+            let mut entries = vec![(round, 0, "hot", round + 1, None), (round, 1, "hot", -2, None)];
+            hot += round - 1;
+            if round % 4 == 0 {
+                entries.push((round, 2, "cold", 3 * round, None));
+                cold += 3 * round;
+            }
+            let payload = message(0, &entries);
+            store.apply(&[ShardRecord { offset: round, payload: &payload, timestamp: None }], NOW, true).unwrap();
+            let (read, operands) = counts_and_operands(&store, "hot");
+            assert_eq!(read, Counts { direct: hot, total: hot }, "after round {round}");
+            assert_eq!(counts(&store, "cold"), Counts { direct: cold, total: cold }, "after round {round}");
+            operands_read.push(operands);
+        }
+        // The operands stack up to the bound, the next write sums them, and again
+        // (RocksDB counts the operands a read merges after the newest one).
+        let bound = u64::from(MAX_OPERANDS);
+        let want: Vec<u64> = (0..rounds as u64).map(|round| ((round + 1) % (bound + 1)).saturating_sub(1)).collect();
+        assert_eq!(operands_read, want);
+        drop(store);
+        let store = ShardStore::open(0, dir.path(), options()).unwrap();
+        assert_eq!(counts(&store, "hot"), Counts { direct: hot, total: hot }, "reopened");
+        assert_eq!(counts(&store, "cold"), Counts { direct: cold, total: cold }, "reopened");
+    }
+
+    #[test]
+    fn operands_count_again_from_zero_in_a_new_memtable() {
+        use crate::operands::MAX_OPERANDS;
+        let dir = tempfile::tempdir().unwrap();
+        let store = ShardStore::open(0, dir.path(), options()).unwrap();
+        let mut offset = 0;
+        let mut write_hot = |store: &ShardStore| {
+            let payload = message(0, &[(offset, 0, "hot", 1, None)]);
+            store.apply(&[ShardRecord { offset, payload: &payload, timestamp: None }], NOW, false).unwrap();
+            offset += 1;
+        };
+        for _ in 0..5 {
+            write_hot(&store);
+        }
+        store.store.db().flush_cf(store.cf(CF_COUNTS).unwrap()).unwrap();
+        // The flush summed the five into one operand in a file; the new memtable then
+        // takes the bound's worth (counted from zero: a count carried over from the
+        // old memtable would have summed the key three writes ago).
+        for _ in 0..MAX_OPERANDS {
+            write_hot(&store);
+        }
+        let stacked = 5 + i64::from(MAX_OPERANDS);
+        let operands_after_the_newest = u64::from(MAX_OPERANDS);
+        assert_eq!(
+            counts_and_operands(&store, "hot"),
+            (Counts { direct: stacked, total: stacked }, operands_after_the_newest)
+        );
+        write_hot(&store);
+        assert_eq!(counts_and_operands(&store, "hot"), (Counts { direct: stacked + 1, total: stacked + 1 }, 0));
+    }
+
+    #[test]
+    fn a_corrupt_count_fails_the_batch_that_is_to_write_its_sum() {
+        use crate::operands::MAX_OPERANDS;
+        let dir = tempfile::tempdir().unwrap();
+        let store = ShardStore::open(0, dir.path(), options()).unwrap();
+        let mut key = Vec::new();
+        encode_count_key(&mut key, "broken", "views", ALL_TIME_WIDTH, 0);
+        store.store.db().put_cf(store.cf(CF_COUNTS).unwrap(), &key, b"\xffnot counts").unwrap();
+        let mut failed = None;
+        for round in 0..=i64::from(MAX_OPERANDS) {
+            let payload = message(0, &[(round, 0, "broken", 1, None)]);
+            match store.apply(&[ShardRecord { offset: round, payload: &payload, timestamp: None }], NOW, false) {
+                Ok(_) => assert!(store.get_counts(&[&key]).is_err(), "round {round}: the read fails"),
+                Err(err) => {
+                    failed = Some((round, err.to_string()));
+                    break;
+                }
+            }
+        }
+        let (round, error) = failed.expect("the batch that sums the key fails");
+        assert_eq!(round, i64::from(MAX_OPERANDS), "{error}");
+        assert!(error.to_lowercase().contains("corrupt"), "{error}");
+        assert_eq!(store.progress().next_offset, Some(round), "nothing of the failed batch is committed");
     }
 
     fn counts(store: &ShardStore, entity: &str) -> Counts {

@@ -2,7 +2,8 @@
 //! and remote totals to RocksDB exactly once, serves reads for them and publishes
 //! rollups.
 //!
-//! - [`store`]: one shard's RocksDB (counts, idempotency marks, progress);
+//! - [`store`]: one shard's RocksDB (counts, idempotency marks, progress), and
+//!   [`operands`]: when a batch writes a count key's sum instead of a merge operand;
 //! - [`apply`]: a batch of shard records → one atomic write batch;
 //! - [`read`]: windows, series and metric listings from a snapshot;
 //! - [`consumer`]: the consumer thread that owns shards and applies batches;
@@ -23,6 +24,7 @@ pub mod error;
 pub mod http;
 pub mod marks;
 pub mod metrics;
+pub mod operands;
 pub mod ownership;
 pub mod read;
 pub mod read_link;

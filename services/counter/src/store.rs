@@ -2,7 +2,7 @@
 //! always written together.
 //!
 //! Column families: `counts` (bucket values, summed by a merge operator so the write
-//! path never reads), `dedupe` (idempotency marks with their first record's time,
+//! path reads only the popular keys it sums now and then: [`crate::operands`]), `dedupe` (idempotency marks with their first record's time,
 //! [`DedupeWindow`]), `desc` and `desc_log` (the descendant view of each origin this
 //! shard owns, and the records of changes not yet folded into it: [`crate::views`]),
 //! `outbox` (totals for other shards, written with the state that produced them and
@@ -29,6 +29,7 @@ use tally_shared::store::Store;
 use crate::direct::DirectCache;
 use crate::error::Result;
 use crate::marks::MarkedKeys;
+use crate::operands::OperandTally;
 use crate::views::Views;
 
 pub(crate) const CF_COUNTS: &str = "counts";
@@ -43,20 +44,6 @@ pub(crate) const CF_OUTBOX: &str = "outbox";
 pub(crate) const CF_ROLLUPS: &str = "rollups";
 /// The shard-topic offset a store built from scratch must reach before it serves.
 const KEY_REBUILD_UNTIL: &[u8] = b"rebuild_until";
-/// The most merge operands one count key stacks up at its head in the mutable
-/// memtable before the write that would add another sums them into a value instead
-/// (RocksDB's `max_successive_merges`: that write reads the key, from the files too
-/// in RocksDB 7.9; replaying the WAL after a restart skips it, so a key may have more
-/// until its next write).
-///
-/// A read of a key collects and sums every operand down to its last value, and under
-/// a backlog the popular keys — the ones read most — get one per batch: bounding them
-/// took batches of 100 reads while ingesting from p50 2.3–2.7 to 1.6–2.0 ms
-/// (BENCHMARKS.md, "Merge operands"). A stored value that write cannot read or decode
-/// leaves the operand stacked, and the read that needs it fails; each later write of
-/// that key then tries again (and logs the corruption again).
-const MAX_SUCCESSIVE_MERGES: usize = 8;
-
 /// Settings of a shard store.
 #[derive(Debug, Clone)]
 pub struct StoreOptions {
@@ -107,6 +94,9 @@ pub struct ShardStore {
     /// Direct counts of origins read lately ([`crate::direct`]); only the consumer
     /// thread touches it.
     pub(crate) direct: Mutex<DirectCache>,
+    /// Merge operands stacked per count key ([`crate::operands`]); only the
+    /// consumer thread touches it.
+    pub(crate) operands: Mutex<OperandTally>,
     /// A store built from scratch must reach this shard-topic offset (the log's end
     /// when it was assigned) before it serves: until then its totals are partial.
     /// `i64::MIN`: serving.
@@ -115,8 +105,8 @@ pub struct ShardStore {
 
 /// Sums counts. A malformed value or operand fails the merge (`None`): RocksDB then
 /// reports corruption to the read that needed it (or to a flush or compaction), and
-/// the shard stops; a write that sums a key past [`MAX_SUCCESSIVE_MERGES`] keeps its
-/// operand instead, and the key stays unreadable.
+/// the shard stops. A batch that is to write a key's sum ([`crate::operands`]) reads
+/// the stored value first, and fails the same way.
 fn add_counts(key: &[u8], existing: Option<&[u8]>, operands: &MergeOperands) -> Option<Vec<u8>> {
     let decode = |bytes: &[u8]| match Counts::decode(bytes) {
         Ok(counts) => Some(counts),
@@ -148,7 +138,6 @@ impl ShardStore {
         let mut counts = Options::default();
         counts.set_write_buffer_size(16 << 20);
         counts.set_merge_operator_associative("tally_add_counts", add_counts);
-        counts.set_max_successive_merges(MAX_SUCCESSIVE_MERGES);
         let retention: HashMap<i64, i64> = options.resolutions.iter().map(|r| (r.width_ms, r.retention_ms)).collect();
         counts.set_compaction_filter("tally_bucket_ttl", move |_level: u32, key: &[u8], _value: &[u8]| {
             match decode_count_key(key) {
@@ -203,6 +192,7 @@ impl ShardStore {
             dedupe: dedupe_window,
             marked: Mutex::new(MarkedKeys::new(crate::marks::MAX_MARKED)),
             direct,
+            operands: Mutex::default(),
             rebuild_until: AtomicI64::new(rebuild_until),
         })
     }
@@ -382,72 +372,6 @@ mod tests {
         assert!(!store.serving(), "3 of 10");
         store.rebuild_until(2).unwrap();
         assert!(!store.serving(), "an older end does not lift the wait");
-    }
-
-    /// The counts family's options as RocksDB wrote them down in the store's newest
-    /// OPTIONS file (`name=value` lines of its `[CFOptions "counts"]` section).
-    fn counts_options(dir: &Path) -> Vec<String> {
-        let mut files: Vec<_> = std::fs::read_dir(dir)
-            .unwrap()
-            .map(|entry| entry.unwrap().path())
-            .filter(|path| path.file_name().unwrap().to_string_lossy().starts_with("OPTIONS-"))
-            .collect();
-        files.sort();
-        let text = std::fs::read_to_string(files.last().expect("an OPTIONS file")).unwrap();
-        let section = text.split("[CFOptions \"counts\"]").nth(1).expect("the counts section");
-        let section = section.split("\n[").next().unwrap();
-        section.lines().map(str::trim).filter(|line| line.contains('=')).map(String::from).collect()
-    }
-
-    #[test]
-    fn a_count_key_stacks_a_bounded_number_of_merge_operands_and_sums_exactly() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = ShardStore::open(0, dir.path(), options()).unwrap();
-        let setting = format!("max_successive_merges={MAX_SUCCESSIVE_MERGES}");
-        let written = counts_options(dir.path());
-        let found: Vec<&String> = written.iter().filter(|line| line.starts_with("max_successive_merges=")).collect();
-        assert_eq!(found, vec![&setting]);
-
-        // Past the bound a write sums the key (a read and a merge at write time):
-        // one batch at a time, several writes of the key in one batch, and other keys
-        // in between, every sum stays exact.
-        let cf = store.cf(CF_COUNTS).unwrap();
-        let (hot, cold) = (b"hot".as_slice(), b"cold".as_slice());
-        let (mut want_hot, mut want_cold) = (Counts::default(), Counts::default());
-        for round in 1..=5 * MAX_SUCCESSIVE_MERGES as i64 {
-            let mut batch = WriteBatch::default();
-            for extra in 0..round % 3 + 1 {
-                let delta = Counts { direct: round + extra, total: 2 * round - extra };
-                batch.merge_cf(cf, hot, delta.encode());
-                want_hot = want_hot + delta;
-            }
-            if round % 4 == 0 {
-                let delta = Counts { direct: -round, total: round };
-                batch.merge_cf(cf, cold, delta.encode());
-                want_cold = want_cold + delta;
-            }
-            store.commit(batch, Progress { next_offset: Some(round), ..Default::default() }).unwrap();
-            assert_eq!(store.get_counts(&[hot, cold]).unwrap(), vec![want_hot, want_cold], "after round {round}");
-        }
-        drop(store);
-        let store = ShardStore::open(0, dir.path(), options()).unwrap();
-        assert_eq!(store.get_counts(&[hot, cold]).unwrap(), vec![want_hot, want_cold], "reopened");
-    }
-
-    #[test]
-    fn a_corrupt_count_stays_an_error_past_the_merge_bound() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = ShardStore::open(0, dir.path(), options()).unwrap();
-        let cf = store.cf(CF_COUNTS).unwrap();
-        let key = b"broken".as_slice();
-        store.store.db().put_cf(cf, key, b"\xffnot counts").unwrap();
-        for round in 1..=3 * MAX_SUCCESSIVE_MERGES as i64 {
-            let mut batch = WriteBatch::default();
-            batch.merge_cf(cf, key, Counts { direct: 1, total: 1 }.encode());
-            store.commit(batch, Progress { next_offset: Some(round), ..Default::default() }).unwrap();
-            let read = store.get_counts(&[key]);
-            assert!(read.is_err(), "after round {round}: {read:?}");
-        }
     }
 
     #[test]
