@@ -36,8 +36,13 @@ impl<'a> Coalescer<'a> {
     /// Adds `counts` at event time `ts` to every bucket of (entity, metric).
     pub fn add(&mut self, entity: &'a str, metric: &'a str, ts: i64, counts: Counts) {
         self.increments += 1;
-        let deltas =
-            self.counters.entry((entity, metric)).or_insert_with(|| vec![(ALL_TIME_WIDTH, 0, Counts::default())]);
+        let resolutions = self.resolutions.count();
+        let deltas = self.counters.entry((entity, metric)).or_insert_with(|| {
+            // Room for a bucket of each resolution: one allocation per counter.
+            let mut deltas = Vec::with_capacity(1 + resolutions);
+            deltas.push((ALL_TIME_WIDTH, 0, Counts::default()));
+            deltas
+        });
         deltas[0].2 = deltas[0].2 + counts;
         for resolution in self.resolutions.iter() {
             let bucket = bucket_start(ts, resolution.width_ms);

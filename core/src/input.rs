@@ -51,9 +51,23 @@ struct RawIncrement<'a> {
 pub fn parse_increments<'a>(
     payload: &'a [u8],
     record_ts: i64,
-    accept: impl FnMut(u32, IncrementCow<'a>),
+    mut accept: impl FnMut(u32, IncrementCow<'a>),
     reject: impl FnMut(Rejection<'a>),
 ) {
+    // Most messages are arrays of valid increments: those are read in one pass. A
+    // message with anything to reject goes the element-by-element way, which names
+    // each bad element and its bytes (and accepts the same valid ones).
+    if first_significant_byte(payload) == Some(b'[') {
+        let all_valid = serde_json::from_slice::<Vec<RawIncrement>>(payload)
+            .ok()
+            .and_then(|raws| raws.into_iter().map(|raw| checked(raw, record_ts)).collect::<Result<Vec<_>, _>>().ok());
+        if let Some(increments) = all_valid {
+            for (index, increment) in increments.into_iter().enumerate() {
+                accept(u32::try_from(index).unwrap_or(u32::MAX), increment);
+            }
+            return;
+        }
+    }
     parse_elements(payload, |raw| parse_one(raw, record_ts), accept, reject);
 }
 
@@ -165,7 +179,11 @@ fn parse_graph_update(raw: &str) -> Result<GraphUpdate, String> {
 }
 
 fn parse_one(raw: &str, record_ts: i64) -> Result<IncrementCow<'_>, String> {
-    let parsed: RawIncrement = deserialize_object(raw)?;
+    checked(deserialize_object(raw)?, record_ts)
+}
+
+/// An increment as parsed, once its names, id and time are checked.
+fn checked(parsed: RawIncrement<'_>, record_ts: i64) -> Result<IncrementCow<'_>, String> {
     check_entity(&parsed.entity)?;
     check_metric(&parsed.metric)?;
     if let Some(id) = &parsed.id {
@@ -239,6 +257,65 @@ mod tests {
         assert_eq!(reasons[3], "to: must not contain control characters");
         assert!(reasons[4].contains("missing field `to`"), "{}", reasons[4]);
         assert_eq!(bad.iter().map(|(i, _)| *i).collect::<Vec<_>>(), vec![Some(2), Some(3), Some(4), Some(5), Some(6)]);
+    }
+
+    /// What the element-by-element way alone makes of `payload`.
+    fn element_by_element(payload: &str) -> (Vec<(u32, Increment)>, Rejected) {
+        let mut accepted = Vec::new();
+        let mut rejected = Vec::new();
+        parse_elements(
+            payload.as_bytes(),
+            |raw| parse_one(raw, 1_000),
+            |i, inc: IncrementCow| accepted.push((i, inc.into_owned())),
+            |r| rejected.push((r.index, r.reason, String::from_utf8(r.raw.to_vec()).unwrap())),
+        );
+        (accepted, rejected)
+    }
+
+    mod one_pass {
+        use proptest::prelude::*;
+
+        use super::*;
+
+        /// Elements producers write: mostly valid (escapes, every field, defaults),
+        /// and each way of getting one wrong.
+        fn element() -> impl Strategy<Value = String> {
+            let valid =
+                (0u32..50, "[a-z0-9_.:-]{1,8}", any::<i64>(), 0i64..i64::MAX, proptest::option::of("[a-z0-9-]{1,6}"))
+                    .prop_map(|(entity, metric, delta, ts, id)| {
+                        let id = id.map(|id| format!(r#","id":"{id}""#)).unwrap_or_default();
+                        format!(r#"{{"entity":"user:{entity}","metric":"{metric}","delta":{delta},"ts":{ts}{id}}}"#)
+                    });
+            let defaults = (0u32..50).prop_map(|e| format!(r#"{{ "metric" : "views", "entity" : "a\"{e}" }}"#));
+            let wrong = prop_oneof![
+                Just(r#"{"entity":"a","metric":"BAD"}"#.to_string()),
+                Just(r#"{"entity":"a","metric":"v","extra":1}"#.to_string()),
+                Just(r#"{"entity":"a","metric":"v","ts":-1}"#.to_string()),
+                Just(r#"{"entity":"a","metric":"v","delta":"1"}"#.to_string()),
+                Just(r#"{"entity":"a","entity":"b","metric":"v"}"#.to_string()),
+                Just(r#"{"metric":"v"}"#.to_string()),
+                Just(r#"{"entity":"","metric":"v"}"#.to_string()),
+                Just("5".to_string()),
+                Just("[]".to_string()),
+                Just("null".to_string()),
+            ];
+            prop_oneof![6 => valid, 2 => defaults, 1 => wrong]
+        }
+
+        proptest! {
+            #[test]
+            fn arrays_read_in_one_pass_as_element_by_element(
+                elements in proptest::collection::vec(element(), 0..30),
+                broken in proptest::option::of(0usize..4),
+            ) {
+                let mut payload = format!(" [{}] ", elements.join(" ,\n"));
+                // Now and then a message that is not JSON at all.
+                if let Some(cut) = broken {
+                    payload.truncate(payload.len().saturating_sub(cut + 2));
+                }
+                prop_assert_eq!(run(&payload), element_by_element(&payload));
+            }
+        }
     }
 
     #[test]

@@ -137,6 +137,11 @@ impl Resolutions {
         self.0.iter()
     }
 
+    /// How many there are (never zero).
+    pub fn count(&self) -> usize {
+        self.0.len()
+    }
+
     pub fn by_width(&self, width_ms: i64) -> Option<&Resolution> {
         self.0.iter().find(|r| r.width_ms == width_ms)
     }
