@@ -4,6 +4,7 @@
 pub mod bench_freshness;
 pub mod bench_graph;
 pub mod bench_jobs;
+pub mod bench_parse;
 pub mod bench_pipeline;
 pub mod cpu;
 pub mod jobs;
@@ -197,6 +198,17 @@ enum BenchCommand {
         #[arg(long, default_value_t = 100_000)]
         tail: usize,
     },
+    /// The ingester's parse on one thread: arrays of valid increments (one pass) vs the
+    /// same with an element to reject (element by element).
+    Parse {
+        #[arg(long, default_value_t = 20_000)]
+        messages: usize,
+        #[arg(long, default_value_t = 100)]
+        per_message: usize,
+        /// Rounds of each way, alternating; the best of each counts.
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+    },
     /// The counter apply path vs a per-event, no-coalescing baseline.
     Counter {
         #[arg(long, default_value_t = 5_000_000)]
@@ -297,6 +309,18 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
             bench_freshness::run(config, cli.config, args).await
         }
         Command::Bench { command: BenchCommand::Jobs(args) } => bench_jobs::run(config, args).await,
+        Command::Bench { command: BenchCommand::Parse { messages, per_message, rounds } } => {
+            println!("parse bench: {messages} messages of {per_message} increments (Zipf entities), {rounds} rounds each way, one thread");
+            let figures =
+                tokio::task::spawn_blocking(move || bench_parse::run(messages, per_message, rounds)).await??;
+            println!("one pass (every element valid): {:>12.0} increments per CPU-second", figures.one_pass);
+            println!(
+                "element by element (one to reject): {:>8.0} increments per CPU-second",
+                figures.element_by_element
+            );
+            println!("ratio: {:.2}x", figures.one_pass / figures.element_by_element);
+            Ok(())
+        }
         Command::Bench { command: BenchCommand::Restore { history, tail } } => bench_restore(history, tail).await,
         Command::Bench { command: BenchCommand::Graph { ancestors, bystanders, increments, shards, repeats } } => {
             let options = tally_counter::bench_graph::GraphBenchOptions { ancestors, bystanders, increments, shards };

@@ -1,0 +1,72 @@
+//! `tally bench parse`: the ingester's parse of producers' messages on one thread.
+//! Arrays of valid increments (read in one pass) against the same messages with one
+//! element to reject at the end of each, which go element by element (the way that
+//! names each bad element, and the way every message went before session 20). The
+//! baseline also pays for its one rejection: the bad element is parsed again with
+//! its path tracked, to name the field.
+
+use anyhow::ensure;
+use tally_core::input::parse_increments;
+use tally_counter::bench::thread_cpu_seconds;
+
+use crate::bench_pipeline::Entities;
+
+/// The element every baseline message ends with: a metric the naming rules reject.
+const REJECTED: &str = r#"{"entity":"user:1","metric":"NOT-A-METRIC"}"#;
+
+/// Parse rates per CPU-second of the parsing thread.
+#[derive(Debug, Clone, Copy)]
+pub struct ParseFigures {
+    pub one_pass: f64,
+    pub element_by_element: f64,
+}
+
+/// Parses `messages` messages of `per_message` increments (Zipf-drawn entities, as
+/// `tally bench ingest` produces them) both ways, `rounds` times each, alternating;
+/// the best round of each counts.
+pub fn run(messages: usize, per_message: usize, rounds: usize) -> anyhow::Result<ParseFigures> {
+    ensure!(per_message >= 2, "messages of one increment are single objects: nothing to read in one pass");
+    let mut entities = Entities::new(100_000, 11);
+    let valid: Vec<String> = (0..messages).map(|_| entities.message(per_message).1).collect();
+    let with_rejection: Vec<String> =
+        valid.iter().map(|message| format!("{},{REJECTED}]", &message[..message.len() - 1])).collect();
+    let mut figures = ParseFigures { one_pass: 0.0, element_by_element: 0.0 };
+    for _ in 0..rounds.max(1) {
+        figures.one_pass = figures.one_pass.max(parse_all(&valid, per_message, 0)?);
+        figures.element_by_element = figures.element_by_element.max(parse_all(&with_rejection, per_message, 1)?);
+    }
+    Ok(figures)
+}
+
+/// Increments accepted per CPU-second; fails unless every message gave exactly
+/// `per_message` increments and `rejected_per_message` rejections.
+fn parse_all(messages: &[String], per_message: usize, rejected_per_message: usize) -> anyhow::Result<f64> {
+    let (mut accepted, mut rejected) = (0usize, 0usize);
+    let started = thread_cpu_seconds();
+    for message in messages {
+        parse_increments(message.as_bytes(), 0, |_, _| accepted += 1, |_| rejected += 1);
+    }
+    let spent = thread_cpu_seconds() - started;
+    let want = (messages.len() * per_message, messages.len() * rejected_per_message);
+    ensure!((accepted, rejected) == want, "parsed {accepted} increments and {rejected} rejections, expected {want:?}");
+    Ok(accepted as f64 / spent.max(1e-9))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_ways_parse_every_increment_of_every_message() {
+        let figures = run(20, 100, 1).unwrap();
+        assert!(figures.one_pass > 0.0 && figures.element_by_element > 0.0, "{figures:?}");
+        assert!(run(20, 1, 1).is_err(), "single objects have no one pass to measure");
+    }
+
+    #[test]
+    fn a_message_that_parses_wrong_fails_the_bench() {
+        let messages = vec![r#"[{"entity":"a","metric":"v"},{"entity":"b","metric":"BAD"}]"#.to_string()];
+        let err = parse_all(&messages, 2, 0).unwrap_err().to_string();
+        assert_eq!(err, "parsed 1 increments and 1 rejections, expected (2, 0)");
+    }
+}
