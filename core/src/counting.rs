@@ -36,13 +36,7 @@ impl<'a> Coalescer<'a> {
     /// Adds `counts` at event time `ts` to every bucket of (entity, metric).
     pub fn add(&mut self, entity: &'a str, metric: &'a str, ts: i64, counts: Counts) {
         self.increments += 1;
-        let resolutions = self.resolutions.count();
-        let deltas = self.counters.entry((entity, metric)).or_insert_with(|| {
-            // Room for a bucket of each resolution: one allocation per counter.
-            let mut deltas = Vec::with_capacity(1 + resolutions);
-            deltas.push((ALL_TIME_WIDTH, 0, Counts::default()));
-            deltas
-        });
+        let deltas = deltas_of(&mut self.counters, (entity, metric), self.resolutions);
         deltas[0].2 = deltas[0].2 + counts;
         for resolution in self.resolutions.iter() {
             let bucket = bucket_start(ts, resolution.width_ms);
@@ -65,8 +59,7 @@ impl<'a> Coalescer<'a> {
                 _ => return,
             }
         }
-        let deltas =
-            self.counters.entry((entity, metric)).or_insert_with(|| vec![(ALL_TIME_WIDTH, 0, Counts::default())]);
+        let deltas = deltas_of(&mut self.counters, (entity, metric), self.resolutions);
         match deltas.iter_mut().find(|(w, b, _)| *w == width_ms && *b == bucket) {
             Some(entry) => entry.2 = entry.2 + counts,
             None => deltas.push((width_ms, bucket, counts)),
@@ -101,6 +94,20 @@ impl<'a> Coalescer<'a> {
             }
         }
     }
+}
+
+/// The deltas of (entity, metric), the all-time one first.
+fn deltas_of<'c, 'a>(
+    counters: &'c mut FxHashMap<(&'a str, &'a str), CounterDeltas>,
+    counter: (&'a str, &'a str),
+    resolutions: &Resolutions,
+) -> &'c mut CounterDeltas {
+    counters.entry(counter).or_insert_with(|| {
+        // Room for a bucket of each resolution: one allocation per counter.
+        let mut deltas = Vec::with_capacity(1 + resolutions.count());
+        deltas.push((ALL_TIME_WIDTH, 0, Counts::default()));
+        deltas
+    })
 }
 
 #[cfg(test)]

@@ -42,6 +42,27 @@ struct RawIncrement<'a> {
     id: Option<Cow<'a, str>>,
 }
 
+/// A struct read only from a JSON object. serde's derived structs also take an array
+/// of their fields in order (`["user:7","views"]`), which producers' messages must not
+/// hold: such an element is rejected, as the element-by-element way rejects it.
+struct ObjectOnly<T>(T);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for ObjectOnly<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visit<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for Visit<T> {
+            type Value = T;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+                T::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+            }
+        }
+        deserializer.deserialize_map(Visit(std::marker::PhantomData)).map(ObjectOnly)
+    }
+}
+
 /// Parses an increments message, calling `accept(index, increment)` for each valid
 /// element (its names borrowed from `payload` where they can be) and
 /// `reject(rejection)` for each invalid one, in message order.
@@ -58,9 +79,9 @@ pub fn parse_increments<'a>(
     // message with anything to reject goes the element-by-element way, which names
     // each bad element and its bytes (and accepts the same valid ones).
     if first_significant_byte(payload) == Some(b'[') {
-        let all_valid = serde_json::from_slice::<Vec<RawIncrement>>(payload)
-            .ok()
-            .and_then(|raws| raws.into_iter().map(|raw| checked(raw, record_ts)).collect::<Result<Vec<_>, _>>().ok());
+        let all_valid = serde_json::from_slice::<Vec<ObjectOnly<RawIncrement>>>(payload).ok().and_then(|raws| {
+            raws.into_iter().map(|ObjectOnly(raw)| checked(raw, record_ts)).collect::<Result<Vec<_>, _>>().ok()
+        });
         if let Some(increments) = all_valid {
             for (index, increment) in increments.into_iter().enumerate() {
                 accept(u32::try_from(index).unwrap_or(u32::MAX), increment);
@@ -297,6 +318,8 @@ mod tests {
                 Just(r#"{"entity":"","metric":"v"}"#.to_string()),
                 Just("5".to_string()),
                 Just("[]".to_string()),
+                Just(r#"["user:1","views"]"#.to_string()),
+                Just(r#"["user:1","views",5,100,"x"]"#.to_string()),
                 Just("null".to_string()),
             ];
             prop_oneof![6 => valid, 2 => defaults, 1 => wrong]

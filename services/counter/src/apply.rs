@@ -177,6 +177,8 @@ impl CountWrites<'_> {
         if self.sums.is_empty() {
             return Ok(());
         }
+        // Each key once per batch (in key order), or a second sum would overwrite the first.
+        debug_assert!(self.sums.windows(2).all(|pair| pair[0].0 < pair[1].0), "count keys repeat in a batch");
         let stored = store.get_counts(&self.sums.iter().map(|(key, _)| key).collect::<Vec<_>>())?;
         for ((key, delta), value) in self.sums.iter().zip(stored) {
             batch.put_cf(counts_cf, key, (value + *delta).encode());
@@ -593,7 +595,8 @@ impl ShardStore {
         Ok(())
     }
 
-    /// The marks of one write batch; `rollups` off: none.
+    /// The count writes of one write batch, with the memtable's switch (if any) told
+    /// to the operand tally.
     fn count_writes(&self) -> Result<CountWrites<'_>> {
         let mut tally = self.operands.lock().map_err(|_| self.poisoned())?;
         // Unreadable, the counts carry on (a key is then summed sooner, never wrong).
@@ -604,12 +607,16 @@ impl ShardStore {
         Ok(CountWrites { tally, sums: Vec::new() })
     }
 
+    /// The marks of one write batch; `rollups` off: none.
     fn marking(&self, rollups: bool) -> Result<Marking<'_>> {
         Ok(Marking { marked: if rollups { Some(self.marked()?) } else { None }, written: Vec::new() })
     }
 
     fn poisoned(&self) -> crate::Error {
-        crate::Error::Shard { shard: self.shard, message: "descendant table poisoned".into() }
+        crate::Error::Shard {
+            shard: self.shard,
+            message: "shard state poisoned (a thread panicked holding its lock)".into(),
+        }
     }
 }
 
@@ -756,10 +763,10 @@ mod tests {
             assert_eq!(counts(&store, "cold"), Counts { direct: cold, total: cold }, "after round {round}");
             operands_read.push(operands);
         }
-        // The operands stack up to the bound, the next write sums them, and again
-        // (RocksDB counts the operands a read merges after the newest one).
+        // The operands stack up to the bound, then every write sums them (RocksDB
+        // counts the operands a read merges after the newest one).
         let bound = u64::from(MAX_OPERANDS);
-        let want: Vec<u64> = (0..rounds as u64).map(|round| ((round + 1) % (bound + 1)).saturating_sub(1)).collect();
+        let want: Vec<u64> = (0..rounds as u64).map(|round| if round < bound { round } else { 0 }).collect();
         assert_eq!(operands_read, want);
         drop(store);
         let store = ShardStore::open(0, dir.path(), options()).unwrap();
@@ -821,6 +828,11 @@ mod tests {
         assert_eq!(round, i64::from(MAX_OPERANDS), "{error}");
         assert!(error.to_lowercase().contains("corrupt"), "{error}");
         assert_eq!(store.progress().next_offset, Some(round), "nothing of the failed batch is committed");
+        // Retried (the shard taken again), the batch fails again.
+        let payload = message(0, &[(round, 0, "broken", 1, None)]);
+        let again = store.apply(&[ShardRecord { offset: round, payload: &payload, timestamp: None }], NOW, false);
+        assert!(again.is_err(), "{again:?}");
+        assert_eq!(store.progress().next_offset, Some(round));
     }
 
     fn counts(store: &ShardStore, entity: &str) -> Counts {

@@ -14,9 +14,20 @@
 //! Like RocksDB's, the bound counts a key's operands in the mutable memtable only: the
 //! table starts over when the memtable is switched for a new one, so a key written a
 //! few times per memtable is never read on the write path (a sum is a read, from the
-//! files too). The table only decides when a key is summed, never what a sum is: keys
-//! that share a slot are summed sooner (a read each), and the table starts empty when
-//! a store opens, so a key may stack up to [`MAX_OPERANDS`] more after a restart.
+//! files too). Once a slot has counted [`MAX_OPERANDS`] writes, every later write of a
+//! key in it is a sum until the memtable is switched: whichever keys share a slot,
+//! none stacks more than the bound in the memtable (a count that started over at each
+//! sum could land every sum on one key and leave another unbounded). A hot key's sums
+//! then read it from the memtable, where its last value is, much as RocksDB's seek did.
+//!
+//! The table only decides when a key is summed, never what a sum is. It is
+//! approximate: the memtable is seen switched between batches (a batch that fills one
+//! may add an operand or so past the bound), a flushed memtable followed by a bigger
+//! batch goes unseen (keys are then summed sooner), and the table starts empty when a
+//! store opens, so a key may stack up to the bound more after a restart. A sum of a
+//! stored value that does not decode fails its batch; the slot stays full, so the
+//! batch fails again when retried, until the memtable is switched (the merge operand
+//! written then makes every read of the key fail instead: never a zero).
 
 use std::hash::Hasher;
 
@@ -53,23 +64,17 @@ impl OperandTally {
     }
 
     /// Counts a write of `key`: true when this write is to store the key's sum (its
-    /// stored value plus the write's delta), after which the count starts over;
-    /// false when it is to add a merge operand.
+    /// stored value plus the write's delta), false when it is to add a merge operand.
     pub fn write_sum(&mut self, key: &[u8]) -> bool {
         let mut hasher = FxHasher::default();
         hasher.write(key);
         // The product's high bits are the well-mixed ones.
         let slot = &mut self.slots[(hasher.finish() >> (64 - SLOT_BITS)) as usize];
-        match *slot >= MAX_OPERANDS {
-            true => {
-                *slot = 0;
-                true
-            }
-            false => {
-                *slot += 1;
-                false
-            }
+        if *slot >= MAX_OPERANDS {
+            return true;
         }
+        *slot += 1;
+        false
     }
 }
 
@@ -78,12 +83,52 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_key_stacks_the_bound_then_is_summed_and_starts_over() {
+    fn a_key_stacks_the_bound_then_every_write_is_a_sum() {
         let mut tally = OperandTally::default();
         let pattern: Vec<bool> = (0..3 * (MAX_OPERANDS as usize + 1)).map(|_| tally.write_sum(b"hot")).collect();
         let mut want = vec![false; MAX_OPERANDS as usize];
-        want.push(true);
-        assert_eq!(pattern, want.repeat(3));
+        want.resize(pattern.len(), true);
+        assert_eq!(pattern, want);
+    }
+
+    /// Two keys forced into one slot (the same hash bits are what a shared slot is).
+    #[test]
+    fn keys_sharing_a_slot_never_stack_more_than_the_bound_between_them() {
+        let mut tally = OperandTally::default();
+        let (a, b) = shared_slot_pair();
+        // `a` in every round, `b` every other: a count that started over at each sum
+        // would land every ninth write on `b` and never sum `a`.
+        let mut stacked = [0u32; 2];
+        for round in 0..200 {
+            for (n, key) in [(0, &a), (1, &b)] {
+                if n == 1 && round % 2 == 1 {
+                    continue;
+                }
+                match tally.write_sum(key.as_bytes()) {
+                    true => stacked[n] = 0,
+                    false => stacked[n] += 1,
+                }
+                assert!(stacked[n] <= u32::from(MAX_OPERANDS), "round {round}: {stacked:?}");
+            }
+        }
+        assert_eq!(stacked, [0, 0], "both are summed at every write now");
+    }
+
+    /// Two distinct keys whose hashes fall in the same slot.
+    fn shared_slot_pair() -> (String, String) {
+        let slot = |key: &str| {
+            let mut hasher = FxHasher::default();
+            hasher.write(key.as_bytes());
+            hasher.finish() >> (64 - SLOT_BITS)
+        };
+        let mut seen = std::collections::HashMap::new();
+        for n in 0.. {
+            let key = format!("user:{n}");
+            if let Some(other) = seen.insert(slot(&key), key.clone()) {
+                return (other, key);
+            }
+        }
+        unreachable!()
     }
 
     #[test]

@@ -2,9 +2,10 @@
 //! always written together.
 //!
 //! Column families: `counts` (bucket values, summed by a merge operator so the write
-//! path reads only the popular keys it sums now and then: [`crate::operands`]), `dedupe` (idempotency marks with their first record's time,
-//! [`DedupeWindow`]), `desc` and `desc_log` (the descendant view of each origin this
-//! shard owns, and the records of changes not yet folded into it: [`crate::views`]),
+//! path reads only the hot keys it writes whole: [`crate::operands`]), `dedupe`
+//! (idempotency marks with their first record's time, [`DedupeWindow`]), `desc` and
+//! `desc_log` (the descendant view of each origin this shard owns, and the records of
+//! changes not yet folded into it: [`crate::views`]),
 //! `outbox` (totals for other shards, written with the state that produced them and
 //! deleted once relayed), `rollups` (count keys whose latest values are still to be
 //! published, marked in the same write batch as the counts), and the default one for
