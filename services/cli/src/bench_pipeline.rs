@@ -444,6 +444,8 @@ struct Throughput {
     per_sec: f64,
     /// From the ingester's first record to its having read the whole backlog.
     routed_after: Duration,
+    /// The share of the backlog the counter had applied by then.
+    applied_when_routed: f64,
     /// From the ingester's first record to the counter having applied everything.
     applied_after: Duration,
     /// The ingester's, the counter's and the local broker's CPU over the same span
@@ -462,7 +464,7 @@ async fn ingest_backlog(rig: &mut Rig, expected: u64, messages: u64, label: &str
     let progress = bar(expected, label);
     let deadline = Instant::now() + Duration::from_secs(900);
     let mut first: Option<(Instant, f64, CpuWatch)> = None;
-    let mut routed_all: Option<Duration> = None;
+    let mut routed_all: Option<(Duration, f64)> = None;
     loop {
         let applied = rig.scrape(rig.ports.counter_admin, APPLIED).await? - applied_before;
         if first.is_none() || routed_all.is_none() {
@@ -470,8 +472,8 @@ async fn ingest_backlog(rig: &mut Rig, expected: u64, messages: u64, label: &str
             if first.is_none() && read > 0.0 {
                 first = Some((Instant::now(), applied, CpuWatch::start(&rig.pids())));
             }
-            if let Some((started, _, _)) = first.as_ref().filter(|_| read as u64 >= messages) {
-                routed_all = Some(started.elapsed());
+            if let Some((started, at_start, _)) = first.as_ref().filter(|_| read as u64 >= messages) {
+                routed_all = Some((started.elapsed(), (applied - at_start) / (expected as f64 - at_start).max(1.0)));
             }
         }
         progress.set_position(applied as u64);
@@ -482,9 +484,11 @@ async fn ingest_backlog(rig: &mut Rig, expected: u64, messages: u64, label: &str
                 None => (Instant::now(), 0.0, None),
             };
             let elapsed = started.elapsed();
+            let (routed_after, applied_when_routed) = routed_all.unwrap_or((elapsed, 1.0));
             return Ok(Throughput {
                 per_sec: (applied - at_start) / elapsed.as_secs_f64().max(1e-9),
-                routed_after: routed_all.unwrap_or(elapsed),
+                routed_after,
+                applied_when_routed,
                 applied_after: elapsed,
                 cpu,
             });
@@ -531,7 +535,7 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
         let rebuild = rebuild_from_the_log(&mut rig, case.increments()).await?;
         let per = case.per_message as f64;
         println!(
-            "{:>3} {}/message: raw consume {:>9.0} records/s before, {:>9.0} after ({:.0} and {:.0} increments/s); tally end to end {:>9.0} increments/s = {:.2}x raw before, {:.2}x after (the ingester read it all after {:.2} s, the counter applied it all after {:.2} s)",
+            "{:>3} {}/message: raw consume {:>9.0} records/s before, {:>9.0} after ({:.0} and {:.0} increments/s); tally end to end {:>9.0} increments/s = {:.2}x raw before, {:.2}x after (the ingester read it all after {:.2} s, when the counter had applied {:.0} %; the counter applied it all after {:.2} s)",
             case.per_message,
             case.increment_word(),
             raw,
@@ -542,6 +546,7 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
             through.per_sec / (raw * per).max(1e-9),
             through.per_sec / (raw_after * per).max(1e-9),
             through.routed_after.as_secs_f64(),
+            through.applied_when_routed * 100.0,
             through.applied_after.as_secs_f64(),
         );
         println!("    rollup records published by then: {rollups:.0}");

@@ -10,12 +10,16 @@
 //! Under load a key changed by many batches is published once with its newest value
 //! (the topic is compacted: only the newest value per key is kept anyway), and a
 //! round starts at most every `counter.rollup_interval_ms` (1 s): a hot bucket goes
-//! once a second, not once a batch. Each record carries the full value, so a repeat
-//! is harmless.
+//! once a second, not once a batch. A round of more than one sweep (a page of each
+//! shard; under a backlog a round can outlast the whole backlog) rests after each
+//! sweep as long as the sweep took: the thread publishes at most about half the
+//! time and leaves the broker to counting meanwhile, as the consume loop's batches
+//! linger as long as the last apply took. Each record carries the full value, so a
+//! repeat is harmless.
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tally_core::keys::{parse_count_key, Counts, ALL_TIME_WIDTH};
 use tally_core::time::Resolutions;
@@ -35,8 +39,22 @@ const ROLLUP_WAIT: Duration = Duration::from_secs(5);
 /// Most marked rollups sent at once per shard (their marks are removed under the
 /// store's commit lock, which reads wait on: pages stay small).
 const ROLLUP_PAGE: usize = 1_000;
-/// The shortest rest between rounds.
+/// The shortest rest between rounds, and the longest sleep between looks at the
+/// shutdown token.
 const IDLE: Duration = Duration::from_millis(50);
+
+/// Sleeps `rest`, in steps of at most [`IDLE`]; false when `shutdown` came first.
+fn rest_unless(shutdown: &CancellationToken, rest: Duration) -> bool {
+    let until = Instant::now() + rest;
+    while !shutdown.is_cancelled() {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return true;
+        }
+        std::thread::sleep(IDLE.min(left));
+    }
+    false
+}
 
 pub struct Rollups {
     relay: Relay,
@@ -65,13 +83,9 @@ impl Rollups {
     ) -> std::io::Result<JoinHandle<()>> {
         tally_shared::sched::background_thread("counter-rollups", move || {
             while !shutdown.is_cancelled() && self.relay.fatal().is_none() {
-                let started = std::time::Instant::now();
-                self.round(&shards, &metrics);
-                let rest = self.interval.saturating_sub(started.elapsed()).max(IDLE);
-                let until = started + rest;
-                while !shutdown.is_cancelled() && std::time::Instant::now() < until {
-                    std::thread::sleep(IDLE.min(until.saturating_duration_since(std::time::Instant::now())));
-                }
+                let started = Instant::now();
+                self.round(&shards, &metrics, |rest| rest_unless(&shutdown, rest));
+                rest_unless(&shutdown, self.interval.saturating_sub(started.elapsed()).max(IDLE));
             }
         })
     }
@@ -79,13 +93,16 @@ impl Rollups {
     /// Publishes everything marked in every serving shard (this counter's lease
     /// holding) once: a page of each shard in turn, each shard's pages resuming
     /// after the last key sent, so a busy shard neither starves the others nor sends
-    /// its hot keys more than once a round. Stops at the first failure (the next
-    /// round tries again).
-    fn round(&self, shards: &Shards, metrics: &Metrics) {
+    /// its hot keys more than once a round. After a sweep (a page of each shard)
+    /// with pages still to go, `rest` is given as long as the sweep took (the
+    /// thread's sleep; false: stop). Stops at the first failure (the next round
+    /// tries again).
+    fn round(&self, shards: &Shards, metrics: &Metrics, mut rest: impl FnMut(Duration) -> bool) {
         // Per shard: its store when the round began, and the last key sent.
         let mut cursors: Vec<(u32, Arc<ShardStore>, Option<Vec<u8>>)> =
             shards.serving().into_iter().filter_map(|shard| Some((shard, shards.get(shard)?, None))).collect();
         while !cursors.is_empty() {
+            let sweep = Instant::now();
             let mut more = Vec::with_capacity(cursors.len());
             for (shard, store, after) in cursors {
                 // Still this counter's, the same store, serving and not failed: a
@@ -114,6 +131,9 @@ impl Rollups {
                 }
             }
             cursors = more;
+            if !cursors.is_empty() && !rest(sweep.elapsed()) {
+                return;
+            }
         }
     }
 
@@ -153,5 +173,98 @@ impl Rollups {
         let (published, last) = (keys.len(), keys.last().cloned());
         store.rollups_published(keys.into_iter().zip(values).collect())?;
         Ok((published, last))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, HashMap};
+
+    use rdkafka::mocking::MockCluster;
+    use tally_core::wire::{Increment, ShardMessage, Source, Stamp};
+
+    use super::*;
+    use crate::apply::ShardRecord;
+    use crate::store::StoreOptions;
+
+    const NOW: i64 = 1_763_780_000_000;
+
+    /// A serving shard 0 whose last batch changed `entities` entities (a rollup mark
+    /// per changed bucket), and rollups to a mock cluster's topic.
+    fn marked(
+        entities: usize,
+    ) -> (tempfile::TempDir, MockCluster<'static, rdkafka::producer::DefaultProducerContext>, Arc<Shards>, Rollups)
+    {
+        let cluster = MockCluster::new(1).unwrap();
+        cluster.create_topic("rollups", 1, 1).unwrap();
+        let kafka = KafkaConfig { bootstrap_servers: cluster.bootstrap_servers(), ..Default::default() };
+        let dir = tempfile::tempdir().unwrap();
+        let store = ShardStore::open(0, dir.path(), StoreOptions::default()).unwrap();
+        let entries = (0..entities)
+            .map(|i| {
+                let increment =
+                    Increment { entity: format!("e{i}"), metric: "views".into(), delta: 1, ts: NOW, id: None };
+                (Stamp { offset: i as i64, index: 0 }, increment)
+            })
+            .collect();
+        let source = Source { stream: Source::INCREMENTS, partition: 0 };
+        let payload = ShardMessage::Increments { source, entries }.encode().unwrap();
+        store.apply(&[ShardRecord { offset: 0, payload: &payload, timestamp: None }], NOW, true).unwrap();
+        let shards = Arc::new(Shards::default());
+        shards.replace(HashMap::from([(0, Arc::new(store))]), BTreeMap::new());
+        let rollups = Rollups::new(&kafka, "rollups".into(), Resolutions::default(), Duration::from_secs(1)).unwrap();
+        (dir, cluster, shards, rollups)
+    }
+
+    #[test]
+    fn a_round_of_several_sweeps_rests_after_each_as_long_as_it_took() {
+        let (_dir, _cluster, shards, rollups) = marked(625);
+        let store = shards.get(0).unwrap();
+        let marks = store.pending_rollups(usize::MAX).unwrap().len();
+        // Pages of 1 000: two full sweeps and a last one.
+        assert!((2 * ROLLUP_PAGE + 1..3 * ROLLUP_PAGE).contains(&marks), "{marks} marks");
+        let metrics = Metrics::new(&prometheus::Registry::new());
+        // Each rest asked for, with when it was asked for and when the last one ended.
+        let mut rests = Vec::new();
+        let mut last_rest_ended = Instant::now();
+        rollups.round(&shards, &metrics, |rest| {
+            rests.push((rest, last_rest_ended.elapsed()));
+            last_rest_ended = Instant::now();
+            true
+        });
+        assert_eq!(metrics.rollups_published.get(), marks as u64, "every mark published");
+        assert_eq!(store.pending_rollups(usize::MAX).unwrap(), Vec::<Vec<u8>>::new());
+        // A rest after each sweep that left pages to go, as long as that sweep: the
+        // time since the last rest, less the moments between sweeps.
+        assert_eq!(rests.len(), 2, "{rests:?}");
+        for (rest, since_last) in &rests {
+            assert!(*rest <= *since_last && *rest >= *since_last / 2, "{rests:?}");
+        }
+    }
+
+    #[test]
+    fn a_round_stops_when_its_rest_is_cut_short() {
+        let (_dir, _cluster, shards, rollups) = marked(625);
+        let store = shards.get(0).unwrap();
+        let marks = store.pending_rollups(usize::MAX).unwrap().len();
+        let metrics = Metrics::new(&prometheus::Registry::new());
+        let mut rests = 0;
+        rollups.round(&shards, &metrics, |_| {
+            rests += 1;
+            false
+        });
+        assert_eq!(rests, 1);
+        assert_eq!(metrics.rollups_published.get(), ROLLUP_PAGE as u64, "one sweep");
+        assert_eq!(store.pending_rollups(usize::MAX).unwrap().len(), marks - ROLLUP_PAGE, "the rest waits");
+    }
+
+    #[test]
+    fn a_rest_ends_early_at_shutdown() {
+        let shutdown = CancellationToken::new();
+        assert!(rest_unless(&shutdown, Duration::from_millis(20)), "rested in full");
+        shutdown.cancel();
+        let started = Instant::now();
+        assert!(!rest_unless(&shutdown, Duration::from_secs(60)));
+        assert!(started.elapsed() < Duration::from_secs(1));
     }
 }
