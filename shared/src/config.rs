@@ -408,7 +408,8 @@ pub struct CounterConfig {
     /// many ms: the counter then applies at most about half the time, in bigger
     /// batches that cost less per increment, and reads see increments within about
     /// twice the apply time. Set at or below `batch_linger_ms`, batches are never
-    /// stretched. After a full batch (a backlog) the next one is not held back.
+    /// stretched. After a full batch (a backlog) the next one is not held back, and a
+    /// stretched batch closes once no record came for twice the fetch wait.
     pub batch_max_linger_ms: u64,
     /// Publish the latest values of changed buckets to `tally.rollups`.
     pub rollups: bool,

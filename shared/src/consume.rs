@@ -30,6 +30,9 @@ pub struct BatchLimits {
     /// How long [`drive`] may stretch `linger` under load ([`BatchLimits::open_for`]);
     /// set at or below `linger`, batches are never stretched.
     pub max_linger: Duration,
+    /// A batch past `linger` closes once no record arrived for this long (see
+    /// [`poll_batch`]); [`BatchLimits::quiet_for`] of the consumer's fetch wait.
+    pub quiet: Duration,
 }
 
 impl BatchLimits {
@@ -46,6 +49,13 @@ impl BatchLimits {
             return self.linger;
         }
         applying.clamp(self.linger, self.max_linger.max(self.linger))
+    }
+
+    /// The `quiet` of a consumer whose fetches wait up to `fetch_wait` at the
+    /// broker: twice that. A broker that holds every fetch for its whole wait (the
+    /// local one) hands records over once per wait at most, even under load.
+    pub fn quiet_for(fetch_wait: Duration) -> Duration {
+        fetch_wait * 2
     }
 }
 
@@ -82,8 +92,10 @@ pub struct Polled {
 
 /// Polls one bounded batch into `batch` (cleared first); true when it closed full.
 /// It closes when full, when `open_for` (at least `limits.linger`) passed since it
-/// opened, or — while still empty — after one idle poll (so the caller's heartbeat
-/// work runs). After every poll `interrupted()` is asked: true (a rebalance reset
+/// opened, past `limits.linger` once no record arrived for `limits.quiet` (the load
+/// that stretched it has stopped: at the end of a backlog, waiting out the stretch
+/// only delays the last records), or — while still empty — after one idle poll (so
+/// the caller's heartbeat work runs). After every poll `interrupted()` is asked: true (a rebalance reset
 /// the positions) discards what was collected and returns.
 pub fn poll_batch<C: ConsumerContext>(
     consumer: &BaseConsumer<C>,
@@ -94,12 +106,16 @@ pub fn poll_batch<C: ConsumerContext>(
 ) -> bool {
     batch.clear();
     let mut bytes = 0usize;
-    let deadline = Instant::now() + open_for.max(limits.linger);
+    let opened = Instant::now();
+    let deadline = opened + open_for.max(limits.linger);
+    // Moved on by every record: when the batch closes for want of more.
+    let mut quiet_from = opened;
     loop {
+        let closes = deadline.min((quiet_from + limits.quiet).max(opened + limits.linger));
         let wait = if batch.is_empty() {
             Duration::from_millis(100)
         } else {
-            deadline.saturating_duration_since(Instant::now())
+            closes.saturating_duration_since(Instant::now())
         };
         let polled = consumer.poll(wait);
         if interrupted() {
@@ -108,6 +124,7 @@ pub fn poll_batch<C: ConsumerContext>(
         }
         match polled {
             Some(Ok(message)) => {
+                quiet_from = Instant::now();
                 let payload = message.payload().unwrap_or_default().to_vec();
                 bytes += payload.len();
                 batch.push(Polled {
@@ -122,7 +139,8 @@ pub fn poll_batch<C: ConsumerContext>(
             None => {}
         }
         let full = batch.len() >= limits.max_records.max(1) || bytes >= limits.max_bytes.max(1);
-        if full || (!batch.is_empty() && Instant::now() >= deadline) {
+        let closes = deadline.min((quiet_from + limits.quiet).max(opened + limits.linger));
+        if full || (!batch.is_empty() && Instant::now() >= closes) {
             return full;
         }
     }
@@ -369,6 +387,7 @@ mod tests {
             max_bytes: 1,
             linger: Duration::from_millis(20),
             max_linger: Duration::from_millis(500),
+            quiet: Duration::from_millis(200),
         };
         let after = |ms| limits.open_for(Duration::from_millis(ms), false).as_millis();
         assert_eq!((after(0), after(20), after(300), after(500), after(9_000)), (20, 20, 300, 500, 500));
@@ -382,6 +401,8 @@ mod tests {
     struct SlowFirst {
         applies: Vec<(Instant, Instant)>,
         first_takes: Duration,
+        /// Set: the producer is stopped halfway through the first apply.
+        stop_producing: Option<Arc<AtomicBool>>,
         shutdown: CancellationToken,
     }
 
@@ -391,7 +412,11 @@ mod tests {
         fn apply(&mut self, _: &BaseConsumer, _: &[Polled]) -> Vec<u32> {
             let began = Instant::now();
             if self.applies.is_empty() {
-                std::thread::sleep(self.first_takes);
+                std::thread::sleep(self.first_takes / 2);
+                if let Some(producing) = &self.stop_producing {
+                    producing.store(false, Ordering::Relaxed);
+                }
+                std::thread::sleep(self.first_takes / 2);
             }
             self.applies.push((began, Instant::now()));
             if self.applies.len() == 2 {
@@ -409,10 +434,14 @@ mod tests {
         }
     }
 
-    /// While records trickle in, the batch after a slow apply stays open as long as
-    /// that apply took (`max_linger` permitting), not just `linger`.
-    #[test]
-    fn drive_stretches_the_linger_after_a_slow_apply() {
+    const FIRST_TAKES: Duration = Duration::from_millis(600);
+    const QUIET: Duration = Duration::from_millis(200);
+
+    /// Drives two batches from a topic a producer trickles records into (every
+    /// 5 ms), the first applied in [`FIRST_TAKES`]; the producer stops halfway
+    /// through that apply when `stop_producing`. How long the second batch stayed
+    /// open.
+    fn second_batch_after_a_slow_apply(stop_producing: bool) -> Duration {
         let cluster = MockCluster::new(1).unwrap();
         let topic = "linger";
         cluster.create_topic(topic, 1, 1).unwrap();
@@ -436,9 +465,13 @@ mod tests {
         assignment.add_partition_offset(topic, 0, Offset::Beginning).unwrap();
         consumer.assign(&assignment).unwrap();
 
-        let first_takes = Duration::from_millis(600);
         let shutdown = CancellationToken::new();
-        let mut processor = SlowFirst { applies: Vec::new(), first_takes, shutdown: shutdown.clone() };
+        let mut processor = SlowFirst {
+            applies: Vec::new(),
+            first_takes: FIRST_TAKES,
+            stop_producing: stop_producing.then(|| producing.clone()),
+            shutdown: shutdown.clone(),
+        };
         let failures = FailureBoard::new(|partition| format!("partition {partition}"));
         let letters = Relay::unstamped(&kafka, "dead".into()).unwrap();
         let setup = LoopSetup {
@@ -448,6 +481,7 @@ mod tests {
                 max_bytes: usize::MAX,
                 linger: Duration::from_millis(10),
                 max_linger: Duration::from_secs(5),
+                quiet: QUIET,
             },
             failures: &failures,
             letters: &letters,
@@ -460,12 +494,30 @@ mod tests {
 
         let applies = &processor.applies;
         assert_eq!(applies.len(), 2);
+        applies[1].0 - applies[0].1
+    }
+
+    /// While records trickle in, the batch after a slow apply stays open as long as
+    /// that apply took (`max_linger` permitting), not just `linger`.
+    #[test]
+    fn drive_stretches_the_linger_after_a_slow_apply() {
+        let between = second_batch_after_a_slow_apply(false);
         // Records came in while the first batch was applied, so the second one
         // opened at once and lingered 600 ms (with `linger` alone: 10 ms).
-        let between = applies[1].0 - applies[0].1;
-        assert!(between >= first_takes - Duration::from_millis(50), "the second batch lingered {between:?}");
+        assert!(between >= FIRST_TAKES - Duration::from_millis(50), "the second batch lingered {between:?}");
         // As long as the apply took, not `max_linger`.
         assert!(between < Duration::from_secs(3), "the second batch lingered {between:?}");
+    }
+
+    /// When records stop coming, a stretched batch closes once `quiet` passed
+    /// without one, not after the whole stretch.
+    #[test]
+    fn a_stretched_batch_closes_when_records_stop_coming() {
+        let between = second_batch_after_a_slow_apply(true);
+        // The records of the apply's first half were waiting when the batch opened;
+        // none came after them.
+        assert!(between >= QUIET - Duration::from_millis(50), "the second batch lingered {between:?}");
+        assert!(between < FIRST_TAKES - Duration::from_millis(150), "the second batch lingered {between:?}");
     }
 
     #[test]

@@ -114,6 +114,14 @@ pub fn client_config(kafka: &KafkaConfig) -> Result<ClientConfig> {
 /// 25 ms), so the followers of small internal topics keep librdkafka's default.
 pub const FETCH_WAIT_MS: &str = "100";
 
+/// How long a data-path consumer's fetches wait at the broker: `fetch.wait.max.ms`
+/// of `kafka.client`, else [`FETCH_WAIT_MS`] (a value librdkafka would refuse
+/// anyway reads as the default).
+pub fn fetch_wait(kafka: &KafkaConfig) -> Duration {
+    let ms = kafka.client.get("fetch.wait.max.ms").map_or(FETCH_WAIT_MS, String::as_str);
+    Duration::from_millis(ms.trim().parse().or_else(|_| FETCH_WAIT_MS.parse()).unwrap_or_default())
+}
+
 /// The configuration of a data-path consumer (the ingester's, a counter's, the
 /// graph's): [`client_config`] with [`FETCH_WAIT_MS`]; the caller sets its group
 /// and offsets.
@@ -262,6 +270,16 @@ mod tests {
     use rdkafka::ClientContext;
 
     use super::*;
+
+    #[test]
+    fn the_fetch_wait_is_the_clients_setting_or_the_data_paths_default() {
+        let mut kafka = KafkaConfig::default();
+        assert_eq!(fetch_wait(&kafka), Duration::from_millis(100));
+        kafka.client.insert("fetch.wait.max.ms".into(), "40".into());
+        assert_eq!(fetch_wait(&kafka), Duration::from_millis(40));
+        kafka.client.insert("fetch.wait.max.ms".into(), "soon".into());
+        assert_eq!(fetch_wait(&kafka), Duration::from_millis(100));
+    }
 
     /// Records which stamps were acknowledged and which failed.
     #[derive(Default)]

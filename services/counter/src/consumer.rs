@@ -289,6 +289,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             max_bytes: config.counter.batch_max_bytes,
             linger: Duration::from_millis(config.counter.batch_linger_ms),
             max_linger: Duration::from_millis(config.counter.batch_max_linger_ms),
+            quiet: BatchLimits::quiet_for(tally_shared::kafka::fetch_wait(&config.kafka)),
         },
         failures: &shards.failures,
         letters: &letters,

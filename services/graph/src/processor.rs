@@ -97,6 +97,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
             max_bytes: usize::MAX,
             linger: Duration::from_millis(config.graph.batch_linger_ms),
             max_linger: Duration::from_millis(config.graph.batch_linger_ms),
+            quiet: BatchLimits::quiet_for(tally_shared::kafka::fetch_wait(&config.kafka)),
         },
         failures: &failures,
         letters: &letters,
