@@ -95,8 +95,8 @@ pub struct Polled {
 /// opened, past `limits.linger` once no record arrived for `limits.quiet` (the load
 /// that stretched it has stopped: at the end of a backlog, waiting out the stretch
 /// only delays the last records), or — while still empty — after one idle poll (so
-/// the caller's heartbeat work runs). After every poll `interrupted()` is asked: true (a rebalance reset
-/// the positions) discards what was collected and returns.
+/// the caller's heartbeat work runs). After every poll `interrupted()` is asked:
+/// true (a rebalance reset the positions) discards what was collected and returns.
 pub fn poll_batch<C: ConsumerContext>(
     consumer: &BaseConsumer<C>,
     limits: &BatchLimits,
@@ -108,14 +108,14 @@ pub fn poll_batch<C: ConsumerContext>(
     let mut bytes = 0usize;
     let opened = Instant::now();
     let deadline = opened + open_for.max(limits.linger);
-    // Moved on by every record: when the batch closes for want of more.
+    // When the batch closes, given when its last record came (or it opened).
+    let closes = |quiet_from: Instant| deadline.min((quiet_from + limits.quiet).max(opened + limits.linger));
     let mut quiet_from = opened;
     loop {
-        let closes = deadline.min((quiet_from + limits.quiet).max(opened + limits.linger));
         let wait = if batch.is_empty() {
             Duration::from_millis(100)
         } else {
-            closes.saturating_duration_since(Instant::now())
+            closes(quiet_from).saturating_duration_since(Instant::now())
         };
         let polled = consumer.poll(wait);
         if interrupted() {
@@ -139,8 +139,7 @@ pub fn poll_batch<C: ConsumerContext>(
             None => {}
         }
         let full = batch.len() >= limits.max_records.max(1) || bytes >= limits.max_bytes.max(1);
-        let closes = deadline.min((quiet_from + limits.quiet).max(opened + limits.linger));
-        if full || (!batch.is_empty() && Instant::now() >= closes) {
+        if full || (!batch.is_empty() && Instant::now() >= closes(quiet_from)) {
             return full;
         }
     }
