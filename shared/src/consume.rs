@@ -18,6 +18,10 @@ use crate::config::KafkaConfig;
 use crate::kafka::client_config;
 use crate::Result;
 
+/// The shortest [`BatchLimits::quiet`]: a moment without records on a busy
+/// machine is not the end of the load, however short the fetch wait.
+pub const MIN_QUIET: Duration = Duration::from_millis(100);
+
 /// How big a batch may grow and how long it waits for more.
 #[derive(Debug, Clone, Copy)]
 pub struct BatchLimits {
@@ -52,10 +56,11 @@ impl BatchLimits {
     }
 
     /// The `quiet` of a consumer whose fetches wait up to `fetch_wait` at the
-    /// broker: twice that. A broker that holds every fetch for its whole wait (the
-    /// local one) hands records over once per wait at most, even under load.
+    /// broker: twice that, and at least [`MIN_QUIET`]. A broker that holds every
+    /// fetch for its whole wait (the local one) hands records over once per wait at
+    /// most, even under load.
     pub fn quiet_for(fetch_wait: Duration) -> Duration {
-        fetch_wait * 2
+        (fetch_wait * 2).max(MIN_QUIET)
     }
 }
 
@@ -390,6 +395,8 @@ mod tests {
         };
         let after = |ms| limits.open_for(Duration::from_millis(ms), false).as_millis();
         assert_eq!((after(0), after(20), after(300), after(500), after(9_000)), (20, 20, 300, 500, 500));
+        let quiet = |ms| BatchLimits::quiet_for(Duration::from_millis(ms)).as_millis();
+        assert_eq!((quiet(0), quiet(40), quiet(100), quiet(500)), (100, 100, 200, 1_000));
         let fixed = BatchLimits { max_linger: Duration::ZERO, ..limits };
         assert_eq!(fixed.open_for(Duration::from_millis(300), false), Duration::from_millis(20));
         // After a full batch (a backlog), the next one is not held back.
@@ -458,7 +465,12 @@ mod tests {
             })
         };
         let mut consumer_config = crate::kafka::consumer_config(&kafka).unwrap();
-        consumer_config.set("group.id", "linger-test").set("enable.auto.commit", "false");
+        // The mock broker holds a fetch for its whole wait: records every 10 ms, well
+        // within `QUIET` however busy the machine.
+        consumer_config
+            .set("group.id", "linger-test")
+            .set("enable.auto.commit", "false")
+            .set("fetch.wait.max.ms", "10");
         let consumer: BaseConsumer = consumer_config.create().unwrap();
         let mut assignment = TopicPartitionList::new();
         assignment.add_partition_offset(topic, 0, Offset::Beginning).unwrap();

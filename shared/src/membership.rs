@@ -212,10 +212,7 @@ pub fn heartbeat(
                 return;
             }
             send(false);
-            let until = std::time::Instant::now() + every;
-            while !leave.is_cancelled() && std::time::Instant::now() < until {
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            crate::shutdown::sleep_unless(&leave, every);
         }
         send(true);
         let _ = producer.flush(Duration::from_secs(5));
