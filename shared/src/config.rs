@@ -464,7 +464,7 @@ impl Default for CounterConfig {
             batch_max_records: 20_000,
             batch_max_bytes: 16 << 20,
             batch_linger_ms: 20,
-            batch_max_linger_ms: 500,
+            batch_max_linger_ms: 250,
             rollups: true,
             rollup_interval_ms: 1_000,
             sync_writes: false,
