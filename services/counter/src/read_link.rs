@@ -118,20 +118,16 @@ fn send(frames: &mpsc::UnboundedSender<Vec<u8>>, id: u64, response: &ReadRespons
 
 #[cfg(test)]
 mod tests {
-    use std::collections::{BTreeMap, HashMap};
-    use std::sync::Arc;
+    use std::collections::BTreeMap;
 
     use tally_core::time::WindowSpec;
-    use tally_core::wire::{Increment, Kind, ShardAnswer, ShardMessage, ShardQueries, ShardQuery, Source, Stamp};
+    use tally_core::wire::{Kind, ShardAnswer, ShardQueries, ShardQuery};
     use tally_shared::read_link::{MAX_FRAME_BYTES, PATH};
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
     use tokio_util::sync::CancellationToken;
 
     use super::*;
-    use crate::apply::ShardRecord;
-    use crate::shards::Shards;
-    use crate::store::{ShardStore, StoreOptions};
 
     const NOW: i64 = 1_763_780_000_000;
 
@@ -139,21 +135,8 @@ mod tests {
     /// (2 in the last hour) and `user:2` at 5.
     async fn counter() -> (tempfile::TempDir, String, ReadState) {
         let dir = tempfile::tempdir().unwrap();
-        let store = ShardStore::open(0, dir.path(), StoreOptions::default()).unwrap();
         let events = [("user:1", 1, NOW - 7_200_000), ("user:1", 2, NOW - 60_000), ("user:2", 5, NOW)];
-        let entries = events
-            .iter()
-            .enumerate()
-            .map(|(i, &(entity, delta, ts))| {
-                let increment = Increment { entity: entity.into(), metric: "views".into(), delta, ts, id: None };
-                (Stamp { offset: i as i64, index: 0 }, increment)
-            })
-            .collect();
-        let source = Source { stream: Source::INCREMENTS, partition: 0 };
-        let payload = ShardMessage::Increments { source, entries }.encode().unwrap();
-        store.apply(&[ShardRecord { offset: 0, payload: &payload, timestamp: None }], NOW, false).unwrap();
-        let shards = Arc::new(Shards::default());
-        shards.replace(HashMap::from([(0, Arc::new(store))]), BTreeMap::new());
+        let shards = crate::shards::one_shard_with(dir.path(), &events, NOW, false);
         let metrics = crate::metrics::Metrics::new(&prometheus::Registry::new());
         let state = ReadState { shards, metrics, snapshots: false, shutdown: CancellationToken::new() };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

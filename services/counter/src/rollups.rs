@@ -167,14 +167,9 @@ impl Rollups {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::{BTreeMap, HashMap};
-
     use rdkafka::mocking::MockCluster;
-    use tally_core::wire::{Increment, ShardMessage, Source, Stamp};
 
     use super::*;
-    use crate::apply::ShardRecord;
-    use crate::store::StoreOptions;
 
     const NOW: i64 = 1_763_780_000_000;
 
@@ -188,19 +183,9 @@ mod tests {
         cluster.create_topic("rollups", 1, 1).unwrap();
         let kafka = KafkaConfig { bootstrap_servers: cluster.bootstrap_servers(), ..Default::default() };
         let dir = tempfile::tempdir().unwrap();
-        let store = ShardStore::open(0, dir.path(), StoreOptions::default()).unwrap();
-        let entries = (0..entities)
-            .map(|i| {
-                let increment =
-                    Increment { entity: format!("e{i}"), metric: "views".into(), delta: 1, ts: NOW, id: None };
-                (Stamp { offset: i as i64, index: 0 }, increment)
-            })
-            .collect();
-        let source = Source { stream: Source::INCREMENTS, partition: 0 };
-        let payload = ShardMessage::Increments { source, entries }.encode().unwrap();
-        store.apply(&[ShardRecord { offset: 0, payload: &payload, timestamp: None }], NOW, true).unwrap();
-        let shards = Arc::new(Shards::default());
-        shards.replace(HashMap::from([(0, Arc::new(store))]), BTreeMap::new());
+        let names: Vec<String> = (0..entities).map(|i| format!("e{i}")).collect();
+        let events: Vec<(&str, i64, i64)> = names.iter().map(|name| (name.as_str(), 1, NOW)).collect();
+        let shards = crate::shards::one_shard_with(dir.path(), &events, NOW, true);
         let rollups = Rollups::new(&kafka, "rollups".into(), Resolutions::default(), Duration::from_secs(1)).unwrap();
         (dir, cluster, shards, rollups)
     }

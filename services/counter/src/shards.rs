@@ -163,3 +163,33 @@ impl Shards {
         self.epoch.fetch_add(1, Ordering::SeqCst);
     }
 }
+
+/// Shards owning shard 0 only: a store in `dir` that applied `events` (entity,
+/// `views` delta, event time) at `now` as one shard record, marking rollups when
+/// `rollups`.
+#[cfg(test)]
+pub(crate) fn one_shard_with(
+    dir: &std::path::Path,
+    events: &[(&str, i64, i64)],
+    now: i64,
+    rollups: bool,
+) -> Arc<Shards> {
+    use tally_core::wire::{Increment, ShardMessage, Source, Stamp};
+
+    let store = ShardStore::open(0, dir, crate::store::StoreOptions::default()).unwrap();
+    let entries = events
+        .iter()
+        .enumerate()
+        .map(|(i, &(entity, delta, ts))| {
+            let increment = Increment { entity: entity.into(), metric: "views".into(), delta, ts, id: None };
+            (Stamp { offset: i as i64, index: 0 }, increment)
+        })
+        .collect();
+    let source = Source { stream: Source::INCREMENTS, partition: 0 };
+    let payload = ShardMessage::Increments { source, entries }.encode().unwrap();
+    let record = crate::apply::ShardRecord { offset: 0, payload: &payload, timestamp: None };
+    store.apply(&[record], now, rollups).unwrap();
+    let shards = Arc::new(Shards::default());
+    shards.replace(HashMap::from([(0, Arc::new(store))]), BTreeMap::new());
+    shards
+}
