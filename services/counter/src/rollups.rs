@@ -88,15 +88,17 @@ impl Rollups {
         // Per shard: its store when the round began, and the last key sent.
         let mut cursors: Vec<(u32, Arc<ShardStore>, Option<Vec<u8>>)> =
             shards.serving().into_iter().filter_map(|shard| Some((shard, shards.get(shard)?, None))).collect();
+        // Still this counter's, the same store, serving and not failed: a shard
+        // handed over mid-round publishes nothing more from here (its new owner's
+        // values are newer).
+        let still_ours = |shard: u32, store: &Arc<ShardStore>| {
+            shards.served(shard).is_some_and(|now| Arc::ptr_eq(&now, store)) && !shards.failures.is_failed(shard)
+        };
         while !cursors.is_empty() {
             let sweep = Instant::now();
             let mut more = Vec::with_capacity(cursors.len());
             for (shard, store, after) in cursors {
-                // Still this counter's, the same store, serving and not failed: a
-                // shard handed over mid-round publishes nothing more from here (its
-                // new owner's values are newer).
-                let current = shards.served(shard).filter(|now| Arc::ptr_eq(now, &store));
-                if current.is_none() || shards.failures.is_failed(shard) {
+                if !still_ours(shard, &store) {
                     continue;
                 }
                 match self.publish_page(&store, after.as_deref()) {
@@ -118,7 +120,7 @@ impl Rollups {
                 }
             }
             // A shard handed over meanwhile is let go before the rest, not after.
-            more.retain(|(shard, store, _)| shards.served(*shard).is_some_and(|now| Arc::ptr_eq(&now, store)));
+            more.retain(|(shard, store, _)| still_ours(*shard, store));
             cursors = more;
             if !cursors.is_empty() && !rest(sweep.elapsed()) {
                 return;
