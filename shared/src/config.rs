@@ -411,6 +411,11 @@ pub struct CounterConfig {
     /// stretched. After a full batch (a backlog) the next one is not held back, and a
     /// stretched batch closes once no record came for twice the fetch wait.
     pub batch_max_linger_ms: u64,
+    /// How much lower than the counter's other threads the thread that applies
+    /// batches runs (added to its nice value, up to 19; 0: the same). Under CPU contention
+    /// the ingester and the broker then keep pace and batches grow, which costs less
+    /// per increment; on an idle CPU it changes nothing.
+    pub apply_nice: i32,
     /// Publish the latest values of changed buckets to `tally.rollups`.
     pub rollups: bool,
     /// How often, at most, the changed buckets' values are published, in ms: a
@@ -465,6 +470,7 @@ impl Default for CounterConfig {
             batch_max_bytes: 16 << 20,
             batch_linger_ms: 20,
             batch_max_linger_ms: 250,
+            apply_nice: 5,
             rollups: true,
             rollup_interval_ms: 1_000,
             sync_writes: false,

@@ -75,6 +75,20 @@ pub fn custom_slices() -> bool {
     std::thread::spawn(slice).join().ok().flatten().is_some_and(|slice| !slice.is_zero())
 }
 
+/// The highest nice value (the lowest priority) a thread can have.
+pub const MAX_NICE: i32 = 19;
+
+/// Raises the calling thread's nice value by `by` over what it has (an operator's
+/// `nice` is the base), at most to [`MAX_NICE`]; returns the value it now has. A
+/// thread with a higher nice value gets a smaller share of a busy CPU and the same
+/// as any other on an idle one: for a stage whose work gets cheaper per record
+/// when it lets records pile up (a counter's batches), so that the stages before
+/// it keep pace with the broker. Only the calling thread changes (Linux keeps nice
+/// values per thread), and threads it starts afterwards inherit it.
+pub fn lower_priority(by: i32) -> io::Result<i32> {
+    linux::lower_priority(by)
+}
+
 /// Starts `work` on a new thread named `name` at the kernel's default slice (a loop
 /// that applies or moves a backlog), whatever slice the caller has.
 pub fn background_thread<T, F>(name: &str, work: F) -> io::Result<std::thread::JoinHandle<T>>
@@ -176,6 +190,24 @@ mod linux {
         get(tid).ok().map(|attr| attr.runtime)
     }
 
+    pub(super) fn lower_priority(by: i32) -> io::Result<i32> {
+        // SAFETY: getpriority and setpriority of the calling thread (who 0: on Linux
+        // the thread, not the process); getpriority's -1 is also a valid value, so
+        // errno tells the failure.
+        unsafe {
+            *libc::__errno_location() = 0;
+            let now = libc::getpriority(libc::PRIO_PROCESS, 0);
+            if now == -1 && *libc::__errno_location() != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let nice = now.saturating_add(by.max(0)).min(super::MAX_NICE);
+            if nice != now && libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(nice)
+        }
+    }
+
     /// Moves the calling thread to the idle policy (`SCHED_IDLE`), which keeps no
     /// slice of its own.
     #[cfg(test)]
@@ -211,6 +243,10 @@ mod linux {
 
     pub(super) fn slice(_tid: i32) -> Option<u64> {
         None
+    }
+
+    pub(super) fn lower_priority(_by: i32) -> std::io::Result<i32> {
+        Ok(0)
     }
 }
 
@@ -283,6 +319,30 @@ pub(crate) mod tests {
         .join()
         .unwrap();
         assert_eq!(kept, (true, MIN_SLICE));
+    }
+
+    /// What `getpriority` says of the calling thread.
+    fn nice_now() -> i32 {
+        // SAFETY: getpriority of the calling thread.
+        unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) }
+    }
+
+    #[test]
+    fn lowering_priority_adds_to_the_operators_nice_for_this_thread_and_its_children_only() {
+        let before = nice_now();
+        let seen = std::thread::spawn(|| {
+            // SAFETY: setpriority of the calling thread (an operator's `nice -n 3`).
+            assert_eq!(unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 3) }, 0);
+            let lowered = (lower_priority(5).unwrap(), nice_now());
+            let child = std::thread::spawn(nice_now).join().unwrap();
+            let unchanged = (lower_priority(0).unwrap(), lower_priority(-4).unwrap());
+            let capped = (lower_priority(40).unwrap(), nice_now());
+            (lowered, child, unchanged, capped)
+        })
+        .join()
+        .unwrap();
+        assert_eq!(seen, ((8, 8), 8, (8, 8), (MAX_NICE, MAX_NICE)));
+        assert_eq!(nice_now(), before, "other threads keep theirs");
     }
 
     #[test]

@@ -313,6 +313,12 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         shutdown: shutdown.clone(),
         leave,
     };
+    // Only this loop runs nicer: the helpers started above (the membership's
+    // heartbeats among them) and the Kafka clients keep their priority.
+    match tally_shared::sched::lower_priority(config.counter.apply_nice) {
+        Ok(nice) => tracing::info!(nice, "applying batches"),
+        Err(err) => tracing::warn!(error = %err, "the apply thread keeps its priority"),
+    }
     let result = drive(&consumer, &setup, &mut counter, &shutdown);
     // Stopping for good (also after an error): the helper threads end with it.
     shutdown.cancel();
@@ -500,14 +506,16 @@ fn report_state(shards: &Shards, readiness: &Readiness, metrics: &Metrics, confl
     readiness.set(ready);
 }
 
-/// Applies a polled batch shard by shard; returns how many outbox messages it
-/// wrote and the shards that failed in it. A failed shard applies nothing more
-/// (records of it polled before it was paused are dropped: its store's offset
-/// stays at the failure); the others go on.
+/// Applies a polled batch shard by shard, each shard's records in offset order;
+/// returns how many outbox messages it wrote and the shards that failed in it. A
+/// failed shard applies nothing more (records of it polled before it was paused
+/// are dropped: its store's offset stays at the failure); the others go on.
+///
+/// One thread applies them all: applying shards side by side on a second thread
+/// finished a backlog's last batch sooner but took CPU from the ingester and the
+/// broker on the same cores, and was slower end to end (BENCHMARKS.md).
 fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, mark_rollups: bool) -> (u64, Vec<u32>) {
-    let mut outbox_written = 0;
-    let mut failed = Vec::new();
-    let mut by_shard: HashMap<u32, Vec<ShardRecord<'_>>> = HashMap::new();
+    let mut by_shard: BTreeMap<u32, Vec<ShardRecord<'_>>> = BTreeMap::new();
     for polled in batch {
         by_shard.entry(polled.partition as u32).or_default().push(ShardRecord {
             offset: polled.offset,
@@ -515,35 +523,55 @@ fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, mark_rollup
             timestamp: polled.timestamp,
         });
     }
+    let now = now_ms();
+    let (mut outbox_written, mut failed) = (0, Vec::new());
     for (shard, mut records) in by_shard {
-        let Some(store) = shards.get(shard).filter(|_| !shards.failures.is_failed(shard)) else { continue };
         records.sort_by_key(|r| r.offset);
-        let started = Instant::now();
-        let report = match store.apply(&records, now_ms(), mark_rollups) {
-            Ok(report) => report,
-            Err(err) => {
-                let offset = store.next_offset();
-                shards.failures.fail(shard, Failure { offset, reason: err.to_string(), record: None });
-                failed.push(shard);
-                continue;
-            }
-        };
-        metrics.apply_seconds.observe(started.elapsed().as_secs_f64());
-        record_metrics(metrics, &report);
-        if let Some((next, found)) = report.gap {
-            let reason = format!("the log has no records {next}..{found} the store has not applied (deleted by retention, or the topic was recreated): restore or rebuild the shard");
-            shards.failures.fail(shard, Failure { offset: Some(next), reason, record: None });
+        let (written, shard_failed) = apply_shard(shard, &records, shards, metrics, mark_rollups, now);
+        outbox_written += written;
+        if shard_failed {
             failed.push(shard);
         }
-        if let Some((offset, reason)) = &report.undecodable {
-            let record = records.iter().find(|r| r.offset == *offset).map(|r| Arc::new(r.payload.to_vec()));
-            shards.failures.fail(shard, Failure { offset: Some(*offset), reason: reason.clone(), record });
-            metrics.undecodable_records.inc();
-            failed.push(shard);
-        }
-        outbox_written += report.outbox_messages;
     }
     (outbox_written, failed)
+}
+
+/// Applies one shard's records of a batch (in offset order): the outbox messages
+/// it wrote (those of the records before a failure are committed too), and whether
+/// the shard failed (recorded on the failure board).
+fn apply_shard(
+    shard: u32,
+    records: &[ShardRecord<'_>],
+    shards: &Shards,
+    metrics: &Metrics,
+    mark_rollups: bool,
+    now: i64,
+) -> (u64, bool) {
+    let Some(store) = shards.get(shard).filter(|_| !shards.failures.is_failed(shard)) else { return (0, false) };
+    let started = Instant::now();
+    let report = match store.apply(records, now, mark_rollups) {
+        Ok(report) => report,
+        Err(err) => {
+            let offset = store.next_offset();
+            shards.failures.fail(shard, Failure { offset, reason: err.to_string(), record: None });
+            return (0, true);
+        }
+    };
+    metrics.apply_seconds.observe(started.elapsed().as_secs_f64());
+    record_metrics(metrics, &report);
+    let mut failed = false;
+    if let Some((next, found)) = report.gap {
+        let reason = format!("the log has no records {next}..{found} the store has not applied (deleted by retention, or the topic was recreated): restore or rebuild the shard");
+        shards.failures.fail(shard, Failure { offset: Some(next), reason, record: None });
+        failed = true;
+    }
+    if let Some((offset, reason)) = &report.undecodable {
+        let record = records.iter().find(|r| r.offset == *offset).map(|r| Arc::new(r.payload.to_vec()));
+        shards.failures.fail(shard, Failure { offset: Some(*offset), reason: reason.clone(), record });
+        metrics.undecodable_records.inc();
+        failed = true;
+    }
+    (report.outbox_messages, failed)
 }
 
 fn record_metrics(metrics: &Metrics, report: &ApplyReport) {
@@ -599,5 +627,99 @@ impl ShardSnapshots {
             self.metrics.snapshots_taken.inc_by(taken);
             self.metrics.snapshot_failures.inc_by(failed);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus::Registry;
+    use tally_core::time::WindowSpec;
+    use tally_core::wire::{Increment, Kind, ShardAnswer, ShardMessage, ShardQuery, Source, Stamp};
+
+    use super::*;
+
+    const NOW: i64 = 1_763_776_800_000;
+    const SHARDS: u32 = 5;
+
+    /// A shard record of increments of `views`, one per (entity, delta).
+    fn increments(shard: u32, offset: i64, events: &[(&str, i64)]) -> Polled {
+        let entries = events
+            .iter()
+            .enumerate()
+            .map(|(index, &(entity, delta))| {
+                let increment = Increment { entity: entity.into(), metric: "views".into(), delta, ts: NOW, id: None };
+                (Stamp { offset, index: index as u32 }, increment)
+            })
+            .collect();
+        let source = Source { stream: Source::INCREMENTS, partition: shard };
+        let payload = ShardMessage::Increments { source, entries }.encode().unwrap();
+        Polled { partition: shard as i32, offset, timestamp: Some(NOW), payload }
+    }
+
+    /// Every shard's next offset and all-time totals of `entities`, after applying
+    /// `batch`; and what `apply_batch` returned.
+    fn applied(batch: &[Polled], entities: &[&str]) -> ((u64, Vec<u32>), Vec<(Option<i64>, Vec<i64>)>) {
+        let dir = tempfile::tempdir().unwrap();
+        let stores = (0..SHARDS)
+            .map(|shard| {
+                let options = StoreOptions { shards: SHARDS, ..StoreOptions::default() };
+                (shard, Arc::new(ShardStore::open(shard, &dir.path().join(store_dir(shard)), options).unwrap()))
+            })
+            .collect();
+        let shards = Shards::default();
+        shards.replace(stores, BTreeMap::new());
+        let mut returned = apply_batch(batch, &shards, &Metrics::new(&Registry::new()), true);
+        returned.1.sort();
+        let states = (0..SHARDS)
+            .map(|shard| {
+                let store = shards.get(shard).unwrap();
+                let queries: Vec<ShardQuery> = entities
+                    .iter()
+                    .map(|entity| ShardQuery {
+                        entity: entity.to_string(),
+                        metric: "views".into(),
+                        kind: Kind::Total,
+                        spec: WindowSpec::All,
+                    })
+                    .collect();
+                let totals = store.read(&queries, NOW).unwrap().into_iter().map(|answer| match answer {
+                    ShardAnswer::Window { value, .. } => value,
+                    other => panic!("{other:?}"),
+                });
+                (store.next_offset(), totals.collect())
+            })
+            .collect();
+        (returned, states)
+    }
+
+    /// Each shard's records apply in offset order, however they were polled; a
+    /// shard with a bad record stops at it, the others apply all of theirs.
+    #[test]
+    fn a_batch_applies_shard_by_shard_in_offset_order_and_a_bad_record_stops_its_shard_only() {
+        let mut bad = increments(2, 1, &[("c", 1)]);
+        bad.payload.truncate(bad.payload.len() / 2);
+        // Out of offset order within shards, as several fetches can hand them over.
+        let batch = vec![
+            increments(0, 1, &[("a", 2), ("b", 3)]),
+            increments(1, 0, &[("a", 5)]),
+            increments(0, 0, &[("a", 7)]),
+            bad,
+            increments(2, 0, &[("c", 11), ("c", 13)]),
+            increments(3, 0, &[("d", 17)]),
+            increments(2, 2, &[("c", 19)]),
+            increments(3, 1, &[("d", 23), ("a", 29)]),
+        ];
+        let entities = ["a", "b", "c", "d"];
+        let expected = (
+            (0, vec![2]),
+            vec![
+                (Some(2), vec![9, 3, 0, 0]),
+                (Some(1), vec![5, 0, 0, 0]),
+                (Some(1), vec![0, 0, 24, 0]),
+                (Some(2), vec![29, 0, 0, 40]),
+                (None, vec![0, 0, 0, 0]),
+            ],
+        );
+        assert_eq!(applied(&batch, &entities), expected);
     }
 }
