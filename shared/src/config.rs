@@ -577,6 +577,12 @@ impl TallyConfig {
                 "runtime.latency_slice_us: 0 (the kernel's default) or 100 to 100000 (what Linux grants)".into(),
             ));
         }
+        if !(0..=crate::sched::MAX_NICE).contains(&config.counter.apply_nice) {
+            return Err(Error::Config(format!(
+                "counter.apply_nice: 0 to {} (added to a nice value)",
+                crate::sched::MAX_NICE
+            )));
+        }
         check_shard_record_format(config.ingester.shard_record_format)?;
         // A relative declarations file sits next to the config that names it.
         let mut config = config;
@@ -702,6 +708,19 @@ mod tests {
                 "config: runtime.latency_slice_us: 0 (the kernel's default) or 100 to 100000 (what Linux grants)",
                 "{value}"
             );
+        }
+    }
+
+    #[test]
+    fn the_apply_loop_runs_5_nicer_unless_configured_within_0_to_19() {
+        let nice = |pairs: &[(&str, &str)]| TallyConfig::load_with_env(None, env(pairs)).map(|c| c.counter.apply_nice);
+        assert_eq!(nice(&[]).unwrap(), 5);
+        for value in [0, 19] {
+            assert_eq!(nice(&[("TALLY__COUNTER__APPLY_NICE", &value.to_string())]).unwrap(), value);
+        }
+        for value in ["-1", "20"] {
+            let refused = nice(&[("TALLY__COUNTER__APPLY_NICE", value)]).unwrap_err().to_string();
+            assert_eq!(refused, "config: counter.apply_nice: 0 to 19 (added to a nice value)", "{value}");
         }
     }
 

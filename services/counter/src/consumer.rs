@@ -314,7 +314,9 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         leave,
     };
     // Only this loop runs nicer: the helpers started above (the membership's
-    // heartbeats among them) and the Kafka clients keep their priority.
+    // heartbeats among them), the Kafka clients and RocksDB's threads (started here
+    // when no store was opened yet) keep their priority.
+    ShardStore::start_background_threads()?;
     match tally_shared::sched::lower_priority(config.counter.apply_nice) {
         Ok(nice) => tracing::info!(nice, "applying batches"),
         Err(err) => tracing::warn!(error = %err, "the apply thread keeps its priority"),
@@ -536,7 +538,8 @@ fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, mark_rollup
     (outbox_written, failed)
 }
 
-/// Applies one shard's records of a batch (in offset order): the outbox messages
+/// Applies one shard's records of a batch (in offset order) at `now` (the batch's
+/// wall-clock time, for retention and records without a time): the outbox messages
 /// it wrote (those of the records before a failure are committed too), and whether
 /// the shard failed (recorded on the failure board).
 fn apply_shard(
@@ -690,6 +693,66 @@ mod tests {
             })
             .collect();
         (returned, states)
+    }
+
+    /// Each nice value of this process's threads named `rocksdb:*`.
+    fn rocksdb_threads_nice() -> Vec<(String, i32)> {
+        let mut threads = Vec::new();
+        for task in std::fs::read_dir("/proc/self/task").unwrap() {
+            let stat = std::fs::read_to_string(task.unwrap().path().join("stat")).unwrap_or_default();
+            // `tid (comm) state ...`: nice is the 19th field, the 17th after the name.
+            let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { continue };
+            let name = &stat[open + 1..close];
+            let nice = stat[close + 2..].split(' ').nth(16).and_then(|field| field.parse().ok());
+            if let (true, Some(nice)) = (name.starts_with("rocksdb:"), nice) {
+                threads.push((name.to_string(), nice));
+            }
+        }
+        threads.sort();
+        threads
+    }
+
+    /// RocksDB's shared threads keep the counter's priority though the apply loop,
+    /// which opens the stores of shards as they come, runs nicer. In a process of
+    /// its own (this test binary again, running this test alone): the threads are
+    /// the process's, started by whichever test opens a store first.
+    #[test]
+    fn rocksdb_threads_keep_the_counters_priority_when_the_nicer_loop_opens_stores() {
+        const ALONE: &str = "TALLY_TEST_ROCKSDB_THREADS_ALONE";
+        let name = "consumer::tests::rocksdb_threads_keep_the_counters_priority_when_the_nicer_loop_opens_stores";
+        if std::env::var_os(ALONE).is_none() {
+            let run = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", name, "--nocapture", "--test-threads", "1"])
+                .env(ALONE, "1")
+                .output()
+                .unwrap();
+            let out = String::from_utf8_lossy(&run.stdout);
+            assert!(
+                run.status.success() && out.contains("test result: ok. 1 passed"),
+                "{out}{}",
+                String::from_utf8_lossy(&run.stderr)
+            );
+            return;
+        }
+        assert_eq!(rocksdb_threads_nice(), [], "no store opened yet in this process");
+        // SAFETY: getpriority of the calling thread.
+        let base = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().to_path_buf();
+        let nicer = std::thread::spawn(move || {
+            ShardStore::start_background_threads().unwrap();
+            let nicer = tally_shared::sched::lower_priority(5).unwrap();
+            let store = ShardStore::open(0, &path, StoreOptions::default()).unwrap();
+            drop(store);
+            nicer
+        })
+        .join()
+        .unwrap();
+        assert_eq!(nicer, base + 5);
+        let threads = rocksdb_threads_nice();
+        let expected: Vec<(String, i32)> =
+            ["rocksdb:high", "rocksdb:low"].into_iter().map(|name| (name.to_string(), base)).collect();
+        assert_eq!(threads, expected);
     }
 
     /// Each shard's records apply in offset order, however they were polled; a

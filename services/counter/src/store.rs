@@ -130,11 +130,28 @@ fn wall_clock_ms() -> i64 {
     tally_shared::kafka::now_ms()
 }
 
+/// RocksDB's background jobs of a store: one flush and one compaction at a time.
+const BACKGROUND_JOBS: i32 = 2;
+
 impl ShardStore {
+    /// Starts RocksDB's flush and compaction threads, which every store of the
+    /// process shares, on the calling thread: RocksDB starts them on the thread that
+    /// opens the first store, and they keep that thread's priority for good (the
+    /// apply loop, which opens stores as shards come, runs nicer).
+    pub fn start_background_threads() -> Result<()> {
+        let mut env = rocksdb::Env::new()?;
+        // How RocksDB splits `max_background_jobs`: a quarter flushes (at least
+        // one), the rest compactions.
+        let flushes = (BACKGROUND_JOBS / 4).max(1);
+        env.set_high_priority_background_threads(flushes);
+        env.set_background_threads((BACKGROUND_JOBS - flushes).max(1));
+        Ok(())
+    }
+
     /// Opens (creating when missing) the store of `shard` at `path`.
     pub fn open(shard: u32, path: &Path, options: StoreOptions) -> Result<Self> {
         let mut db_options = Options::default();
-        db_options.set_max_background_jobs(2);
+        db_options.set_max_background_jobs(BACKGROUND_JOBS);
 
         let mut counts = Options::default();
         counts.set_write_buffer_size(16 << 20);
