@@ -412,9 +412,9 @@ pub struct CounterConfig {
     /// stretched batch closes once no record came for twice the fetch wait.
     pub batch_max_linger_ms: u64,
     /// How much lower than the counter's other threads the thread that applies
-    /// batches runs (added to its nice value, up to 19; 0: the same). Under CPU contention
-    /// the ingester and the broker then keep pace and batches grow, which costs less
-    /// per increment; on an idle CPU it changes nothing.
+    /// batches runs: 0 to 19, added to its nice value (0: the same). Under CPU
+    /// contention the ingester and the broker then keep pace and batches grow, which
+    /// costs less per increment; on an idle CPU it changes nothing.
     pub apply_nice: i32,
     /// Publish the latest values of changed buckets to `tally.rollups`.
     pub rollups: bool,
