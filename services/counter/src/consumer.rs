@@ -659,9 +659,11 @@ mod tests {
         Polled { partition: shard as i32, offset, timestamp: Some(NOW), payload }
     }
 
-    /// Every shard's next offset and all-time totals of `entities`, after applying
-    /// `batch`; and what `apply_batch` returned.
-    fn applied(batch: &[Polled], entities: &[&str]) -> ((u64, Vec<u32>), Vec<(Option<i64>, Vec<i64>)>) {
+    /// A shard's next offset and the all-time totals of some entities.
+    type ShardState = (Option<i64>, Vec<i64>);
+
+    /// Every shard's state after applying `batch`, and what `apply_batch` returned.
+    fn applied(batch: &[Polled], entities: &[&str]) -> ((u64, Vec<u32>), Vec<ShardState>) {
         let dir = tempfile::tempdir().unwrap();
         let stores = (0..SHARDS)
             .map(|shard| {
