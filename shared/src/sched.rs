@@ -93,6 +93,11 @@ pub fn lower_priority(by: i32) -> io::Result<i32> {
     linux::lower_priority(by)
 }
 
+/// The calling thread's nice value now.
+pub fn nice() -> io::Result<i32> {
+    linux::nice()
+}
+
 /// Starts `work` on a new thread named `name` at the kernel's default slice (a loop
 /// that applies or moves a backlog), whatever slice the caller has.
 pub fn background_thread<T, F>(name: &str, work: F) -> io::Result<std::thread::JoinHandle<T>>
@@ -194,22 +199,27 @@ mod linux {
         get(tid).ok().map(|attr| attr.runtime)
     }
 
-    pub(super) fn lower_priority(by: i32) -> io::Result<i32> {
-        // SAFETY: getpriority and setpriority of the calling thread (who 0: on Linux
-        // the thread, not the process); getpriority's -1 is also a valid value, so
-        // errno tells the failure.
+    pub(super) fn nice() -> io::Result<i32> {
+        // SAFETY: getpriority of the calling thread (who 0: on Linux the thread, not
+        // the process); -1 is also a valid value, so errno tells a failure.
         unsafe {
             *libc::__errno_location() = 0;
-            let now = libc::getpriority(libc::PRIO_PROCESS, 0);
-            if now == -1 && *libc::__errno_location() != 0 {
-                return Err(io::Error::last_os_error());
+            let nice = libc::getpriority(libc::PRIO_PROCESS, 0);
+            match nice == -1 && *libc::__errno_location() != 0 {
+                true => Err(io::Error::last_os_error()),
+                false => Ok(nice),
             }
-            let nice = now.saturating_add(by.max(0)).min(super::MAX_NICE);
-            if nice != now && libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(nice)
         }
+    }
+
+    pub(super) fn lower_priority(by: i32) -> io::Result<i32> {
+        let now = nice()?;
+        let nice = now.saturating_add(by.max(0)).min(super::MAX_NICE);
+        // SAFETY: setpriority of the calling thread, as in `nice`.
+        if nice != now && unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(nice)
     }
 
     /// Moves the calling thread to the idle policy (`SCHED_IDLE`), which keeps no
@@ -252,6 +262,10 @@ mod linux {
     pub(super) fn lower_priority(_by: i32) -> std::io::Result<i32> {
         Err(std::io::ErrorKind::Unsupported.into())
     }
+
+    pub(super) fn nice() -> std::io::Result<i32> {
+        Err(std::io::ErrorKind::Unsupported.into())
+    }
 }
 
 #[cfg(all(test, target_os = "linux"))]
@@ -282,8 +296,7 @@ pub(crate) mod tests {
             let clamped = slice().unwrap();
             set_slice(Duration::ZERO).unwrap();
             let back = slice().unwrap() == default;
-            // SAFETY: getpriority on the calling thread.
-            (asked, clamped, back, unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) })
+            (asked, clamped, back, nice().unwrap())
         })
         .join()
         .unwrap();
@@ -325,31 +338,25 @@ pub(crate) mod tests {
         assert_eq!(kept, (true, MIN_SLICE));
     }
 
-    /// What `getpriority` says of the calling thread.
-    fn nice_now() -> i32 {
-        // SAFETY: getpriority of the calling thread.
-        unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) }
-    }
-
     #[test]
     fn lowering_priority_adds_to_the_operators_nice_for_this_thread_and_its_children_only() {
-        let before = nice_now();
+        let before = nice().unwrap();
         // An operator's `nice -n 3` over whatever the tests run at.
         let base = (before + 3).min(MAX_NICE - 5);
         let seen = std::thread::spawn(move || {
             // SAFETY: setpriority of the calling thread.
             assert_eq!(unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, base) }, 0);
-            let lowered = (lower_priority(5).unwrap(), nice_now());
-            let child = std::thread::spawn(nice_now).join().unwrap();
+            let lowered = (lower_priority(5).unwrap(), nice().unwrap());
+            let child = std::thread::spawn(|| nice().unwrap()).join().unwrap();
             let unchanged = (lower_priority(0).unwrap(), lower_priority(-4).unwrap());
-            let capped = (lower_priority(40).unwrap(), nice_now());
+            let capped = (lower_priority(40).unwrap(), nice().unwrap());
             (lowered, child, unchanged, capped)
         })
         .join()
         .unwrap();
         let lowered = base + 5;
         assert_eq!(seen, ((lowered, lowered), lowered, (lowered, lowered), (MAX_NICE, MAX_NICE)));
-        assert_eq!(nice_now(), before, "other threads keep theirs");
+        assert_eq!(nice().unwrap(), before, "other threads keep theirs");
     }
 
     #[test]

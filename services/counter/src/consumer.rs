@@ -737,8 +737,7 @@ mod tests {
             return;
         }
         assert_eq!(rocksdb_threads_nice(), [], "no store opened yet in this process");
-        // SAFETY: getpriority of the calling thread.
-        let base = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
+        let base = tally_shared::sched::nice().unwrap();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().to_path_buf();
         let nicer = std::thread::spawn(move || {
