@@ -416,6 +416,11 @@ pub struct CounterConfig {
     /// contention the ingester and the broker then keep pace and batches grow, which
     /// costs less per increment; on an idle CPU it changes nothing.
     pub apply_nice: i32,
+    /// Threads that apply a batch, each taking whole shards (every shard is a
+    /// RocksDB of its own), as nice as the apply loop: under a backlog they take
+    /// little from the stages before, and a backlog's last batches are applied on
+    /// every core those leave. 1: the apply loop's thread alone.
+    pub apply_threads: usize,
     /// Publish the latest values of changed buckets to `tally.rollups`.
     pub rollups: bool,
     /// How often, at most, the changed buckets' values are published, in ms: a
@@ -471,6 +476,7 @@ impl Default for CounterConfig {
             batch_linger_ms: 20,
             batch_max_linger_ms: 250,
             apply_nice: 5,
+            apply_threads: 2,
             rollups: true,
             rollup_interval_ms: 1_000,
             sync_writes: false,
@@ -582,6 +588,9 @@ impl TallyConfig {
                 "counter.apply_nice: 0 to {} (added to a nice value)",
                 crate::sched::MAX_NICE
             )));
+        }
+        if config.counter.apply_threads == 0 {
+            return Err(Error::Config("counter.apply_threads: must be at least 1".into()));
         }
         check_shard_record_format(config.ingester.shard_record_format)?;
         // A relative declarations file sits next to the config that names it.
@@ -722,6 +731,18 @@ mod tests {
             let refused = nice(&[("TALLY__COUNTER__APPLY_NICE", value)]).unwrap_err().to_string();
             assert_eq!(refused, "config: counter.apply_nice: 0 to 19 (added to a nice value)", "{value}");
         }
+    }
+
+    #[test]
+    fn batches_apply_on_two_threads_unless_configured_to_at_least_one() {
+        let threads =
+            |pairs: &[(&str, &str)]| TallyConfig::load_with_env(None, env(pairs)).map(|c| c.counter.apply_threads);
+        assert_eq!(threads(&[]).unwrap(), 2);
+        for value in [1, 16] {
+            assert_eq!(threads(&[("TALLY__COUNTER__APPLY_THREADS", &value.to_string())]).unwrap(), value);
+        }
+        let refused = threads(&[("TALLY__COUNTER__APPLY_THREADS", "0")]).unwrap_err().to_string();
+        assert_eq!(refused, "config: counter.apply_threads: must be at least 1");
     }
 
     #[test]

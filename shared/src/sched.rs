@@ -98,6 +98,34 @@ pub fn nice() -> io::Result<i32> {
     linux::nice()
 }
 
+/// Runs `work` on `threads` threads at once — the calling thread and `threads - 1`
+/// helpers named `name`, which inherit its nice value and slice — and returns what
+/// each returned, the caller's first. A helper that cannot be started is done
+/// without (said in a warning), so `work` takes its items from what the threads
+/// share; a panic in a helper comes back in the caller.
+pub fn on_threads<T: Send>(threads: usize, name: &str, work: impl Fn() -> T + Sync) -> Vec<T> {
+    if threads <= 1 {
+        return vec![work()];
+    }
+    std::thread::scope(|scope| {
+        let work = &work;
+        let helpers: Vec<_> = (1..threads)
+            .filter_map(|_| match std::thread::Builder::new().name(name.into()).spawn_scoped(scope, work) {
+                Ok(helper) => Some(helper),
+                Err(err) => {
+                    tracing::warn!(name, error = %err, "cannot start a helper thread; going on without it");
+                    None
+                }
+            })
+            .collect();
+        let mut results = vec![work()];
+        for helper in helpers {
+            results.push(helper.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)));
+        }
+        results
+    })
+}
+
 /// Starts `work` on a new thread named `name` at the kernel's default slice (a loop
 /// that applies or moves a backlog), whatever slice the caller has.
 pub fn background_thread<T, F>(name: &str, work: F) -> io::Result<std::thread::JoinHandle<T>>
@@ -357,6 +385,36 @@ pub(crate) mod tests {
         let lowered = base + 5;
         assert_eq!(seen, ((lowered, lowered), lowered, (lowered, lowered), (MAX_NICE, MAX_NICE)));
         assert_eq!(nice().unwrap(), before, "other threads keep theirs");
+    }
+
+    #[test]
+    fn work_on_threads_runs_on_the_caller_and_helpers_that_inherit_its_nice_value() {
+        let base = nice().unwrap();
+        let seen = std::thread::Builder::new()
+            .name("caller".into())
+            .spawn(|| {
+                let lowered = lower_priority(3).unwrap();
+                let whoami = || (std::thread::current().name().map(String::from), nice().unwrap());
+                (
+                    lowered,
+                    on_threads(3, "helper", whoami),
+                    on_threads(1, "helper", whoami),
+                    on_threads(0, "helper", whoami),
+                )
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        let lowered = (base + 3).min(MAX_NICE);
+        let on = |name: &str| (Some(name.to_string()), lowered);
+        assert_eq!(
+            seen,
+            (lowered, vec![on("caller"), on("helper"), on("helper")], vec![on("caller")], vec![on("caller")])
+        );
+        let panicked = std::panic::catch_unwind(|| {
+            on_threads(2, "helper", || assert!(std::thread::current().name() != Some("helper"), "a helper panicked"))
+        });
+        assert!(panicked.is_err(), "a helper's panic comes back in the caller");
     }
 
     #[test]

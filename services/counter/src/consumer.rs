@@ -7,8 +7,10 @@
 //! partition starts at the store's `next_offset` (the group's committed offset is
 //! only advisory, for lag tooling); it is served once it caught up with the log.
 
+use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -298,6 +300,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     };
     let mut counter = Counter {
         epoch: shards.epoch(),
+        apply_threads: config.counter.apply_threads,
         shards: shards.clone(),
         metrics,
         readiness,
@@ -342,6 +345,8 @@ struct Counter {
     topic: String,
     /// The assignment last seen ([`Shards::epoch`]).
     epoch: u64,
+    /// Threads that apply a batch's shards side by side (`counter.apply_threads`).
+    apply_threads: usize,
     /// The shards last announced.
     serving: Vec<u32>,
     /// Outbox messages written since the last relay.
@@ -364,7 +369,8 @@ impl Processor<CounterContext> for Counter {
     }
 
     fn apply(&mut self, consumer: &BaseConsumer<CounterContext>, batch: &[Polled]) -> Vec<u32> {
-        let (written, failed) = apply_batch(batch, &self.shards, &self.metrics, self.rollups.is_some());
+        let (written, failed) =
+            apply_batch(batch, &self.shards, &self.metrics, self.rollups.is_some(), self.apply_threads);
         self.outbox_written += written;
         let owned = self.shards.owned().into_iter();
         let offsets: Vec<(u32, i64)> =
@@ -508,15 +514,23 @@ fn report_state(shards: &Shards, readiness: &Readiness, metrics: &Metrics, confl
     readiness.set(ready);
 }
 
-/// Applies a polled batch shard by shard, each shard's records in offset order;
-/// returns how many outbox messages it wrote and the shards that failed in it. A
-/// failed shard applies nothing more (records of it polled before it was paused
-/// are dropped: its store's offset stays at the failure); the others go on.
+/// Applies a polled batch, each shard's records in offset order, on up to
+/// `threads` threads that take whole shards, the biggest first (each shard is a
+/// RocksDB of its own, and only this batch writes it); returns how many outbox
+/// messages it wrote and the shards that failed in it. A failed shard applies
+/// nothing more (records of it polled before it was paused are dropped: its
+/// store's offset stays at the failure); the others go on.
 ///
-/// One thread applies them all: applying shards side by side on a second thread
-/// finished a backlog's last batch sooner but took CPU from the ingester and the
-/// broker on the same cores, and was slower end to end (BENCHMARKS.md).
-fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, mark_rollups: bool) -> (u64, Vec<u32>) {
+/// The helper threads run as nice as the apply loop: under a backlog they take
+/// little from the ingester and the broker, and once those are done (a backlog's
+/// last batches) the batch is applied on every core they left (BENCHMARKS.md).
+fn apply_batch(
+    batch: &[Polled],
+    shards: &Shards,
+    metrics: &Metrics,
+    mark_rollups: bool,
+    threads: usize,
+) -> (u64, Vec<u32>) {
     let mut by_shard: BTreeMap<u32, Vec<ShardRecord<'_>>> = BTreeMap::new();
     for polled in batch {
         by_shard.entry(polled.partition as u32).or_default().push(ShardRecord {
@@ -525,17 +539,30 @@ fn apply_batch(batch: &[Polled], shards: &Shards, metrics: &Metrics, mark_rollup
             timestamp: polled.timestamp,
         });
     }
-    let now = now_ms();
-    let (mut outbox_written, mut failed) = (0, Vec::new());
-    for (shard, mut records) in by_shard {
+    let mut work: Vec<(u32, Vec<ShardRecord<'_>>)> = by_shard.into_iter().collect();
+    for (_, records) in &mut work {
         records.sort_by_key(|r| r.offset);
-        let (written, shard_failed) = apply_shard(shard, &records, shards, metrics, mark_rollups, now);
-        outbox_written += written;
-        if shard_failed {
-            failed.push(shard);
-        }
     }
-    (outbox_written, failed)
+    // The biggest first, so that the threads finish about together.
+    work.sort_by_key(|(shard, records)| (Reverse(records.iter().map(|r| r.payload.len()).sum::<usize>()), *shard));
+    let now = now_ms();
+    let taken = AtomicUsize::new(0);
+    let apply_shards = || {
+        let (mut outbox_written, mut failed) = (0, Vec::new());
+        while let Some((shard, records)) = work.get(taken.fetch_add(1, Ordering::Relaxed)) {
+            let (written, shard_failed) = apply_shard(*shard, records, shards, metrics, mark_rollups, now);
+            outbox_written += written;
+            if shard_failed {
+                failed.push(*shard);
+            }
+        }
+        (outbox_written, failed)
+    };
+    let applied = tally_shared::sched::on_threads(threads.min(work.len()), "counter-apply", apply_shards);
+    applied.into_iter().fold((0, Vec::new()), |(written, mut failed), (more_written, more_failed)| {
+        failed.extend(more_failed);
+        (written + more_written, failed)
+    })
 }
 
 /// Applies one shard's records of a batch (in offset order) at `now` (the batch's
@@ -662,8 +689,9 @@ mod tests {
     /// A shard's next offset and the all-time totals of some entities.
     type ShardState = (Option<i64>, Vec<i64>);
 
-    /// Every shard's state after applying `batch`, and what `apply_batch` returned.
-    fn applied(batch: &[Polled], entities: &[&str]) -> ((u64, Vec<u32>), Vec<ShardState>) {
+    /// Every shard's state after applying `batch` on `threads` threads, and what
+    /// `apply_batch` returned.
+    fn applied(batch: &[Polled], entities: &[&str], threads: usize) -> ((u64, Vec<u32>), Vec<ShardState>) {
         let dir = tempfile::tempdir().unwrap();
         let stores = (0..SHARDS)
             .map(|shard| {
@@ -673,7 +701,7 @@ mod tests {
             .collect();
         let shards = Shards::default();
         shards.replace(stores, BTreeMap::new());
-        let mut returned = apply_batch(batch, &shards, &Metrics::new(&Registry::new()), true);
+        let mut returned = apply_batch(batch, &shards, &Metrics::new(&Registry::new()), true, threads);
         returned.1.sort();
         let states = (0..SHARDS)
             .map(|shard| {
@@ -756,8 +784,9 @@ mod tests {
         assert_eq!(threads, expected);
     }
 
-    /// Each shard's records apply in offset order, however they were polled; a
-    /// shard with a bad record stops at it, the others apply all of theirs.
+    /// Each shard's records apply in offset order, however they were polled and
+    /// however many threads share the shards; a shard with a bad record stops at
+    /// it, the others apply all of theirs.
     #[test]
     fn a_batch_applies_shard_by_shard_in_offset_order_and_a_bad_record_stops_its_shard_only() {
         let mut bad = increments(2, 1, &[("c", 1)]);
@@ -784,6 +813,8 @@ mod tests {
                 (None, vec![0, 0, 0, 0]),
             ],
         );
-        assert_eq!(applied(&batch, &entities), expected);
+        for threads in [1, 2, 8] {
+            assert_eq!(applied(&batch, &entities, threads), expected, "{threads} threads");
+        }
     }
 }
