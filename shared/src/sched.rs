@@ -100,9 +100,10 @@ pub fn nice() -> io::Result<i32> {
 
 /// Runs `work` on `threads` threads at once — the calling thread and `threads - 1`
 /// helpers named `name`, which inherit its nice value and slice — and returns what
-/// each returned, the caller's first. A helper that cannot be started is done
-/// without (said in a warning), so `work` takes its items from what the threads
-/// share; a panic in a helper comes back in the caller.
+/// each returned, the caller's first (0 or 1 thread: the caller alone). A helper
+/// that cannot be started is done without (said in a warning), so `work` takes its
+/// items from what the threads share; a panic in a helper comes back in the caller
+/// once the others are done.
 pub fn on_threads<T: Send>(threads: usize, name: &str, work: impl Fn() -> T + Sync) -> Vec<T> {
     if threads <= 1 {
         return vec![work()];
@@ -389,10 +390,13 @@ pub(crate) mod tests {
 
     #[test]
     fn work_on_threads_runs_on_the_caller_and_helpers_that_inherit_its_nice_value() {
-        let base = nice().unwrap();
+        // Room to lower it by 3, whatever the tests run at.
+        let base = nice().unwrap().min(MAX_NICE - 3);
         let seen = std::thread::Builder::new()
             .name("caller".into())
-            .spawn(|| {
+            .spawn(move || {
+                // SAFETY: setpriority of the calling thread.
+                assert_eq!(unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, base) }, 0);
                 let lowered = lower_priority(3).unwrap();
                 let whoami = || (std::thread::current().name().map(String::from), nice().unwrap());
                 (
@@ -405,7 +409,7 @@ pub(crate) mod tests {
             .unwrap()
             .join()
             .unwrap();
-        let lowered = (base + 3).min(MAX_NICE);
+        let lowered = base + 3;
         let on = |name: &str| (Some(name.to_string()), lowered);
         assert_eq!(
             seen,

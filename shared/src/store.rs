@@ -18,8 +18,8 @@ use crate::{Error, Result};
 /// A processor's database and its committed progress.
 pub struct Store {
     db: DB,
-    /// Mirrors the progress keys of the last committed write batch; only the
-    /// consuming thread commits.
+    /// Mirrors the progress keys of the last committed write batch; one thread at
+    /// a time commits (the one applying this store's batch).
     progress: Mutex<Progress>,
     /// fsync the WAL on each commit.
     sync_writes: bool,
@@ -58,7 +58,7 @@ impl Store {
     }
 
     fn committed(&self) -> MutexGuard<'_, Progress> {
-        // Only the consuming thread writes it, whole; a panic there cannot leave
+        // Only the thread committing writes it, whole; a panic there cannot leave
         // it half-written.
         self.progress.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }

@@ -585,7 +585,8 @@ struct Rebuild {
 pub(crate) struct Batches {
     count: f64,
     keys: f64,
-    /// Wall-clock seconds spent applying them.
+    /// Seconds spent applying them, summed over the counter's apply threads (each
+    /// shard's batch is timed on the thread that applies it).
     seconds: f64,
 }
 
@@ -601,7 +602,7 @@ impl Batches {
 
     pub(crate) fn describe(&self, increments: f64) -> String {
         format!(
-            "{:.0} batches in {:.2} s, {:.0} increments and {:.0} bucket keys written each on average ({:.2} keys per increment)",
+            "{:.0} batches in {:.2} s (summed over the apply threads), {:.0} increments and {:.0} bucket keys written each on average ({:.2} keys per increment)",
             self.count,
             self.seconds,
             increments / self.count.max(1.0),

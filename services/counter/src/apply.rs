@@ -170,8 +170,8 @@ impl CountWrites<'_> {
         }
     }
 
-    /// Writes the sums (only the consumer thread writes counts, so nothing changes
-    /// a key between this read and the commit). A stored value that does not
+    /// Writes the sums (only the thread applying this shard's batch writes counts,
+    /// so nothing changes a key between this read and the commit). A stored value that does not
     /// decode fails the batch, as a read of it would.
     fn finish(self, store: &ShardStore, batch: &mut WriteBatch, counts_cf: &rocksdb::ColumnFamily) -> Result<()> {
         if self.sums.is_empty() {

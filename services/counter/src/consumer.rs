@@ -521,9 +521,10 @@ fn report_state(shards: &Shards, readiness: &Readiness, metrics: &Metrics, confl
 /// nothing more (records of it polled before it was paused are dropped: its
 /// store's offset stays at the failure); the others go on.
 ///
-/// The helper threads run as nice as the apply loop: under a backlog they take
-/// little from the ingester and the broker, and once those are done (a backlog's
-/// last batches) the batch is applied on every core they left (BENCHMARKS.md).
+/// The helper threads run as nice as the apply loop. One thread is the default:
+/// on 2 cores shared with the ingester and the broker, two applied a backlog
+/// sooner but made batch reads while ingesting slower (BENCHMARKS.md, "Two apply
+/// threads, as nice as the loop"); a counter with cores of its own gains more.
 fn apply_batch(
     batch: &[Polled],
     shards: &Shards,
@@ -544,7 +545,9 @@ fn apply_batch(
         records.sort_by_key(|r| r.offset);
     }
     // The biggest first, so that the threads finish about together.
-    work.sort_by_key(|(shard, records)| (Reverse(records.iter().map(|r| r.payload.len()).sum::<usize>()), *shard));
+    work.sort_by_cached_key(|(shard, records)| {
+        (Reverse(records.iter().map(|r| r.payload.len()).sum::<usize>()), *shard)
+    });
     let now = now_ms();
     let taken = AtomicUsize::new(0);
     let apply_shards = || {
@@ -558,7 +561,7 @@ fn apply_batch(
         }
         (outbox_written, failed)
     };
-    let applied = tally_shared::sched::on_threads(threads.min(work.len()), "counter-apply", apply_shards);
+    let applied = tally_shared::sched::on_threads(threads.min(work.len()), "counter-apply+", apply_shards);
     applied.into_iter().fold((0, Vec::new()), |(written, mut failed), (more_written, more_failed)| {
         failed.extend(more_failed);
         (written + more_written, failed)

@@ -12,8 +12,8 @@
 //!
 //! The rule that keeps it exact: an entry holds exactly what the store holds for
 //! that entity's direct counts. Entries are made from a full prefix scan of the
-//! committed store, and only the consumer thread, which commits every count, changes
-//! the store's direct counts; it adds a batch's direct deltas to the cached entities
+//! committed store, and only the thread applying the shard's batch, which commits
+//! every count, changes the store's direct counts; it adds a batch's direct deltas to the cached entities
 //! after the batch committed (a failed commit leaves both as they were). Buckets at
 //! zero are left out, as the scan skips them. A bucket past its retention at the
 //! batch's `now` is dropped when met; compaction drops it from the store by its own

@@ -85,18 +85,18 @@ pub struct ShardStore {
     pub(crate) store: Store,
     pub(crate) options: StoreOptions,
     /// desc(origin) of every origin with descendants, sorted; mirrors the `desc`
-    /// column family and its log ([`crate::views`]). Only the consumer thread
-    /// changes it.
+    /// column family and its log ([`crate::views`]). Only the thread applying
+    /// this shard's batch changes it (one at a time: [`crate::consumer`]).
     pub(crate) descendants: Mutex<Views>,
     /// Idempotency marks live for this window of record time.
     dedupe: DedupeWindow,
     /// Count keys whose rollup marks are committed ([`crate::marks`]).
     marked: Mutex<MarkedKeys>,
-    /// Direct counts of origins read lately ([`crate::direct`]); only the consumer
-    /// thread touches it.
+    /// Direct counts of origins read lately ([`crate::direct`]); only the thread
+    /// applying this shard's batch touches it.
     pub(crate) direct: Mutex<DirectCache>,
-    /// Merge operands stacked per count key ([`crate::operands`]); only the
-    /// consumer thread touches it.
+    /// Merge operands stacked per count key ([`crate::operands`]); only the thread
+    /// applying this shard's batch touches it.
     pub(crate) operands: Mutex<OperandTally>,
     /// A store built from scratch must reach this shard-topic offset (the log's end
     /// when it was assigned) before it serves: until then its totals are partial.
