@@ -310,6 +310,12 @@ pub(crate) mod tests {
         keeps
     }
 
+    /// Sets the calling thread's nice value, as an operator's `nice` would.
+    fn set_nice(value: i32) {
+        // SAFETY: setpriority of the calling thread (Linux: per thread).
+        assert_eq!(unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, value) }, 0, "setting nice {value}");
+    }
+
     #[test]
     fn a_thread_gets_the_slice_it_asks_for_keeps_its_nice_value_and_can_go_back() {
         if !kernel_keeps_slices() {
@@ -317,8 +323,7 @@ pub(crate) mod tests {
         }
         let (asked, clamped, back, nice) = std::thread::spawn(|| {
             let default = slice().unwrap();
-            // SAFETY: setpriority on the calling thread (Linux: per thread).
-            assert_eq!(unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 3) }, 0);
+            set_nice(3);
             set_slice(Duration::from_micros(250)).unwrap();
             let asked = slice().unwrap();
             set_slice(Duration::from_micros(10)).unwrap();
@@ -373,8 +378,7 @@ pub(crate) mod tests {
         // An operator's `nice -n 3` over whatever the tests run at.
         let base = (before + 3).min(MAX_NICE - 5);
         let seen = std::thread::spawn(move || {
-            // SAFETY: setpriority of the calling thread.
-            assert_eq!(unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, base) }, 0);
+            set_nice(base);
             let lowered = (lower_priority(5).unwrap(), nice().unwrap());
             let child = std::thread::spawn(|| nice().unwrap()).join().unwrap();
             let unchanged = (lower_priority(0).unwrap(), lower_priority(-4).unwrap());
@@ -395,8 +399,7 @@ pub(crate) mod tests {
         let seen = std::thread::Builder::new()
             .name("caller".into())
             .spawn(move || {
-                // SAFETY: setpriority of the calling thread.
-                assert_eq!(unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, base) }, 0);
+                set_nice(base);
                 let lowered = lower_priority(3).unwrap();
                 let whoami = || (std::thread::current().name().map(String::from), nice().unwrap());
                 (
