@@ -5,6 +5,8 @@
 //! accepted as a typed [`IncrementCow`] / [`GraphUpdate`] or rejected with a precise
 //! reason; a bad element in an array rejects that element only.
 
+mod scan;
+
 use std::borrow::Cow;
 
 use serde::Deserialize;
@@ -75,13 +77,20 @@ pub fn parse_increments<'a>(
     mut accept: impl FnMut(u32, IncrementCow<'a>),
     reject: impl FnMut(Rejection<'a>),
 ) {
-    // Most messages are arrays of valid increments: those are read in one pass. A
-    // message with anything to reject goes the element-by-element way, which names
-    // each bad element and its bytes (and accepts the same valid ones).
+    // Most messages are arrays of valid increments: those are read in one pass, by
+    // the scanner when they are plain (`scan`), else by serde_json. A message with
+    // anything to reject goes the element-by-element way, which names each bad
+    // element and its bytes (and accepts the same valid ones).
     if first_significant_byte(payload) == Some(b'[') {
-        let all_valid = serde_json::from_slice::<Vec<ObjectOnly<RawIncrement>>>(payload).ok().and_then(|raws| {
-            raws.into_iter().map(|ObjectOnly(raw)| checked(raw, record_ts)).collect::<Result<Vec<_>, _>>().ok()
-        });
+        let all_checked = |raws: Vec<RawIncrement<'a>>| -> Option<Vec<IncrementCow<'a>>> {
+            raws.into_iter().map(|raw| checked(raw, record_ts)).collect::<Result<Vec<_>, _>>().ok()
+        };
+        let all_valid = match scan::plain_increments(payload) {
+            Some(raws) => all_checked(raws),
+            None => serde_json::from_slice::<Vec<ObjectOnly<RawIncrement>>>(payload)
+                .ok()
+                .and_then(|raws| all_checked(raws.into_iter().map(|ObjectOnly(raw)| raw).collect())),
+        };
         if let Some(increments) = all_valid {
             for (index, increment) in increments.into_iter().enumerate() {
                 accept(u32::try_from(index).unwrap_or(u32::MAX), increment);
@@ -298,15 +307,63 @@ mod tests {
 
         use super::*;
 
+        /// A valid element with every field, its numbers of every size (up to 18
+        /// digits the scanner reads them, past that serde_json) or not `small`.
+        fn valid(small: bool) -> impl Strategy<Value = String> {
+            let (delta, ts) = if small {
+                ((-1_000i64..1_000).boxed(), (0i64..2_000_000_000_000).boxed())
+            } else {
+                (any::<i64>().boxed(), (0i64..i64::MAX).boxed())
+            };
+            (0u32..50, "[a-z0-9_.:-]{1,8}", delta, ts, proptest::option::of("[a-z0-9-]{1,6}")).prop_map(
+                |(entity, metric, delta, ts, id)| {
+                    let id = id.map(|id| format!(r#","id":"{id}""#)).unwrap_or_default();
+                    format!(r#"{{"entity":"user:{entity}","metric":"{metric}","delta":{delta},"ts":{ts}{id}}}"#)
+                },
+            )
+        }
+
+        /// Elements the scanner leaves to serde_json, valid or not.
+        const UNUSUAL: &[&str] = &[
+            r#"{"entity":"a","metric":"v","delta":null,"id":null}"#,
+            r#"{"entity":"a","metric":"v","delta":-0}"#,
+            r#"{"entity":"a","metric":"v","delta":1.0}"#,
+            r#"{"entity":"a","metric":"v","ts":1e3}"#,
+            r#"{"entity":"ünï\u0041","metric":"v"}"#,
+            "{\t\"entity\":\"a\",\"metric\":\"v\"}",
+            r#"{"entity":"a","metric":"v","delta":1234567890123456789}"#,
+            r#"{"entity":"a","metric":"v","delta":01}"#,
+            "{\"entity\":\"a\",\"metric\":\"v\",\"id\":\"a\tb\"}",
+            "{\u{c}\"entity\":\"a\",\"metric\":\"v\"}",
+        ];
+
+        fn unusual() -> impl Strategy<Value = String> {
+            proptest::sample::select(UNUSUAL).prop_map(String::from)
+        }
+
+        #[test]
+        fn an_unusual_element_among_plain_ones_reads_as_element_by_element() {
+            let plain = r#"{"entity":"user:1","metric":"views","delta":2}"#;
+            for element in UNUSUAL {
+                let payload = format!("[{plain},{element},{plain}]");
+                assert_eq!(run(&payload), element_by_element(&payload), "{payload}");
+            }
+        }
+
+        /// Elements the scanner reads (valid, or wrong only by the naming and time
+        /// rules), and now and then one it leaves.
+        fn plain() -> impl Strategy<Value = String> {
+            let wrong = prop_oneof![
+                Just(r#"{"entity":"a","metric":"BAD"}"#.to_string()),
+                Just(r#"{"entity":"a","metric":"v","ts":-1}"#.to_string()),
+                Just(r#"{"entity":"","metric":"v"}"#.to_string()),
+            ];
+            prop_oneof![26 => valid(true), 2 => wrong, 2 => unusual()]
+        }
+
         /// Elements producers write: mostly valid (escapes, every field, defaults),
         /// and each way of getting one wrong.
         fn element() -> impl Strategy<Value = String> {
-            let valid =
-                (0u32..50, "[a-z0-9_.:-]{1,8}", any::<i64>(), 0i64..i64::MAX, proptest::option::of("[a-z0-9-]{1,6}"))
-                    .prop_map(|(entity, metric, delta, ts, id)| {
-                        let id = id.map(|id| format!(r#","id":"{id}""#)).unwrap_or_default();
-                        format!(r#"{{"entity":"user:{entity}","metric":"{metric}","delta":{delta},"ts":{ts}{id}}}"#)
-                    });
             let defaults = (0u32..50).prop_map(|e| format!(r#"{{ "metric" : "views", "entity" : "a\"{e}" }}"#));
             let wrong = prop_oneof![
                 Just(r#"{"entity":"a","metric":"BAD"}"#.to_string()),
@@ -322,13 +379,16 @@ mod tests {
                 Just(r#"["user:1","views",5,100,"x"]"#.to_string()),
                 Just("null".to_string()),
             ];
-            prop_oneof![6 => valid, 2 => defaults, 1 => wrong]
+            prop_oneof![3 => valid(true), 3 => valid(false), 2 => defaults, 1 => wrong, 1 => unusual()]
         }
 
         proptest! {
             #[test]
             fn arrays_read_in_one_pass_as_element_by_element(
-                elements in proptest::collection::vec(element(), 0..30),
+                elements in prop_oneof![
+                    proptest::collection::vec(element(), 0..30),
+                    proptest::collection::vec(plain(), 0..30),
+                ],
                 broken in proptest::option::of(0usize..4),
             ) {
                 let mut payload = format!(" [{}] ", elements.join(" ,\n"));

@@ -110,7 +110,9 @@ impl Router {
 
     /// Routes records; returns the output and what was accepted and rejected.
     pub fn route_records(&self, records: &[InputRecord<'_>]) -> Result<(Vec<Outgoing>, RouteCounts)> {
-        let mut per_shard: BTreeMap<(i32, u32), Vec<(Stamp, IncrementCow<'_>)>> = BTreeMap::new();
+        // The increments of each (input partition, shard): per partition a row of
+        // `shards` groups, the row found once per record, the group by index.
+        let mut per_partition: BTreeMap<i32, Vec<Vec<(Stamp, IncrementCow<'_>)>>> = BTreeMap::new();
         let mut graph: BTreeMap<i32, Vec<(Stamp, GraphUpdate)>> = BTreeMap::new();
         // The time of every input record, by (partition, offset): a routed record
         // carries the time of its last entry's input record.
@@ -143,16 +145,16 @@ impl Router {
                 );
                 continue;
             }
+            let row = per_partition
+                .entry(record.partition)
+                .or_insert_with(|| (0..self.shards.max(1)).map(|_| Vec::new()).collect());
             parse_increments(
                 record.payload,
                 record_time,
                 |index, increment| {
                     counts.increments += 1;
-                    let shard = shard_of(&increment.entity, self.shards);
-                    per_shard
-                        .entry((record.partition, shard))
-                        .or_default()
-                        .push((Stamp { offset: record.offset, index }, increment));
+                    let shard = shard_of(&increment.entity, self.shards) as usize;
+                    row[shard].push((Stamp { offset: record.offset, index }, increment));
                 },
                 reject,
             );
@@ -161,7 +163,13 @@ impl Router {
             return Err(err.into());
         }
         let shard_topic = self.names.shards();
-        for ((partition, shard), entries) in per_shard {
+        let groups = per_partition.into_iter().flat_map(|(partition, row)| {
+            row.into_iter()
+                .enumerate()
+                .filter(|(_, entries)| !entries.is_empty())
+                .map(move |(shard, entries)| (partition, shard, entries))
+        });
+        for (partition, shard, entries) in groups {
             let source = Source { stream: Source::INCREMENTS, partition: partition as u32 };
             for chunk in split_by_size(&entries, self.record_budget, |(_, increment)| increment.size_bound()) {
                 outgoing.push(Outgoing {
