@@ -29,6 +29,7 @@ pub mod error;
 pub mod failures;
 pub mod follow;
 pub mod http;
+pub mod idle;
 pub mod kafka;
 pub mod local_broker;
 pub mod membership;

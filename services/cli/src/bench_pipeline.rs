@@ -340,6 +340,7 @@ impl Rig {
             count: self.scrape(admin_port, "tally_counter_batch_keys_count").await?,
             keys: self.scrape(admin_port, "tally_counter_batch_keys_sum").await?,
             seconds: self.scrape(admin_port, "tally_counter_apply_seconds_sum").await?,
+            helped: self.scrape(admin_port, "tally_counter_helped_batches_total").await?,
         })
     }
 
@@ -588,6 +589,9 @@ pub(crate) struct Batches {
     /// Seconds spent applying them, summed over the counter's apply threads (each
     /// shard's batch is timed on the thread that applies it).
     seconds: f64,
+    /// Batches of the apply loop (each of one or more shards) applied with helper
+    /// threads.
+    helped: f64,
 }
 
 impl Batches {
@@ -597,14 +601,16 @@ impl Batches {
             count: self.count - before.count,
             keys: self.keys - before.keys,
             seconds: self.seconds - before.seconds,
+            helped: self.helped - before.helped,
         }
     }
 
     pub(crate) fn describe(&self, increments: f64) -> String {
         format!(
-            "{:.0} batches in {:.2} s (summed over the apply threads), {:.0} increments and {:.0} bucket keys written each on average ({:.2} keys per increment)",
+            "{:.0} batches in {:.2} s (summed over the apply threads; {:.0} of the loop's with helpers), {:.0} increments and {:.0} bucket keys written each on average ({:.2} keys per increment)",
             self.count,
             self.seconds,
+            self.helped,
             increments / self.count.max(1.0),
             self.keys / self.count.max(1.0),
             self.keys / increments.max(1.0)

@@ -24,6 +24,7 @@ use tally_shared::consume::{
     Polled, Processor,
 };
 use tally_shared::failures::Failure;
+use tally_shared::idle::HelperGauge;
 use tally_shared::kafka::{now_ms, TopicNames};
 use tally_shared::outbox::Relay;
 use tally_shared::snapshot::{clear_restored_marker, restored_marker, SnapshotStore, Snapshotter};
@@ -300,7 +301,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     };
     let mut counter = Counter {
         epoch: shards.epoch(),
-        apply_threads: config.counter.apply_threads,
+        helpers: HelperGauge::new(config.counter.apply_threads.saturating_sub(1)),
         shards: shards.clone(),
         metrics,
         readiness,
@@ -345,8 +346,9 @@ struct Counter {
     topic: String,
     /// The assignment last seen ([`Shards::epoch`]).
     epoch: u64,
-    /// Threads that apply a batch's shards side by side (`counter.apply_threads`).
-    apply_threads: usize,
+    /// How many helper threads apply a batch's shards beside the loop: up to
+    /// `counter.apply_threads - 1`, as cores sat idle while the batch gathered.
+    helpers: HelperGauge,
     /// The shards last announced.
     serving: Vec<u32>,
     /// Outbox messages written since the last relay.
@@ -369,8 +371,9 @@ impl Processor<CounterContext> for Counter {
     }
 
     fn apply(&mut self, consumer: &BaseConsumer<CounterContext>, batch: &[Polled]) -> Vec<u32> {
-        let (written, failed) =
-            apply_batch(batch, &self.shards, &self.metrics, self.rollups.is_some(), self.apply_threads);
+        let threads = 1 + self.helpers.starting();
+        let (written, failed) = apply_batch(batch, &self.shards, &self.metrics, self.rollups.is_some(), threads);
+        self.helpers.done();
         self.outbox_written += written;
         let owned = self.shards.owned().into_iter();
         let offsets: Vec<(u32, i64)> =
@@ -561,7 +564,11 @@ fn apply_batch(
         }
         (outbox_written, failed)
     };
-    let applied = tally_shared::sched::on_threads(threads.min(work.len()), "counter-apply+", apply_shards);
+    let threads = threads.min(work.len());
+    if threads > 1 {
+        metrics.helped_batches.inc();
+    }
+    let applied = tally_shared::sched::on_threads(threads, "counter-apply+", apply_shards);
     applied.into_iter().fold((0, Vec::new()), |(written, mut failed), (more_written, more_failed)| {
         failed.extend(more_failed);
         (written + more_written, failed)

@@ -10,6 +10,8 @@ pub struct Metrics {
     pub batch_records: Histogram,
     pub batch_keys: Histogram,
     pub apply_seconds: Histogram,
+    /// Batches the loop applied with helper threads beside it (`counter.apply_threads`).
+    pub helped_batches: IntCounter,
     pub undecodable_records: IntCounter,
     /// Shards stopped by a failure, waiting for an operator.
     pub failed_shards: IntGauge,
@@ -61,6 +63,14 @@ impl Metrics {
                 "tally_counter_apply_seconds",
                 "Time to apply and persist one shard batch",
                 prometheus::exponential_buckets(0.0001, 4.0, 9).expect("valid buckets"),
+            ),
+            helped_batches: register(
+                registry,
+                IntCounter::new(
+                    "tally_counter_helped_batches_total",
+                    "Batches applied with helper threads (counter.apply_threads, while cores sat idle)",
+                )
+                .expect("valid metric"),
             ),
             undecodable_records: register(
                 registry,

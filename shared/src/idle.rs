@@ -1,0 +1,151 @@
+//! How much of the machine's CPU sat idle over a span, in cores — so that a loop can
+//! take on helper threads only where a core would otherwise go unused (a counter's
+//! apply loop: `counter.apply_threads`).
+//!
+//! On Linux the kernel's account of every CPU's time (`/proc/stat`) says it; it is
+//! the whole machine's, so inside a container it counts other tenants' idle cores
+//! too, which is why a caller also caps its threads by
+//! [`std::thread::available_parallelism`] (which follows the container's CPU quota).
+//! Elsewhere nothing is known and callers keep what they were configured with.
+
+/// The machine's CPU time at one moment, in the kernel's clock ticks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuTimes {
+    /// Idle, and waiting for I/O with nothing else to run.
+    idle: u64,
+    /// Every state's ticks, summed over the CPUs.
+    total: u64,
+    /// How many CPUs the kernel counts.
+    cpus: usize,
+}
+
+impl CpuTimes {
+    /// Now, or `None` where the kernel does not say (not Linux, no `/proc`).
+    pub fn now() -> Option<Self> {
+        Self::parse(&std::fs::read_to_string("/proc/stat").ok()?)
+    }
+
+    /// Reads `/proc/stat`'s text: its first line sums the CPUs (`cpu user nice
+    /// system idle iowait irq softirq steal …`), a `cpuN` line follows for each.
+    fn parse(text: &str) -> Option<Self> {
+        let mut lines = text.lines();
+        let mut fields = lines.next()?.split_ascii_whitespace();
+        if fields.next()? != "cpu" {
+            return None;
+        }
+        let ticks: Vec<u64> = fields.take(8).map(|field| field.parse().ok()).collect::<Option<_>>()?;
+        if ticks.len() < 5 {
+            return None;
+        }
+        let cpus = lines.take_while(|line| line.starts_with("cpu")).count();
+        Some(Self { idle: ticks[3] + ticks[4], total: ticks.iter().sum(), cpus: cpus.max(1) })
+    }
+
+    /// How many cores sat idle on average from `self` until `later`; `None` when no
+    /// tick passed in between (too short a span to tell).
+    pub fn idle_cores_until(&self, later: &CpuTimes) -> Option<f64> {
+        let total = later.total.checked_sub(self.total).filter(|ticks| *ticks > 0)?;
+        let idle = later.idle.saturating_sub(self.idle).min(total);
+        Some(idle as f64 / total as f64 * later.cpus as f64)
+    }
+}
+
+/// How many helper threads a loop that runs on one thread of its own should start
+/// for its next piece of work, at most `max_helpers`, given how many cores sat idle
+/// while it waited for that work (its own core among them; `None`: unknown, so
+/// `max_helpers`): one for each further core that sat idle at least half the time,
+/// and none where the process may use only one core. A helper that gets less than
+/// half a core would finish its share after the others, and the work with it.
+pub fn helpers(idle_cores: Option<f64>, max_helpers: usize) -> usize {
+    let usable = std::thread::available_parallelism().map_or(usize::MAX, usize::from);
+    let Some(idle) = idle_cores else { return max_helpers.min(usable.saturating_sub(1)) };
+    let further = (idle - 0.5).floor().max(0.0) as usize;
+    further.min(max_helpers).min(usable.saturating_sub(1))
+}
+
+/// Decides, piece of work by piece of work, how many helpers a loop starts
+/// ([`helpers`]) from how idle the machine was while the loop waited for that piece
+/// (a batch gathering). A wait too short for the kernel's clock (10 ms ticks) keeps
+/// the decision before; with `max_helpers` 0 nothing is read.
+#[derive(Debug)]
+pub struct HelperGauge {
+    max_helpers: usize,
+    /// When the last piece of work ended (the wait began).
+    waiting_since: Option<CpuTimes>,
+    helpers: usize,
+}
+
+impl HelperGauge {
+    pub fn new(max_helpers: usize) -> Self {
+        let waiting_since = (max_helpers > 0).then(CpuTimes::now).flatten();
+        Self { max_helpers, waiting_since, helpers: 0 }
+    }
+
+    /// The next piece of work starts: how many helpers it takes.
+    pub fn starting(&mut self) -> usize {
+        if self.max_helpers == 0 {
+            return 0;
+        }
+        match (self.waiting_since, CpuTimes::now()) {
+            (Some(since), Some(now)) => {
+                if let Some(idle) = since.idle_cores_until(&now) {
+                    self.helpers = helpers(Some(idle), self.max_helpers);
+                }
+            }
+            _ => self.helpers = helpers(None, self.max_helpers),
+        }
+        self.helpers
+    }
+
+    /// The piece of work ended: the wait for the next begins.
+    pub fn done(&mut self) {
+        if self.max_helpers > 0 {
+            self.waiting_since = CpuTimes::now();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const STAT: &str = "cpu  100 5 50 1000 20 1 2 0 0 0\n\
+                        cpu0 50 2 25 500 10 1 1 0 0 0\n\
+                        cpu1 50 3 25 500 10 0 1 0 0 0\n\
+                        intr 12345 0 0\n\
+                        ctxt 999\n";
+
+    #[test]
+    fn reads_the_idle_and_total_ticks_of_every_cpu() {
+        assert_eq!(CpuTimes::parse(STAT), Some(CpuTimes { idle: 1_020, total: 1_178, cpus: 2 }));
+        assert_eq!(CpuTimes::parse("intr 1 2\n"), None);
+        assert_eq!(CpuTimes::parse("cpu 1 2 3\ncpu0 1 2 3\n"), None);
+        assert_eq!(CpuTimes::parse("cpu 1 2 x 4 5\n"), None);
+        assert_eq!(CpuTimes::parse(""), None);
+    }
+
+    #[test]
+    fn idle_cores_are_the_idle_share_of_the_ticks_times_the_cpus() {
+        let before = CpuTimes { idle: 1_000, total: 2_000, cpus: 2 };
+        let later = |idle: u64, busy: u64| CpuTimes { idle: 1_000 + idle, total: 2_000 + idle + busy, cpus: 2 };
+        assert_eq!(before.idle_cores_until(&later(30, 10)), Some(1.5));
+        assert_eq!(before.idle_cores_until(&later(0, 40)), Some(0.0));
+        assert_eq!(before.idle_cores_until(&later(40, 0)), Some(2.0));
+        assert_eq!(before.idle_cores_until(&before), None, "no tick passed");
+        assert_eq!(later(5, 5).idle_cores_until(&before), None, "the clock never runs back");
+        assert!(CpuTimes::now().is_some() || !cfg!(target_os = "linux"));
+    }
+
+    #[test]
+    fn a_helper_for_each_further_core_idle_half_the_time() {
+        let usable = std::thread::available_parallelism().map_or(usize::MAX, usize::from);
+        let capped = |helpers: usize| helpers.min(usable - 1);
+        let cases =
+            [(0.0, 3, 0), (1.0, 3, 0), (1.49, 3, 0), (1.5, 3, 1), (2.4, 3, 1), (2.5, 3, 2), (9.0, 3, 3), (9.0, 0, 0)];
+        for (idle, max, expected) in cases {
+            assert_eq!(helpers(Some(idle), max), capped(expected), "{idle} idle cores, at most {max}");
+        }
+        assert_eq!(helpers(None, 3), capped(3), "unknown: as configured");
+        assert_eq!(helpers(Some(f64::NAN), 3), 0);
+    }
+}
