@@ -416,11 +416,13 @@ pub struct CounterConfig {
     /// contention the ingester and the broker then keep pace and batches grow, which
     /// costs less per increment; on an idle CPU it changes nothing.
     pub apply_nice: i32,
-    /// Threads that apply a batch, each taking whole shards (every shard is a
-    /// RocksDB of its own), as nice as the apply loop. 1 (the default): the apply
-    /// loop's thread alone. More apply a backlog's batches sooner; on 2 cores shared
-    /// with the ingester and the broker, 2 also made batch reads while ingesting
-    /// slower (BENCHMARKS.md), so give more where the counter has cores of its own.
+    /// At most how many threads apply a batch, each taking whole shards (every shard
+    /// is a RocksDB of its own), as nice as the apply loop: the loop's own, and a
+    /// helper for each further core that sat idle at least half the time while the
+    /// batch gathered (`shared::idle`), so helpers take only CPU nothing else wanted
+    /// — the end of a backlog, a counter on cores of its own. 2 by default; 1: the
+    /// loop's thread alone. Always helping on 2 cores shared with the ingester and
+    /// the broker made batch reads while ingesting slower (BENCHMARKS.md).
     pub apply_threads: usize,
     /// Publish the latest values of changed buckets to `tally.rollups`.
     pub rollups: bool,
@@ -477,7 +479,7 @@ impl Default for CounterConfig {
             batch_linger_ms: 20,
             batch_max_linger_ms: 250,
             apply_nice: 5,
-            apply_threads: 1,
+            apply_threads: 2,
             rollups: true,
             rollup_interval_ms: 1_000,
             sync_writes: false,
@@ -735,11 +737,11 @@ mod tests {
     }
 
     #[test]
-    fn batches_apply_on_one_thread_unless_configured_to_more() {
+    fn batches_apply_on_up_to_two_threads_unless_configured_otherwise() {
         let threads =
             |pairs: &[(&str, &str)]| TallyConfig::load_with_env(None, env(pairs)).map(|c| c.counter.apply_threads);
-        assert_eq!(threads(&[]).unwrap(), 1);
-        for value in [2, 16] {
+        assert_eq!(threads(&[]).unwrap(), 2);
+        for value in [1, 16] {
             assert_eq!(threads(&[("TALLY__COUNTER__APPLY_THREADS", &value.to_string())]).unwrap(), value);
         }
         let refused = threads(&[("TALLY__COUNTER__APPLY_THREADS", "0")]).unwrap_err().to_string();

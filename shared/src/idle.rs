@@ -67,18 +67,24 @@ pub fn helpers(idle_cores: Option<f64>, max_helpers: usize) -> usize {
 /// ([`helpers`]) from how idle the machine was while the loop waited for that piece
 /// (a batch gathering). A wait too short for the kernel's clock (10 ms ticks) keeps
 /// the decision before; with `max_helpers` 0 nothing is read.
-#[derive(Debug)]
 pub struct HelperGauge {
     max_helpers: usize,
     /// When the last piece of work ended (the wait began).
     waiting_since: Option<CpuTimes>,
     helpers: usize,
+    /// [`CpuTimes::now`], or what a test says.
+    sample: Box<dyn FnMut() -> Option<CpuTimes> + Send>,
 }
 
 impl HelperGauge {
     pub fn new(max_helpers: usize) -> Self {
-        let waiting_since = (max_helpers > 0).then(CpuTimes::now).flatten();
-        Self { max_helpers, waiting_since, helpers: 0 }
+        Self::sampling(max_helpers, CpuTimes::now)
+    }
+
+    fn sampling(max_helpers: usize, sample: impl FnMut() -> Option<CpuTimes> + Send + 'static) -> Self {
+        let mut gauge = Self { max_helpers, waiting_since: None, helpers: 0, sample: Box::new(sample) };
+        gauge.done();
+        gauge
     }
 
     /// The next piece of work starts: how many helpers it takes.
@@ -86,7 +92,7 @@ impl HelperGauge {
         if self.max_helpers == 0 {
             return 0;
         }
-        match (self.waiting_since, CpuTimes::now()) {
+        match (self.waiting_since, (self.sample)()) {
             (Some(since), Some(now)) => {
                 if let Some(idle) = since.idle_cores_until(&now) {
                     self.helpers = helpers(Some(idle), self.max_helpers);
@@ -100,7 +106,7 @@ impl HelperGauge {
     /// The piece of work ended: the wait for the next begins.
     pub fn done(&mut self) {
         if self.max_helpers > 0 {
-            self.waiting_since = CpuTimes::now();
+            self.waiting_since = (self.sample)();
         }
     }
 }
@@ -147,5 +153,45 @@ mod tests {
         }
         assert_eq!(helpers(None, 3), capped(3), "unknown: as configured");
         assert_eq!(helpers(Some(f64::NAN), 3), 0);
+    }
+
+    /// A gauge whose samples are `idle` ticks out of `total` per wait or piece of
+    /// work, in turn, on 2 CPUs.
+    fn scripted(max_helpers: usize, steps: Vec<(u64, u64)>) -> (HelperGauge, std::sync::Arc<std::sync::Mutex<usize>>) {
+        let taken = std::sync::Arc::new(std::sync::Mutex::new(0));
+        let seen = taken.clone();
+        let mut times = CpuTimes { idle: 0, total: 0, cpus: 2 };
+        let mut steps = steps.into_iter();
+        let gauge = HelperGauge::sampling(max_helpers, move || {
+            *seen.lock().unwrap() += 1;
+            let (idle, total) = steps.next()?;
+            times = CpuTimes { idle: times.idle + idle, total: times.total + total, cpus: 2 };
+            Some(times)
+        });
+        (gauge, taken)
+    }
+
+    #[test]
+    fn the_gauge_follows_each_wait_and_keeps_its_decision_over_one_too_short_to_tell() {
+        let usable = std::thread::available_parallelism().map_or(usize::MAX, usize::from);
+        if usable < 2 {
+            return;
+        }
+        // Created (a sample), then per batch: the wait's ticks, the work's ticks.
+        let steps = vec![(0, 0), (18, 20), (0, 40), (0, 0), (0, 40), (5, 20), (0, 40)];
+        let (mut gauge, _) = scripted(1, steps);
+        let mut decided = Vec::new();
+        for _ in 0..3 {
+            decided.push(gauge.starting());
+            gauge.done();
+        }
+        assert_eq!(decided, vec![1, 1, 0], "1.8 idle cores, no tick, then 0.5");
+        // The samples ran out: not known any more, so as configured.
+        assert_eq!(gauge.starting(), 1);
+
+        let (mut none, taken) = scripted(0, vec![(40, 40)]);
+        assert_eq!((none.starting(), none.starting()), (0, 0));
+        none.done();
+        assert_eq!(*taken.lock().unwrap(), 0, "without helpers to give, nothing is read");
     }
 }

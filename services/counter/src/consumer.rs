@@ -524,10 +524,11 @@ fn report_state(shards: &Shards, readiness: &Readiness, metrics: &Metrics, confl
 /// nothing more (records of it polled before it was paused are dropped: its
 /// store's offset stays at the failure); the others go on.
 ///
-/// The helper threads run as nice as the apply loop. One thread is the default:
-/// on 2 cores shared with the ingester and the broker, two applied a backlog
+/// The helper threads run as nice as the apply loop; the loop starts them only
+/// while cores sat idle as the batch gathered ([`HelperGauge`]): on 2 cores shared
+/// with the ingester and the broker, helpers in every batch applied a backlog
 /// sooner but made batch reads while ingesting slower (BENCHMARKS.md, "Two apply
-/// threads, as nice as the loop"); a counter with cores of its own gains more.
+/// threads, as nice as the loop"; "Helpers only on idle cores").
 fn apply_batch(
     batch: &[Polled],
     shards: &Shards,
