@@ -12,10 +12,10 @@
 //! round starts at most every `counter.rollup_interval_ms` (1 s): a hot bucket goes
 //! once a second, not once a batch. A round of more than one sweep (a page of each
 //! shard; under a backlog a round can outlast the whole backlog) rests after each
-//! sweep as long as the sweep took: the thread publishes at most about half the
-//! time and leaves the broker to counting meanwhile, as the consume loop's batches
-//! linger as long as the last apply took. Each record carries the full value, so a
-//! repeat is harmless.
+//! sweep three times as long as the sweep took ([`REST_PER_SWEEP`]): the thread
+//! publishes at most about a quarter of the time and leaves the broker to counting
+//! meanwhile; what a backlog marks again goes once, with its newest value, when the
+//! backlog is done. Each record carries the full value, so a repeat is harmless.
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -40,6 +40,9 @@ const ROLLUP_WAIT: Duration = Duration::from_secs(5);
 /// Most marked rollups sent at once per shard (their marks are removed under the
 /// store's commit lock, which reads wait on: pages stay small).
 const ROLLUP_PAGE: usize = 1_000;
+/// How many times as long as a sweep took the thread rests after it, when pages
+/// are still to go (a backlog): it publishes at most about a quarter of the time.
+const REST_PER_SWEEP: u32 = 3;
 /// The shortest rest between rounds.
 const IDLE: Duration = Duration::from_millis(50);
 
@@ -81,9 +84,9 @@ impl Rollups {
     /// holding) once: a page of each shard in turn, each shard's pages resuming
     /// after the last key sent, so a busy shard neither starves the others nor sends
     /// its hot keys more than once a round. After a sweep (a page of each shard)
-    /// with pages still to go, `rest` is given as long as the sweep took (the
-    /// thread's sleep; false: stop). Stops at the first failure (the next round
-    /// tries again).
+    /// with pages still to go, `rest` is given [`REST_PER_SWEEP`] times as long as
+    /// the sweep took (the thread's sleep; false: stop). Stops at the first failure
+    /// (the next round tries again).
     fn round(&self, shards: &Shards, metrics: &Metrics, mut rest: impl FnMut(Duration) -> bool) {
         // Per shard: its store when the round began, and the last key sent.
         let mut cursors: Vec<(u32, Arc<ShardStore>, Option<Vec<u8>>)> =
@@ -122,7 +125,7 @@ impl Rollups {
             // A shard handed over meanwhile is let go before the rest, not after.
             more.retain(|(shard, store, _)| still_ours(*shard, store));
             cursors = more;
-            if !cursors.is_empty() && !rest(sweep.elapsed()) {
+            if !cursors.is_empty() && !rest(sweep.elapsed() * REST_PER_SWEEP) {
                 return;
             }
         }
@@ -193,7 +196,7 @@ mod tests {
     }
 
     #[test]
-    fn a_round_of_several_sweeps_rests_after_each_as_long_as_it_took() {
+    fn a_round_of_several_sweeps_rests_after_each_three_times_as_long_as_it_took() {
         let (_dir, _cluster, shards, rollups) = marked(625);
         let store = shards.get(0).unwrap();
         let marks = store.pending_rollups(usize::MAX).unwrap().len();
@@ -210,11 +213,12 @@ mod tests {
         });
         assert_eq!(metrics.rollups_published.get(), marks as u64, "every mark published");
         assert_eq!(store.pending_rollups(usize::MAX).unwrap(), Vec::<Vec<u8>>::new());
-        // A rest after each sweep that left pages to go, as long as that sweep: the
-        // time since the last rest, less the moments between sweeps.
+        // A rest after each sweep that left pages to go, three times as long as that
+        // sweep: the time since the last rest, less the moments between sweeps.
         assert_eq!(rests.len(), 2, "{rests:?}");
         for (rest, since_last) in &rests {
-            assert!(*rest <= *since_last && *rest >= *since_last / 2, "{rests:?}");
+            let swept = *since_last * REST_PER_SWEEP;
+            assert!(*rest <= swept && *rest >= swept * 3 / 4, "{rests:?}");
         }
     }
 
