@@ -307,20 +307,37 @@ mod tests {
 
         use super::*;
 
-        /// A valid element with every field, its numbers of every size (up to 18
-        /// digits the scanner reads them, past that serde_json) or not `small`.
+        /// A valid element, its fields in any order with any of JSON's whitespace
+        /// around them, `delta`, `ts` and `id` there or not, its numbers of every
+        /// size (up to 18 digits the scanner reads them, past that serde_json) or not
+        /// `small`. Now and then its entity breaks the naming rules (a DEL).
         fn valid(small: bool) -> impl Strategy<Value = String> {
             let (delta, ts) = if small {
                 ((-1_000i64..1_000).boxed(), (0i64..2_000_000_000_000).boxed())
             } else {
                 (any::<i64>().boxed(), (0i64..i64::MAX).boxed())
             };
-            (0u32..50, "[a-z0-9_.:-]{1,8}", delta, ts, proptest::option::of("[a-z0-9-]{1,6}")).prop_map(
-                |(entity, metric, delta, ts, id)| {
-                    let id = id.map(|id| format!(r#","id":"{id}""#)).unwrap_or_default();
-                    format!(r#"{{"entity":"user:{entity}","metric":"{metric}","delta":{delta},"ts":{ts}{id}}}"#)
-                },
-            )
+            let entity = prop_oneof![
+                8 => (0u32..50).prop_map(|e| format!("user:{e}")),
+                1 => Just("ünï".to_string()),
+                1 => Just("a\u{7f}b".to_string()),
+            ];
+            let optional = (
+                proptest::option::weighted(0.8, delta),
+                proptest::option::weighted(0.8, ts),
+                proptest::option::of("[a-z0-9-]{1,6}"),
+            );
+            let space = proptest::sample::select(vec!["", "", " ", "\n", "\t", "\r\n "]);
+            (entity, "[a-z0-9_.:-]{1,8}", optional, space)
+                .prop_flat_map(|(entity, metric, (delta, ts, id), space)| {
+                    let mut fields =
+                        vec![format!(r#""entity"{space}:{space}"{entity}""#), format!(r#""metric":"{metric}""#)];
+                    fields.extend(delta.map(|delta| format!(r#""delta":{space}{delta}"#)));
+                    fields.extend(ts.map(|ts| format!(r#""ts"{space}:{ts}"#)));
+                    fields.extend(id.map(|id| format!(r#""id":"{id}""#)));
+                    (Just(fields).prop_shuffle(), Just(space))
+                })
+                .prop_map(|(fields, space)| format!("{{{space}{}{space}}}", fields.join(&format!("{space},"))))
         }
 
         /// Elements the scanner leaves to serde_json, valid or not.

@@ -1,50 +1,56 @@
-//! How much of the machine's CPU sat idle over a span, in cores — so that a loop can
-//! take on helper threads only where a core would otherwise go unused (a counter's
-//! apply loop: `counter.apply_threads`).
+//! How many of the cores this process may use sat idle over a span — so that a loop
+//! can take on helper threads only where a core would otherwise go unused (a
+//! counter's apply loop: `counter.apply_threads`).
 //!
-//! On Linux the kernel's account of every CPU's time (`/proc/stat`) says it; it is
-//! the whole machine's, so inside a container it counts other tenants' idle cores
-//! too, which is why a caller also caps its threads by
-//! [`std::thread::available_parallelism`] (which follows the container's CPU quota).
-//! Elsewhere nothing is known and callers keep what they were configured with.
+//! On Linux the kernel's account of every CPU's time (`/proc/stat`) says it, summed
+//! over the CPUs the thread may run on (its affinity: a container pinned to some
+//! cores sees those). A CPU quota (a container's `cpu.max`) is not in it: there the
+//! caller's cap, [`std::thread::available_parallelism`], which follows the quota,
+//! keeps a container of one CPU without helpers. Elsewhere nothing is known, and a
+//! loop works alone.
 
-/// The machine's CPU time at one moment, in the kernel's clock ticks.
+/// The CPU time of the cores the thread may run on, at one moment, in the kernel's
+/// clock ticks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CpuTimes {
     /// Idle, and waiting for I/O with nothing else to run.
     idle: u64,
     /// Every state's ticks, summed over the CPUs.
     total: u64,
-    /// How many CPUs the kernel counts.
+    /// How many CPUs are summed.
     cpus: usize,
 }
 
 impl CpuTimes {
-    /// Now, or `None` where the kernel does not say (not Linux, no `/proc`). Reads
-    /// `/proc/stat` up to the end of its CPU lines only (the interrupt counts after
-    /// them run to kilobytes on big machines).
-    pub fn now() -> Option<Self> {
-        use std::io::BufRead;
-        let file = std::io::BufReader::new(std::fs::File::open("/proc/stat").ok()?);
-        let lines = file.lines().map_while(Result::ok).take_while(|line| line.starts_with("cpu"));
-        Self::parse(lines)
+    /// Now, summed over `allowed` CPUs (`None`: every CPU), or `None` where the
+    /// kernel does not say (not Linux, no `/proc`).
+    pub fn now(allowed: Option<&[usize]>) -> Option<Self> {
+        Self::parse(&std::fs::read_to_string("/proc/stat").ok()?, allowed)
     }
 
-    /// Reads `/proc/stat`'s lines: the first sums the CPUs (`cpu user nice system
-    /// idle iowait irq softirq steal …`), a `cpuN` line follows for each.
-    fn parse<S: AsRef<str>>(lines: impl IntoIterator<Item = S>) -> Option<Self> {
-        let mut lines = lines.into_iter();
-        let first = lines.next()?;
-        let mut fields = first.as_ref().split_ascii_whitespace();
-        if fields.next()? != "cpu" {
+    /// Reads `/proc/stat`'s text: a first line that sums the CPUs, then a line per
+    /// CPU (`cpuN user nice system idle iowait irq softirq steal …`).
+    fn parse(text: &str, allowed: Option<&[usize]>) -> Option<Self> {
+        let mut lines = text.lines();
+        if !lines.next()?.starts_with("cpu ") {
             return None;
         }
-        let ticks: Vec<u64> = fields.take(8).map(|field| field.parse().ok()).collect::<Option<_>>()?;
-        if ticks.len() < 5 {
-            return None;
+        let mut times = Self { idle: 0, total: 0, cpus: 0 };
+        for line in lines.take_while(|line| line.starts_with("cpu")) {
+            let mut fields = line.split_ascii_whitespace();
+            let cpu: usize = fields.next()?.strip_prefix("cpu")?.parse().ok()?;
+            if allowed.is_some_and(|allowed| allowed.binary_search(&cpu).is_err()) {
+                continue;
+            }
+            let ticks: Vec<u64> = fields.take(8).map(|field| field.parse().ok()).collect::<Option<_>>()?;
+            if ticks.len() < 5 {
+                return None;
+            }
+            times.idle += ticks[3] + ticks[4];
+            times.total += ticks.iter().sum::<u64>();
+            times.cpus += 1;
         }
-        let cpus = lines.take_while(|line| line.as_ref().starts_with("cpu")).count();
-        Some(Self { idle: ticks[3] + ticks[4], total: ticks.iter().sum(), cpus: cpus.max(1) })
+        (times.cpus > 0).then_some(times)
     }
 
     /// How many cores sat idle on average from `self` until `later`; `None` when no
@@ -56,39 +62,60 @@ impl CpuTimes {
     }
 }
 
+/// The CPUs the calling thread may run on (its affinity), in order; `None` where
+/// not known.
+fn allowed_cpus() -> Option<Vec<usize>> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: a zeroed `cpu_set_t` is an empty set, and the kernel writes at
+        // most its size into it.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } != 0 {
+            return None;
+        }
+        Some((0..libc::CPU_SETSIZE as usize).filter(|cpu| unsafe { libc::CPU_ISSET(*cpu, &set) }).collect())
+    }
+    #[cfg(not(target_os = "linux"))]
+    None
+}
+
 /// How many helper threads a loop that runs on one thread of its own should start
 /// for its next piece of work, at most `max_helpers`, given how many cores sat idle
 /// while it waited for that work (its own core among them; `None`: unknown, so
-/// `max_helpers`): one for each further core that sat idle at least half the time,
-/// and none where the process may use only one core. A helper that gets less than
-/// half a core would finish its share after the others, and the work with it.
-pub fn helpers(idle_cores: Option<f64>, max_helpers: usize) -> usize {
-    let usable = std::thread::available_parallelism().map_or(usize::MAX, usize::from);
-    let Some(idle) = idle_cores else { return max_helpers.min(usable.saturating_sub(1)) };
+/// none) and how many the process may use (`usable`): one for each further core
+/// that sat idle at least half the time. A helper that gets less than half a core
+/// would finish its share after the others, and the work with it.
+pub fn helpers(idle_cores: Option<f64>, max_helpers: usize, usable: usize) -> usize {
+    let Some(idle) = idle_cores else { return 0 };
     let further = (idle - 0.5).floor().max(0.0) as usize;
     further.min(max_helpers).min(usable.saturating_sub(1))
 }
 
 /// Decides, piece of work by piece of work, how many helpers a loop starts
-/// ([`helpers`]) from how idle the machine was while the loop waited for that piece
+/// ([`helpers`]) from how idle its cores were while the loop waited for that piece
 /// (a batch gathering). A wait too short for the kernel's clock (10 ms ticks) keeps
 /// the decision before; with `max_helpers` 0 nothing is read.
 pub struct HelperGauge {
     max_helpers: usize,
+    /// How many cores the process may use ([`std::thread::available_parallelism`]).
+    usable: usize,
     /// When the last piece of work ended (the wait began).
     waiting_since: Option<CpuTimes>,
     helpers: usize,
-    /// [`CpuTimes::now`], or what a test says.
+    /// [`CpuTimes::now`] over the thread's CPUs, or what a test says.
     sample: Box<dyn FnMut() -> Option<CpuTimes> + Send>,
 }
 
 impl HelperGauge {
+    /// For the calling thread (its affinity decides which CPUs count).
     pub fn new(max_helpers: usize) -> Self {
-        Self::sampling(max_helpers, CpuTimes::now)
+        let usable = std::thread::available_parallelism().map_or(1, usize::from);
+        let allowed = if max_helpers > 0 { allowed_cpus() } else { None };
+        Self::sampling(max_helpers, usable, move || CpuTimes::now(allowed.as_deref()))
     }
 
-    fn sampling(max_helpers: usize, sample: impl FnMut() -> Option<CpuTimes> + Send + 'static) -> Self {
-        let mut gauge = Self { max_helpers, waiting_since: None, helpers: 0, sample: Box::new(sample) };
+    fn sampling(max_helpers: usize, usable: usize, sample: impl FnMut() -> Option<CpuTimes> + Send + 'static) -> Self {
+        let mut gauge = Self { max_helpers, usable, waiting_since: None, helpers: 0, sample: Box::new(sample) };
         gauge.done();
         gauge
     }
@@ -101,10 +128,10 @@ impl HelperGauge {
         match (self.waiting_since, (self.sample)()) {
             (Some(since), Some(now)) => {
                 if let Some(idle) = since.idle_cores_until(&now) {
-                    self.helpers = helpers(Some(idle), self.max_helpers);
+                    self.helpers = helpers(Some(idle), self.max_helpers, self.usable);
                 }
             }
-            _ => self.helpers = helpers(None, self.max_helpers),
+            _ => self.helpers = 0,
         }
         self.helpers
     }
@@ -123,18 +150,20 @@ mod tests {
 
     const STAT: &str = "cpu  100 5 50 1000 20 1 2 0 0 0\n\
                         cpu0 50 2 25 500 10 1 1 0 0 0\n\
-                        cpu1 50 3 25 500 10 0 1 0 0 0\n\
+                        cpu2 50 3 25 400 10 0 1 0 0 0\n\
                         intr 12345 0 0\n\
                         ctxt 999\n";
 
     #[test]
-    fn reads_the_idle_and_total_ticks_of_every_cpu() {
-        let parse = |text: &str| CpuTimes::parse(text.lines());
-        assert_eq!(parse(STAT), Some(CpuTimes { idle: 1_020, total: 1_178, cpus: 2 }));
-        assert_eq!(parse("intr 1 2\n"), None);
-        assert_eq!(parse("cpu 1 2 3\ncpu0 1 2 3\n"), None);
-        assert_eq!(parse("cpu 1 2 x 4 5\n"), None);
-        assert_eq!(parse(""), None);
+    fn reads_the_idle_and_total_ticks_of_the_cpus_allowed() {
+        assert_eq!(CpuTimes::parse(STAT, None), Some(CpuTimes { idle: 920, total: 1_078, cpus: 2 }));
+        assert_eq!(CpuTimes::parse(STAT, Some(&[2, 3])), Some(CpuTimes { idle: 410, total: 489, cpus: 1 }));
+        assert_eq!(CpuTimes::parse(STAT, Some(&[1])), None, "none of its CPUs is listed");
+        assert_eq!(CpuTimes::parse("intr 1 2\n", None), None);
+        assert_eq!(CpuTimes::parse("cpu  1 2 3 4 5\ncpu0 1 2 3\n", None), None);
+        assert_eq!(CpuTimes::parse("cpu  1 2 3 4 5\ncpu0 1 2 x 4 5\n", None), None);
+        assert_eq!(CpuTimes::parse("cpu  1 2 3 4 5\ncpux 1 2 3 4 5\n", None), None);
+        assert_eq!(CpuTimes::parse("", None), None);
     }
 
     #[test]
@@ -146,34 +175,39 @@ mod tests {
         assert_eq!(before.idle_cores_until(&later(40, 0)), Some(2.0));
         assert_eq!(before.idle_cores_until(&before), None, "no tick passed");
         assert_eq!(later(5, 5).idle_cores_until(&before), None, "the clock never runs back");
-        if cfg!(target_os = "linux") {
-            let text = std::fs::read_to_string("/proc/stat").unwrap();
-            let cpus = text.lines().filter(|line| line.starts_with("cpu") && !line.starts_with("cpu ")).count();
-            assert_eq!(CpuTimes::now().map(|now| now.cpus), Some(cpus));
-        }
+    }
+
+    #[test]
+    fn the_thread_counts_the_cpus_it_may_run_on() {
+        let Ok(text) = std::fs::read_to_string("/proc/stat") else { return };
+        let allowed = allowed_cpus().expect("a thread's affinity where /proc/stat is");
+        let listed = text.lines().filter(|line| line.starts_with("cpu") && !line.starts_with("cpu "));
+        let numbers = listed.filter_map(|line| line.split_ascii_whitespace().next()?.strip_prefix("cpu")?.parse().ok());
+        let cpus = numbers.filter(|cpu: &usize| allowed.contains(cpu)).count();
+        assert_eq!(CpuTimes::now(Some(&allowed)).map(|now| now.cpus), Some(cpus).filter(|cpus| *cpus > 0));
     }
 
     #[test]
     fn a_helper_for_each_further_core_idle_half_the_time() {
-        let usable = std::thread::available_parallelism().map_or(usize::MAX, usize::from);
-        let capped = |helpers: usize| helpers.min(usable - 1);
         let cases =
             [(0.0, 3, 0), (1.0, 3, 0), (1.49, 3, 0), (1.5, 3, 1), (2.4, 3, 1), (2.5, 3, 2), (9.0, 3, 3), (9.0, 0, 0)];
         for (idle, max, expected) in cases {
-            assert_eq!(helpers(Some(idle), max), capped(expected), "{idle} idle cores, at most {max}");
+            assert_eq!(helpers(Some(idle), max, 64), expected, "{idle} idle cores, at most {max}");
         }
-        assert_eq!(helpers(None, 3), capped(3), "unknown: as configured");
-        assert_eq!(helpers(Some(f64::NAN), 3), 0);
+        assert_eq!(helpers(Some(9.0), 3, 2), 1, "within the cores the process may use");
+        assert_eq!(helpers(Some(9.0), 3, 1), 0);
+        assert_eq!(helpers(None, 3, 64), 0, "unknown: alone");
+        assert_eq!(helpers(Some(f64::NAN), 3, 64), 0);
     }
 
-    /// A gauge whose samples are `idle` ticks out of `total` per wait or piece of
-    /// work, in turn, on 2 CPUs.
+    /// A gauge whose samples add `idle` ticks out of `total`, step by step, on 2
+    /// CPUs, and how many samples it took.
     fn scripted(max_helpers: usize, steps: Vec<(u64, u64)>) -> (HelperGauge, std::sync::Arc<std::sync::Mutex<usize>>) {
         let taken = std::sync::Arc::new(std::sync::Mutex::new(0));
         let seen = taken.clone();
         let mut times = CpuTimes { idle: 0, total: 0, cpus: 2 };
         let mut steps = steps.into_iter();
-        let gauge = HelperGauge::sampling(max_helpers, move || {
+        let gauge = HelperGauge::sampling(max_helpers, 2, move || {
             *seen.lock().unwrap() += 1;
             let (idle, total) = steps.next()?;
             times = CpuTimes { idle: times.idle + idle, total: times.total + total, cpus: 2 };
@@ -184,10 +218,6 @@ mod tests {
 
     #[test]
     fn the_gauge_follows_each_wait_and_keeps_its_decision_over_one_too_short_to_tell() {
-        let usable = std::thread::available_parallelism().map_or(usize::MAX, usize::from);
-        if usable < 2 {
-            return;
-        }
         // Created (a sample), then per batch: the wait's ticks, the work's ticks.
         let steps = vec![(0, 0), (18, 20), (0, 40), (0, 0), (0, 40), (5, 20), (0, 40)];
         let (mut gauge, _) = scripted(1, steps);
@@ -197,8 +227,8 @@ mod tests {
             gauge.done();
         }
         assert_eq!(decided, vec![1, 1, 0], "1.8 idle cores, no tick, then 0.5");
-        // The samples ran out: not known any more, so as configured.
-        assert_eq!(gauge.starting(), 1);
+        // The samples ran out: not known any more, so alone.
+        assert_eq!(gauge.starting(), 0);
 
         let (mut none, taken) = scripted(0, vec![(40, 40)]);
         assert_eq!((none.starting(), none.starting()), (0, 0));

@@ -565,11 +565,11 @@ fn apply_batch(
         }
         (outbox_written, failed)
     };
-    let threads = threads.min(work.len());
-    if threads > 1 {
+    let applied = tally_shared::sched::on_threads(threads.min(work.len()), "counter-apply+", apply_shards);
+    // One result per thread that ran (a helper that could not start is not counted).
+    if applied.len() > 1 {
         metrics.helped_batches.inc();
     }
-    let applied = tally_shared::sched::on_threads(threads, "counter-apply+", apply_shards);
     applied.into_iter().fold((0, Vec::new()), |(written, mut failed), (more_written, more_failed)| {
         failed.extend(more_failed);
         (written + more_written, failed)
