@@ -27,6 +27,11 @@ async fn totals_follow_the_graph_and_match_the_model() {
     for service in SERVICES {
         sandbox.spawn(service);
     }
+    // The checks read at once: every service answers first (on a busy machine the
+    // query service was not listening yet when the first read came).
+    for service in SERVICES {
+        sandbox.wait_ready(service, Duration::from_secs(60)).await;
+    }
     let workload = Workload::generate_mixed(11, 500, tally_shared::kafka::now_ms(), 0.2);
     assert!(workload.model.edges().len() > 5, "the workload builds a graph");
     sandbox.produce(&workload.records).await;
