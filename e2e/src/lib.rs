@@ -386,19 +386,14 @@ impl Sandbox {
             .collect()
     }
 
-    /// GET a path of the read API: status and JSON body.
+    /// GET a path of the read API: status and JSON body (see [`answer`]).
     pub async fn get(&self, path: &str) -> (u16, serde_json::Value) {
-        let response = reqwest::get(format!("{}{path}", self.query_url)).await.expect("GET");
-        let status = response.status().as_u16();
-        (status, response.json().await.unwrap_or(serde_json::Value::Null))
+        answer(reqwest::get(format!("{}{path}", self.query_url)).await).await
     }
 
-    /// POST JSON to a path of the read API.
+    /// POST JSON to a path of the read API (see [`answer`]).
     pub async fn post(&self, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
-        let response =
-            reqwest::Client::new().post(format!("{}{path}", self.query_url)).json(body).send().await.expect("POST");
-        let status = response.status().as_u16();
-        (status, response.json().await.unwrap_or(serde_json::Value::Null))
+        answer(reqwest::Client::new().post(format!("{}{path}", self.query_url)).json(body).send().await).await
     }
 }
 
@@ -416,6 +411,19 @@ fn terminate(child: &mut Child) {
         libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
     }
     let _ = child.wait();
+}
+
+/// A read's status and JSON body; status 0 (and the error, as `{"transport":…}`) when
+/// the service did not answer — not listening yet on a busy machine, or killed — so
+/// that checks that wait for an answer wait on, and others fail saying so.
+async fn answer(sent: reqwest::Result<reqwest::Response>) -> (u16, serde_json::Value) {
+    match sent {
+        Ok(response) => {
+            let status = response.status().as_u16();
+            (status, response.json().await.unwrap_or(serde_json::Value::Null))
+        }
+        Err(err) => (0, serde_json::json!({ "transport": err.to_string() })),
+    }
 }
 
 async fn start_broker(binary: PathBuf, port: u16, advertised: u16, dir: PathBuf) -> LocalBroker {
