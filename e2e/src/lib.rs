@@ -361,6 +361,17 @@ impl Sandbox {
     }
 
     /// Waits until a service reports ready; panics with its log after `timeout`.
+    /// Starts `services` and waits until each is ready (60 s at most each), for
+    /// tests whose first read must find them answering.
+    pub async fn spawn_ready(&mut self, services: &[&'static str]) {
+        for service in services {
+            self.spawn(service);
+        }
+        for service in services {
+            self.wait_ready(service, Duration::from_secs(60)).await;
+        }
+    }
+
     pub async fn wait_ready(&self, name: &str, timeout: Duration) {
         let deadline = tokio::time::Instant::now() + timeout;
         while self.readyz(name).await != 200 {

@@ -23,16 +23,6 @@ fn dead_letters(sandbox: &Sandbox, at_most: usize) -> Vec<DeadLetter> {
         .collect()
 }
 
-/// Starts services and waits until each is ready.
-async fn start(sandbox: &mut Sandbox, services: &[&'static str]) {
-    for service in services {
-        sandbox.spawn(service);
-    }
-    for service in services {
-        sandbox.wait_ready(service, Duration::from_secs(60)).await;
-    }
-}
-
 /// Waits until `probe` holds, polling; panics with `what` after `timeout`.
 async fn eventually<F, Fut>(what: &str, timeout: Duration, mut probe: F)
 where
@@ -68,7 +58,7 @@ async fn records_too_big_for_the_broker_never_stall_ingestion() {
     let workload = tally_e2e::workload::Workload::generate(11, 200, now_ms());
     sandbox.produce(&workload.records).await;
     // Everything is in the topics before the ingester starts: one batch holds it all.
-    start(&mut sandbox, &["tally-ingester", "tally-counter", "tally-graph", "tally-query"]).await;
+    sandbox.spawn_ready(&["tally-ingester", "tally-counter", "tally-graph", "tally-query"]).await;
 
     let (model, entities, metrics) = (&workload.model, &workload.entities, &workload.metrics);
     check::wait_for_all_time(&sandbox, model, entities, metrics, Duration::from_secs(120)).await;
@@ -96,7 +86,7 @@ async fn records_too_big_for_the_broker_never_stall_ingestion() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_big_outbox_batch_reaches_every_shard() {
     let mut sandbox = Sandbox::start().await;
-    start(&mut sandbox, &["tally-ingester", "tally-counter", "tally-graph", "tally-query"]).await;
+    sandbox.spawn_ready(&["tally-ingester", "tally-counter", "tally-graph", "tally-query"]).await;
     let now = now_ms();
     let mut model = Model::default();
     // One view a minute for the last 5 h 50 min: 350 one-minute buckets, 6 hours, 1-2 days.
@@ -333,7 +323,7 @@ async fn a_retry_applied_after_a_long_backlog_counts_once() {
     let window = [("TALLY__COUNTING__DEDUPE_WINDOW", "10s".to_string())];
     sandbox.spawn_instance("tally-ingester", "tally-ingester", &window);
     sandbox.spawn_instance("tally-counter", "tally-counter", &window);
-    start(&mut sandbox, &["tally-query"]).await;
+    sandbox.spawn_ready(&["tally-query"]).await;
     let increment =
         |id: &str| (Some("e".to_string()), json!({"entity": "e", "metric": "m", "id": id}).to_string().into_bytes());
     let original_at = std::time::Instant::now();
@@ -356,7 +346,7 @@ async fn a_retry_applied_after_a_long_backlog_counts_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kill9_after_a_commit_still_leaves_the_right_final_rollup() {
     let mut sandbox = Sandbox::start_without("rollups").await;
-    start(&mut sandbox, &["tally-ingester", "tally-counter", "tally-query"]).await;
+    sandbox.spawn_ready(&["tally-ingester", "tally-counter", "tally-query"]).await;
     let workload = tally_e2e::workload::Workload::generate(5, 60, now_ms());
     sandbox.produce(&workload.records).await;
     let (model, entities, metrics) = (&workload.model, &workload.entities, &workload.metrics);

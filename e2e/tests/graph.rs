@@ -24,14 +24,9 @@ async fn neighbours(sandbox: &Sandbox, entity: &str, direction: &str) -> Vec<Str
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn totals_follow_the_graph_and_match_the_model() {
     let mut sandbox = Sandbox::start().await;
-    for service in SERVICES {
-        sandbox.spawn(service);
-    }
     // The checks read at once: every service answers first (on a busy machine the
     // query service was not listening yet when the first read came).
-    for service in SERVICES {
-        sandbox.wait_ready(service, Duration::from_secs(60)).await;
-    }
+    sandbox.spawn_ready(&SERVICES).await;
     let workload = Workload::generate_mixed(11, 500, tally_shared::kafka::now_ms(), 0.2);
     assert!(workload.model.edges().len() > 5, "the workload builds a graph");
     sandbox.produce(&workload.records).await;

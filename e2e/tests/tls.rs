@@ -12,12 +12,7 @@ use tally_e2e::{check, Options, Sandbox};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kafka_that_speaks_only_tls_works_end_to_end() {
     let mut sandbox = Sandbox::start_with(Options { tls: true, ..Default::default() }).await;
-    for service in ["tally-ingester", "tally-counter", "tally-graph", "tally-query"] {
-        sandbox.spawn(service);
-    }
-    for service in ["tally-ingester", "tally-counter", "tally-graph", "tally-query"] {
-        sandbox.wait_ready(service, Duration::from_secs(60)).await;
-    }
+    sandbox.spawn_ready(&["tally-ingester", "tally-counter", "tally-graph", "tally-query"]).await;
     let workload = Workload::generate_mixed(21, 300, tally_shared::kafka::now_ms(), 0.15);
     sandbox.produce(&workload.records).await;
     let (model, entities, metrics) = (&workload.model, &workload.entities, &workload.metrics);
