@@ -3,7 +3,8 @@
 //! - A binary internal record (the shard topic, the graph-updates topic, the outboxes
 //!   that hold them) starts with [`RECORD_MAGIC`] and its format version, then the
 //!   body: bincode in version 1, the compact encoding of increments in version 2
-//!   ([`RECORD_V2`]). The magic byte tells a stray producer's bytes from tally's.
+//!   ([`RECORD_V2`]), a version 2 record compressed with zstd in version 3
+//!   ([`RECORD_V3`]). The magic byte tells a stray producer's bytes from tally's.
 //! - A JSON record tally writes has a version field: `"v"` (shard owners, broker
 //!   heartbeats, dead letters, dead jobs, rollups), `"version"` (queue declarations).
 //! - Every RocksDB value starts with its format version byte; a store also keeps the
@@ -24,9 +25,12 @@ pub const RECORD_MAGIC: u8 = 0xA7;
 /// record but a shard record of increments is still written in it.
 pub const RECORD_V1: u8 = 1;
 /// Version 2: a shard record of increments in the compact encoding
-/// ([`crate::compact`]: names once per record, small differences). Counters read
-/// both versions of shard records; an ingester writes version 2.
+/// ([`crate::compact`]: names once per record, small differences).
 pub const RECORD_V2: u8 = 2;
+/// Version 3: a version 2 record compressed whole with zstd ([`crate::packed`]).
+/// An ingester writes it; counters read versions 1 to 3 (a version 3 record is
+/// unpacked, [`crate::packed::unpack`], before it is decoded).
+pub const RECORD_V3: u8 = 3;
 /// The current version of RocksDB values.
 pub const VALUE_V1: u8 = 1;
 /// The current version of the JSON records tally writes (their `"v"`).

@@ -25,6 +25,7 @@ pub mod input;
 pub mod jobs;
 pub mod keys;
 pub mod model;
+pub mod packed;
 pub mod propagation;
 pub mod records;
 pub mod sharding;

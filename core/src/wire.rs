@@ -298,9 +298,14 @@ impl IncrementRef<'_> {
 }
 
 impl<'a> ShardMessageRef<'a> {
-    /// Decodes a shard record of either format version: increments are written in
-    /// version 2 ([`crate::compact`]), everything else in version 1 (bincode).
+    /// Decodes a shard record of format version 1 or 2: increments are written in
+    /// version 2 ([`crate::compact`]), everything else in version 1 (bincode). A
+    /// version 3 record is unpacked first ([`crate::packed::unpack`]: what it holds
+    /// has to live somewhere for the names to borrow from).
     pub fn decode(bytes: &'a [u8]) -> Result<Self> {
+        if let [crate::format::RECORD_MAGIC, crate::format::RECORD_V3, ..] = bytes {
+            return Err(Error::Format("shard record version 3: decoded only once unpacked".into()));
+        }
         let (version, body) = crate::format::shard_record_body(bytes)?;
         if version == crate::format::RECORD_V2 {
             let (source, entries) = crate::compact::decode_increments(body)?;
@@ -331,11 +336,13 @@ impl ShardMessage {
 
     /// The bytes of `ShardMessage::Increments { source, entries }` without building
     /// it, so the ingester encodes its entries in place instead of cloning them, in
-    /// record format `version`: [`RECORD_V2`](crate::format::RECORD_V2) (compact,
-    /// [`crate::compact`]; what [`ShardMessage::encode`] writes) or
-    /// [`RECORD_V1`](crate::format::RECORD_V1) (bincode: for counters of a release
-    /// that reads only version 1, while an upgrade is under way). Either never
-    /// exceeds the entries' size bounds plus 32 bytes.
+    /// record format `version`: [`RECORD_V3`](crate::format::RECORD_V3) (version 2
+    /// packed with zstd, [`crate::packed`]; what an ingester writes),
+    /// [`RECORD_V2`](crate::format::RECORD_V2) (compact, [`crate::compact`]; what
+    /// [`ShardMessage::encode`] writes) or [`RECORD_V1`](crate::format::RECORD_V1)
+    /// (bincode) — the older two for counters of a release that reads only those,
+    /// while an upgrade is under way. None exceeds the entries' size bounds plus 32
+    /// bytes (a packed record is never bigger than its version 2 form).
     pub fn encode_increments<T: IncrementFields + Serialize>(
         source: Source,
         entries: &[(Stamp, T)],
@@ -347,6 +354,7 @@ impl ShardMessage {
             Increments { source: Source, entries: &'a [(Stamp, T)] },
         }
         match version {
+            crate::format::RECORD_V3 => Ok(crate::packed::pack(crate::compact::encode_increments(source, entries))),
             crate::format::RECORD_V2 => Ok(crate::compact::encode_increments(source, entries)),
             crate::format::RECORD_V1 => {
                 let bound: usize = entries.iter().map(|(_, increment)| increment.size_bound()).sum();
@@ -357,8 +365,10 @@ impl ShardMessage {
         }
     }
 
-    /// Decodes a shard record of either format version ([`ShardMessageRef::decode`]).
+    /// Decodes a shard record of any format version ([`ShardMessageRef::decode`],
+    /// a version 3 record unpacked first).
     pub fn decode(bytes: &[u8]) -> Result<Self> {
+        let bytes = &crate::packed::unpack(bytes)?[..];
         match crate::format::shard_record_body(bytes)? {
             (crate::format::RECORD_V2, body) => {
                 let (source, entries) = crate::compact::decode_increments(body)?;
@@ -804,7 +814,10 @@ mod tests {
         assert!(v1.len() <= bound + 32, "{} > {bound}", v1.len());
         assert_eq!(v1[..2], crate::format::RECORD_HEADER);
         assert_eq!(ShardMessage::decode(&v1).unwrap(), ShardMessage::decode(&encoded).unwrap());
-        assert!(ShardMessage::encode_increments(source, &entries, 3).is_err());
+        let v3 = ShardMessage::encode_increments(source, &entries, crate::format::RECORD_V3).unwrap();
+        assert!(v3.len() <= encoded.len(), "{} > {}", v3.len(), encoded.len());
+        assert_eq!(ShardMessage::decode(&v3).unwrap(), ShardMessage::decode(&encoded).unwrap());
+        assert!(ShardMessage::encode_increments(source, &entries, 4).is_err());
         // The borrowed form the ingester routes encodes to the same bytes.
         let borrowed: Vec<(Stamp, IncrementCow<'_>)> = entries
             .iter()

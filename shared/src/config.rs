@@ -352,9 +352,10 @@ pub struct IngesterConfig {
     /// instance only). For brokers whose group coordinator cannot evict a killed
     /// member, such as the local Tansu; offsets are still committed to the group.
     pub static_assignment: bool,
-    /// The format version of the shard records of increments it writes: 2 (compact,
-    /// the default) or 1 — for counters of a release that reads only version 1,
-    /// until they are upgraded (README: "Upgrading").
+    /// The format version of the shard records of increments it writes: 3 (compact
+    /// and packed with zstd, the default), 2 (compact) or 1 — for counters of a
+    /// release that reads only versions up to that one, until they are upgraded
+    /// (README: "Upgrading").
     pub shard_record_format: u8,
 }
 
@@ -362,8 +363,8 @@ pub struct IngesterConfig {
 /// at load, so `tally config check` says so before an ingester starts.
 pub fn check_shard_record_format(version: u8) -> Result<()> {
     match version {
-        tally_core::format::RECORD_V1 | tally_core::format::RECORD_V2 => Ok(()),
-        _ => Err(Error::Config(format!("ingester.shard_record_format is {version}: it is 1 or 2"))),
+        tally_core::format::RECORD_V1 | tally_core::format::RECORD_V2 | tally_core::format::RECORD_V3 => Ok(()),
+        _ => Err(Error::Config(format!("ingester.shard_record_format is {version}: it is 1, 2 or 3"))),
     }
 }
 
@@ -376,7 +377,7 @@ impl Default for IngesterConfig {
             batch_max_bytes: 16 << 20,
             batch_linger_ms: 20,
             static_assignment: false,
-            shard_record_format: 2,
+            shard_record_format: 3,
         }
     }
 }
@@ -750,14 +751,14 @@ mod tests {
 
     #[test]
     fn only_a_shard_record_format_the_ingester_writes_loads() {
-        for format in ["1", "2"] {
+        for format in ["1", "2", "3"] {
             let config = TallyConfig::load_with_env(None, env(&[("TALLY__INGESTER__SHARD_RECORD_FORMAT", format)]));
             assert_eq!(config.unwrap().ingester.shard_record_format.to_string(), format);
         }
-        let refused = TallyConfig::load_with_env(None, env(&[("TALLY__INGESTER__SHARD_RECORD_FORMAT", "3")]))
+        let refused = TallyConfig::load_with_env(None, env(&[("TALLY__INGESTER__SHARD_RECORD_FORMAT", "4")]))
             .unwrap_err()
             .to_string();
-        assert_eq!(refused, "config: ingester.shard_record_format is 3: it is 1 or 2");
+        assert_eq!(refused, "config: ingester.shard_record_format is 4: it is 1, 2 or 3");
     }
 
     #[test]

@@ -23,6 +23,8 @@
 //! index: a replay of the same log — after a crash, or on another counter that
 //! rebuilds the shard — produces the same stamps, which the receivers drop.
 
+use std::borrow::Cow;
+use std::cell::OnceCell;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::MutexGuard;
 
@@ -197,7 +199,10 @@ impl ShardStore {
         let mut report = ApplyReport { records: records.len(), ..Default::default() };
         let mut progress = self.progress();
         let mut run: Vec<Decoded<'_>> = Vec::new();
-        for record in records {
+        // What packed records (format version 3) hold, each unpacked once it is
+        // reached; the decoded run borrows its names from there.
+        let unpacked: Vec<OnceCell<Vec<u8>>> = records.iter().map(|_| OnceCell::new()).collect();
+        for (record, unpacked) in records.iter().zip(&unpacked) {
             if progress.next_offset.is_some_and(|next| record.offset < next) {
                 report.stale_records += 1;
                 continue;
@@ -206,7 +211,15 @@ impl ShardStore {
                 report.gap = Some((next, record.offset));
                 break;
             }
-            match ShardMessageRef::decode(record.payload) {
+            let payload = match tally_core::packed::unpack(record.payload) {
+                Ok(Cow::Borrowed(payload)) => payload,
+                Ok(Cow::Owned(payload)) => unpacked.get_or_init(move || payload).as_slice(),
+                Err(err) => {
+                    report.undecodable = Some((record.offset, err.to_string()));
+                    break;
+                }
+            };
+            match ShardMessageRef::decode(payload) {
                 Ok(ShardMessageRef::DescChanges { source, entries }) => {
                     // The run before is committed first, with the progress up to it:
                     // a crash in between re-applies this record, never skips it.
@@ -214,7 +227,7 @@ impl ShardStore {
                     run.clear();
                     progress.next_offset = Some(record.offset + 1);
                     self.apply_desc_changes(
-                        (record.offset, record.payload),
+                        (record.offset, payload),
                         source,
                         entries,
                         &mut progress,
@@ -1039,6 +1052,48 @@ mod tests {
         assert_eq!(store.progress().next_offset, Some(6), "stays at the failed record");
         assert_eq!(report.marked, 4);
         assert_eq!(store.pending_rollups(100).unwrap(), count_keys(&store, "a"), "marked for publishing");
+    }
+
+    /// Shard records of increments in format version 3 (what an ingester writes):
+    /// each applies as its version 2 form; one that does not unpack stops the batch
+    /// there, failing closed, after committing what came before.
+    #[test]
+    fn packed_records_apply_as_their_version_2_form_and_a_broken_one_stops_the_batch() {
+        let source = Source { stream: Source::INCREMENTS, partition: 0 };
+        let record_in = |offset: i64, version: u8| {
+            let entries: Vec<(Stamp, Increment)> = (0..400u32)
+                .map(|index| {
+                    let entity = format!("user-{}", index % 30);
+                    let increment =
+                        Increment { entity, metric: "views".into(), delta: i64::from(index % 5), ts: NOW, id: None };
+                    (Stamp { offset, index }, increment)
+                })
+                .collect();
+            ShardMessage::encode_increments(source, &entries, version).unwrap()
+        };
+        let (v2, v3) = ([record_in(1, 2), record_in(2, 2)], [record_in(1, 3), record_in(2, 3)]);
+        assert_eq!((v2[0][1], v3[0][1]), (2, 3));
+        let apply = |records: &[Vec<u8>]| {
+            let dir = tempfile::tempdir().unwrap();
+            let store = ShardStore::open(0, dir.path(), options()).unwrap();
+            let records: Vec<ShardRecord<'_>> =
+                (0..).zip(records).map(|(offset, payload)| ShardRecord { offset, payload, timestamp: None }).collect();
+            let report = store.apply(&records, NOW, true).unwrap();
+            let totals: Vec<i64> = (0..30).map(|user| all_time(&store, &format!("user-{user}"))).collect();
+            (report.increments, report.marked, report.undecodable, store.progress().next_offset, totals)
+        };
+        let unpacked = apply(&v2);
+        assert_eq!(unpacked.0, 800);
+        assert_eq!(unpacked.4.iter().sum::<i64>(), 2 * (0..400).map(|i| i % 5).sum::<i64>());
+        assert_eq!(apply(&v3), unpacked);
+
+        let mut broken = v3.clone();
+        let last = broken[1].len() - 1;
+        broken[1][last] ^= 1;
+        let (increments, _, undecodable, next_offset, _) = apply(&broken);
+        let (offset, reason) = undecodable.unwrap();
+        assert_eq!((offset, increments, next_offset), (1, 400, Some(1)), "stays at the broken record");
+        assert!(reason.contains("shard record version 3"), "{reason}");
     }
 
     /// Every count key of `entity` in the store, in key order.

@@ -207,7 +207,8 @@ fn apply_per_event(store: &ShardStore, records: &[Vec<u8>], now: i64) -> Result<
     let resolutions = &store.options.resolutions;
     let mut key = Vec::with_capacity(128);
     for (offset, payload) in records.iter().enumerate() {
-        let ShardMessageRef::Increments { entries, .. } = ShardMessageRef::decode(payload)? else { continue };
+        let payload = tally_core::packed::unpack(payload)?;
+        let ShardMessageRef::Increments { entries, .. } = ShardMessageRef::decode(&payload)? else { continue };
         for (_, increment) in entries {
             let counts = Counts { direct: increment.delta, total: increment.delta }.encode();
             let mut batch = WriteBatch::default();

@@ -78,10 +78,10 @@ pub struct Router {
 
 impl Router {
     pub fn new(names: TopicNames, shards: u32, record_budget: usize) -> Self {
-        Self { names, shards, shard_record_format: tally_core::format::RECORD_V2, record_budget }
+        Self { names, shards, shard_record_format: tally_core::format::RECORD_V3, record_budget }
     }
 
-    /// Writes shard records of increments in format `version` (1 or 2) instead of 2.
+    /// Writes shard records of increments in format `version` (1, 2 or 3) instead of 3.
     pub fn writing_shard_records_in(mut self, version: u8) -> Result<Self> {
         tally_shared::config::check_shard_record_format(version)?;
         self.shard_record_format = version;
@@ -232,20 +232,41 @@ mod tests {
 
     #[test]
     fn shard_records_are_written_in_the_configured_format() {
-        let records = [record(0, 10, r#"[{"entity":"a","metric":"v"},{"entity":"b","metric":"v","delta":3}]"#)];
-        let shard_records = |router: Router| -> Vec<Vec<u8>> {
-            let (out, _) = router.route_records(&records).unwrap();
-            out.into_iter().filter(|o| o.topic == "tally.shards").map(|o| o.payload).collect()
+        use tally_core::format::{RECORD_V1, RECORD_V2, RECORD_V3};
+        // Enough increments for packing to pay, and a message of two.
+        let many: String = format!(
+            "[{}]",
+            (0..300)
+                .map(|i| format!(r#"{{"entity":"user-{}","metric":"views"}}"#, i % 40))
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        let few = r#"[{"entity":"a","metric":"v"},{"entity":"b","metric":"v","delta":3}]"#;
+        for (payload, packed) in [(many.as_str(), true), (few, false)] {
+            let records = [record(0, 10, payload)];
+            let shard_records = |router: Router| -> Vec<Vec<u8>> {
+                let (out, _) = router.route_records(&records).unwrap();
+                out.into_iter().filter(|o| o.topic == "tally.shards").map(|o| o.payload).collect()
+            };
+            let router = || Router::new(TopicNames::new("tally."), 1, 900_000);
+            let v3 = shard_records(router());
+            let v2 = shard_records(router().writing_shard_records_in(2).unwrap());
+            let v1 = shard_records(router().writing_shard_records_in(1).unwrap());
+            assert_eq!((v1.len(), v2.len(), v3.len()), (1, 1, 1));
+            // Format 3 packs a record only when that makes it smaller.
+            let third = if packed { RECORD_V3 } else { RECORD_V2 };
+            assert_eq!((v1[0][1], v2[0][1], v3[0][1]), (RECORD_V1, RECORD_V2, third));
+            assert!(v3[0].len() <= v2[0].len(), "{} {}", v3[0].len(), v2[0].len());
+            let decoded = ShardMessage::decode(&v1[0]).unwrap();
+            assert_eq!(
+                (ShardMessage::decode(&v2[0]).unwrap(), ShardMessage::decode(&v3[0]).unwrap()),
+                (decoded.clone(), decoded)
+            );
+        }
+        let Err(err) = Router::new(TopicNames::new("tally."), 1, 900_000).writing_shard_records_in(4) else {
+            panic!("format 4 accepted")
         };
-        let v2 = shard_records(Router::new(TopicNames::new("tally."), 1, 900_000));
-        let v1 = shard_records(Router::new(TopicNames::new("tally."), 1, 900_000).writing_shard_records_in(1).unwrap());
-        assert_eq!((v1.len(), v2.len()), (1, 1));
-        assert_eq!((v1[0][1], v2[0][1]), (tally_core::format::RECORD_V1, tally_core::format::RECORD_V2));
-        assert_eq!(ShardMessage::decode(&v1[0]).unwrap(), ShardMessage::decode(&v2[0]).unwrap());
-        let Err(err) = Router::new(TopicNames::new("tally."), 1, 900_000).writing_shard_records_in(3) else {
-            panic!("format 3 accepted")
-        };
-        assert!(err.to_string().contains("ingester.shard_record_format is 3: it is 1 or 2"), "{err}");
+        assert!(err.to_string().contains("ingester.shard_record_format is 4: it is 1, 2 or 3"), "{err}");
     }
 
     #[test]
