@@ -43,15 +43,20 @@ fn compressor() -> zstd_safe::CCtx<'static> {
         zstd_safe::CParameter::ChecksumFlag(true),
     ] {
         // Valid parameters of the linked zstd (1.4 or later): cannot fail.
-        let _ = cctx.set_parameter(parameter);
+        let set = cctx.set_parameter(parameter);
+        debug_assert!(set.is_ok(), "zstd refused a compression parameter");
     }
     cctx
 }
 
 /// The version 3 form of the version 2 record `v2`, or `v2` itself when packing
-/// would not make it smaller (so a packed record is never bigger than version 2's).
+/// would not make it smaller (so a packed record is never bigger than version 2's) or
+/// `v2` is bigger than [`MAX_UNPACKED`] (a broker's `message.max.bytes` set that high).
 pub fn pack(v2: Vec<u8>) -> Vec<u8> {
     debug_assert!(v2.starts_with(&[RECORD_MAGIC, RECORD_V2]), "only version 2 records are packed");
+    if v2.len() as u64 > MAX_UNPACKED {
+        return v2;
+    }
     let mut out = vec![0u8; 2 + zstd_safe::compress_bound(v2.len())];
     out[..2].copy_from_slice(&[RECORD_MAGIC, RECORD_V3]);
     let written = COMPRESSOR.with(|cctx| cctx.borrow_mut().compress2(&mut out[2..], &v2));
@@ -62,6 +67,19 @@ pub fn pack(v2: Vec<u8>) -> Vec<u8> {
         }
         // Not smaller, or zstd failed (it cannot with a buffer of its bound): as it was.
         _ => v2,
+    }
+}
+
+/// How many bytes `bytes` takes once unpacked: a version 3 record's stated size
+/// (its length when it states none, or too much: [`unpack`] refuses it), any other
+/// record's length.
+pub fn unpacked_len(bytes: &[u8]) -> usize {
+    match bytes {
+        [RECORD_MAGIC, RECORD_V3, frame @ ..] => match zstd_safe::get_frame_content_size(frame) {
+            Ok(Some(size)) if size <= MAX_UNPACKED => size as usize,
+            _ => bytes.len(),
+        },
+        _ => bytes.len(),
     }
 }
 
@@ -78,6 +96,11 @@ pub fn unpack(bytes: &[u8]) -> Result<Cow<'_, [u8]>> {
         Ok(None) => return Err(fault("the zstd frame does not state its size".into())),
         Err(_) => return Err(fault("not a zstd frame".into())),
     };
+    // One frame and nothing after it (zstd would read on into further frames, and
+    // step over skippable ones).
+    if zstd_safe::find_frame_compressed_size(frame).ok() != Some(frame.len()) {
+        return Err(fault("not one whole zstd frame".into()));
+    }
     let mut out = vec![0u8; size];
     let unpacked = DECOMPRESSOR.with(|dctx| dctx.borrow_mut().decompress(&mut out[..], frame));
     match unpacked {
@@ -175,8 +198,10 @@ mod tests {
         let written = zstd_safe::compress(&mut body[..], &[7u8; 100], 1).unwrap();
         other.extend_from_slice(&body[..written]);
         assert!(err(&other).contains("does not hold a version 2 record"), "{}", err(&other));
-        // Any byte corrupted anywhere (literals too: the checksum), half the record
-        // pseudo-random bytes so that it has literals, half repeats so that it packs.
+        // Any bit flipped anywhere (literals too: the checksum) fails to unpack, or
+        // unpacks to the same record (a bit zstd's frame header leaves unused); half
+        // the record pseudo-random bytes so that it has literals, half repeats so that
+        // it packs.
         let mut state = 7u32;
         let mut v2 = vec![RECORD_MAGIC, RECORD_V2];
         v2.extend((0..600).map(|i| {
@@ -187,12 +212,30 @@ mod tests {
                 0
             }
         }));
-        let packed = pack(v2);
+        let packed = pack(v2.clone());
         assert_eq!(packed[1], RECORD_V3);
+        let mut refused = 0;
         for at in 2..packed.len() {
-            let mut flipped = packed.clone();
-            flipped[at] ^= 0x01;
-            assert!(unpack(&flipped).is_err(), "a flipped bit at byte {at} of {} unpacked", packed.len());
+            for bit in 0..8 {
+                let mut flipped = packed.clone();
+                flipped[at] ^= 1 << bit;
+                match unpack(&flipped) {
+                    Ok(unpacked) => assert_eq!(unpacked, &v2[..], "bit {bit} of byte {at} unpacked to other content"),
+                    Err(_) => refused += 1,
+                }
+            }
         }
+        assert!(refused >= 8 * (packed.len() - 2) - 8, "{refused} of {} flips refused", 8 * (packed.len() - 2));
+        // A frame followed by anything: a skippable frame, an empty frame, a byte.
+        let skippable = [0x50, 0x2A, 0x4D, 0x18, 0, 0, 0, 0];
+        let mut empty = vec![0u8; zstd_safe::compress_bound(0)];
+        let written = zstd_safe::compress(&mut empty[..], &[], 1).unwrap();
+        for tail in [&skippable[..], &empty[..written], &[0u8][..]] {
+            let mut longer = packed.clone();
+            longer.extend_from_slice(tail);
+            assert!(err(&longer).contains("not one whole zstd frame"), "{}", err(&longer));
+        }
+        // The size it unpacks to, read from the frame; other records' own length.
+        assert_eq!((unpacked_len(&packed), unpacked_len(&v2), unpacked_len(b"xy")), (v2.len(), v2.len(), 2));
     }
 }

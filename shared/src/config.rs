@@ -397,9 +397,9 @@ pub struct CounterConfig {
     pub group_id: String,
     /// Most shard records applied in one write batch.
     pub batch_max_records: usize,
-    /// Most shard-record payload bytes in one batch (about 9 bytes an increment in
-    /// format 2 under a skewed load; while applied, a batch's increments take about 80
-    /// bytes each in memory). Large batches are what make a backlog fast: each hot
+    /// Most shard-record payload bytes in one batch, a packed record (format 3)
+    /// counted as what it unpacks to (about 9 bytes an increment under a skewed load;
+    /// while applied, a batch's increments take about 80 bytes each in memory). Large batches are what make a backlog fast: each hot
     /// bucket is written once.
     pub batch_max_bytes: usize,
     /// How long a batch waits to fill, in ms: under light load batches are small

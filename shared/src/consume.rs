@@ -26,8 +26,12 @@ pub const MIN_QUIET: Duration = Duration::from_millis(100);
 #[derive(Debug, Clone, Copy)]
 pub struct BatchLimits {
     pub max_records: usize,
-    /// Payload bytes.
+    /// Payload bytes, as `payload_bytes` counts them.
     pub max_bytes: usize,
+    /// What a record's payload counts toward `max_bytes`: [`as_fetched`], or what it
+    /// takes once unpacked (a counter's packed shard records, which `max_bytes` bounds
+    /// the memory of).
+    pub payload_bytes: fn(&[u8]) -> usize,
     /// How long a batch stays open (unless full), counted from when polling for it
     /// began.
     pub linger: Duration,
@@ -37,6 +41,11 @@ pub struct BatchLimits {
     /// A batch past `linger` closes once no record arrived for this long (see
     /// [`poll_batch`]); [`BatchLimits::quiet_for`] of the consumer's fetch wait.
     pub quiet: Duration,
+}
+
+/// A payload's bytes as fetched ([`BatchLimits::payload_bytes`]).
+pub fn as_fetched(payload: &[u8]) -> usize {
+    payload.len()
 }
 
 impl BatchLimits {
@@ -131,7 +140,7 @@ pub fn poll_batch<C: ConsumerContext>(
             Some(Ok(message)) => {
                 quiet_from = Instant::now();
                 let payload = message.payload().unwrap_or_default().to_vec();
-                bytes += payload.len();
+                bytes += (limits.payload_bytes)(&payload);
                 batch.push(Polled {
                     partition: message.partition(),
                     offset: message.offset(),
@@ -389,6 +398,7 @@ mod tests {
         let limits = BatchLimits {
             max_records: 1,
             max_bytes: 1,
+            payload_bytes: as_fetched,
             linger: Duration::from_millis(20),
             max_linger: Duration::from_millis(500),
             quiet: Duration::from_millis(200),
@@ -401,6 +411,45 @@ mod tests {
         assert_eq!(fixed.open_for(Duration::from_millis(300), false), Duration::from_millis(20));
         // After a full batch (a backlog), the next one is not held back.
         assert_eq!(limits.open_for(Duration::from_millis(300), true), Duration::from_millis(20));
+    }
+
+    /// A batch is full once its payloads count `max_bytes` as `payload_bytes` counts
+    /// them (a counter: packed records as what they unpack to).
+    #[test]
+    fn a_batch_is_full_by_the_bytes_its_payloads_count_for() {
+        let cluster = MockCluster::new(1).unwrap();
+        let topic = "weighed";
+        cluster.create_topic(topic, 1, 1).unwrap();
+        let kafka = KafkaConfig { bootstrap_servers: cluster.bootstrap_servers(), ..Default::default() };
+        let producer: BaseProducer = client_config(&kafka).unwrap().create().unwrap();
+        for _ in 0..10 {
+            producer.send(BaseRecord::<(), _>::to(topic).payload("0123456789")).unwrap();
+        }
+        producer.flush(Duration::from_secs(5)).unwrap();
+        let first_batch = |payload_bytes: fn(&[u8]) -> usize| {
+            let mut consumer_config = crate::kafka::consumer_config(&kafka).unwrap();
+            consumer_config.set("group.id", "weighed-test").set("enable.auto.commit", "false");
+            let consumer: BaseConsumer = consumer_config.create().unwrap();
+            let mut assignment = TopicPartitionList::new();
+            assignment.add_partition_offset(topic, 0, Offset::Beginning).unwrap();
+            consumer.assign(&assignment).unwrap();
+            let limits = BatchLimits {
+                max_records: usize::MAX,
+                max_bytes: 50,
+                payload_bytes,
+                linger: Duration::from_secs(5),
+                max_linger: Duration::from_secs(5),
+                quiet: Duration::from_secs(5),
+            };
+            let (mut batch, deadline) = (Vec::new(), Instant::now() + Duration::from_secs(10));
+            let mut full = false;
+            while batch.is_empty() && Instant::now() < deadline {
+                full = poll_batch(&consumer, &limits, limits.linger, &mut batch, || false);
+            }
+            (full, batch.len())
+        };
+        assert_eq!(first_batch(as_fetched), (true, 5));
+        assert_eq!(first_batch(|payload| payload.len() * 10), (true, 1));
     }
 
     /// Applies batches, the first slowly, and notes when each apply began and ended.
@@ -490,6 +539,7 @@ mod tests {
             limits: BatchLimits {
                 max_records: usize::MAX,
                 max_bytes: usize::MAX,
+                payload_bytes: as_fetched,
                 linger: Duration::from_millis(10),
                 max_linger: Duration::from_secs(5),
                 quiet: QUIET,

@@ -198,10 +198,10 @@ impl ShardStore {
     pub fn apply(&self, records: &[ShardRecord<'_>], now: i64, mark_rollups: bool) -> Result<ApplyReport> {
         let mut report = ApplyReport { records: records.len(), ..Default::default() };
         let mut progress = self.progress();
-        let mut run: Vec<Decoded<'_>> = Vec::new();
         // What packed records (format version 3) hold, each unpacked once it is
         // reached; the decoded run borrows its names from there.
         let unpacked: Vec<OnceCell<Vec<u8>>> = records.iter().map(|_| OnceCell::new()).collect();
+        let mut run: Vec<Decoded<'_>> = Vec::new();
         for (record, unpacked) in records.iter().zip(&unpacked) {
             if progress.next_offset.is_some_and(|next| record.offset < next) {
                 report.stale_records += 1;
@@ -1094,6 +1094,15 @@ mod tests {
         let (offset, reason) = undecodable.unwrap();
         assert_eq!((offset, increments, next_offset), (1, 400, Some(1)), "stays at the broken record");
         assert!(reason.contains("shard record version 3"), "{reason}");
+
+        // A record already applied is skipped by its offset before it is unpacked.
+        let dir = tempfile::tempdir().unwrap();
+        let store = ShardStore::open(0, dir.path(), options()).unwrap();
+        let first = ShardRecord { offset: 0, payload: &v3[0], timestamp: None };
+        store.apply(&[first], NOW, false).unwrap();
+        let again = ShardRecord { offset: 0, payload: &broken[1], timestamp: None };
+        let report = store.apply(&[again], NOW, false).unwrap();
+        assert_eq!((report.stale_records, report.undecodable), (1, None));
     }
 
     /// Every count key of `entity` in the store, in key order.

@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use rocksdb::WriteBatch;
+use tally_core::format::RECORD_V3;
 use tally_core::keys::{encode_count_key, Counts, ALL_TIME_WIDTH};
 use tally_core::time::bucket_start;
 use tally_core::wire::{Increment, ShardMessage, ShardMessageRef, Source, Stamp};
@@ -106,7 +107,7 @@ pub(crate) fn workload(options: &BenchOptions, count: usize, now: i64, seed: u64
     while remaining > 0 {
         let n = remaining.min(options.increments_per_record);
         remaining -= n;
-        let entries = (0..n)
+        let entries: Vec<(Stamp, Increment)> = (0..n)
             .map(|index| {
                 let entity = zipf.sample(&mut rng);
                 let increment = Increment {
@@ -120,8 +121,9 @@ pub(crate) fn workload(options: &BenchOptions, count: usize, now: i64, seed: u64
             })
             .collect();
         offset += 1;
-        let message = ShardMessage::Increments { source: Source { stream: Source::INCREMENTS, partition: 0 }, entries };
-        records.push(message.encode().unwrap_or_default());
+        // As an ingester writes them (format 3: packed).
+        let source = Source { stream: Source::INCREMENTS, partition: 0 };
+        records.push(ShardMessage::encode_increments(source, &entries, RECORD_V3).unwrap_or_default());
     }
     records
 }
@@ -182,7 +184,7 @@ pub fn thread_cpu_seconds() -> f64 {
 }
 
 /// Splits `records` the way the consumer does: a batch closes once it holds
-/// `max_bytes` of payload.
+/// `max_bytes` of payload (unpacked).
 pub(crate) fn batches_of(records: &[Vec<u8>], max_bytes: usize) -> impl Iterator<Item = &[Vec<u8>]> {
     let mut rest = records;
     std::iter::from_fn(move || {
@@ -191,7 +193,7 @@ pub(crate) fn batches_of(records: &[Vec<u8>], max_bytes: usize) -> impl Iterator
         }
         let mut bytes = 0;
         let end = rest.iter().position(|r| {
-            bytes += r.len();
+            bytes += tally_core::packed::unpacked_len(r);
             bytes >= max_bytes
         });
         let (batch, tail) = rest.split_at(end.map_or(rest.len(), |i| i + 1));

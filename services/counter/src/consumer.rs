@@ -290,6 +290,8 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         limits: BatchLimits {
             max_records: config.counter.batch_max_records,
             max_bytes: config.counter.batch_max_bytes,
+            // A packed record counts as what it unpacks to: the bound is on memory.
+            payload_bytes: tally_core::packed::unpacked_len,
             linger: Duration::from_millis(config.counter.batch_linger_ms),
             max_linger: Duration::from_millis(config.counter.batch_max_linger_ms),
             quiet: BatchLimits::quiet_for(tally_shared::kafka::fetch_wait(&config.kafka)),

@@ -95,6 +95,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
         limits: BatchLimits {
             max_records: config.graph.batch_max_records,
             max_bytes: usize::MAX,
+            payload_bytes: tally_shared::consume::as_fetched,
             linger: Duration::from_millis(config.graph.batch_linger_ms),
             max_linger: Duration::from_millis(config.graph.batch_linger_ms),
             quiet: BatchLimits::quiet_for(tally_shared::kafka::fetch_wait(&config.kafka)),
