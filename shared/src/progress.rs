@@ -5,9 +5,9 @@
 //! ([`tally_core::format`]); a malformed one fails the load, it is never skipped.
 
 use std::collections::hash_map::Entry;
-use std::collections::HashMap;
 
 use rocksdb::{WriteBatch, DB};
+use rustc_hash::FxHashMap;
 
 use crate::{Error, Result};
 use tally_core::format::{decode_i64_value, i64_value, STORE_FORMAT_KEY, STORE_V1};
@@ -39,8 +39,9 @@ const HWM_PREFIX: &[u8] = b"hwm/";
 pub struct Progress {
     /// The next input offset to apply; `None` before the first batch.
     pub next_offset: Option<i64>,
-    /// The last applied stamp of every source.
-    pub high_water: HashMap<Source, Stamp>,
+    /// The last applied stamp of every source (looked up for every increment a
+    /// counter applies: FxHash, as sources are tally's own input partitions).
+    pub high_water: FxHashMap<Source, Stamp>,
     /// The next sequence number of this consumer's own outgoing messages.
     pub next_sequence: i64,
 }
