@@ -75,11 +75,19 @@ pub fn pack(v2: Vec<u8>) -> Vec<u8> {
 /// record's length.
 pub fn unpacked_len(bytes: &[u8]) -> usize {
     match bytes {
-        [RECORD_MAGIC, RECORD_V3, frame @ ..] => match zstd_safe::get_frame_content_size(frame) {
-            Ok(Some(size)) if size <= MAX_UNPACKED => size as usize,
-            _ => bytes.len(),
-        },
+        [RECORD_MAGIC, RECORD_V3, frame @ ..] => stated_size(frame).unwrap_or(bytes.len()),
         _ => bytes.len(),
+    }
+}
+
+/// The size a zstd frame states for what it holds, if it states one within
+/// [`MAX_UNPACKED`]; else what is wrong.
+fn stated_size(frame: &[u8]) -> std::result::Result<usize, String> {
+    match zstd_safe::get_frame_content_size(frame) {
+        Ok(Some(size)) if size <= MAX_UNPACKED => Ok(size as usize),
+        Ok(Some(size)) => Err(format!("unpacks to {size} bytes, more than {MAX_UNPACKED}")),
+        Ok(None) => Err("the zstd frame does not state its size".into()),
+        Err(_) => Err("not a zstd frame".into()),
     }
 }
 
@@ -90,12 +98,7 @@ pub fn unpack(bytes: &[u8]) -> Result<Cow<'_, [u8]>> {
         return Ok(Cow::Borrowed(bytes));
     };
     let fault = |what: String| Error::Format(format!("shard record version 3: {what}"));
-    let size = match zstd_safe::get_frame_content_size(frame) {
-        Ok(Some(size)) if size <= MAX_UNPACKED => size as usize,
-        Ok(Some(size)) => return Err(fault(format!("unpacks to {size} bytes, more than {MAX_UNPACKED}"))),
-        Ok(None) => return Err(fault("the zstd frame does not state its size".into())),
-        Err(_) => return Err(fault("not a zstd frame".into())),
-    };
+    let size = stated_size(frame).map_err(fault)?;
     // One frame and nothing after it (zstd would read on into further frames, and
     // step over skippable ones).
     if zstd_safe::find_frame_compressed_size(frame).ok() != Some(frame.len()) {
@@ -237,5 +240,22 @@ mod tests {
         }
         // The size it unpacks to, read from the frame; other records' own length.
         assert_eq!((unpacked_len(&packed), unpacked_len(&v2), unpacked_len(b"xy")), (v2.len(), v2.len(), 2));
+    }
+
+    #[test]
+    fn a_record_over_the_cap_is_neither_packed_nor_unpacked() {
+        let oversized = v2_record(MAX_UNPACKED as usize);
+        let packed = pack(oversized.clone());
+        assert!(packed == oversized, "stays version 2 (came out in {} bytes)", packed.len());
+        // A frame stating more than the cap (zeros pack to almost nothing): refused
+        // before anything is allocated, and counted as its own length.
+        let mut bomb = vec![RECORD_MAGIC, RECORD_V3];
+        let zeros = vec![0u8; MAX_UNPACKED as usize + 1];
+        let mut body = vec![0u8; zstd_safe::compress_bound(zeros.len())];
+        let written = zstd_safe::compress(&mut body[..], &zeros, 1).unwrap();
+        bomb.extend_from_slice(&body[..written]);
+        let err = unpack(&bomb).unwrap_err().to_string();
+        assert!(err.contains(&format!("unpacks to {} bytes, more than {MAX_UNPACKED}", MAX_UNPACKED + 1)), "{err}");
+        assert_eq!(unpacked_len(&bomb), bomb.len());
     }
 }

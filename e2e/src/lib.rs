@@ -360,7 +360,6 @@ impl Sandbox {
         (status, response.json().await.unwrap_or(serde_json::Value::Null))
     }
 
-    /// Waits until a service reports ready; panics with its log after `timeout`.
     /// Starts `services` and waits until each is ready (60 s at most each), for
     /// tests whose first read must find them answering.
     pub async fn spawn_ready(&mut self, services: &[&'static str]) {
@@ -372,6 +371,7 @@ impl Sandbox {
         }
     }
 
+    /// Waits until a service reports ready; panics with its log after `timeout`.
     pub async fn wait_ready(&self, name: &str, timeout: Duration) {
         let deadline = tokio::time::Instant::now() + timeout;
         while self.readyz(name).await != 200 {

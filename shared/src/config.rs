@@ -399,8 +399,8 @@ pub struct CounterConfig {
     pub batch_max_records: usize,
     /// Most shard-record payload bytes in one batch, a packed record (format 3)
     /// counted as what it unpacks to (about 9 bytes an increment under a skewed load;
-    /// while applied, a batch's increments take about 80 bytes each in memory). Large batches are what make a backlog fast: each hot
-    /// bucket is written once.
+    /// while applied, a batch's increments take about 80 bytes each in memory). Large
+    /// batches are what make a backlog fast: each hot bucket is written once.
     pub batch_max_bytes: usize,
     /// How long a batch waits to fill, in ms: under light load batches are small
     /// and reads see increments within about this long.

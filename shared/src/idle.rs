@@ -81,13 +81,13 @@ fn allowed_cpus() -> Option<Vec<usize>> {
 
 /// How many helper threads a loop that runs on one thread of its own should start
 /// for its next piece of work, at most `max_helpers`, given how many cores sat idle
-/// while it waited for that work (its own core among them; `None`: unknown, so
-/// none) and how many the process may use (`usable`): one for each further core
-/// that sat idle at least half the time. A helper that gets less than half a core
-/// would finish its share after the others, and the work with it.
-pub fn helpers(idle_cores: Option<f64>, max_helpers: usize, usable: usize) -> usize {
-    let Some(idle) = idle_cores else { return 0 };
-    let further = (idle - 0.5).floor().max(0.0) as usize;
+/// while it waited for that work (its own core among them) and how many the process
+/// may use (`usable`): one for each further core that sat idle at least half the
+/// time. A helper that gets less than half a core would finish its share after the
+/// others, and the work with it. (Where idleness is unknown, [`HelperGauge`] starts
+/// none.)
+pub fn helpers(idle_cores: f64, max_helpers: usize, usable: usize) -> usize {
+    let further = (idle_cores - 0.5).floor().max(0.0) as usize;
     further.min(max_helpers).min(usable.saturating_sub(1))
 }
 
@@ -128,7 +128,7 @@ impl HelperGauge {
         match (self.waiting_since, (self.sample)()) {
             (Some(since), Some(now)) => {
                 if let Some(idle) = since.idle_cores_until(&now) {
-                    self.helpers = helpers(Some(idle), self.max_helpers, self.usable);
+                    self.helpers = helpers(idle, self.max_helpers, self.usable);
                 }
             }
             _ => self.helpers = 0,
@@ -192,12 +192,11 @@ mod tests {
         let cases =
             [(0.0, 3, 0), (1.0, 3, 0), (1.49, 3, 0), (1.5, 3, 1), (2.4, 3, 1), (2.5, 3, 2), (9.0, 3, 3), (9.0, 0, 0)];
         for (idle, max, expected) in cases {
-            assert_eq!(helpers(Some(idle), max, 64), expected, "{idle} idle cores, at most {max}");
+            assert_eq!(helpers(idle, max, 64), expected, "{idle} idle cores, at most {max}");
         }
-        assert_eq!(helpers(Some(9.0), 3, 2), 1, "within the cores the process may use");
-        assert_eq!(helpers(Some(9.0), 3, 1), 0);
-        assert_eq!(helpers(None, 3, 64), 0, "unknown: alone");
-        assert_eq!(helpers(Some(f64::NAN), 3, 64), 0);
+        assert_eq!(helpers(9.0, 3, 2), 1, "within the cores the process may use");
+        assert_eq!(helpers(9.0, 3, 1), 0);
+        assert_eq!(helpers(f64::NAN, 3, 64), 0);
     }
 
     /// A gauge whose samples add `idle` ticks out of `total`, step by step, on 2
