@@ -109,16 +109,19 @@ pub struct Polled {
 /// opened, past `limits.linger` once no record arrived for `limits.quiet` (the load
 /// that stretched it has stopped: at the end of a backlog, waiting out the stretch
 /// only delays the last records), or — while still empty — after one idle poll (so
-/// the caller's heartbeat work runs). After every poll `interrupted()` is asked:
-/// true (a rebalance reset the positions) discards what was collected and returns.
-pub fn poll_batch<C: ConsumerContext>(
+/// the caller's heartbeat work runs). The processor is told when the batch begins
+/// ([`Processor::gathering`]) and of each record that joins it
+/// ([`Processor::gathered`]); after every poll it is asked whether its positions
+/// were reset (a rebalance): then what was collected is discarded and it returns.
+pub fn poll_batch<C: ConsumerContext, P: Processor<C>>(
     consumer: &BaseConsumer<C>,
     limits: &BatchLimits,
     open_for: Duration,
     batch: &mut Vec<Polled>,
-    mut interrupted: impl FnMut() -> bool,
+    processor: &mut P,
 ) -> bool {
     batch.clear();
+    processor.gathering();
     let mut bytes = 0usize;
     let opened = Instant::now();
     let deadline = opened + open_for.max(limits.linger);
@@ -132,7 +135,7 @@ pub fn poll_batch<C: ConsumerContext>(
             closes(quiet_from).saturating_duration_since(Instant::now())
         };
         let polled = consumer.poll(wait);
-        if interrupted() {
+        if processor.positions_reset() {
             batch.clear();
             return false;
         }
@@ -141,12 +144,14 @@ pub fn poll_batch<C: ConsumerContext>(
                 quiet_from = Instant::now();
                 let payload = message.payload().unwrap_or_default().to_vec();
                 bytes += (limits.payload_bytes)(&payload);
-                batch.push(Polled {
+                let polled = Polled {
                     partition: message.partition(),
                     offset: message.offset(),
                     timestamp: record_time(&message),
                     payload,
-                });
+                };
+                processor.gathered(&polled);
+                batch.push(polled);
             }
             Some(Err(err)) => tracing::warn!(error = %err, "consumer error"),
             None if batch.is_empty() => return false,
@@ -310,6 +315,16 @@ pub trait Processor<C: ConsumerContext> {
         false
     }
 
+    /// A batch begins gathering: what was done ahead for the one before (dropped,
+    /// or applied) is forgotten.
+    fn gathering(&mut self) {}
+
+    /// `record` joins the batch gathering (in offset order per partition; a failed
+    /// partition's too, which `apply` will not be given): work that can be done
+    /// ahead of [`Processor::apply`], in the time the batch stays open, without
+    /// writing anything.
+    fn gathered(&mut self, _record: &Polled) {}
+
     /// Applies a batch (records of partitions that have not failed, in offset order
     /// per partition); returns the partitions that failed in it (recorded on the
     /// failure board).
@@ -351,7 +366,7 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
     let mut last_heartbeat: Option<Instant> = None;
     let mut open_for = setup.limits.linger;
     while !shutdown.is_cancelled() {
-        let full = poll_batch(consumer, &setup.limits, open_for, &mut batch, || processor.positions_reset());
+        let full = poll_batch(consumer, &setup.limits, open_for, &mut batch, processor);
         // Records of a failed partition polled before it was paused: not applied,
         // its store's offset stays at the failure.
         batch.retain(|polled| !setup.failures.is_failed(polled.partition as u32));
@@ -442,14 +457,48 @@ mod tests {
                 quiet: Duration::from_secs(5),
             };
             let (mut batch, deadline) = (Vec::new(), Instant::now() + Duration::from_secs(10));
-            let mut full = false;
+            let (mut full, mut told) = (false, Told::default());
             while batch.is_empty() && Instant::now() < deadline {
-                full = poll_batch(&consumer, &limits, limits.linger, &mut batch, || false);
+                full = poll_batch(&consumer, &limits, limits.linger, &mut batch, &mut told);
             }
+            // The processor was told of each record of the batch, in order, after
+            // the batch began.
+            let offsets: Vec<i64> = batch.iter().map(|polled| polled.offset).collect();
+            assert_eq!(told.gathered, offsets);
             (full, batch.len())
         };
         assert_eq!(first_batch(as_fetched), (true, 5));
         assert_eq!(first_batch(|payload| payload.len() * 10), (true, 1));
+    }
+
+    /// Notes the offsets of the records of the batch gathering.
+    #[derive(Default)]
+    struct Told {
+        gathered: Vec<i64>,
+    }
+
+    impl Processor<rdkafka::consumer::DefaultConsumerContext> for Told {
+        type Error = crate::Error;
+
+        fn gathering(&mut self) {
+            self.gathered.clear();
+        }
+
+        fn gathered(&mut self, record: &Polled) {
+            self.gathered.push(record.offset);
+        }
+
+        fn apply(&mut self, _: &BaseConsumer, _: &[Polled]) -> Vec<u32> {
+            Vec::new()
+        }
+
+        fn skip_record(&mut self, _: u32, _: i64) -> Result<()> {
+            Ok(())
+        }
+
+        fn turn(&mut self, _: &BaseConsumer, _: u64, _: bool) -> Result<()> {
+            Ok(())
+        }
     }
 
     /// Applies batches, the first slowly, and notes when each apply began and ended.

@@ -206,8 +206,6 @@ pub struct Applying {
     /// The source and time of each of its producers' increments records: their
     /// stream time moves once it is committed.
     stream_times: Vec<(Source, i64)>,
-    /// Records added (stale ones included).
-    pub added: usize,
     report: ApplyReport,
 }
 
@@ -216,6 +214,11 @@ impl Applying {
     /// anything else) must not take it.
     pub fn began_at(&self) -> Option<i64> {
         self.began_at
+    }
+
+    /// The offset of the next record it takes: those before were added, or stale.
+    pub fn next_offset(&self) -> Option<i64> {
+        self.progress.next_offset
     }
 }
 
@@ -252,7 +255,6 @@ impl ShardStore {
             batch: WriteBatch::default(),
             ids: FxHashSet::default(),
             stream_times: Vec::new(),
-            added: 0,
             report: ApplyReport::default(),
         }
     }
@@ -311,7 +313,6 @@ impl ShardStore {
         let next = applying.progress.next_offset;
         if next.is_some_and(|next| record.offset < next) {
             applying.report.stale_records += 1;
-            applying.added += 1;
             return Ok(None);
         }
         if let Some(next) = next.filter(|next| record.offset > *next) {
@@ -343,7 +344,6 @@ impl ShardStore {
             Err(err) => return Ok(Some(Held::Undecodable(err.to_string()))),
         }
         applying.progress.next_offset = Some(record.offset + 1);
-        applying.added += 1;
         Ok(None)
     }
 
@@ -1423,6 +1423,68 @@ mod tests {
                     }
                     prop_assert_eq!(contents(&cached), contents(&uncached), "after record {} ({:?})", offset, step);
                     offset += 1;
+                }
+            }
+
+            /// A batch begun as its records come (`begin`, then `add` until a record
+            /// is held back) writes nothing before `finish`, and then writes exactly
+            /// what applying it at once writes — counts and outbox byte for byte,
+            /// and the same report — whatever the batches, with records redelivered
+            /// and a record that does not decode.
+            #[test]
+            fn a_batch_begun_as_it_gathers_writes_what_applying_it_at_once_writes(
+                steps in steps(),
+                cuts in proptest::collection::vec((1usize..6, any::<bool>()), 1..20),
+                garbage in proptest::option::of(0usize..40),
+            ) {
+                let dir = tempfile::tempdir().unwrap();
+                let open = |name: &str| {
+                    let options = StoreOptions { shards: 2, direct_cache_bytes: 1_000, ..options() };
+                    ShardStore::open(0, &dir.path().join(name), options).unwrap()
+                };
+                let (at_once, begun) = (open("at-once"), open("begun"));
+                let mut now = NOW;
+                let mut log: Vec<(i64, Vec<u8>)> = Vec::new();
+                for step in &steps {
+                    if let Step::Later(minutes) = step {
+                        now += minutes * 60_000;
+                    }
+                    let offset = log.len() as i64;
+                    let Some(payload) = record(offset, step, now) else { continue };
+                    log.push((offset, if garbage == Some(log.len()) { b"garbage".to_vec() } else { payload }));
+                }
+                let (mut from, mut cut) = (0usize, cuts.iter().cycle());
+                while from < log.len() {
+                    let (size, again) = cut.next().copied().unwrap_or((1, false));
+                    // A batch may begin with the last record of the one before again.
+                    let start = if again { from.saturating_sub(1) } else { from };
+                    let end = (from + size).min(log.len());
+                    let records: Vec<ShardRecord<'_>> = log[start..end]
+                        .iter()
+                        .map(|(offset, payload)| ShardRecord { offset: *offset, payload, timestamp: None })
+                        .collect();
+                    let expected = at_once.apply(&records, now, true).unwrap();
+                    let before = contents(&begun);
+                    let mut applying = begun.begin(now);
+                    for record in &records {
+                        if begun.add(&mut applying, record).unwrap().is_some() {
+                            break;
+                        }
+                    }
+                    prop_assert_eq!(&contents(&begun), &before, "nothing is written before the batch is finished");
+                    let next = applying.next_offset();
+                    let rest = &records[records.partition_point(|r| next.is_some_and(|next| r.offset < next))..];
+                    let report = begun.finish(applying, rest, true).unwrap();
+                    let summary = |r: &ApplyReport| {
+                        (r.stale_records, r.increments, r.redelivered, r.desc_changes, r.outbox_messages, r.keys, r.marked, r.gap, r.undecodable.clone())
+                    };
+                    prop_assert_eq!(summary(&report), summary(&expected), "batch {}..{}", start, end);
+                    prop_assert_eq!(contents(&begun), contents(&at_once), "after batch {}..{}", start, end);
+                    prop_assert_eq!(begun.progress(), at_once.progress());
+                    if expected.undecodable.is_some() {
+                        break;
+                    }
+                    from = end;
                 }
             }
         }
