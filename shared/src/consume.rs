@@ -33,7 +33,8 @@ pub struct BatchLimits {
     /// the memory of).
     pub payload_bytes: fn(&[u8]) -> usize,
     /// How long a batch stays open (unless full), counted from when polling for it
-    /// began.
+    /// began; the time the processor works on its records as they come
+    /// ([`Processor::gathered`]) is not counted (here or in the other times).
     pub linger: Duration,
     /// How long [`drive`] may stretch `linger` under load ([`BatchLimits::open_for`]);
     /// set at or below `linger`, batches are never stretched.
@@ -104,44 +105,60 @@ pub struct Polled {
     pub payload: Vec<u8>,
 }
 
-/// Polls one bounded batch into `batch` (cleared first); true when it closed full.
-/// It closes when full, when `open_for` (at least `limits.linger`) passed since it
-/// opened, past `limits.linger` once no record arrived for `limits.quiet` (the load
-/// that stretched it has stopped: at the end of a backlog, waiting out the stretch
-/// only delays the last records), or — while still empty — after one idle poll (so
-/// the caller's heartbeat work runs). The processor is told when the batch begins
-/// ([`Processor::gathering`]) and of each record that joins it
-/// ([`Processor::gathered`]); after every poll it is asked whether its positions
-/// were reset (a rebalance): then what was collected is discarded and it returns.
+/// How a batch [`poll_batch`] gathered closed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gathered {
+    /// It closed full (a backlog).
+    pub full: bool,
+    /// How long the processor worked on its records as they came
+    /// ([`Processor::gathered`]).
+    pub worked: Duration,
+}
+
+/// Polls one bounded batch into `batch` (cleared first). It closes when full, when
+/// `open_for` (at least `limits.linger`) passed since it opened, past
+/// `limits.linger` once no record arrived for `limits.quiet` (the load that
+/// stretched it has stopped: at the end of a backlog, waiting out the stretch only
+/// delays the last records), or — while still empty — after one idle poll (so the
+/// caller's heartbeat work runs); these times leave out the processor's work. The
+/// processor is told when the batch begins ([`Processor::gathering`]) and of each
+/// record that joins it ([`Processor::gathered`]); after every poll it is asked
+/// whether its positions were reset (a rebalance): then what was collected is
+/// discarded and it returns.
 pub fn poll_batch<C: ConsumerContext, P: Processor<C>>(
     consumer: &BaseConsumer<C>,
     limits: &BatchLimits,
     open_for: Duration,
     batch: &mut Vec<Polled>,
     processor: &mut P,
-) -> bool {
+) -> Gathered {
     batch.clear();
     processor.gathering();
     let mut bytes = 0usize;
     let opened = Instant::now();
-    let deadline = opened + open_for.max(limits.linger);
-    // When the batch closes, given when its last record came (or it opened).
-    let closes = |quiet_from: Instant| deadline.min((quiet_from + limits.quiet).max(opened + limits.linger));
-    let mut quiet_from = opened;
+    // When the batch closes, given when its last record came (or it opened) and how
+    // long the processor worked on its records: the batch's times count waiting for
+    // records, not working on them (under a backlog, a batch fills as fast as its
+    // records can be worked on).
+    let closes = |quiet_from: Instant, worked: Duration| {
+        let deadline = opened + worked + open_for.max(limits.linger);
+        deadline.min((quiet_from + limits.quiet).max(opened + worked + limits.linger))
+    };
+    let (mut quiet_from, mut worked) = (opened, Duration::ZERO);
     loop {
         let wait = if batch.is_empty() {
             Duration::from_millis(100)
         } else {
-            closes(quiet_from).saturating_duration_since(Instant::now())
+            closes(quiet_from, worked).saturating_duration_since(Instant::now())
         };
         let polled = consumer.poll(wait);
         if processor.positions_reset() {
             batch.clear();
-            return false;
+            return Gathered { full: false, worked };
         }
         match polled {
             Some(Ok(message)) => {
-                quiet_from = Instant::now();
+                let came = Instant::now();
                 let payload = message.payload().unwrap_or_default().to_vec();
                 bytes += (limits.payload_bytes)(&payload);
                 let polled = Polled {
@@ -152,14 +169,16 @@ pub fn poll_batch<C: ConsumerContext, P: Processor<C>>(
                 };
                 processor.gathered(&polled);
                 batch.push(polled);
+                quiet_from = Instant::now();
+                worked += quiet_from - came;
             }
             Some(Err(err)) => tracing::warn!(error = %err, "consumer error"),
-            None if batch.is_empty() => return false,
+            None if batch.is_empty() => return Gathered { full: false, worked },
             None => {}
         }
         let full = batch.len() >= limits.max_records.max(1) || bytes >= limits.max_bytes.max(1);
-        if full || (!batch.is_empty() && Instant::now() >= closes(quiet_from)) {
-            return full;
+        if full || (!batch.is_empty() && Instant::now() >= closes(quiet_from, worked)) {
+            return Gathered { full, worked };
         }
     }
 }
@@ -355,7 +374,8 @@ pub struct LoopSetup<'a> {
 
 /// The one consume loop of every stateful log processor: runs until `shutdown` or
 /// the processor's error; the batch in hand is applied before it returns. Each
-/// batch may stay open as long as the one before took to apply ([`BatchLimits::open_for`]).
+/// batch may stay open as long as the one before took to apply, its work while it
+/// gathered included ([`BatchLimits::open_for`]).
 pub fn drive<C: ConsumerContext, P: Processor<C>>(
     consumer: &BaseConsumer<C>,
     setup: &LoopSetup<'_>,
@@ -366,7 +386,7 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
     let mut last_heartbeat: Option<Instant> = None;
     let mut open_for = setup.limits.linger;
     while !shutdown.is_cancelled() {
-        let full = poll_batch(consumer, &setup.limits, open_for, &mut batch, processor);
+        let gathered = poll_batch(consumer, &setup.limits, open_for, &mut batch, processor);
         // Records of a failed partition polled before it was paused: not applied,
         // its store's offset stays at the failure.
         batch.retain(|polled| !setup.failures.is_failed(polled.partition as u32));
@@ -375,7 +395,8 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
         } else {
             let started = Instant::now();
             let failed = processor.apply(consumer, &batch);
-            open_for = setup.limits.open_for(started.elapsed(), full);
+            // Its work while it gathered counts as applying it.
+            open_for = setup.limits.open_for(started.elapsed() + gathered.worked, gathered.full);
             pause(consumer, setup.topic, &failed);
         }
         let skipped =
@@ -459,7 +480,7 @@ mod tests {
             let (mut batch, deadline) = (Vec::new(), Instant::now() + Duration::from_secs(10));
             let (mut full, mut told) = (false, Told::default());
             while batch.is_empty() && Instant::now() < deadline {
-                full = poll_batch(&consumer, &limits, limits.linger, &mut batch, &mut told);
+                full = poll_batch(&consumer, &limits, limits.linger, &mut batch, &mut told).full;
             }
             // The processor was told of each record of the batch, in order, after
             // the batch began.
@@ -471,10 +492,50 @@ mod tests {
         assert_eq!(first_batch(|payload| payload.len() * 10), (true, 1));
     }
 
-    /// Notes the offsets of the records of the batch gathering.
+    /// A batch's times count waiting for records, not the processor's work on them:
+    /// records already waiting fill it however long each takes to work on.
+    #[test]
+    fn a_batch_stays_open_while_its_records_are_worked_on() {
+        let cluster = MockCluster::new(1).unwrap();
+        let topic = "worked";
+        cluster.create_topic(topic, 1, 1).unwrap();
+        let kafka = KafkaConfig { bootstrap_servers: cluster.bootstrap_servers(), ..Default::default() };
+        let producer: BaseProducer = client_config(&kafka).unwrap().create().unwrap();
+        for _ in 0..8 {
+            producer.send(BaseRecord::<(), _>::to(topic).payload("x")).unwrap();
+        }
+        producer.flush(Duration::from_secs(5)).unwrap();
+        let mut consumer_config = crate::kafka::consumer_config(&kafka).unwrap();
+        consumer_config.set("group.id", "worked-test").set("enable.auto.commit", "false");
+        let consumer: BaseConsumer = consumer_config.create().unwrap();
+        let mut assignment = TopicPartitionList::new();
+        assignment.add_partition_offset(topic, 0, Offset::Beginning).unwrap();
+        consumer.assign(&assignment).unwrap();
+        // Each record takes longer to work on than the batch lingers or stays quiet.
+        let limits = BatchLimits {
+            max_records: 8,
+            max_bytes: usize::MAX,
+            payload_bytes: as_fetched,
+            linger: Duration::from_millis(20),
+            max_linger: Duration::from_millis(20),
+            quiet: Duration::from_millis(20),
+        };
+        let mut slow = Told { works_for: Duration::from_millis(40), ..Told::default() };
+        let (mut batch, deadline) = (Vec::new(), Instant::now() + Duration::from_secs(10));
+        let mut gathered = Gathered { full: false, worked: Duration::ZERO };
+        while batch.is_empty() && Instant::now() < deadline {
+            gathered = poll_batch(&consumer, &limits, limits.linger, &mut batch, &mut slow);
+        }
+        assert_eq!((gathered.full, slow.gathered), (true, (0..8).collect::<Vec<i64>>()));
+        assert!(gathered.worked >= slow.works_for * 8, "{gathered:?}");
+    }
+
+    /// Notes the offsets of the records of the batch gathering (and works on each
+    /// for `works_for`).
     #[derive(Default)]
     struct Told {
         gathered: Vec<i64>,
+        works_for: Duration,
     }
 
     impl Processor<rdkafka::consumer::DefaultConsumerContext> for Told {
@@ -485,6 +546,7 @@ mod tests {
         }
 
         fn gathered(&mut self, record: &Polled) {
+            std::thread::sleep(self.works_for);
             self.gathered.push(record.offset);
         }
 

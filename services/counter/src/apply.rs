@@ -3,9 +3,10 @@
 //! A record is skipped when its offset is below the store's `next_offset` (Kafka
 //! redelivered it). A record that does not decode stops the batch there: what came
 //! before it is committed, the store's `next_offset` stays at it, and the report
-//! names it (the shard then fails; nothing past it is applied). An entry is skipped when its stamp is at or below its source's
-//! high-water mark (its sender sent it again after a restart) or when its
-//! `(entity, id)` was seen within the dedupe window (the producer retried).
+//! names it (the shard then fails; nothing past it is applied). An entry is skipped
+//! when its stamp is at or below its source's high-water mark (its sender sent it
+//! again after a restart) or when its `(entity, id)` was seen within the dedupe
+//! window (the producer retried).
 //!
 //! Three kinds of records (see [`ShardMessage`](tally_core::wire::ShardMessage)):
 //! - increments add to direct and total of their counter and, through the shard's
@@ -22,6 +23,14 @@
 //! `outbox` in the same write batch, stamped with the record's offset and their
 //! index: a replay of the same log — after a crash, or on another counter that
 //! rebuilds the shard — produces the same stamps, which the receivers drop.
+//!
+//! A batch is applied in three steps: [`ShardStore::begin`], [`ShardStore::add`]
+//! for each record the run takes (unpacked, decoded, deduplicated and coalesced,
+//! its outbox messages built, nothing written), and [`ShardStore::finish`], which
+//! handles the rest and writes. The consumer adds a shard's records as they are
+//! polled, while the batch is still open, so that when it closes mostly the writing
+//! is left; only the apply loop writes a store, and a store that moved since
+//! `begin` (its next offset) does not take what was added.
 
 use std::collections::BTreeMap;
 use std::sync::MutexGuard;

@@ -388,8 +388,7 @@ impl Processor<CounterContext> for Counter {
     fn apply(&mut self, consumer: &BaseConsumer<CounterContext>, batch: &[Polled]) -> Vec<u32> {
         let threads = 1 + self.helpers.starting();
         let begun = std::mem::take(&mut self.begun);
-        let (written, failed) =
-            apply_batch(batch, begun, &self.shards, &self.metrics, self.rollups.is_some(), threads);
+        let (written, failed) = apply_batch(batch, begun, &self.shards, &self.metrics, self.rollups.is_some(), threads);
         self.helpers.done();
         self.outbox_written += written;
         let owned = self.shards.owned().into_iter();
@@ -562,10 +561,8 @@ fn apply_batch(
             timestamp: polled.timestamp,
         });
     }
-    let mut work: Vec<(u32, Vec<ShardRecord<'_>>, Mutex<Option<Begun>>)> = by_shard
-        .into_iter()
-        .map(|(shard, records)| (shard, records, Mutex::new(begun.remove(&shard))))
-        .collect();
+    let mut work: Vec<(u32, Vec<ShardRecord<'_>>, Mutex<Option<Begun>>)> =
+        by_shard.into_iter().map(|(shard, records)| (shard, records, Mutex::new(begun.remove(&shard)))).collect();
     for (_, records, _) in &mut work {
         records.sort_by_key(|r| r.offset);
     }
@@ -787,12 +784,7 @@ mod tests {
 
     /// Every shard's state after applying `batch` on `threads` threads, and what
     /// `apply_batch` returned.
-    fn applied(
-        batch: &[Polled],
-        entities: &[&str],
-        threads: usize,
-        ahead: bool,
-    ) -> ((u64, Vec<u32>), Vec<ShardState>) {
+    fn applied(batch: &[Polled], entities: &[&str], threads: usize, ahead: bool) -> ((u64, Vec<u32>), Vec<ShardState>) {
         let dir = tempfile::tempdir().unwrap();
         let stores = (0..SHARDS)
             .map(|shard| {
