@@ -121,19 +121,19 @@ pub struct Gathered {
 /// stretched it has stopped: at the end of a backlog, waiting out the stretch only
 /// delays the last records), or — while still empty — after one idle poll (so the
 /// caller's heartbeat work runs); these times leave out the processor's work. The
-/// processor is told when the batch begins ([`Processor::gathering`]) and of each
-/// record that joins it ([`Processor::gathered`]); after every poll it is asked
-/// whether its positions were reset (a rebalance): then what was collected is
-/// discarded and it returns.
+/// processor is told when the batch begins ([`Processor::gathering`], with
+/// `backlog`: the batch before closed full) and of each record that joins it
+/// ([`Processor::gathered`]); after every poll it is asked whether its positions
+/// were reset (a rebalance): then what was collected is discarded and it returns.
 pub fn poll_batch<C: ConsumerContext, P: Processor<C>>(
     consumer: &BaseConsumer<C>,
     limits: &BatchLimits,
-    open_for: Duration,
+    (open_for, backlog): (Duration, bool),
     batch: &mut Vec<Polled>,
     processor: &mut P,
 ) -> Gathered {
     batch.clear();
-    processor.gathering();
+    processor.gathering(backlog);
     let mut bytes = 0usize;
     let opened = Instant::now();
     // When the batch closes, given when its last record came (or it opened) and how
@@ -335,8 +335,10 @@ pub trait Processor<C: ConsumerContext> {
     }
 
     /// A batch begins gathering: what was done ahead for the one before (dropped,
-    /// or applied) is forgotten.
-    fn gathering(&mut self) {}
+    /// or applied) is forgotten. `backlog`: the batch before closed full, so this
+    /// one's records are likely waiting already (work done as they come would not
+    /// fill time spent waiting for them).
+    fn gathering(&mut self, _backlog: bool) {}
 
     /// `record` joins the batch gathering (in offset order per partition; a failed
     /// partition's too, which `apply` will not be given): work that can be done
@@ -384,9 +386,10 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
 ) -> Result<(), P::Error> {
     let mut batch: Vec<Polled> = Vec::new();
     let mut last_heartbeat: Option<Instant> = None;
-    let mut open_for = setup.limits.linger;
+    let (mut open_for, mut backlog) = (setup.limits.linger, false);
     while !shutdown.is_cancelled() {
-        let gathered = poll_batch(consumer, &setup.limits, open_for, &mut batch, processor);
+        let gathered = poll_batch(consumer, &setup.limits, (open_for, backlog), &mut batch, processor);
+        backlog = gathered.full;
         // Records of a failed partition polled before it was paused: not applied,
         // its store's offset stays at the failure.
         batch.retain(|polled| !setup.failures.is_failed(polled.partition as u32));
@@ -423,7 +426,7 @@ mod tests {
     use std::sync::Arc;
 
     use rdkafka::mocking::MockCluster;
-    use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+    use rdkafka::producer::{BaseProducer, BaseRecord, DefaultProducerContext, Producer};
 
     use super::*;
     use crate::failures::FailureBoard;
@@ -480,7 +483,7 @@ mod tests {
             let (mut batch, deadline) = (Vec::new(), Instant::now() + Duration::from_secs(10));
             let (mut full, mut told) = (false, Told::default());
             while batch.is_empty() && Instant::now() < deadline {
-                full = poll_batch(&consumer, &limits, limits.linger, &mut batch, &mut told).full;
+                full = poll_batch(&consumer, &limits, (limits.linger, false), &mut batch, &mut told).full;
             }
             // The processor was told of each record of the batch, in order, after
             // the batch began.
@@ -492,28 +495,43 @@ mod tests {
         assert_eq!(first_batch(|payload| payload.len() * 10), (true, 1));
     }
 
+    /// A consumer of a new topic on `cluster` holding `records` records, the first of
+    /// which it has polled; the rest wait in its queue.
+    fn consumer_with_records_waiting(
+        cluster: &MockCluster<'_, DefaultProducerContext>,
+        records: usize,
+    ) -> BaseConsumer {
+        let topic = "waiting";
+        cluster.create_topic(topic, 1, 1).unwrap();
+        let kafka = KafkaConfig { bootstrap_servers: cluster.bootstrap_servers(), ..Default::default() };
+        let producer: BaseProducer = client_config(&kafka).unwrap().create().unwrap();
+        for _ in 0..records {
+            producer.send(BaseRecord::<(), _>::to(topic).payload("x")).unwrap();
+        }
+        producer.flush(Duration::from_secs(5)).unwrap();
+        let mut consumer_config = crate::kafka::consumer_config(&kafka).unwrap();
+        consumer_config.set("group.id", "waiting-test").set("enable.auto.commit", "false");
+        let consumer: BaseConsumer = consumer_config.create().unwrap();
+        let mut assignment = TopicPartitionList::new();
+        assignment.add_partition_offset(topic, 0, Offset::Beginning).unwrap();
+        consumer.assign(&assignment).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !matches!(consumer.poll(Duration::from_millis(100)), Some(Ok(_))) {
+            assert!(Instant::now() < deadline, "no record came");
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        consumer
+    }
+
     /// A batch's times count waiting for records, not the processor's work on them:
     /// records already waiting fill it however long each takes to work on.
     #[test]
     fn a_batch_stays_open_while_its_records_are_worked_on() {
         let cluster = MockCluster::new(1).unwrap();
-        let topic = "worked";
-        cluster.create_topic(topic, 1, 1).unwrap();
-        let kafka = KafkaConfig { bootstrap_servers: cluster.bootstrap_servers(), ..Default::default() };
-        let producer: BaseProducer = client_config(&kafka).unwrap().create().unwrap();
-        for _ in 0..8 {
-            producer.send(BaseRecord::<(), _>::to(topic).payload("x")).unwrap();
-        }
-        producer.flush(Duration::from_secs(5)).unwrap();
-        let mut consumer_config = crate::kafka::consumer_config(&kafka).unwrap();
-        consumer_config.set("group.id", "worked-test").set("enable.auto.commit", "false");
-        let consumer: BaseConsumer = consumer_config.create().unwrap();
-        let mut assignment = TopicPartitionList::new();
-        assignment.add_partition_offset(topic, 0, Offset::Beginning).unwrap();
-        consumer.assign(&assignment).unwrap();
+        let consumer = consumer_with_records_waiting(&cluster, 8);
         // Each record takes longer to work on than the batch lingers or stays quiet.
         let limits = BatchLimits {
-            max_records: 8,
+            max_records: 7,
             max_bytes: usize::MAX,
             payload_bytes: as_fetched,
             linger: Duration::from_millis(20),
@@ -521,28 +539,70 @@ mod tests {
             quiet: Duration::from_millis(20),
         };
         let mut slow = Told { works_for: Duration::from_millis(40), ..Told::default() };
-        let (mut batch, deadline) = (Vec::new(), Instant::now() + Duration::from_secs(10));
-        let mut gathered = Gathered { full: false, worked: Duration::ZERO };
-        while batch.is_empty() && Instant::now() < deadline {
-            gathered = poll_batch(&consumer, &limits, limits.linger, &mut batch, &mut slow);
-        }
-        assert_eq!((gathered.full, slow.gathered), (true, (0..8).collect::<Vec<i64>>()));
-        assert!(gathered.worked >= slow.works_for * 8, "{gathered:?}");
+        let mut batch = Vec::new();
+        let gathered = poll_batch(&consumer, &limits, (limits.linger, false), &mut batch, &mut slow);
+        assert_eq!((gathered.full, slow.gathered), (true, (1..8).collect::<Vec<i64>>()));
+        assert!(gathered.worked >= slow.works_for * 7, "{gathered:?}");
+    }
+
+    /// A batch is told whether the one before closed full: records waiting fill
+    /// batch after batch, the last one not full.
+    #[test]
+    fn drive_tells_a_batch_whether_the_one_before_closed_full() {
+        let cluster = MockCluster::new(1).unwrap();
+        let consumer = consumer_with_records_waiting(&cluster, 10);
+        let kafka = KafkaConfig { bootstrap_servers: cluster.bootstrap_servers(), ..Default::default() };
+        let shutdown = CancellationToken::new();
+        let mut told = Told { stop_after: Some((3, shutdown.clone())), ..Told::default() };
+        let failures = FailureBoard::new(|partition| format!("partition {partition}"));
+        let letters = Relay::unstamped(&kafka, "dead".into()).unwrap();
+        let setup = LoopSetup {
+            topic: "waiting",
+            limits: BatchLimits {
+                max_records: 4,
+                max_bytes: usize::MAX,
+                payload_bytes: as_fetched,
+                linger: Duration::from_millis(200),
+                max_linger: Duration::from_millis(200),
+                quiet: Duration::from_millis(200),
+            },
+            failures: &failures,
+            letters: &letters,
+            record_budget: 1 << 20,
+            heartbeat: Duration::from_secs(1),
+        };
+        drive(&consumer, &setup, &mut told, &shutdown).unwrap();
+        // The first record was taken before; then 4, 4 (full) and 1, and the batch
+        // after is told the one before was not full.
+        assert_eq!(told.applied, [4, 4, 1]);
+        assert_eq!(told.backlogs, [false, true, true, false]);
     }
 
     /// Notes the offsets of the records of the batch gathering (and works on each
     /// for `works_for`).
+    /// Through [`drive`]: what each batch was told when it began (`backlogs`) and how
+    /// many records each applied had; the loop stops at the batch after `stop_after`
+    /// were applied.
     #[derive(Default)]
     struct Told {
         gathered: Vec<i64>,
         works_for: Duration,
+        backlogs: Vec<bool>,
+        applied: Vec<usize>,
+        stop_after: Option<(usize, CancellationToken)>,
     }
 
     impl Processor<rdkafka::consumer::DefaultConsumerContext> for Told {
         type Error = crate::Error;
 
-        fn gathering(&mut self) {
+        fn gathering(&mut self, backlog: bool) {
             self.gathered.clear();
+            self.backlogs.push(backlog);
+            if let Some((after, shutdown)) = &self.stop_after {
+                if self.applied.len() >= *after {
+                    shutdown.cancel();
+                }
+            }
         }
 
         fn gathered(&mut self, record: &Polled) {
@@ -550,7 +610,8 @@ mod tests {
             self.gathered.push(record.offset);
         }
 
-        fn apply(&mut self, _: &BaseConsumer, _: &[Polled]) -> Vec<u32> {
+        fn apply(&mut self, _: &BaseConsumer, batch: &[Polled]) -> Vec<u32> {
+            self.applied.push(batch.len());
             Vec::new()
         }
 

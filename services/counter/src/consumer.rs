@@ -313,6 +313,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         relay: Relay::new(&config.kafka, shard_topic.clone())?,
         topic: shard_topic.clone(),
         begun: HashMap::new(),
+        ahead: true,
         serving: Vec::new(),
         outbox_written: 0,
         threads,
@@ -356,6 +357,8 @@ struct Counter {
     /// The shards whose records of the batch gathering began to be applied as they
     /// came ([`Counter::gathered`]).
     begun: HashMap<u32, Begun>,
+    /// Whether the batch gathering is begun as its records come.
+    ahead: bool,
     /// The shards last announced.
     serving: Vec<u32>,
     /// Outbox messages written since the last relay.
@@ -377,12 +380,18 @@ impl Processor<CounterContext> for Counter {
         self.shards.epoch() != self.epoch
     }
 
-    fn gathering(&mut self) {
+    fn gathering(&mut self, backlog: bool) {
         self.begun.clear();
+        self.ahead = !backlog;
     }
 
+    /// Begins applying the record's shard's batch, unless the batch before closed
+    /// full: then its records are waiting already, and the batch is applied shard by
+    /// shard on up to `apply_threads` threads instead (a rebuild, a backlog).
     fn gathered(&mut self, record: &Polled) {
-        begin_applying(&mut self.begun, &self.shards, record);
+        if self.ahead {
+            begin_applying(&mut self.begun, &self.shards, record);
+        }
     }
 
     fn apply(&mut self, consumer: &BaseConsumer<CounterContext>, batch: &[Polled]) -> Vec<u32> {
