@@ -113,6 +113,18 @@ pub struct Gathered {
     /// How long the processor worked on its records as they came
     /// ([`Processor::gathered`]).
     pub worked: Duration,
+    /// How long it was open.
+    pub open: Duration,
+}
+
+impl Gathered {
+    /// The share of the time it was open that the processor worked on its records.
+    pub fn worked_share(&self) -> f64 {
+        match self.open.is_zero() {
+            true => 0.0,
+            false => (self.worked.as_secs_f64() / self.open.as_secs_f64()).min(1.0),
+        }
+    }
 }
 
 /// Polls one bounded batch into `batch` (cleared first). It closes when full, when
@@ -154,7 +166,7 @@ pub fn poll_batch<C: ConsumerContext, P: Processor<C>>(
         let polled = consumer.poll(wait);
         if processor.positions_reset() {
             batch.clear();
-            return Gathered { full: false, worked };
+            return Gathered { full: false, worked, open: opened.elapsed() };
         }
         match polled {
             Some(Ok(message)) => {
@@ -173,12 +185,12 @@ pub fn poll_batch<C: ConsumerContext, P: Processor<C>>(
                 worked += quiet_from - came;
             }
             Some(Err(err)) => tracing::warn!(error = %err, "consumer error"),
-            None if batch.is_empty() => return Gathered { full: false, worked },
+            None if batch.is_empty() => return Gathered { full: false, worked, open: opened.elapsed() },
             None => {}
         }
         let full = batch.len() >= limits.max_records.max(1) || bytes >= limits.max_bytes.max(1);
         if full || (!batch.is_empty() && Instant::now() >= closes(quiet_from, worked)) {
-            return Gathered { full, worked };
+            return Gathered { full, worked, open: opened.elapsed() };
         }
     }
 }
@@ -347,9 +359,9 @@ pub trait Processor<C: ConsumerContext> {
     fn gathered(&mut self, _record: &Polled) {}
 
     /// Applies a batch (records of partitions that have not failed, in offset order
-    /// per partition); returns the partitions that failed in it (recorded on the
-    /// failure board).
-    fn apply(&mut self, consumer: &BaseConsumer<C>, batch: &[Polled]) -> Vec<u32>;
+    /// per partition), gathered as `gathered` says; returns the partitions that
+    /// failed in it (recorded on the failure board).
+    fn apply(&mut self, consumer: &BaseConsumer<C>, batch: &[Polled], gathered: Gathered) -> Vec<u32>;
 
     /// Moves the store of `partition` past the record at `offset`, which an
     /// operator skipped.
@@ -397,7 +409,7 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
             open_for = setup.limits.linger;
         } else {
             let started = Instant::now();
-            let failed = processor.apply(consumer, &batch);
+            let failed = processor.apply(consumer, &batch, gathered);
             // Its work while it gathered counts as applying it.
             open_for = setup.limits.open_for(started.elapsed() + gathered.worked, gathered.full);
             pause(consumer, setup.topic, &failed);
@@ -610,7 +622,7 @@ mod tests {
             self.gathered.push(record.offset);
         }
 
-        fn apply(&mut self, _: &BaseConsumer, batch: &[Polled]) -> Vec<u32> {
+        fn apply(&mut self, _: &BaseConsumer, batch: &[Polled], _: Gathered) -> Vec<u32> {
             self.applied.push(batch.len());
             Vec::new()
         }
@@ -636,7 +648,7 @@ mod tests {
     impl Processor<rdkafka::consumer::DefaultConsumerContext> for SlowFirst {
         type Error = crate::Error;
 
-        fn apply(&mut self, _: &BaseConsumer, _: &[Polled]) -> Vec<u32> {
+        fn apply(&mut self, _: &BaseConsumer, _: &[Polled], _: Gathered) -> Vec<u32> {
             let began = Instant::now();
             if self.applies.is_empty() {
                 std::thread::sleep(self.first_takes / 2);

@@ -21,8 +21,8 @@ use rdkafka::ClientContext;
 use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
 use tally_shared::consume::{
-    commit_advisory, committed_offsets, drive, spawn_lag_reporter, unreplayable, BatchLimits, LogCheck, LoopSetup,
-    Polled, Processor,
+    commit_advisory, committed_offsets, drive, spawn_lag_reporter, unreplayable, BatchLimits, Gathered, LogCheck,
+    LoopSetup, Polled, Processor,
 };
 use tally_shared::failures::Failure;
 use tally_shared::idle::HelperGauge;
@@ -394,8 +394,8 @@ impl Processor<CounterContext> for Counter {
         }
     }
 
-    fn apply(&mut self, consumer: &BaseConsumer<CounterContext>, batch: &[Polled]) -> Vec<u32> {
-        let threads = 1 + self.helpers.starting();
+    fn apply(&mut self, consumer: &BaseConsumer<CounterContext>, batch: &[Polled], gathered: Gathered) -> Vec<u32> {
+        let threads = 1 + self.helpers.starting(gathered.worked_share());
         let begun = std::mem::take(&mut self.begun);
         let (written, failed) = apply_batch(batch, begun, &self.shards, &self.metrics, self.rollups.is_some(), threads);
         self.helpers.done();
