@@ -33,8 +33,7 @@ pub struct BatchLimits {
     /// the memory of).
     pub payload_bytes: fn(&[u8]) -> usize,
     /// How long a batch stays open (unless full), counted from when polling for it
-    /// began; the time the processor works on its records as they come
-    /// ([`Processor::gathered`]) is not counted (here or in the other times).
+    /// began.
     pub linger: Duration,
     /// How long [`drive`] may stretch `linger` under load ([`BatchLimits::open_for`]);
     /// set at or below `linger`, batches are never stretched.
@@ -110,7 +109,7 @@ pub struct Polled {
 pub struct Gathered {
     /// It closed full (a backlog).
     pub full: bool,
-    /// How long the processor worked on its records as they came
+    /// How long the processor worked on its records while it waited
     /// ([`Processor::gathered`]).
     pub worked: Duration,
     /// How long it was open.
@@ -132,36 +131,37 @@ impl Gathered {
 /// `limits.linger` once no record arrived for `limits.quiet` (the load that
 /// stretched it has stopped: at the end of a backlog, waiting out the stretch only
 /// delays the last records), or — while still empty — after one idle poll (so the
-/// caller's heartbeat work runs); these times leave out the processor's work. The
-/// processor is told when the batch begins ([`Processor::gathering`], with
-/// `backlog`: the batch before closed full) and of each record that joins it
-/// ([`Processor::gathered`]); after every poll it is asked whether its positions
-/// were reset (a rebalance): then what was collected is discarded and it returns.
+/// caller's heartbeat work runs). The processor is told when the batch begins
+/// ([`Processor::gathering`]) and given its records one by one, in order, while
+/// the batch waits for more ([`Processor::gathered`]): only when no record is
+/// waiting in the consumer's queue, so the work fills time the batch would wait
+/// anyway and never holds up taking records (under a backlog it does not happen;
+/// records left at the close are the batch's to apply). After every poll it is
+/// asked whether its positions were reset (a rebalance): then what was collected
+/// is discarded and it returns.
 pub fn poll_batch<C: ConsumerContext, P: Processor<C>>(
     consumer: &BaseConsumer<C>,
     limits: &BatchLimits,
-    (open_for, backlog): (Duration, bool),
+    open_for: Duration,
     batch: &mut Vec<Polled>,
     processor: &mut P,
 ) -> Gathered {
     batch.clear();
-    processor.gathering(backlog);
+    processor.gathering();
     let mut bytes = 0usize;
     let opened = Instant::now();
-    // When the batch closes, given when its last record came (or it opened) and how
-    // long the processor worked on its records: the batch's times count waiting for
-    // records, not working on them (under a backlog, a batch fills as fast as its
-    // records can be worked on).
-    let closes = |quiet_from: Instant, worked: Duration| {
-        let deadline = opened + worked + open_for.max(limits.linger);
-        deadline.min((quiet_from + limits.quiet).max(opened + worked + limits.linger))
-    };
-    let (mut quiet_from, mut worked) = (opened, Duration::ZERO);
+    let deadline = opened + open_for.max(limits.linger);
+    // When the batch closes, given when its last record came (or it opened).
+    let closes = |quiet_from: Instant| deadline.min((quiet_from + limits.quiet).max(opened + limits.linger));
+    // How many records the processor was given, and how long it worked on them.
+    let (mut quiet_from, mut given, mut worked) = (opened, 0usize, Duration::ZERO);
     loop {
-        let wait = if batch.is_empty() {
+        let wait = if given < batch.len() {
+            Duration::ZERO
+        } else if batch.is_empty() {
             Duration::from_millis(100)
         } else {
-            closes(quiet_from, worked).saturating_duration_since(Instant::now())
+            closes(quiet_from).saturating_duration_since(Instant::now())
         };
         let polled = consumer.poll(wait);
         if processor.positions_reset() {
@@ -170,26 +170,29 @@ pub fn poll_batch<C: ConsumerContext, P: Processor<C>>(
         }
         match polled {
             Some(Ok(message)) => {
-                let came = Instant::now();
+                quiet_from = Instant::now();
                 let payload = message.payload().unwrap_or_default().to_vec();
                 bytes += (limits.payload_bytes)(&payload);
-                let polled = Polled {
+                batch.push(Polled {
                     partition: message.partition(),
                     offset: message.offset(),
                     timestamp: record_time(&message),
                     payload,
-                };
-                processor.gathered(&polled);
-                batch.push(polled);
-                quiet_from = Instant::now();
-                worked += quiet_from - came;
+                });
             }
             Some(Err(err)) => tracing::warn!(error = %err, "consumer error"),
             None if batch.is_empty() => return Gathered { full: false, worked, open: opened.elapsed() },
+            // Nothing waiting: work on the next record while the batch waits.
+            None if given < batch.len() => {
+                let started = Instant::now();
+                processor.gathered(&batch[given]);
+                given += 1;
+                worked += started.elapsed();
+            }
             None => {}
         }
         let full = batch.len() >= limits.max_records.max(1) || bytes >= limits.max_bytes.max(1);
-        if full || (!batch.is_empty() && Instant::now() >= closes(quiet_from, worked)) {
+        if full || (!batch.is_empty() && Instant::now() >= closes(quiet_from)) {
             return Gathered { full, worked, open: opened.elapsed() };
         }
     }
@@ -347,15 +350,13 @@ pub trait Processor<C: ConsumerContext> {
     }
 
     /// A batch begins gathering: what was done ahead for the one before (dropped,
-    /// or applied) is forgotten. `backlog`: the batch before closed full, so this
-    /// one's records are likely waiting already (work done as they come would not
-    /// fill time spent waiting for them).
-    fn gathering(&mut self, _backlog: bool) {}
+    /// or applied) is forgotten.
+    fn gathering(&mut self) {}
 
-    /// `record` joins the batch gathering (in offset order per partition; a failed
-    /// partition's too, which `apply` will not be given): work that can be done
-    /// ahead of [`Processor::apply`], in the time the batch stays open, without
-    /// writing anything.
+    /// A record of the batch gathering, given while the batch waits for more (the
+    /// batch's records in order, as far as the waits allow; a failed partition's
+    /// too, which `apply` will not be given): work that can be done ahead of
+    /// [`Processor::apply`], without writing anything.
     fn gathered(&mut self, _record: &Polled) {}
 
     /// Applies a batch (records of partitions that have not failed, in offset order
@@ -398,10 +399,9 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
 ) -> Result<(), P::Error> {
     let mut batch: Vec<Polled> = Vec::new();
     let mut last_heartbeat: Option<Instant> = None;
-    let (mut open_for, mut backlog) = (setup.limits.linger, false);
+    let mut open_for = setup.limits.linger;
     while !shutdown.is_cancelled() {
-        let gathered = poll_batch(consumer, &setup.limits, (open_for, backlog), &mut batch, processor);
-        backlog = gathered.full;
+        let gathered = poll_batch(consumer, &setup.limits, open_for, &mut batch, processor);
         // Records of a failed partition polled before it was paused: not applied,
         // its store's offset stays at the failure.
         batch.retain(|polled| !setup.failures.is_failed(polled.partition as u32));
@@ -493,14 +493,10 @@ mod tests {
                 quiet: Duration::from_secs(5),
             };
             let (mut batch, deadline) = (Vec::new(), Instant::now() + Duration::from_secs(10));
-            let (mut full, mut told) = (false, Told::default());
+            let mut full = false;
             while batch.is_empty() && Instant::now() < deadline {
-                full = poll_batch(&consumer, &limits, (limits.linger, false), &mut batch, &mut told).full;
+                full = poll_batch(&consumer, &limits, limits.linger, &mut batch, &mut Told::default()).full;
             }
-            // The processor was told of each record of the batch, in order, after
-            // the batch began.
-            let offsets: Vec<i64> = batch.iter().map(|polled| polled.offset).collect();
-            assert_eq!(told.gathered, offsets);
             (full, batch.len())
         };
         assert_eq!(first_batch(as_fetched), (true, 5));
@@ -535,86 +531,45 @@ mod tests {
         consumer
     }
 
-    /// A batch's times count waiting for records, not the processor's work on them:
-    /// records already waiting fill it however long each takes to work on.
+    /// Records waiting are taken before the processor works on any (a batch fills
+    /// as fast as they can be polled); while the batch then waits for more, the
+    /// processor is given its records in order.
     #[test]
-    fn a_batch_stays_open_while_its_records_are_worked_on() {
+    fn records_waiting_are_taken_first_and_worked_on_while_the_batch_waits() {
         let cluster = MockCluster::new(1).unwrap();
         let consumer = consumer_with_records_waiting(&cluster, 8);
-        // Each record takes longer to work on than the batch lingers or stays quiet.
-        let limits = BatchLimits {
-            max_records: 7,
+        let limits = |max_records| BatchLimits {
+            max_records,
             max_bytes: usize::MAX,
             payload_bytes: as_fetched,
-            linger: Duration::from_millis(20),
-            max_linger: Duration::from_millis(20),
-            quiet: Duration::from_millis(20),
+            linger: Duration::from_millis(500),
+            max_linger: Duration::from_millis(500),
+            quiet: Duration::from_millis(500),
         };
-        let mut slow = Told { works_for: Duration::from_millis(40), ..Told::default() };
+        let mut slow = Told { works_for: Duration::from_millis(20), ..Told::default() };
         let mut batch = Vec::new();
-        let gathered = poll_batch(&consumer, &limits, (limits.linger, false), &mut batch, &mut slow);
-        assert_eq!((gathered.full, slow.gathered), (true, (1..8).collect::<Vec<i64>>()));
-        assert!(gathered.worked >= slow.works_for * 7, "{gathered:?}");
+        let full = poll_batch(&consumer, &limits(3), Duration::ZERO, &mut batch, &mut slow);
+        let offsets: Vec<i64> = batch.iter().map(|polled| polled.offset).collect();
+        assert_eq!((full.full, offsets, slow.gathered.len()), (true, vec![1, 2, 3], 0), "full before any work");
+        let waited = poll_batch(&consumer, &limits(100), Duration::ZERO, &mut batch, &mut slow);
+        let offsets: Vec<i64> = batch.iter().map(|polled| polled.offset).collect();
+        assert_eq!((waited.full, &offsets, &slow.gathered), (false, &vec![4, 5, 6, 7], &vec![4, 5, 6, 7]));
+        assert!(waited.worked >= slow.works_for * 4 && waited.open >= Duration::from_millis(500), "{waited:?}");
     }
 
-    /// A batch is told whether the one before closed full: records waiting fill
-    /// batch after batch, the last one not full.
-    #[test]
-    fn drive_tells_a_batch_whether_the_one_before_closed_full() {
-        let cluster = MockCluster::new(1).unwrap();
-        let consumer = consumer_with_records_waiting(&cluster, 10);
-        let kafka = KafkaConfig { bootstrap_servers: cluster.bootstrap_servers(), ..Default::default() };
-        let shutdown = CancellationToken::new();
-        let mut told = Told { stop_after: Some((3, shutdown.clone())), ..Told::default() };
-        let failures = FailureBoard::new(|partition| format!("partition {partition}"));
-        let letters = Relay::unstamped(&kafka, "dead".into()).unwrap();
-        let setup = LoopSetup {
-            topic: "waiting",
-            limits: BatchLimits {
-                max_records: 4,
-                max_bytes: usize::MAX,
-                payload_bytes: as_fetched,
-                linger: Duration::from_millis(200),
-                max_linger: Duration::from_millis(200),
-                quiet: Duration::from_millis(200),
-            },
-            failures: &failures,
-            letters: &letters,
-            record_budget: 1 << 20,
-            heartbeat: Duration::from_secs(1),
-        };
-        drive(&consumer, &setup, &mut told, &shutdown).unwrap();
-        // The first record was taken before; then 4, 4 (full) and 1, and the batch
-        // after is told the one before was not full.
-        assert_eq!(told.applied, [4, 4, 1]);
-        assert_eq!(told.backlogs, [false, true, true, false]);
-    }
-
-    /// Notes the offsets of the records of the batch gathering (and works on each
-    /// for `works_for`).
-    /// Through [`drive`]: what each batch was told when it began (`backlogs`) and how
-    /// many records each applied had; the loop stops at the batch after `stop_after`
-    /// were applied.
+    /// Notes the offsets of the records it is given (and works on each for
+    /// `works_for`).
     #[derive(Default)]
     struct Told {
         gathered: Vec<i64>,
         works_for: Duration,
-        backlogs: Vec<bool>,
-        applied: Vec<usize>,
-        stop_after: Option<(usize, CancellationToken)>,
     }
 
     impl Processor<rdkafka::consumer::DefaultConsumerContext> for Told {
         type Error = crate::Error;
 
-        fn gathering(&mut self, backlog: bool) {
+        fn gathering(&mut self) {
             self.gathered.clear();
-            self.backlogs.push(backlog);
-            if let Some((after, shutdown)) = &self.stop_after {
-                if self.applied.len() >= *after {
-                    shutdown.cancel();
-                }
-            }
         }
 
         fn gathered(&mut self, record: &Polled) {
@@ -622,8 +577,7 @@ mod tests {
             self.gathered.push(record.offset);
         }
 
-        fn apply(&mut self, _: &BaseConsumer, batch: &[Polled], _: Gathered) -> Vec<u32> {
-            self.applied.push(batch.len());
+        fn apply(&mut self, _: &BaseConsumer, _: &[Polled], _: Gathered) -> Vec<u32> {
             Vec::new()
         }
 

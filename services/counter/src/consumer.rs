@@ -313,7 +313,6 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         relay: Relay::new(&config.kafka, shard_topic.clone())?,
         topic: shard_topic.clone(),
         begun: HashMap::new(),
-        ahead: true,
         serving: Vec::new(),
         outbox_written: 0,
         threads,
@@ -354,11 +353,9 @@ struct Counter {
     /// How many helper threads apply a batch's shards beside the loop: up to
     /// `counter.apply_threads - 1`, as cores sat idle while the batch gathered.
     helpers: HelperGauge,
-    /// The shards whose records of the batch gathering began to be applied as they
-    /// came ([`Counter::gathered`]).
+    /// The shards whose records of the batch gathering began to be applied while it
+    /// waited ([`Counter::gathered`]).
     begun: HashMap<u32, Begun>,
-    /// Whether the batch gathering is begun as its records come.
-    ahead: bool,
     /// The shards last announced.
     serving: Vec<u32>,
     /// Outbox messages written since the last relay.
@@ -380,18 +377,15 @@ impl Processor<CounterContext> for Counter {
         self.shards.epoch() != self.epoch
     }
 
-    fn gathering(&mut self, backlog: bool) {
+    fn gathering(&mut self) {
         self.begun.clear();
-        self.ahead = !backlog;
     }
 
-    /// Begins applying the record's shard's batch, unless the batch before closed
-    /// full: then its records are waiting already, and the batch is applied shard by
-    /// shard on up to `apply_threads` threads instead (a rebuild, a backlog).
+    /// Begins applying the record's shard's batch while the batch waits for more;
+    /// what is left when it closes is applied shard by shard on up to
+    /// `apply_threads` threads.
     fn gathered(&mut self, record: &Polled) {
-        if self.ahead {
-            begin_applying(&mut self.begun, &self.shards, record);
-        }
+        begin_applying(&mut self.begun, &self.shards, record);
     }
 
     fn apply(&mut self, consumer: &BaseConsumer<CounterContext>, batch: &[Polled], gathered: Gathered) -> Vec<u32> {
@@ -653,7 +647,7 @@ fn apply_shard(
     (report.outbox_messages, failed)
 }
 
-/// A shard whose records of the batch gathering began to be applied as they came
+/// A shard whose records of the batch gathering began to be applied while it waited
 /// ([`Counter::gathered`]): nothing is written until the batch is applied.
 struct Begun {
     /// The store they were added against.
@@ -793,7 +787,12 @@ mod tests {
 
     /// Every shard's state after applying `batch` on `threads` threads, and what
     /// `apply_batch` returned.
-    fn applied(batch: &[Polled], entities: &[&str], threads: usize, ahead: bool) -> ((u64, Vec<u32>), Vec<ShardState>) {
+    fn applied(
+        batch: &[Polled],
+        entities: &[&str],
+        threads: usize,
+        ahead: usize,
+    ) -> ((u64, Vec<u32>), Vec<ShardState>) {
         let dir = tempfile::tempdir().unwrap();
         let stores = (0..SHARDS)
             .map(|shard| {
@@ -803,9 +802,9 @@ mod tests {
             .collect();
         let shards = Shards::default();
         shards.replace(stores, BTreeMap::new());
-        // As the consumer does: each record begun as it was polled.
+        // As the consumer does while a batch waits: its first `ahead` records begun.
         let mut begun = HashMap::new();
-        for polled in batch.iter().filter(|_| ahead) {
+        for polled in batch.iter().take(ahead) {
             begin_applying(&mut begun, &shards, polled);
         }
         let mut returned = apply_batch(batch, begun, &shards, &Metrics::new(&Registry::new()), true, threads);
@@ -892,8 +891,8 @@ mod tests {
     }
 
     /// Each shard's records apply in offset order, however they were polled, however
-    /// many threads share the shards, and whether they were begun as they were
-    /// polled or not; a shard with a bad record stops at it, the others apply all of
+    /// many threads share the shards, and however many were begun while the batch
+    /// waited; a shard with a bad record stops at it, the others apply all of
     /// theirs.
     #[test]
     fn a_batch_applies_shard_by_shard_in_offset_order_and_a_bad_record_stops_its_shard_only() {
@@ -921,12 +920,14 @@ mod tests {
                 (None, vec![0, 0, 0, 0]),
             ],
         );
-        for (threads, ahead) in [(1, false), (2, false), (8, false), (1, true), (2, true)] {
-            assert_eq!(applied(&batch, &entities, threads, ahead), expected, "{threads} threads, ahead {ahead}");
+        for (threads, ahead) in [(1, 0), (2, 0), (8, 0), (1, 3), (2, 5), (1, 8), (2, 8)] {
+            assert_eq!(applied(&batch, &entities, threads, ahead), expected, "{threads} threads, {ahead} begun");
         }
-        // In offset order, and begun as polled.
+        // In offset order, some or all begun.
         let mut sorted = batch.clone();
         sorted.sort_by_key(|polled| (polled.partition, polled.offset));
-        assert_eq!(applied(&sorted, &entities, 2, true), expected, "in order");
+        for ahead in [2, 5, 8] {
+            assert_eq!(applied(&sorted, &entities, 2, ahead), expected, "in order, {ahead} begun");
+        }
     }
 }
