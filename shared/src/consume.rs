@@ -389,8 +389,8 @@ pub struct LoopSetup<'a> {
 
 /// The one consume loop of every stateful log processor: runs until `shutdown` or
 /// the processor's error; the batch in hand is applied before it returns. Each
-/// batch may stay open as long as the one before took to apply, its work while it
-/// gathered included ([`BatchLimits::open_for`]).
+/// batch may stay open as long as the one before took to apply, plus twice the work
+/// done on it while it gathered ([`BatchLimits::open_for`]).
 pub fn drive<C: ConsumerContext, P: Processor<C>>(
     consumer: &BaseConsumer<C>,
     setup: &LoopSetup<'_>,
@@ -410,8 +410,10 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
         } else {
             let started = Instant::now();
             let failed = processor.apply(consumer, &batch, gathered);
-            // Its work while it gathered counts as applying it.
-            open_for = setup.limits.open_for(started.elapsed() + gathered.worked, gathered.full);
+            // Its work while it gathered counts as applying it, and the batch that
+            // follows waits as long besides: the processor still works about half the
+            // time, and its batches are as big as if it had done all the work here.
+            open_for = setup.limits.open_for(started.elapsed() + gathered.worked * 2, gathered.full);
             pause(consumer, setup.topic, &failed);
         }
         let skipped =
