@@ -18,40 +18,25 @@ use crate::time::{bucket_start, Resolutions};
 /// all-time bucket first. A handful of entries, so a vector beats a map.
 type CounterDeltas = Vec<(i64, i64, Counts)>;
 
-/// Accumulates a batch of increments. It owns its counters' names (one allocation
-/// per counter new to the batch, none per hit), so a batch can be coalesced while
-/// its records arrive and written later.
-pub struct Coalescer {
-    resolutions: Resolutions,
+/// Accumulates a batch of increments. Keys borrow from the decoded messages, so a
+/// hit costs no allocation.
+pub struct Coalescer<'a> {
+    resolutions: &'a Resolutions,
     now_ms: i64,
-    /// Each counter's place in `deltas`, keyed by `entity \0 metric`: names hold no
-    /// control characters, so the key splits back into both, and orders as the pair
-    /// does.
-    counters: FxHashMap<Box<str>, usize>,
-    deltas: Vec<CounterDeltas>,
-    /// The key being looked up.
-    key: String,
+    counters: FxHashMap<(&'a str, &'a str), CounterDeltas>,
     increments: u64,
 }
 
-impl Coalescer {
+impl<'a> Coalescer<'a> {
     /// A coalescer for a batch applied at `now_ms` (wall clock, for retention).
-    pub fn new(resolutions: &Resolutions, now_ms: i64) -> Self {
-        Self {
-            resolutions: resolutions.clone(),
-            now_ms,
-            counters: FxHashMap::default(),
-            deltas: Vec::new(),
-            key: String::new(),
-            increments: 0,
-        }
+    pub fn new(resolutions: &'a Resolutions, now_ms: i64) -> Self {
+        Self { resolutions, now_ms, counters: FxHashMap::default(), increments: 0 }
     }
 
     /// Adds `counts` at event time `ts` to every bucket of (entity, metric).
-    pub fn add(&mut self, entity: &str, metric: &str, ts: i64, counts: Counts) {
+    pub fn add(&mut self, entity: &'a str, metric: &'a str, ts: i64, counts: Counts) {
         self.increments += 1;
-        let at = self.counter(entity, metric);
-        let deltas = &mut self.deltas[at];
+        let deltas = deltas_of(&mut self.counters, (entity, metric), self.resolutions);
         deltas[0].2 = deltas[0].2 + counts;
         for resolution in self.resolutions.iter() {
             let bucket = bucket_start(ts, resolution.width_ms);
@@ -67,17 +52,17 @@ impl Coalescer {
 
     /// Adds `counts` to one given bucket of (entity, metric) — a total that another
     /// shard computed. Skipped when the bucket is no longer retained.
-    pub fn add_bucket(&mut self, entity: &str, metric: &str, width_ms: i64, bucket: i64, counts: Counts) {
+    pub fn add_bucket(&mut self, entity: &'a str, metric: &'a str, width_ms: i64, bucket: i64, counts: Counts) {
         if width_ms != ALL_TIME_WIDTH {
             match self.resolutions.by_width(width_ms) {
                 Some(resolution) if resolution.retains(bucket, self.now_ms) => {}
                 _ => return,
             }
         }
-        let at = self.counter(entity, metric);
-        match self.deltas[at].iter_mut().find(|(w, b, _)| *w == width_ms && *b == bucket) {
+        let deltas = deltas_of(&mut self.counters, (entity, metric), self.resolutions);
+        match deltas.iter_mut().find(|(w, b, _)| *w == width_ms && *b == bucket) {
             Some(entry) => entry.2 = entry.2 + counts,
-            None => self.deltas[at].push((width_ms, bucket, counts)),
+            None => deltas.push((width_ms, bucket, counts)),
         }
     }
 
@@ -93,42 +78,36 @@ impl Coalescer {
 
     /// How many distinct (counter, bucket) deltas the batch holds.
     pub fn keys(&self) -> usize {
-        self.deltas.iter().map(Vec::len).sum()
+        self.counters.values().map(Vec::len).sum()
     }
 
     /// Visits every delta in count-key order: `(entity, metric, width_ms, bucket, counts)`.
     /// Entities and metrics hold no control characters, so ordering them as strings
     /// is ordering their `\0`-terminated keys.
-    pub fn for_each<'s>(&'s mut self, mut visit: impl FnMut(&'s str, &'s str, i64, i64, Counts)) {
-        let mut counters: Vec<(&'s Box<str>, &usize)> = self.counters.iter().collect();
-        counters.sort_unstable_by_key(|(name, _)| &***name);
-        for (name, &at) in counters {
-            let (entity, metric) = name.split_once('\0').unwrap_or((name, ""));
-            let deltas = &mut self.deltas[at];
+    pub fn for_each(&mut self, mut visit: impl FnMut(&'a str, &'a str, i64, i64, Counts)) {
+        let mut counters: Vec<_> = self.counters.iter_mut().collect();
+        counters.sort_unstable_by_key(|(name, _)| **name);
+        for (&(entity, metric), deltas) in counters {
             deltas.sort_unstable_by_key(|&(width, bucket, _)| (width, bucket));
             for &(width, bucket, counts) in deltas.iter() {
                 visit(entity, metric, width, bucket, counts);
             }
         }
     }
+}
 
-    /// Where the deltas of (entity, metric) are in `deltas` (the all-time one first).
-    fn counter(&mut self, entity: &str, metric: &str) -> usize {
-        self.key.clear();
-        self.key.extend([entity, "\0", metric]);
-        // A hit (the usual case) allocates nothing.
-        match self.counters.get(self.key.as_str()) {
-            Some(&at) => at,
-            None => {
-                // Room for a bucket of each resolution: one allocation per counter.
-                let mut deltas = Vec::with_capacity(1 + self.resolutions.count());
-                deltas.push((ALL_TIME_WIDTH, 0, Counts::default()));
-                self.deltas.push(deltas);
-                self.counters.insert(self.key.as_str().into(), self.deltas.len() - 1);
-                self.deltas.len() - 1
-            }
-        }
-    }
+/// The deltas of (entity, metric), the all-time one first.
+fn deltas_of<'c, 'a>(
+    counters: &'c mut FxHashMap<(&'a str, &'a str), CounterDeltas>,
+    counter: (&'a str, &'a str),
+    resolutions: &Resolutions,
+) -> &'c mut CounterDeltas {
+    counters.entry(counter).or_insert_with(|| {
+        // Room for a bucket of each resolution: one allocation per counter.
+        let mut deltas = Vec::with_capacity(1 + resolutions.count());
+        deltas.push((ALL_TIME_WIDTH, 0, Counts::default()));
+        deltas
+    })
 }
 
 #[cfg(test)]

@@ -1,8 +1,6 @@
 //! Time buckets, resolutions, retention and the planning of window and series reads
 //! (SPEC §3 "Time" and "Windows"). Pure arithmetic on milliseconds since the epoch.
 
-use std::sync::Arc;
-
 use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
@@ -77,9 +75,9 @@ impl Resolution {
     }
 }
 
-/// The configured resolutions, finest first; shared, so a copy costs a count.
+/// The configured resolutions, finest first.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Resolutions(Arc<[Resolution]>);
+pub struct Resolutions(Vec<Resolution>);
 
 impl Default for Resolutions {
     /// `1m` kept 6 h, `1h` kept 35 d, `1d` kept 400 d (SPEC §3).
@@ -87,7 +85,7 @@ impl Default for Resolutions {
         let defaults = [("1m", "6h"), ("1h", "35d"), ("1d", "400d")];
         let list = defaults.iter().map(|(w, r)| Resolution::new(w, r)).collect::<Result<Vec<_>>>();
         // The defaults above are valid literals; a failure here is a bug caught by tests.
-        Self(list.unwrap_or_default().into())
+        Self(list.unwrap_or_default())
     }
 }
 
@@ -132,7 +130,7 @@ impl Resolutions {
         if list.windows(2).any(|pair| pair[0].width_ms == pair[1].width_ms) {
             return Err(Error::Config("two resolutions have the same width".into()));
         }
-        Ok(Self(list.into()))
+        Ok(Self(list))
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Resolution> {

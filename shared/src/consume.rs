@@ -104,69 +104,37 @@ pub struct Polled {
     pub payload: Vec<u8>,
 }
 
-/// How a batch [`poll_batch`] gathered closed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Gathered {
-    /// It closed full (a backlog).
-    pub full: bool,
-    /// How long the processor worked on its records while it waited
-    /// ([`Processor::gathered`]).
-    pub worked: Duration,
-    /// How long it was open.
-    pub open: Duration,
-}
-
-impl Gathered {
-    /// The share of the time it was open that the processor worked on its records.
-    pub fn worked_share(&self) -> f64 {
-        match self.open.is_zero() {
-            true => 0.0,
-            false => (self.worked.as_secs_f64() / self.open.as_secs_f64()).min(1.0),
-        }
-    }
-}
-
-/// Polls one bounded batch into `batch` (cleared first). It closes when full, when
-/// `open_for` (at least `limits.linger`) passed since it opened, past
-/// `limits.linger` once no record arrived for `limits.quiet` (the load that
-/// stretched it has stopped: at the end of a backlog, waiting out the stretch only
-/// delays the last records), or — while still empty — after one idle poll (so the
-/// caller's heartbeat work runs). The processor is told when the batch begins
-/// ([`Processor::gathering`]) and given its records one by one, in order, while
-/// the batch waits for more ([`Processor::gathered`]): only when no record is
-/// waiting in the consumer's queue, so the work fills time the batch would wait
-/// anyway and never holds up taking records (under a backlog it does not happen;
-/// records left at the close are the batch's to apply). After every poll it is
-/// asked whether its positions were reset (a rebalance): then what was collected
-/// is discarded and it returns.
-pub fn poll_batch<C: ConsumerContext, P: Processor<C>>(
+/// Polls one bounded batch into `batch` (cleared first); true when it closed full.
+/// It closes when full, when `open_for` (at least `limits.linger`) passed since it
+/// opened, past `limits.linger` once no record arrived for `limits.quiet` (the load
+/// that stretched it has stopped: at the end of a backlog, waiting out the stretch
+/// only delays the last records), or — while still empty — after one idle poll (so
+/// the caller's heartbeat work runs). After every poll `interrupted()` is asked:
+/// true (a rebalance reset the positions) discards what was collected and returns.
+pub fn poll_batch<C: ConsumerContext>(
     consumer: &BaseConsumer<C>,
     limits: &BatchLimits,
     open_for: Duration,
     batch: &mut Vec<Polled>,
-    processor: &mut P,
-) -> Gathered {
+    mut interrupted: impl FnMut() -> bool,
+) -> bool {
     batch.clear();
-    processor.gathering();
     let mut bytes = 0usize;
     let opened = Instant::now();
     let deadline = opened + open_for.max(limits.linger);
     // When the batch closes, given when its last record came (or it opened).
     let closes = |quiet_from: Instant| deadline.min((quiet_from + limits.quiet).max(opened + limits.linger));
-    // How many records the processor was given, and how long it worked on them.
-    let (mut quiet_from, mut given, mut worked) = (opened, 0usize, Duration::ZERO);
+    let mut quiet_from = opened;
     loop {
-        let wait = if given < batch.len() {
-            Duration::ZERO
-        } else if batch.is_empty() {
+        let wait = if batch.is_empty() {
             Duration::from_millis(100)
         } else {
             closes(quiet_from).saturating_duration_since(Instant::now())
         };
         let polled = consumer.poll(wait);
-        if processor.positions_reset() {
+        if interrupted() {
             batch.clear();
-            return Gathered { full: false, worked, open: opened.elapsed() };
+            return false;
         }
         match polled {
             Some(Ok(message)) => {
@@ -181,19 +149,12 @@ pub fn poll_batch<C: ConsumerContext, P: Processor<C>>(
                 });
             }
             Some(Err(err)) => tracing::warn!(error = %err, "consumer error"),
-            None if batch.is_empty() => return Gathered { full: false, worked, open: opened.elapsed() },
-            // Nothing waiting: work on the next record while the batch waits.
-            None if given < batch.len() => {
-                let started = Instant::now();
-                processor.gathered(&batch[given]);
-                given += 1;
-                worked += started.elapsed();
-            }
+            None if batch.is_empty() => return false,
             None => {}
         }
         let full = batch.len() >= limits.max_records.max(1) || bytes >= limits.max_bytes.max(1);
         if full || (!batch.is_empty() && Instant::now() >= closes(quiet_from)) {
-            return Gathered { full, worked, open: opened.elapsed() };
+            return full;
         }
     }
 }
@@ -349,20 +310,10 @@ pub trait Processor<C: ConsumerContext> {
         false
     }
 
-    /// A batch begins gathering: what was done ahead for the one before (dropped,
-    /// or applied) is forgotten.
-    fn gathering(&mut self) {}
-
-    /// A record of the batch gathering, given while the batch waits for more (the
-    /// batch's records in order, as far as the waits allow; a failed partition's
-    /// too, which `apply` will not be given): work that can be done ahead of
-    /// [`Processor::apply`], without writing anything.
-    fn gathered(&mut self, _record: &Polled) {}
-
     /// Applies a batch (records of partitions that have not failed, in offset order
-    /// per partition), gathered as `gathered` says; returns the partitions that
-    /// failed in it (recorded on the failure board).
-    fn apply(&mut self, consumer: &BaseConsumer<C>, batch: &[Polled], gathered: Gathered) -> Vec<u32>;
+    /// per partition); returns the partitions that failed in it (recorded on the
+    /// failure board).
+    fn apply(&mut self, consumer: &BaseConsumer<C>, batch: &[Polled]) -> Vec<u32>;
 
     /// Moves the store of `partition` past the record at `offset`, which an
     /// operator skipped.
@@ -389,8 +340,7 @@ pub struct LoopSetup<'a> {
 
 /// The one consume loop of every stateful log processor: runs until `shutdown` or
 /// the processor's error; the batch in hand is applied before it returns. Each
-/// batch may stay open as long as the one before took to apply, plus twice the work
-/// done on it while it gathered ([`BatchLimits::open_for`]).
+/// batch may stay open as long as the one before took to apply ([`BatchLimits::open_for`]).
 pub fn drive<C: ConsumerContext, P: Processor<C>>(
     consumer: &BaseConsumer<C>,
     setup: &LoopSetup<'_>,
@@ -401,7 +351,7 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
     let mut last_heartbeat: Option<Instant> = None;
     let mut open_for = setup.limits.linger;
     while !shutdown.is_cancelled() {
-        let gathered = poll_batch(consumer, &setup.limits, open_for, &mut batch, processor);
+        let full = poll_batch(consumer, &setup.limits, open_for, &mut batch, || processor.positions_reset());
         // Records of a failed partition polled before it was paused: not applied,
         // its store's offset stays at the failure.
         batch.retain(|polled| !setup.failures.is_failed(polled.partition as u32));
@@ -409,11 +359,8 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
             open_for = setup.limits.linger;
         } else {
             let started = Instant::now();
-            let failed = processor.apply(consumer, &batch, gathered);
-            // Its work while it gathered counts as applying it, and the batch that
-            // follows waits as long besides: the processor still works about half the
-            // time, and its batches are as big as if it had done all the work here.
-            open_for = setup.limits.open_for(started.elapsed() + gathered.worked * 2, gathered.full);
+            let failed = processor.apply(consumer, &batch);
+            open_for = setup.limits.open_for(started.elapsed(), full);
             pause(consumer, setup.topic, &failed);
         }
         let skipped =
@@ -440,7 +387,7 @@ mod tests {
     use std::sync::Arc;
 
     use rdkafka::mocking::MockCluster;
-    use rdkafka::producer::{BaseProducer, BaseRecord, DefaultProducerContext, Producer};
+    use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 
     use super::*;
     use crate::failures::FailureBoard;
@@ -497,99 +444,12 @@ mod tests {
             let (mut batch, deadline) = (Vec::new(), Instant::now() + Duration::from_secs(10));
             let mut full = false;
             while batch.is_empty() && Instant::now() < deadline {
-                full = poll_batch(&consumer, &limits, limits.linger, &mut batch, &mut Told::default()).full;
+                full = poll_batch(&consumer, &limits, limits.linger, &mut batch, || false);
             }
             (full, batch.len())
         };
         assert_eq!(first_batch(as_fetched), (true, 5));
         assert_eq!(first_batch(|payload| payload.len() * 10), (true, 1));
-    }
-
-    /// A consumer of a new topic on `cluster` holding `records` records, the first of
-    /// which it has polled; the rest wait in its queue.
-    fn consumer_with_records_waiting(
-        cluster: &MockCluster<'_, DefaultProducerContext>,
-        records: usize,
-    ) -> BaseConsumer {
-        let topic = "waiting";
-        cluster.create_topic(topic, 1, 1).unwrap();
-        let kafka = KafkaConfig { bootstrap_servers: cluster.bootstrap_servers(), ..Default::default() };
-        let producer: BaseProducer = client_config(&kafka).unwrap().create().unwrap();
-        for _ in 0..records {
-            producer.send(BaseRecord::<(), _>::to(topic).payload("x")).unwrap();
-        }
-        producer.flush(Duration::from_secs(5)).unwrap();
-        let mut consumer_config = crate::kafka::consumer_config(&kafka).unwrap();
-        consumer_config.set("group.id", "waiting-test").set("enable.auto.commit", "false");
-        let consumer: BaseConsumer = consumer_config.create().unwrap();
-        let mut assignment = TopicPartitionList::new();
-        assignment.add_partition_offset(topic, 0, Offset::Beginning).unwrap();
-        consumer.assign(&assignment).unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !matches!(consumer.poll(Duration::from_millis(100)), Some(Ok(_))) {
-            assert!(Instant::now() < deadline, "no record came");
-        }
-        std::thread::sleep(Duration::from_millis(500));
-        consumer
-    }
-
-    /// Records waiting are taken before the processor works on any (a batch fills
-    /// as fast as they can be polled); while the batch then waits for more, the
-    /// processor is given its records in order.
-    #[test]
-    fn records_waiting_are_taken_first_and_worked_on_while_the_batch_waits() {
-        let cluster = MockCluster::new(1).unwrap();
-        let consumer = consumer_with_records_waiting(&cluster, 8);
-        let limits = |max_records| BatchLimits {
-            max_records,
-            max_bytes: usize::MAX,
-            payload_bytes: as_fetched,
-            linger: Duration::from_millis(500),
-            max_linger: Duration::from_millis(500),
-            quiet: Duration::from_millis(500),
-        };
-        let mut slow = Told { works_for: Duration::from_millis(20), ..Told::default() };
-        let mut batch = Vec::new();
-        let full = poll_batch(&consumer, &limits(3), Duration::ZERO, &mut batch, &mut slow);
-        let offsets: Vec<i64> = batch.iter().map(|polled| polled.offset).collect();
-        assert_eq!((full.full, offsets, slow.gathered.len()), (true, vec![1, 2, 3], 0), "full before any work");
-        let waited = poll_batch(&consumer, &limits(100), Duration::ZERO, &mut batch, &mut slow);
-        let offsets: Vec<i64> = batch.iter().map(|polled| polled.offset).collect();
-        assert_eq!((waited.full, &offsets, &slow.gathered), (false, &vec![4, 5, 6, 7], &vec![4, 5, 6, 7]));
-        assert!(waited.worked >= slow.works_for * 4 && waited.open >= Duration::from_millis(500), "{waited:?}");
-    }
-
-    /// Notes the offsets of the records it is given (and works on each for
-    /// `works_for`).
-    #[derive(Default)]
-    struct Told {
-        gathered: Vec<i64>,
-        works_for: Duration,
-    }
-
-    impl Processor<rdkafka::consumer::DefaultConsumerContext> for Told {
-        type Error = crate::Error;
-
-        fn gathering(&mut self) {
-            self.gathered.clear();
-        }
-
-        fn gathered(&mut self, record: &Polled) {
-            std::thread::sleep(self.works_for);
-            self.gathered.push(record.offset);
-        }
-
-        fn apply(&mut self, _: &BaseConsumer, _: &[Polled], _: Gathered) -> Vec<u32> {
-            Vec::new()
-        }
-
-        fn skip_record(&mut self, _: u32, _: i64) -> Result<()> {
-            Ok(())
-        }
-
-        fn turn(&mut self, _: &BaseConsumer, _: u64, _: bool) -> Result<()> {
-            Ok(())
-        }
     }
 
     /// Applies batches, the first slowly, and notes when each apply began and ended.
@@ -604,7 +464,7 @@ mod tests {
     impl Processor<rdkafka::consumer::DefaultConsumerContext> for SlowFirst {
         type Error = crate::Error;
 
-        fn apply(&mut self, _: &BaseConsumer, _: &[Polled], _: Gathered) -> Vec<u32> {
+        fn apply(&mut self, _: &BaseConsumer, _: &[Polled]) -> Vec<u32> {
             let began = Instant::now();
             if self.applies.is_empty() {
                 std::thread::sleep(self.first_takes / 2);

@@ -120,18 +120,14 @@ impl HelperGauge {
         gauge
     }
 
-    /// The next piece of work starts: how many helpers it takes. `own_share`: the
-    /// share of the wait the loop itself worked on that piece (a batch's records
-    /// worked on as they came), which counts as its core idle: it was the piece's
-    /// work, not a competitor's.
-    pub fn starting(&mut self, own_share: f64) -> usize {
+    /// The next piece of work starts: how many helpers it takes.
+    pub fn starting(&mut self) -> usize {
         if self.max_helpers == 0 {
             return 0;
         }
         match (self.waiting_since, (self.sample)()) {
             (Some(since), Some(now)) => {
                 if let Some(idle) = since.idle_cores_until(&now) {
-                    let idle = (idle + own_share.clamp(0.0, 1.0)).min(now.cpus as f64);
                     self.helpers = helpers(idle, self.max_helpers, self.usable);
                 }
             }
@@ -219,18 +215,6 @@ mod tests {
         (gauge, taken)
     }
 
-    /// The loop's own work on a piece while it waited counts as its core idle.
-    #[test]
-    fn the_loops_own_work_while_it_waited_counts_as_idle() {
-        // Created, then two waits in which one core of two sat idle.
-        let (mut gauge, _) = scripted(1, vec![(0, 0), (20, 40), (0, 0), (20, 40)]);
-        assert_eq!(gauge.starting(0.6), 1, "1.6 idle cores");
-        gauge.done();
-        assert_eq!(gauge.starting(0.4), 0, "1.4 idle cores");
-        let (mut idle, _) = scripted(1, vec![(0, 0), (40, 40)]);
-        assert_eq!(idle.starting(1.0), 1, "never more than every core");
-    }
-
     #[test]
     fn the_gauge_follows_each_wait_and_keeps_its_decision_over_one_too_short_to_tell() {
         // Created (a sample), then per batch: the wait's ticks, the work's ticks.
@@ -238,15 +222,15 @@ mod tests {
         let (mut gauge, _) = scripted(1, steps);
         let mut decided = Vec::new();
         for _ in 0..3 {
-            decided.push(gauge.starting(0.0));
+            decided.push(gauge.starting());
             gauge.done();
         }
         assert_eq!(decided, vec![1, 1, 0], "1.8 idle cores, no tick, then 0.5");
         // The samples ran out: not known any more, so alone.
-        assert_eq!(gauge.starting(0.0), 0);
+        assert_eq!(gauge.starting(), 0);
 
         let (mut none, taken) = scripted(0, vec![(40, 40)]);
-        assert_eq!((none.starting(1.0), none.starting(1.0)), (0, 0));
+        assert_eq!((none.starting(), none.starting()), (0, 0));
         none.done();
         assert_eq!(*taken.lock().unwrap(), 0, "without helpers to give, nothing is read");
     }

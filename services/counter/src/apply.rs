@@ -3,10 +3,9 @@
 //! A record is skipped when its offset is below the store's `next_offset` (Kafka
 //! redelivered it). A record that does not decode stops the batch there: what came
 //! before it is committed, the store's `next_offset` stays at it, and the report
-//! names it (the shard then fails; nothing past it is applied). An entry is skipped
-//! when its stamp is at or below its source's high-water mark (its sender sent it
-//! again after a restart) or when its `(entity, id)` was seen within the dedupe
-//! window (the producer retried).
+//! names it (the shard then fails; nothing past it is applied). An entry is skipped when its stamp is at or below its source's
+//! high-water mark (its sender sent it again after a restart) or when its
+//! `(entity, id)` was seen within the dedupe window (the producer retried).
 //!
 //! Three kinds of records (see [`ShardMessage`](tally_core::wire::ShardMessage)):
 //! - increments add to direct and total of their counter and, through the shard's
@@ -23,21 +22,15 @@
 //! `outbox` in the same write batch, stamped with the record's offset and their
 //! index: a replay of the same log — after a crash, or on another counter that
 //! rebuilds the shard — produces the same stamps, which the receivers drop.
-//!
-//! A batch is applied in three steps: [`ShardStore::begin`], [`ShardStore::add`]
-//! for each record the run takes (unpacked, decoded, deduplicated and coalesced,
-//! its outbox messages built, nothing written), and [`ShardStore::finish`], which
-//! handles the rest and writes. The consumer adds a shard's records as they are
-//! polled, while the batch is still open, so that when it closes mostly the writing
-//! is left; only the apply loop writes a store, and a store that moved since
-//! `begin` (its next offset) does not take what was added.
 
-use std::collections::BTreeMap;
+use std::borrow::Cow;
+use std::cell::OnceCell;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::MutexGuard;
 
 use rocksdb::properties::NUM_ENTRIES_ACTIVE_MEM_TABLE;
 use rocksdb::WriteBatch;
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 use tally_core::counting::Coalescer;
 use tally_core::format::PRESENT;
 use tally_core::graph::DescChangeRef;
@@ -47,7 +40,7 @@ use tally_core::keys::{
 use tally_core::propagation::change_deltas;
 use tally_core::records::split_by_size;
 use tally_core::sharding::shard_of;
-use tally_core::wire::{IncrementRef, ShardMessage, ShardMessageRef, Source, Stamp, TotalDelta};
+use tally_core::wire::{ShardMessage, ShardMessageRef, Source, Stamp, TotalDelta};
 use tally_shared::dedupe::DedupeWindow;
 
 use crate::direct::{DirectCache, EntityDirect, MetricBuckets};
@@ -196,239 +189,150 @@ impl CountWrites<'_> {
     }
 }
 
-/// A shard's batch being applied: the progress so far and the run of increment and
-/// totals records added up since the last write ([`ShardStore::add`]), not yet
-/// written. It can start while the batch is still gathering
-/// (`crate::consumer`'s `Counter::gathered`): nothing is written before
-/// [`ShardStore::finish`].
-pub struct Applying {
-    /// The store's next offset when it began.
-    began_at: Option<i64>,
-    now: i64,
-    progress: Progress,
-    /// The run's deltas.
-    coalescer: Coalescer,
-    /// Its dedupe marks and outbox messages.
-    batch: WriteBatch,
-    /// The dedupe keys of the ids it counted.
-    ids: FxHashSet<Vec<u8>>,
-    /// The source and time of each of its producers' increments records: their
-    /// stream time moves once it is committed.
-    stream_times: Vec<(Source, i64)>,
-    report: ApplyReport,
-}
-
-impl Applying {
-    /// The store's next offset when it began: a store that moved since (written by
-    /// anything else) must not take it.
-    pub fn began_at(&self) -> Option<i64> {
-        self.began_at
-    }
-
-    /// The offset of the next record it takes: those before were added, or stale.
-    pub fn next_offset(&self) -> Option<i64> {
-        self.progress.next_offset
-    }
-}
-
-/// Why [`ShardStore::add`] left a record to [`ShardStore::finish`]: the run does
-/// not take it, and nothing was changed.
-#[derive(Debug)]
-pub enum Held {
-    /// A record of descendant changes: applied in its own write batch, after the
-    /// run before it is written.
-    DescChanges,
-    /// It does not unpack or decode: the batch stops at it.
-    Undecodable(String),
-    /// The log skips records from this offset on (the batch stops at it).
-    Gap(i64),
-}
+/// A decoded record waiting in a run: offset, record time, message.
+type Decoded<'a> = (i64, i64, ShardMessageRef<'a>);
 
 impl ShardStore {
     /// Applies `records` (in offset order) at wall-clock `now` (which decides the
     /// buckets still retained); the dedupe window runs on each record's own time.
     pub fn apply(&self, records: &[ShardRecord<'_>], now: i64, mark_rollups: bool) -> Result<ApplyReport> {
-        let mut report = self.finish(self.begin(now), records, mark_rollups)?;
-        report.records = records.len();
+        let mut report = ApplyReport { records: records.len(), ..Default::default() };
+        let mut progress = self.progress();
+        // What packed records (format version 3) hold, each unpacked once it is
+        // reached; the decoded run borrows its names from there.
+        let unpacked: Vec<OnceCell<Vec<u8>>> = records.iter().map(|_| OnceCell::new()).collect();
+        let mut run: Vec<Decoded<'_>> = Vec::new();
+        for (record, unpacked) in records.iter().zip(&unpacked) {
+            if progress.next_offset.is_some_and(|next| record.offset < next) {
+                report.stale_records += 1;
+                continue;
+            }
+            if let Some(next) = progress.next_offset.filter(|next| record.offset > *next) {
+                report.gap = Some((next, record.offset));
+                break;
+            }
+            let payload = match tally_core::packed::unpack(record.payload) {
+                Ok(Cow::Borrowed(payload)) => payload,
+                Ok(Cow::Owned(payload)) => unpacked.get_or_init(move || payload).as_slice(),
+                Err(err) => {
+                    report.undecodable = Some((record.offset, err.to_string()));
+                    break;
+                }
+            };
+            match ShardMessageRef::decode(payload) {
+                Ok(ShardMessageRef::DescChanges { source, entries }) => {
+                    // The run before is committed first, with the progress up to it:
+                    // a crash in between re-applies this record, never skips it.
+                    self.apply_counts(&run, &mut progress, now, mark_rollups, &mut report)?;
+                    run.clear();
+                    progress.next_offset = Some(record.offset + 1);
+                    self.apply_desc_changes(
+                        (record.offset, payload),
+                        source,
+                        entries,
+                        &mut progress,
+                        now,
+                        mark_rollups,
+                        &mut report,
+                    )?;
+                    continue;
+                }
+                Ok(message) => run.push((record.offset, record.timestamp.unwrap_or(now), message)),
+                Err(err) => {
+                    report.undecodable = Some((record.offset, err.to_string()));
+                    break;
+                }
+            }
+            progress.next_offset = Some(record.offset + 1);
+        }
+        // Also commits the progress past stale records.
+        self.apply_counts(&run, &mut progress, now, mark_rollups, &mut report)?;
         Ok(report)
     }
 
-    /// Begins applying a batch at wall-clock `now`.
-    pub fn begin(&self, now: i64) -> Applying {
-        let progress = self.progress();
-        Applying {
-            began_at: progress.next_offset,
-            now,
-            progress,
-            coalescer: Coalescer::new(&self.options.resolutions, now),
-            batch: WriteBatch::default(),
-            ids: FxHashSet::default(),
-            stream_times: Vec::new(),
-            report: ApplyReport::default(),
-        }
-    }
-
-    /// Applies `records` (in offset order, after those `applying` took) and writes
-    /// everything: the batch's report (its `records` left to the caller).
-    pub fn finish(
+    /// Applies a run of increment and totals records in one write batch.
+    fn apply_counts(
         &self,
-        mut applying: Applying,
-        records: &[ShardRecord<'_>],
+        run: &[Decoded<'_>],
+        progress: &mut Progress,
+        now: i64,
         mark_rollups: bool,
-    ) -> Result<ApplyReport> {
-        for record in records {
-            match self.add(&mut applying, record)? {
-                None => {}
-                Some(Held::Gap(next)) => {
-                    applying.report.gap = Some((next, record.offset));
-                    break;
-                }
-                Some(Held::Undecodable(reason)) => {
-                    applying.report.undecodable = Some((record.offset, reason));
-                    break;
-                }
-                Some(Held::DescChanges) => {
-                    // The run before is committed first, with the progress up to it:
-                    // a crash in between re-applies this record, never skips it.
-                    self.write_run(&mut applying, mark_rollups)?;
-                    let payload = tally_core::packed::unpack(record.payload)?;
-                    let ShardMessageRef::DescChanges { source, entries } = ShardMessageRef::decode(&payload)? else {
-                        let message = "a record of descendant changes decoded as another kind".into();
-                        return Err(crate::Error::Shard { shard: self.shard, message });
-                    };
-                    applying.progress.next_offset = Some(record.offset + 1);
-                    let Applying { progress, now, report, .. } = &mut applying;
-                    self.apply_desc_changes(
-                        (record.offset, &payload),
-                        source,
-                        entries,
-                        progress,
-                        *now,
-                        mark_rollups,
-                        report,
-                    )?;
-                }
-            }
-        }
-        // Also commits the progress past stale records.
-        self.write_run(&mut applying, mark_rollups)?;
-        Ok(applying.report)
-    }
-
-    /// Adds `record` (the next in offset order) to the run `applying` holds, or
-    /// holds it back (nothing changed) for [`ShardStore::finish`] to handle. An
-    /// error leaves `applying` partly changed: it must be dropped.
-    pub fn add(&self, applying: &mut Applying, record: &ShardRecord<'_>) -> Result<Option<Held>> {
-        let next = applying.progress.next_offset;
-        if next.is_some_and(|next| record.offset < next) {
-            applying.report.stale_records += 1;
-            return Ok(None);
-        }
-        if let Some(next) = next.filter(|next| record.offset > *next) {
-            return Ok(Some(Held::Gap(next)));
-        }
-        let payload = match tally_core::packed::unpack(record.payload) {
-            Ok(payload) => payload,
-            Err(err) => return Ok(Some(Held::Undecodable(err.to_string()))),
-        };
-        let record_time = record.timestamp.unwrap_or(applying.now);
-        match ShardMessageRef::decode(&payload) {
-            Ok(ShardMessageRef::DescChanges { .. }) => return Ok(Some(Held::DescChanges)),
-            Ok(ShardMessageRef::Increments { source, entries }) => {
-                self.add_increments(applying, record.offset, record_time, source, &entries)?;
-                applying.stream_times.push((source, record_time));
-            }
-            Ok(ShardMessageRef::Totals { source, entries }) => {
-                let Applying { progress, coalescer, report, .. } = applying;
-                for (stamp, delta) in entries {
-                    if !progress.advance(source, stamp) {
-                        report.redelivered += 1;
-                        continue;
-                    }
-                    report.totals_received += 1;
-                    let counts = Counts { direct: 0, total: delta.delta };
-                    coalescer.add_bucket(delta.entity, delta.metric, delta.width_ms, delta.bucket, counts);
-                }
-            }
-            Err(err) => return Ok(Some(Held::Undecodable(err.to_string()))),
-        }
-        applying.progress.next_offset = Some(record.offset + 1);
-        Ok(None)
-    }
-
-    /// Adds the increments of the record at `offset` to the run: to their counters,
-    /// through the entity's descendant view to the totals of its descendants here,
-    /// and to the outbox for those on other shards.
-    fn add_increments(
-        &self,
-        applying: &mut Applying,
-        offset: i64,
-        record_time: i64,
-        source: Source,
-        entries: &[(Stamp, IncrementRef<'_>)],
+        report: &mut ApplyReport,
     ) -> Result<()> {
         let descendants = self.descendants.lock().map_err(|_| self.poisoned())?;
-        let dedupe_cf = self.cf(CF_DEDUPE)?;
-        let Applying { now, progress, coalescer, batch, ids, report, .. } = applying;
-        // Totals this record sends to other shards, coalesced within the record.
-        let mut remote: BTreeMap<u32, Coalescer> = BTreeMap::new();
+        let mut coalescer = Coalescer::new(&self.options.resolutions, now);
+        let mut batch = WriteBatch::default();
+        let mut ids_in_batch: HashSet<(&str, &str)> = HashSet::new();
         let mut key = Vec::with_capacity(128);
-        for (stamp, increment) in entries {
-            if !progress.advance(source, *stamp) {
-                report.redelivered += 1;
-                continue;
-            }
-            if let Some(id) = increment.id {
-                key.clear();
-                encode_dedupe_key(&mut key, increment.entity, id);
-                if ids.contains(&key) || self.seen_recently(&key, record_time)? {
-                    report.duplicate_ids += 1;
-                    continue;
-                }
-                batch.put_cf(dedupe_cf, &key, DedupeWindow::mark(record_time, source));
-                ids.insert(key.clone());
-            }
-            report.increments += 1;
-            let (entity, metric, ts, delta) = (increment.entity, increment.metric, increment.ts, increment.delta);
-            coalescer.add(entity, metric, ts, Counts { direct: delta, total: delta });
-            for d in descendants.map.get(entity).into_iter().flatten() {
-                let counts = Counts { direct: 0, total: delta };
-                match shard_of(d, self.options.shards) {
-                    target if target == self.shard => coalescer.add(d, metric, ts, counts),
-                    target => remote
-                        .entry(target)
-                        .or_insert_with(|| Coalescer::new(&self.options.resolutions, *now))
-                        .add(d, metric, ts, counts),
-                }
-            }
-        }
-        drop(descendants);
-        if remote.is_empty() {
-            return Ok(());
-        }
+        let dedupe_cf = self.cf(CF_DEDUPE)?;
         let outbox_cf = self.cf(CF_OUTBOX)?;
-        let mut index = 0u32;
-        for (target, totals) in &mut remote {
-            let mut entries = Vec::with_capacity(totals.keys());
-            totals.for_each(|entity, metric, width_ms, bucket, counts| {
-                let delta =
-                    TotalDelta { entity: entity.into(), metric: metric.into(), width_ms, bucket, delta: counts.total };
-                entries.push((Stamp { offset, index }, delta));
-                index += 1;
-            });
-            self.put_outbox(batch, outbox_cf, offset, *target, entries, report)?;
-        }
-        Ok(())
-    }
 
-    /// Writes the run `applying` holds in one write batch with the progress so far,
-    /// and starts a new one.
-    fn write_run(&self, applying: &mut Applying, mark_rollups: bool) -> Result<()> {
-        let mut coalescer =
-            std::mem::replace(&mut applying.coalescer, Coalescer::new(&self.options.resolutions, applying.now));
-        let mut batch = std::mem::take(&mut applying.batch);
-        applying.ids.clear();
-        let report = &mut applying.report;
+        for (offset, record_time, message) in run {
+            // Totals this record sends to other shards, coalesced within the record.
+            let mut remote: BTreeMap<u32, Coalescer<'_>> = BTreeMap::new();
+            match message {
+                ShardMessageRef::Increments { source, entries } => {
+                    for (stamp, increment) in entries {
+                        if !progress.advance(*source, *stamp) {
+                            report.redelivered += 1;
+                            continue;
+                        }
+                        if let Some(id) = increment.id {
+                            key.clear();
+                            encode_dedupe_key(&mut key, increment.entity, id);
+                            if !ids_in_batch.insert((increment.entity, id)) || self.seen_recently(&key, *record_time)? {
+                                report.duplicate_ids += 1;
+                                continue;
+                            }
+                            batch.put_cf(dedupe_cf, &key, DedupeWindow::mark(*record_time, *source));
+                        }
+                        report.increments += 1;
+                        let (entity, metric, ts, delta) =
+                            (increment.entity, increment.metric, increment.ts, increment.delta);
+                        coalescer.add(entity, metric, ts, Counts { direct: delta, total: delta });
+                        for d in descendants.map.get(entity).into_iter().flatten() {
+                            let counts = Counts { direct: 0, total: delta };
+                            match shard_of(d, self.options.shards) {
+                                target if target == self.shard => coalescer.add(d, metric, ts, counts),
+                                target => remote
+                                    .entry(target)
+                                    .or_insert_with(|| Coalescer::new(&self.options.resolutions, now))
+                                    .add(d, metric, ts, counts),
+                            }
+                        }
+                    }
+                }
+                ShardMessageRef::Totals { source, entries } => {
+                    for (stamp, delta) in entries {
+                        if !progress.advance(*source, *stamp) {
+                            report.redelivered += 1;
+                            continue;
+                        }
+                        report.totals_received += 1;
+                        let counts = Counts { direct: 0, total: delta.delta };
+                        coalescer.add_bucket(delta.entity, delta.metric, delta.width_ms, delta.bucket, counts);
+                    }
+                }
+                ShardMessageRef::DescChanges { .. } => {}
+            }
+            let mut index = 0u32;
+            for (target, totals) in &mut remote {
+                let mut entries = Vec::with_capacity(totals.keys());
+                totals.for_each(|entity, metric, width_ms, bucket, counts| {
+                    let delta = TotalDelta {
+                        entity: entity.into(),
+                        metric: metric.into(),
+                        width_ms,
+                        bucket,
+                        delta: counts.total,
+                    };
+                    entries.push((Stamp { offset: *offset, index }, delta));
+                    index += 1;
+                });
+                self.put_outbox(&mut batch, outbox_cf, *offset, *target, entries, report)?;
+            }
+        }
+
         let (counts_cf, rollups_cf) = (self.cf(CF_COUNTS)?, self.cf(CF_ROLLUPS)?);
         report.keys += coalescer.keys();
         let mut marking = self.marking(mark_rollups)?;
@@ -438,7 +342,6 @@ impl ShardStore {
         let mut cached_deltas: Vec<(&str, &str, i64, i64, i64)> = Vec::new();
         let mut last_entity: Option<(&str, bool)> = None;
         let mut writes = self.count_writes()?;
-        let mut key = Vec::with_capacity(128);
         coalescer.for_each(|entity, metric, width_ms, bucket, counts| {
             key.clear();
             encode_count_key(&mut key, entity, metric, width_ms, bucket);
@@ -457,15 +360,17 @@ impl ShardStore {
             }
         });
         writes.finish(self, &mut batch, counts_cf)?;
-        self.commit(batch, applying.progress.clone())?;
+        self.commit(batch, progress.clone())?;
         for (entity, metric, width_ms, bucket, delta) in cached_deltas {
             cache.add(entity, metric, width_ms, bucket, delta);
         }
-        drop(cache);
+        drop((cache, descendants));
         marking.committed(report);
         // Only producers' increments move their sources' stream time.
-        for (source, record_time) in applying.stream_times.drain(..) {
-            self.advance_stream_time(source, record_time);
+        for (_, record_time, message) in run {
+            if let ShardMessageRef::Increments { source, .. } = message {
+                self.advance_stream_time(*source, *record_time);
+            }
         }
         Ok(())
     }
@@ -1432,68 +1337,6 @@ mod tests {
                     }
                     prop_assert_eq!(contents(&cached), contents(&uncached), "after record {} ({:?})", offset, step);
                     offset += 1;
-                }
-            }
-
-            /// A batch begun as its records come (`begin`, then `add` until a record
-            /// is held back) writes nothing before `finish`, and then writes exactly
-            /// what applying it at once writes — counts and outbox byte for byte,
-            /// and the same report — whatever the batches, with records redelivered
-            /// and a record that does not decode.
-            #[test]
-            fn a_batch_begun_as_it_gathers_writes_what_applying_it_at_once_writes(
-                steps in steps(),
-                cuts in proptest::collection::vec((1usize..6, any::<bool>()), 1..20),
-                garbage in proptest::option::of(0usize..40),
-            ) {
-                let dir = tempfile::tempdir().unwrap();
-                let open = |name: &str| {
-                    let options = StoreOptions { shards: 2, direct_cache_bytes: 1_000, ..options() };
-                    ShardStore::open(0, &dir.path().join(name), options).unwrap()
-                };
-                let (at_once, begun) = (open("at-once"), open("begun"));
-                let mut now = NOW;
-                let mut log: Vec<(i64, Vec<u8>)> = Vec::new();
-                for step in &steps {
-                    if let Step::Later(minutes) = step {
-                        now += minutes * 60_000;
-                    }
-                    let offset = log.len() as i64;
-                    let Some(payload) = record(offset, step, now) else { continue };
-                    log.push((offset, if garbage == Some(log.len()) { b"garbage".to_vec() } else { payload }));
-                }
-                let (mut from, mut cut) = (0usize, cuts.iter().cycle());
-                while from < log.len() {
-                    let (size, again) = cut.next().copied().unwrap_or((1, false));
-                    // A batch may begin with the last record of the one before again.
-                    let start = if again { from.saturating_sub(1) } else { from };
-                    let end = (from + size).min(log.len());
-                    let records: Vec<ShardRecord<'_>> = log[start..end]
-                        .iter()
-                        .map(|(offset, payload)| ShardRecord { offset: *offset, payload, timestamp: None })
-                        .collect();
-                    let expected = at_once.apply(&records, now, true).unwrap();
-                    let before = contents(&begun);
-                    let mut applying = begun.begin(now);
-                    for record in &records {
-                        if begun.add(&mut applying, record).unwrap().is_some() {
-                            break;
-                        }
-                    }
-                    prop_assert_eq!(&contents(&begun), &before, "nothing is written before the batch is finished");
-                    let next = applying.next_offset();
-                    let rest = &records[records.partition_point(|r| next.is_some_and(|next| r.offset < next))..];
-                    let report = begun.finish(applying, rest, true).unwrap();
-                    let summary = |r: &ApplyReport| {
-                        (r.stale_records, r.increments, r.redelivered, r.desc_changes, r.outbox_messages, r.keys, r.marked, r.gap, r.undecodable.clone())
-                    };
-                    prop_assert_eq!(summary(&report), summary(&expected), "batch {}..{}", start, end);
-                    prop_assert_eq!(contents(&begun), contents(&at_once), "after batch {}..{}", start, end);
-                    prop_assert_eq!(begun.progress(), at_once.progress());
-                    if expected.undecodable.is_some() {
-                        break;
-                    }
-                    from = end;
                 }
             }
         }

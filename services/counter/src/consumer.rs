@@ -8,7 +8,6 @@
 //! only advisory, for lag tooling); it is served once it caught up with the log.
 
 use std::cmp::Reverse;
-use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -21,8 +20,8 @@ use rdkafka::ClientContext;
 use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
 use tally_shared::consume::{
-    commit_advisory, committed_offsets, drive, spawn_lag_reporter, unreplayable, BatchLimits, Gathered, LogCheck,
-    LoopSetup, Polled, Processor,
+    commit_advisory, committed_offsets, drive, spawn_lag_reporter, unreplayable, BatchLimits, LogCheck, LoopSetup,
+    Polled, Processor,
 };
 use tally_shared::failures::Failure;
 use tally_shared::idle::HelperGauge;
@@ -32,7 +31,7 @@ use tally_shared::snapshot::{clear_restored_marker, restored_marker, SnapshotSto
 use tally_shared::telemetry::Readiness;
 use tokio_util::sync::CancellationToken;
 
-use crate::apply::{ApplyReport, Applying, ShardRecord};
+use crate::apply::{ApplyReport, ShardRecord};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::ownership::{Change, Ownership};
@@ -312,7 +311,6 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         rollups,
         relay: Relay::new(&config.kafka, shard_topic.clone())?,
         topic: shard_topic.clone(),
-        begun: HashMap::new(),
         serving: Vec::new(),
         outbox_written: 0,
         threads,
@@ -353,9 +351,6 @@ struct Counter {
     /// How many helper threads apply a batch's shards beside the loop: up to
     /// `counter.apply_threads - 1`, as cores sat idle while the batch gathered.
     helpers: HelperGauge,
-    /// The shards whose records of the batch gathering began to be applied while it
-    /// waited ([`Counter::gathered`]).
-    begun: HashMap<u32, Begun>,
     /// The shards last announced.
     serving: Vec<u32>,
     /// Outbox messages written since the last relay.
@@ -377,21 +372,9 @@ impl Processor<CounterContext> for Counter {
         self.shards.epoch() != self.epoch
     }
 
-    fn gathering(&mut self) {
-        self.begun.clear();
-    }
-
-    /// Begins applying the record's shard's batch while the batch waits for more;
-    /// what is left when it closes is applied shard by shard on up to
-    /// `apply_threads` threads.
-    fn gathered(&mut self, record: &Polled) {
-        begin_applying(&mut self.begun, &self.shards, record);
-    }
-
-    fn apply(&mut self, consumer: &BaseConsumer<CounterContext>, batch: &[Polled], gathered: Gathered) -> Vec<u32> {
-        let threads = 1 + self.helpers.starting(gathered.worked_share());
-        let begun = std::mem::take(&mut self.begun);
-        let (written, failed) = apply_batch(batch, begun, &self.shards, &self.metrics, self.rollups.is_some(), threads);
+    fn apply(&mut self, consumer: &BaseConsumer<CounterContext>, batch: &[Polled]) -> Vec<u32> {
+        let threads = 1 + self.helpers.starting();
+        let (written, failed) = apply_batch(batch, &self.shards, &self.metrics, self.rollups.is_some(), threads);
         self.helpers.done();
         self.outbox_written += written;
         let owned = self.shards.owned().into_iter();
@@ -550,7 +533,6 @@ fn report_state(shards: &Shards, readiness: &Readiness, metrics: &Metrics, confl
 /// threads, as nice as the loop"; "Helpers only on idle cores").
 fn apply_batch(
     batch: &[Polled],
-    mut begun: HashMap<u32, Begun>,
     shards: &Shards,
     metrics: &Metrics,
     mark_rollups: bool,
@@ -564,22 +546,20 @@ fn apply_batch(
             timestamp: polled.timestamp,
         });
     }
-    let mut work: Vec<(u32, Vec<ShardRecord<'_>>, Mutex<Option<Begun>>)> =
-        by_shard.into_iter().map(|(shard, records)| (shard, records, Mutex::new(begun.remove(&shard)))).collect();
-    for (_, records, _) in &mut work {
+    let mut work: Vec<(u32, Vec<ShardRecord<'_>>)> = by_shard.into_iter().collect();
+    for (_, records) in &mut work {
         records.sort_by_key(|r| r.offset);
     }
     // The biggest first, so that the threads finish about together.
-    work.sort_by_cached_key(|(shard, records, _)| {
+    work.sort_by_cached_key(|(shard, records)| {
         (Reverse(records.iter().map(|r| r.payload.len()).sum::<usize>()), *shard)
     });
     let now = now_ms();
     let taken = AtomicUsize::new(0);
     let apply_shards = || {
         let (mut outbox_written, mut failed) = (0, Vec::new());
-        while let Some((shard, records, begun)) = work.get(taken.fetch_add(1, Ordering::Relaxed)) {
-            let begun = begun.lock().ok().and_then(|mut begun| begun.take());
-            let (written, shard_failed) = apply_shard(*shard, records, begun, shards, metrics, mark_rollups, now);
+        while let Some((shard, records)) = work.get(taken.fetch_add(1, Ordering::Relaxed)) {
+            let (written, shard_failed) = apply_shard(*shard, records, shards, metrics, mark_rollups, now);
             outbox_written += written;
             if shard_failed {
                 failed.push(*shard);
@@ -605,7 +585,6 @@ fn apply_batch(
 fn apply_shard(
     shard: u32,
     records: &[ShardRecord<'_>],
-    begun: Option<Begun>,
     shards: &Shards,
     metrics: &Metrics,
     mark_rollups: bool,
@@ -613,16 +592,7 @@ fn apply_shard(
 ) -> (u64, bool) {
     let Some(store) = shards.get(shard).filter(|_| !shards.failures.is_failed(shard)) else { return (0, false) };
     let started = Instant::now();
-    let applied = match begun.and_then(|begun| begun.applying_on(&store)) {
-        Some(applying) => {
-            // Those before its next offset were added (or are stale).
-            let next = applying.next_offset();
-            let rest = &records[records.partition_point(|r| next.is_some_and(|next| r.offset < next))..];
-            store.finish(applying, rest, mark_rollups).map(|report| ApplyReport { records: records.len(), ..report })
-        }
-        None => store.apply(records, now, mark_rollups),
-    };
-    let report = match applied {
+    let report = match store.apply(records, now, mark_rollups) {
         Ok(report) => report,
         Err(err) => {
             let offset = store.next_offset();
@@ -645,59 +615,6 @@ fn apply_shard(
         failed = true;
     }
     (report.outbox_messages, failed)
-}
-
-/// A shard whose records of the batch gathering began to be applied while it waited
-/// ([`Counter::gathered`]): nothing is written until the batch is applied.
-struct Begun {
-    /// The store they were added against.
-    store: Arc<ShardStore>,
-    /// `None`: adding one failed (the batch applies them all).
-    applying: Option<Applying>,
-    /// A record was held back ([`crate::apply::Held`]): it and the rest are left
-    /// to the batch.
-    held: bool,
-    /// The highest offset gathered.
-    last: i64,
-}
-
-/// Adds `record`, just polled, to what its shard's batch holds (begun at its first
-/// record), if it can be: nothing is written until the batch is applied.
-fn begin_applying(begun: &mut HashMap<u32, Begun>, shards: &Shards, record: &Polled) {
-    let shard = record.partition as u32;
-    let begun = match begun.entry(shard) {
-        Entry::Occupied(begun) => begun.into_mut(),
-        Entry::Vacant(vacant) => {
-            let Some(store) = shards.get(shard).filter(|_| !shards.failures.is_failed(shard)) else { return };
-            let applying = Some(store.begin(now_ms()));
-            vacant.insert(Begun { store, applying, held: false, last: record.offset })
-        }
-    };
-    if record.offset < begun.last {
-        // Out of offset order (a store without records yet took the first that
-        // came): the batch applies the shard's records from the first, sorted.
-        begun.applying = None;
-    }
-    begun.last = begun.last.max(record.offset);
-    let Some(applying) = begun.applying.as_mut().filter(|_| !begun.held) else { return };
-    let record = ShardRecord { offset: record.offset, payload: &record.payload, timestamp: record.timestamp };
-    match begun.store.add(applying, &record) {
-        Ok(None) => {}
-        // The rest of the shard's records are applied with the batch, from this one.
-        Ok(Some(_)) => begun.held = true,
-        // Half added: the batch applies the shard's records from the first (and
-        // meets the error again, to fail the shard with it).
-        Err(_) => begun.applying = None,
-    }
-}
-
-impl Begun {
-    /// What was added, if `store` is the one it was added against and has not moved
-    /// since.
-    fn applying_on(self, store: &Arc<ShardStore>) -> Option<Applying> {
-        let applying = self.applying?;
-        (Arc::ptr_eq(&self.store, store) && applying.began_at() == store.next_offset()).then_some(applying)
-    }
 }
 
 fn record_metrics(metrics: &Metrics, report: &ApplyReport) {
@@ -787,12 +704,7 @@ mod tests {
 
     /// Every shard's state after applying `batch` on `threads` threads, and what
     /// `apply_batch` returned.
-    fn applied(
-        batch: &[Polled],
-        entities: &[&str],
-        threads: usize,
-        ahead: usize,
-    ) -> ((u64, Vec<u32>), Vec<ShardState>) {
+    fn applied(batch: &[Polled], entities: &[&str], threads: usize) -> ((u64, Vec<u32>), Vec<ShardState>) {
         let dir = tempfile::tempdir().unwrap();
         let stores = (0..SHARDS)
             .map(|shard| {
@@ -802,12 +714,7 @@ mod tests {
             .collect();
         let shards = Shards::default();
         shards.replace(stores, BTreeMap::new());
-        // As the consumer does while a batch waits: its first `ahead` records begun.
-        let mut begun = HashMap::new();
-        for polled in batch.iter().take(ahead) {
-            begin_applying(&mut begun, &shards, polled);
-        }
-        let mut returned = apply_batch(batch, begun, &shards, &Metrics::new(&Registry::new()), true, threads);
+        let mut returned = apply_batch(batch, &shards, &Metrics::new(&Registry::new()), true, threads);
         returned.1.sort();
         let states = (0..SHARDS)
             .map(|shard| {
@@ -890,10 +797,9 @@ mod tests {
         assert_eq!(threads, expected);
     }
 
-    /// Each shard's records apply in offset order, however they were polled, however
-    /// many threads share the shards, and however many were begun while the batch
-    /// waited; a shard with a bad record stops at it, the others apply all of
-    /// theirs.
+    /// Each shard's records apply in offset order, however they were polled and
+    /// however many threads share the shards; a shard with a bad record stops at
+    /// it, the others apply all of theirs.
     #[test]
     fn a_batch_applies_shard_by_shard_in_offset_order_and_a_bad_record_stops_its_shard_only() {
         let mut bad = increments(2, 1, &[("c", 1)]);
@@ -920,14 +826,8 @@ mod tests {
                 (None, vec![0, 0, 0, 0]),
             ],
         );
-        for (threads, ahead) in [(1, 0), (2, 0), (8, 0), (1, 3), (2, 5), (1, 8), (2, 8)] {
-            assert_eq!(applied(&batch, &entities, threads, ahead), expected, "{threads} threads, {ahead} begun");
-        }
-        // In offset order, some or all begun.
-        let mut sorted = batch.clone();
-        sorted.sort_by_key(|polled| (polled.partition, polled.offset));
-        for ahead in [2, 5, 8] {
-            assert_eq!(applied(&sorted, &entities, 2, ahead), expected, "in order, {ahead} begun");
+        for threads in [1, 2, 8] {
+            assert_eq!(applied(&batch, &entities, threads), expected, "{threads} threads");
         }
     }
 }

@@ -20,8 +20,8 @@ use tally_core::wire::ShardOwner;
 use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
 use tally_shared::consume::{
-    commit_advisory, committed_offsets, drive, pause, spawn_lag_reporter, unreplayable, BatchLimits, Gathered,
-    LogCheck, LoopSetup, Polled, Processor,
+    commit_advisory, committed_offsets, drive, pause, spawn_lag_reporter, unreplayable, BatchLimits, LogCheck,
+    LoopSetup, Polled, Processor,
 };
 use tally_shared::kafka::{now_ms, TopicNames};
 use tally_shared::outbox::Relay;
@@ -170,7 +170,7 @@ struct GraphProcessor {
 impl Processor<DefaultConsumerContext> for GraphProcessor {
     type Error = Error;
 
-    fn apply(&mut self, _: &BaseConsumer, batch: &[Polled], _: Gathered) -> Vec<u32> {
+    fn apply(&mut self, _: &BaseConsumer, batch: &[Polled]) -> Vec<u32> {
         let records: Vec<UpdateRecord<'_>> = batch
             .iter()
             .map(|polled| UpdateRecord { offset: polled.offset, payload: &polled.payload, timestamp: polled.timestamp })
