@@ -684,17 +684,20 @@ pub mod check {
         try_listings(sandbox, model, entities).await.unwrap_or_else(|mismatch| panic!("{mismatch}"));
     }
 
+    /// A metric as listed: its name, direct and total.
+    type Listed = (String, (Option<i64>, Option<i64>));
+
     /// [`listings`], as a result (for negative controls).
     pub async fn try_listings(sandbox: &Sandbox, model: &Model, entities: &[String]) -> Result<(), String> {
         for entity in entities {
-            let mut listed: Vec<(String, (Option<i64>, Option<i64>))> = Vec::new();
+            let mut listed: Vec<Listed> = Vec::new();
             for (_, body) in pages(sandbox, &format!("/v1/entities/{}/metrics?limit=2", encode(entity))).await? {
                 for m in body["metrics"].as_array().cloned().unwrap_or_default() {
                     let counts = (m["direct"].as_i64(), m["total"].as_i64());
                     listed.push((m["metric"].as_str().unwrap_or_default().to_string(), counts));
                 }
             }
-            let want: Vec<(String, (Option<i64>, Option<i64>))> =
+            let want: Vec<Listed> =
                 model.metrics(entity).into_iter().map(|(m, (d, t))| (m, (Some(d), Some(t)))).collect();
             same(listed, want, entity)?;
         }

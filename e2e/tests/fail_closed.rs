@@ -92,7 +92,7 @@ async fn garbage_on_the_shard_topic_stops_only_its_shard_until_an_operator_skips
     let letters = sandbox.read_topic(&sandbox.names.dead_letter(), 2, Duration::from_secs(10));
     assert_eq!(letters.len(), 1, "one dead letter: {letters:?}");
     let letter: DeadLetter = serde_json::from_slice(&letters[0]).unwrap();
-    let reason = format!("skipped by an operator: a stray producer (it failed: format: shard record: not a tally record (no format header))");
+    let reason = "skipped by an operator: a stray producer (it failed: format: shard record: not a tally record (no format header))".to_string();
     let want = DeadLetter {
         v: 1,
         topic: shard_topic.clone(),

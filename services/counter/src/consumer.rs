@@ -34,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 use crate::apply::{ApplyReport, ShardRecord};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
-use crate::ownership::{Change, Ownership};
+use crate::ownership::{Change, Ownership, Watched};
 use crate::relay::relay_outboxes;
 use crate::rollups::Rollups;
 use crate::shards::Shards;
@@ -356,7 +356,7 @@ struct Counter {
     /// Outbox messages written since the last relay.
     outbox_written: u64,
     /// Watched: one that ends before shutdown (a panic) stops the counter.
-    threads: Vec<(&'static str, std::thread::JoinHandle<()>)>,
+    threads: Watched,
     /// Which shards to own (`None`: every shard, statically).
     ownership: Option<Ownership>,
     shard_count: u32,

@@ -52,14 +52,15 @@ pub fn router(state: ReadState) -> Router {
         .merge(snapshot_router(state.snapshots.then(|| state.shards.snapshot_requests.clone())))
 }
 
-/// The store of `shard` when it serves reads; the answer to give otherwise.
-fn serving(state: &ReadState, shard: u32) -> Result<Arc<ShardStore>, Response> {
+/// The store of `shard` when it serves reads; the answer to give otherwise (boxed:
+/// a response is big, the store a pointer).
+fn serving(state: &ReadState, shard: u32) -> Result<Arc<ShardStore>, Box<Response>> {
     if let Some(refusal) = state.shards.failures.read_refusal(shard) {
-        return Err(refusal);
+        return Err(Box::new(refusal));
     }
     state.shards.served(shard).ok_or_else(|| {
         let message = format!("shard {shard} is not owned by this counter");
-        ApiError::new(StatusCode::CONFLICT, "not_owner", message).into_response()
+        Box::new(ApiError::new(StatusCode::CONFLICT, "not_owner", message).into_response())
     })
 }
 
@@ -145,7 +146,7 @@ fn read_shard(state: &ReadState, ShardQueries { shard, queries }: ShardQueries, 
 async fn metrics(State(state): State<ReadState>, Json(request): Json<ShardMetricsRequest>) -> Response {
     let store = match serving(&state, request.shard) {
         Ok(store) => store,
-        Err(response) => return response,
+        Err(response) => return *response,
     };
     let shard = request.shard;
     answer(&state, shard, move || store.metrics(&request.entity, request.after.as_deref(), request.limit)).await

@@ -34,6 +34,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::Result;
 
+/// Helper threads by name, watched by the consumer: one that ends before shutdown
+/// (a panic) stops the counter.
+pub type Watched = Vec<(&'static str, JoinHandle<()>)>;
+
 /// How long an assignment must stay the same before it is acted on.
 pub const SETTLE: Duration = Duration::from_millis(1_000);
 
@@ -153,7 +157,7 @@ impl Ownership {
         shard_count: u32,
         leave: &CancellationToken,
         shutdown: &CancellationToken,
-    ) -> Result<(Self, Vec<(&'static str, JoinHandle<()>)>)> {
+    ) -> Result<(Self, Watched)> {
         let names = TopicNames::new(&config.kafka.topic_prefix);
         let me = Member { instance: config.counter.member_name(), addr: read_addr.to_string() };
         tracing::info!(instance = %me.instance, "joining the counters");
