@@ -50,6 +50,13 @@ pub const PRESENT: [u8; 1] = [VALUE_V1];
 /// its input.
 pub const RECORD_TIME_HEADER: &str = "tally.record-time.v1";
 
+/// The Kafka header an ingester puts on the routed records of a batch that read its
+/// input partitions to their end (as far as the broker last said): the load that
+/// made them has, for now, stopped. A hint for when a receiver's batch may close
+/// (the one consume loop, `tally_shared::consume`), never for what it counts; its
+/// value is empty, and a record without it is one among more to come.
+pub const INPUT_DRAINED_HEADER: &str = "tally.input-drained.v1";
+
 /// The value of [`RECORD_TIME_HEADER`].
 pub fn record_time_value(ms: i64) -> [u8; 8] {
     ms.to_be_bytes()

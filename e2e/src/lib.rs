@@ -40,6 +40,15 @@ pub struct Sandbox {
     config_file: Option<PathBuf>,
 }
 
+/// A record [`Sandbox::read_records`] read.
+#[derive(Debug, Clone)]
+pub struct ReadRecord {
+    pub partition: i32,
+    pub payload: Vec<u8>,
+    /// Its headers' keys.
+    pub headers: Vec<String>,
+}
+
 /// How a sandbox starts.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Options<'a> {
@@ -138,6 +147,18 @@ impl Sandbox {
     /// Applies every built-in topic (after [`Sandbox::start_without`]).
     pub async fn apply_topics(&self) {
         topics::apply(&self.kafka, &Declarations::load(None).unwrap()).await.expect("topics apply");
+    }
+
+    /// The high watermark of one partition: the offset the next record gets.
+    pub fn next_offset(&self, topic: &str, partition: i32) -> i64 {
+        let consumer: BaseConsumer = client_config(&self.kafka).unwrap().create().unwrap();
+        consumer.fetch_watermarks(topic, partition, Duration::from_secs(10)).unwrap().1
+    }
+
+    /// How many partitions `topic` has.
+    pub fn partition_count(&self, topic: &str) -> u32 {
+        let consumer: BaseConsumer = client_config(&self.kafka).unwrap().create().unwrap();
+        tally_shared::kafka::partition_count(&consumer, topic, Duration::from_secs(10)).unwrap()
     }
 
     /// The offset `group` committed for a partition, if any.
@@ -326,6 +347,19 @@ impl Sandbox {
     /// Reads every record of `topic` (all partitions) until `expected` are seen or
     /// `timeout` passes.
     pub fn read_topic(&self, topic: &str, expected: usize, timeout: Duration) -> Vec<Vec<u8>> {
+        let records = self.read_records(topic, timeout, |records| records.len() >= expected);
+        records.into_iter().map(|record| record.payload).collect()
+    }
+
+    /// Reads the records of `topic` (all partitions, from the beginning) with their
+    /// headers' names until `enough` says so of what was read, or `timeout` passes.
+    pub fn read_records(
+        &self,
+        topic: &str,
+        timeout: Duration,
+        mut enough: impl FnMut(&[ReadRecord]) -> bool,
+    ) -> Vec<ReadRecord> {
+        use rdkafka::message::Headers;
         let mut config = client_config(&self.kafka).unwrap();
         config.set("group.id", format!("reader-{:08x}", rand::random::<u32>())).set("enable.auto.commit", "false");
         let consumer: BaseConsumer = config.create().unwrap();
@@ -337,9 +371,16 @@ impl Sandbox {
         consumer.assign(&tpl).unwrap();
         let deadline = std::time::Instant::now() + timeout;
         let mut records = Vec::new();
-        while records.len() < expected && std::time::Instant::now() < deadline {
+        while !enough(&records) && std::time::Instant::now() < deadline {
             if let Some(Ok(message)) = consumer.poll(Duration::from_millis(200)) {
-                records.push(message.payload().unwrap_or_default().to_vec());
+                let headers = message
+                    .headers()
+                    .map_or_else(Vec::new, |headers| headers.iter().map(|header| header.key.to_string()).collect());
+                records.push(ReadRecord {
+                    partition: message.partition(),
+                    payload: message.payload().unwrap_or_default().to_vec(),
+                    headers,
+                });
             }
         }
         records

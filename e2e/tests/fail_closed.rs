@@ -113,12 +113,6 @@ async fn garbage_on_the_shard_topic_stops_only_its_shard_until_an_operator_skips
     );
 }
 
-/// The high watermark of one partition: the offset the next record gets.
-fn next_offset(sandbox: &Sandbox, topic: &str, partition: i32) -> i64 {
-    let consumer: BaseConsumer = client_config(&sandbox.kafka).unwrap().create().unwrap();
-    consumer.fetch_watermarks(topic, partition, Duration::from_secs(10)).unwrap().1
-}
-
 /// Produces `payload` to one partition of `topic`, as a stray producer would.
 async fn produce_raw(sandbox: &Sandbox, topic: &str, partition: i32, payload: &[u8]) {
     let producer: rdkafka::producer::FutureProducer = client_config(&sandbox.kafka).unwrap().create().unwrap();
@@ -157,7 +151,7 @@ async fn garbage_on_the_graph_log_stops_the_graph_not_the_counting_until_skipped
     check::wait_for_all_time(&sandbox, &model, &entities, &metrics, Duration::from_secs(90)).await;
 
     let log = sandbox.names.graph_updates();
-    let garbage_offset = next_offset(&sandbox, &log, 0);
+    let garbage_offset = sandbox.next_offset(&log, 0);
     let garbage = b"stray bytes".to_vec();
     produce_raw(&sandbox, &log, 0, &garbage).await;
     sandbox.produce_to(&sandbox.names.graph(), &[edge("a", "c")]).await;

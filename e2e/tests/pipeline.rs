@@ -5,9 +5,10 @@
 use std::time::Duration;
 
 use base64::Engine;
-use tally_core::wire::{DeadLetter, Rollup};
+use tally_core::format::INPUT_DRAINED_HEADER;
+use tally_core::wire::{DeadLetter, Rollup, ShardMessage};
 use tally_e2e::workload::Workload;
-use tally_e2e::{check, Sandbox};
+use tally_e2e::{check, ReadRecord, Sandbox};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn counts_windows_series_and_dead_letters_match_the_model() {
@@ -89,4 +90,61 @@ async fn counts_windows_series_and_dead_letters_match_the_model() {
         assert!(!letter.reason.is_empty());
         base64::engine::general_purpose::STANDARD.decode(&letter.payload).expect("payload is base64");
     }
+}
+
+/// An ingester tells the records it routes after reading its input to the end (the
+/// hint on which a counter closes its batch at the end of a load,
+/// `tally.input-drained.v1`) from the ones it routes while records wait behind them:
+/// of a backlog, at most the last record of each input partition says so, and the
+/// record routed from a message that came alone after the load does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_records_that_end_an_ingesters_input_say_so() {
+    const BACKLOG: usize = 1_200;
+    let mut sandbox = Sandbox::start().await;
+    let increments = sandbox.names.increments();
+    // One entity, so one shard record per input partition and batch; padded to 20 kB,
+    // so the broker hands each partition over in several fetches.
+    let padding = " ".repeat(20_000);
+    let message =
+        |i: usize| (Some(format!("k{i}")), format!(r#"{{"entity":"user:1","metric":"m"}}{padding}"#).into_bytes());
+    sandbox.produce_to(&increments, &(0..BACKLOG).map(message).collect::<Vec<_>>()).await;
+    let ends: Vec<i64> =
+        (0..sandbox.partition_count(&increments) as i32).map(|p| sandbox.next_offset(&increments, p)).collect();
+    assert_eq!(ends.iter().sum::<i64>(), BACKLOG as i64, "{ends:?}");
+    // Batches that close a millisecond after their first record, most before they
+    // are full: whether records wait behind them is the broker's to say.
+    sandbox.spawn_instance("tally-ingester", "tally-ingester", &[("TALLY__INGESTER__BATCH_LINGER_MS", "1".into())]);
+
+    // Each shard record, in order: its input partition, its input offsets, whether it says drained.
+    let read = |sandbox: &Sandbox, entries: usize| -> Vec<(u32, Vec<i64>, bool)> {
+        let decoded = |record: &ReadRecord| match ShardMessage::decode(&record.payload).expect("a shard record") {
+            ShardMessage::Increments { source, entries } => {
+                (source.partition, entries.iter().map(|(stamp, _)| stamp.offset).collect::<Vec<_>>())
+            }
+            other => panic!("not increments: {other:?}"),
+        };
+        let routed = |records: &[ReadRecord]| records.iter().map(|record| decoded(record).1.len()).sum::<usize>();
+        let records = sandbox.read_records(&sandbox.names.shards(), Duration::from_secs(60), |r| routed(r) >= entries);
+        assert_eq!(routed(&records), entries, "every increment routed once");
+        let drained = |record: &ReadRecord| record.headers.iter().any(|key| key == INPUT_DRAINED_HEADER);
+        records.iter().map(|record| (decoded(record).0, decoded(record).1, drained(record))).collect()
+    };
+    let backlog = read(&sandbox, BACKLOG);
+    for (partition, end) in ends.iter().enumerate() {
+        let records: Vec<_> = backlog.iter().filter(|record| record.0 == partition as u32).collect();
+        let Some((last, before)) = records.split_last() else { continue };
+        assert!(before.iter().all(|record| !record.2), "said drained with records behind: {records:?}");
+        assert!(!last.2 || last.1.last() == Some(&(end - 1)), "said drained before the end: {records:?}");
+    }
+    let shape: Vec<_> =
+        backlog.iter().map(|(partition, offsets, drained)| (partition, offsets.len(), drained)).collect();
+    let behind = backlog.len() - ends.iter().filter(|end| **end > 0).count();
+    assert!(behind >= 1, "no record with records behind it, nothing to tell: {shape:?}");
+
+    // One message after the load: its batch read the partition to its end.
+    sandbox.produce_to(&increments, &[message(BACKLOG)]).await;
+    let after = read(&sandbox, BACKLOG + 1);
+    let late: Vec<_> = after.iter().filter(|record| !backlog.contains(record)).collect();
+    assert_eq!(late.len(), 1, "{after:?}");
+    assert!(late[0].2, "the record that ended the input did not say so: {late:?}");
 }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::Message;
-use tally_core::format::{parse_record_time, RECORD_TIME_HEADER};
+use tally_core::format::{parse_record_time, INPUT_DRAINED_HEADER, RECORD_TIME_HEADER};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::KafkaConfig;
@@ -93,6 +93,13 @@ fn record_time(message: &rdkafka::message::BorrowedMessage<'_>) -> Option<i64> {
     message.timestamp().to_millis().filter(|ts| *ts >= 0)
 }
 
+/// Whether the record carries [`INPUT_DRAINED_HEADER`]: the ingester that sent it
+/// had read its input to the end.
+fn says_input_drained(message: &rdkafka::message::BorrowedMessage<'_>) -> bool {
+    use rdkafka::message::Headers;
+    message.headers().is_some_and(|headers| headers.iter().any(|h| h.key == INPUT_DRAINED_HEADER))
+}
+
 /// A record copied out of the consumer.
 #[derive(Debug, Clone)]
 pub struct Polled {
@@ -108,8 +115,10 @@ pub struct Polled {
 /// It closes when full, when `open_for` (at least `limits.linger`) passed since it
 /// opened, past `limits.linger` once no record arrived for `limits.quiet` (the load
 /// that stretched it has stopped: at the end of a backlog, waiting out the stretch
-/// only delays the last records), or — while still empty — after one idle poll (so
-/// the caller's heartbeat work runs). After every poll `interrupted()` is asked:
+/// only delays the last records) — or for just `limits.linger` after a record that
+/// says its ingester read its input to the end ([`INPUT_DRAINED_HEADER`]: the end
+/// of a load told from a pause between an ingester's sends) —, or, while still
+/// empty, after one idle poll (so the caller's heartbeat work runs). After every poll `interrupted()` is asked:
 /// true (a rebalance reset the positions) discards what was collected and returns.
 pub fn poll_batch<C: ConsumerContext>(
     consumer: &BaseConsumer<C>,
@@ -122,14 +131,18 @@ pub fn poll_batch<C: ConsumerContext>(
     let mut bytes = 0usize;
     let opened = Instant::now();
     let deadline = opened + open_for.max(limits.linger);
-    // When the batch closes, given when its last record came (or it opened).
-    let closes = |quiet_from: Instant| deadline.min((quiet_from + limits.quiet).max(opened + limits.linger));
-    let mut quiet_from = opened;
+    // When the batch closes, given when its last record came (or it opened) and
+    // whether that record said its input was drained.
+    let closes = |quiet_from: Instant, drained: bool| {
+        let quiet = if drained { limits.linger } else { limits.quiet };
+        deadline.min((quiet_from + quiet).max(opened + limits.linger))
+    };
+    let (mut quiet_from, mut drained) = (opened, false);
     loop {
         let wait = if batch.is_empty() {
             Duration::from_millis(100)
         } else {
-            closes(quiet_from).saturating_duration_since(Instant::now())
+            closes(quiet_from, drained).saturating_duration_since(Instant::now())
         };
         let polled = consumer.poll(wait);
         if interrupted() {
@@ -139,6 +152,7 @@ pub fn poll_batch<C: ConsumerContext>(
         match polled {
             Some(Ok(message)) => {
                 quiet_from = Instant::now();
+                drained = says_input_drained(&message);
                 let payload = message.payload().unwrap_or_default().to_vec();
                 bytes += (limits.payload_bytes)(&payload);
                 batch.push(Polled {
@@ -153,7 +167,7 @@ pub fn poll_batch<C: ConsumerContext>(
             None => {}
         }
         let full = batch.len() >= limits.max_records.max(1) || bytes >= limits.max_bytes.max(1);
-        if full || (!batch.is_empty() && Instant::now() >= closes(quiet_from)) {
+        if full || (!batch.is_empty() && Instant::now() >= closes(quiet_from, drained)) {
             return full;
         }
     }
@@ -386,6 +400,7 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
 
+    use rdkafka::message::{Header, OwnedHeaders};
     use rdkafka::mocking::MockCluster;
     use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 
@@ -492,11 +507,21 @@ mod tests {
     const FIRST_TAKES: Duration = Duration::from_millis(600);
     const QUIET: Duration = Duration::from_millis(200);
 
+    /// How the producer of [`second_batch_after_a_slow_apply`] goes on.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Trickle {
+        /// It never stops.
+        Steady,
+        /// It stops halfway through the first apply.
+        Stops,
+        /// It stops there, its last record saying its input was drained.
+        StopsDrained,
+    }
+
     /// Drives two batches from a topic a producer trickles records into (every
-    /// 5 ms), the first applied in [`FIRST_TAKES`]; the producer stops halfway
-    /// through that apply when `stop_producing`. How long the second batch stayed
-    /// open.
-    fn second_batch_after_a_slow_apply(stop_producing: bool) -> Duration {
+    /// 5 ms), the first applied in [`FIRST_TAKES`]. How long the second batch
+    /// stayed open.
+    fn second_batch_after_a_slow_apply(how: Trickle) -> Duration {
         let cluster = MockCluster::new(1).unwrap();
         let topic = "linger";
         cluster.create_topic(topic, 1, 1).unwrap();
@@ -509,6 +534,11 @@ mod tests {
                 while producing.load(Ordering::Relaxed) {
                     let _ = producer.send(BaseRecord::<(), _>::to(topic).payload("x"));
                     producer.poll(Duration::from_millis(5));
+                }
+                if how == Trickle::StopsDrained {
+                    let drained = Header { key: INPUT_DRAINED_HEADER, value: Some(&[][..]) };
+                    let headers = OwnedHeaders::new().insert(drained);
+                    producer.send(BaseRecord::<(), _>::to(topic).payload("x").headers(headers)).unwrap();
                 }
                 let _ = producer.flush(Duration::from_secs(5));
             })
@@ -529,7 +559,7 @@ mod tests {
         let mut processor = SlowFirst {
             applies: Vec::new(),
             first_takes: FIRST_TAKES,
-            stop_producing: stop_producing.then(|| producing.clone()),
+            stop_producing: (how != Trickle::Steady).then(|| producing.clone()),
             shutdown: shutdown.clone(),
         };
         let failures = FailureBoard::new(|partition| format!("partition {partition}"));
@@ -562,7 +592,7 @@ mod tests {
     /// that apply took (`max_linger` permitting), not just `linger`.
     #[test]
     fn drive_stretches_the_linger_after_a_slow_apply() {
-        let between = second_batch_after_a_slow_apply(false);
+        let between = second_batch_after_a_slow_apply(Trickle::Steady);
         // Records came in while the first batch was applied, so the second one
         // opened at once and lingered 600 ms (with `linger` alone: 10 ms).
         assert!(between >= FIRST_TAKES - Duration::from_millis(50), "the second batch lingered {between:?}");
@@ -574,11 +604,20 @@ mod tests {
     /// without one, not after the whole stretch.
     #[test]
     fn a_stretched_batch_closes_when_records_stop_coming() {
-        let between = second_batch_after_a_slow_apply(true);
+        let between = second_batch_after_a_slow_apply(Trickle::Stops);
         // The records of the apply's first half were waiting when the batch opened;
         // none came after them.
         assert!(between >= QUIET - Duration::from_millis(50), "the second batch lingered {between:?}");
         assert!(between < FIRST_TAKES - Duration::from_millis(150), "the second batch lingered {between:?}");
+    }
+
+    /// When the last record says its ingester's input was drained, the stretched
+    /// batch closes `linger` after it: the load ended, no `quiet` to wait out.
+    #[test]
+    fn a_stretched_batch_closes_after_a_record_that_says_its_input_drained() {
+        let between = second_batch_after_a_slow_apply(Trickle::StopsDrained);
+        // Every record was waiting when the batch opened (10 ms of `linger`).
+        assert!(between < QUIET - Duration::from_millis(100), "the second batch lingered {between:?}");
     }
 
     #[test]

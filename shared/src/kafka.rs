@@ -218,6 +218,31 @@ pub fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
 }
 
+/// The high watermark of `topic`'s `partition` as the consumer's last fetch from it
+/// reported (librdkafka's cache: no broker round trip), or `None` while no fetch has
+/// said. A consumer whose next offset reaches it had read everything the partition
+/// held when that fetch was answered.
+pub fn cached_high_watermark<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    topic: &str,
+    partition: i32,
+) -> Option<i64> {
+    let topic = std::ffi::CString::new(topic).ok()?;
+    let (mut low, mut high) = (-1i64, -1i64);
+    // SAFETY: the client lives as long as `consumer`; librdkafka reads the name and
+    // writes the two offsets only during the call.
+    let err = unsafe {
+        rdkafka::bindings::rd_kafka_get_watermark_offsets(
+            consumer.client().native_ptr(),
+            topic.as_ptr(),
+            partition,
+            &mut low,
+            &mut high,
+        )
+    };
+    (err == rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR && high >= 0).then_some(high)
+}
+
 /// Every record of `topic` up to its end when called (all partitions, from the
 /// beginning): for tools that list a topic, like `tally jobs dead`.
 pub fn read_to_end(kafka: &KafkaConfig, topic: &str, timeout: Duration) -> Result<Vec<Vec<u8>>> {

@@ -29,8 +29,9 @@ use rdkafka::message::{BorrowedMessage, Header, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::{ClientContext, Message};
+use tally_core::format::{INPUT_DRAINED_HEADER, RECORD_TIME_HEADER};
 use tally_shared::config::TallyConfig;
-use tally_shared::kafka::{consumer_config, producer_config, wait_for_topic, TopicNames};
+use tally_shared::kafka::{cached_high_watermark, consumer_config, producer_config, wait_for_topic, TopicNames};
 use tally_shared::telemetry::{serve_admin, Readiness};
 use tokio_util::sync::CancellationToken;
 
@@ -185,9 +186,9 @@ impl Pipeline {
                 last_health = Some(Instant::now());
                 self.check_health();
             }
-            self.poll_batch(&mut batch);
+            let full = self.poll_batch(&mut batch);
             if !batch.is_empty() {
-                if let Err(err) = self.send(&batch, &mut in_flight) {
+                if let Err(err) = self.send(&batch, !full, &mut in_flight) {
                     break Err(err);
                 }
                 self.metrics.batch_records.observe(batch.len() as f64);
@@ -237,9 +238,9 @@ impl Pipeline {
         positions.retain(|key, _| holds(key));
     }
 
-    /// Collects one bounded batch: it closes when full, `linger` after its first
-    /// record, or after an idle poll while still empty.
-    fn poll_batch<'c>(&'c self, batch: &mut Vec<BorrowedMessage<'c>>) {
+    /// Collects one bounded batch: it closes when full (then true), `linger` after
+    /// its first record, or after an idle poll while still empty.
+    fn poll_batch<'c>(&'c self, batch: &mut Vec<BorrowedMessage<'c>>) -> bool {
         let mut bytes = 0usize;
         let mut deadline = None;
         loop {
@@ -252,20 +253,20 @@ impl Pipeline {
                     deadline.get_or_insert_with(|| Instant::now() + self.linger);
                 }
                 Some(Err(err)) => tracing::warn!(error = %err, "consumer error"),
-                None if batch.is_empty() => return,
+                None if batch.is_empty() => return false,
                 None => {}
             }
-            if batch.len() >= self.max_records
-                || bytes >= self.max_bytes
-                || deadline.is_some_and(|d| Instant::now() >= d)
-            {
-                return;
+            let full = batch.len() >= self.max_records || bytes >= self.max_bytes;
+            if full || deadline.is_some_and(|d| Instant::now() >= d) {
+                return full;
             }
         }
     }
 
-    /// Routes a batch and hands its output to the producer.
-    fn send(&self, batch: &[BorrowedMessage<'_>], in_flight: &mut InFlight) -> Result<()> {
+    /// Routes a batch and hands its output to the producer. A batch that closed
+    /// before it was full and read each of its input partitions to the end the
+    /// broker last reported is sent as `drained` ([`INPUT_DRAINED_HEADER`]).
+    fn send(&self, batch: &[BorrowedMessage<'_>], closed_early: bool, in_flight: &mut InFlight) -> Result<()> {
         let outgoing = self.router.route(batch, &self.metrics)?;
         let mut next: HashMap<InputPartition, i64> = HashMap::new();
         for message in batch {
@@ -277,14 +278,19 @@ impl Pipeline {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .extend(next.iter().map(|(k, v)| (*k, *v)));
+        let drained = closed_early
+            && next.iter().all(|((input, partition), next)| {
+                cached_high_watermark(&self.consumer, &self.inputs[*input], *partition)
+                    .is_some_and(|high| *next >= high)
+            });
         let seq = in_flight.open(next.into_iter().collect(), outgoing.len());
         for out in &outgoing {
-            self.produce(out, seq, in_flight)?;
+            self.produce(out, drained, seq, in_flight)?;
         }
         Ok(())
     }
 
-    fn produce(&self, out: &Outgoing, seq: u64, in_flight: &mut InFlight) -> Result<()> {
+    fn produce(&self, out: &Outgoing, drained: bool, seq: u64, in_flight: &mut InFlight) -> Result<()> {
         let mut record = BaseRecord::with_opaque_to(&out.topic, Box::new(seq)).payload(&out.payload).key(&out.key);
         if let Some(partition) = out.partition {
             record = record.partition(partition);
@@ -293,8 +299,12 @@ impl Pipeline {
             // The input's time travels in a header; the record's Kafka timestamp is
             // now, so the shard topic's retention counts from routing.
             let value = tally_core::format::record_time_value(time);
-            let header = Header { key: tally_core::format::RECORD_TIME_HEADER, value: Some(&value[..]) };
-            record = record.headers(OwnedHeaders::new_with_capacity(1).insert(header));
+            let header = Header { key: RECORD_TIME_HEADER, value: Some(&value[..]) };
+            let mut headers = OwnedHeaders::new_with_capacity(2).insert(header);
+            if drained {
+                headers = headers.insert(Header { key: INPUT_DRAINED_HEADER, value: Some(&[][..]) });
+            }
+            record = record.headers(headers);
         }
         loop {
             match self.producer.send(record) {
