@@ -411,7 +411,12 @@ mod tests {
                 let mut payload = format!(" [{}] ", elements.join(" ,\n"));
                 // Now and then a message that is not JSON at all.
                 if let Some(cut) = broken {
-                    payload.truncate(payload.len().saturating_sub(cut + 2));
+                    // Cut where a character starts (a name may end in a multi-byte one).
+                    let mut at = payload.len().saturating_sub(cut + 2);
+                    while !payload.is_char_boundary(at) {
+                        at -= 1;
+                    }
+                    payload.truncate(at);
                 }
                 prop_assert_eq!(run(&payload), element_by_element(&payload));
             }
