@@ -109,9 +109,26 @@ pub struct Polled {
     /// without the header: its Kafka timestamp); `None` when it has neither.
     pub timestamp: Option<i64>,
     pub payload: Vec<u8>,
+    /// It says its ingester had read its input to the end ([`INPUT_DRAINED_HEADER`]).
+    pub drained: bool,
 }
 
-/// Polls one bounded batch into `batch` (cleared first); true when it closed full.
+impl Polled {
+    /// `message`, copied.
+    pub fn copy(message: &rdkafka::message::BorrowedMessage<'_>) -> Self {
+        Self {
+            partition: message.partition(),
+            offset: message.offset(),
+            timestamp: record_time(message),
+            payload: message.payload().unwrap_or_default().to_vec(),
+            drained: says_input_drained(message),
+        }
+    }
+}
+
+/// Polls one bounded batch into `batch`, which may hold records already (those a
+/// processor took while applying the batch before: [`Processor::apply`]); true when
+/// it closed full.
 /// It closes when full, when `open_for` (at least `limits.linger`) passed since it
 /// opened, past `limits.linger` once no record arrived for `limits.quiet` (the load
 /// that stretched it has stopped: at the end of a backlog, waiting out the stretch
@@ -127,8 +144,7 @@ pub fn poll_batch<C: ConsumerContext>(
     batch: &mut Vec<Polled>,
     mut interrupted: impl FnMut() -> bool,
 ) -> bool {
-    batch.clear();
-    let mut bytes = 0usize;
+    let mut bytes: usize = batch.iter().map(|polled| (limits.payload_bytes)(&polled.payload)).sum();
     let opened = Instant::now();
     let deadline = opened + open_for.max(limits.linger);
     // When the batch closes, given when its last record came (or it opened) and
@@ -137,7 +153,7 @@ pub fn poll_batch<C: ConsumerContext>(
         let quiet = if drained { limits.linger } else { limits.quiet };
         deadline.min((quiet_from + quiet).max(opened + limits.linger))
     };
-    let (mut quiet_from, mut drained) = (opened, false);
+    let (mut quiet_from, mut drained) = (opened, batch.last().is_some_and(|polled| polled.drained));
     loop {
         let wait = if batch.is_empty() {
             Duration::from_millis(100)
@@ -152,15 +168,10 @@ pub fn poll_batch<C: ConsumerContext>(
         match polled {
             Some(Ok(message)) => {
                 quiet_from = Instant::now();
-                drained = says_input_drained(&message);
-                let payload = message.payload().unwrap_or_default().to_vec();
-                bytes += (limits.payload_bytes)(&payload);
-                batch.push(Polled {
-                    partition: message.partition(),
-                    offset: message.offset(),
-                    timestamp: record_time(&message),
-                    payload,
-                });
+                let polled = Polled::copy(&message);
+                drained = polled.drained;
+                bytes += (limits.payload_bytes)(&polled.payload);
+                batch.push(polled);
             }
             Some(Err(err)) => tracing::warn!(error = %err, "consumer error"),
             None if batch.is_empty() => return false,
@@ -326,12 +337,21 @@ pub trait Processor<C: ConsumerContext> {
 
     /// Applies a batch (records of partitions that have not failed, in offset order
     /// per partition); returns the partitions that failed in it (recorded on the
-    /// failure board).
-    fn apply(&mut self, consumer: &BaseConsumer<C>, batch: &[Polled]) -> Vec<u32>;
+    /// failure board). A processor may poll `consumer` for more as it goes (a
+    /// counter: for shards it has not started yet); what it polled and did not apply
+    /// goes into `carried`, in the order polled, and opens the next batch.
+    fn apply(&mut self, consumer: &BaseConsumer<C>, batch: &[Polled], carried: &mut Vec<Polled>) -> Vec<u32>;
 
     /// Moves the store of `partition` past the record at `offset`, which an
     /// operator skipped.
     fn skip_record(&mut self, partition: u32, offset: i64) -> Result<()>;
+
+    /// Whether the last [`Processor::turn`] set the consumer's positions anew (an
+    /// assignment from the stores' offsets): records the batch before carried over
+    /// are dropped then, the consumer fetches them again.
+    fn repositioned(&mut self) -> bool {
+        false
+    }
 
     /// After every turn of the loop (a batch, or an idle poll): `skipped` records
     /// were skipped in it, and `heartbeat` says the periodic work is due. An error
@@ -361,10 +381,12 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
     processor: &mut P,
     shutdown: &CancellationToken,
 ) -> Result<(), P::Error> {
-    let mut batch: Vec<Polled> = Vec::new();
+    let (mut batch, mut carried): (Vec<Polled>, Vec<Polled>) = (Vec::new(), Vec::new());
     let mut last_heartbeat: Option<Instant> = None;
     let mut open_for = setup.limits.linger;
     while !shutdown.is_cancelled() {
+        batch.clear();
+        batch.append(&mut carried);
         let full = poll_batch(consumer, &setup.limits, open_for, &mut batch, || processor.positions_reset());
         // Records of a failed partition polled before it was paused: not applied,
         // its store's offset stays at the failure.
@@ -373,7 +395,7 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
             open_for = setup.limits.linger;
         } else {
             let started = Instant::now();
-            let failed = processor.apply(consumer, &batch);
+            let failed = processor.apply(consumer, &batch, &mut carried);
             open_for = setup.limits.open_for(started.elapsed(), full);
             pause(consumer, setup.topic, &failed);
         }
@@ -391,6 +413,9 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
             }
         }
         processor.turn(consumer, skipped, heartbeat)?;
+        if processor.repositioned() {
+            carried.clear();
+        }
     }
     Ok(())
 }
@@ -479,7 +504,7 @@ mod tests {
     impl Processor<rdkafka::consumer::DefaultConsumerContext> for SlowFirst {
         type Error = crate::Error;
 
-        fn apply(&mut self, _: &BaseConsumer, _: &[Polled]) -> Vec<u32> {
+        fn apply(&mut self, _: &BaseConsumer, _: &[Polled], _: &mut Vec<Polled>) -> Vec<u32> {
             let began = Instant::now();
             if self.applies.is_empty() {
                 std::thread::sleep(self.first_takes / 2);
@@ -618,6 +643,94 @@ mod tests {
         let between = second_batch_after_a_slow_apply(Trickle::StopsDrained);
         // Every record was waiting when the batch opened (10 ms of `linger`).
         assert!(between < QUIET - Duration::from_millis(100), "the second batch lingered {between:?}");
+    }
+
+    /// Takes the first record of its first batch and hands the rest back as polled
+    /// but not applied; notes the offsets of each batch it gets.
+    struct HandsBack {
+        batches: Vec<Vec<i64>>,
+        /// Its turns say the consumer was repositioned.
+        repositions: bool,
+        shutdown: CancellationToken,
+    }
+
+    impl Processor<rdkafka::consumer::DefaultConsumerContext> for HandsBack {
+        type Error = crate::Error;
+
+        fn apply(&mut self, _: &BaseConsumer, batch: &[Polled], carried: &mut Vec<Polled>) -> Vec<u32> {
+            self.batches.push(batch.iter().map(|polled| polled.offset).collect());
+            match self.batches.len() {
+                1 => carried.extend(batch[1..].iter().cloned()),
+                _ => self.shutdown.cancel(),
+            }
+            Vec::new()
+        }
+
+        fn skip_record(&mut self, _: u32, _: i64) -> Result<()> {
+            Ok(())
+        }
+
+        fn repositioned(&mut self) -> bool {
+            self.repositions
+        }
+
+        fn turn(&mut self, _: &BaseConsumer, _: u64, _: bool) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    /// What a processor polled during a batch and did not apply opens the next
+    /// batch, which closes though no new record comes — unless the processor's turn
+    /// repositioned the consumer.
+    #[test]
+    fn records_a_processor_carried_over_open_the_next_batch() {
+        assert_eq!(batches_handed_back(false), vec![vec![0, 1, 2], vec![1, 2]]);
+        assert_eq!(batches_handed_back(true), vec![vec![0, 1, 2]]);
+    }
+
+    /// The batches [`HandsBack`] got from 3 records (2 s at most).
+    fn batches_handed_back(repositions: bool) -> Vec<Vec<i64>> {
+        let cluster = MockCluster::new(1).unwrap();
+        let topic = "carried";
+        cluster.create_topic(topic, 1, 1).unwrap();
+        let kafka = KafkaConfig { bootstrap_servers: cluster.bootstrap_servers(), ..Default::default() };
+        let producer: BaseProducer = client_config(&kafka).unwrap().create().unwrap();
+        for _ in 0..3 {
+            producer.send(BaseRecord::<(), _>::to(topic).payload("x")).unwrap();
+        }
+        producer.flush(Duration::from_secs(5)).unwrap();
+        let mut consumer_config = crate::kafka::consumer_config(&kafka).unwrap();
+        consumer_config.set("group.id", "carried-test").set("enable.auto.commit", "false");
+        let consumer: BaseConsumer = consumer_config.create().unwrap();
+        let mut assignment = TopicPartitionList::new();
+        assignment.add_partition_offset(topic, 0, Offset::Beginning).unwrap();
+        consumer.assign(&assignment).unwrap();
+        let shutdown = CancellationToken::new();
+        let mut processor = HandsBack { batches: Vec::new(), repositions, shutdown: shutdown.clone() };
+        let failures = FailureBoard::new(|partition| format!("partition {partition}"));
+        let letters = Relay::unstamped(&kafka, "dead".into()).unwrap();
+        let setup = LoopSetup {
+            topic,
+            limits: BatchLimits {
+                max_records: usize::MAX,
+                max_bytes: usize::MAX,
+                payload_bytes: as_fetched,
+                linger: Duration::from_millis(500),
+                max_linger: Duration::from_millis(500),
+                quiet: Duration::from_millis(500),
+            },
+            failures: &failures,
+            letters: &letters,
+            record_budget: 1 << 20,
+            heartbeat: Duration::from_secs(1),
+        };
+        let give_up = shutdown.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(2));
+            give_up.cancel();
+        });
+        drive(&consumer, &setup, &mut processor, &shutdown).unwrap();
+        processor.batches
     }
 
     #[test]

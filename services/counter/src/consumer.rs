@@ -7,6 +7,7 @@
 //! partition starts at the store's `next_offset` (the group's committed offset is
 //! only advisory, for lag tooling); it is served once it caught up with the log.
 
+use std::borrow::Cow;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -33,6 +34,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::apply::{ApplyReport, ShardRecord};
 use crate::error::{Error, Result};
+use crate::late::LateRecords;
 use crate::metrics::Metrics;
 use crate::ownership::{Change, Ownership, Watched};
 use crate::relay::relay_outboxes;
@@ -320,6 +322,8 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         shard_count,
         shutdown: shutdown.clone(),
         leave,
+        late_budget: config.counter.batch_max_bytes,
+        repositioned: false,
     };
     // Only this loop runs nicer: the helpers started above (the membership's
     // heartbeats among them), the Kafka clients and RocksDB's threads (started here
@@ -365,6 +369,10 @@ struct Counter {
     shutdown: CancellationToken,
     /// Tells the heartbeat to say this counter leaves ([`Counter::stop`]).
     leave: CancellationToken,
+    /// Bytes (unpacked) a batch may poll while it applies ([`LateRecords`]).
+    late_budget: usize,
+    /// The last turn assigned shards anew ([`Processor::repositioned`]).
+    repositioned: bool,
 }
 
 impl Processor<CounterContext> for Counter {
@@ -374,9 +382,22 @@ impl Processor<CounterContext> for Counter {
         self.shards.epoch() != self.epoch
     }
 
-    fn apply(&mut self, consumer: &BaseConsumer<CounterContext>, batch: &[Polled]) -> Vec<u32> {
+    fn repositioned(&mut self) -> bool {
+        std::mem::take(&mut self.repositioned)
+    }
+
+    fn apply(
+        &mut self,
+        consumer: &BaseConsumer<CounterContext>,
+        batch: &[Polled],
+        carried: &mut Vec<Polled>,
+    ) -> Vec<u32> {
         let threads = 1 + self.helpers.starting();
-        let (written, failed) = apply_batch(batch, &self.shards, &self.metrics, self.rollups.is_some(), threads);
+        let shards_in_batch = batch.iter().map(|polled| polled.partition as u32);
+        let late = LateRecords::new(consumer, shards_in_batch, self.late_budget, tally_core::packed::unpacked_len);
+        let (written, failed) =
+            apply_batch(batch, Some(&late), &self.shards, &self.metrics, self.rollups.is_some(), threads);
+        *carried = late.into_carried();
         self.helpers.done();
         self.outbox_written += written;
         let owned = self.shards.owned().into_iter();
@@ -399,6 +420,7 @@ impl Processor<CounterContext> for Counter {
         self.reassign(consumer, heartbeat)?;
         let reassigned = self.shards.epoch() != self.epoch;
         if reassigned {
+            self.repositioned = true;
             self.epoch = self.shards.epoch();
             self.metrics.owned_shards.set(self.shards.owned().len() as i64);
         }
@@ -540,6 +562,7 @@ fn report_state(shards: &Shards, readiness: &Readiness, metrics: &Metrics, confl
 /// threads, as nice as the loop"; "Helpers only on idle cores").
 fn apply_batch(
     batch: &[Polled],
+    late: Option<&LateRecords<'_, CounterContext>>,
     shards: &Shards,
     metrics: &Metrics,
     mark_rollups: bool,
@@ -547,11 +570,7 @@ fn apply_batch(
 ) -> (u64, Vec<u32>) {
     let mut by_shard: BTreeMap<u32, Vec<ShardRecord<'_>>> = BTreeMap::new();
     for polled in batch {
-        by_shard.entry(polled.partition as u32).or_default().push(ShardRecord {
-            offset: polled.offset,
-            payload: &polled.payload,
-            timestamp: polled.timestamp,
-        });
+        by_shard.entry(polled.partition as u32).or_default().push(shard_record(polled));
     }
     let mut work: Vec<(u32, Vec<ShardRecord<'_>>)> = by_shard.into_iter().collect();
     for (_, records) in &mut work {
@@ -566,7 +585,13 @@ fn apply_batch(
     let apply_shards = || {
         let (mut outbox_written, mut failed) = (0, Vec::new());
         while let Some((shard, records)) = work.get(taken.fetch_add(1, Ordering::Relaxed)) {
-            let (written, shard_failed) = apply_shard(*shard, records, shards, metrics, mark_rollups, now);
+            let late = late.map(|late| late.start(*shard)).unwrap_or_default();
+            metrics.late_records.inc_by(late.len() as u64);
+            let records = match late.is_empty() {
+                true => Cow::Borrowed(records),
+                false => Cow::Owned(records.iter().copied().chain(late.iter().map(shard_record)).collect()),
+            };
+            let (written, shard_failed) = apply_shard(*shard, &records, shards, metrics, mark_rollups, now);
             outbox_written += written;
             if shard_failed {
                 failed.push(*shard);
@@ -583,6 +608,10 @@ fn apply_batch(
         failed.extend(more_failed);
         (written + more_written, failed)
     })
+}
+
+fn shard_record(polled: &Polled) -> ShardRecord<'_> {
+    ShardRecord { offset: polled.offset, payload: &polled.payload, timestamp: polled.timestamp }
 }
 
 /// Applies one shard's records of a batch (in offset order) at `now` (the batch's
@@ -703,7 +732,7 @@ mod tests {
             .collect();
         let source = Source { stream: Source::INCREMENTS, partition: shard };
         let payload = ShardMessage::Increments { source, entries }.encode().unwrap();
-        Polled { partition: shard as i32, offset, timestamp: Some(NOW), payload }
+        Polled { partition: shard as i32, offset, timestamp: Some(NOW), payload, drained: false }
     }
 
     /// A shard's next offset and the all-time totals of some entities.
@@ -721,7 +750,7 @@ mod tests {
             .collect();
         let shards = Shards::default();
         shards.replace(stores, BTreeMap::new());
-        let mut returned = apply_batch(batch, &shards, &Metrics::new(&Registry::new()), true, threads);
+        let mut returned = apply_batch(batch, None, &shards, &Metrics::new(&Registry::new()), true, threads);
         returned.1.sort();
         let states = (0..SHARDS)
             .map(|shard| {

@@ -22,6 +22,7 @@ pub mod consumer;
 pub mod direct;
 pub mod error;
 pub mod http;
+pub mod late;
 pub mod marks;
 pub mod metrics;
 pub mod operands;

@@ -12,6 +12,8 @@ pub struct Metrics {
     pub apply_seconds: Histogram,
     /// Batches the loop applied with helper threads beside it (`counter.apply_threads`).
     pub helped_batches: IntCounter,
+    /// Records that arrived while a batch was applied and joined it ([`crate::late`]).
+    pub late_records: IntCounter,
     pub undecodable_records: IntCounter,
     /// Shards stopped by a failure, waiting for an operator.
     pub failed_shards: IntGauge,
@@ -69,6 +71,14 @@ impl Metrics {
                 IntCounter::new(
                     "tally_counter_helped_batches_total",
                     "Batches applied with helper threads (counter.apply_threads, while cores sat idle)",
+                )
+                .expect("valid metric"),
+            ),
+            late_records: register(
+                registry,
+                IntCounter::new(
+                    "tally_counter_late_records_total",
+                    "Records that arrived while a batch was applied and joined it, their shard not started yet",
                 )
                 .expect("valid metric"),
             ),

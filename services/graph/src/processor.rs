@@ -170,7 +170,7 @@ struct GraphProcessor {
 impl Processor<DefaultConsumerContext> for GraphProcessor {
     type Error = Error;
 
-    fn apply(&mut self, _: &BaseConsumer, batch: &[Polled]) -> Vec<u32> {
+    fn apply(&mut self, _: &BaseConsumer, batch: &[Polled], _: &mut Vec<Polled>) -> Vec<u32> {
         let records: Vec<UpdateRecord<'_>> = batch
             .iter()
             .map(|polled| UpdateRecord { offset: polled.offset, payload: &polled.payload, timestamp: polled.timestamp })
