@@ -453,26 +453,70 @@ mod tests {
         assert_eq!(limits.open_for(Duration::from_millis(300), true), Duration::from_millis(20));
     }
 
+    /// A mock cluster whose one-partition `topic` holds `payloads`, and the config
+    /// that reaches it.
+    fn mock_topic(
+        topic: &str,
+        payloads: &[&str],
+    ) -> (MockCluster<'static, rdkafka::producer::DefaultProducerContext>, KafkaConfig) {
+        let cluster = MockCluster::new(1).unwrap();
+        cluster.create_topic(topic, 1, 1).unwrap();
+        let kafka = KafkaConfig { bootstrap_servers: cluster.bootstrap_servers(), ..Default::default() };
+        let producer: BaseProducer = client_config(&kafka).unwrap().create().unwrap();
+        for payload in payloads {
+            producer.send(BaseRecord::<(), _>::to(topic).payload(*payload)).unwrap();
+        }
+        producer.flush(Duration::from_secs(5)).unwrap();
+        (cluster, kafka)
+    }
+
+    /// A consumer of `group` reading `topic`'s partition from its beginning.
+    fn consumer_from_start(kafka: &KafkaConfig, topic: &str, group: &str) -> BaseConsumer {
+        let mut consumer_config = crate::kafka::consumer_config(kafka).unwrap();
+        consumer_config.set("group.id", group).set("enable.auto.commit", "false");
+        let consumer: BaseConsumer = consumer_config.create().unwrap();
+        let mut assignment = TopicPartitionList::new();
+        assignment.add_partition_offset(topic, 0, Offset::Beginning).unwrap();
+        consumer.assign(&assignment).unwrap();
+        consumer
+    }
+
+    /// Batch limits of no size, with these times.
+    fn unbounded(linger: Duration, max_linger: Duration, quiet: Duration) -> BatchLimits {
+        let (max_records, max_bytes, payload_bytes) = (usize::MAX, usize::MAX, as_fetched as fn(&[u8]) -> usize);
+        BatchLimits { max_records, max_bytes, payload_bytes, linger, max_linger, quiet }
+    }
+
+    /// [`drive`]s `processor` over `topic` until `shutdown`.
+    fn drive_on<P: Processor<rdkafka::consumer::DefaultConsumerContext, Error = crate::Error>>(
+        consumer: &BaseConsumer,
+        kafka: &KafkaConfig,
+        topic: &str,
+        limits: BatchLimits,
+        processor: &mut P,
+        shutdown: &CancellationToken,
+    ) {
+        let failures = FailureBoard::new(|partition| format!("partition {partition}"));
+        let letters = Relay::unstamped(kafka, "dead".into()).unwrap();
+        let setup = LoopSetup {
+            topic,
+            limits,
+            failures: &failures,
+            letters: &letters,
+            record_budget: 1 << 20,
+            heartbeat: Duration::from_secs(1),
+        };
+        drive(consumer, &setup, processor, shutdown).unwrap();
+    }
+
     /// A batch is full once its payloads count `max_bytes` as `payload_bytes` counts
     /// them (a counter: packed records as what they unpack to).
     #[test]
     fn a_batch_is_full_by_the_bytes_its_payloads_count_for() {
-        let cluster = MockCluster::new(1).unwrap();
         let topic = "weighed";
-        cluster.create_topic(topic, 1, 1).unwrap();
-        let kafka = KafkaConfig { bootstrap_servers: cluster.bootstrap_servers(), ..Default::default() };
-        let producer: BaseProducer = client_config(&kafka).unwrap().create().unwrap();
-        for _ in 0..10 {
-            producer.send(BaseRecord::<(), _>::to(topic).payload("0123456789")).unwrap();
-        }
-        producer.flush(Duration::from_secs(5)).unwrap();
+        let (_cluster, kafka) = mock_topic(topic, &["0123456789"; 10]);
         let first_batch = |payload_bytes: fn(&[u8]) -> usize| {
-            let mut consumer_config = crate::kafka::consumer_config(&kafka).unwrap();
-            consumer_config.set("group.id", "weighed-test").set("enable.auto.commit", "false");
-            let consumer: BaseConsumer = consumer_config.create().unwrap();
-            let mut assignment = TopicPartitionList::new();
-            assignment.add_partition_offset(topic, 0, Offset::Beginning).unwrap();
-            consumer.assign(&assignment).unwrap();
+            let consumer = consumer_from_start(&kafka, topic, "weighed-test");
             let limits = BatchLimits {
                 max_records: usize::MAX,
                 max_bytes: 50,
@@ -587,24 +631,8 @@ mod tests {
             stop_producing: (how != Trickle::Steady).then(|| producing.clone()),
             shutdown: shutdown.clone(),
         };
-        let failures = FailureBoard::new(|partition| format!("partition {partition}"));
-        let letters = Relay::unstamped(&kafka, "dead".into()).unwrap();
-        let setup = LoopSetup {
-            topic,
-            limits: BatchLimits {
-                max_records: usize::MAX,
-                max_bytes: usize::MAX,
-                payload_bytes: as_fetched,
-                linger: Duration::from_millis(10),
-                max_linger: Duration::from_secs(5),
-                quiet: QUIET,
-            },
-            failures: &failures,
-            letters: &letters,
-            record_budget: 1 << 20,
-            heartbeat: Duration::from_secs(1),
-        };
-        drive(&consumer, &setup, &mut processor, &shutdown).unwrap();
+        let limits = unbounded(Duration::from_millis(10), Duration::from_secs(5), QUIET);
+        drive_on(&consumer, &kafka, topic, limits, &mut processor, &shutdown);
         producing.store(false, Ordering::Relaxed);
         trickle.join().unwrap();
 
@@ -690,46 +718,19 @@ mod tests {
 
     /// The batches [`HandsBack`] got from 3 records (2 s at most).
     fn batches_handed_back(repositions: bool) -> Vec<Vec<i64>> {
-        let cluster = MockCluster::new(1).unwrap();
         let topic = "carried";
-        cluster.create_topic(topic, 1, 1).unwrap();
-        let kafka = KafkaConfig { bootstrap_servers: cluster.bootstrap_servers(), ..Default::default() };
-        let producer: BaseProducer = client_config(&kafka).unwrap().create().unwrap();
-        for _ in 0..3 {
-            producer.send(BaseRecord::<(), _>::to(topic).payload("x")).unwrap();
-        }
-        producer.flush(Duration::from_secs(5)).unwrap();
-        let mut consumer_config = crate::kafka::consumer_config(&kafka).unwrap();
-        consumer_config.set("group.id", "carried-test").set("enable.auto.commit", "false");
-        let consumer: BaseConsumer = consumer_config.create().unwrap();
-        let mut assignment = TopicPartitionList::new();
-        assignment.add_partition_offset(topic, 0, Offset::Beginning).unwrap();
-        consumer.assign(&assignment).unwrap();
+        let (_cluster, kafka) = mock_topic(topic, &["x"; 3]);
+        let consumer = consumer_from_start(&kafka, topic, "carried-test");
         let shutdown = CancellationToken::new();
         let mut processor = HandsBack { batches: Vec::new(), repositions, shutdown: shutdown.clone() };
-        let failures = FailureBoard::new(|partition| format!("partition {partition}"));
-        let letters = Relay::unstamped(&kafka, "dead".into()).unwrap();
-        let setup = LoopSetup {
-            topic,
-            limits: BatchLimits {
-                max_records: usize::MAX,
-                max_bytes: usize::MAX,
-                payload_bytes: as_fetched,
-                linger: Duration::from_millis(500),
-                max_linger: Duration::from_millis(500),
-                quiet: Duration::from_millis(500),
-            },
-            failures: &failures,
-            letters: &letters,
-            record_budget: 1 << 20,
-            heartbeat: Duration::from_secs(1),
-        };
+        let half_a_second = Duration::from_millis(500);
+        let limits = unbounded(half_a_second, half_a_second, half_a_second);
         let give_up = shutdown.clone();
         std::thread::spawn(move || {
             std::thread::sleep(Duration::from_secs(2));
             give_up.cancel();
         });
-        drive(&consumer, &setup, &mut processor, &shutdown).unwrap();
+        drive_on(&consumer, &kafka, topic, limits, &mut processor, &shutdown);
         processor.batches
     }
 
