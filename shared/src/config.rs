@@ -14,7 +14,6 @@ use figment::providers::{Format, Serialized, Toml};
 use figment::Figment;
 use serde::{Deserialize, Serialize};
 
-use crate::store::Durability;
 use crate::{Error, Result};
 use tally_core::time::{Resolution, Resolutions};
 
@@ -433,10 +432,6 @@ pub struct CounterConfig {
     pub rollup_interval_ms: u64,
     /// fsync the RocksDB WAL on every batch (survives power loss, not just `kill -9`).
     pub sync_writes: bool,
-    /// Write RocksDB's WAL (each batch twice: the WAL and the memtable). Off by
-    /// default: the shard topic is the journal, and a counter killed with -9 replays
-    /// what its stores had not flushed ([`CounterConfig::durability`]).
-    pub write_ahead_log: bool,
     /// Bytes of origins' direct counts kept in memory per shard, so an edge change
     /// of origins changed lately moves their counts without reading RocksDB (0:
     /// none). An origin with many buckets takes more: a busy counter has a bucket per
@@ -470,20 +465,6 @@ impl CounterConfig {
         let dir = std::fs::canonicalize(&self.data_dir).unwrap_or_else(|_| self.data_dir.clone());
         format!("{host}:{}", dir.display())
     }
-
-    /// How a shard's commits survive a crash: fsynced through the WAL
-    /// (`sync_writes`), through the WAL (`write_ahead_log`, or when the shard topic
-    /// may drop records no flush has covered: a bounded retention without snapshots,
-    /// whose checkpoints flush), else through the shard topic alone.
-    pub fn durability(&self, snapshots: &SnapshotsConfig) -> Durability {
-        if self.sync_writes {
-            Durability::WalSynced
-        } else if self.write_ahead_log || (!snapshots.enabled && snapshots.log_retention_ms().is_some()) {
-            Durability::Wal
-        } else {
-            Durability::InputLog
-        }
-    }
 }
 
 impl Default for CounterConfig {
@@ -503,7 +484,6 @@ impl Default for CounterConfig {
             rollups: true,
             rollup_interval_ms: 1_000,
             sync_writes: false,
-            write_ahead_log: false,
             direct_cache_bytes: 8 << 20,
             static_assignment: false,
             instance: String::new(),
@@ -712,24 +692,6 @@ mod tests {
         let env = [("TALLY__SNAPSHOTS__LOG_RETENTION_MS".to_string(), "-1".to_string())];
         let refused = TallyConfig::load_with_env(None, env).unwrap_err().to_string();
         assert!(refused.contains("log_retention_ms"), "a negative retention is refused, not read as 0: {refused}");
-    }
-
-    #[test]
-    fn a_counter_leaves_the_wal_out_only_while_the_shard_topic_covers_every_flush() {
-        let load = |pairs: &[(&str, &str)]| {
-            let config = TallyConfig::load_with_env(None, env(pairs)).unwrap();
-            config.counter.durability(&config.snapshots)
-        };
-        assert_eq!(load(&[]), Durability::InputLog, "the default: the shard topic is the journal");
-        let shared = ("TALLY__SNAPSHOTS__URL", "s3://bucket/tally");
-        assert_eq!(load(&[shared]), Durability::InputLog, "a bounded log, and snapshots that flush");
-        let off = ("TALLY__SNAPSHOTS__ENABLED", "false");
-        assert_eq!(load(&[off]), Durability::InputLog, "no snapshots: the log is kept");
-        let bounded = ("TALLY__SNAPSHOTS__LOG_RETENTION_MS", "3600000");
-        assert_eq!(load(&[off, bounded]), Durability::Wal, "no snapshot flushes before retention deletes");
-        assert_eq!(load(&[("TALLY__COUNTER__WRITE_AHEAD_LOG", "true")]), Durability::Wal, "asked for");
-        let synced = ("TALLY__COUNTER__SYNC_WRITES", "true");
-        assert_eq!(load(&[synced, off, bounded]), Durability::WalSynced, "fsynced, whatever else");
     }
 
     #[test]

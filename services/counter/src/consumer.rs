@@ -210,8 +210,6 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     let names = TopicNames::new(&config.kafka.topic_prefix);
     let shard_topic = names.shards();
     let resolutions = config.counting.resolutions()?;
-    let durability = config.counter.durability(&config.snapshots);
-    tracing::info!(?durability, "shard stores' commits survive a crash by");
     let context = CounterContext {
         shards: shards.clone(),
         opened: Mutex::new(HashMap::new()),
@@ -219,7 +217,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         store_options: StoreOptions {
             resolutions: resolutions.clone(),
             dedupe_window_ms: config.counting.dedupe_window_ms()?,
-            durability,
+            sync_writes: config.counter.sync_writes,
             shards: shard_count,
             record_budget: config.kafka.record_budget(),
             direct_cache_bytes: config.counter.direct_cache_bytes,
@@ -511,11 +509,6 @@ impl Counter {
     fn stop(&mut self) {
         if let Err(err) = relay_outboxes(&self.relay, &self.shards, &self.metrics) {
             tracing::warn!(error = %err, "relaying the outbox before stopping; the next owner sends it");
-        }
-        for shard in self.shards.owned() {
-            if let Some(Err(err)) = self.shards.get(shard).map(|store| store.persist()) {
-                tracing::warn!(shard, error = %err, "flushing the store before stopping; the next start replays the log");
-            }
         }
         tracing::info!("counter consumer stopping: batch persisted, releasing shards");
         self.readiness.set(false);

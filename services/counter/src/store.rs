@@ -25,7 +25,7 @@ use tally_core::time::Resolutions;
 use tally_shared::dedupe::DedupeWindow;
 use tally_shared::outbox::OutboxEntry;
 use tally_shared::progress::Progress;
-use tally_shared::store::{Durability, Store};
+use tally_shared::store::Store;
 
 use crate::direct::DirectCache;
 use crate::error::Result;
@@ -50,8 +50,8 @@ const KEY_REBUILD_UNTIL: &[u8] = b"rebuild_until";
 pub struct StoreOptions {
     pub resolutions: Resolutions,
     pub dedupe_window_ms: i64,
-    /// How commits survive a crash (by default the shard topic is the journal).
-    pub durability: Durability,
+    /// fsync the WAL on each batch.
+    pub sync_writes: bool,
     /// How many shards there are (where a descendant's totals live).
     pub shards: u32,
     /// The most bytes of one outbox record ([`tally_core::records`]).
@@ -69,7 +69,7 @@ impl Default for StoreOptions {
         Self {
             resolutions: Resolutions::default(),
             dedupe_window_ms: 86_400_000,
-            durability: Durability::InputLog,
+            sync_writes: false,
             shards: 1,
             record_budget: tally_shared::config::KafkaConfig::default().record_budget(),
             direct_cache_bytes: tally_shared::config::CounterConfig::default().direct_cache_bytes,
@@ -195,7 +195,7 @@ impl ShardStore {
             ColumnFamilyDescriptor::new(CF_OUTBOX, Options::default()),
             ColumnFamilyDescriptor::new(CF_ROLLUPS, Options::default()),
         ];
-        let store = Store::open(path, db_options, families, options.durability)?;
+        let store = Store::open(path, db_options, families, options.sync_writes)?;
         let descendants = Views::load(&store)?;
         let rebuild_until = match store.db().get(KEY_REBUILD_UNTIL)? {
             Some(bytes) => tally_core::format::decode_i64_value(&bytes, "rebuild_until")?,
@@ -286,12 +286,6 @@ impl ShardStore {
     /// The committed next shard-topic offset.
     pub fn next_offset(&self) -> Option<i64> {
         self.store.next_offset()
-    }
-
-    /// Every commit so far on disk ([`Store::persist`]): a stopping counter's, so
-    /// the next start replays nothing.
-    pub fn persist(&self) -> Result<()> {
-        Ok(self.store.persist()?)
     }
 
     /// Whether `(entity, id)` was seen within the dedupe window of a record at
