@@ -553,9 +553,12 @@ fn report_state(shards: &Shards, readiness: &Readiness, metrics: &Metrics, confl
 /// with the ingester and the broker, helpers in every batch applied a backlog
 /// sooner but made batch reads while ingesting slower (BENCHMARKS.md, "Two apply
 /// threads, as nice as the loop"; "Helpers only on idle cores").
-fn apply_batch(
+///
+/// With `late`, records that arrived meanwhile join each shard as it starts
+/// ([`crate::late`]).
+fn apply_batch<C: ConsumerContext>(
     batch: &[Polled],
-    late: Option<&LateRecords<'_, CounterContext>>,
+    late: Option<&LateRecords<'_, C>>,
     shards: &Shards,
     metrics: &Metrics,
     mark_rollups: bool,
@@ -734,6 +737,16 @@ mod tests {
     /// Every shard's state after applying `batch` on `threads` threads, and what
     /// `apply_batch` returned.
     fn applied(batch: &[Polled], entities: &[&str], threads: usize) -> ((u64, Vec<u32>), Vec<ShardState>) {
+        applied_with(batch, None::<&LateRecords<'_, rdkafka::consumer::DefaultConsumerContext>>, entities, threads)
+    }
+
+    /// [`applied`], with records that arrive meanwhile taken from `late`.
+    fn applied_with<C: ConsumerContext>(
+        batch: &[Polled],
+        late: Option<&LateRecords<'_, C>>,
+        entities: &[&str],
+        threads: usize,
+    ) -> ((u64, Vec<u32>), Vec<ShardState>) {
         let dir = tempfile::tempdir().unwrap();
         let stores = (0..SHARDS)
             .map(|shard| {
@@ -743,7 +756,7 @@ mod tests {
             .collect();
         let shards = Shards::default();
         shards.replace(stores, BTreeMap::new());
-        let mut returned = apply_batch(batch, None, &shards, &Metrics::new(&Registry::new()), true, threads);
+        let mut returned = apply_batch(batch, late, &shards, &Metrics::new(&Registry::new()), true, threads);
         returned.1.sort();
         let states = (0..SHARDS)
             .map(|shard| {
@@ -765,6 +778,50 @@ mod tests {
             })
             .collect();
         (returned, states)
+    }
+
+    /// Records that came while the batch was applied join the shard it had not
+    /// started (a copy of one the batch holds is skipped by its offset); those of a
+    /// shard not in the batch are carried to the next.
+    #[test]
+    fn late_records_are_applied_with_their_shard_and_the_rest_carried() {
+        use rdkafka::mocking::MockCluster;
+        use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+
+        let cluster = MockCluster::new(1).unwrap();
+        cluster.create_topic("shards", SHARDS as i32, 1).unwrap();
+        let kafka =
+            tally_shared::config::KafkaConfig { bootstrap_servers: cluster.bootstrap_servers(), ..Default::default() };
+        let (first, later) = (increments(1, 0, &[("e1", 2)]), increments(1, 1, &[("e1", 3), ("e6", 4)]));
+        let other = increments(2, 0, &[("e2", 5)]);
+        let producer: BaseProducer = tally_shared::kafka::client_config(&kafka).unwrap().create().unwrap();
+        for record in [&first, &later, &other] {
+            let to = BaseRecord::<(), _>::to("shards").partition(record.partition).payload(&record.payload);
+            producer.send(to).unwrap();
+        }
+        producer.flush(Duration::from_secs(5)).unwrap();
+        let mut config = tally_shared::kafka::consumer_config(&kafka).unwrap();
+        config.set("group.id", "late-apply-test").set("enable.auto.commit", "false");
+        let consumer: BaseConsumer = config.create().unwrap();
+        let mut assignment = TopicPartitionList::new();
+        for partition in [1, 2] {
+            assignment.add_partition_offset("shards", partition, Offset::Beginning).unwrap();
+        }
+        consumer.assign(&assignment).unwrap();
+
+        let late = LateRecords::new(&consumer, [1], usize::MAX, tally_shared::consume::as_fetched);
+        let all = [&first, &later, &other].iter().map(|record| record.payload.len()).sum();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while late.polled_bytes() < all && Instant::now() < deadline {
+            assert_eq!(late.start(99).len(), 0, "shard 99 is not in the batch");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let (returned, states) = applied_with(std::slice::from_ref(&first), Some(&late), &["e1", "e2", "e6"], 1);
+        assert_eq!(returned, (0, vec![]));
+        assert_eq!(states[1], (Some(2), vec![5, 0, 4]), "the batch's record and the late one, once each");
+        assert_eq!(states[2], (None, vec![0, 0, 0]), "shard 2 was not in the batch");
+        let carried: Vec<(i32, i64)> = late.into_carried().iter().map(|r| (r.partition, r.offset)).collect();
+        assert_eq!(carried, [(2, 0)]);
     }
 
     /// Each nice value of this process's threads named `rocksdb:*`.

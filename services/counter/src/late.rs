@@ -68,6 +68,12 @@ impl<'c, C: ConsumerContext> LateRecords<'c, C> {
         inbox.waiting.remove(&shard).unwrap_or_default()
     }
 
+    /// Payload bytes polled so far (tests wait for the consumer's fetches with it).
+    #[cfg(test)]
+    pub(crate) fn polled_bytes(&self) -> usize {
+        self.inbox.lock().unwrap().bytes
+    }
+
     /// What the batch polled and did not apply: the next batch's first records.
     pub fn into_carried(self) -> Vec<Polled> {
         let inbox = self.inbox.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -103,11 +109,11 @@ mod tests {
     /// Polls (as a shard outside the batch starting) until the batch took `bytes`.
     fn poll_until(late: &LateRecords<'_, DefaultConsumerContext>, bytes: usize) {
         let deadline = Instant::now() + Duration::from_secs(10);
-        while late.inbox.lock().unwrap().bytes < bytes && Instant::now() < deadline {
+        while late.polled_bytes() < bytes && Instant::now() < deadline {
             assert_eq!(late.start(99).len(), 0, "shard 99 is not in the batch");
             std::thread::sleep(Duration::from_millis(10));
         }
-        assert_eq!(late.inbox.lock().unwrap().bytes, bytes);
+        assert_eq!(late.polled_bytes(), bytes);
     }
 
     fn offsets(records: &[Polled]) -> Vec<(i32, i64, String)> {
