@@ -8,6 +8,12 @@
 //! each lost one's. Every origin switches in its own log, so whatever the
 //! interleaving of increments and graph updates, once every change has been applied
 //! total(d) = direct(d) + Σ direct(a) over the a whose current view holds d.
+//! What a shard sends other shards is stamped by [`stamp_totals`], so that a replay
+//! at another clock is exact.
+
+use crate::keys::ALL_TIME_WIDTH;
+use crate::time::Resolutions;
+use crate::wire::{Stamp, TotalDelta};
 
 /// The total deltas a change makes, given the origin's direct value under each key
 /// (`(key, value)`, for every metric and retained bucket): `(descendant, key, delta)`.
@@ -21,6 +27,41 @@ pub fn change_deltas<'c, 'd, S: AsRef<str>, K: Copy + 'd>(
     })
 }
 
+/// The totals one record of a shard's log sends one other shard, stamped with the
+/// record's `offset` and an index in an order a replay keeps.
+///
+/// A record is applied again after its shard moves (a restore replays the log after
+/// the snapshot; a stale owner may still be applying it), at another clock, while the
+/// first run's messages may have partly reached the receiver, which drops every stamp
+/// at or below its high-water mark. What a run sends is the same candidates (they
+/// follow from the log) less those whose bucket expired by its clock. Numbered
+/// latest-expiring first, a later clock drops only a tail and an earlier one adds a
+/// tail, so every entry both runs send has the same stamp in both: the receiver
+/// applies each entry once, whatever prefix of the other run it had. (Numbered in key
+/// order, one expired minute would shift every later entry under the mark.)
+pub fn stamp_totals(offset: i64, totals: Vec<TotalDelta>, resolutions: &Resolutions) -> Vec<(Stamp, TotalDelta)> {
+    let mut by_expiry: Vec<(i64, TotalDelta)> =
+        totals.into_iter().map(|total| (expiry(resolutions, total.width_ms, total.bucket), total)).collect();
+    by_expiry.sort_unstable_by(|(a_expiry, a), (b_expiry, b)| {
+        b_expiry.cmp(a_expiry).then_with(|| {
+            (&a.entity, &a.metric, a.width_ms, a.bucket, a.delta)
+                .cmp(&(&b.entity, &b.metric, b.width_ms, b.bucket, b.delta))
+        })
+    });
+    by_expiry.into_iter().zip(0u32..).map(|((_, total), index)| (Stamp { offset, index }, total)).collect()
+}
+
+/// When a bucket stops being retained (it is while `now` is below this): never for
+/// the all-time bucket, at once for a width no resolution has.
+pub fn expiry(resolutions: &Resolutions, width_ms: i64, bucket: i64) -> i64 {
+    if width_ms == ALL_TIME_WIDTH {
+        return i64::MAX;
+    }
+    resolutions
+        .by_width(width_ms)
+        .map_or(i64::MIN, |r| bucket.saturating_add(r.width_ms).saturating_add(r.retention_ms))
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -32,7 +73,7 @@ mod tests {
     use crate::graph::{apply_change, DescChange, EdgeOp, EdgeUpdate, Graph};
     use crate::keys::Counts;
     use crate::model::Model;
-    use crate::time::Resolutions;
+    use crate::time::{bucket_start, Resolution};
     use crate::wire::Increment;
 
     const NOW: i64 = 1_763_780_000_000;
@@ -84,7 +125,61 @@ mod tests {
         *slot = *slot + counts;
     }
 
+    /// A total as a sortable tuple.
+    type Entry = (String, String, i64, i64, i64);
+
+    fn entry(total: &TotalDelta) -> Entry {
+        (total.entity.clone(), total.metric.clone(), total.width_ms, total.bucket, total.delta)
+    }
+
+    /// A record's totals for one shard: all-time and minute/hour buckets around their
+    /// retention's end (10 min and 2 h here), duplicates included.
+    fn totals() -> impl Strategy<Value = Vec<TotalDelta>> {
+        let total = (0..3u8, 0..2u8, 0..3usize, 0i64..3 * 3_600_000, -3i64..4).prop_map(|(e, m, width, age, delta)| {
+            let width_ms = [ALL_TIME_WIDTH, 60_000, 3_600_000][width];
+            let bucket = if width_ms == ALL_TIME_WIDTH { 0 } else { bucket_start(NOW - age, width_ms) };
+            TotalDelta { entity: format!("e{e}"), metric: format!("m{m}"), width_ms, bucket, delta }
+        });
+        proptest::collection::vec(total, 0..60)
+    }
+
     proptest! {
+        /// A record's totals sent by a run at one clock, of which the receiver got any
+        /// prefix (its high-water stamp), then sent again by a run at another clock
+        /// (later or earlier): the receiver applies every total the second run keeps
+        /// exactly once, besides what it had.
+        #[test]
+        fn a_replay_at_another_clock_stamps_what_it_keeps_as_the_first_run(
+            totals in totals(),
+            first_ms in 0i64..3 * 3_600_000,
+            second_ms in 0i64..3 * 3_600_000,
+            received in 0usize..61,
+        ) {
+            let resolutions = Resolutions::new(vec![Resolution::new("1m", "10m").unwrap(), Resolution::new("1h", "2h").unwrap()]).unwrap();
+            let run = |now: i64| {
+                let kept = totals.iter().filter(|t| expiry(&resolutions, t.width_ms, t.bucket) > now).cloned().collect();
+                stamp_totals(7, kept, &resolutions)
+            };
+            let (first, second) = (run(NOW + first_ms), run(NOW + second_ms));
+            let had = &first[..received.min(first.len())];
+            let mark = had.last().map(|(stamp, _)| *stamp);
+            let mut applied: Vec<Entry> = had.iter().map(|(_, t)| entry(t)).collect();
+            applied.extend(second.iter().filter(|(stamp, _)| mark.is_none_or(|mark| *stamp > mark)).map(|(_, t)| entry(t)));
+            // Expected: what the receiver had, and what the second run keeps less one
+            // copy of each entry it had.
+            let mut expected: Vec<Entry> = second.iter().map(|(_, t)| entry(t)).collect();
+            for (_, total) in had {
+                if let Some(at) = expected.iter().position(|e| *e == entry(total)) {
+                    expected.swap_remove(at);
+                }
+            }
+            expected.extend(had.iter().map(|(_, t)| entry(t)));
+            applied.sort();
+            expected.sort();
+            prop_assert_eq!(applied, expected);
+            prop_assert!(second.iter().map(|(s, _)| s.index).eq(0..second.len() as u32));
+        }
+
         /// Shards that switch views in their own logs, with graph changes arriving
         /// late and interleaved at random with increments, end with every bucket's
         /// direct and total equal to the model's recomputation on the final graph.

@@ -19,9 +19,12 @@
 //! the new progress in one RocksDB write batch; a descendant-change record is its
 //! own write batch, after the run before it is committed, because it reads the
 //! origin's direct counts. Totals for descendants on other shards go into the
-//! `outbox` in the same write batch, stamped with the record's offset and their
-//! index: a replay of the same log — after a crash, or on another counter that
-//! rebuilds the shard — produces the same stamps, which the receivers drop.
+//! `outbox` in the same write batch, stamped with the record's offset and an index
+//! per receiving shard, latest-expiring bucket first
+//! ([`stamp_totals`](tally_core::propagation::stamp_totals)): a replay of the same
+//! log — on another counter that restores or rebuilds the shard, at another clock
+//! that keeps fewer or more buckets — stamps every total it sends as the first run
+//! did, and the receivers drop what they had.
 
 use std::borrow::Cow;
 use std::cell::OnceCell;
@@ -37,7 +40,7 @@ use tally_core::graph::DescChangeRef;
 use tally_core::keys::{
     encode_count_key, encode_dedupe_key, encode_entity_prefix, parse_count_key, Counts, ALL_TIME_WIDTH,
 };
-use tally_core::propagation::change_deltas;
+use tally_core::propagation::{change_deltas, stamp_totals};
 use tally_core::records::split_by_size;
 use tally_core::sharding::shard_of;
 use tally_core::wire::{ShardMessage, ShardMessageRef, Source, Stamp, TotalDelta};
@@ -315,20 +318,18 @@ impl ShardStore {
                 }
                 ShardMessageRef::DescChanges { .. } => {}
             }
-            let mut index = 0u32;
             for (target, totals) in &mut remote {
                 let mut entries = Vec::with_capacity(totals.keys());
                 totals.for_each(|entity, metric, width_ms, bucket, counts| {
-                    let delta = TotalDelta {
+                    entries.push(TotalDelta {
                         entity: entity.into(),
                         metric: metric.into(),
                         width_ms,
                         bucket,
                         delta: counts.total,
-                    };
-                    entries.push((Stamp { offset: *offset, index }, delta));
-                    index += 1;
+                    });
                 });
+                let entries = stamp_totals(*offset, entries, &self.options.resolutions);
                 self.put_outbox(&mut batch, outbox_cf, *offset, *target, entries, report)?;
             }
         }
@@ -471,15 +472,8 @@ impl ShardStore {
             marking.mark(&mut batch, rollups_cf, &key);
         }
         writes.finish(self, &mut batch, counts_cf)?;
-        let mut index = 0u32;
         for (target, deltas) in remote {
-            let entries = deltas
-                .into_iter()
-                .map(|delta| {
-                    index += 1;
-                    (Stamp { offset, index: index - 1 }, delta)
-                })
-                .collect();
+            let entries = stamp_totals(offset, deltas, &self.options.resolutions);
             self.put_outbox(&mut batch, outbox_cf, offset, target, entries, report)?;
         }
         self.commit(batch, progress.clone())?;
@@ -638,6 +632,8 @@ mod tests {
     use tally_core::graph::DescChange;
     use tally_core::keys::ALL_TIME_WIDTH;
     use tally_core::wire::Increment;
+
+    use tally_shared::outbox::OutboxEntry;
 
     use super::*;
     use crate::store::StoreOptions;
@@ -935,6 +931,84 @@ mod tests {
             .collect();
         receiver.apply(&replayed, NOW, false).unwrap();
         assert_eq!(counts(&receiver, remote_entity), Counts { direct: 0, total: 5 });
+    }
+
+    /// A shard moves: its log is applied again minutes later (a restore after the
+    /// snapshot) while the receiver had only the first of the first run's messages
+    /// for a record of changes. Minute buckets expired in between, so the replay
+    /// sends fewer totals; the receiver still ends with every retained bucket once.
+    #[test]
+    fn a_replay_minutes_later_sends_a_receiver_what_it_lacks_once() {
+        use tally_core::counting::Coalescer;
+        const MINUTE: i64 = 60_000;
+        let (later, six_hours) = (NOW + 5 * MINUTE, 6 * 60 * MINUTE);
+        let options = StoreOptions { shards: 2, record_budget: 600, ..options() };
+        let sender_shard = shard_of("o", 2);
+        let far: Vec<String> =
+            (0..).map(|i| format!("far{i}")).filter(|e| shard_of(e, 2) != sender_shard).take(2).collect();
+        let dir = tempfile::tempdir().unwrap();
+        let open = |name: &str, shard: u32| ShardStore::open(shard, &dir.path().join(name), options.clone()).unwrap();
+        // Minute buckets from past their retention to ones that expire in the five
+        // minutes, and one now.
+        let increments: Vec<Increment> = (0..20i64)
+            .map(|k| NOW - six_hours + (k - 10) * MINUTE)
+            .chain([NOW])
+            .enumerate()
+            .map(|(k, ts)| Increment { entity: "o".into(), metric: "views".into(), delta: k as i64 + 1, ts, id: None })
+            .collect();
+        let entries =
+            increments.iter().cloned().enumerate().map(|(k, i)| (Stamp { offset: 1, index: k as u32 }, i)).collect();
+        let source = Source { stream: Source::INCREMENTS, partition: 0 };
+        let counted = ShardMessage::Increments { source, entries }.encode().unwrap();
+        let far_names: Vec<&str> = far.iter().map(String::as_str).collect();
+        let gain = desc_change(0, "o", &far_names, &[]);
+        let records = [
+            ShardRecord { offset: 0, payload: &counted, timestamp: None },
+            ShardRecord { offset: 1, payload: &gain, timestamp: None },
+        ];
+        let deliver = |receiver: &ShardStore, outbox: &[OutboxEntry], first_offset: i64| {
+            let delivered: Vec<ShardRecord<'_>> = outbox
+                .iter()
+                .enumerate()
+                .map(|(i, e)| ShardRecord { offset: first_offset + i as i64, payload: &e.payload, timestamp: None })
+                .collect();
+            receiver.apply(&delivered, later, false).unwrap()
+        };
+        let first = open("first", sender_shard);
+        first.apply(&records, NOW, false).unwrap();
+        let sent = first.outbox().unwrap();
+        assert!(sent.len() >= 3, "the record's totals take several messages: {}", sent.len());
+        let receiver = open("receiver", 1 - sender_shard);
+        deliver(&receiver, &sent[..1], 0);
+        let replay = open("replay", sender_shard);
+        replay.apply(&records, later, false).unwrap();
+        let resent = replay.outbox().unwrap();
+        let report = deliver(&receiver, &resent, 1);
+        assert!(report.redelivered > 0 && report.totals_received > 0, "{report:?}");
+        // Every bucket retained now, all-time included, holds its whole sum in each
+        // far descendant's total.
+        let resolutions = &options.resolutions;
+        let mut expected = Coalescer::new(resolutions, later);
+        for i in &increments {
+            expected.add(&i.entity, &i.metric, i.ts, Counts { direct: i.delta, total: i.delta });
+        }
+        let mut want = Vec::new();
+        expected.for_each(|_, _, width, bucket, counts| want.push((width, bucket, counts.direct)));
+        // Five of the old minutes are left, the five after them expired since the first run.
+        assert_eq!(want.iter().filter(|(width, ..)| *width == MINUTE).count(), 6, "{want:?}");
+        for d in &far {
+            let keys: Vec<Vec<u8>> = want
+                .iter()
+                .map(|(width, bucket, _)| {
+                    let mut key = Vec::new();
+                    encode_count_key(&mut key, d, "views", *width, *bucket);
+                    key
+                })
+                .collect();
+            let got: Vec<(i64, i64, i64)> =
+                receiver.get_counts(&keys).unwrap().iter().zip(&want).map(|(c, (w, b, _))| (*w, *b, c.total)).collect();
+            assert_eq!(got, want, "{d}");
+        }
     }
 
     /// One record of changes for two origins with two metrics, a bucket past its
