@@ -6,7 +6,7 @@
 //! never silently falls back to a default. Environment variables that name a section
 //! this config does not have are ignored (they may belong to another tool).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -14,6 +14,7 @@ use figment::providers::{Format, Serialized, Toml};
 use figment::Figment;
 use serde::{Deserialize, Serialize};
 
+use crate::store::Durability;
 use crate::{Error, Result};
 use tally_core::time::{Resolution, Resolutions};
 
@@ -432,6 +433,11 @@ pub struct CounterConfig {
     pub rollup_interval_ms: u64,
     /// fsync the RocksDB WAL on every batch (survives power loss, not just `kill -9`).
     pub sync_writes: bool,
+    /// Write RocksDB's WAL (each batch twice: the WAL and the memtable). Off by
+    /// default where the shard topic keeps its records an hour or more: it is the
+    /// journal, and a counter killed with -9 replays what its stores had not flushed
+    /// ([`CounterConfig::durability`]).
+    pub write_ahead_log: bool,
     /// Bytes of origins' direct counts kept in memory per shard, so an edge change
     /// of origins changed lately moves their counts without reading RocksDB (0:
     /// none). An origin with many buckets takes more: a busy counter has a bucket per
@@ -465,7 +471,32 @@ impl CounterConfig {
         let dir = std::fs::canonicalize(&self.data_dir).unwrap_or_else(|_| self.data_dir.clone());
         format!("{host}:{}", dir.display())
     }
+
+    /// How a shard's commits survive a crash, given the shard topic's settings as
+    /// the broker reports them (`None`: it could not): fsynced through the WAL
+    /// (`sync_writes`), through the WAL (`write_ahead_log`, or unless the topic
+    /// provably keeps its records far longer than a store waits between flushes),
+    /// else through the shard topic alone, as a Kafka Streams changelog.
+    pub fn durability(&self, shard_topic: Option<&HashMap<String, String>>) -> Durability {
+        let setting = |name: &str| shard_topic.and_then(|settings| settings.get(name)).map(|v| v.trim().parse::<i64>());
+        let kept_long = match (setting("retention.ms"), setting("retention.bytes")) {
+            (Some(Ok(ms)), None | Some(Ok(-1))) => ms == -1 || ms >= MIN_JOURNAL_RETENTION_MS,
+            _ => false,
+        };
+        if self.sync_writes {
+            Durability::WalSynced
+        } else if self.write_ahead_log || !kept_long {
+            Durability::Wal
+        } else {
+            Durability::InputLog
+        }
+    }
 }
+
+/// The shortest retention of the shard topic under which a counter leaves the WAL
+/// out: what a crash replays was applied since the store's last flush (at most
+/// 30 s before, `PERSIST_EVERY_MS` of `tally-counter`), which the log must still hold.
+pub const MIN_JOURNAL_RETENTION_MS: i64 = 3_600_000;
 
 impl Default for CounterConfig {
     fn default() -> Self {
@@ -484,6 +515,7 @@ impl Default for CounterConfig {
             rollups: true,
             rollup_interval_ms: 1_000,
             sync_writes: false,
+            write_ahead_log: false,
             direct_cache_bytes: 8 << 20,
             static_assignment: false,
             instance: String::new(),
@@ -692,6 +724,33 @@ mod tests {
         let env = [("TALLY__SNAPSHOTS__LOG_RETENTION_MS".to_string(), "-1".to_string())];
         let refused = TallyConfig::load_with_env(None, env).unwrap_err().to_string();
         assert!(refused.contains("log_retention_ms"), "a negative retention is refused, not read as 0: {refused}");
+    }
+
+    #[test]
+    fn a_counter_leaves_the_wal_out_only_while_the_shard_topic_covers_every_flush() {
+        let topic = |pairs: &[(&str, &str)]| -> HashMap<String, String> {
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        };
+        let durability = |pairs: &[(&str, &str)], settings: Option<HashMap<String, String>>| {
+            TallyConfig::load_with_env(None, env(pairs)).unwrap().counter.durability(settings.as_ref())
+        };
+        let forever = topic(&[("retention.ms", "3153600000000"), ("cleanup.policy", "delete")]);
+        assert_eq!(durability(&[], Some(forever.clone())), Durability::InputLog, "the shard topic is the journal");
+        let week = topic(&[("retention.ms", "604800000"), ("retention.bytes", "-1")]);
+        assert_eq!(durability(&[], Some(week)), Durability::InputLog, "a week's log outlasts any flush");
+        assert_eq!(durability(&[], Some(topic(&[("retention.ms", "-1")]))), Durability::InputLog, "unbounded");
+        for short in [topic(&[("retention.ms", "3000")]), topic(&[("retention.ms", "3599999")])] {
+            assert_eq!(durability(&[], Some(short)), Durability::Wal, "retention could outrun a flush");
+        }
+        let by_size = topic(&[("retention.ms", "-1"), ("retention.bytes", "1073741824")]);
+        assert_eq!(durability(&[], Some(by_size)), Durability::Wal, "bounded by size: no telling how long");
+        assert_eq!(durability(&[], Some(topic(&[]))), Durability::Wal, "retention not reported");
+        assert_eq!(durability(&[], Some(topic(&[("retention.ms", "soon")]))), Durability::Wal, "not a number");
+        assert_eq!(durability(&[], None), Durability::Wal, "the settings could not be read");
+        let asked = ("TALLY__COUNTER__WRITE_AHEAD_LOG", "true");
+        assert_eq!(durability(&[asked], Some(forever.clone())), Durability::Wal, "asked for");
+        let synced = ("TALLY__COUNTER__SYNC_WRITES", "true");
+        assert_eq!(durability(&[synced], Some(forever)), Durability::WalSynced, "fsynced, whatever else");
     }
 
     #[test]

@@ -11,6 +11,12 @@
 //! agrees: a retry comes through the same partition as its original (same key), so
 //! neither a lagging partition beside live ones, nor a producer's skewed clock, drops
 //! a mark its retry still needs.
+//!
+//! A store without the WAL ([`crate::store::Durability::InputLog`]) can lose the
+//! commits after its last flush and replay their records; a mark expired by a stream
+//! time those commits set could then be missing for a retry among them. Its window
+//! ([`DedupeWindow::until_flushed`]) expires marks only by the stream times of the
+//! last flush it was told of ([`DedupeWindow::flushed`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
@@ -26,11 +32,34 @@ pub struct DedupeWindow {
     window_ms: i64,
     /// Per source; a source not seen since opening expires nothing.
     stream_time: Arc<RwLock<HashMap<Source, i64>>>,
+    /// What marks expire by, for a store whose commits wait in memtables for a
+    /// flush: the stream times as of its last flush. `None`: `stream_time`.
+    flushed: Option<Arc<RwLock<HashMap<Source, i64>>>>,
 }
 
 impl DedupeWindow {
     pub fn new(window_ms: i64) -> Self {
-        Self { window_ms, stream_time: Arc::default() }
+        Self { window_ms, stream_time: Arc::default(), flushed: None }
+    }
+
+    /// A window that expires marks only by the stream times of the last flush
+    /// ([`DedupeWindow::flushed`]): none until the first.
+    pub fn until_flushed(window_ms: i64) -> Self {
+        Self { flushed: Some(Arc::default()), ..Self::new(window_ms) }
+    }
+
+    /// The stream times of what was committed so far: taken before a flush, they
+    /// are at most those of what it wrote.
+    pub fn stream_times(&self) -> HashMap<Source, i64> {
+        self.stream_time.read().map(|times| times.clone()).unwrap_or_default()
+    }
+
+    /// A flush wrote the commits whose stream times are `times` (taken before it):
+    /// marks may now expire by them.
+    pub fn flushed(&self, times: HashMap<Source, i64>) {
+        if let Some(Ok(mut flushed)) = self.flushed.as_ref().map(|flushed| flushed.write()) {
+            *flushed = times;
+        }
     }
 
     /// The value of a mark first seen in a record of `source` at `record_time`
@@ -71,7 +100,8 @@ impl DedupeWindow {
         move |_level, _key, mark| {
             // A malformed mark stays, for the lookup that meets it to fail loudly.
             let Ok((time, source)) = Self::decode(mark) else { return Decision::Keep };
-            let source_time = window.stream_time.read().ok().and_then(|t| t.get(&source).copied());
+            let times = window.flushed.as_ref().unwrap_or(&window.stream_time);
+            let source_time = times.read().ok().and_then(|t| t.get(&source).copied());
             let Some(source_time) = source_time else { return Decision::Keep };
             if window.within(time, source_time.min(crate::kafka::now_ms())) {
                 Decision::Keep
@@ -117,5 +147,21 @@ mod tests {
         window.advance(A, i64::MAX);
         assert!(keep(&future), "the wall clock has not passed it");
         assert!(keep(&1_000i64.to_le_bytes()), "a malformed mark stays for its lookup to fail");
+    }
+
+    #[test]
+    fn a_window_until_flushed_expires_marks_by_the_stream_time_of_the_last_flush() {
+        let window = DedupeWindow::until_flushed(10);
+        let filter = window.compaction_filter();
+        let keep = |mark: &[u8]| matches!(filter(0, b"k", mark), Decision::Keep);
+        let mark = DedupeWindow::mark(1_000, A);
+        window.advance(A, 1_005);
+        let before_flush = window.stream_times();
+        window.advance(A, 5_000);
+        assert!(keep(&mark), "applied past the window, but nothing flushed yet");
+        window.flushed(before_flush);
+        assert!(keep(&mark), "the flush wrote commits up to 1 005 only");
+        window.flushed(window.stream_times());
+        assert!(!keep(&mark), "a flush wrote the commit at 5 000");
     }
 }

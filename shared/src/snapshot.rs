@@ -486,7 +486,7 @@ mod tests {
 
     fn open(path: &Path) -> Store {
         let families = vec![ColumnFamilyDescriptor::new("state", Options::default())];
-        Store::open(path, Options::default(), families, false).unwrap()
+        Store::open(path, Options::default(), families, crate::store::Durability::InputLog).unwrap()
     }
 
     fn commit(store: &Store, key: &[u8], next_offset: i64) {

@@ -4,7 +4,7 @@
 //! (next input offset, high-water stamps) in the same write batch — a batch cannot
 //! commit without its progress, so the store is never ahead of or behind its input.
 //! Its outbox (messages written with the state that produced them) is read and
-//! pruned here too.
+//! pruned here too. How commits survive a crash is the store's [`Durability`].
 
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
@@ -15,14 +15,30 @@ use crate::outbox::{delete_outbox, read_outbox, OutboxEntry};
 use crate::progress::{check_store_format, Progress};
 use crate::{Error, Result};
 
+/// How a store's commits survive a crash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// RocksDB's write-ahead log, left to the OS: a killed process loses no commit.
+    Wal,
+    /// The write-ahead log fsynced at each commit: power loss loses none either.
+    WalSynced,
+    /// No write-ahead log: the processor's input log is the journal, as a Kafka
+    /// Streams changelog is for its RocksDB stores. Commits live in memtables until
+    /// RocksDB flushes them, every column family at once (`atomic_flush`), so a
+    /// crash leaves the state of some earlier commit whole, its progress with it,
+    /// and the processor replays the records after it — what a redelivery is
+    /// already. Only for a store whose input is kept at least until its next flush
+    /// (a snapshot's checkpoint flushes; so does [`Store::persist`]).
+    InputLog,
+}
+
 /// A processor's database and its committed progress.
 pub struct Store {
     db: DB,
     /// Mirrors the progress keys of the last committed write batch; one thread at
     /// a time commits (the one applying this store's batch).
     progress: Mutex<Progress>,
-    /// fsync the WAL on each commit.
-    sync_writes: bool,
+    durability: Durability,
 }
 
 fn rocks(err: rocksdb::Error) -> Error {
@@ -36,15 +52,18 @@ impl Store {
         path: &Path,
         mut options: Options,
         families: Vec<ColumnFamilyDescriptor>,
-        sync_writes: bool,
+        durability: Durability,
     ) -> Result<Self> {
         std::fs::create_dir_all(path)?;
         options.create_if_missing(true);
         options.create_missing_column_families(true);
+        // Without the WAL a column family flushed alone would outlive a crash ahead
+        // of (or behind) the progress in another one.
+        options.set_atomic_flush(durability == Durability::InputLog);
         let db = DB::open_cf_descriptors(&options, path, families).map_err(rocks)?;
         check_store_format(&db)?;
         let progress = Progress::load(&db)?;
-        Ok(Self { db, progress: Mutex::new(progress), sync_writes })
+        Ok(Self { db, progress: Mutex::new(progress), durability })
     }
 
     /// For reads — gets, iterators, snapshots. State is written only by
@@ -79,9 +98,31 @@ impl Store {
         let mut committed = self.committed();
         progress.write(&committed, &mut batch);
         let mut write_options = WriteOptions::default();
-        write_options.set_sync(self.sync_writes);
+        write_options.set_sync(self.durability == Durability::WalSynced);
+        write_options.disable_wal(self.durability == Durability::InputLog);
         self.db.write_opt(batch, &write_options).map_err(rocks)?;
         *committed = progress;
+        Ok(())
+    }
+
+    /// Makes every commit so far survive a crash: under [`Durability::InputLog`]
+    /// flushes every column family's memtable at once (a manual compaction of the
+    /// default family, whose memtable the progress keys keep non-empty, flushes them
+    /// all first with `atomic_flush`: RocksDB's C API has no flush of several column
+    /// families; the family itself holds a few progress keys). For what cannot be
+    /// replayed from the input, such as an operator's skip.
+    pub fn persist(&self) -> Result<()> {
+        if self.durability == Durability::InputLog {
+            let _committed = self.committed();
+            self.db.compact_range::<&[u8], &[u8]>(None, None);
+            // The C API swallows the compaction's status: that the memtable holding
+            // the progress keys is empty says the flush happened (nothing else writes
+            // it while the commit lock is held).
+            let left = self.db.property_int_value(rocksdb::properties::NUM_ENTRIES_ACTIVE_MEM_TABLE).map_err(rocks)?;
+            if left != Some(0) {
+                return Err(Error::Store(format!("a flush of the store left {left:?} entries in its memtable")));
+            }
+        }
         Ok(())
     }
 
@@ -98,7 +139,8 @@ impl Store {
             return Err(Error::Skip(format!("offset {offset} was already applied (next is {next:?})")));
         }
         progress.next_offset = Some(offset + 1);
-        self.commit(WriteBatch::default(), progress)
+        self.commit(WriteBatch::default(), progress)?;
+        self.persist()
     }
 
     /// A RocksDB checkpoint of the store in `dir` (which must not exist), taken
@@ -111,6 +153,9 @@ impl Store {
 
     /// A value outside the state (such as the offset a rebuild must reach).
     pub fn put_meta(&self, key: &[u8], value: &[u8]) -> Result<()> {
+        // Under the commit lock, as every write of the default family's memtable
+        // ([`Store::persist`] checks it empty).
+        let _committed = self.committed();
         self.db.put(key, value).map_err(rocks)
     }
 
@@ -174,7 +219,7 @@ mod tests {
         let families = || vec![ColumnFamilyDescriptor::new("state", Options::default())];
         let source = Source { stream: Source::SHARD, partition: 2 };
         {
-            let store = Store::open(dir.path(), Options::default(), families(), false).unwrap();
+            let store = Store::open(dir.path(), Options::default(), families(), Durability::InputLog).unwrap();
             assert_eq!(store.progress(), Progress::default());
             let mut batch = WriteBatch::default();
             batch.put_cf(store.cf("state").unwrap(), b"k", b"v");
@@ -185,9 +230,78 @@ mod tests {
             store.skip_record(41).unwrap(); // already past it: a skip carried out again
             store.skip_record(45).unwrap();
         }
-        let store = Store::open(dir.path(), Options::default(), families(), false).unwrap();
+        let store = Store::open(dir.path(), Options::default(), families(), Durability::InputLog).unwrap();
         let progress = store.progress();
         assert_eq!((progress.next_offset, progress.high_water[&source]), (Some(46), Stamp { offset: 7, index: 2 }));
         assert_eq!(store.db().get_cf(store.cf("state").unwrap(), b"k").unwrap().as_deref(), Some(&b"v"[..]));
+    }
+
+    /// Set in a child process (this test binary run again): which crash to stage, and
+    /// where.
+    const CRASH_CHILD: &str = "TALLY_TEST_STORE_CRASH";
+
+    fn crash_families() -> Vec<ColumnFamilyDescriptor> {
+        let mut state = Options::default();
+        state.set_write_buffer_size(64 << 10);
+        vec![ColumnFamilyDescriptor::new("state", state)]
+    }
+
+    /// Commits `next_offset` 1..=`batches`, batch `i` writing state key `i` (a
+    /// kilobyte), persisting after `persist_at`; then dies without closing the store.
+    fn commit_and_die(dir: &Path, durability: Durability, batches: i64, persist_at: Option<i64>) -> ! {
+        let store = Store::open(dir, Options::default(), crash_families(), durability).unwrap();
+        for i in 1..=batches {
+            let mut batch = WriteBatch::default();
+            batch.put_cf(store.cf("state").unwrap(), i.to_be_bytes(), [7u8; 1024]);
+            store.commit(batch, Progress { next_offset: Some(i), ..Default::default() }).unwrap();
+            if persist_at == Some(i) {
+                store.persist().unwrap();
+            }
+        }
+        std::process::abort()
+    }
+
+    /// What a store holds after a child staged `scenario` in it and died: its
+    /// progress and the state keys it has.
+    fn after_crash(scenario: &str) -> (Option<i64>, Vec<i64>) {
+        let dir = tempfile::tempdir().unwrap();
+        let status = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["store::tests::a_crash_leaves_a_commit_whole_and_loses_only_what_the_durability_allows", "--exact"])
+            .env(CRASH_CHILD, format!("{scenario}:{}", dir.path().display()))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .unwrap();
+        assert!(!status.success(), "the child of {scenario} died");
+        let store = Store::open(dir.path(), Options::default(), crash_families(), Durability::Wal).unwrap();
+        let keys = store
+            .db()
+            .iterator_cf(store.cf("state").unwrap(), rocksdb::IteratorMode::Start)
+            .map(|entry| i64::from_be_bytes(entry.unwrap().0[..8].try_into().unwrap()))
+            .collect();
+        (store.progress().next_offset, keys)
+    }
+
+    #[test]
+    fn a_crash_leaves_a_commit_whole_and_loses_only_what_the_durability_allows() {
+        if let Ok(staged) = std::env::var(CRASH_CHILD) {
+            let (scenario, dir) = staged.split_once(':').unwrap();
+            let dir = Path::new(dir);
+            match scenario {
+                "wal" => commit_and_die(dir, Durability::Wal, 20, None),
+                "input-log" => commit_and_die(dir, Durability::InputLog, 20, Some(10)),
+                "input-log-full" => commit_and_die(dir, Durability::InputLog, 300, None),
+                other => panic!("no scenario {other}"),
+            }
+        }
+        // With the WAL every commit survives.
+        assert_eq!(after_crash("wal"), (Some(20), (1..=20).collect()));
+        // Without it, what was persisted, and nothing after it (the input replays that).
+        assert_eq!(after_crash("input-log"), (Some(10), (1..=10).collect()));
+        // Without it, a column family that filled up flushed with the progress: the
+        // state and its progress agree, at some commit past the first flush.
+        let (next, keys) = after_crash("input-log-full");
+        let next = next.expect("the 300 KB of state filled its 64 KB memtable: something was flushed");
+        assert_eq!(keys, (1..=next).collect::<Vec<_>>(), "the state of exactly the commits up to the progress");
     }
 }

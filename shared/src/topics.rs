@@ -496,19 +496,35 @@ async fn existing_configs(
     actions: &[Action],
     options: &AdminOptions,
 ) -> Result<HashMap<String, HashMap<String, String>>> {
-    let specifiers: Vec<ResourceSpecifier<'_>> = actions
+    let topics: Vec<&str> = actions
         .iter()
         .filter_map(|action| match action {
             Action::Unchanged { topic } | Action::RaisePartitions { topic, .. } | Action::Drift { topic, .. } => {
-                Some(ResourceSpecifier::Topic(topic))
+                Some(topic.as_str())
             }
             Action::Create { .. } => None,
         })
         .collect();
-    if specifiers.is_empty() {
-        return Ok(HashMap::new());
+    let (configs, failure) = describe(admin, &topics, options).await?;
+    if let Some(code) = failure {
+        tracing::warn!(%code, "cannot read topic settings; config drift not checked");
     }
+    Ok(configs)
+}
+
+/// The settings of `topics` as the broker reports them, and the error of one it
+/// could not describe, if any.
+async fn describe(
+    admin: &AdminClient<DefaultClientContext>,
+    topics: &[&str],
+    options: &AdminOptions,
+) -> Result<(HashMap<String, HashMap<String, String>>, Option<rdkafka::types::RDKafkaErrorCode>)> {
     let mut configs = HashMap::new();
+    if topics.is_empty() {
+        return Ok((configs, None));
+    }
+    let specifiers: Vec<ResourceSpecifier<'_>> = topics.iter().map(|topic| ResourceSpecifier::Topic(topic)).collect();
+    let mut failure = None;
     for result in admin.describe_configs(&specifiers, options).await? {
         match result {
             Ok(resource) => {
@@ -517,10 +533,22 @@ async fn existing_configs(
                     resource.entries.into_iter().filter_map(|entry| Some((entry.name, entry.value?))).collect();
                 configs.insert(topic, values);
             }
-            Err(code) => tracing::warn!(%code, "cannot read topic settings; config drift not checked"),
+            Err(code) => failure = Some(code),
         }
     }
-    Ok(configs)
+    Ok((configs, failure))
+}
+
+/// One topic's settings as the broker reports them (`retention.ms`, …).
+pub async fn settings(kafka: &KafkaConfig, topic: &str) -> Result<HashMap<String, String>> {
+    let admin: AdminClient<DefaultClientContext> = client_config(kafka)?.create()?;
+    let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
+    match describe(&admin, &[topic], &options).await? {
+        (mut configs, None) => {
+            configs.remove(topic).ok_or_else(|| Error::Topics(format!("{topic}: no settings reported")))
+        }
+        (_, Some(code)) => Err(Error::Topics(format!("{topic}: settings not described: {code}"))),
+    }
 }
 
 /// Metadata of new topics can lag behind their creation; wait a little for it.

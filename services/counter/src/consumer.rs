@@ -29,6 +29,7 @@ use tally_shared::idle::HelperGauge;
 use tally_shared::kafka::{now_ms, TopicNames};
 use tally_shared::outbox::Relay;
 use tally_shared::snapshot::{clear_restored_marker, restored_marker, SnapshotStore, Snapshotter};
+use tally_shared::store::Durability;
 use tally_shared::telemetry::Readiness;
 use tokio_util::sync::CancellationToken;
 
@@ -55,6 +56,9 @@ pub struct ConsumerSetup {
     pub read_addr: String,
     /// Where shard snapshots are kept (`None`: snapshots off).
     pub snapshots: Option<SnapshotStore>,
+    /// How the shard stores' commits survive a crash (from the config and the shard
+    /// topic's retention: [`tally_shared::config::CounterConfig::durability`]).
+    pub durability: Durability,
 }
 
 struct CounterContext {
@@ -206,7 +210,7 @@ impl ConsumerContext for CounterContext {}
 
 /// Runs until `shutdown`; finishes and persists the batch in hand before returning.
 pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
-    let ConsumerSetup { config, shards, metrics, readiness, read_addr, shard_count, snapshots } = setup;
+    let ConsumerSetup { config, shards, metrics, readiness, read_addr, shard_count, snapshots, durability } = setup;
     let names = TopicNames::new(&config.kafka.topic_prefix);
     let shard_topic = names.shards();
     let resolutions = config.counting.resolutions()?;
@@ -217,7 +221,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         store_options: StoreOptions {
             resolutions: resolutions.clone(),
             dedupe_window_ms: config.counting.dedupe_window_ms()?,
-            sync_writes: config.counter.sync_writes,
+            durability,
             shards: shard_count,
             record_budget: config.kafka.record_budget(),
             direct_cache_bytes: config.counter.direct_cache_bytes,
@@ -510,6 +514,11 @@ impl Counter {
         if let Err(err) = relay_outboxes(&self.relay, &self.shards, &self.metrics) {
             tracing::warn!(error = %err, "relaying the outbox before stopping; the next owner sends it");
         }
+        for shard in self.shards.owned() {
+            if let Some(Err(err)) = self.shards.get(shard).map(|store| store.persist()) {
+                tracing::warn!(shard, error = %err, "flushing the store before stopping; the next start replays the log");
+            }
+        }
         tracing::info!("counter consumer stopping: batch persisted, releasing shards");
         self.readiness.set(false);
         self.shards.lease.end();
@@ -634,6 +643,10 @@ fn apply_shard(
     };
     metrics.apply_seconds.observe(started.elapsed().as_secs_f64());
     record_metrics(metrics, &report);
+    if let Err(err) = store.persist_when_due(now) {
+        // The commits stay in memory: a crash replays them from the log, as before.
+        tracing::warn!(shard, error = %err, "flushing the store");
+    }
     let mut failed = false;
     if let Some((next, found)) = report.gap {
         let reason = format!("the log has no records {next}..{found} the store has not applied (deleted by retention, or the topic was recreated): restore or rebuild the shard");

@@ -53,6 +53,17 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let shard_topic = tally_shared::kafka::TopicNames::new(&config.kafka.topic_prefix).shards();
     let shard_count =
         tally_shared::kafka::wait_for_topic(&config.kafka, &shard_topic, std::time::Duration::from_secs(60)).await?;
+    // Whether the shard topic may serve as the stores' journal (no WAL) depends on
+    // how long it really keeps records.
+    let shard_topic_settings = match tally_shared::topics::settings(&config.kafka, &shard_topic).await {
+        Ok(settings) => Some(settings),
+        Err(err) => {
+            tracing::warn!(error = %err, "reading the shard topic's retention; the stores keep the WAL");
+            None
+        }
+    };
+    let durability = config.counter.durability(shard_topic_settings.as_ref());
+    tracing::info!(?durability, "shard stores' commits survive a crash by");
     let readiness = Readiness::default();
     let lease = match config.counter.static_assignment {
         true => tally_shared::membership::Lease::forever(),
@@ -91,7 +102,8 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         )?),
         false => None,
     };
-    let setup = consumer::ConsumerSetup { snapshots, config, shards, metrics, readiness, shard_count, read_addr };
+    let setup =
+        consumer::ConsumerSetup { snapshots, config, shards, metrics, readiness, shard_count, read_addr, durability };
     let consumer_shutdown = shutdown.clone();
     let result =
         tally_shared::sched::spawn_background("counter-apply", move || consumer::run(setup, consumer_shutdown))

@@ -25,7 +25,7 @@ use tally_core::time::Resolutions;
 use tally_shared::dedupe::DedupeWindow;
 use tally_shared::outbox::OutboxEntry;
 use tally_shared::progress::Progress;
-use tally_shared::store::Store;
+use tally_shared::store::{Durability, Store};
 
 use crate::direct::DirectCache;
 use crate::error::Result;
@@ -50,8 +50,8 @@ const KEY_REBUILD_UNTIL: &[u8] = b"rebuild_until";
 pub struct StoreOptions {
     pub resolutions: Resolutions,
     pub dedupe_window_ms: i64,
-    /// fsync the WAL on each batch.
-    pub sync_writes: bool,
+    /// How commits survive a crash (by default the shard topic is the journal).
+    pub durability: Durability,
     /// How many shards there are (where a descendant's totals live).
     pub shards: u32,
     /// The most bytes of one outbox record ([`tally_core::records`]).
@@ -69,7 +69,7 @@ impl Default for StoreOptions {
         Self {
             resolutions: Resolutions::default(),
             dedupe_window_ms: 86_400_000,
-            sync_writes: false,
+            durability: Durability::InputLog,
             shards: 1,
             record_budget: tally_shared::config::KafkaConfig::default().record_budget(),
             direct_cache_bytes: tally_shared::config::CounterConfig::default().direct_cache_bytes,
@@ -102,7 +102,13 @@ pub struct ShardStore {
     /// when it was assigned) before it serves: until then its totals are partial.
     /// `i64::MIN`: serving.
     rebuild_until: AtomicI64,
+    /// When the store was last persisted (or opened), wall-clock ms.
+    last_persist_ms: AtomicI64,
 }
+
+/// How often a store without the WAL flushes its commits at least (Kafka Streams'
+/// `commit.interval.ms` default is 30 s; RocksDB also flushes a full memtable).
+pub const PERSIST_EVERY_MS: i64 = 30_000;
 
 /// Sums counts. A malformed value or operand fails the merge (`None`): RocksDB then
 /// reports corruption to the read that needed it (or to a flush or compaction), and
@@ -171,7 +177,10 @@ impl ShardStore {
 
         let mut dedupe = Options::default();
         dedupe.set_write_buffer_size(4 << 20);
-        let dedupe_window = DedupeWindow::new(options.dedupe_window_ms);
+        let dedupe_window = match options.durability {
+            Durability::InputLog => DedupeWindow::until_flushed(options.dedupe_window_ms),
+            Durability::Wal | Durability::WalSynced => DedupeWindow::new(options.dedupe_window_ms),
+        };
         dedupe.set_compaction_filter("tally_dedupe_ttl", dedupe_window.compaction_filter());
 
         // The descendant views and their log are read only when the store opens
@@ -195,7 +204,7 @@ impl ShardStore {
             ColumnFamilyDescriptor::new(CF_OUTBOX, Options::default()),
             ColumnFamilyDescriptor::new(CF_ROLLUPS, Options::default()),
         ];
-        let store = Store::open(path, db_options, families, options.sync_writes)?;
+        let store = Store::open(path, db_options, families, options.durability)?;
         let descendants = Views::load(&store)?;
         let rebuild_until = match store.db().get(KEY_REBUILD_UNTIL)? {
             Some(bytes) => tally_core::format::decode_i64_value(&bytes, "rebuild_until")?,
@@ -212,6 +221,7 @@ impl ShardStore {
             direct,
             operands: Mutex::default(),
             rebuild_until: AtomicI64::new(rebuild_until),
+            last_persist_ms: AtomicI64::new(tally_shared::kafka::now_ms()),
         })
     }
 
@@ -286,6 +296,27 @@ impl ShardStore {
     /// The committed next shard-topic offset.
     pub fn next_offset(&self) -> Option<i64> {
         self.store.next_offset()
+    }
+
+    /// Every commit so far on disk ([`Store::persist`]): a stopping counter's, so
+    /// the next start replays nothing.
+    pub fn persist(&self) -> Result<()> {
+        let times = self.dedupe.stream_times();
+        self.store.persist()?;
+        self.dedupe.flushed(times);
+        self.last_persist_ms.store(tally_shared::kafka::now_ms(), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Persists when the last time was [`PERSIST_EVERY_MS`] ago or more, for a store
+    /// without the WAL: what a crash would replay stays short, and the dedupe marks
+    /// expire ([`DedupeWindow::until_flushed`]).
+    pub fn persist_when_due(&self, now_ms: i64) -> Result<()> {
+        let due = now_ms.saturating_sub(self.last_persist_ms.load(Ordering::Relaxed)) >= PERSIST_EVERY_MS;
+        match self.options.durability == Durability::InputLog && due {
+            true => self.persist(),
+            false => Ok(()),
+        }
     }
 
     /// Whether `(entity, id)` was seen within the dedupe window of a record at
@@ -390,6 +421,27 @@ mod tests {
         assert!(!store.serving(), "3 of 10");
         store.rebuild_until(2).unwrap();
         assert!(!store.serving(), "an older end does not lift the wait");
+    }
+
+    /// A store without the WAL flushes once [`PERSIST_EVERY_MS`] passed since its
+    /// last flush (what a crash replays stays short); one with the WAL leaves it to
+    /// RocksDB.
+    #[test]
+    fn a_store_without_the_wal_persists_when_due() {
+        let dir = tempfile::tempdir().unwrap();
+        let unflushed = |store: &ShardStore| {
+            store.store.db().property_int_value(rocksdb::properties::NUM_ENTRIES_ACTIVE_MEM_TABLE).unwrap().unwrap()
+        };
+        for (name, durability, persists) in [("journal", Durability::InputLog, true), ("wal", Durability::Wal, false)] {
+            let store = ShardStore::open(0, &dir.path().join(name), StoreOptions { durability, ..options() }).unwrap();
+            let opened = tally_shared::kafka::now_ms();
+            store.commit(WriteBatch::default(), Progress { next_offset: Some(1), ..Default::default() }).unwrap();
+            assert!(unflushed(&store) > 0, "{name}: the progress keys wait in the memtable");
+            store.persist_when_due(opened + PERSIST_EVERY_MS / 2).unwrap();
+            assert!(unflushed(&store) > 0, "{name}: not due yet");
+            store.persist_when_due(opened + PERSIST_EVERY_MS + 1_000).unwrap();
+            assert_eq!(unflushed(&store) == 0, persists, "{name}: due");
+        }
     }
 
     #[test]

@@ -19,7 +19,7 @@ use tally_core::wire::{desc_change_bound, split_desc_change, GraphMessage, Shard
 use tally_shared::dedupe::DedupeWindow;
 use tally_shared::outbox::{outbox_key, OutboxEntry};
 use tally_shared::progress::Progress;
-use tally_shared::store::Store;
+use tally_shared::store::{Durability, Store};
 
 use crate::error::{Error, Result};
 
@@ -86,7 +86,8 @@ impl GraphStore {
             ColumnFamilyDescriptor::new(CF_DEDUPE, dedupe),
             ColumnFamilyDescriptor::new(CF_OUTBOX, Options::default()),
         ];
-        let store = Store::open(path, Options::default(), families, options.sync_writes)?;
+        let durability = if options.sync_writes { Durability::WalSynced } else { Durability::Wal };
+        let store = Store::open(path, Options::default(), families, durability)?;
         let mut graph = Graph::default();
         {
             for item in store.db().iterator_cf(store.cf(CF_EDGES)?, rocksdb::IteratorMode::Start) {
