@@ -81,7 +81,9 @@ impl DedupeWindow {
         Ok(self.within(time, record_time))
     }
 
-    fn within(&self, mark_time: i64, record_time: i64) -> bool {
+    /// Whether a record at `record_time` repeats an id whose mark holds `mark_time`
+    /// ([`DedupeWindow::repeats`] for a mark not decoded, or not stored yet).
+    pub fn within(&self, mark_time: i64, record_time: i64) -> bool {
         mark_time.saturating_add(self.window_ms) > record_time
     }
 

@@ -114,7 +114,10 @@ impl Store {
     pub fn persist(&self) -> Result<()> {
         if self.durability == Durability::InputLog {
             let _committed = self.committed();
-            self.db.compact_range::<&[u8], &[u8]>(None, None);
+            // Not exclusive: it need not wait for RocksDB's own compactions.
+            let mut compact = rocksdb::CompactOptions::default();
+            compact.set_exclusive_manual_compaction(false);
+            self.db.compact_range_opt::<&[u8], &[u8]>(None, None, &compact);
             // The C API swallows the compaction's status: that the memtable holding
             // the progress keys is empty says the flush happened (nothing else writes
             // it while the commit lock is held).

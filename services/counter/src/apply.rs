@@ -28,7 +28,7 @@
 
 use std::borrow::Cow;
 use std::cell::OnceCell;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::sync::MutexGuard;
 
 use rocksdb::properties::NUM_ENTRIES_ACTIVE_MEM_TABLE;
@@ -265,7 +265,8 @@ impl ShardStore {
         let descendants = self.descendants.lock().map_err(|_| self.poisoned())?;
         let mut coalescer = Coalescer::new(&self.options.resolutions, now);
         let mut batch = WriteBatch::default();
-        let mut ids_in_batch: HashSet<(&str, &str)> = HashSet::new();
+        // Ids marked in this batch, with the record time of their marks.
+        let mut ids_in_batch: FxHashMap<(&str, &str), i64> = FxHashMap::default();
         let mut key = Vec::with_capacity(128);
         let dedupe_cf = self.cf(CF_DEDUPE)?;
         let outbox_cf = self.cf(CF_OUTBOX)?;
@@ -283,10 +284,18 @@ impl ShardStore {
                         if let Some(id) = increment.id {
                             key.clear();
                             encode_dedupe_key(&mut key, increment.entity, id);
-                            if !ids_in_batch.insert((increment.entity, id)) || self.seen_recently(&key, *record_time)? {
+                            // The mark this batch wrote, else the stored one: as if
+                            // each record had been a batch of its own (a replay cuts
+                            // batches elsewhere).
+                            let repeats = match ids_in_batch.get(&(increment.entity, id)) {
+                                Some(&marked) => self.repeats_in_batch(marked, *record_time),
+                                None => self.seen_recently(&key, *record_time)?,
+                            };
+                            if repeats {
                                 report.duplicate_ids += 1;
                                 continue;
                             }
+                            ids_in_batch.insert((increment.entity, id), *record_time);
                             batch.put_cf(dedupe_cf, &key, DedupeWindow::mark(*record_time, *source));
                         }
                         report.increments += 1;
@@ -619,7 +628,7 @@ impl ShardStore {
         Ok(Marking { marked: if rollups { Some(self.marked()?) } else { None }, written: Vec::new() })
     }
 
-    fn poisoned(&self) -> crate::Error {
+    pub(crate) fn poisoned(&self) -> crate::Error {
         crate::Error::Shard {
             shard: self.shard,
             message: "shard state poisoned (a thread panicked holding its lock)".into(),
@@ -729,6 +738,34 @@ mod tests {
             .unwrap();
         assert_eq!(report.increments, 1);
         assert_eq!(all_time(&store, "a"), 3);
+    }
+
+    /// An id reused past the window counts again, and its repeats within the new
+    /// mark's window do not, however the records fall into batches (a replay after
+    /// a crash cuts them elsewhere).
+    #[test]
+    fn an_id_counts_by_the_window_in_one_batch_as_across_batches() {
+        const WINDOW: i64 = 86_400_000;
+        let payloads: Vec<Vec<u8>> = (1..=4).map(|offset| message(0, &[(offset, 0, "a", 1, Some("x"))])).collect();
+        let times = [NOW, NOW + WINDOW - 1, NOW + WINDOW, NOW + WINDOW + 5];
+        let records: Vec<ShardRecord<'_>> = payloads
+            .iter()
+            .zip(times)
+            .enumerate()
+            .map(|(offset, (payload, time))| ShardRecord { offset: offset as i64, payload, timestamp: Some(time) })
+            .collect();
+        let dir = tempfile::tempdir().unwrap();
+        let one_batch = ShardStore::open(0, &dir.path().join("one"), options()).unwrap();
+        let report = one_batch.apply(&records, NOW + WINDOW, false).unwrap();
+        let batches = ShardStore::open(0, &dir.path().join("each"), options()).unwrap();
+        let mut each = (0, 0);
+        for record in &records {
+            let report = batches.apply(std::slice::from_ref(record), NOW + WINDOW, false).unwrap();
+            each = (each.0 + report.increments, each.1 + report.duplicate_ids);
+        }
+        assert_eq!(each, (2, 2), "the first and the one a window later count");
+        assert_eq!((report.increments, report.duplicate_ids), each);
+        assert_eq!((all_time(&one_batch, "a"), all_time(&batches, "a")), (2, 2));
     }
 
     /// The counts of `entity`'s all-time key and how many merge operands a read

@@ -457,6 +457,7 @@ impl Processor<CounterContext> for Counter {
             if let Some(fatal) = relays.or_else(|| self.announcer.fatal()) {
                 return Err(Error::Consumer(format!("a producer failed for good: {fatal}")));
             }
+            self.persist_one_when_due();
             let newest_seen = self.newest_epochs();
             self.announcer.announce(&self.serving, false, newest_seen);
             if let Some(ownership) = &self.ownership {
@@ -470,6 +471,19 @@ impl Processor<CounterContext> for Counter {
 }
 
 impl Counter {
+    /// Flushes the owned store (serving, catching up or failed) flushed longest ago,
+    /// if it is due ([`ShardStore::persist_when_due`]): one per heartbeat, so the
+    /// flushes of stores opened together spread out, and idle ones flush too.
+    fn persist_one_when_due(&self) {
+        let stores = self.shards.owned().into_iter().filter_map(|shard| self.shards.get(shard));
+        if let Some(store) = stores.min_by_key(|store| store.last_persist()) {
+            if let Err(err) = store.persist_when_due(Instant::now()) {
+                // The commits stay in memory: a crash replays them from the log.
+                tracing::warn!(shard = store.shard, error = %err, "flushing the store");
+            }
+        }
+    }
+
     /// Takes and drops shards as ownership says: at once when the lease lapsed
     /// (every shard, then a new tenure); statically, every shard (those whose log
     /// end could not be read are tried again with each heartbeat).
@@ -643,10 +657,6 @@ fn apply_shard(
     };
     metrics.apply_seconds.observe(started.elapsed().as_secs_f64());
     record_metrics(metrics, &report);
-    if let Err(err) = store.persist_when_due(now) {
-        // The commits stay in memory: a crash replays them from the log, as before.
-        tracing::warn!(shard, error = %err, "flushing the store");
-    }
     let mut failed = false;
     if let Some((next, found)) = report.gap {
         let reason = format!("the log has no records {next}..{found} the store has not applied (deleted by retention, or the topic was recreated): restore or rebuild the shard");

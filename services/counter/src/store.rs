@@ -17,6 +17,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use rocksdb::compaction_filter::Decision;
 use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, MergeOperands, Options, WriteBatch};
@@ -102,13 +103,13 @@ pub struct ShardStore {
     /// when it was assigned) before it serves: until then its totals are partial.
     /// `i64::MIN`: serving.
     rebuild_until: AtomicI64,
-    /// When the store was last persisted (or opened), wall-clock ms.
-    last_persist_ms: AtomicI64,
+    /// When the store was last persisted (or opened).
+    last_persist: Mutex<Instant>,
 }
 
-/// How often a store without the WAL flushes its commits at least (Kafka Streams'
-/// `commit.interval.ms` default is 30 s; RocksDB also flushes a full memtable).
-pub const PERSIST_EVERY_MS: i64 = 30_000;
+/// How long a store without the WAL goes between flushes of its own, about (Kafka
+/// Streams' `commit.interval.ms` default; RocksDB also flushes a full memtable).
+pub const PERSIST_EVERY: Duration = Duration::from_secs(30);
 
 /// Sums counts. A malformed value or operand fails the merge (`None`): RocksDB then
 /// reports corruption to the read that needed it (or to a flush or compaction), and
@@ -221,7 +222,7 @@ impl ShardStore {
             direct,
             operands: Mutex::default(),
             rebuild_until: AtomicI64::new(rebuild_until),
-            last_persist_ms: AtomicI64::new(tally_shared::kafka::now_ms()),
+            last_persist: Mutex::new(Instant::now()),
         })
     }
 
@@ -304,15 +305,20 @@ impl ShardStore {
         let times = self.dedupe.stream_times();
         self.store.persist()?;
         self.dedupe.flushed(times);
-        self.last_persist_ms.store(tally_shared::kafka::now_ms(), Ordering::Relaxed);
+        *self.last_persist.lock().map_err(|_| self.poisoned())? = Instant::now();
         Ok(())
     }
 
-    /// Persists when the last time was [`PERSIST_EVERY_MS`] ago or more, for a store
-    /// without the WAL: what a crash would replay stays short, and the dedupe marks
+    /// When the store was last persisted (or opened).
+    pub fn last_persist(&self) -> Instant {
+        self.last_persist.lock().map_or_else(|_| Instant::now(), |last| *last)
+    }
+
+    /// Persists a store without the WAL when [`PERSIST_EVERY`] passed since the last
+    /// time (at `now`): what a crash would replay stays short, and the dedupe marks
     /// expire ([`DedupeWindow::until_flushed`]).
-    pub fn persist_when_due(&self, now_ms: i64) -> Result<()> {
-        let due = now_ms.saturating_sub(self.last_persist_ms.load(Ordering::Relaxed)) >= PERSIST_EVERY_MS;
+    pub fn persist_when_due(&self, now: Instant) -> Result<()> {
+        let due = now.saturating_duration_since(self.last_persist()) >= PERSIST_EVERY;
         match self.options.durability == Durability::InputLog && due {
             true => self.persist(),
             false => Ok(()),
@@ -327,6 +333,12 @@ impl ShardStore {
             Some(mark) => self.dedupe.repeats(&mark, record_time)?,
             None => false,
         })
+    }
+
+    /// Whether a record at `record_time` repeats an id first seen at `mark_time` in
+    /// the batch being written (the mark not stored yet): the window's rule.
+    pub(crate) fn repeats_in_batch(&self, mark_time: i64, record_time: i64) -> bool {
+        self.dedupe.within(mark_time, record_time)
     }
 
     /// Holds back serving until the store reached `end`: called when it was built
@@ -423,7 +435,7 @@ mod tests {
         assert!(!store.serving(), "an older end does not lift the wait");
     }
 
-    /// A store without the WAL flushes once [`PERSIST_EVERY_MS`] passed since its
+    /// A store without the WAL flushes once [`PERSIST_EVERY`] passed since its
     /// last flush (what a crash replays stays short); one with the WAL leaves it to
     /// RocksDB.
     #[test]
@@ -434,12 +446,12 @@ mod tests {
         };
         for (name, durability, persists) in [("journal", Durability::InputLog, true), ("wal", Durability::Wal, false)] {
             let store = ShardStore::open(0, &dir.path().join(name), StoreOptions { durability, ..options() }).unwrap();
-            let opened = tally_shared::kafka::now_ms();
+            let opened = Instant::now();
             store.commit(WriteBatch::default(), Progress { next_offset: Some(1), ..Default::default() }).unwrap();
             assert!(unflushed(&store) > 0, "{name}: the progress keys wait in the memtable");
-            store.persist_when_due(opened + PERSIST_EVERY_MS / 2).unwrap();
+            store.persist_when_due(opened + PERSIST_EVERY / 2).unwrap();
             assert!(unflushed(&store) > 0, "{name}: not due yet");
-            store.persist_when_due(opened + PERSIST_EVERY_MS + 1_000).unwrap();
+            store.persist_when_due(opened + PERSIST_EVERY + Duration::from_secs(1)).unwrap();
             assert_eq!(unflushed(&store) == 0, persists, "{name}: due");
         }
     }
