@@ -39,6 +39,10 @@ async fn kill9_of_counter_and_ingester_mid_workload_counts_exactly_once() {
     check::wait_for_all_time(&sandbox, model, entities, metrics, Duration::from_secs(180)).await;
     check::windows(&sandbox, model, entities, metrics).await;
     check::series(&sandbox, model, &entities[..4], metrics).await;
+    // The shard topic is kept forever: the stores wrote no WAL, and the counter's
+    // kills rolled them back to their last flush, replayed from the log.
+    let wal = sandbox.metric("tally-counter", "tally_counter_store_wal").await;
+    assert_eq!(wal, vec![(String::new(), 0.0)], "the shard topic is the stores' journal");
 }
 
 /// A counter that loses its disk rebuilds every shard from the shard topic, which is

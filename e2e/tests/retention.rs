@@ -26,6 +26,9 @@ async fn a_counter_restores_what_retention_deleted_and_refuses_what_no_snapshot_
     sandbox.produce(&workload.records).await;
     let (model, entities, metrics) = (&workload.model, &workload.entities, &workload.metrics);
     check::wait_for_all_time(&sandbox, model, entities, metrics, Duration::from_secs(120)).await;
+    // Records live 3 s, less than a store may wait for a flush: the WAL stays on.
+    let wal = sandbox.metric("tally-counter", "tally_counter_store_wal").await;
+    assert_eq!(wal, vec![(String::new(), 1.0)], "a 3 s log is no journal");
     let (ok, taken) = sandbox.cli(&["snapshot"]);
     assert!(ok, "{taken}");
 

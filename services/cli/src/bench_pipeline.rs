@@ -525,6 +525,11 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
             through.cpu.as_ref().map_or_else(|| "unknown".into(), |cpu| cpu.per_unit(case.increments() as f64 / 1e6));
         let rollups = rig.scrape(counter_admin, "tally_counter_rollups_published_total").await?;
         let live_batches = rig.batches(counter_admin).await?;
+        let late_records = rig.scrape(counter_admin, "tally_counter_late_records_total").await?;
+        let journal = match rig.scrape(counter_admin, "tally_counter_store_wal").await? == 0.0 {
+            true => "the shard topic (no WAL)",
+            false => "RocksDB's WAL",
+        };
         let ingester_admin = rig.ports.ingester_admin;
         let input_bytes = rig.scrape(ingester_admin, "tally_ingester_input_bytes_total").await?;
         let shard_bytes =
@@ -562,6 +567,9 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
             "    the counter's write batches: live {}; rebuilding {}",
             live_batches.describe(increments),
             rebuild.batches.describe(increments)
+        );
+        println!(
+            "    the counter's stores journaled by {journal}; {late_records:.0} records joined a batch being applied"
         );
         println!(
             "    the counter alone, rebuilding every shard from the shard topic: {:.0} increments/s ({:.2} s; CPU per million increments: {})",

@@ -64,6 +64,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     };
     let durability = config.counter.durability(shard_topic_settings.as_ref());
     tracing::info!(?durability, "shard stores' commits survive a crash by");
+    metrics.store_wal.set(i64::from(durability != tally_shared::store::Durability::InputLog));
     let readiness = Readiness::default();
     let lease = match config.counter.static_assignment {
         true => tally_shared::membership::Lease::forever(),

@@ -14,6 +14,9 @@ pub struct Metrics {
     pub helped_batches: IntCounter,
     /// Records that arrived while a batch was applied and joined it ([`crate::late`]).
     pub late_records: IntCounter,
+    /// 1 while the shard stores write RocksDB's WAL, 0 while the shard topic is
+    /// their journal ([`tally_shared::store::Durability`]).
+    pub store_wal: IntGauge,
     pub undecodable_records: IntCounter,
     /// Shards stopped by a failure, waiting for an operator.
     pub failed_shards: IntGauge,
@@ -79,6 +82,14 @@ impl Metrics {
                 IntCounter::new(
                     "tally_counter_late_records_total",
                     "Records that arrived while a batch was applied and joined it, their shard not started yet",
+                )
+                .expect("valid metric"),
+            ),
+            store_wal: register(
+                registry,
+                IntGauge::new(
+                    "tally_counter_store_wal",
+                    "1: the shard stores write RocksDB's WAL; 0: the shard topic is their journal (a crash replays it)",
                 )
                 .expect("valid metric"),
             ),
