@@ -494,8 +494,8 @@ impl CounterConfig {
 }
 
 /// The shortest retention of the shard topic under which a counter leaves the WAL
-/// out: what a crash replays was applied since the store's last flush (at most
-/// 30 s before, `PERSIST_EVERY_MS` of `tally-counter`), which the log must still hold.
+/// out: what a crash replays was applied since the store's last flush (about 30 s
+/// before, `PERSIST_EVERY` of `tally-counter`), which the log must still hold.
 pub const MIN_JOURNAL_RETENTION_MS: i64 = 3_600_000;
 
 impl Default for CounterConfig {

@@ -131,11 +131,16 @@ mod tests {
     const A: Source = Source { stream: Source::INCREMENTS, partition: 0 };
     const B: Source = Source { stream: Source::INCREMENTS, partition: 5 };
 
+    /// Whether `window`'s compaction filter keeps a mark.
+    fn keeps(window: &DedupeWindow) -> impl Fn(&[u8]) -> bool {
+        let filter = window.compaction_filter();
+        move |mark| matches!(filter(0, b"k", mark), Decision::Keep)
+    }
+
     #[test]
     fn marks_expire_by_their_own_sources_stream_time_and_the_wall_clock() {
         let window = DedupeWindow::new(10);
-        let filter = window.compaction_filter();
-        let keep = |mark: &[u8]| matches!(filter(0, b"k", mark), Decision::Keep);
+        let keep = keeps(&window);
         let lagging = DedupeWindow::mark(1_000, B);
         assert!(keep(&lagging), "no record of B applied since opening");
         window.advance(A, 5_000_000);
@@ -154,8 +159,7 @@ mod tests {
     #[test]
     fn a_window_until_flushed_expires_marks_by_the_stream_time_of_the_last_flush() {
         let window = DedupeWindow::until_flushed(10);
-        let filter = window.compaction_filter();
-        let keep = |mark: &[u8]| matches!(filter(0, b"k", mark), Decision::Keep);
+        let keep = keeps(&window);
         let mark = DedupeWindow::mark(1_000, A);
         window.advance(A, 1_005);
         let before_flush = window.stream_times();

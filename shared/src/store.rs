@@ -110,7 +110,8 @@ impl Store {
     /// default family, whose memtable the progress keys keep non-empty, flushes them
     /// all first with `atomic_flush`: RocksDB's C API has no flush of several column
     /// families; the family itself holds a few progress keys). For what cannot be
-    /// replayed from the input, such as an operator's skip.
+    /// replayed from the input (an operator's skip), at a processor's stop, and
+    /// periodically, so that a crash replays little.
     pub fn persist(&self) -> Result<()> {
         if self.durability == Durability::InputLog {
             let _committed = self.committed();

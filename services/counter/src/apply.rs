@@ -628,7 +628,7 @@ impl ShardStore {
         Ok(Marking { marked: if rollups { Some(self.marked()?) } else { None }, written: Vec::new() })
     }
 
-    pub(crate) fn poisoned(&self) -> crate::Error {
+    fn poisoned(&self) -> crate::Error {
         crate::Error::Shard {
             shard: self.shard,
             message: "shard state poisoned (a thread panicked holding its lock)".into(),

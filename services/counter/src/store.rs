@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use rocksdb::compaction_filter::Decision;
@@ -305,13 +305,14 @@ impl ShardStore {
         let times = self.dedupe.stream_times();
         self.store.persist()?;
         self.dedupe.flushed(times);
-        *self.last_persist.lock().map_err(|_| self.poisoned())? = Instant::now();
+        *self.last_persist.lock().unwrap_or_else(PoisonError::into_inner) = Instant::now();
         Ok(())
     }
 
     /// When the store was last persisted (or opened).
     pub fn last_persist(&self) -> Instant {
-        self.last_persist.lock().map_or_else(|_| Instant::now(), |last| *last)
+        // An `Instant` is never half-written: a panic elsewhere leaves it readable.
+        *self.last_persist.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Persists a store without the WAL when [`PERSIST_EVERY`] passed since the last
