@@ -12,7 +12,9 @@
 //!   rebuilding every shard from the shard topic (its stores deleted).
 //! - **read**: p50/p99/p999 of single reads and of batches of 100 through tally-query,
 //!   from closed-loop clients on keep-alive connections; idle, then while the ingester
-//!   and the counter catch up with a fresh backlog at full speed.
+//!   and the counter catch up with a fresh backlog at full speed. Each phase also
+//!   prints its share of slow reads inside tally-query and the cores each process
+//!   kept busy ([`crate::read_phase`]).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -34,6 +36,7 @@ use tally_shared::topics::{self, Declarations};
 use tokio::process::{Child, Command};
 
 use crate::cpu::CpuWatch;
+use crate::read_phase::PhaseWatch;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct IngestBenchArgs {
@@ -351,9 +354,26 @@ impl Rig {
     }
 
     async fn scrape_lines(&self, admin_port: u16, metric: &str, labels: impl Fn(&str) -> bool) -> anyhow::Result<f64> {
+        Ok(sum_series(&self.metrics_text(admin_port).await?, metric, labels))
+    }
+
+    /// A service's whole `/metrics` exposition.
+    async fn metrics_text(&self, admin_port: u16) -> anyhow::Result<String> {
         let url = format!("http://127.0.0.1:{admin_port}/metrics");
-        let text = self.client.get(url).send().await?.text().await?;
-        Ok(sum_series(&text, metric, labels))
+        Ok(self.client.get(url).send().await?.text().await?)
+    }
+
+    /// Runs one read phase, watching what it costs ([`PhaseWatch`]); `endpoint` is
+    /// tally-query's name for its reads.
+    async fn watched(
+        &self,
+        endpoint: &'static str,
+        phase: impl std::future::Future<Output = anyhow::Result<Latencies>>,
+    ) -> anyhow::Result<(Latencies, String)> {
+        let query_admin = self.ports.query_admin;
+        let watch = PhaseWatch::start(&self.pids(), endpoint, &self.metrics_text(query_admin).await?);
+        let latencies = phase.await?;
+        Ok((latencies, watch.finish(&self.metrics_text(query_admin).await?)))
     }
 }
 
@@ -893,8 +913,10 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
     let (port, secs) = (rig.ports.query, args.seconds);
     let (conns, entities) = ((args.connections, rig.config.runtime.latency_slice(), args.rate), args.entities);
 
-    let idle_single = load(port, conns, secs, entities, single_read, "single reads, idle").await?;
-    let idle_batch = load(port, conns, secs, entities, batch_read, "batches of 100, idle").await?;
+    let idle_single =
+        rig.watched("counter", load(port, conns, secs, entities, single_read, "single reads, idle")).await?;
+    let idle_batch =
+        rig.watched("batch", load(port, conns, secs, entities, batch_read, "batches of 100, idle")).await?;
 
     // Busy: the ingester stops, a backlog builds, and reads run while it catches up.
     rig.stop("tally-ingester").await?;
@@ -904,17 +926,23 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
     let ingester_admin = rig.ports.ingester_admin;
     rig.run("tally-ingester", ingester_admin).await?;
     let started = Instant::now();
-    let busy_single = load(port, conns, secs, entities, single_read, "single reads, ingesting").await?;
+    let busy_single =
+        rig.watched("counter", load(port, conns, secs, entities, single_read, "single reads, ingesting")).await?;
     let (between, between_at) = (rig.scrape(counter_admin, APPLIED).await?, Instant::now());
-    let busy_batch = load(port, conns, secs, entities, batch_read, "batches of 100, ingesting").await?;
+    let busy_batch =
+        rig.watched("batch", load(port, conns, secs, entities, batch_read, "batches of 100, ingesting")).await?;
     let (after, after_at) = (rig.scrape(counter_admin, APPLIED).await?, Instant::now());
     rig.finish().await?;
 
     let s = secs as f64;
-    println!("{}", idle_single.line("single read, idle", s));
-    println!("{}", idle_batch.line("batch of 100, idle", s));
-    println!("{}", busy_single.line("single read, while ingesting", s));
-    println!("{}", busy_batch.line("batch of 100, while ingesting", s));
+    for ((latencies, cost), label) in [
+        (idle_single, "single read, idle"),
+        (idle_batch, "batch of 100, idle"),
+        (busy_single, "single read, while ingesting"),
+        (busy_batch, "batch of 100, while ingesting"),
+    ] {
+        println!("{}\n{cost}", latencies.line(label, s));
+    }
     println!(
         "ingesting meanwhile: {:.0} increments/s applied during the single reads, {:.0}/s during the batches{}",
         (between - before) / (between_at - started).as_secs_f64(),

@@ -8,6 +8,7 @@ pub mod bench_parse;
 pub mod bench_pipeline;
 pub mod cpu;
 pub mod jobs;
+pub mod read_phase;
 pub mod shards;
 pub mod snapshots;
 pub mod up;

@@ -1,0 +1,132 @@
+//! What one phase of `tally bench read` cost the machine, and where its tail was:
+//! the cores each process kept busy, and the share of reads that took over 1 ms and
+//! over 5 ms (the two bars) inside tally-query, by its own latency histogram
+//! (`tally_query_request_seconds`, from the request's handler to its answer, the
+//! counter's hop included). A tail the clients see and tally-query does not is spent
+//! outside the read path: in waking the clients and its own thread, on the cores the
+//! broker and the other services share.
+
+use std::time::Instant;
+
+use crate::cpu::CpuWatch;
+
+/// The histogram's counts of one endpoint at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Tail {
+    pub reads: f64,
+    pub within_1ms: f64,
+    pub within_5ms: f64,
+}
+
+impl Tail {
+    /// The counts of `endpoint` in a Prometheus text exposition of tally-query's
+    /// metrics (zeros before its first read).
+    pub fn parse(text: &str, endpoint: &str) -> Self {
+        let endpoint = format!("endpoint=\"{endpoint}\"");
+        let value = |name: &str, le: Option<&str>| -> f64 {
+            let bound = le.map(|le| format!("le=\"{le}\""));
+            text.lines()
+                .filter_map(|line| line.strip_prefix(name)?.strip_prefix('{')?.split_once('}'))
+                .filter(|(labels, _)| {
+                    labels.split(',').any(|label| label == endpoint)
+                        && bound.as_ref().is_none_or(|bound| labels.split(',').any(|label| label == bound))
+                })
+                .filter_map(|(_, value)| value.trim().parse::<f64>().ok())
+                .sum()
+        };
+        Self {
+            reads: value("tally_query_request_seconds_count", None),
+            within_1ms: value("tally_query_request_seconds_bucket", Some("0.001")),
+            within_5ms: value("tally_query_request_seconds_bucket", Some("0.005")),
+        }
+    }
+
+    /// `X % over 1 ms, Y % over 5 ms` of the reads between `before` and `self`.
+    pub fn shares_since(&self, before: &Self) -> String {
+        let reads = self.reads - before.reads;
+        if reads <= 0.0 {
+            return "no reads".into();
+        }
+        let over = |within: f64, within_before: f64| 100.0 * (reads - (within - within_before)) / reads;
+        format!(
+            "{:.2} % over 1 ms, {:.2} % over 5 ms",
+            over(self.within_1ms, before.within_1ms),
+            over(self.within_5ms, before.within_5ms)
+        )
+    }
+}
+
+/// Started before a phase, finished after it.
+pub struct PhaseWatch {
+    cpu: CpuWatch,
+    started: Instant,
+    endpoint: &'static str,
+    before: Tail,
+}
+
+impl PhaseWatch {
+    /// `processes` by name and pid; `metrics` is tally-query's exposition now.
+    pub fn start(processes: &[(&'static str, u32)], endpoint: &'static str, metrics: &str) -> Self {
+        let before = Tail::parse(metrics, endpoint);
+        Self { cpu: CpuWatch::start(processes), started: Instant::now(), endpoint, before }
+    }
+
+    /// The phase's line: inside tally-query's share of slow reads, and the cores
+    /// each process kept busy.
+    pub fn finish(&self, metrics: &str) -> String {
+        let seconds = self.started.elapsed().as_secs_f64().max(1e-9);
+        let cores: Vec<String> = self
+            .cpu
+            .spent()
+            .iter()
+            .map(|(name, spent)| match spent {
+                Some(spent) => format!("{name} {:.2}", spent / seconds),
+                None => format!("{name} unknown"),
+            })
+            .collect();
+        format!(
+            "    inside tally-query: {}; cores busy: {}",
+            Tail::parse(metrics, self.endpoint).shares_since(&self.before),
+            cores.join(", ")
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exposition(counter: [u64; 3], batch: [u64; 3]) -> String {
+        let mut text = String::from("# HELP tally_query_request_seconds Read latency per endpoint\n");
+        for (endpoint, [within_1ms, within_5ms, reads]) in [("counter", counter), ("batch", batch)] {
+            for (le, count) in
+                [("0.0005", within_1ms / 2), ("0.001", within_1ms), ("0.005", within_5ms), ("+Inf", reads)]
+            {
+                text += &format!("tally_query_request_seconds_bucket{{endpoint=\"{endpoint}\",le=\"{le}\"}} {count}\n");
+            }
+            text += &format!("tally_query_request_seconds_sum{{endpoint=\"{endpoint}\"}} 0.5\n");
+            text += &format!("tally_query_request_seconds_count{{endpoint=\"{endpoint}\"}} {reads}\n");
+        }
+        text
+    }
+
+    #[test]
+    fn reads_one_endpoints_counts_and_the_shares_between_two_moments() {
+        let before = exposition([90, 99, 100], [10, 20, 30]);
+        let after = exposition([1_080, 1_097, 1_100], [10, 20, 30]);
+        let (start, end) = (Tail::parse(&before, "counter"), Tail::parse(&after, "counter"));
+        assert_eq!(start, Tail { reads: 100.0, within_1ms: 90.0, within_5ms: 99.0 });
+        assert_eq!(end, Tail { reads: 1_100.0, within_1ms: 1_080.0, within_5ms: 1_097.0 });
+        // 1 000 reads: 10 over 1 ms, 2 over 5 ms.
+        assert_eq!(end.shares_since(&start), "1.00 % over 1 ms, 0.20 % over 5 ms");
+        assert_eq!(Tail::parse(&after, "batch"), Tail { reads: 30.0, within_1ms: 10.0, within_5ms: 20.0 });
+        assert_eq!(Tail::parse(&after, "batch").shares_since(&Tail::parse(&before, "batch")), "no reads");
+    }
+
+    #[test]
+    fn an_exposition_before_the_first_read_counts_nothing() {
+        let text = "# HELP tally_query_request_seconds Read latency per endpoint\n# TYPE tally_query_request_seconds histogram\n";
+        assert_eq!(Tail::parse(text, "counter"), Tail::default());
+        assert_eq!(Tail::parse("", "counter").shares_since(&Tail::default()), "no reads");
+    }
+}
