@@ -379,7 +379,7 @@ impl Rig {
 
 /// The sum of the values of `metric`'s series in a Prometheus text exposition whose
 /// labels (`{…}`, or "" without) pass `labels`.
-fn sum_series(text: &str, metric: &str, labels: impl Fn(&str) -> bool) -> f64 {
+pub(crate) fn sum_series(text: &str, metric: &str, labels: impl Fn(&str) -> bool) -> f64 {
     text.lines()
         .filter_map(|line| line.strip_prefix(metric).filter(|rest| rest.starts_with([' ', '{'])))
         .filter(|rest| labels(rest.rsplit_once(' ').map_or("", |(labels, _)| labels)))

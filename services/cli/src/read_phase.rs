@@ -8,6 +8,7 @@
 
 use std::time::Instant;
 
+use crate::bench_pipeline::sum_series;
 use crate::cpu::CpuWatch;
 
 /// The histogram's counts of one endpoint at one moment.
@@ -23,21 +24,16 @@ impl Tail {
     /// metrics (zeros before its first read).
     pub fn parse(text: &str, endpoint: &str) -> Self {
         let endpoint = format!("endpoint=\"{endpoint}\"");
-        let value = |name: &str, le: Option<&str>| -> f64 {
-            let bound = le.map(|le| format!("le=\"{le}\""));
-            text.lines()
-                .filter_map(|line| line.strip_prefix(name)?.strip_prefix('{')?.split_once('}'))
-                .filter(|(labels, _)| {
-                    labels.split(',').any(|label| label == endpoint)
-                        && bound.as_ref().is_none_or(|bound| labels.split(',').any(|label| label == bound))
-                })
-                .filter_map(|(_, value)| value.trim().parse::<f64>().ok())
-                .sum()
+        let has = |labels: &str, label: &str| labels.trim_matches(['{', '}']).split(',').any(|one| one == label);
+        let within = |le: &str| {
+            let le = format!("le=\"{le}\"");
+            let labelled = |labels: &str| has(labels, &endpoint) && has(labels, &le);
+            sum_series(text, "tally_query_request_seconds_bucket", labelled)
         };
         Self {
-            reads: value("tally_query_request_seconds_count", None),
-            within_1ms: value("tally_query_request_seconds_bucket", Some("0.001")),
-            within_5ms: value("tally_query_request_seconds_bucket", Some("0.005")),
+            reads: sum_series(text, "tally_query_request_seconds_count", |labels| has(labels, &endpoint)),
+            within_1ms: within("0.001"),
+            within_5ms: within("0.005"),
         }
     }
 
