@@ -36,10 +36,16 @@ impl CpuWatch {
 
     /// `name 0.52 s, …` per `per` units of work.
     pub fn per_unit(&self, per: f64) -> String {
+        self.divided(per, " s")
+    }
+
+    /// `name 0.52{suffix}, …`: each process's CPU seconds divided by `by` (units of
+    /// work, or the seconds watched for the cores kept busy).
+    pub fn divided(&self, by: f64, suffix: &str) -> String {
         self.spent()
             .iter()
             .map(|(name, spent)| match spent {
-                Some(seconds) => format!("{name} {:.2} s", seconds / per.max(1e-9)),
+                Some(seconds) => format!("{name} {:.2}{suffix}", seconds / by.max(1e-9)),
                 None => format!("{name} unknown"),
             })
             .collect::<Vec<_>>()

@@ -70,20 +70,10 @@ impl PhaseWatch {
     /// The phase's line: inside tally-query's share of slow reads, and the cores
     /// each process kept busy.
     pub fn finish(&self, metrics: &str) -> String {
-        let seconds = self.started.elapsed().as_secs_f64().max(1e-9);
-        let cores: Vec<String> = self
-            .cpu
-            .spent()
-            .iter()
-            .map(|(name, spent)| match spent {
-                Some(spent) => format!("{name} {:.2}", spent / seconds),
-                None => format!("{name} unknown"),
-            })
-            .collect();
         format!(
             "    inside tally-query: {}; cores busy: {}",
             Tail::parse(metrics, self.endpoint).shares_since(&self.before),
-            cores.join(", ")
+            self.cpu.divided(self.started.elapsed().as_secs_f64(), "")
         )
     }
 }
