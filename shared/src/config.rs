@@ -495,8 +495,8 @@ impl CounterConfig {
 
 /// The shortest retention of the shard topic under which a counter leaves the WAL
 /// out: what a crash replays was applied since the store's last flush, which the log
-/// must still hold (`tally-counter` flushes each store every `PERSIST_EVERY`, 30 s,
-/// or 5 s per store it owns, whichever is longer: 40 s for eight shards).
+/// must still hold (`tally-counter` flushes each store about every `PERSIST_EVERY`,
+/// 30 s, however many it owns: within 35 s of its last flush, 60 s of opening).
 pub const MIN_JOURNAL_RETENTION_MS: i64 = 3_600_000;
 
 impl Default for CounterConfig {

@@ -41,7 +41,7 @@ use crate::ownership::{Change, Ownership, Watched};
 use crate::relay::relay_outboxes;
 use crate::rollups::Rollups;
 use crate::shards::Shards;
-use crate::store::{ShardStore, StoreOptions};
+use crate::store::{due_for_persist, ShardStore, StoreOptions};
 
 /// Everything the consumer thread needs.
 pub struct ConsumerSetup {
@@ -457,7 +457,7 @@ impl Processor<CounterContext> for Counter {
             if let Some(fatal) = relays.or_else(|| self.announcer.fatal()) {
                 return Err(Error::Consumer(format!("a producer failed for good: {fatal}")));
             }
-            self.persist_one_when_due();
+            self.persist_due_stores();
             let newest_seen = self.newest_epochs();
             self.announcer.announce(&self.serving, false, newest_seen);
             if let Some(ownership) = &self.ownership {
@@ -471,13 +471,17 @@ impl Processor<CounterContext> for Counter {
 }
 
 impl Counter {
-    /// Flushes the owned store (serving, catching up or failed) flushed longest ago,
-    /// if it is due ([`ShardStore::persist_when_due`]): one per heartbeat, so the
-    /// flushes of stores opened together spread out, and idle ones flush too.
-    fn persist_one_when_due(&self) {
-        let stores = self.shards.owned().into_iter().filter_map(|shard| self.shards.get(shard));
-        if let Some(store) = stores.min_by_key(|store| store.last_persist()) {
-            if let Err(err) = store.persist_when_due(Instant::now()) {
+    /// Flushes the owned stores (serving, catching up or failed) that are due
+    /// ([`due_for_persist`]): those flushed longest ago, spread over the heartbeats,
+    /// so each flushes about every [`crate::store::PERSIST_EVERY`] however many the
+    /// counter owns, and idle ones flush too.
+    fn persist_due_stores(&self) {
+        let stores: Vec<_> = self.shards.owned().into_iter().filter_map(|shard| self.shards.get(shard)).collect();
+        let last_persists: Vec<Instant> = stores.iter().map(|store| store.last_persist()).collect();
+        let now = Instant::now();
+        for index in due_for_persist(&last_persists, now, HEARTBEAT) {
+            let store = &stores[index];
+            if let Err(err) = store.persist_when_due(now) {
                 // The commits stay in memory: a crash replays them from the log.
                 tracing::warn!(shard = store.shard, error = %err, "flushing the store");
             }

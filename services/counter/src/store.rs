@@ -111,6 +111,25 @@ pub struct ShardStore {
 /// Streams' `commit.interval.ms` default; RocksDB also flushes a full memtable).
 pub const PERSIST_EVERY: Duration = Duration::from_secs(30);
 
+/// Which stores to flush at a heartbeat, as indexes into `last_persists` (when each
+/// was last persisted or opened): those flushed longest ago that are due
+/// ([`PERSIST_EVERY`] passed), at most `ceil(n × heartbeat / PERSIST_EVERY)` of
+/// them — as many as flush every store once per [`PERSIST_EVERY`] at one round per
+/// `heartbeat`. So stores opened together flush apart (one per heartbeat up to six
+/// stores), and however many a counter owns, each flushes within
+/// `PERSIST_EVERY + heartbeat` of the last time (within `2 × PERSIST_EVERY` of
+/// opening, when many open together): what a crash replays stays within the
+/// journal's retention ([`tally_shared::config::MIN_JOURNAL_RETENTION_MS`]).
+pub fn due_for_persist(last_persists: &[Instant], now: Instant, heartbeat: Duration) -> Vec<usize> {
+    let rounds_per_interval = (PERSIST_EVERY.as_millis() / heartbeat.as_millis().max(1)).max(1) as usize;
+    let per_round = last_persists.len().div_ceil(rounds_per_interval);
+    let mut oldest_first: Vec<usize> = (0..last_persists.len()).collect();
+    oldest_first.sort_by_key(|&index| last_persists[index]);
+    oldest_first.truncate(per_round);
+    oldest_first.retain(|&index| now.saturating_duration_since(last_persists[index]) >= PERSIST_EVERY);
+    oldest_first
+}
+
 /// Sums counts. A malformed value or operand fails the merge (`None`): RocksDB then
 /// reports corruption to the read that needed it (or to a flush or compaction), and
 /// the shard stops. A batch that is to write a key's sum ([`crate::operands`]) reads
@@ -454,6 +473,42 @@ mod tests {
             assert!(unflushed(&store) > 0, "{name}: not due yet");
             store.persist_when_due(opened + PERSIST_EVERY + Duration::from_secs(1)).unwrap();
             assert_eq!(unflushed(&store) == 0, persists, "{name}: due");
+        }
+    }
+
+    /// However many stores a counter owns, each is flushed within `PERSIST_EVERY +
+    /// HEARTBEAT` of its last flush (`2 × PERSIST_EVERY` of opening), and the
+    /// flushes of stores opened together spread over the heartbeats.
+    #[test]
+    fn every_store_flushes_within_the_interval_whatever_their_number() {
+        let heartbeat = Duration::from_secs(5);
+        let opened = Instant::now();
+        for stores in [1, 2, 8, 64, 256, 1000] {
+            let mut last = vec![opened; stores];
+            let mut longest_wait = Duration::ZERO;
+            let mut most_in_a_round = 0;
+            let mut flushes = 0;
+            // Ten minutes of heartbeats, each a little late (the loop's own work).
+            let mut now = opened;
+            for _ in 0..110 {
+                now += heartbeat + Duration::from_millis(400);
+                let due = due_for_persist(&last, now, heartbeat);
+                most_in_a_round = most_in_a_round.max(due.len());
+                for index in due {
+                    flushes += 1;
+                    last[index] = now;
+                }
+                let waited = last.iter().map(|at| now - *at).max().unwrap();
+                longest_wait = longest_wait.max(waited);
+            }
+            let late = heartbeat + Duration::from_millis(400);
+            let first_round = 2 * PERSIST_EVERY + late;
+            assert!(longest_wait <= first_round, "{stores} stores: one waited {longest_wait:?}");
+            let settled = last.iter().map(|at| now - *at).max().unwrap();
+            assert!(settled <= PERSIST_EVERY + late, "{stores} stores: {settled:?} since a flush");
+            assert!(flushes >= stores * 15, "{stores} stores flushed {flushes} times in ten minutes");
+            let per_round = stores.div_ceil(6);
+            assert_eq!(most_in_a_round, per_round, "{stores} stores: flushes spread over the rounds");
         }
     }
 
