@@ -11,6 +11,9 @@ use std::time::Instant;
 use crate::bench_pipeline::sum_series;
 use crate::cpu::CpuWatch;
 
+/// What a phase's line says when tally-query's histogram counted no reads.
+const NONE_COUNTED: &str = "no reads counted in tally_query_request_seconds";
+
 /// The histogram's counts of one endpoint at one moment.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Tail {
@@ -37,11 +40,13 @@ impl Tail {
         }
     }
 
-    /// `X % over 1 ms, Y % over 5 ms` of the reads between `before` and `self`.
+    /// `X % over 1 ms, Y % over 5 ms` of the reads between `before` and `self`; or
+    /// that the histogram counted none (a phase that read: tally-query did not expose
+    /// it under this name, which is then said rather than read as "no slow reads").
     pub fn shares_since(&self, before: &Self) -> String {
         let reads = self.reads - before.reads;
         if reads <= 0.0 {
-            return "no reads".into();
+            return NONE_COUNTED.into();
         }
         let over = |within: f64, within_before: f64| 100.0 * (reads - (within - within_before)) / reads;
         format!(
@@ -106,13 +111,16 @@ mod tests {
         // 1 000 reads: 10 over 1 ms, 2 over 5 ms.
         assert_eq!(end.shares_since(&start), "1.00 % over 1 ms, 0.20 % over 5 ms");
         assert_eq!(Tail::parse(&after, "batch"), Tail { reads: 30.0, within_1ms: 10.0, within_5ms: 20.0 });
-        assert_eq!(Tail::parse(&after, "batch").shares_since(&Tail::parse(&before, "batch")), "no reads");
+        assert_eq!(Tail::parse(&after, "batch").shares_since(&Tail::parse(&before, "batch")), NONE_COUNTED);
     }
 
     #[test]
     fn an_exposition_before_the_first_read_counts_nothing() {
         let text = "# HELP tally_query_request_seconds Read latency per endpoint\n# TYPE tally_query_request_seconds histogram\n";
         assert_eq!(Tail::parse(text, "counter"), Tail::default());
-        assert_eq!(Tail::parse("", "counter").shares_since(&Tail::default()), "no reads");
+        assert_eq!(
+            Tail::parse("", "counter").shares_since(&Tail::default()),
+            "no reads counted in tally_query_request_seconds"
+        );
     }
 }
