@@ -380,11 +380,17 @@ impl Rig {
 /// The sum of the values of `metric`'s series in a Prometheus text exposition whose
 /// labels (`{…}`, or "" without) pass `labels`.
 pub(crate) fn sum_series(text: &str, metric: &str, labels: impl Fn(&str) -> bool) -> f64 {
+    find_series(text, metric, labels).unwrap_or(0.0)
+}
+
+/// [`sum_series`], or `None` when no series of `metric` passes `labels` (the
+/// exposition does not have it, which a sum would read as zero).
+pub(crate) fn find_series(text: &str, metric: &str, labels: impl Fn(&str) -> bool) -> Option<f64> {
     text.lines()
         .filter_map(|line| line.strip_prefix(metric).filter(|rest| rest.starts_with([' ', '{'])))
         .filter(|rest| labels(rest.rsplit_once(' ').map_or("", |(labels, _)| labels)))
         .filter_map(|rest| rest.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+        .reduce(|sum, value| sum + value)
 }
 
 /// Produces a backlog of `case` on the increments topic.

@@ -8,30 +8,32 @@
 
 use std::time::Instant;
 
-use crate::bench_pipeline::sum_series;
+use crate::bench_pipeline::{find_series, sum_series};
 use crate::cpu::CpuWatch;
 
 /// What a phase's line says when tally-query's histogram counted no reads.
 const NONE_COUNTED: &str = "no reads counted in tally_query_request_seconds";
 
-/// The histogram's counts of one endpoint at one moment.
+/// The histogram's counts of one endpoint at one moment; a bucket it does not
+/// expose is `None` (none before the endpoint's first read, or a histogram whose
+/// bounds changed: then its share is said to be unknown, not read as zero).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Tail {
     pub reads: f64,
-    pub within_1ms: f64,
-    pub within_5ms: f64,
+    pub within_1ms: Option<f64>,
+    pub within_5ms: Option<f64>,
 }
 
 impl Tail {
     /// The counts of `endpoint` in a Prometheus text exposition of tally-query's
-    /// metrics (zeros before its first read).
+    /// metrics (no reads and no buckets before its first read).
     pub fn parse(text: &str, endpoint: &str) -> Self {
         let endpoint = format!("endpoint=\"{endpoint}\"");
         let has = |labels: &str, label: &str| labels.trim_matches(['{', '}']).split(',').any(|one| one == label);
         let within = |le: &str| {
             let le = format!("le=\"{le}\"");
             let labelled = |labels: &str| has(labels, &endpoint) && has(labels, &le);
-            sum_series(text, "tally_query_request_seconds_bucket", labelled)
+            find_series(text, "tally_query_request_seconds_bucket", labelled)
         };
         Self {
             reads: sum_series(text, "tally_query_request_seconds_count", |labels| has(labels, &endpoint)),
@@ -48,11 +50,16 @@ impl Tail {
         if reads <= 0.0 {
             return NONE_COUNTED.into();
         }
-        let over = |within: f64, within_before: f64| 100.0 * (reads - (within - within_before)) / reads;
+        let over = |bound: &str, within: Option<f64>, within_before: Option<f64>| match within {
+            Some(within) => {
+                format!("{:.2} % over {bound}", 100.0 * (reads - (within - within_before.unwrap_or(0.0))) / reads)
+            }
+            None => format!("no {bound} bucket in tally_query_request_seconds"),
+        };
         format!(
-            "{:.2} % over 1 ms, {:.2} % over 5 ms",
-            over(self.within_1ms, before.within_1ms),
-            over(self.within_5ms, before.within_5ms)
+            "{}, {}",
+            over("1 ms", self.within_1ms, before.within_1ms),
+            over("5 ms", self.within_5ms, before.within_5ms)
         )
     }
 }
@@ -106,12 +113,32 @@ mod tests {
         let before = exposition([90, 99, 100], [10, 20, 30]);
         let after = exposition([1_080, 1_097, 1_100], [10, 20, 30]);
         let (start, end) = (Tail::parse(&before, "counter"), Tail::parse(&after, "counter"));
-        assert_eq!(start, Tail { reads: 100.0, within_1ms: 90.0, within_5ms: 99.0 });
-        assert_eq!(end, Tail { reads: 1_100.0, within_1ms: 1_080.0, within_5ms: 1_097.0 });
+        assert_eq!(start, Tail { reads: 100.0, within_1ms: Some(90.0), within_5ms: Some(99.0) });
+        assert_eq!(end, Tail { reads: 1_100.0, within_1ms: Some(1_080.0), within_5ms: Some(1_097.0) });
         // 1 000 reads: 10 over 1 ms, 2 over 5 ms.
         assert_eq!(end.shares_since(&start), "1.00 % over 1 ms, 0.20 % over 5 ms");
-        assert_eq!(Tail::parse(&after, "batch"), Tail { reads: 30.0, within_1ms: 10.0, within_5ms: 20.0 });
+        assert_eq!(Tail::parse(&after, "batch"), Tail { reads: 30.0, within_1ms: Some(10.0), within_5ms: Some(20.0) });
         assert_eq!(Tail::parse(&after, "batch").shares_since(&Tail::parse(&before, "batch")), NONE_COUNTED);
+    }
+
+    /// The first read of an endpoint creates its series: before it, nothing counts.
+    /// A histogram without a 1 ms bound says so rather than "100 % over 1 ms".
+    #[test]
+    fn a_bucket_the_histogram_does_not_have_is_said_to_be_missing() {
+        let before = Tail::parse("", "counter");
+        assert_eq!(before, Tail::default());
+        let after = exposition([1_080, 1_097, 1_100], [10, 20, 30]);
+        assert_eq!(
+            Tail::parse(&after, "counter").shares_since(&before),
+            "1.82 % over 1 ms, 0.27 % over 5 ms",
+            "from no series at all"
+        );
+        let without_1ms: String =
+            after.lines().filter(|line| !line.contains("le=\"0.001\"")).map(|line| format!("{line}\n")).collect();
+        assert_eq!(
+            Tail::parse(&without_1ms, "counter").shares_since(&before),
+            "no 1 ms bucket in tally_query_request_seconds, 0.27 % over 5 ms"
+        );
     }
 
     #[test]
