@@ -41,7 +41,7 @@ use crate::ownership::{Change, Ownership, Watched};
 use crate::relay::relay_outboxes;
 use crate::rollups::Rollups;
 use crate::shards::Shards;
-use crate::store::{due_for_persist, ShardStore, StoreOptions};
+use crate::store::{ShardStore, StoreOptions};
 
 /// Everything the consumer thread needs.
 pub struct ConsumerSetup {
@@ -291,6 +291,8 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             tally_shared::shutdown::every("counter-snapshots", SNAPSHOT_CHECK, shutdown.clone(), snapshotter.run());
         threads.push(("snapshots", every?));
     }
+    // Flushes wait for RocksDB and hold a store's commit lock: off this loop.
+    threads.push(("flushes", crate::flushes::spawn(shards.clone(), HEARTBEAT, shutdown.clone())?));
     let setup = LoopSetup {
         topic: &shard_topic,
         limits: BatchLimits {
@@ -457,7 +459,6 @@ impl Processor<CounterContext> for Counter {
             if let Some(fatal) = relays.or_else(|| self.announcer.fatal()) {
                 return Err(Error::Consumer(format!("a producer failed for good: {fatal}")));
             }
-            self.persist_due_stores();
             let newest_seen = self.newest_epochs();
             self.announcer.announce(&self.serving, false, newest_seen);
             if let Some(ownership) = &self.ownership {
@@ -471,23 +472,6 @@ impl Processor<CounterContext> for Counter {
 }
 
 impl Counter {
-    /// Flushes the owned stores (serving, catching up or failed) that are due
-    /// ([`due_for_persist`]): those flushed longest ago, spread over the heartbeats,
-    /// so each flushes about every [`crate::store::PERSIST_EVERY`] however many the
-    /// counter owns, and idle ones flush too.
-    fn persist_due_stores(&self) {
-        let stores: Vec<_> = self.shards.owned().into_iter().filter_map(|shard| self.shards.get(shard)).collect();
-        let last_persists: Vec<Instant> = stores.iter().map(|store| store.last_persist()).collect();
-        let now = Instant::now();
-        for index in due_for_persist(&last_persists, now, HEARTBEAT) {
-            let store = &stores[index];
-            if let Err(err) = store.persist_when_due(now) {
-                // The commits stay in memory: a crash replays them from the log.
-                tracing::warn!(shard = store.shard, error = %err, "flushing the store");
-            }
-        }
-    }
-
     /// Takes and drops shards as ownership says: at once when the lease lapsed
     /// (every shard, then a new tenure); statically, every shard (those whose log
     /// end could not be read are tried again with each heartbeat).

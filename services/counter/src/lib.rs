@@ -7,6 +7,7 @@
 //! - [`apply`]: a batch of shard records → one atomic write batch;
 //! - [`read`]: windows, series and metric listings from a snapshot;
 //! - [`consumer`]: the consumer thread that owns shards and applies batches;
+//! - [`flushes`]: flushing the stores that run without the WAL, on a thread of its own;
 //! - [`ownership`]: which shards this counter owns among the live counters, fenced
 //!   by its lease;
 //! - [`relay`]: sends each shard's outbox of totals to the shards of descendants;
@@ -21,6 +22,7 @@ pub mod bench_restore;
 pub mod consumer;
 pub mod direct;
 pub mod error;
+pub mod flushes;
 pub mod http;
 pub mod late;
 pub mod marks;
