@@ -292,7 +292,8 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         threads.push(("snapshots", every?));
     }
     // Flushes wait for RocksDB and hold a store's commit lock: off this loop.
-    threads.push(("flushes", crate::flushes::spawn(shards.clone(), HEARTBEAT, shutdown.clone())?));
+    let flushes = crate::flushes::spawn(shards.clone(), metrics.clone(), HEARTBEAT, shutdown.clone())?;
+    threads.push(("flushes", flushes));
     let setup = LoopSetup {
         topic: &shard_topic,
         limits: BatchLimits {

@@ -14,39 +14,54 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
+use crate::metrics::Metrics;
 use crate::shards::Shards;
 use crate::store::due_for_persist;
 
 /// Flushes the stores `shards` owns (serving, catching up or failed) that are due
 /// at `now`, with one round per `heartbeat`; returns how many it flushed. One that
-/// fails is logged: its commits stay in memory and a crash replays them from the log.
-pub fn flush_due_stores(shards: &Shards, now: Instant, heartbeat: Duration) -> usize {
+/// fails is logged and counted: its commits stay in memory and a crash replays them
+/// from the log.
+pub fn flush_due_stores(shards: &Shards, metrics: &Metrics, now: Instant, heartbeat: Duration) -> usize {
     let stores: Vec<_> = shards.owned().into_iter().filter_map(|shard| shards.get(shard)).collect();
     let last_persists: Vec<Instant> = stores.iter().map(|store| store.last_persist()).collect();
     let mut flushed = 0;
     for index in due_for_persist(&last_persists, now, heartbeat) {
         let store = &stores[index];
+        let started = Instant::now();
         match store.persist_when_due(now) {
-            Ok(()) => flushed += 1,
-            Err(err) => tracing::warn!(shard = store.shard, error = %err, "flushing the store"),
+            Ok(()) => {
+                metrics.store_flush_seconds.observe(started.elapsed().as_secs_f64());
+                flushed += 1;
+            }
+            Err(err) => {
+                metrics.store_flush_failures.inc();
+                tracing::warn!(shard = store.shard, error = %err, "flushing the store");
+            }
         }
     }
     flushed
 }
 
 /// Starts the thread that flushes the due stores every `heartbeat` until `shutdown`.
-pub fn spawn(shards: Arc<Shards>, heartbeat: Duration, shutdown: CancellationToken) -> std::io::Result<JoinHandle<()>> {
-    spawn_with_clock(shards, heartbeat, shutdown, Instant::now)
+pub fn spawn(
+    shards: Arc<Shards>,
+    metrics: Metrics,
+    heartbeat: Duration,
+    shutdown: CancellationToken,
+) -> std::io::Result<JoinHandle<()>> {
+    spawn_with_clock(shards, metrics, heartbeat, shutdown, Instant::now)
 }
 
 fn spawn_with_clock(
     shards: Arc<Shards>,
+    metrics: Metrics,
     heartbeat: Duration,
     shutdown: CancellationToken,
     clock: impl Fn() -> Instant + Send + 'static,
 ) -> std::io::Result<JoinHandle<()>> {
     tally_shared::shutdown::every("counter-flushes", heartbeat, shutdown, move || {
-        flush_due_stores(&shards, clock(), heartbeat);
+        flush_due_stores(&shards, &metrics, clock(), heartbeat);
     })
 }
 
@@ -87,17 +102,21 @@ mod tests {
     fn a_round_flushes_its_share_of_the_due_stores() {
         let dir = tempfile::tempdir().unwrap();
         let shards = owned_stores(dir.path(), 12);
+        let metrics = Metrics::new(&prometheus::Registry::new());
         let heartbeat = Duration::from_secs(5);
         let opened = Instant::now();
-        assert_eq!(flush_due_stores(&shards, opened + PERSIST_EVERY / 2, heartbeat), 0, "none due yet");
+        let round = |at: Instant| flush_due_stores(&shards, &metrics, at, heartbeat);
+        assert_eq!(round(opened + PERSIST_EVERY / 2), 0, "none due yet");
         let waiting =
             |shards: &Shards| shards.owned().iter().filter(|&&s| unflushed(&shards.get(s).unwrap()) > 0).count();
         assert_eq!(waiting(&shards), 12);
         // Twelve stores, six rounds per interval: two a round.
-        assert_eq!(flush_due_stores(&shards, opened + PERSIST_EVERY + heartbeat, heartbeat), 2);
+        assert_eq!(round(opened + PERSIST_EVERY + heartbeat), 2);
         assert_eq!(waiting(&shards), 10, "the two flushed wrote their memtables");
-        assert_eq!(flush_due_stores(&shards, opened + PERSIST_EVERY + 2 * heartbeat, heartbeat), 2);
+        assert_eq!(round(opened + PERSIST_EVERY + 2 * heartbeat), 2);
         assert_eq!(waiting(&shards), 8, "the next round takes two others");
+        let timed = (metrics.store_flush_seconds.get_sample_count(), metrics.store_flush_failures.get());
+        assert_eq!(timed, (4, 0), "(flushes timed, failures)");
     }
 
     /// The thread flushes every due store by itself, without the consume loop.
@@ -108,7 +127,9 @@ mod tests {
         let shutdown = CancellationToken::new();
         // A clock two intervals ahead: every store is due at every round.
         let ahead = || Instant::now() + 2 * PERSIST_EVERY;
-        let thread = spawn_with_clock(shards.clone(), Duration::from_millis(10), shutdown.clone(), ahead).unwrap();
+        let metrics = Metrics::new(&prometheus::Registry::new());
+        let thread =
+            spawn_with_clock(shards.clone(), metrics, Duration::from_millis(10), shutdown.clone(), ahead).unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
         let all_flushed = || shards.owned().iter().all(|&shard| unflushed(&shards.get(shard).unwrap()) == 0);
         while !all_flushed() && Instant::now() < deadline {

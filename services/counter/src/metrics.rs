@@ -17,6 +17,11 @@ pub struct Metrics {
     /// 1 while the shard stores write RocksDB's WAL, 0 while the shard topic is
     /// their journal ([`tally_shared::store::Durability`]).
     pub store_wal: IntGauge,
+    /// Flushes of stores without the WAL ([`crate::flushes`]): how long each held
+    /// its store's commit lock, and those that failed (the journal then has to hold
+    /// more than the flush interval for a crash to replay).
+    pub store_flush_seconds: Histogram,
+    pub store_flush_failures: IntCounter,
     pub undecodable_records: IntCounter,
     /// Shards stopped by a failure, waiting for an operator.
     pub failed_shards: IntGauge,
@@ -68,6 +73,19 @@ impl Metrics {
                 "tally_counter_apply_seconds",
                 "Time to apply and persist one shard batch",
                 prometheus::exponential_buckets(0.0001, 4.0, 9).expect("valid buckets"),
+            ),
+            store_flush_seconds: histogram(
+                "tally_counter_store_flush_seconds",
+                "Time to flush one shard store that runs without the WAL (its commits wait meanwhile)",
+                prometheus::exponential_buckets(0.001, 4.0, 8).expect("valid buckets"),
+            ),
+            store_flush_failures: register(
+                registry,
+                IntCounter::new(
+                    "tally_counter_store_flush_failures_total",
+                    "Flushes of shard stores that failed (their commits stay to be replayed from the shard topic)",
+                )
+                .expect("valid metric"),
             ),
             helped_batches: register(
                 registry,
