@@ -19,9 +19,9 @@ use crate::shards::Shards;
 use crate::store::due_for_persist;
 
 /// Flushes the stores `shards` owns (serving, catching up or failed) that are due
-/// at `now`, with one round per `heartbeat`; returns how many it flushed. One that
-/// fails is logged and counted: its commits stay in memory and a crash replays them
-/// from the log.
+/// at `now`, with one round per `heartbeat`; returns how many it flushed (stores
+/// with the WAL never flush here: RocksDB does). One that fails is logged and
+/// counted: its commits stay in memory and a crash replays them from the log.
 pub fn flush_due_stores(shards: &Shards, metrics: &Metrics, now: Instant, heartbeat: Duration) -> usize {
     let stores: Vec<_> = shards.owned().into_iter().filter_map(|shard| shards.get(shard)).collect();
     let last_persists: Vec<Instant> = stores.iter().map(|store| store.last_persist()).collect();
@@ -30,10 +30,11 @@ pub fn flush_due_stores(shards: &Shards, metrics: &Metrics, now: Instant, heartb
         let store = &stores[index];
         let started = Instant::now();
         match store.persist_when_due(now) {
-            Ok(()) => {
+            Ok(true) => {
                 metrics.store_flush_seconds.observe(started.elapsed().as_secs_f64());
                 flushed += 1;
             }
+            Ok(false) => {}
             Err(err) => {
                 metrics.store_flush_failures.inc();
                 tracing::warn!(shard = store.shard, error = %err, "flushing the store");

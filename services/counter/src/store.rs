@@ -336,12 +336,12 @@ impl ShardStore {
 
     /// Persists a store without the WAL when [`PERSIST_EVERY`] passed since the last
     /// time (at `now`): what a crash would replay stays short, and the dedupe marks
-    /// expire ([`DedupeWindow::until_flushed`]).
-    pub fn persist_when_due(&self, now: Instant) -> Result<()> {
+    /// expire ([`DedupeWindow::until_flushed`]). Whether it flushed.
+    pub fn persist_when_due(&self, now: Instant) -> Result<bool> {
         let due = now.saturating_duration_since(self.last_persist()) >= PERSIST_EVERY;
         match self.options.durability == Durability::InputLog && due {
-            true => self.persist(),
-            false => Ok(()),
+            true => self.persist().map(|()| true),
+            false => Ok(false),
         }
     }
 
@@ -469,10 +469,10 @@ mod tests {
             let opened = Instant::now();
             store.commit(WriteBatch::default(), Progress { next_offset: Some(1), ..Default::default() }).unwrap();
             assert!(unflushed(&store) > 0, "{name}: the progress keys wait in the memtable");
-            store.persist_when_due(opened + PERSIST_EVERY / 2).unwrap();
+            assert!(!store.persist_when_due(opened + PERSIST_EVERY / 2).unwrap(), "{name}: said it flushed");
             assert!(unflushed(&store) > 0, "{name}: not due yet");
-            store.persist_when_due(opened + PERSIST_EVERY + Duration::from_secs(1)).unwrap();
-            assert_eq!(unflushed(&store) == 0, persists, "{name}: due");
+            let flushed = store.persist_when_due(opened + PERSIST_EVERY + Duration::from_secs(1)).unwrap();
+            assert_eq!((flushed, unflushed(&store) == 0), (persists, persists), "{name}: due (said, did)");
         }
     }
 
