@@ -292,8 +292,11 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         threads.push(("snapshots", every?));
     }
     // Flushes wait for RocksDB and hold a store's commit lock: off this loop.
-    let flushes = crate::flushes::spawn(shards.clone(), metrics.clone(), HEARTBEAT, shutdown.clone())?;
-    threads.push(("flushes", flushes));
+    if let Some(flushes) =
+        crate::flushes::spawn(shards.clone(), metrics.clone(), durability, HEARTBEAT, shutdown.clone())?
+    {
+        threads.push(("flushes", flushes));
+    }
     let setup = LoopSetup {
         topic: &shard_topic,
         limits: BatchLimits {

@@ -1,12 +1,14 @@
 //! Flushing the stores that run without RocksDB's WAL (the shard topic is their
 //! journal) on a thread of their own, `counter-flushes`: with every heartbeat, the
 //! owned stores that are due ([`due_for_persist`]: those flushed longest ago, about
-//! every [`crate::store::PERSIST_EVERY`] each). A flush waits for RocksDB to write
-//! the store's memtables and holds the store's commit lock meanwhile. On the consume
-//! loop's thread, as until session 33, it held up the batches of every shard for
-//! that long — a sixth of a counter's stores per heartbeat, tens of flushes with
-//! hundreds of shards; here it holds up only the next commit of the shard it
-//! flushes.
+//! every [`PERSIST_EVERY`] each). Stores that keep the WAL leave flushing to
+//! RocksDB: no thread runs for them.
+//!
+//! A flush waits for RocksDB to write the store's memtables and holds the store's
+//! commit lock meanwhile. On the consume loop's thread, as until session 33, it held
+//! up the batches of every shard for that long — a sixth of a counter's stores per
+//! heartbeat, tens of flushes with hundreds of shards; here it holds up only the next
+//! commit of the shard it flushes.
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -14,27 +16,50 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
+use tally_shared::store::Durability;
+
 use crate::metrics::Metrics;
 use crate::shards::Shards;
-use crate::store::due_for_persist;
+
+/// How long a store without the WAL goes between flushes of its own, about (Kafka
+/// Streams' `commit.interval.ms` default; RocksDB also flushes a full memtable).
+pub const PERSIST_EVERY: Duration = Duration::from_secs(30);
+
+/// Which stores to flush at a heartbeat, as indexes into `last_persists` (when each
+/// was last persisted or opened): those flushed longest ago that are due
+/// ([`PERSIST_EVERY`] passed), at most `ceil(n × heartbeat / PERSIST_EVERY)` of
+/// them — as many as flush every store once per [`PERSIST_EVERY`] at one round per
+/// `heartbeat`. So stores opened together flush apart (one per heartbeat up to six
+/// stores), and however many a counter owns, each flushes within
+/// `PERSIST_EVERY + heartbeat` of the last time (within `2 × PERSIST_EVERY` of
+/// opening, when many open together): what a crash replays stays within the
+/// journal's retention ([`tally_shared::config::MIN_JOURNAL_RETENTION_MS`]).
+pub fn due_for_persist(last_persists: &[Instant], now: Instant, heartbeat: Duration) -> Vec<usize> {
+    let rounds_per_interval = (PERSIST_EVERY.as_millis() / heartbeat.as_millis().max(1)).max(1) as usize;
+    let per_round = last_persists.len().div_ceil(rounds_per_interval);
+    let mut oldest_first: Vec<usize> = (0..last_persists.len()).collect();
+    oldest_first.sort_by_key(|&index| last_persists[index]);
+    oldest_first.truncate(per_round);
+    oldest_first.retain(|&index| now.saturating_duration_since(last_persists[index]) >= PERSIST_EVERY);
+    oldest_first
+}
 
 /// Flushes the stores `shards` owns (serving, catching up or failed) that are due
-/// at `now`, with one round per `heartbeat`; returns how many it flushed (stores
-/// with the WAL never flush here: RocksDB does). One that fails is logged and
-/// counted: its commits stay in memory and a crash replays them from the log.
-pub fn flush_due_stores(shards: &Shards, metrics: &Metrics, now: Instant, heartbeat: Duration) -> usize {
+/// at `now`, with one round per `heartbeat`; returns how many it flushed. One that
+/// fails is logged and counted: its commits stay in memory and a crash replays them
+/// from the log.
+fn flush_due_stores(shards: &Shards, metrics: &Metrics, now: Instant, heartbeat: Duration) -> usize {
     let stores: Vec<_> = shards.owned().into_iter().filter_map(|shard| shards.get(shard)).collect();
     let last_persists: Vec<Instant> = stores.iter().map(|store| store.last_persist()).collect();
     let mut flushed = 0;
     for index in due_for_persist(&last_persists, now, heartbeat) {
         let store = &stores[index];
         let started = Instant::now();
-        match store.persist_when_due(now) {
-            Ok(true) => {
+        match store.persist() {
+            Ok(()) => {
                 metrics.store_flush_seconds.observe(started.elapsed().as_secs_f64());
                 flushed += 1;
             }
-            Ok(false) => {}
             Err(err) => {
                 metrics.store_flush_failures.inc();
                 tracing::warn!(shard = store.shard, error = %err, "flushing the store");
@@ -44,14 +69,20 @@ pub fn flush_due_stores(shards: &Shards, metrics: &Metrics, now: Instant, heartb
     flushed
 }
 
-/// Starts the thread that flushes the due stores every `heartbeat` until `shutdown`.
+/// Starts the thread that flushes the due stores every `heartbeat` until `shutdown`,
+/// when they run without the WAL (`durability` is the counter's, the same for all
+/// its stores); with the WAL, none.
 pub fn spawn(
     shards: Arc<Shards>,
     metrics: Metrics,
+    durability: Durability,
     heartbeat: Duration,
     shutdown: CancellationToken,
-) -> std::io::Result<JoinHandle<()>> {
-    spawn_with_clock(shards, metrics, heartbeat, shutdown, Instant::now)
+) -> std::io::Result<Option<JoinHandle<()>>> {
+    match durability {
+        Durability::InputLog => spawn_with_clock(shards, metrics, heartbeat, shutdown, Instant::now).map(Some),
+        Durability::Wal | Durability::WalSynced => Ok(None),
+    }
 }
 
 fn spawn_with_clock(
@@ -72,10 +103,9 @@ mod tests {
 
     use rocksdb::WriteBatch;
     use tally_shared::progress::Progress;
-    use tally_shared::store::Durability;
 
     use super::*;
-    use crate::store::{ShardStore, StoreOptions, PERSIST_EVERY};
+    use crate::store::{ShardStore, StoreOptions};
 
     fn unflushed(store: &ShardStore) -> u64 {
         let entries = store.store.db().property_int_value(rocksdb::properties::NUM_ENTRIES_ACTIVE_MEM_TABLE);
@@ -140,5 +170,56 @@ mod tests {
         thread.join().unwrap();
         let left: Vec<u64> = shards.owned().iter().map(|&shard| unflushed(&shards.get(shard).unwrap())).collect();
         assert_eq!(left, vec![0, 0, 0], "entries left in each store's memtable");
+    }
+
+    /// Stores that keep the WAL get no flush thread: RocksDB flushes them.
+    #[test]
+    fn stores_with_the_wal_get_no_flush_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let shards = owned_stores(dir.path(), 1);
+        for durability in [Durability::Wal, Durability::WalSynced] {
+            let metrics = Metrics::new(&prometheus::Registry::new());
+            let thread =
+                spawn(shards.clone(), metrics, durability, Duration::from_millis(10), CancellationToken::new());
+            assert!(thread.unwrap().is_none(), "{durability:?}: a flush thread started");
+        }
+    }
+
+    /// However many stores a counter owns, each is flushed within `PERSIST_EVERY +
+    /// HEARTBEAT` of its last flush (`2 × PERSIST_EVERY` of opening), and the
+    /// flushes of stores opened together spread over the heartbeats.
+    #[test]
+    fn every_store_flushes_within_the_interval_whatever_their_number() {
+        let heartbeat = Duration::from_secs(5);
+        // Each heartbeat a little late (the loop's own work).
+        let late = heartbeat + Duration::from_millis(400);
+        let opened = Instant::now();
+        for stores in [1, 2, 8, 64, 256, 1000] {
+            let mut last = vec![opened; stores];
+            let mut flushed_before = vec![false; stores];
+            let (mut first_flush, mut between_flushes) = (Duration::ZERO, Duration::ZERO);
+            let (mut most_in_a_round, mut flushes) = (0, 0);
+            // Ten minutes of heartbeats.
+            let mut now = opened;
+            for _ in 0..110 {
+                now += late;
+                let due = due_for_persist(&last, now, heartbeat);
+                most_in_a_round = most_in_a_round.max(due.len());
+                for index in due {
+                    let waited = now - last[index];
+                    match flushed_before[index] {
+                        true => between_flushes = between_flushes.max(waited),
+                        false => first_flush = first_flush.max(waited),
+                    }
+                    (last[index], flushed_before[index], flushes) = (now, true, flushes + 1);
+                }
+            }
+            assert!(first_flush <= 2 * PERSIST_EVERY + late, "{stores} stores: first flushed after {first_flush:?}");
+            assert!(between_flushes <= PERSIST_EVERY + late, "{stores} stores: {between_flushes:?} between flushes");
+            let unflushed = last.iter().map(|at| now - *at).max().unwrap();
+            assert!(unflushed <= PERSIST_EVERY + late, "{stores} stores: one unflushed for {unflushed:?} at the end");
+            assert!(flushes >= stores * 15, "{stores} stores flushed {flushes} times in ten minutes");
+            assert_eq!(most_in_a_round, stores.div_ceil(6), "{stores} stores: flushes spread over the rounds");
+        }
     }
 }

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use rocksdb::compaction_filter::Decision;
 use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, MergeOperands, Options, WriteBatch};
@@ -105,29 +105,6 @@ pub struct ShardStore {
     rebuild_until: AtomicI64,
     /// When the store was last persisted (or opened).
     last_persist: Mutex<Instant>,
-}
-
-/// How long a store without the WAL goes between flushes of its own, about (Kafka
-/// Streams' `commit.interval.ms` default; RocksDB also flushes a full memtable).
-pub const PERSIST_EVERY: Duration = Duration::from_secs(30);
-
-/// Which stores to flush at a heartbeat, as indexes into `last_persists` (when each
-/// was last persisted or opened): those flushed longest ago that are due
-/// ([`PERSIST_EVERY`] passed), at most `ceil(n × heartbeat / PERSIST_EVERY)` of
-/// them — as many as flush every store once per [`PERSIST_EVERY`] at one round per
-/// `heartbeat`. So stores opened together flush apart (one per heartbeat up to six
-/// stores), and however many a counter owns, each flushes within
-/// `PERSIST_EVERY + heartbeat` of the last time (within `2 × PERSIST_EVERY` of
-/// opening, when many open together): what a crash replays stays within the
-/// journal's retention ([`tally_shared::config::MIN_JOURNAL_RETENTION_MS`]).
-pub fn due_for_persist(last_persists: &[Instant], now: Instant, heartbeat: Duration) -> Vec<usize> {
-    let rounds_per_interval = (PERSIST_EVERY.as_millis() / heartbeat.as_millis().max(1)).max(1) as usize;
-    let per_round = last_persists.len().div_ceil(rounds_per_interval);
-    let mut oldest_first: Vec<usize> = (0..last_persists.len()).collect();
-    oldest_first.sort_by_key(|&index| last_persists[index]);
-    oldest_first.truncate(per_round);
-    oldest_first.retain(|&index| now.saturating_duration_since(last_persists[index]) >= PERSIST_EVERY);
-    oldest_first
 }
 
 /// Sums counts. A malformed value or operand fails the merge (`None`): RocksDB then
@@ -334,17 +311,6 @@ impl ShardStore {
         *self.last_persist.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Persists a store without the WAL when [`PERSIST_EVERY`] passed since the last
-    /// time (at `now`): what a crash would replay stays short, and the dedupe marks
-    /// expire ([`DedupeWindow::until_flushed`]). Whether it flushed.
-    pub fn persist_when_due(&self, now: Instant) -> Result<bool> {
-        let due = now.saturating_duration_since(self.last_persist()) >= PERSIST_EVERY;
-        match self.options.durability == Durability::InputLog && due {
-            true => self.persist().map(|()| true),
-            false => Ok(false),
-        }
-    }
-
     /// Whether `(entity, id)` was seen within the dedupe window of a record at
     /// `record_time` (both times are the records' own, not the apply time).
     pub(crate) fn seen_recently(&self, key: &[u8], record_time: i64) -> Result<bool> {
@@ -453,65 +419,6 @@ mod tests {
         assert!(!store.serving(), "3 of 10");
         store.rebuild_until(2).unwrap();
         assert!(!store.serving(), "an older end does not lift the wait");
-    }
-
-    /// A store without the WAL flushes once [`PERSIST_EVERY`] passed since its
-    /// last flush (what a crash replays stays short); one with the WAL leaves it to
-    /// RocksDB.
-    #[test]
-    fn a_store_without_the_wal_persists_when_due() {
-        let dir = tempfile::tempdir().unwrap();
-        let unflushed = |store: &ShardStore| {
-            store.store.db().property_int_value(rocksdb::properties::NUM_ENTRIES_ACTIVE_MEM_TABLE).unwrap().unwrap()
-        };
-        for (name, durability, persists) in [("journal", Durability::InputLog, true), ("wal", Durability::Wal, false)] {
-            let store = ShardStore::open(0, &dir.path().join(name), StoreOptions { durability, ..options() }).unwrap();
-            let opened = Instant::now();
-            store.commit(WriteBatch::default(), Progress { next_offset: Some(1), ..Default::default() }).unwrap();
-            assert!(unflushed(&store) > 0, "{name}: the progress keys wait in the memtable");
-            assert!(!store.persist_when_due(opened + PERSIST_EVERY / 2).unwrap(), "{name}: said it flushed");
-            assert!(unflushed(&store) > 0, "{name}: not due yet");
-            let flushed = store.persist_when_due(opened + PERSIST_EVERY + Duration::from_secs(1)).unwrap();
-            assert_eq!((flushed, unflushed(&store) == 0), (persists, persists), "{name}: due (said, did)");
-        }
-    }
-
-    /// However many stores a counter owns, each is flushed within `PERSIST_EVERY +
-    /// HEARTBEAT` of its last flush (`2 × PERSIST_EVERY` of opening), and the
-    /// flushes of stores opened together spread over the heartbeats.
-    #[test]
-    fn every_store_flushes_within_the_interval_whatever_their_number() {
-        let heartbeat = Duration::from_secs(5);
-        // Each heartbeat a little late (the loop's own work).
-        let late = heartbeat + Duration::from_millis(400);
-        let opened = Instant::now();
-        for stores in [1, 2, 8, 64, 256, 1000] {
-            let mut last = vec![opened; stores];
-            let mut flushed_before = vec![false; stores];
-            let (mut first_flush, mut between_flushes) = (Duration::ZERO, Duration::ZERO);
-            let (mut most_in_a_round, mut flushes) = (0, 0);
-            // Ten minutes of heartbeats.
-            let mut now = opened;
-            for _ in 0..110 {
-                now += late;
-                let due = due_for_persist(&last, now, heartbeat);
-                most_in_a_round = most_in_a_round.max(due.len());
-                for index in due {
-                    let waited = now - last[index];
-                    match flushed_before[index] {
-                        true => between_flushes = between_flushes.max(waited),
-                        false => first_flush = first_flush.max(waited),
-                    }
-                    (last[index], flushed_before[index], flushes) = (now, true, flushes + 1);
-                }
-            }
-            assert!(first_flush <= 2 * PERSIST_EVERY + late, "{stores} stores: first flushed after {first_flush:?}");
-            assert!(between_flushes <= PERSIST_EVERY + late, "{stores} stores: {between_flushes:?} between flushes");
-            let unflushed = last.iter().map(|at| now - *at).max().unwrap();
-            assert!(unflushed <= PERSIST_EVERY + late, "{stores} stores: one unflushed for {unflushed:?} at the end");
-            assert!(flushes >= stores * 15, "{stores} stores flushed {flushes} times in ten minutes");
-            assert_eq!(most_in_a_round, stores.div_ceil(6), "{stores} stores: flushes spread over the rounds");
-        }
     }
 
     #[test]
