@@ -98,7 +98,7 @@ pub fn encode_increments<T: IncrementFields>(source: Source, entries: &[(Stamp, 
 /// Decodes the body of a version 2 record (after its header); names and ids borrow
 /// from `body`.
 pub fn decode_increments(body: &[u8]) -> Result<(Source, Vec<(Stamp, IncrementRef<'_>)>)> {
-    let mut reader = Reader { bytes: body, at: 0 };
+    let mut reader = Reader::new(body, LABEL);
     let kind = reader.byte("kind")?;
     if kind != KIND_INCREMENTS {
         return Err(fault(format!("unknown record kind {kind}")));
@@ -133,17 +133,18 @@ pub fn decode_increments(body: &[u8]) -> Result<(Source, Vec<(Stamp, IncrementRe
         };
         entries.push((Stamp { offset, index }, IncrementRef { entity, metric, delta, ts, id }));
     }
-    if reader.at != body.len() {
-        return Err(fault(format!("{} trailing bytes", body.len() - reader.at)));
-    }
+    reader.finish()?;
     Ok((Source { stream, partition }, entries))
 }
 
+/// What a fault of a version 2 record is called in its error.
+const LABEL: &str = "shard record (format version 2)";
+
 fn fault(what: String) -> Error {
-    Error::Format(format!("shard record (format version 2): {what}"))
+    Error::Format(format!("{LABEL}: {what}"))
 }
 
-fn varint_len(value: u64) -> usize {
+pub(crate) fn varint_len(value: u64) -> usize {
     (64 - value.leading_zeros() as usize).div_ceil(7).max(1)
 }
 
@@ -151,11 +152,11 @@ fn zigzag(value: i64) -> u64 {
     ((value << 1) ^ (value >> 63)) as u64
 }
 
-fn zigzag_len(value: i64) -> usize {
+pub(crate) fn zigzag_len(value: i64) -> usize {
     varint_len(zigzag(value))
 }
 
-fn put_varint(out: &mut Vec<u8>, mut value: u64) {
+pub(crate) fn put_varint(out: &mut Vec<u8>, mut value: u64) {
     while value >= 0x80 {
         out.push(value as u8 | 0x80);
         value >>= 7;
@@ -163,44 +164,63 @@ fn put_varint(out: &mut Vec<u8>, mut value: u64) {
     out.push(value as u8);
 }
 
-fn put_zigzag(out: &mut Vec<u8>, value: i64) {
+pub(crate) fn put_zigzag(out: &mut Vec<u8>, value: i64) {
     put_varint(out, zigzag(value));
 }
 
-struct Reader<'a> {
+/// Reads the varints of a record, failing closed with errors that start with the
+/// record's `label`.
+pub(crate) struct Reader<'a> {
     bytes: &'a [u8],
     at: usize,
+    label: &'static str,
 }
 
 impl<'a> Reader<'a> {
+    pub(crate) fn new(bytes: &'a [u8], label: &'static str) -> Self {
+        Self { bytes, at: 0, label }
+    }
+
+    pub(crate) fn fault(&self, what: String) -> Error {
+        Error::Format(format!("{}: {what}", self.label))
+    }
+
+    /// Fails unless every byte was read.
+    pub(crate) fn finish(&self) -> Result<()> {
+        match self.bytes.len() - self.at {
+            0 => Ok(()),
+            left => Err(self.fault(format!("{left} trailing bytes"))),
+        }
+    }
+
     fn byte(&mut self, what: &str) -> Result<u8> {
-        let byte = *self.bytes.get(self.at).ok_or_else(|| fault(format!("ends before its {what}")))?;
+        let byte = *self.bytes.get(self.at).ok_or_else(|| self.fault(format!("ends before its {what}")))?;
         self.at += 1;
         Ok(byte)
     }
 
-    fn varint(&mut self, what: &str) -> Result<u64> {
+    pub(crate) fn varint(&mut self, what: &str) -> Result<u64> {
         let mut value = 0u64;
         for shift in (0..64).step_by(7) {
             let byte = self.byte(what)?;
             let bits = u64::from(byte & 0x7f);
             if shift == 63 && bits > 1 {
-                return Err(fault(format!("{what} overflows 64 bits")));
+                return Err(self.fault(format!("{what} overflows 64 bits")));
             }
             value |= bits << shift;
             if byte & 0x80 == 0 {
                 return Ok(value);
             }
         }
-        Err(fault(format!("{what} overflows 64 bits")))
+        Err(self.fault(format!("{what} overflows 64 bits")))
     }
 
     fn u32(&mut self, what: &str) -> Result<u32> {
         let value = self.varint(what)?;
-        u32::try_from(value).map_err(|_| fault(format!("{what} {value} overflows 32 bits")))
+        u32::try_from(value).map_err(|_| self.fault(format!("{what} {value} overflows 32 bits")))
     }
 
-    fn zigzag(&mut self, what: &str) -> Result<i64> {
+    pub(crate) fn zigzag(&mut self, what: &str) -> Result<i64> {
         let value = self.varint(what)?;
         Ok((value >> 1) as i64 ^ -((value & 1) as i64))
     }
@@ -208,22 +228,28 @@ impl<'a> Reader<'a> {
     /// A count of items of at least `min_bytes` each (0: a byte length, or an id's
     /// tag): never more than the bytes left could hold, so a corrupt count cannot
     /// ask for a huge allocation.
-    fn count(&mut self, what: &str, min_bytes: usize) -> Result<usize> {
+    pub(crate) fn count(&mut self, what: &str, min_bytes: usize) -> Result<usize> {
         let value = self.varint(what)?;
         let left = (self.bytes.len() - self.at) as u64;
         let most = if min_bytes == 0 { left + 1 } else { left / min_bytes as u64 };
         if value > most {
-            return Err(fault(format!("{what} {value} is more than the {left} bytes left can hold")));
+            return Err(self.fault(format!("{what} {value} is more than the {left} bytes left can hold")));
         }
         Ok(value as usize)
     }
 
-    fn str(&mut self, len: usize, what: &str) -> Result<&'a str> {
+    /// The next `len` bytes.
+    pub(crate) fn take(&mut self, len: usize, what: &str) -> Result<&'a [u8]> {
         let end = self.at.checked_add(len).filter(|&end| end <= self.bytes.len());
-        let end = end.ok_or_else(|| fault(format!("ends inside a {what}")))?;
-        let text = std::str::from_utf8(&self.bytes[self.at..end]).map_err(|err| fault(format!("{what}: {err}")))?;
+        let end = end.ok_or_else(|| self.fault(format!("ends inside a {what}")))?;
+        let taken = &self.bytes[self.at..end];
         self.at = end;
-        Ok(text)
+        Ok(taken)
+    }
+
+    fn str(&mut self, len: usize, what: &str) -> Result<&'a str> {
+        let bytes = self.take(len, what)?;
+        std::str::from_utf8(bytes).map_err(|err| self.fault(format!("{what}: {err}")))
     }
 }
 

@@ -3,8 +3,10 @@
 //! - A binary internal record (the shard topic, the graph-updates topic, the outboxes
 //!   that hold them) starts with [`RECORD_MAGIC`] and its format version, then the
 //!   body: bincode in version 1, the compact encoding of increments in version 2
-//!   ([`RECORD_V2`]), a version 2 record compressed with zstd in version 3
-//!   ([`RECORD_V3`]). The magic byte tells a stray producer's bytes from tally's.
+//!   ([`RECORD_V2`]), a version 2 or 4 record compressed with zstd in version 3
+//!   ([`RECORD_V3`]), several version 2 records for one shard, each with its
+//!   record time, in version 4 ([`RECORD_V4`]). The magic byte tells a stray
+//!   producer's bytes from tally's.
 //! - A JSON record tally writes has a version field: `"v"` (shard owners, broker
 //!   heartbeats, dead letters, dead jobs, rollups), `"version"` (queue declarations).
 //! - Every RocksDB value starts with its format version byte; a store also keeps the
@@ -27,10 +29,15 @@ pub const RECORD_V1: u8 = 1;
 /// Version 2: a shard record of increments in the compact encoding
 /// ([`crate::compact`]: names once per record, small differences).
 pub const RECORD_V2: u8 = 2;
-/// Version 3: a version 2 record compressed whole with zstd ([`crate::packed`]).
-/// An ingester writes it; counters read versions 1 to 3 (a version 3 record is
-/// unpacked, [`crate::packed::unpack`], before it is decoded).
+/// Version 3: a version 2 or version 4 record compressed whole with zstd
+/// ([`crate::packed`]; holding a version 4 record since version 4 exists). Counters
+/// read versions 1 to 4 (a version 3 record is unpacked, [`crate::packed::unpack`],
+/// before it is decoded).
 pub const RECORD_V3: u8 = 3;
+/// Version 4: a bundle ([`crate::bundle`]) of version 2 records of increments for
+/// one shard, from several sources, each with the time of its input record. An
+/// ingester writes one per shard per batch, packed into version 3.
+pub const RECORD_V4: u8 = 4;
 /// The current version of RocksDB values.
 pub const VALUE_V1: u8 = 1;
 /// The current version of the JSON records tally writes (their `"v"`).

@@ -16,6 +16,7 @@
 //! - [`model`]: the brute-force model every test compares with.
 
 pub mod assignment;
+pub mod bundle;
 pub mod compact;
 pub mod counting;
 pub mod error;

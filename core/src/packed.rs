@@ -1,5 +1,6 @@
 //! Binary record format version 3 ([`RECORD_V3`]): a version 2 shard record of
-//! increments ([`crate::compact`]) compressed whole with zstd.
+//! increments ([`crate::compact`]), or a version 4 bundle of them
+//! ([`crate::bundle`]), compressed whole with zstd.
 //!
 //! Every byte of the shard topic is written once and read back at least once by the
 //! broker; on the local broker (SQLite) those bytes are most of what tally's path
@@ -9,17 +10,19 @@
 //! `tally bench ingest` (BENCHMARKS.md).
 //!
 //! Layout: `[RECORD_MAGIC, 3]`, then one zstd frame that states its content size,
-//! holds a whole version 2 record, header included, and ends with zstd's checksum of
-//! it. A record that would not come out smaller, or one over [`MAX_UNPACKED`], stays
-//! version 2 ([`pack`]). [`unpack`] fails closed: anything but one whole frame, a
-//! frame without its size or over [`MAX_UNPACKED`], one that does not decompress to
-//! exactly its size and checksum, or that holds anything but a version 2 record is
-//! an [`Error::Format`] naming it.
+//! holds a whole version 2 or version 4 record, header included (its own header says
+//! which), and ends with zstd's checksum of it. A record that would not come out
+//! smaller, or one over [`MAX_UNPACKED`], stays as it was ([`pack`]). [`unpack`] fails
+//! closed: anything but one whole frame, a frame without its size or over
+//! [`MAX_UNPACKED`], one that does not decompress to exactly its size and checksum,
+//! or that holds anything but a version 2 or 4 record is an [`Error::Format`] naming
+//! it. (A counter of a release before version 4 refuses a packed version 4 record
+//! the same way: it stops the shard rather than misread it.)
 
 use std::borrow::Cow;
 use std::cell::RefCell;
 
-use crate::format::{RECORD_MAGIC, RECORD_V2, RECORD_V3};
+use crate::format::{RECORD_MAGIC, RECORD_V2, RECORD_V3, RECORD_V4};
 use crate::{Error, Result};
 
 /// zstd's level for shard records: its fastest positive level (level 3 saves 1 % more).
@@ -49,24 +52,29 @@ fn compressor() -> zstd_safe::CCtx<'static> {
     cctx
 }
 
-/// The version 3 form of the version 2 record `v2`, or `v2` itself when packing
-/// would not make it smaller (so a packed record is never bigger than version 2's) or
-/// `v2` is bigger than [`MAX_UNPACKED`] (a broker's `message.max.bytes` set that high).
-pub fn pack(v2: Vec<u8>) -> Vec<u8> {
-    debug_assert!(v2.starts_with(&[RECORD_MAGIC, RECORD_V2]), "only version 2 records are packed");
-    if v2.len() as u64 > MAX_UNPACKED {
-        return v2;
+/// Whether `record` is of a version that version 3 may hold (2 or 4).
+fn packable(record: &[u8]) -> bool {
+    matches!(record, [RECORD_MAGIC, RECORD_V2 | RECORD_V4, ..])
+}
+
+/// The version 3 form of the version 2 or 4 record `record`, or `record` itself when packing
+/// would not make it smaller (so a packed record is never bigger than it was) or `record`
+/// is bigger than [`MAX_UNPACKED`] (a broker's `message.max.bytes` set that high).
+pub fn pack(record: Vec<u8>) -> Vec<u8> {
+    debug_assert!(packable(&record), "only version 2 and 4 records are packed");
+    if record.len() as u64 > MAX_UNPACKED {
+        return record;
     }
-    let mut out = vec![0u8; 2 + zstd_safe::compress_bound(v2.len())];
+    let mut out = vec![0u8; 2 + zstd_safe::compress_bound(record.len())];
     out[..2].copy_from_slice(&[RECORD_MAGIC, RECORD_V3]);
-    let written = COMPRESSOR.with(|cctx| cctx.borrow_mut().compress2(&mut out[2..], &v2));
+    let written = COMPRESSOR.with(|cctx| cctx.borrow_mut().compress2(&mut out[2..], &record));
     match written {
-        Ok(written) if 2 + written < v2.len() => {
+        Ok(written) if 2 + written < record.len() => {
             out.truncate(2 + written);
             out
         }
         // Not smaller, or zstd failed (it cannot with a buffer of its bound): as it was.
-        _ => v2,
+        _ => record,
     }
 }
 
@@ -91,7 +99,7 @@ fn stated_size(frame: &[u8]) -> std::result::Result<usize, String> {
     }
 }
 
-/// The record to decode: a version 3 record's version 2 record, unpacked into a
+/// The record to decode: a version 3 record's version 2 or 4 record, unpacked into a
 /// buffer of its own; any other record as it is.
 pub fn unpack(bytes: &[u8]) -> Result<Cow<'_, [u8]>> {
     let [RECORD_MAGIC, RECORD_V3, frame @ ..] = bytes else {
@@ -111,8 +119,8 @@ pub fn unpack(bytes: &[u8]) -> Result<Cow<'_, [u8]>> {
         Ok(written) => return Err(fault(format!("unpacked {written} bytes, its frame states {size}"))),
         Err(code) => return Err(fault(format!("zstd: {}", zstd_safe::get_error_name(code)))),
     }
-    if !out.starts_with(&[RECORD_MAGIC, RECORD_V2]) {
-        return Err(fault("does not hold a version 2 record".into()));
+    if !packable(&out) {
+        return Err(fault("does not hold a version 2 or 4 record".into()));
     }
     Ok(Cow::Owned(out))
 }
@@ -171,6 +179,12 @@ mod tests {
         // Anything else is decoded as it is.
         assert!(matches!(unpack(&v2).unwrap(), Cow::Borrowed(bytes) if bytes == &v2[..]));
         assert!(matches!(unpack(b"").unwrap(), Cow::Borrowed(b"")));
+        // A bundle of version 2 records packs and unpacks the same way.
+        let bundle = crate::bundle::encode(&[(5, v2_record(4_000)), (6, v2_record(6_000))]);
+        let packed = pack(bundle.clone());
+        assert_eq!(&packed[..2], &[RECORD_MAGIC, RECORD_V3]);
+        assert!(packed.len() < bundle.len() / 10, "{} bytes", packed.len());
+        assert_eq!(unpack(&packed).unwrap(), Cow::<[u8]>::Owned(bundle));
     }
 
     #[test]
@@ -195,12 +209,12 @@ mod tests {
         let written = cctx.compress2(&mut body[..], &v2).unwrap();
         unsized_frame.extend_from_slice(&body[..written]);
         assert!(err(&unsized_frame).contains("does not state its size"), "{}", err(&unsized_frame));
-        // A frame of something else than a version 2 record.
+        // A frame of something else than a version 2 or 4 record.
         let mut other = vec![RECORD_MAGIC, RECORD_V3];
         let mut body = vec![0u8; zstd_safe::compress_bound(100)];
         let written = zstd_safe::compress(&mut body[..], &[7u8; 100], 1).unwrap();
         other.extend_from_slice(&body[..written]);
-        assert!(err(&other).contains("does not hold a version 2 record"), "{}", err(&other));
+        assert!(err(&other).contains("does not hold a version 2 or 4 record"), "{}", err(&other));
         // Any bit flipped anywhere (literals too: the checksum) fails to unpack, or
         // unpacks to the same record (a bit zstd's frame header leaves unused); half
         // the record pseudo-random bytes so that it has literals, half repeats so that

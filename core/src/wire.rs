@@ -307,6 +307,9 @@ impl<'a> ShardMessageRef<'a> {
         if let [crate::format::RECORD_MAGIC, crate::format::RECORD_V3, ..] = bytes {
             return Err(Error::Format("shard record version 3: decoded only once unpacked".into()));
         }
+        if crate::bundle::is_bundle(bytes) {
+            return Err(Error::Format("shard record version 4: a bundle, decoded by its sections".into()));
+        }
         let (version, body) = crate::format::shard_record_body(bytes)?;
         if version == crate::format::RECORD_V2 {
             let (source, entries) = crate::compact::decode_increments(body)?;
@@ -319,7 +322,45 @@ impl<'a> ShardMessageRef<'a> {
         }
         Ok(message)
     }
+
+    /// Decodes an unpacked shard record of any version into the messages it holds,
+    /// each with its record time: a bundle's sections (version 4, [`crate::bundle`])
+    /// with the times they carry, any other record alone with `record_time` (its
+    /// Kafka header's).
+    pub fn decode_sections(bytes: &'a [u8], record_time: i64) -> Result<Vec<(i64, Self)>> {
+        if !crate::bundle::is_bundle(bytes) {
+            return Ok(vec![(record_time, Self::decode(bytes)?)]);
+        }
+        crate::bundle::sections(bytes)?
+            .into_iter()
+            .map(|(time, section)| {
+                let (source, entries) = crate::compact::decode_increments(&section[2..])?;
+                Ok((time, ShardMessageRef::Increments { source, entries }))
+            })
+            .collect()
+    }
 }
+
+/// One source's increments for a shard record of several ([`ShardMessage::encode_sections`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Section<'a, T> {
+    pub source: Source,
+    /// The time of the input record of its last entry (the receiver's dedupe clock).
+    pub record_time: i64,
+    pub entries: &'a [(Stamp, T)],
+}
+
+impl<T: IncrementFields> Section<'_, T> {
+    /// An upper bound of what it adds to a version 4 record, before packing.
+    pub fn size_bound(&self) -> usize {
+        crate::bundle::SECTION_OVERHEAD
+            + SECTION_RECORD_OVERHEAD
+            + self.entries.iter().map(|(_, increment)| increment.size_bound()).sum::<usize>()
+    }
+}
+
+/// The most bytes a version 2 record adds to its entries' bounds.
+const SECTION_RECORD_OVERHEAD: usize = 32;
 
 fn bincode_config() -> bincode::config::Configuration {
     bincode::config::standard()
@@ -366,10 +407,47 @@ impl ShardMessage {
         }
     }
 
-    /// Decodes a shard record of any format version ([`ShardMessageRef::decode`],
-    /// a version 3 record unpacked first).
+    /// The bytes of one shard record of increments from several sources, in record
+    /// format version 4 ([`crate::bundle`]: each section a version 2 record with its
+    /// record time), packed into version 3 when that makes it smaller. Never more
+    /// than the sections' [`Section::size_bound`]s plus
+    /// [`BUNDLE_OVERHEAD`](crate::bundle::BUNDLE_OVERHEAD).
+    pub fn encode_sections<T: IncrementFields>(sections: &[Section<'_, T>]) -> Result<Vec<u8>> {
+        if sections.is_empty() {
+            return Err(Error::Wire("a shard record of sections has at least one".into()));
+        }
+        let records: Vec<(i64, Vec<u8>)> = sections
+            .iter()
+            .map(|section| (section.record_time, crate::compact::encode_increments(section.source, section.entries)))
+            .collect();
+        Ok(crate::packed::pack(crate::bundle::encode(&records)))
+    }
+
+    /// Decodes a shard record of any format version into its messages with their
+    /// record times ([`ShardMessageRef::decode_sections`], a version 3 record
+    /// unpacked first; `record_time` is a record's own when it is not a bundle).
+    pub fn decode_sections(bytes: &[u8], record_time: i64) -> Result<Vec<(i64, Self)>> {
+        let unpacked = crate::packed::unpack(bytes)?;
+        if !crate::bundle::is_bundle(&unpacked) {
+            return Ok(vec![(record_time, Self::decode(&unpacked)?)]);
+        }
+        crate::bundle::sections(&unpacked)?
+            .into_iter()
+            .map(|(time, section)| {
+                let (source, entries) = crate::compact::decode_increments(&section[2..])?;
+                let entries = entries.into_iter().map(|(stamp, increment)| (stamp, increment.into_owned())).collect();
+                Ok((time, ShardMessage::Increments { source, entries }))
+            })
+            .collect()
+    }
+
+    /// Decodes a shard record of any format version but 4 ([`ShardMessageRef::decode`],
+    /// a version 3 record unpacked first; a bundle by [`Self::decode_sections`]).
     pub fn decode(bytes: &[u8]) -> Result<Self> {
         let bytes = &crate::packed::unpack(bytes)?[..];
+        if crate::bundle::is_bundle(bytes) {
+            return Err(Error::Format("shard record version 4: a bundle, decoded by its sections".into()));
+        }
         match crate::format::shard_record_body(bytes)? {
             (crate::format::RECORD_V2, body) => {
                 let (source, entries) = crate::compact::decode_increments(body)?;
@@ -781,6 +859,45 @@ mod tests {
     }
 
     #[test]
+    fn sections_of_several_sources_read_back_with_their_times() {
+        let increment =
+            |entity: &str, ts| Increment { entity: entity.into(), metric: "m".into(), delta: 1, ts, id: None };
+        let first: Vec<(Stamp, Increment)> =
+            (0..300).map(|i| (Stamp { offset: 10 + i / 3, index: i as u32 % 3 }, increment("a", 5))).collect();
+        let second = vec![(Stamp { offset: 4, index: 0 }, increment("b", 6))];
+        let (p0, p5) =
+            (Source { stream: Source::INCREMENTS, partition: 0 }, Source { stream: Source::INCREMENTS, partition: 5 });
+        let sections = [
+            Section { source: p0, record_time: 100, entries: &first[..] },
+            Section { source: p5, record_time: 90, entries: &second[..] },
+        ];
+        let bytes = ShardMessage::encode_sections(&sections).unwrap();
+        assert_eq!(bytes[..2], [crate::format::RECORD_MAGIC, crate::format::RECORD_V3], "packed: it shrinks");
+        let want = vec![
+            (100, ShardMessage::Increments { source: p0, entries: first.clone() }),
+            (90, ShardMessage::Increments { source: p5, entries: second.clone() }),
+        ];
+        assert_eq!(ShardMessage::decode_sections(&bytes, 7).unwrap(), want);
+        let unpacked = crate::packed::unpack(&bytes).unwrap();
+        let borrowed = ShardMessageRef::decode_sections(&unpacked, 7).unwrap();
+        let summary: Vec<(i64, u32, usize)> = borrowed
+            .iter()
+            .map(|(time, message)| match message {
+                ShardMessageRef::Increments { source, entries } => (*time, source.partition, entries.len()),
+                _ => (*time, u32::MAX, 0),
+            })
+            .collect();
+        assert_eq!(summary, vec![(100, 0, 300), (90, 5, 1)]);
+        // A bundle is only read by its sections; any other record is one message with
+        // the time it is given.
+        assert!(ShardMessageRef::decode(&unpacked).unwrap_err().to_string().contains("a bundle"));
+        assert!(ShardMessage::decode(&bytes).unwrap_err().to_string().contains("a bundle"));
+        let single = ShardMessage::Increments { source: p5, entries: second };
+        assert_eq!(ShardMessage::decode_sections(&single.encode().unwrap(), 7).unwrap(), vec![(7, single)]);
+        assert!(ShardMessage::encode_sections::<Increment>(&[]).is_err());
+    }
+
+    #[test]
     fn garbage_is_an_error_not_a_panic() {
         assert!(ShardMessage::decode(&[0xff; 7]).is_err());
         assert!(ShardMessage::decode(&[]).is_err());
@@ -819,6 +936,18 @@ mod tests {
         assert!(v3.len() <= encoded.len(), "{} > {}", v3.len(), encoded.len());
         assert_eq!(ShardMessage::decode(&v3).unwrap(), ShardMessage::decode(&encoded).unwrap());
         assert!(ShardMessage::encode_increments(source, &entries, 4).is_err());
+        // A bundle of such sections (times as wide as they get, and packing that
+        // cannot shrink them much) stays within its sections' bounds.
+        let halves = entries.split_at(25);
+        let sections = [
+            Section { source, record_time: i64::MIN, entries: halves.0 },
+            Section { source, record_time: i64::MAX, entries: halves.1 },
+        ];
+        let bundle = ShardMessage::encode_sections(&sections).unwrap();
+        let bound: usize = sections.iter().map(Section::size_bound).sum::<usize>() + crate::bundle::BUNDLE_OVERHEAD;
+        assert!(bundle.len() <= bound, "{} > {bound}", bundle.len());
+        let unpacked = crate::packed::unpack(&bundle).unwrap();
+        assert!(unpacked.len() <= bound, "{} > {bound}", unpacked.len());
         // The borrowed form the ingester routes encodes to the same bytes.
         let borrowed: Vec<(Stamp, IncrementCow<'_>)> = entries
             .iter()

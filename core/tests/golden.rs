@@ -5,8 +5,9 @@
 //! (old data still reads), and encodes the sample and compares with the committed
 //! bytes (the format did not drift). The bytes of a version no longer written (shard
 //! records of increments in format version 1) stay committed and are only decoded, as
-//! do those of shard records in format version 3 (zstd's output changes with its
-//! version; what the encoder writes now must decode to the same sample). A change that fails here needs a new format
+//! do those of shard records in format version 3, and version 4's packed into it
+//! (zstd's output changes with its version; what the encoder writes now must decode
+//! to the same sample). A change that fails here needs a new format
 //! version, not new golden bytes. `TALLY_BLESS=1` writes missing files only.
 
 use std::path::PathBuf;
@@ -18,8 +19,9 @@ use tally_core::keys::{decode_mark, decode_names, decode_stamp, encode_mark, enc
 use tally_core::records::Truncated;
 use tally_core::time::WindowSpec;
 use tally_core::wire::{
-    DeadLetter, GraphMessage, GraphUpdate, Heartbeat, Increment, Kind, ReadRequest, ReadResponse, Rollup, ShardAnswer,
-    ShardMessage, ShardMessageRef, ShardOutcome, ShardOwner, ShardQueries, ShardQuery, Source, Stamp, TotalDelta,
+    DeadLetter, GraphMessage, GraphUpdate, Heartbeat, Increment, Kind, ReadRequest, ReadResponse, Rollup, Section,
+    ShardAnswer, ShardMessage, ShardMessageRef, ShardOutcome, ShardOwner, ShardQueries, ShardQuery, Source, Stamp,
+    TotalDelta,
 };
 
 fn golden_path(name: &str) -> PathBuf {
@@ -111,6 +113,30 @@ fn shard_records() {
     assert_eq!(unpacked[..2], [format::RECORD_MAGIC, format::RECORD_V2]);
     let Ok(ShardMessageRef::Increments { entries, .. }) = ShardMessageRef::decode(&unpacked) else { panic!("v3") };
     assert_eq!(entries.len(), 60);
+
+    // Version 4 (what ingesters write since session 34): a bundle of version 2
+    // records of several sources for one shard, each with its record time, packed
+    // into version 3. The bundle's own bytes are golden; packed, they are only
+    // decoded (zstd).
+    let ShardMessage::Increments { entries: few, .. } = &increments else { unreachable!() };
+    let ShardMessage::Increments { entries: sixty, .. } = &many else { unreachable!() };
+    let other = Source { stream: Source::INCREMENTS, partition: 2 };
+    let sections = [
+        Section { source: SOURCE, record_time: 1_700_000_000_000, entries: &sixty[..] },
+        Section { source: other, record_time: 1_700_000_000_123, entries: &few[..] },
+    ];
+    let packed = ShardMessage::encode_sections(&sections).unwrap();
+    assert_eq!(packed[..2], [format::RECORD_MAGIC, format::RECORD_V3]);
+    let v4 = golden("shard-increments-v4.bin", &tally_core::packed::unpack(&packed).unwrap());
+    assert_eq!(v4[..2], [format::RECORD_MAGIC, format::RECORD_V4]);
+    let want = vec![
+        (1_700_000_000_000, many.clone()),
+        (1_700_000_000_123, ShardMessage::Increments { source: other, entries: few.clone() }),
+    ];
+    let v4_packed = committed_or_blessed("shard-increments-v4-packed.bin", &packed);
+    for bytes in [&v4, &v4_packed, &packed] {
+        assert_eq!(ShardMessage::decode_sections(bytes, 0).unwrap(), want);
+    }
 
     let changes = ShardMessage::DescChanges {
         source: Source { stream: Source::GRAPH_PROCESSOR, partition: 0 },
@@ -281,10 +307,17 @@ fn json_records() {
 #[test]
 fn other_versions_fail_loudly() {
     let mut newer = ShardMessage::Totals { source: SOURCE, entries: vec![] }.encode().unwrap();
-    newer[1] = 4;
+    newer[1] = 5;
     let err = ShardMessage::decode(&newer).unwrap_err().to_string();
-    assert!(err.contains("unknown format version 4"), "{err}");
-    assert!(ShardMessageRef::decode(&newer).unwrap_err().to_string().contains("unknown format version 4"));
+    assert!(err.contains("unknown format version 5"), "{err}");
+    assert!(ShardMessageRef::decode(&newer).unwrap_err().to_string().contains("unknown format version 5"));
+    let err = ShardMessage::decode_sections(&newer, 0).unwrap_err().to_string();
+    assert!(err.contains("unknown format version 5"), "{err}");
+    // Version 4 is a bundle of shard records of increments only.
+    newer[1] = 4;
+    let err = ShardMessage::decode_sections(&newer, 0).unwrap_err().to_string();
+    assert!(err.contains("shard record (format version 4): sections 2 is more than"), "{err}");
+    assert!(GraphMessage::decode(&newer).unwrap_err().to_string().contains("unknown format version 4"));
     // Version 3 is a packed shard record of increments only.
     newer[1] = 3;
     let err = ShardMessage::decode(&newer).unwrap_err().to_string();

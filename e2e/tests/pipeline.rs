@@ -102,8 +102,8 @@ async fn the_records_that_end_an_ingesters_input_say_so() {
     const BACKLOG: usize = 1_200;
     let mut sandbox = Sandbox::start().await;
     let increments = sandbox.names.increments();
-    // One entity, so one shard record per input partition and batch; padded to 20 kB,
-    // so the broker hands each partition over in several fetches.
+    // One entity, so one shard, and a section per input partition and batch; padded
+    // to 20 kB, so the broker hands each partition over in several fetches.
     let padding = " ".repeat(20_000);
     let message =
         |i: usize| (Some(format!("k{i}")), format!(r#"{{"entity":"user:1","metric":"m"}}{padding}"#).into_bytes());
@@ -115,19 +115,32 @@ async fn the_records_that_end_an_ingesters_input_say_so() {
     // are full: whether records wait behind them is the broker's to say.
     sandbox.spawn_instance("tally-ingester", "tally-ingester", &[("TALLY__INGESTER__BATCH_LINGER_MS", "1".into())]);
 
-    // Each shard record, in order: its input partition, its input offsets, whether it says drained.
+    // Each input partition's part of each shard record (a record bundles a batch's
+    // partitions, format 4), in order: the input partition, its input offsets,
+    // whether the record says drained.
     let read = |sandbox: &Sandbox, entries: usize| -> Vec<(u32, Vec<i64>, bool)> {
-        let decoded = |record: &ReadRecord| match ShardMessage::decode(&record.payload).expect("a shard record") {
-            ShardMessage::Increments { source, entries } => {
-                (source.partition, entries.iter().map(|(stamp, _)| stamp.offset).collect::<Vec<_>>())
-            }
-            other => panic!("not increments: {other:?}"),
+        let decoded = |record: &ReadRecord| -> Vec<(u32, Vec<i64>)> {
+            let sections = ShardMessage::decode_sections(&record.payload, 0).expect("a shard record");
+            let offsets = |(_, message)| match message {
+                ShardMessage::Increments { source, entries } => {
+                    (source.partition, entries.iter().map(|(stamp, _)| stamp.offset).collect::<Vec<_>>())
+                }
+                other => panic!("not increments: {other:?}"),
+            };
+            sections.into_iter().map(offsets).collect()
         };
-        let routed = |records: &[ReadRecord]| records.iter().map(|record| decoded(record).1.len()).sum::<usize>();
+        let routed =
+            |records: &[ReadRecord]| records.iter().flat_map(decoded).map(|(_, offsets)| offsets.len()).sum::<usize>();
         let records = sandbox.read_records(&sandbox.names.shards(), Duration::from_secs(60), |r| routed(r) >= entries);
         assert_eq!(routed(&records), entries, "every increment routed once");
         let drained = |record: &ReadRecord| record.headers.iter().any(|key| key == INPUT_DRAINED_HEADER);
-        records.iter().map(|record| (decoded(record).0, decoded(record).1, drained(record))).collect()
+        records
+            .iter()
+            .flat_map(|record| {
+                let drained = drained(record);
+                decoded(record).into_iter().map(move |(partition, offsets)| (partition, offsets, drained))
+            })
+            .collect()
     };
     let backlog = read(&sandbox, BACKLOG);
     for (partition, end) in ends.iter().enumerate() {

@@ -353,10 +353,12 @@ pub struct IngesterConfig {
     /// instance only). For brokers whose group coordinator cannot evict a killed
     /// member, such as the local Tansu; offsets are still committed to the group.
     pub static_assignment: bool,
-    /// The format version of the shard records of increments it writes: 3 (compact
-    /// and packed with zstd, the default), 2 (compact) or 1 — for counters of a
-    /// release that reads only versions up to that one, until they are upgraded
-    /// (README: "Upgrading").
+    /// The format version of the shard records of increments it writes: 4 (the
+    /// default: one record per shard per batch, bundling every input partition's
+    /// compact increments, packed with zstd), 3 (a record per input partition and
+    /// shard, compact and packed), 2 (compact) or 1 — for counters of a release that
+    /// reads only versions up to that one, until they are upgraded (README:
+    /// "Upgrading").
     pub shard_record_format: u8,
 }
 
@@ -364,8 +366,11 @@ pub struct IngesterConfig {
 /// at load, so `tally config check` says so before an ingester starts.
 pub fn check_shard_record_format(version: u8) -> Result<()> {
     match version {
-        tally_core::format::RECORD_V1 | tally_core::format::RECORD_V2 | tally_core::format::RECORD_V3 => Ok(()),
-        _ => Err(Error::Config(format!("ingester.shard_record_format is {version}: it is 1, 2 or 3"))),
+        tally_core::format::RECORD_V1
+        | tally_core::format::RECORD_V2
+        | tally_core::format::RECORD_V3
+        | tally_core::format::RECORD_V4 => Ok(()),
+        _ => Err(Error::Config(format!("ingester.shard_record_format is {version}: it is 1, 2, 3 or 4"))),
     }
 }
 
@@ -378,7 +383,7 @@ impl Default for IngesterConfig {
             batch_max_bytes: 16 << 20,
             batch_linger_ms: 20,
             static_assignment: false,
-            shard_record_format: 3,
+            shard_record_format: tally_core::format::RECORD_V4,
         }
     }
 }
@@ -811,14 +816,15 @@ mod tests {
 
     #[test]
     fn only_a_shard_record_format_the_ingester_writes_loads() {
-        for format in ["1", "2", "3"] {
+        for format in ["1", "2", "3", "4"] {
             let config = TallyConfig::load_with_env(None, env(&[("TALLY__INGESTER__SHARD_RECORD_FORMAT", format)]));
             assert_eq!(config.unwrap().ingester.shard_record_format.to_string(), format);
         }
-        let refused = TallyConfig::load_with_env(None, env(&[("TALLY__INGESTER__SHARD_RECORD_FORMAT", "4")]))
+        assert_eq!(TallyConfig::load_with_env(None, env(&[])).unwrap().ingester.shard_record_format, 4);
+        let refused = TallyConfig::load_with_env(None, env(&[("TALLY__INGESTER__SHARD_RECORD_FORMAT", "5")]))
             .unwrap_err()
             .to_string();
-        assert_eq!(refused, "config: ingester.shard_record_format is 4: it is 1, 2 or 3");
+        assert_eq!(refused, "config: ingester.shard_record_format is 5: it is 1, 2, 3 or 4");
     }
 
     #[test]

@@ -225,7 +225,7 @@ tally.toml: |
 
   [ingester]
   admin_listen = "0.0.0.0:9101"
-  shard_record_format = {{ .Values.ingester.shardRecordFormat | default 3 | int }}
+  shard_record_format = {{ .Values.ingester.shardRecordFormat | default 4 | int }}
 
   [counter]
   admin_listen = "0.0.0.0:9102"

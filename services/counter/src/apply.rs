@@ -222,6 +222,21 @@ impl ShardStore {
                     break;
                 }
             };
+            if tally_core::bundle::is_bundle(payload) {
+                // A bundle's sections are applied as records of their own would be,
+                // one after the other, each with its own record time.
+                match ShardMessageRef::decode_sections(payload, record.timestamp.unwrap_or(now)) {
+                    Ok(sections) => {
+                        run.extend(sections.into_iter().map(|(time, message)| (record.offset, time, message)))
+                    }
+                    Err(err) => {
+                        report.undecodable = Some((record.offset, err.to_string()));
+                        break;
+                    }
+                }
+                progress.next_offset = Some(record.offset + 1);
+                continue;
+            }
             match ShardMessageRef::decode(payload) {
                 Ok(ShardMessageRef::DescChanges { source, entries }) => {
                     // The run before is committed first, with the progress up to it:
@@ -271,9 +286,10 @@ impl ShardStore {
         let dedupe_cf = self.cf(CF_DEDUPE)?;
         let outbox_cf = self.cf(CF_OUTBOX)?;
 
-        for (offset, record_time, message) in run {
-            // Totals this record sends to other shards, coalesced within the record.
-            let mut remote: BTreeMap<u32, Coalescer<'_>> = BTreeMap::new();
+        // Totals the record being applied sends to other shards, coalesced within the
+        // record (over all of a bundle's sections, which share its offset).
+        let mut remote: BTreeMap<u32, Coalescer<'_>> = BTreeMap::new();
+        for (at, (offset, record_time, message)) in run.iter().enumerate() {
             match message {
                 ShardMessageRef::Increments { source, entries } => {
                     for (stamp, increment) in entries {
@@ -327,7 +343,11 @@ impl ShardStore {
                 }
                 ShardMessageRef::DescChanges { .. } => {}
             }
-            for (target, totals) in &mut remote {
+            // A record's totals go out once all of its sections are in.
+            if run.get(at + 1).is_some_and(|(next, _, _)| next == offset) {
+                continue;
+            }
+            for (target, totals) in std::mem::take(&mut remote).iter_mut() {
                 let mut entries = Vec::with_capacity(totals.keys());
                 totals.for_each(|entity, metric, width_ms, bucket, counts| {
                     entries.push(TotalDelta {
@@ -1214,6 +1234,96 @@ mod tests {
         let again = ShardRecord { offset: 0, payload: &broken[1], timestamp: None };
         let report = store.apply(&[again], NOW, false).unwrap();
         assert_eq!((report.stale_records, report.undecodable), (1, None));
+    }
+
+    /// A bundle (format 4) applies as its sections would as records of their own: the
+    /// same counts, ids judged by each section's own record time, one outbox message
+    /// per target for the whole record, and a replay of it all redelivered.
+    #[test]
+    fn a_bundle_applies_as_its_sections_would_one_by_one() {
+        use tally_core::wire::Section;
+        let two = StoreOptions { shards: 2, ..options() };
+        let (far, here) = ("far", 1 - shard_of("far", 2));
+        let day = 86_400_000;
+        let increments = |entries: &[(i64, u32, &str, i64, Option<&str>)]| -> Vec<(Stamp, Increment)> {
+            let increment = |entity: &str, delta, id: Option<&str>| Increment {
+                entity: entity.into(),
+                metric: "views".into(),
+                delta,
+                ts: NOW,
+                id: id.map(Into::into),
+            };
+            entries
+                .iter()
+                .map(|&(o, i, entity, delta, id)| (Stamp { offset: o, index: i }, increment(entity, delta, id)))
+                .collect()
+        };
+        // Partition 0 at NOW; partition 3 a day and more later, so its repeat of
+        // partition 0's id counts again (past the window), and a repeat of its own
+        // does not.
+        let first = increments(&[(10, 0, "o", 4, Some("x")), (10, 1, "b", 1, None), (11, 0, "o", 2, None)]);
+        let second = increments(&[(5, 0, "o", 8, Some("x")), (6, 0, "b", 3, Some("y")), (7, 0, "b", 3, Some("y"))]);
+        let (p0, p3) =
+            (Source { stream: Source::INCREMENTS, partition: 0 }, Source { stream: Source::INCREMENTS, partition: 3 });
+        let (t0, t3) = (NOW, NOW + day + 1);
+        let gain = desc_change(0, "o", &[far], &[]);
+        let apply = |records: &[ShardRecord<'_>], dir: &std::path::Path| {
+            let store = ShardStore::open(here, dir, two.clone()).unwrap();
+            let report = store.apply(records, NOW + 2 * day, false).unwrap();
+            let outbox = store.outbox().unwrap();
+            // What the totals add up to per bucket (a bundle's are coalesced over
+            // its sections).
+            let mut sent: BTreeMap<(String, i64, i64), i64> = BTreeMap::new();
+            for entry in &outbox {
+                let ShardMessage::Totals { entries, .. } = ShardMessage::decode(&entry.payload).unwrap() else {
+                    panic!("totals")
+                };
+                for (_, d) in entries {
+                    *sent.entry((d.entity, d.width_ms, d.bucket)).or_default() += d.delta;
+                }
+            }
+            let totals = (counts(&store, "o"), counts(&store, "b"));
+            ((report.increments, report.duplicate_ids, report.redelivered), totals, sent, outbox.len(), store)
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let v2 = |source, entries: &[(Stamp, Increment)]| ShardMessage::encode_increments(source, entries, 2).unwrap();
+        let (separate_0, separate_3) = (v2(p0, &first), v2(p3, &second));
+        let separate = [
+            ShardRecord { offset: 0, payload: &gain, timestamp: None },
+            ShardRecord { offset: 1, payload: &separate_0, timestamp: Some(t0) },
+            ShardRecord { offset: 2, payload: &separate_3, timestamp: Some(t3) },
+        ];
+        let (report, totals, sent, messages, _) = apply(&separate, &dir.path().join("separate"));
+        assert_eq!(report, (5, 1, 0));
+        assert_eq!(totals, (Counts { direct: 14, total: 14 }, Counts { direct: 4, total: 4 }));
+        assert_eq!(messages, 2, "a message per record");
+
+        let bundle = ShardMessage::encode_sections(&[
+            Section { source: p0, record_time: t0, entries: &first[..] },
+            Section { source: p3, record_time: t3, entries: &second[..] },
+        ])
+        .unwrap();
+        // The Kafka header's time is not the sections': each uses its own.
+        let bundled = [
+            ShardRecord { offset: 0, payload: &gain, timestamp: None },
+            ShardRecord { offset: 1, payload: &bundle, timestamp: Some(t0) },
+        ];
+        let (b_report, b_totals, b_sent, b_messages, store) = apply(&bundled, &dir.path().join("bundled"));
+        assert_eq!((b_report, b_totals, b_sent), (report, totals, sent.clone()));
+        assert_eq!(b_messages, 1, "one message for the whole record");
+        assert_eq!(sent.len(), 3, "all-time, hour and day: {sent:?}");
+        assert!(sent.iter().all(|((entity, ..), delta)| (entity.as_str(), *delta) == (far, 14)), "{sent:?}");
+        // The ingester replays the same input in another bundle: all redelivered.
+        let report =
+            store.apply(&[ShardRecord { offset: 2, payload: &bundle, timestamp: None }], NOW + 2 * day, false).unwrap();
+        assert_eq!((report.increments, report.redelivered), (0, 6));
+        // A broken bundle stops the batch at it.
+        let mut broken = tally_core::packed::unpack(&bundle).unwrap().into_owned();
+        broken.truncate(broken.len() - 1);
+        let report = store.apply(&[ShardRecord { offset: 3, payload: &broken, timestamp: None }], NOW, false).unwrap();
+        let (offset, reason) = report.undecodable.unwrap();
+        assert_eq!((offset, store.progress().next_offset), (3, Some(3)));
+        assert!(reason.contains("format version"), "{reason}");
     }
 
     /// Every count key of `entity` in the store, in key order.

@@ -7,11 +7,13 @@ use std::collections::{BTreeMap, HashMap};
 
 use rdkafka::message::BorrowedMessage;
 use rdkafka::Message;
+use tally_core::bundle::{BUNDLE_OVERHEAD, SECTION_OVERHEAD};
+use tally_core::format::RECORD_V4;
 use tally_core::input::{parse_graph_updates, parse_increments, Rejection};
 use tally_core::records::split_by_size;
 use tally_core::sharding::shard_of;
 use tally_core::wire::{
-    DeadLetter, GraphMessage, GraphUpdate, IncrementCow, IncrementFields, ShardMessage, Source, Stamp,
+    DeadLetter, GraphMessage, GraphUpdate, IncrementCow, IncrementFields, Section, ShardMessage, Source, Stamp,
 };
 use tally_shared::kafka::{now_ms, TopicNames};
 
@@ -78,10 +80,10 @@ pub struct Router {
 
 impl Router {
     pub fn new(names: TopicNames, shards: u32, record_budget: usize) -> Self {
-        Self { names, shards, shard_record_format: tally_core::format::RECORD_V3, record_budget }
+        Self { names, shards, shard_record_format: RECORD_V4, record_budget }
     }
 
-    /// Writes shard records of increments in format `version` (1, 2 or 3) instead of 3.
+    /// Writes shard records of increments in format `version` (1, 2, 3 or 4) instead of 4.
     pub fn writing_shard_records_in(mut self, version: u8) -> Result<Self> {
         tally_shared::config::check_shard_record_format(version)?;
         self.shard_record_format = version;
@@ -112,11 +114,11 @@ impl Router {
     pub fn route_records(&self, records: &[InputRecord<'_>]) -> Result<(Vec<Outgoing>, RouteCounts)> {
         // The increments of each (input partition, shard): per partition a row of
         // `shards` groups, the row found once per record, the group by index.
-        let mut per_partition: BTreeMap<i32, Vec<Vec<(Stamp, IncrementCow<'_>)>>> = BTreeMap::new();
+        let mut per_partition: Increments<'_> = BTreeMap::new();
         let mut graph: BTreeMap<i32, Vec<(Stamp, GraphUpdate)>> = BTreeMap::new();
         // The time of every input record, by (partition, offset): a routed record
         // carries the time of its last entry's input record.
-        let mut record_times: HashMap<(i32, i64), i64> = HashMap::with_capacity(records.len());
+        let mut record_times: RecordTimes = HashMap::with_capacity(records.len());
         let mut outgoing = Vec::new();
         let mut counts = RouteCounts::default();
         let mut unencodable: Option<tally_shared::Error> = None;
@@ -162,24 +164,10 @@ impl Router {
         if let Some(err) = unencodable {
             return Err(err.into());
         }
-        let shard_topic = self.names.shards();
-        let groups = per_partition.into_iter().flat_map(|(partition, row)| {
-            row.into_iter()
-                .enumerate()
-                .filter(|(_, entries)| !entries.is_empty())
-                .map(move |(shard, entries)| (partition, shard, entries))
-        });
-        for (partition, shard, entries) in groups {
-            let source = Source { stream: Source::INCREMENTS, partition: partition as u32 };
-            for chunk in split_by_size(&entries, self.record_budget, |(_, increment)| increment.size_bound()) {
-                outgoing.push(Outgoing {
-                    topic: shard_topic.clone(),
-                    partition: Some(shard as i32),
-                    key: partition.to_string().into_bytes(),
-                    payload: ShardMessage::encode_increments(source, chunk, self.shard_record_format)?,
-                    timestamp: last_time(&record_times, partition, chunk),
-                });
-            }
+        if self.shard_record_format == RECORD_V4 {
+            self.bundle_shard_records(&per_partition, &record_times, &mut outgoing)?;
+        } else {
+            self.shard_records(&per_partition, &record_times, &mut outgoing)?;
         }
         let updates_topic = self.names.graph_updates();
         for (partition, entries) in graph {
@@ -195,6 +183,86 @@ impl Router {
             }
         }
         Ok((outgoing, counts))
+    }
+
+    /// The shard records of a batch's increments in format 4: per shard, one record
+    /// bundling every input partition's increments as sections (in partition order,
+    /// each in input order), more only when they do not fit the record budget.
+    fn bundle_shard_records(
+        &self,
+        per_partition: &Increments<'_>,
+        record_times: &RecordTimes,
+        outgoing: &mut Vec<Outgoing>,
+    ) -> Result<()> {
+        let budget = self.record_budget.saturating_sub(BUNDLE_OVERHEAD);
+        let section_budget = budget.saturating_sub(SECTION_OVERHEAD + 32);
+        for shard in 0..self.shards.max(1) as usize {
+            let mut bundle: Vec<Section<'_, IncrementCow<'_>>> = Vec::new();
+            let mut used = 0;
+            for (&partition, row) in per_partition {
+                let source = Source { stream: Source::INCREMENTS, partition: partition as u32 };
+                for chunk in split_by_size(&row[shard], section_budget, |(_, increment)| increment.size_bound()) {
+                    // Every input record's time was noted as it was parsed.
+                    let record_time = last_time(record_times, partition, chunk).ok_or_else(|| {
+                        tally_core::Error::Wire(format!("no record time for a section of input partition {partition}"))
+                    })?;
+                    let section = Section { source, record_time, entries: chunk };
+                    let size = section.size_bound();
+                    if !bundle.is_empty() && used + size > budget {
+                        outgoing.push(self.bundle_record(shard, &bundle)?);
+                        (bundle, used) = (Vec::new(), 0);
+                    }
+                    bundle.push(section);
+                    used += size;
+                }
+            }
+            if !bundle.is_empty() {
+                outgoing.push(self.bundle_record(shard, &bundle)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// The record of one bundle of sections for `shard`: its Kafka header carries the
+    /// latest of its sections' record times (each section carries its own).
+    fn bundle_record(&self, shard: usize, sections: &[Section<'_, IncrementCow<'_>>]) -> Result<Outgoing> {
+        Ok(Outgoing {
+            topic: self.names.shards(),
+            partition: Some(shard as i32),
+            key: shard.to_string().into_bytes(),
+            payload: ShardMessage::encode_sections(sections)?,
+            timestamp: sections.iter().map(|section| section.record_time).max(),
+        })
+    }
+
+    /// The shard records of a batch's increments in formats 1 to 3: one per input
+    /// partition and shard, more only when they do not fit the record budget.
+    fn shard_records(
+        &self,
+        per_partition: &Increments<'_>,
+        record_times: &RecordTimes,
+        outgoing: &mut Vec<Outgoing>,
+    ) -> Result<()> {
+        let shard_topic = self.names.shards();
+        let groups = per_partition.iter().flat_map(|(&partition, row)| {
+            row.iter()
+                .enumerate()
+                .filter(|(_, entries)| !entries.is_empty())
+                .map(move |(shard, entries)| (partition, shard, entries))
+        });
+        for (partition, shard, entries) in groups {
+            let source = Source { stream: Source::INCREMENTS, partition: partition as u32 };
+            for chunk in split_by_size(entries, self.record_budget, |(_, increment)| increment.size_bound()) {
+                outgoing.push(Outgoing {
+                    topic: shard_topic.clone(),
+                    partition: Some(shard as i32),
+                    key: partition.to_string().into_bytes(),
+                    payload: ShardMessage::encode_increments(source, chunk, self.shard_record_format)?,
+                    timestamp: last_time(record_times, partition, chunk),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// The dead letter of a rejected element of `record`.
@@ -213,8 +281,13 @@ impl Router {
     }
 }
 
+/// A batch's valid increments: per input partition, a row of one group per shard.
+type Increments<'a> = BTreeMap<i32, Vec<Vec<(Stamp, IncrementCow<'a>)>>>;
+/// The time of every input record of a batch, by (partition, offset).
+type RecordTimes = HashMap<(i32, i64), i64>;
+
 /// The input time of the record that holds the last entry of `chunk`.
-fn last_time<T>(record_times: &HashMap<(i32, i64), i64>, partition: i32, chunk: &[(Stamp, T)]) -> Option<i64> {
+fn last_time<T>(record_times: &RecordTimes, partition: i32, chunk: &[(Stamp, T)]) -> Option<i64> {
     let (stamp, _) = chunk.last()?;
     record_times.get(&(partition, stamp.offset)).copied()
 }
@@ -228,6 +301,27 @@ mod tests {
 
     fn record(partition: i32, offset: i64, payload: &str) -> InputRecord<'_> {
         InputRecord { topic: "tally.increments", partition, offset, timestamp: Some(5), payload: payload.as_bytes() }
+    }
+
+    /// Every routed increment of `out` as (shard, input partition, offset, index,
+    /// entity, event time, record time), in the order a counter reads them.
+    /// Checks that each went to the shard of its entity among `shards`.
+    fn routed(out: &[Outgoing], shards: u32) -> Vec<(i32, u32, i64, u32, String, i64, i64)> {
+        let mut routed = Vec::new();
+        for o in out.iter().filter(|o| o.topic == "tally.shards") {
+            let header_time = o.timestamp.expect("a shard record has a record time");
+            for (time, message) in ShardMessage::decode_sections(&o.payload, header_time).unwrap() {
+                let ShardMessage::Increments { source, entries } = message else {
+                    panic!("the ingester only sends increments to shards")
+                };
+                for (stamp, inc) in entries {
+                    let shard = o.partition.unwrap();
+                    assert_eq!(shard, shard_of(&inc.entity, shards) as i32, "{}", inc.entity);
+                    routed.push((shard, source.partition, stamp.offset, stamp.index, inc.entity, inc.ts, time));
+                }
+            }
+        }
+        routed
     }
 
     #[test]
@@ -249,10 +343,11 @@ mod tests {
                 out.into_iter().filter(|o| o.topic == "tally.shards").map(|o| o.payload).collect()
             };
             let router = || Router::new(TopicNames::new("tally."), 1, 900_000);
-            let v3 = shard_records(router());
+            let v4 = shard_records(router());
+            let v3 = shard_records(router().writing_shard_records_in(3).unwrap());
             let v2 = shard_records(router().writing_shard_records_in(2).unwrap());
             let v1 = shard_records(router().writing_shard_records_in(1).unwrap());
-            assert_eq!((v1.len(), v2.len(), v3.len()), (1, 1, 1));
+            assert_eq!((v1.len(), v2.len(), v3.len(), v4.len()), (1, 1, 1, 1));
             // Format 3 packs a record only when that makes it smaller.
             let third = if packed { RECORD_V3 } else { RECORD_V2 };
             assert_eq!((v1[0][1], v2[0][1], v3[0][1]), (RECORD_V1, RECORD_V2, third));
@@ -260,13 +355,78 @@ mod tests {
             let decoded = ShardMessage::decode(&v1[0]).unwrap();
             assert_eq!(
                 (ShardMessage::decode(&v2[0]).unwrap(), ShardMessage::decode(&v3[0]).unwrap()),
-                (decoded.clone(), decoded)
+                (decoded.clone(), decoded.clone())
             );
+            // Format 4: the same increments as the one section of a bundle, with the
+            // input record's time (packed when that makes it smaller).
+            let unpacked = tally_core::packed::unpack(&v4[0]).unwrap();
+            assert_eq!((unpacked[1], v4[0][1]), (RECORD_V4, if packed { RECORD_V3 } else { RECORD_V4 }));
+            assert_eq!(ShardMessage::decode_sections(&v4[0], 0).unwrap(), vec![(5, decoded)]);
         }
-        let Err(err) = Router::new(TopicNames::new("tally."), 1, 900_000).writing_shard_records_in(4) else {
-            panic!("format 4 accepted")
+        let Err(err) = Router::new(TopicNames::new("tally."), 1, 900_000).writing_shard_records_in(5) else {
+            panic!("format 5 accepted")
         };
-        assert!(err.to_string().contains("ingester.shard_record_format is 4: it is 1, 2 or 3"), "{err}");
+        assert!(err.to_string().contains("ingester.shard_record_format is 5: it is 1, 2, 3 or 4"), "{err}");
+    }
+
+    #[test]
+    fn a_batch_sends_each_shard_one_record_of_every_partitions_increments() {
+        let message = |n: usize, tag: &str| {
+            let entries: Vec<String> =
+                (0..n).map(|i| format!(r#"{{"entity":"{tag}-{}","metric":"v"}}"#, i % 50)).collect();
+            format!("[{}]", entries.join(","))
+        };
+        let (a, b, c) = (message(400, "a"), message(300, "b"), message(200, "c"));
+        let at = |partition, offset, payload: &'static str, timestamp| InputRecord {
+            topic: "tally.increments",
+            partition,
+            offset,
+            timestamp: Some(timestamp),
+            payload: payload.as_bytes(),
+        };
+        let (a, b, c): (&'static str, &'static str, &'static str) =
+            (Box::leak(a.into_boxed_str()), Box::leak(b.into_boxed_str()), Box::leak(c.into_boxed_str()));
+        let records = [at(3, 7, a, 1_000), at(0, 2, b, 2_000), at(3, 8, c, 3_000), at(0, 3, c, 4_000)];
+        let by_partition = Router::new(TopicNames::new("tally."), 8, 900_000).writing_shard_records_in(3).unwrap();
+        let (old, _) = by_partition.route_records(&records).unwrap();
+        let (out, counts) = Router::new(TopicNames::new("tally."), 8, 900_000).route_records(&records).unwrap();
+        assert_eq!(counts, RouteCounts { increments: 1_100, graph_updates: 0, rejected: 0 });
+        // One record per shard (all 8 get some), where format 3 sends one per
+        // input partition and shard.
+        let shards: Vec<i32> = out.iter().map(|o| o.partition.unwrap()).collect();
+        assert_eq!(shards, (0..8).collect::<Vec<_>>());
+        assert_eq!(old.len(), 16);
+        // The same entries in the same order per (shard, partition), each section
+        // with the time of its last entry's input record, the record's header the
+        // latest of its sections'.
+        let mut bundled = routed(&out, 8);
+        let mut separate = routed(&old, 8);
+        assert_eq!(bundled.len(), 1_100);
+        bundled.sort_by_key(|(shard, partition, ..)| (*shard, *partition));
+        separate.sort_by_key(|(shard, partition, ..)| (*shard, *partition));
+        assert_eq!(bundled, separate);
+        assert!(bundled.iter().all(|(_, partition, .., time)| *time == if *partition == 0 { 4_000 } else { 3_000 }));
+        assert!(out.iter().all(|o| o.timestamp == Some(4_000)));
+
+        // Within a smaller budget a shard's bundle is cut into several records, each
+        // source's entries still in order.
+        let small = Router::new(TopicNames::new("tally."), 2, 3_000);
+        let (out, _) = small.route_records(&records).unwrap();
+        assert!(out.len() > 4, "{} records", out.len());
+        assert!(out.iter().all(|o| o.payload.len() <= 3_000), "every record fits the budget");
+        let cut = routed(&out, 2);
+        assert_eq!(cut.len(), 1_100);
+        for shard in 0..2 {
+            for partition in [0, 3] {
+                let stamps: Vec<(i64, u32)> = cut
+                    .iter()
+                    .filter(|(s, p, ..)| (*s, *p) == (shard, partition))
+                    .map(|(_, _, offset, index, ..)| (*offset, *index))
+                    .collect();
+                assert!(stamps.windows(2).all(|pair| pair[0] < pair[1]), "in order: {stamps:?}");
+                assert!(!stamps.is_empty());
+            }
+        }
     }
 
     #[test]
@@ -295,16 +455,10 @@ mod tests {
         assert_eq!(raw, br#"{"entity":"b","metric":"BAD"}"#);
         assert_eq!((letters[1].offset, letters[1].index), (8, None));
 
-        let mut routed = Vec::new();
-        for o in out.iter().filter(|o| o.topic == "tally.shards") {
-            let ShardMessage::Increments { source, entries } = ShardMessage::decode(&o.payload).unwrap() else {
-                panic!("the ingester only sends increments to shards")
-            };
-            for (stamp, inc) in entries {
-                assert_eq!(o.partition, Some(shard_of(&inc.entity, 4) as i32));
-                routed.push((source.partition, stamp.offset, stamp.index, inc.entity, inc.ts));
-            }
-        }
+        let mut routed: Vec<(u32, i64, u32, String, i64)> = routed(&out, 4)
+            .into_iter()
+            .map(|(_, partition, offset, index, entity, ts, _)| (partition, offset, index, entity, ts))
+            .collect();
         routed.sort();
         assert_eq!(
             routed,
