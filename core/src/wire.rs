@@ -341,26 +341,9 @@ impl<'a> ShardMessageRef<'a> {
     }
 }
 
-/// One source's increments for a shard record of several ([`ShardMessage::encode_sections`]).
-#[derive(Debug, Clone, Copy)]
-pub struct Section<'a, T> {
-    pub source: Source,
-    /// The time of the input record of its last entry (the receiver's dedupe clock).
-    pub record_time: i64,
-    pub entries: &'a [(Stamp, T)],
-}
-
-impl<T: IncrementFields> Section<'_, T> {
-    /// An upper bound of what it adds to a version 4 record, before packing.
-    pub fn size_bound(&self) -> usize {
-        crate::bundle::SECTION_OVERHEAD
-            + SECTION_RECORD_OVERHEAD
-            + self.entries.iter().map(|(_, increment)| increment.size_bound()).sum::<usize>()
-    }
-}
-
-/// The most bytes a version 2 record adds to its entries' bounds.
-const SECTION_RECORD_OVERHEAD: usize = 32;
+/// The most bytes a version 2 record adds to its entries' size bounds
+/// ([`ShardMessage::encode_increments`]).
+pub const V2_RECORD_OVERHEAD: usize = 32;
 
 fn bincode_config() -> bincode::config::Configuration {
     bincode::config::standard()
@@ -407,20 +390,23 @@ impl ShardMessage {
         }
     }
 
-    /// The bytes of one shard record of increments from several sources, in record
-    /// format version 4 ([`crate::bundle`]: each section a version 2 record with its
-    /// record time), packed into version 3 when that makes it smaller. Never more
-    /// than the sections' [`Section::size_bound`]s plus
+    /// The bytes of one shard record bundling `records` — version 2 records of
+    /// increments ([`Self::encode_increments`]), each with the time of its input
+    /// record — in record format version 4 ([`crate::bundle`]), packed into version 3
+    /// when that makes it smaller. Never more than the records' lengths plus
+    /// [`SECTION_OVERHEAD`](crate::bundle::SECTION_OVERHEAD) each, plus
     /// [`BUNDLE_OVERHEAD`](crate::bundle::BUNDLE_OVERHEAD).
-    pub fn encode_sections<T: IncrementFields>(sections: &[Section<'_, T>]) -> Result<Vec<u8>> {
-        if sections.is_empty() {
-            return Err(Error::Wire("a shard record of sections has at least one".into()));
+    pub fn bundle(records: &[(i64, Vec<u8>)]) -> Result<Vec<u8>> {
+        if records.is_empty() {
+            return Err(Error::Wire("a bundle has at least one record".into()));
         }
-        let records: Vec<(i64, Vec<u8>)> = sections
+        if let Some((_, stray)) = records
             .iter()
-            .map(|section| (section.record_time, crate::compact::encode_increments(section.source, section.entries)))
-            .collect();
-        Ok(crate::packed::pack(crate::bundle::encode(&records)))
+            .find(|(_, record)| !record.starts_with(&[crate::format::RECORD_MAGIC, crate::format::RECORD_V2]))
+        {
+            return Err(Error::Wire(format!("a bundle holds version 2 records only, not {:?}", stray.get(..2))));
+        }
+        Ok(crate::packed::pack(crate::bundle::encode(records)))
     }
 
     /// Decodes a shard record of any format version into its messages with their
@@ -867,11 +853,11 @@ mod tests {
         let second = vec![(Stamp { offset: 4, index: 0 }, increment("b", 6))];
         let (p0, p5) =
             (Source { stream: Source::INCREMENTS, partition: 0 }, Source { stream: Source::INCREMENTS, partition: 5 });
-        let sections = [
-            Section { source: p0, record_time: 100, entries: &first[..] },
-            Section { source: p5, record_time: 90, entries: &second[..] },
-        ];
-        let bytes = ShardMessage::encode_sections(&sections).unwrap();
+        let v2 = |source, entries: &[(Stamp, Increment)]| {
+            ShardMessage::encode_increments(source, entries, crate::format::RECORD_V2).unwrap()
+        };
+        let sections = [(100, v2(p0, &first)), (90, v2(p5, &second))];
+        let bytes = ShardMessage::bundle(&sections).unwrap();
         assert_eq!(bytes[..2], [crate::format::RECORD_MAGIC, crate::format::RECORD_V3], "packed: it shrinks");
         let want = vec![
             (100, ShardMessage::Increments { source: p0, entries: first.clone() }),
@@ -894,7 +880,9 @@ mod tests {
         assert!(ShardMessage::decode(&bytes).unwrap_err().to_string().contains("a bundle"));
         let single = ShardMessage::Increments { source: p5, entries: second };
         assert_eq!(ShardMessage::decode_sections(&single.encode().unwrap(), 7).unwrap(), vec![(7, single)]);
-        assert!(ShardMessage::encode_sections::<Increment>(&[]).is_err());
+        assert!(ShardMessage::bundle(&[]).is_err());
+        let packed = ShardMessage::encode_increments(p5, &first, crate::format::RECORD_V3).unwrap();
+        assert!(ShardMessage::bundle(&[(1, packed)]).unwrap_err().to_string().contains("version 2 records only"));
     }
 
     #[test]
@@ -936,15 +924,17 @@ mod tests {
         assert!(v3.len() <= encoded.len(), "{} > {}", v3.len(), encoded.len());
         assert_eq!(ShardMessage::decode(&v3).unwrap(), ShardMessage::decode(&encoded).unwrap());
         assert!(ShardMessage::encode_increments(source, &entries, 4).is_err());
-        // A bundle of such sections (times as wide as they get, and packing that
-        // cannot shrink them much) stays within its sections' bounds.
+        // A bundle of such records (times as wide as they get, and packing that
+        // cannot shrink them much) stays within their lengths and the overheads.
         let halves = entries.split_at(25);
         let sections = [
-            Section { source, record_time: i64::MIN, entries: halves.0 },
-            Section { source, record_time: i64::MAX, entries: halves.1 },
+            (i64::MIN, ShardMessage::encode_increments(source, halves.0, crate::format::RECORD_V2).unwrap()),
+            (i64::MAX, ShardMessage::encode_increments(source, halves.1, crate::format::RECORD_V2).unwrap()),
         ];
-        let bundle = ShardMessage::encode_sections(&sections).unwrap();
-        let bound: usize = sections.iter().map(Section::size_bound).sum::<usize>() + crate::bundle::BUNDLE_OVERHEAD;
+        let bundle = ShardMessage::bundle(&sections).unwrap();
+        let bound: usize =
+            sections.iter().map(|(_, record)| record.len() + crate::bundle::SECTION_OVERHEAD).sum::<usize>()
+                + crate::bundle::BUNDLE_OVERHEAD;
         assert!(bundle.len() <= bound, "{} > {bound}", bundle.len());
         let unpacked = crate::packed::unpack(&bundle).unwrap();
         assert!(unpacked.len() <= bound, "{} > {bound}", unpacked.len());

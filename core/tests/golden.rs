@@ -19,9 +19,8 @@ use tally_core::keys::{decode_mark, decode_names, decode_stamp, encode_mark, enc
 use tally_core::records::Truncated;
 use tally_core::time::WindowSpec;
 use tally_core::wire::{
-    DeadLetter, GraphMessage, GraphUpdate, Heartbeat, Increment, Kind, ReadRequest, ReadResponse, Rollup, Section,
-    ShardAnswer, ShardMessage, ShardMessageRef, ShardOutcome, ShardOwner, ShardQueries, ShardQuery, Source, Stamp,
-    TotalDelta,
+    DeadLetter, GraphMessage, GraphUpdate, Heartbeat, Increment, Kind, ReadRequest, ReadResponse, Rollup, ShardAnswer,
+    ShardMessage, ShardMessageRef, ShardOutcome, ShardOwner, ShardQueries, ShardQuery, Source, Stamp, TotalDelta,
 };
 
 fn golden_path(name: &str) -> PathBuf {
@@ -122,10 +121,10 @@ fn shard_records() {
     let ShardMessage::Increments { entries: sixty, .. } = &many else { unreachable!() };
     let other = Source { stream: Source::INCREMENTS, partition: 2 };
     let sections = [
-        Section { source: SOURCE, record_time: 1_700_000_000_000, entries: &sixty[..] },
-        Section { source: other, record_time: 1_700_000_000_123, entries: &few[..] },
+        (1_700_000_000_000, ShardMessage::encode_increments(SOURCE, sixty, format::RECORD_V2).unwrap()),
+        (1_700_000_000_123, ShardMessage::encode_increments(other, few, format::RECORD_V2).unwrap()),
     ];
-    let packed = ShardMessage::encode_sections(&sections).unwrap();
+    let packed = ShardMessage::bundle(&sections).unwrap();
     assert_eq!(packed[..2], [format::RECORD_MAGIC, format::RECORD_V3]);
     let v4 = golden("shard-increments-v4.bin", &tally_core::packed::unpack(&packed).unwrap());
     assert_eq!(v4[..2], [format::RECORD_MAGIC, format::RECORD_V4]);

@@ -1241,7 +1241,6 @@ mod tests {
     /// per target for the whole record, and a replay of it all redelivered.
     #[test]
     fn a_bundle_applies_as_its_sections_would_one_by_one() {
-        use tally_core::wire::Section;
         let two = StoreOptions { shards: 2, ..options() };
         let (far, here) = ("far", 1 - shard_of("far", 2));
         let day = 86_400_000;
@@ -1298,11 +1297,7 @@ mod tests {
         assert_eq!(totals, (Counts { direct: 14, total: 14 }, Counts { direct: 4, total: 4 }));
         assert_eq!(messages, 2, "a message per record");
 
-        let bundle = ShardMessage::encode_sections(&[
-            Section { source: p0, record_time: t0, entries: &first[..] },
-            Section { source: p3, record_time: t3, entries: &second[..] },
-        ])
-        .unwrap();
+        let bundle = ShardMessage::bundle(&[(t0, separate_0.clone()), (t3, separate_3.clone())]).unwrap();
         // The Kafka header's time is not the sections': each uses its own.
         let bundled = [
             ShardRecord { offset: 0, payload: &gain, timestamp: None },

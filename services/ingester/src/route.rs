@@ -8,12 +8,13 @@ use std::collections::{BTreeMap, HashMap};
 use rdkafka::message::BorrowedMessage;
 use rdkafka::Message;
 use tally_core::bundle::{BUNDLE_OVERHEAD, SECTION_OVERHEAD};
-use tally_core::format::RECORD_V4;
+use tally_core::format::{RECORD_V2, RECORD_V4};
 use tally_core::input::{parse_graph_updates, parse_increments, Rejection};
 use tally_core::records::split_by_size;
 use tally_core::sharding::shard_of;
 use tally_core::wire::{
-    DeadLetter, GraphMessage, GraphUpdate, IncrementCow, IncrementFields, Section, ShardMessage, Source, Stamp,
+    DeadLetter, GraphMessage, GraphUpdate, IncrementCow, IncrementFields, ShardMessage, Source, Stamp,
+    V2_RECORD_OVERHEAD,
 };
 use tally_shared::kafka::{now_ms, TopicNames};
 
@@ -188,6 +189,9 @@ impl Router {
     /// The shard records of a batch's increments in format 4: per shard, one record
     /// bundling every input partition's increments as sections (in partition order,
     /// each in input order), more only when they do not fit the record budget.
+    /// Sections are encoded partition by partition, while that partition's input
+    /// (which the names borrow from) is still in the cache, then bundled shard by
+    /// shard by their exact sizes.
     fn bundle_shard_records(
         &self,
         per_partition: &Increments<'_>,
@@ -195,43 +199,48 @@ impl Router {
         outgoing: &mut Vec<Outgoing>,
     ) -> Result<()> {
         let budget = self.record_budget.saturating_sub(BUNDLE_OVERHEAD);
-        let section_budget = budget.saturating_sub(SECTION_OVERHEAD + 32);
-        for shard in 0..self.shards.max(1) as usize {
-            let mut bundle: Vec<Section<'_, IncrementCow<'_>>> = Vec::new();
-            let mut used = 0;
-            for (&partition, row) in per_partition {
-                let source = Source { stream: Source::INCREMENTS, partition: partition as u32 };
-                for chunk in split_by_size(&row[shard], section_budget, |(_, increment)| increment.size_bound()) {
+        let section_budget = budget.saturating_sub(SECTION_OVERHEAD + V2_RECORD_OVERHEAD);
+        let mut sections: Vec<Vec<(i64, Vec<u8>)>> = (0..self.shards.max(1)).map(|_| Vec::new()).collect();
+        for (&partition, row) in per_partition {
+            let source = Source { stream: Source::INCREMENTS, partition: partition as u32 };
+            for (entries, sections) in row.iter().zip(&mut sections) {
+                for chunk in split_by_size(entries, section_budget, |(_, increment)| increment.size_bound()) {
                     // Every input record's time was noted as it was parsed.
                     let record_time = last_time(record_times, partition, chunk).ok_or_else(|| {
                         tally_core::Error::Wire(format!("no record time for a section of input partition {partition}"))
                     })?;
-                    let section = Section { source, record_time, entries: chunk };
-                    let size = section.size_bound();
-                    if !bundle.is_empty() && used + size > budget {
-                        outgoing.push(self.bundle_record(shard, &bundle)?);
-                        (bundle, used) = (Vec::new(), 0);
-                    }
-                    bundle.push(section);
-                    used += size;
+                    sections.push((record_time, ShardMessage::encode_increments(source, chunk, RECORD_V2)?));
                 }
             }
-            if !bundle.is_empty() {
-                outgoing.push(self.bundle_record(shard, &bundle)?);
+        }
+        for (shard, sections) in sections.iter().enumerate() {
+            let mut start = 0;
+            let mut used = 0;
+            for (at, (_, record)) in sections.iter().enumerate() {
+                let size = SECTION_OVERHEAD + record.len();
+                if at > start && used + size > budget {
+                    outgoing.push(self.bundle_record(shard, &sections[start..at])?);
+                    (start, used) = (at, 0);
+                }
+                used += size;
+            }
+            if start < sections.len() {
+                outgoing.push(self.bundle_record(shard, &sections[start..])?);
             }
         }
         Ok(())
     }
 
-    /// The record of one bundle of sections for `shard`: its Kafka header carries the
-    /// latest of its sections' record times (each section carries its own).
-    fn bundle_record(&self, shard: usize, sections: &[Section<'_, IncrementCow<'_>>]) -> Result<Outgoing> {
+    /// The record of one bundle of sections (record times and version 2 records) for
+    /// `shard`: its Kafka header carries the latest of their times (each section
+    /// carries its own).
+    fn bundle_record(&self, shard: usize, sections: &[(i64, Vec<u8>)]) -> Result<Outgoing> {
         Ok(Outgoing {
             topic: self.names.shards(),
             partition: Some(shard as i32),
             key: shard.to_string().into_bytes(),
-            payload: ShardMessage::encode_sections(sections)?,
-            timestamp: sections.iter().map(|section| section.record_time).max(),
+            payload: ShardMessage::bundle(sections)?,
+            timestamp: sections.iter().map(|(time, _)| *time).max(),
         })
     }
 
