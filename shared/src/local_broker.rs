@@ -5,6 +5,7 @@
 //! repository (`$TALLY_TANSU_ROOT`, default `~/.cache/tally/tansu-0.6.0`), started on a
 //! chosen port with its data in a chosen directory, and stopped with SIGTERM on drop.
 
+use std::collections::BTreeSet;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -44,19 +45,25 @@ pub fn ensure_installed() -> Result<PathBuf> {
     Ok(binary)
 }
 
-/// A port nobody listens on right now.
+/// A port nobody listens on right now, and never handed out before by this process.
 ///
 /// Picked at random below the kernel's ephemeral range (32768 and up), where no
-/// outgoing connection can take it between this check and the caller's bind.
+/// outgoing connection can take it between this check and the caller's bind. A port
+/// is handed out once per process: tests running side by side in one process each
+/// pick their services' ports before those services bind them, and a port picked
+/// twice in that window was a second service's "Address already in use".
 pub fn free_port() -> Result<u16> {
     use std::hash::{BuildHasher, Hasher};
     static PICKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    static HANDED_OUT: std::sync::Mutex<BTreeSet<u16>> = std::sync::Mutex::new(BTreeSet::new());
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     for _ in 0..200 {
         let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
         hasher.write_u64(PICKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
         hasher.write_u32(std::process::id());
         let port = 12_000 + (hasher.finish() % 20_000) as u16;
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+        if !handed_out.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            handed_out.insert(port);
             return Ok(port);
         }
     }
@@ -147,5 +154,20 @@ impl LocalBroker {
 impl Drop for LocalBroker {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two thousand picks, none of them bound meanwhile (a sandbox picks its services'
+    /// ports before it starts them): every one different.
+    #[test]
+    fn a_port_is_handed_out_once_even_before_anyone_binds_it() {
+        let ports: Vec<u16> = (0..2_000).map(|_| free_port().unwrap()).collect();
+        let distinct: BTreeSet<u16> = ports.iter().copied().collect();
+        assert_eq!(distinct.len(), ports.len());
+        assert!(ports.iter().all(|port| (12_000..32_000).contains(port)), "below the ephemeral range");
     }
 }

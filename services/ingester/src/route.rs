@@ -1,5 +1,6 @@
 //! Turning a batch of producer records into output records: shard messages for the
-//! valid increments (grouped per input partition and shard, in input order), graph
+//! valid increments (grouped per input partition and shard, in input order; in
+//! format 4, the default, a shard's groups are the sections of one record), graph
 //! messages for the valid graph updates (per input partition, in input order) and
 //! dead letters for everything rejected.
 
@@ -214,18 +215,8 @@ impl Router {
             }
         }
         for (shard, sections) in sections.iter().enumerate() {
-            let mut start = 0;
-            let mut used = 0;
-            for (at, (_, record)) in sections.iter().enumerate() {
-                let size = SECTION_OVERHEAD + record.len();
-                if at > start && used + size > budget {
-                    outgoing.push(self.bundle_record(shard, &sections[start..at])?);
-                    (start, used) = (at, 0);
-                }
-                used += size;
-            }
-            if start < sections.len() {
-                outgoing.push(self.bundle_record(shard, &sections[start..])?);
+            for bundle in split_by_size(sections, budget, |(_, record)| SECTION_OVERHEAD + record.len()) {
+                outgoing.push(self.bundle_record(shard, bundle)?);
             }
         }
         Ok(())
