@@ -341,8 +341,9 @@ pub struct IngesterConfig {
     pub admin_listen: String,
     pub group_id: String,
     /// Most input records handled in one batch. A batch becomes one shard record per
-    /// (input partition, shard) it touches, so bigger batches hand the broker fewer,
-    /// larger records (BENCHMARKS.md, "Bigger ingester batches").
+    /// shard it touches (format 4; per input partition and shard in formats 1 to 3),
+    /// so bigger batches hand the broker fewer, larger records (BENCHMARKS.md,
+    /// "Bigger ingester batches").
     pub batch_max_records: usize,
     /// Most input payload bytes held in one batch (memory stays bounded whatever
     /// the records' sizes).

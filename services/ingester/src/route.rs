@@ -54,8 +54,10 @@ pub struct Outgoing {
     pub key: Vec<u8>,
     pub payload: Vec<u8>,
     /// For routed entries, the time of the input record of the last entry (receivers
-    /// run their dedupe window on it), sent in the `tally.record-time.v1` header;
-    /// the Kafka timestamp is always the producer's (when it was routed).
+    /// run their dedupe window on it; for a bundle of sections, format 4, the latest
+    /// of its sections' times, each of which carries its own), sent in the
+    /// `tally.record-time.v1` header; the Kafka timestamp is always the producer's
+    /// (when it was routed).
     pub timestamp: Option<i64>,
 }
 
@@ -118,16 +120,15 @@ impl Router {
         // `shards` groups, the row found once per record, the group by index.
         let mut per_partition: Increments<'_> = BTreeMap::new();
         let mut graph: BTreeMap<i32, Vec<(Stamp, GraphUpdate)>> = BTreeMap::new();
-        // The time of every input record, by (partition, offset): a routed record
-        // carries the time of its last entry's input record.
-        let mut record_times: RecordTimes = HashMap::with_capacity(records.len());
+        // The time of every input record, per input topic by (partition, offset): a
+        // routed record carries the time of its last entry's input record.
+        let (mut increment_times, mut graph_times) = (RecordTimes::default(), RecordTimes::default());
         let mut outgoing = Vec::new();
         let mut counts = RouteCounts::default();
         let mut unencodable: Option<tally_shared::Error> = None;
         let graph_topic = self.names.graph();
         for record in records {
             let record_time = record.timestamp.filter(|ts| *ts >= 0).unwrap_or_else(now_ms);
-            record_times.insert((record.partition, record.offset), record_time);
             let reject = |rejection: Rejection<'_>| {
                 counts.rejected += 1;
                 match self.dead_letter(record, rejection) {
@@ -136,6 +137,7 @@ impl Router {
                 }
             };
             if record.topic == graph_topic {
+                graph_times.insert((record.partition, record.offset), record_time);
                 parse_graph_updates(
                     record.payload,
                     |index, update| {
@@ -149,6 +151,7 @@ impl Router {
                 );
                 continue;
             }
+            increment_times.insert((record.partition, record.offset), record_time);
             let row = per_partition
                 .entry(record.partition)
                 .or_insert_with(|| (0..self.shards.max(1)).map(|_| Vec::new()).collect());
@@ -167,9 +170,9 @@ impl Router {
             return Err(err.into());
         }
         if self.shard_record_format == RECORD_V4 {
-            self.bundle_shard_records(&per_partition, &record_times, &mut outgoing)?;
+            self.bundle_shard_records(&per_partition, &increment_times, &mut outgoing)?;
         } else {
-            self.shard_records(&per_partition, &record_times, &mut outgoing)?;
+            self.shard_records(&per_partition, &increment_times, &mut outgoing)?;
         }
         let updates_topic = self.names.graph_updates();
         for (partition, entries) in graph {
@@ -180,7 +183,7 @@ impl Router {
                     partition: Some(0),
                     key: partition.to_string().into_bytes(),
                     payload: (GraphMessage::Updates { source, entries: chunk.to_vec() }).encode()?,
-                    timestamp: last_time(&record_times, partition, chunk),
+                    timestamp: last_time(&graph_times, partition, chunk),
                 });
             }
         }
@@ -283,7 +286,8 @@ impl Router {
 
 /// A batch's valid increments: per input partition, a row of one group per shard.
 type Increments<'a> = BTreeMap<i32, Vec<Vec<(Stamp, IncrementCow<'a>)>>>;
-/// The time of every input record of a batch, by (partition, offset).
+/// The time of every input record of a batch from one input topic, by (partition,
+/// offset).
 type RecordTimes = HashMap<(i32, i64), i64>;
 
 /// The input time of the record that holds the last entry of `chunk`.
@@ -464,6 +468,27 @@ mod tests {
             routed,
             vec![(0, 10, 0, "a".to_string(), 5), (0, 10, 2, "c".to_string(), 5), (1, 7, 0, "a".to_string(), 99)]
         );
+    }
+
+    /// The increments topic and the graph topic number their partitions and offsets
+    /// alike: each routed record carries the time of its own topic's input record.
+    #[test]
+    fn a_routed_record_carries_its_own_topics_record_time() {
+        let router = Router::new(TopicNames::new("tally."), 4, 900_000);
+        let increments = InputRecord { timestamp: Some(1_000), ..record(2, 9, r#"{"entity":"a","metric":"v"}"#) };
+        let graph = InputRecord {
+            topic: "tally.graph",
+            partition: 2,
+            offset: 9,
+            timestamp: Some(7_000),
+            payload: br#"{"op":"add_edge","from":"a","to":"b"}"#,
+        };
+        for records in [[increments, graph], [graph, increments]] {
+            let (out, _) = router.route_records(&records).unwrap();
+            let times: Vec<(&str, Option<i64>)> = out.iter().map(|o| (o.topic.as_str(), o.timestamp)).collect();
+            assert_eq!(times, vec![("tally.shards", Some(1_000)), ("tally.graph-updates", Some(7_000))]);
+            assert_eq!(routed(&out, 4).iter().map(|entry| entry.6).collect::<Vec<_>>(), vec![1_000]);
+        }
     }
 
     #[test]
