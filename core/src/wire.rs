@@ -2,8 +2,9 @@
 //!
 //! Internal Kafka messages are bincode (compact and fast) behind a format header
 //! ([`crate::format`]), but for shard records of increments: those are encoded in the
-//! [`crate::compact`] encoding (format version 2), which an ingester packs with zstd
-//! (format version 3, [`crate::packed`]). Messages that humans or other
+//! [`crate::compact`] encoding (format version 2), which an ingester bundles per shard
+//! (format version 4, [`crate::bundle`]) and packs with zstd (format version 3,
+//! [`crate::packed`]). Messages that humans or other
 //! systems read — dead letters, rollups, shard ownership, the internal read API — are
 //! JSON.
 
