@@ -71,7 +71,9 @@ pub fn is_bundle(record: &[u8]) -> bool {
 }
 
 /// The sections of the version 4 record `record` (its header included), in order:
-/// each one's record time and its version 2 record, header included, borrowed.
+/// each one's record time and the body of its version 2 record (after that record's
+/// header, which is checked: what [`crate::compact::decode_increments`] reads),
+/// borrowed.
 pub fn sections(record: &[u8]) -> Result<Vec<(i64, &[u8])>> {
     let [RECORD_MAGIC, RECORD_V4, body @ ..] = record else {
         return Err(Error::Format(format!("{LABEL}: not a version 4 record")));
@@ -85,11 +87,10 @@ pub fn sections(record: &[u8]) -> Result<Vec<(i64, &[u8])>> {
     for number in 0..count {
         let time = reader.zigzag("record time")?;
         let len = reader.count("section length", 1)?;
-        let section = reader.take(len, "section")?;
-        if !section.starts_with(&[RECORD_MAGIC, RECORD_V2]) {
+        let [RECORD_MAGIC, RECORD_V2, v2_body @ ..] = reader.take(len, "section")? else {
             return Err(reader.fault(format!("section {number} is not a version 2 record")));
-        }
-        sections.push((time, section));
+        };
+        sections.push((time, v2_body));
     }
     reader.finish()?;
     Ok(sections)
@@ -123,8 +124,8 @@ mod tests {
         .concat();
         assert_eq!(bytes, expected);
         let read = sections(&bytes).unwrap();
-        assert_eq!(read, vec![(1_700_000_000_000, &first[..]), (-1, &second[..])]);
-        let (source, entries) = decode_increments(&read[1].1[2..]).unwrap();
+        assert_eq!(read, vec![(1_700_000_000_000, &first[2..]), (-1, &second[2..])]);
+        let (source, entries) = decode_increments(read[1].1).unwrap();
         assert_eq!((source.partition, entries.len(), entries[0].0.offset), (3, 1, 7));
     }
 
@@ -159,7 +160,7 @@ mod tests {
                 parts.iter().map(|&(time, partition, offset)| (time, record(partition, offset))).collect();
             let bytes = encode(&records);
             let read = sections(&bytes).unwrap();
-            let want: Vec<(i64, &[u8])> = records.iter().map(|(time, record)| (*time, &record[..])).collect();
+            let want: Vec<(i64, &[u8])> = records.iter().map(|(time, record)| (*time, &record[2..])).collect();
             prop_assert_eq!(read, want);
         }
     }

@@ -308,9 +308,7 @@ impl<'a> ShardMessageRef<'a> {
         if let [crate::format::RECORD_MAGIC, crate::format::RECORD_V3, ..] = bytes {
             return Err(Error::Format("shard record version 3: decoded only once unpacked".into()));
         }
-        if crate::bundle::is_bundle(bytes) {
-            return Err(Error::Format("shard record version 4: a bundle, decoded by its sections".into()));
-        }
+        refuse_bundle(bytes)?;
         let (version, body) = crate::format::shard_record_body(bytes)?;
         if version == crate::format::RECORD_V2 {
             let (source, entries) = crate::compact::decode_increments(body)?;
@@ -335,7 +333,7 @@ impl<'a> ShardMessageRef<'a> {
         crate::bundle::sections(bytes)?
             .into_iter()
             .map(|(time, section)| {
-                let (source, entries) = crate::compact::decode_increments(&section[2..])?;
+                let (source, entries) = crate::compact::decode_increments(section)?;
                 Ok((time, ShardMessageRef::Increments { source, entries }))
             })
             .collect()
@@ -345,6 +343,15 @@ impl<'a> ShardMessageRef<'a> {
 /// The most bytes a version 2 record adds to its entries' size bounds
 /// ([`ShardMessage::encode_increments`]).
 pub const V2_RECORD_OVERHEAD: usize = 32;
+
+/// Fails on a bundle (format 4): it holds several messages, read by
+/// [`ShardMessageRef::decode_sections`], never as one.
+fn refuse_bundle(bytes: &[u8]) -> Result<()> {
+    match crate::bundle::is_bundle(bytes) {
+        true => Err(Error::Format("shard record version 4: a bundle, decoded by its sections".into())),
+        false => Ok(()),
+    }
+}
 
 fn bincode_config() -> bincode::config::Configuration {
     bincode::config::standard()
@@ -421,7 +428,7 @@ impl ShardMessage {
         crate::bundle::sections(&unpacked)?
             .into_iter()
             .map(|(time, section)| {
-                let (source, entries) = crate::compact::decode_increments(&section[2..])?;
+                let (source, entries) = crate::compact::decode_increments(section)?;
                 let entries = entries.into_iter().map(|(stamp, increment)| (stamp, increment.into_owned())).collect();
                 Ok((time, ShardMessage::Increments { source, entries }))
             })
@@ -432,9 +439,7 @@ impl ShardMessage {
     /// a version 3 record unpacked first; a bundle by [`Self::decode_sections`]).
     pub fn decode(bytes: &[u8]) -> Result<Self> {
         let bytes = &crate::packed::unpack(bytes)?[..];
-        if crate::bundle::is_bundle(bytes) {
-            return Err(Error::Format("shard record version 4: a bundle, decoded by its sections".into()));
-        }
+        refuse_bundle(bytes)?;
         match crate::format::shard_record_body(bytes)? {
             (crate::format::RECORD_V2, body) => {
                 let (source, entries) = crate::compact::decode_increments(body)?;

@@ -222,44 +222,34 @@ impl ShardStore {
                     break;
                 }
             };
-            if tally_core::bundle::is_bundle(payload) {
-                // A bundle's sections are applied as records of their own would be,
-                // one after the other, each with its own record time.
-                match ShardMessageRef::decode_sections(payload, record.timestamp.unwrap_or(now)) {
-                    Ok(sections) => {
-                        run.extend(sections.into_iter().map(|(time, message)| (record.offset, time, message)))
-                    }
-                    Err(err) => {
-                        report.undecodable = Some((record.offset, err.to_string()));
-                        break;
-                    }
-                }
-                progress.next_offset = Some(record.offset + 1);
-                continue;
-            }
-            match ShardMessageRef::decode(payload) {
-                Ok(ShardMessageRef::DescChanges { source, entries }) => {
-                    // The run before is committed first, with the progress up to it:
-                    // a crash in between re-applies this record, never skips it.
-                    self.apply_counts(&run, &mut progress, now, mark_rollups, &mut report)?;
-                    run.clear();
-                    progress.next_offset = Some(record.offset + 1);
-                    self.apply_desc_changes(
-                        (record.offset, payload),
-                        source,
-                        entries,
-                        &mut progress,
-                        now,
-                        mark_rollups,
-                        &mut report,
-                    )?;
-                    continue;
-                }
-                Ok(message) => run.push((record.offset, record.timestamp.unwrap_or(now), message)),
+            // A record's messages: one, or a bundle's sections (format 4), each applied
+            // as a record of its own would be, with its own record time.
+            let messages = match ShardMessageRef::decode_sections(payload, record.timestamp.unwrap_or(now)) {
+                Ok(messages) => messages,
                 Err(err) => {
                     report.undecodable = Some((record.offset, err.to_string()));
                     break;
                 }
+            };
+            for (record_time, message) in messages {
+                let ShardMessageRef::DescChanges { source, entries } = message else {
+                    run.push((record.offset, record_time, message));
+                    continue;
+                };
+                // The run before is committed first, with the progress up to it: a
+                // crash in between re-applies this record, never skips it.
+                self.apply_counts(&run, &mut progress, now, mark_rollups, &mut report)?;
+                run.clear();
+                progress.next_offset = Some(record.offset + 1);
+                self.apply_desc_changes(
+                    (record.offset, payload),
+                    source,
+                    entries,
+                    &mut progress,
+                    now,
+                    mark_rollups,
+                    &mut report,
+                )?;
             }
             progress.next_offset = Some(record.offset + 1);
         }

@@ -118,7 +118,7 @@ impl Router {
     pub fn route_records(&self, records: &[InputRecord<'_>]) -> Result<(Vec<Outgoing>, RouteCounts)> {
         // The increments of each (input partition, shard): per partition a row of
         // `shards` groups, the row found once per record, the group by index.
-        let mut per_partition: Increments<'_> = BTreeMap::new();
+        let mut per_partition: IncrementsByPartition<'_> = BTreeMap::new();
         let mut graph: BTreeMap<i32, Vec<(Stamp, GraphUpdate)>> = BTreeMap::new();
         // The time of every input record, per input topic by (partition, offset): a
         // routed record carries the time of its last entry's input record.
@@ -198,7 +198,7 @@ impl Router {
     /// shard by their exact sizes.
     fn bundle_shard_records(
         &self,
-        per_partition: &Increments<'_>,
+        per_partition: &IncrementsByPartition<'_>,
         record_times: &RecordTimes,
         outgoing: &mut Vec<Outgoing>,
     ) -> Result<()> {
@@ -242,7 +242,7 @@ impl Router {
     /// partition and shard, more only when they do not fit the record budget.
     fn shard_records(
         &self,
-        per_partition: &Increments<'_>,
+        per_partition: &IncrementsByPartition<'_>,
         record_times: &RecordTimes,
         outgoing: &mut Vec<Outgoing>,
     ) -> Result<()> {
@@ -285,7 +285,7 @@ impl Router {
 }
 
 /// A batch's valid increments: per input partition, a row of one group per shard.
-type Increments<'a> = BTreeMap<i32, Vec<Vec<(Stamp, IncrementCow<'a>)>>>;
+type IncrementsByPartition<'a> = BTreeMap<i32, Vec<Vec<(Stamp, IncrementCow<'a>)>>>;
 /// The time of every input record of a batch from one input topic, by (partition,
 /// offset).
 type RecordTimes = HashMap<(i32, i64), i64>;
