@@ -75,6 +75,7 @@ pub struct LocalBroker {
     child: Child,
     /// `127.0.0.1:<port>`, for `bootstrap.servers`.
     pub bootstrap_servers: String,
+    data_dir: PathBuf,
 }
 
 impl LocalBroker {
@@ -101,7 +102,8 @@ impl LocalBroker {
             .stderr(log)
             .spawn()
             .map_err(|err| Error::LocalBroker(format!("starting {}: {err}", binary.display())))?;
-        let mut broker = Self { child, bootstrap_servers: format!("127.0.0.1:{advertised}") };
+        let bootstrap_servers = format!("127.0.0.1:{advertised}");
+        let mut broker = Self { child, bootstrap_servers, data_dir: data_dir.to_path_buf() };
         broker.wait_ready(port, Duration::from_secs(60))?;
         Ok(broker)
     }
@@ -123,6 +125,11 @@ impl LocalBroker {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Where its database and log are.
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
     }
 
     /// The broker's process id.

@@ -41,7 +41,7 @@ use crate::read_phase::PhaseWatch;
 #[derive(Debug, Clone, clap::Args)]
 pub struct IngestBenchArgs {
     /// Cases as INCREMENTS_PER_MESSAGExMESSAGES, comma-separated.
-    #[arg(long, value_delimiter = ',', default_values_t = ["1x200000".to_string(), "100x10000".to_string()])]
+    #[arg(long, value_delimiter = ',', default_values_t = ["1x200000".to_string(), "100x50000".to_string()])]
     pub cases: Vec<String>,
     #[arg(long, default_value_t = 100_000)]
     pub entities: usize,
@@ -156,13 +156,35 @@ pub(crate) async fn local_broker_unless_configured(
     if !config.kafka.bootstrap_servers.trim().is_empty() {
         return Ok(None);
     }
-    let (port, dir) = (free_port()?, scratch.join("kafka"));
-    let broker = tokio::task::spawn_blocking(move || -> anyhow::Result<LocalBroker> {
-        Ok(LocalBroker::start(&ensure_installed()?, port, &dir)?)
-    })
-    .await??;
+    let broker = start_local_broker(scratch.join("kafka")).await?;
     config.kafka.bootstrap_servers = broker.bootstrap_servers.clone();
     Ok(Some(broker))
+}
+
+/// Stops the local broker in `local`, if any, deletes its data, and starts an empty
+/// one with its data in `dir` in its place, `config` pointed at it.
+async fn replace_local_broker(
+    local: &mut Option<LocalBroker>,
+    config: &mut TallyConfig,
+    dir: PathBuf,
+) -> anyhow::Result<()> {
+    let Some(mut used) = local.take() else { return Ok(()) };
+    let used_dir = used.data_dir().to_path_buf();
+    tokio::task::spawn_blocking(move || used.stop()).await?;
+    std::fs::remove_dir_all(&used_dir).with_context(|| format!("removing {}", used_dir.display()))?;
+    let broker = start_local_broker(dir).await?;
+    config.kafka.bootstrap_servers = broker.bootstrap_servers.clone();
+    *local = Some(broker);
+    Ok(())
+}
+
+/// A local broker with its data in `dir`, on a free port.
+async fn start_local_broker(dir: PathBuf) -> anyhow::Result<LocalBroker> {
+    let port = free_port()?;
+    tokio::task::spawn_blocking(move || -> anyhow::Result<LocalBroker> {
+        Ok(LocalBroker::start(&ensure_installed()?, port, &dir)?)
+    })
+    .await?
 }
 
 /// A broker, a topic prefix of its own, and the services as child processes.
@@ -218,6 +240,14 @@ impl Rig {
         let declarations = Declarations::load(self.config.broker.declarations.as_deref())?;
         topics::apply(&self.config.kafka, &declarations).await.context("applying topics")?;
         Ok(TopicNames::new(&self.config.kafka.topic_prefix))
+    }
+
+    /// An empty local broker in place of the one the cases before used, so that a
+    /// case measures alike however many ran before it in the same run (the local
+    /// broker slows as its database grows); nothing when Kafka is the configured one.
+    pub(crate) async fn fresh_local_broker(&mut self, case: usize) -> anyhow::Result<()> {
+        let dir = self.scratch.path().join(format!("kafka-{case}"));
+        replace_local_broker(&mut self.local, &mut self.config, dir).await
     }
 
     /// The current case's data directory (the counter's stores, its snapshots).
@@ -532,10 +562,16 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
         "ingest bench: backlogs of {} on the increments topic, {} entities (Zipf 1.1); broker {}; services as processes from {}",
         args.cases.join(", "),
         args.entities,
-        rig.config.kafka.bootstrap_servers,
+        match rig.local {
+            Some(_) => "a local one, started afresh for each case".to_string(),
+            None => rig.config.kafka.bootstrap_servers.clone(),
+        },
         rig.bin_dir.display()
     );
     for (i, case) in cases.iter().enumerate() {
+        if i > 0 {
+            rig.fresh_local_broker(i).await?;
+        }
         let names = rig.fresh_topics().await?;
         produce_backlog(&rig.config, &names.increments(), *case, args.entities, i as u64).await?;
         let raw_cpu = CpuWatch::start(
@@ -965,6 +1001,48 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each case after the first gets an empty broker: the one before is stopped and
+    /// its data deleted, and the config points at the new one, which knows none of
+    /// the old one's topics.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_case_after_the_first_gets_an_empty_local_broker() {
+        let scratch = tempfile::tempdir().unwrap();
+        let mut config = TallyConfig::default();
+        config.kafka.bootstrap_servers.clear();
+        let mut local = local_broker_unless_configured(&mut config, scratch.path()).await.unwrap();
+        let first = local.as_ref().unwrap();
+        let (first_pid, first_servers) = (first.pid(), config.kafka.bootstrap_servers.clone());
+        assert!(scratch.path().join("kafka").join("tansu.db").exists());
+        let increments = TopicNames::new(&config.kafka.topic_prefix).increments();
+        topics::apply(&config.kafka, &Declarations::load(None).unwrap()).await.unwrap();
+        let topics_of = |servers: String| {
+            let mut client = rdkafka::ClientConfig::new();
+            let consumer: BaseConsumer = client.set("bootstrap.servers", servers).create().unwrap();
+            let metadata = consumer.fetch_metadata(None, Duration::from_secs(10)).unwrap();
+            metadata.topics().iter().map(|t| t.name().to_string()).collect::<Vec<_>>()
+        };
+        let before = tokio::task::spawn_blocking({
+            let servers = first_servers.clone();
+            move || topics_of(servers)
+        })
+        .await
+        .unwrap();
+        assert!(before.contains(&increments), "{before:?}");
+
+        replace_local_broker(&mut local, &mut config, scratch.path().join("kafka-1")).await.unwrap();
+
+        let second = local.as_ref().unwrap();
+        assert_ne!(second.pid(), first_pid);
+        assert_ne!(config.kafka.bootstrap_servers, first_servers);
+        assert_eq!(second.bootstrap_servers, config.kafka.bootstrap_servers);
+        // SAFETY: kill(2) with signal 0 only asks whether the process exists.
+        assert_ne!(unsafe { libc::kill(first_pid as libc::pid_t, 0) }, 0, "the first broker still runs");
+        assert!(!scratch.path().join("kafka").exists(), "the first broker's data is still there");
+        let servers = config.kafka.bootstrap_servers.clone();
+        let after = tokio::task::spawn_blocking(move || topics_of(servers)).await.unwrap();
+        assert_eq!(after, Vec::<String>::new(), "the new broker has topics");
+    }
 
     #[test]
     fn a_read_that_is_never_answered_fails_instead_of_hanging() {
