@@ -20,6 +20,7 @@
 //! [`sched`] (short CPU slices for request threads, the default for backlog loops)
 //! and [`local_broker`] (install/start/stop Tansu).
 
+pub mod allocator;
 pub mod announce;
 pub mod config;
 pub mod consume;

@@ -1,6 +1,7 @@
-//! The common `main` of every tally service binary: parse `--config`, load the
-//! configuration, start logging, turn signals into a cancellation token, run the
-//! service and turn its result into an exit code.
+//! The common `main` of every tally service binary: keep the memory batches free
+//! ([`crate::allocator`]), parse `--config`, load the configuration, start logging,
+//! turn signals into a cancellation token, run the service and turn its result into
+//! an exit code.
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -18,6 +19,7 @@ where
     Fut: Future<Output = Result<(), E>>,
     E: std::fmt::Display,
 {
+    let allocator = crate::allocator::keep_freed_memory();
     let config_path = match parse_args(name) {
         Ok(path) => path,
         Err(code) => return code,
@@ -30,6 +32,7 @@ where
         }
     };
     crate::telemetry::init_logging(&config.log);
+    tracing::info!(?allocator, "allocator: memory freed between batches");
     let runtime = match runtime(&config.runtime) {
         Ok(runtime) => runtime,
         Err(err) => {
