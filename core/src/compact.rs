@@ -32,6 +32,9 @@ use crate::{Error, Result};
 
 /// The only kind of version 2 record so far.
 const KIND_INCREMENTS: u8 = 0;
+/// The names a record's table has room for before it grows (a record of a few
+/// entries allocates for those only).
+const NAME_TABLE_START: usize = 1024;
 /// The fewest bytes an entry takes (six one-byte integers and the id's tag).
 const MIN_ENTRY_BYTES: usize = 7;
 
@@ -40,9 +43,12 @@ const MIN_ENTRY_BYTES: usize = 7;
 /// once, not per entry).
 pub fn encode_increments<T: IncrementFields>(source: Source, entries: &[(Stamp, T)]) -> Vec<u8> {
     // Names are numbered in the order of their first use; the size is counted on the way.
-    let mut numbers: FxHashMap<&str, u32> = FxHashMap::default();
+    let mut numbers: FxHashMap<&str, u32> =
+        FxHashMap::with_capacity_and_hasher(entries.len().min(NAME_TABLE_START), Default::default());
     let mut names: Vec<&str> = Vec::new();
     let mut refs: Vec<(u32, u32)> = Vec::with_capacity(entries.len());
+    // An entry's metric is mostly the one before's: compared, not hashed again.
+    let mut last_metric: Option<(&str, u32)> = None;
     let (mut offset, mut ts) = (0i64, 0i64);
     let mut size = 4 + varint_len(u64::from(source.partition)) + varint_len(entries.len() as u64);
     for (stamp, increment) in entries {
@@ -52,7 +58,15 @@ pub fn encode_increments<T: IncrementFields>(source: Source, entries: &[(Stamp, 
                 (names.len() - 1) as u32
             })
         };
-        let (entity, metric) = (number(increment.entity()), number(increment.metric()));
+        let entity = number(increment.entity());
+        let metric = match last_metric {
+            Some((name, metric)) if name == increment.metric() => metric,
+            _ => {
+                let metric = number(increment.metric());
+                last_metric = Some((increment.metric(), metric));
+                metric
+            }
+        };
         refs.push((entity, metric));
         size += zigzag_len(stamp.offset.wrapping_sub(offset))
             + varint_len(u64::from(stamp.index))
