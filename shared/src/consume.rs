@@ -254,6 +254,41 @@ pub fn committed_offsets<C: ConsumerContext>(
     }
 }
 
+/// How often, at most, a processor's advisory offsets are committed
+/// ([`AdvisoryCommits`]).
+pub const ADVISORY_COMMIT_EVERY: Duration = Duration::from_secs(1);
+
+/// A processor's advisory commits ([`commit_advisory`]), at most one per
+/// [`ADVISORY_COMMIT_EVERY`] and only of offsets that moved since the last: each is
+/// a round of statements on a broker that pays per request (the local one serves
+/// every client's statements on one task), and lag tooling needs no more than
+/// about a second's detail. The group's offsets then trail the stores by up to that
+/// much, which is what advisory offsets may do: they are at most what was applied.
+#[derive(Debug, Default)]
+pub struct AdvisoryCommits {
+    last: Option<(Instant, Vec<(u32, i64)>)>,
+}
+
+impl AdvisoryCommits {
+    /// Commits `offsets` of `topic` if [`AdvisoryCommits::due`] at `now`.
+    pub fn commit<C: ConsumerContext>(&mut self, consumer: &BaseConsumer<C>, topic: &str, offsets: Vec<(u32, i64)>) {
+        let now = Instant::now();
+        if self.due(&offsets, now) {
+            commit_advisory(consumer, topic, &offsets);
+            self.last = Some((now, offsets));
+        }
+    }
+
+    /// Whether `offsets` are to be committed at `now`: none were yet, or they differ
+    /// from the last ones committed and [`ADVISORY_COMMIT_EVERY`] has passed since.
+    pub fn due(&self, offsets: &[(u32, i64)], now: Instant) -> bool {
+        match &self.last {
+            None => !offsets.is_empty(),
+            Some((at, last)) => last != offsets && now.saturating_duration_since(*at) >= ADVISORY_COMMIT_EVERY,
+        }
+    }
+}
+
 /// Commits the stores' next offsets (`partition` → offset) to the group: advisory,
 /// for lag tooling and [`unreplayable`], never where consumption resumes.
 pub fn commit_advisory<C: ConsumerContext>(consumer: &BaseConsumer<C>, topic: &str, offsets: &[(u32, i64)]) {
@@ -432,6 +467,25 @@ mod tests {
     use super::*;
     use crate::failures::FailureBoard;
     use crate::outbox::Relay;
+
+    /// The first offsets go at once; later ones once they moved and a second has
+    /// passed since the last commit — the newest offsets then, never a stale set.
+    #[test]
+    fn advisory_offsets_are_committed_when_they_moved_at_most_once_a_second() {
+        let start = Instant::now();
+        let mut commits = AdvisoryCommits::default();
+        assert!(!commits.due(&[], start), "nothing to commit");
+        let first = vec![(0, 10), (1, 5)];
+        assert!(commits.due(&first, start));
+        commits.last = Some((start, first.clone()));
+        let moved = vec![(0, 12), (1, 5)];
+        let just_before = start + ADVISORY_COMMIT_EVERY - Duration::from_millis(1);
+        assert!(!commits.due(&moved, just_before), "within a second of the last commit");
+        assert!(commits.due(&moved, start + ADVISORY_COMMIT_EVERY));
+        assert!(!commits.due(&first, start + ADVISORY_COMMIT_EVERY * 5), "unmoved offsets go again");
+        let reassigned = vec![(0, 10)];
+        assert!(commits.due(&reassigned, start + ADVISORY_COMMIT_EVERY), "a partition fewer is a change");
+    }
 
     #[test]
     fn a_batch_lingers_as_long_as_the_one_before_took_within_the_bounds() {

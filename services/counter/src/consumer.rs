@@ -21,7 +21,7 @@ use rdkafka::ClientContext;
 use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
 use tally_shared::consume::{
-    commit_advisory, committed_offsets, drive, spawn_lag_reporter, unreplayable, BatchLimits, LogCheck, LoopSetup,
+    committed_offsets, drive, spawn_lag_reporter, unreplayable, AdvisoryCommits, BatchLimits, LogCheck, LoopSetup,
     Polled, Processor,
 };
 use tally_shared::failures::Failure;
@@ -325,6 +325,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         topic: shard_topic.clone(),
         serving: Vec::new(),
         outbox_written: 0,
+        advisory: AdvisoryCommits::default(),
         threads,
         ownership,
         shard_count,
@@ -369,6 +370,8 @@ struct Counter {
     serving: Vec<u32>,
     /// Outbox messages written since the last relay.
     outbox_written: u64,
+    /// The group's offsets, committed now and then for lag tooling.
+    advisory: AdvisoryCommits,
     /// Watched: one that ends before shutdown (a panic) stops the counter.
     threads: Watched,
     /// Which shards to own (`None`: every shard, statically).
@@ -408,10 +411,6 @@ impl Processor<CounterContext> for Counter {
         *carried = late.into_carried();
         self.helpers.done();
         self.outbox_written += written;
-        let owned = self.shards.owned().into_iter();
-        let offsets: Vec<(u32, i64)> =
-            owned.filter_map(|shard| Some((shard, self.shards.get(shard)?.next_offset()?))).collect();
-        commit_advisory(consumer, &self.topic, &offsets);
         failed
     }
 
@@ -442,6 +441,11 @@ impl Processor<CounterContext> for Counter {
         }
         let conflict = self.ownership.as_ref().and_then(Ownership::conflict);
         report_state(&self.shards, &self.readiness, &self.metrics, conflict, self.ownership.is_some());
+        // After a batch or an idle poll, so the last offsets of a load go too.
+        let owned = self.shards.owned().into_iter();
+        let offsets: Vec<(u32, i64)> =
+            owned.filter_map(|shard| Some((shard, self.shards.get(shard)?.next_offset()?))).collect();
+        self.advisory.commit(consumer, &self.topic, offsets);
         // Right after a batch that wrote totals for other shards; and with every
         // heartbeat, for what a store still held after a restart or a new assignment.
         if self.outbox_written > 0 || heartbeat {

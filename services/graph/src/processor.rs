@@ -20,7 +20,7 @@ use tally_core::wire::ShardOwner;
 use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
 use tally_shared::consume::{
-    commit_advisory, committed_offsets, drive, pause, spawn_lag_reporter, unreplayable, BatchLimits, LogCheck,
+    committed_offsets, drive, pause, spawn_lag_reporter, unreplayable, AdvisoryCommits, BatchLimits, LogCheck,
     LoopSetup, Polled, Processor,
 };
 use tally_shared::kafka::{now_ms, TopicNames};
@@ -114,6 +114,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
         relay: Relay::new(&config.kafka, names.shards())?,
         start_end,
         input: input.clone(),
+        advisory: AdvisoryCommits::default(),
         threads: vec![("lag reporter", lag_reporter)],
         shutdown: shutdown.clone(),
     };
@@ -162,6 +163,8 @@ struct GraphProcessor {
     start_end: i64,
     /// The graph-updates topic.
     input: String,
+    /// The group's offset, committed now and then for lag tooling.
+    advisory: AdvisoryCommits,
     /// Watched: one that ends before shutdown (a panic) stops the processor.
     threads: Vec<(&'static str, std::thread::JoinHandle<()>)>,
     shutdown: CancellationToken,
@@ -231,7 +234,7 @@ impl Processor<DefaultConsumerContext> for GraphProcessor {
                 self.announcer.announce(&[ShardOwner::GRAPH], false, |_| None);
             }
             if let Some(next) = self.store.next_offset() {
-                commit_advisory(consumer, &self.input, &[(PARTITION, next)]);
+                self.advisory.commit(consumer, &self.input, vec![(PARTITION, next)]);
             }
             let outbox_ok = relay_outbox(&self.store, &self.relay, &self.metrics);
             self.readiness.set(outbox_ok && caught_up);
