@@ -1014,13 +1014,18 @@ mod tests {
         let first = local.as_ref().unwrap();
         let (first_pid, first_servers) = (first.pid(), config.kafka.bootstrap_servers.clone());
         assert!(scratch.path().join("kafka").join("tansu.db").exists());
-        let increments = TopicNames::new(&config.kafka.topic_prefix).increments();
-        topics::apply(&config.kafka, &Declarations::load(None).unwrap()).await.unwrap();
+        let names = TopicNames::new(&config.kafka.topic_prefix);
+        let declarations = Declarations::load(None).unwrap();
+        let mut declared: Vec<String> = declarations.topics.iter().map(|decl| names.name(&decl.name)).collect();
+        declared.sort();
+        topics::apply(&config.kafka, &declarations).await.unwrap();
         let topics_of = |servers: String| {
             let mut client = rdkafka::ClientConfig::new();
             let consumer: BaseConsumer = client.set("bootstrap.servers", servers).create().unwrap();
             let metadata = consumer.fetch_metadata(None, Duration::from_secs(10)).unwrap();
-            metadata.topics().iter().map(|t| t.name().to_string()).collect::<Vec<_>>()
+            let mut topics = metadata.topics().iter().map(|t| t.name().to_string()).collect::<Vec<_>>();
+            topics.sort();
+            topics
         };
         let before = tokio::task::spawn_blocking({
             let servers = first_servers.clone();
@@ -1028,7 +1033,7 @@ mod tests {
         })
         .await
         .unwrap();
-        assert!(before.contains(&increments), "{before:?}");
+        assert_eq!(before, declared);
 
         replace_local_broker(&mut local, &mut config, scratch.path().join("kafka-1")).await.unwrap();
 
