@@ -45,6 +45,7 @@ const RELEASE_REPEATS: u32 = 3;
 impl Announcer {
     pub fn new(kafka: &KafkaConfig, topic: String, read_addr: String) -> Result<Self> {
         let producer = producer_config(kafka)?.create()?;
+        crate::kafka::request_producer_id(&producer, &topic, crate::kafka::PRODUCER_ID_WAIT);
         let instance = format!("{:016x}", rand_u64());
         let (epochs, released) = (BTreeMap::new(), BTreeMap::new());
         Ok(Self { producer, topic, read_addr, instance, last: None, epochs, last_epoch: 0, released })

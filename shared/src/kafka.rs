@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+use rdkafka::producer::{Producer, ProducerContext};
 use rdkafka::ClientConfig;
 
 use crate::config::KafkaConfig;
@@ -155,6 +156,30 @@ pub fn producer_config(kafka: &KafkaConfig) -> Result<ClientConfig> {
         config.set("message.max.bytes", kafka.max_message_bytes.to_string());
     }
     Ok(config)
+}
+
+/// How long [`request_producer_id`] waits for each metadata answer.
+pub const PRODUCER_ID_WAIT: Duration = Duration::from_secs(5);
+
+/// Has an idempotent `producer` ask for its producer id now, not at librdkafka's
+/// next try, so its first records need not wait for it. librdkafka asks for the id
+/// when a metadata answer comes in, or else on a 500 ms timer; right after a
+/// producer is created its first try finds no connection up (the bootstrap one is
+/// dropped once the answer to it names the broker), so the id came 0.5–1 s after
+/// the producer was created: an ingester's first batch was acknowledged 0.72–0.81 s
+/// after it was read in five of seven starts of `tally bench ingest` (BENCHMARKS.md,
+/// session 36), 0.05–0.07 s with this. Every producer of tally's services asks when
+/// it is created (the ingester's, the relays', the claims', the heartbeats').
+/// Blocks up to twice `timeout`; best effort: unanswered, the id comes as before.
+pub fn request_producer_id<C: ProducerContext>(producer: &impl Producer<C>, topic: &str, timeout: Duration) {
+    // Twice: the first answer may come over the bootstrap connection, which is
+    // dropped as that answer names the broker; the second goes over the broker's own.
+    for _ in 0..2 {
+        if let Err(err) = producer.client().fetch_metadata(Some(topic), timeout) {
+            tracing::debug!(error = %err, topic, "metadata for the producer id: not answered");
+            return;
+        }
+    }
 }
 
 /// Settings of a producer of records without stamps (dead letters, dead jobs),

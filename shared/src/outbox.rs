@@ -13,7 +13,7 @@ use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer, Prod
 use rdkafka::ClientContext;
 
 use crate::config::KafkaConfig;
-use crate::kafka::producer_config;
+use crate::kafka::{producer_config, request_producer_id, PRODUCER_ID_WAIT};
 use crate::{Error, Result};
 
 /// One outbox record: its key in the store, the partition it goes to, the bytes.
@@ -92,6 +92,7 @@ pub struct Relay {
 impl Relay {
     pub fn new(kafka: &KafkaConfig, topic: String) -> Result<Self> {
         let producer = producer_config(kafka)?.create_with_context(RelayContext::default())?;
+        request_producer_id(&producer, &topic, PRODUCER_ID_WAIT);
         Ok(Self { producer, topic, wait: Duration::from_secs(30) })
     }
 
@@ -99,6 +100,7 @@ impl Relay {
     /// once, without the gapless guarantee, whose errors are fatal to a producer.
     pub fn unstamped(kafka: &KafkaConfig, topic: String) -> Result<Self> {
         let producer = crate::kafka::unstamped_producer_config(kafka)?.create_with_context(RelayContext::default())?;
+        request_producer_id(&producer, &topic, PRODUCER_ID_WAIT);
         Ok(Self { producer, topic, wait: Duration::from_secs(30) })
     }
 

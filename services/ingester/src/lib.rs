@@ -31,7 +31,10 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::{ClientContext, Message};
 use tally_core::format::{INPUT_DRAINED_HEADER, RECORD_TIME_HEADER};
 use tally_shared::config::TallyConfig;
-use tally_shared::kafka::{cached_high_watermark, consumer_config, producer_config, wait_for_topic, TopicNames};
+use tally_shared::kafka::{
+    cached_high_watermark, consumer_config, producer_config, request_producer_id, wait_for_topic, TopicNames,
+    PRODUCER_ID_WAIT,
+};
 use tally_shared::telemetry::{serve_admin, Readiness};
 use tokio_util::sync::CancellationToken;
 
@@ -177,6 +180,9 @@ struct Pipeline {
 
 impl Pipeline {
     fn run(&self, shutdown: &CancellationToken) -> Result<()> {
+        // The consumer is already fetching: the producer's id should be there by
+        // the time the first batch is routed.
+        request_producer_id(&self.producer, &self.router.shards_topic(), PRODUCER_ID_WAIT);
         let mut in_flight = InFlight::default();
         let mut batch: Vec<BorrowedMessage<'_>> = Vec::with_capacity(self.max_records);
         let mut last_commit = Instant::now();
