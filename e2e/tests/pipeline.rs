@@ -185,9 +185,9 @@ impl ProducerContext for ProducerIdState {
 }
 
 /// A fresh idempotent producer asked for its id (`request_producer_id`, what the
-/// ingester does before its first batch) has it before librdkafka's own retries,
-/// 500 ms apart, could have got it: left to them, an ingester's first batch waited
-/// 0.7–0.8 s for the id after it was read.
+/// relays, the shard claims and the heartbeats do when created) has it before
+/// librdkafka's own retries, 500 ms apart, could have got it: left to them, an
+/// ingester's first batch waited 0.7–0.8 s for the id after it was read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_producer_asked_for_its_id_has_it_before_librdkafka_would_retry() {
     let sandbox = Sandbox::start().await;

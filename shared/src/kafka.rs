@@ -168,9 +168,10 @@ pub const PRODUCER_ID_WAIT: Duration = Duration::from_secs(5);
 /// dropped once the answer to it names the broker), so the id came 0.5–1 s after
 /// the producer was created: an ingester's first batch was acknowledged 0.72–0.81 s
 /// after it was read in five of seven starts of `tally bench ingest` (BENCHMARKS.md,
-/// session 36), 0.05–0.07 s with this. Every producer of tally's services asks when
-/// it is created (the ingester's, the relays', the claims', the heartbeats').
-/// Blocks up to twice `timeout`; best effort: unanswered, the id comes as before.
+/// session 36), 0.05–0.07 s when it asked. The relays, the shard claims and the
+/// heartbeats ask when their producer is created (their first records go at once);
+/// the ingester does not, measured. Blocks up to twice `timeout`; best effort:
+/// unanswered, the id comes as before.
 pub fn request_producer_id<C: ProducerContext>(producer: &impl Producer<C>, topic: &str, timeout: Duration) {
     // Twice: the first answer may come over the bootstrap connection, which is
     // dropped as that answer names the broker; the second goes over the broker's own.

@@ -87,11 +87,6 @@ impl Router {
         Self { names, shards, shard_record_format: RECORD_V4, record_budget }
     }
 
-    /// The topic routed increments go to.
-    pub fn shards_topic(&self) -> String {
-        self.names.shards()
-    }
-
     /// Writes shard records of increments in format `version` (1, 2, 3 or 4) instead of 4.
     pub fn writing_shard_records_in(mut self, version: u8) -> Result<Self> {
         tally_shared::config::check_shard_record_format(version)?;
