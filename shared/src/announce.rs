@@ -43,6 +43,9 @@ pub struct Announcer {
 const RELEASE_REPEATS: u32 = 3;
 
 impl Announcer {
+    /// Claims on `topic` by an owner serving reads at `read_addr`; its producer
+    /// already asked for its id (`kafka::request_producer_id`: blocks until the broker
+    /// answers, up to 10 s — call it off the async runtime).
     pub fn new(kafka: &KafkaConfig, topic: String, read_addr: String) -> Result<Self> {
         let producer = producer_config(kafka)?.create()?;
         crate::kafka::request_producer_id(&producer, &topic, crate::kafka::PRODUCER_ID_WAIT);

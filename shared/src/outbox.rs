@@ -90,6 +90,9 @@ pub struct Relay {
 }
 
 impl Relay {
+    /// A relay to `topic` whose producer already asked for its id
+    /// ([`request_producer_id`]: blocks until the broker answers, up to 10 s — call it
+    /// off the async runtime).
     pub fn new(kafka: &KafkaConfig, topic: String) -> Result<Self> {
         let producer = producer_config(kafka)?.create_with_context(RelayContext::default())?;
         request_producer_id(&producer, &topic, PRODUCER_ID_WAIT);
