@@ -191,14 +191,14 @@ impl ProducerContext for ProducerIdState {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_producer_asked_for_its_id_has_it_before_librdkafka_would_retry() {
     let sandbox = Sandbox::start().await;
-    let (kafka, topic) = (sandbox.kafka.clone(), sandbox.names.shards());
+    let kafka = sandbox.kafka.clone();
     let waited = tokio::task::spawn_blocking(move || {
         let mut config = producer_config(&kafka).unwrap();
         config.set("statistics.interval.ms", "5");
         let created = Instant::now();
         let producer: ThreadedProducer<ProducerIdState> =
             config.create_with_context(ProducerIdState::default()).unwrap();
-        request_producer_id(&producer, &topic, Duration::from_secs(5));
+        request_producer_id(&producer);
         while !producer.context().0.load(Ordering::Relaxed) {
             assert!(created.elapsed() < Duration::from_secs(10), "no producer id in 10 s");
             std::thread::sleep(Duration::from_millis(1));

@@ -48,7 +48,7 @@ impl Announcer {
     /// answers, up to 10 s — call it off the async runtime).
     pub fn new(kafka: &KafkaConfig, topic: String, read_addr: String) -> Result<Self> {
         let producer = producer_config(kafka)?.create()?;
-        crate::kafka::request_producer_id(&producer, &topic, crate::kafka::PRODUCER_ID_WAIT);
+        crate::kafka::request_producer_id(&producer);
         let instance = format!("{:016x}", rand_u64());
         let (epochs, released) = (BTreeMap::new(), BTreeMap::new());
         Ok(Self { producer, topic, read_addr, instance, last: None, epochs, last_epoch: 0, released })

@@ -159,7 +159,7 @@ pub fn producer_config(kafka: &KafkaConfig) -> Result<ClientConfig> {
 }
 
 /// How long [`request_producer_id`] waits for each metadata answer.
-pub const PRODUCER_ID_WAIT: Duration = Duration::from_secs(5);
+const PRODUCER_ID_WAIT: Duration = Duration::from_secs(5);
 
 /// Has an idempotent `producer` ask for its producer id now, not at librdkafka's
 /// next try, so its first records need not wait for it. librdkafka asks for the id
@@ -170,14 +170,17 @@ pub const PRODUCER_ID_WAIT: Duration = Duration::from_secs(5);
 /// after it was read in five of seven starts of `tally bench ingest` (BENCHMARKS.md,
 /// session 36), 0.05–0.07 s when it asked. The relays, the shard claims and the
 /// heartbeats ask when their producer is created (their first records go at once);
-/// the ingester does not, measured. Blocks up to twice `timeout`; best effort:
-/// unanswered, the id comes as before.
-pub fn request_producer_id<C: ProducerContext>(producer: &impl Producer<C>, topic: &str, timeout: Duration) {
+/// the ingester does not, measured. The requests name no topic: a producer's request
+/// for a topic asks the broker to create it when missing (librdkafka's
+/// `allow.auto.create.topics` is on for producers), which would make a topic `tally
+/// topics apply` has not declared yet with the broker's defaults. Blocks up to twice
+/// `PRODUCER_ID_WAIT` (5 s); best effort: unanswered, the id comes as before.
+pub fn request_producer_id<C: ProducerContext>(producer: &impl Producer<C>) {
     // Twice: the first answer may come over the bootstrap connection, which is
     // dropped as that answer names the broker; the second goes over the broker's own.
     for _ in 0..2 {
-        if let Err(err) = producer.client().fetch_metadata(Some(topic), timeout) {
-            tracing::debug!(error = %err, topic, "metadata for the producer id: not answered");
+        if let Err(err) = producer.client().fetch_metadata(None, PRODUCER_ID_WAIT) {
+            tracing::debug!(error = %err, "metadata for the producer id: not answered");
             return;
         }
     }

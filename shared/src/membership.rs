@@ -198,7 +198,7 @@ pub fn heartbeat(
     let producer: ThreadedProducer<Beats> = producer_config(kafka)?.create_with_context(Beats { lease })?;
     let thread = std::thread::Builder::new().name("heartbeat".into()).spawn(move || {
         // The first heartbeat then goes at once, not after the id's 0.5–1 s.
-        crate::kafka::request_producer_id(&producer, &topic, crate::kafka::PRODUCER_ID_WAIT);
+        crate::kafka::request_producer_id(&producer);
         let send = |leaving: bool| {
             let sent = now_ms();
             let beat = Heartbeat::new(me.instance.clone(), me.addr.clone(), sent, leaving);

@@ -13,7 +13,7 @@ use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer, Prod
 use rdkafka::ClientContext;
 
 use crate::config::KafkaConfig;
-use crate::kafka::{producer_config, request_producer_id, PRODUCER_ID_WAIT};
+use crate::kafka::{producer_config, request_producer_id};
 use crate::{Error, Result};
 
 /// One outbox record: its key in the store, the partition it goes to, the bytes.
@@ -95,7 +95,7 @@ impl Relay {
     /// off the async runtime).
     pub fn new(kafka: &KafkaConfig, topic: String) -> Result<Self> {
         let producer = producer_config(kafka)?.create_with_context(RelayContext::default())?;
-        request_producer_id(&producer, &topic, PRODUCER_ID_WAIT);
+        request_producer_id(&producer);
         Ok(Self { producer, topic, wait: Duration::from_secs(30) })
     }
 
@@ -103,7 +103,7 @@ impl Relay {
     /// once, without the gapless guarantee, whose errors are fatal to a producer.
     pub fn unstamped(kafka: &KafkaConfig, topic: String) -> Result<Self> {
         let producer = crate::kafka::unstamped_producer_config(kafka)?.create_with_context(RelayContext::default())?;
-        request_producer_id(&producer, &topic, PRODUCER_ID_WAIT);
+        request_producer_id(&producer);
         Ok(Self { producer, topic, wait: Duration::from_secs(30) })
     }
 
