@@ -209,3 +209,57 @@ async fn a_producer_asked_for_its_id_has_it_before_librdkafka_would_retry() {
     .unwrap();
     assert!(waited < Duration::from_millis(450), "the producer id came {waited:?} after the producer was created");
 }
+
+/// Waits until `service`'s gauge `family` reads `want`.
+async fn wait_for_gauge(sandbox: &Sandbox, service: &str, family: &str, want: f64, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let got = sandbox.metric(service, family).await;
+        if got == vec![(String::new(), want)] {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{service} {family}: {got:?} after {timeout:?}, want {want}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// An idle counter and graph rest (their partitions paused: no fetches), and what
+/// is written while they rest wakes them and is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_consumers_rest_and_what_comes_next_wakes_them() {
+    let mut sandbox = Sandbox::start().await;
+    sandbox.spawn_ready(&["tally-graph", "tally-ingester", "tally-counter", "tally-query"]).await;
+    let now = tally_shared::kafka::now_ms();
+    let before = Workload::generate_mixed(11, 300, now, 0.1);
+    sandbox.produce(&before.records).await;
+    check::wait_for_all_time(&sandbox, &before.model, &before.entities, &before.metrics, Duration::from_secs(120))
+        .await;
+    let resting = [("tally-counter", "tally_counter_fetch_resting"), ("tally-graph", "tally_graph_fetch_resting")];
+    for (service, gauge) in resting {
+        wait_for_gauge(&sandbox, service, gauge, 1.0, Duration::from_secs(20)).await;
+    }
+
+    // Increments written while both rest: counted.
+    let after = Workload::generate(12, 200, now);
+    sandbox.produce(&after.records).await;
+    let (model, entities, metrics) = before.then(&after);
+    check::wait_for_all_time(&sandbox, &model, &entities, &metrics, Duration::from_secs(60)).await;
+    wait_for_gauge(&sandbox, "tally-counter", "tally_counter_fetch_resting", 1.0, Duration::from_secs(20)).await;
+
+    // A graph update written while the graph rests: applied.
+    wait_for_gauge(&sandbox, "tally-graph", "tally_graph_fetch_resting", 1.0, Duration::from_secs(20)).await;
+    let updates = sandbox.metric("tally-graph", "tally_graph_applied_updates_total").await;
+    let edge = tally_e2e::workload::Record {
+        graph: true,
+        key: "user:900".into(),
+        payload: br#"{"op":"add_edge","from":"user:900","to":"user:901"}"#.to_vec(),
+        timestamp: tally_shared::kafka::now_ms(),
+    };
+    sandbox.produce(&[edge]).await;
+    let want = vec![(String::new(), updates[0].1 + 1.0)];
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sandbox.metric("tally-graph", "tally_graph_applied_updates_total").await != want {
+        assert!(Instant::now() < deadline, "the graph did not apply the edge written while it rested");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -419,6 +419,16 @@ pub struct CounterConfig {
     /// stretched. After a full batch (a backlog) the next one is not held back, and a
     /// stretched batch closes once no record came for twice the fetch wait.
     pub batch_max_linger_ms: u64,
+    /// How long the counter's fetches of the shard topic wait at the broker for
+    /// records, in ms: the `fetch.wait.max.ms` of its shard consumer, in place of
+    /// `kafka.client`'s and the data path's 100 ms (1 to 300000). A broker that holds
+    /// every fetch for its whole wait (the local one) hands a record over one to two
+    /// waits after it was written, so this bounds how soon counts follow the
+    /// ingester. Each wait also costs such a broker a look at every shard, until the
+    /// consumer rests (`shared::rest`: after 5 s without records); BENCHMARKS.md,
+    /// "The counter's fetch wait, and consumers that rest". A broker that answers as
+    /// soon as records arrive (Kafka) makes it only the idle fetches' rhythm.
+    pub fetch_wait_ms: u64,
     /// How much lower than the counter's other threads the thread that applies
     /// batches runs: 0 to 19, added to its nice value (0: the same). Under CPU
     /// contention the ingester and the broker then keep pace and batches grow, which
@@ -463,6 +473,11 @@ pub struct CounterConfig {
 }
 
 impl CounterConfig {
+    /// [`CounterConfig::fetch_wait_ms`].
+    pub fn fetch_wait(&self) -> Duration {
+        Duration::from_millis(self.fetch_wait_ms)
+    }
+
     /// [`CounterConfig::instance`], or `<hostname>:<data_dir>` when it is empty.
     pub fn member_name(&self) -> String {
         if !self.instance.trim().is_empty() {
@@ -499,6 +514,9 @@ impl CounterConfig {
     }
 }
 
+/// The longest `counter.fetch_wait_ms`: librdkafka's bound on `fetch.wait.max.ms`.
+pub const MAX_FETCH_WAIT_MS: u64 = 300_000;
+
 /// The shortest retention of the shard topic under which a counter leaves the WAL
 /// out: what a crash replays was applied since the store's last flush, which the log
 /// must still hold (`tally-counter` flushes each store about every `PERSIST_EVERY`,
@@ -517,6 +535,7 @@ impl Default for CounterConfig {
             batch_max_bytes: 16 << 20,
             batch_linger_ms: 20,
             batch_max_linger_ms: 250,
+            fetch_wait_ms: 50,
             apply_nice: 5,
             apply_threads: 2,
             rollups: true,
@@ -630,6 +649,11 @@ impl TallyConfig {
             return Err(Error::Config(format!(
                 "counter.apply_nice: 0 to {} (added to a nice value)",
                 crate::sched::MAX_NICE
+            )));
+        }
+        if !(1..=MAX_FETCH_WAIT_MS).contains(&config.counter.fetch_wait_ms) {
+            return Err(Error::Config(format!(
+                "counter.fetch_wait_ms: 1 to {MAX_FETCH_WAIT_MS} (librdkafka's fetch.wait.max.ms; 0 would fetch without pause)"
             )));
         }
         if config.counter.apply_threads == 0 {
@@ -800,6 +824,25 @@ mod tests {
         for value in ["-1", "20"] {
             let refused = nice(&[("TALLY__COUNTER__APPLY_NICE", value)]).unwrap_err().to_string();
             assert_eq!(refused, "config: counter.apply_nice: 0 to 19 (added to a nice value)", "{value}");
+        }
+    }
+
+    #[test]
+    fn the_counter_fetches_every_50_ms_unless_configured_within_librdkafkas_range() {
+        let wait =
+            |pairs: &[(&str, &str)]| TallyConfig::load_with_env(None, env(pairs)).map(|c| c.counter.fetch_wait());
+        assert_eq!(wait(&[]).unwrap(), Duration::from_millis(50));
+        for value in [1, 300_000] {
+            let set = wait(&[("TALLY__COUNTER__FETCH_WAIT_MS", &value.to_string())]).unwrap();
+            assert_eq!(set, Duration::from_millis(value), "{value}");
+        }
+        for value in ["0", "300001"] {
+            let refused = wait(&[("TALLY__COUNTER__FETCH_WAIT_MS", value)]).unwrap_err().to_string();
+            assert_eq!(
+                refused,
+                "config: counter.fetch_wait_ms: 1 to 300000 (librdkafka's fetch.wait.max.ms; 0 would fetch without pause)",
+                "{value}"
+            );
         }
     }
 

@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::KafkaConfig;
 use crate::kafka::client_config;
+use crate::rest::{Rest, REST_AFTER, REST_CHECK};
 use crate::Result;
 
 /// The shortest [`BatchLimits::quiet`]: a moment without records on a busy
@@ -381,6 +382,13 @@ pub trait Processor<C: ConsumerContext> {
     /// operator skipped.
     fn skip_record(&mut self, partition: u32, offset: i64) -> Result<()>;
 
+    /// The next offset the processor will apply of each partition it holds, for a
+    /// loop that rests while idle ([`crate::rest`]): a partition it does not name
+    /// counts from 0 (the loop then rests only while that partition's log is empty).
+    fn next_offsets(&self) -> Vec<(u32, i64)> {
+        Vec::new()
+    }
+
     /// Whether the last [`Processor::turn`] set the consumer's positions anew (an
     /// assignment from the stores' offsets): records the batch before carried over
     /// are dropped then, the consumer fetches them again.
@@ -405,11 +413,14 @@ pub struct LoopSetup<'a> {
     /// The most bytes of one dead letter.
     pub record_budget: usize,
     pub heartbeat: Duration,
+    /// 1 while the loop rests ([`crate::rest`]).
+    pub resting: prometheus::IntGauge,
 }
 
 /// The one consume loop of every stateful log processor: runs until `shutdown` or
 /// the processor's error; the batch in hand is applied before it returns. Each
 /// batch may stay open as long as the one before took to apply ([`BatchLimits::open_for`]).
+/// While its log is idle it rests ([`crate::rest`]): no fetches, a look at the ends.
 pub fn drive<C: ConsumerContext, P: Processor<C>>(
     consumer: &BaseConsumer<C>,
     setup: &LoopSetup<'_>,
@@ -419,6 +430,7 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
     let (mut batch, mut carried): (Vec<Polled>, Vec<Polled>) = (Vec::new(), Vec::new());
     let mut last_heartbeat: Option<Instant> = None;
     let mut open_for = setup.limits.linger;
+    let mut rest = Rest::new(REST_AFTER, REST_CHECK, setup.resting.clone());
     while !shutdown.is_cancelled() {
         batch.clear();
         batch.append(&mut carried);
@@ -428,7 +440,9 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
         batch.retain(|polled| !setup.failures.is_failed(polled.partition as u32));
         if batch.is_empty() {
             open_for = setup.limits.linger;
+            rest.polled_nothing(consumer, setup.topic, setup.failures, || processor.next_offsets());
         } else {
+            rest.records_came(consumer, setup.topic);
             let started = Instant::now();
             let failed = processor.apply(consumer, &batch, &mut carried);
             open_for = setup.limits.open_for(started.elapsed(), full);
@@ -450,6 +464,7 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
         processor.turn(consumer, skipped, heartbeat)?;
         if processor.repositioned() {
             carried.clear();
+            rest.repositioned();
         }
     }
     Ok(())
@@ -559,6 +574,7 @@ mod tests {
             letters: &letters,
             record_budget: 1 << 20,
             heartbeat: Duration::from_secs(1),
+            resting: prometheus::IntGauge::new("resting", "resting").unwrap(),
         };
         drive(consumer, &setup, processor, shutdown).unwrap();
     }

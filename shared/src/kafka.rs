@@ -112,7 +112,8 @@ pub fn client_config(kafka: &KafkaConfig) -> Result<ClientConfig> {
 /// whole wait, which caps a consumer at one fetch per wait (`tally bench ingest`:
 /// 2.7× the raw rate of 100-increment messages at 500 ms). Shorter waits cost idle fetches: at 100 ms the
 /// local broker spends 18 % of a core on an idle `tally up` (8 % at 500 ms, 43 % at
-/// 25 ms), so the followers of small internal topics keep librdkafka's default.
+/// 25 ms), so the followers of small internal topics keep librdkafka's default. A
+/// counter's shard consumer has a wait of its own (`counter.fetch_wait_ms`).
 pub const FETCH_WAIT_MS: &str = "100";
 
 /// How long a data-path consumer's fetches wait at the broker: `fetch.wait.max.ms`
@@ -123,9 +124,9 @@ pub fn fetch_wait(kafka: &KafkaConfig) -> Duration {
     Duration::from_millis(ms.trim().parse().or_else(|_| FETCH_WAIT_MS.parse()).unwrap_or_default())
 }
 
-/// The configuration of a data-path consumer (the ingester's, a counter's, the
-/// graph's): [`client_config`] with [`FETCH_WAIT_MS`]; the caller sets its group
-/// and offsets.
+/// The configuration of a data-path consumer (the ingester's, the graph's, a
+/// counter's, which sets a wait of its own): [`client_config`] with
+/// [`FETCH_WAIT_MS`]; the caller sets its group and offsets.
 pub fn consumer_config(kafka: &KafkaConfig) -> Result<ClientConfig> {
     let mut config = client_config(kafka)?;
     if !kafka.client.contains_key("fetch.wait.max.ms") {

@@ -37,6 +37,7 @@ pub mod membership;
 pub mod outbox;
 pub mod progress;
 pub mod read_link;
+pub mod rest;
 pub mod sched;
 pub mod service;
 pub mod shutdown;

@@ -952,6 +952,19 @@ pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadB
     rig.run("tally-counter", counter_admin).await?;
     ingest_backlog(&mut rig, warm.increments(), warm.messages as u64, "writing the counters").await?;
     rig.run("tally-query", query_admin).await?;
+    // Idle: nothing written for a while, the counter at rest (`shared::rest`: no
+    // fetches), which it reaches `REST_AFTER` after its last record.
+    let settling = Instant::now();
+    let bound = tally_shared::rest::REST_AFTER + Duration::from_secs(5);
+    while rig.scrape(counter_admin, "tally_counter_fetch_resting").await? != 1.0 && settling.elapsed() < bound {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let resting = rig.scrape(counter_admin, "tally_counter_fetch_resting").await? == 1.0;
+    println!(
+        "idle phases from {:.1} s after the counters were written ({})",
+        settling.elapsed().as_secs_f64(),
+        if resting { "the counter resting" } else { "the counter not resting" }
+    );
     let (port, secs) = (rig.ports.query, args.seconds);
     let (conns, entities) = ((args.connections, rig.config.runtime.latency_slice(), args.rate), args.entities);
 

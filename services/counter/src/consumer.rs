@@ -208,6 +208,21 @@ impl ClientContext for CounterContext {}
 
 impl ConsumerContext for CounterContext {}
 
+/// The shard consumer's settings: the data path's ([`tally_shared::kafka::consumer_config`])
+/// with the counter's own group, offsets it stores itself, and its own fetch wait
+/// (`counter.fetch_wait_ms`, over `kafka.client`'s): how soon it sees what the
+/// ingester wrote, on a broker that holds every fetch for its whole wait.
+fn shard_consumer_config(config: &TallyConfig) -> Result<rdkafka::ClientConfig> {
+    let mut consumer_config = tally_shared::kafka::consumer_config(&config.kafka)?;
+    consumer_config
+        .set("group.id", &config.counter.group_id)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("fetch.wait.max.ms", config.counter.fetch_wait_ms.to_string());
+    Ok(consumer_config)
+}
+
 /// Runs until `shutdown`; finishes and persists the batch in hand before returning.
 pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     let ConsumerSetup { config, shards, metrics, readiness, read_addr, shard_count, snapshots, durability } = setup;
@@ -231,13 +246,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         topic: shard_topic.clone(),
         metrics: metrics.clone(),
     };
-    let mut consumer_config = tally_shared::kafka::consumer_config(&config.kafka)?;
-    consumer_config
-        .set("group.id", &config.counter.group_id)
-        .set("enable.auto.commit", "false")
-        .set("enable.auto.offset.store", "false")
-        .set("auto.offset.reset", "earliest");
-    let consumer: BaseConsumer<CounterContext> = consumer_config.create_with_context(context)?;
+    let consumer: BaseConsumer<CounterContext> = shard_consumer_config(&config)?.create_with_context(context)?;
     let mut threads = Vec::new();
     // Cancelled once this counter stopped acting as an owner: then it says it leaves.
     let leave = CancellationToken::new();
@@ -306,12 +315,13 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             payload_bytes: tally_core::packed::unpacked_len,
             linger: Duration::from_millis(config.counter.batch_linger_ms),
             max_linger: Duration::from_millis(config.counter.batch_max_linger_ms),
-            quiet: BatchLimits::quiet_for(tally_shared::kafka::fetch_wait(&config.kafka)),
+            quiet: BatchLimits::quiet_for(config.counter.fetch_wait()),
         },
         failures: &shards.failures,
         letters: &letters,
         record_budget: config.kafka.record_budget(),
         heartbeat: HEARTBEAT,
+        resting: metrics.fetch_resting.clone(),
     };
     let mut counter = Counter {
         epoch: shards.epoch(),
@@ -397,6 +407,11 @@ impl Processor<CounterContext> for Counter {
         std::mem::take(&mut self.repositioned)
     }
 
+    fn next_offsets(&self) -> Vec<(u32, i64)> {
+        let owned = self.shards.owned().into_iter();
+        owned.filter_map(|shard| Some((shard, self.shards.get(shard)?.next_offset()?))).collect()
+    }
+
     fn apply(
         &mut self,
         consumer: &BaseConsumer<CounterContext>,
@@ -442,10 +457,7 @@ impl Processor<CounterContext> for Counter {
         let conflict = self.ownership.as_ref().and_then(Ownership::conflict);
         report_state(&self.shards, &self.readiness, &self.metrics, conflict, self.ownership.is_some());
         // After a batch or an idle poll, so the last offsets of a load go too.
-        let owned = self.shards.owned().into_iter();
-        let offsets: Vec<(u32, i64)> =
-            owned.filter_map(|shard| Some((shard, self.shards.get(shard)?.next_offset()?))).collect();
-        self.advisory.commit(consumer, &self.topic, offsets);
+        self.advisory.commit(consumer, &self.topic, self.next_offsets());
         // Right after a batch that wrote totals for other shards; and with every
         // heartbeat, for what a store still held after a restart or a new assignment.
         if self.outbox_written > 0 || heartbeat {
@@ -734,6 +746,21 @@ mod tests {
 
     const NOW: i64 = 1_763_776_800_000;
     const SHARDS: u32 = 5;
+
+    #[test]
+    fn the_shard_consumer_waits_the_counters_fetch_wait_over_the_clients() {
+        let mut config = TallyConfig::default();
+        config.kafka.bootstrap_servers = "127.0.0.1:9".into();
+        let wait =
+            |config: &TallyConfig| shard_consumer_config(config).unwrap().get("fetch.wait.max.ms").map(String::from);
+        assert_eq!(wait(&config), Some("50".to_string()));
+        config.kafka.client.insert("fetch.wait.max.ms".into(), "500".into());
+        config.counter.fetch_wait_ms = 20;
+        assert_eq!(wait(&config), Some("20".to_string()));
+        // The other data-path consumers keep the client's.
+        let data_path = tally_shared::kafka::consumer_config(&config.kafka).unwrap();
+        assert_eq!(data_path.get("fetch.wait.max.ms"), Some("500"));
+    }
 
     /// A shard record of increments of `views`, one per (entity, delta).
     fn increments(shard: u32, offset: i64, events: &[(&str, i64)]) -> Polled {

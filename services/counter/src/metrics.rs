@@ -33,6 +33,8 @@ pub struct Metrics {
     pub snapshots_taken: IntCounter,
     pub snapshot_failures: IntCounter,
     pub owned_shards: IntGauge,
+    /// 1 while the shard consumer rests: nothing new, no fetches ([`tally_shared::rest`]).
+    pub fetch_resting: IntGauge,
     /// Leases that lapsed (the counter paused or cut off too long): every shard dropped.
     pub lapsed_leases: IntCounter,
     pub reads: IntCounter,
@@ -162,6 +164,14 @@ impl Metrics {
             owned_shards: register(
                 registry,
                 IntGauge::new("tally_counter_owned_shards", "Shards this process owns").expect("valid metric"),
+            ),
+            fetch_resting: register(
+                registry,
+                IntGauge::new(
+                    "tally_counter_fetch_resting",
+                    "1 while the shard consumer rests: its shards' logs had nothing new for a second, no fetches until a look at their ends finds records",
+                )
+                .expect("valid metric"),
             ),
             reads: register(
                 registry,

@@ -18,6 +18,8 @@ pub struct Metrics {
     pub snapshots_taken: IntCounter,
     pub snapshot_failures: IntCounter,
     pub skipped_records: IntCounter,
+    /// 1 while the graph-updates consumer rests ([`tally_shared::rest`]).
+    pub fetch_resting: IntGauge,
 }
 
 impl Metrics {
@@ -25,6 +27,14 @@ impl Metrics {
         let counter = |name: &str, help: &str| register(registry, IntCounter::new(name, help).expect("valid metric"));
         Self {
             applied_updates: counter("tally_graph_applied_updates_total", "Graph updates applied"),
+            fetch_resting: register(
+                registry,
+                IntGauge::new(
+                    "tally_graph_fetch_resting",
+                    "1 while the graph-updates consumer rests: nothing new for a second, no fetches until a look at the log's end finds records",
+                )
+                .expect("valid metric"),
+            ),
             failed: register(
                 registry,
                 IntGauge::new(

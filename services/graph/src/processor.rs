@@ -104,6 +104,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
         letters: &letters,
         record_budget: config.kafka.record_budget(),
         heartbeat: HEARTBEAT,
+        resting: metrics.fetch_resting.clone(),
     };
     let mut processor = GraphProcessor {
         store: store.clone(),
@@ -172,6 +173,10 @@ struct GraphProcessor {
 
 impl Processor<DefaultConsumerContext> for GraphProcessor {
     type Error = Error;
+
+    fn next_offsets(&self) -> Vec<(u32, i64)> {
+        self.store.next_offset().map(|next| (PARTITION, next)).into_iter().collect()
+    }
 
     fn apply(&mut self, _: &BaseConsumer, batch: &[Polled], _: &mut Vec<Polled>) -> Vec<u32> {
         let records: Vec<UpdateRecord<'_>> = batch
