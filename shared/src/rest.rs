@@ -8,7 +8,7 @@
 //! wait brings a record to the processor sooner but costs more looks. Resting keeps
 //! both: a short wait while records flow, and while none do, one look at the ends
 //! per [`REST_CHECK`] instead of a fetch per wait. A record written while the loop
-//! rests waits at most one check longer than a fetch would have brought it; what is
+//! rests waits at most a check and the fetch after it longer than it would have; what is
 //! fetched, and from where, does not change (a paused partition resumes at the
 //! position it was paused at).
 
