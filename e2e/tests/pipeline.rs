@@ -223,8 +223,8 @@ async fn wait_for_gauge(sandbox: &Sandbox, service: &str, family: &str, want: f6
     }
 }
 
-/// An idle counter and graph rest (their partitions paused: no fetches), and what
-/// is written while they rest wakes them and is applied.
+/// An idle ingester, counter and graph rest (their partitions paused: no fetches),
+/// and what is written while they rest wakes them and is applied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_consumers_rest_and_what_comes_next_wakes_them() {
     let mut sandbox = Sandbox::start().await;
@@ -234,20 +234,25 @@ async fn idle_consumers_rest_and_what_comes_next_wakes_them() {
     sandbox.produce(&before.records).await;
     check::wait_for_all_time(&sandbox, &before.model, &before.entities, &before.metrics, Duration::from_secs(120))
         .await;
-    let resting = [("tally-counter", "tally_counter_fetch_resting"), ("tally-graph", "tally_graph_fetch_resting")];
+    let resting = [
+        ("tally-ingester", "tally_ingester_fetch_resting"),
+        ("tally-counter", "tally_counter_fetch_resting"),
+        ("tally-graph", "tally_graph_fetch_resting"),
+    ];
     for (service, gauge) in resting {
         wait_for_gauge(&sandbox, service, gauge, 1.0, Duration::from_secs(20)).await;
     }
 
-    // Increments written while both rest: counted.
+    // Increments written while all three rest: counted.
     let after = Workload::generate(12, 200, now);
     sandbox.produce(&after.records).await;
     let (model, entities, metrics) = before.then(&after);
     check::wait_for_all_time(&sandbox, &model, &entities, &metrics, Duration::from_secs(60)).await;
-    wait_for_gauge(&sandbox, "tally-counter", "tally_counter_fetch_resting", 1.0, Duration::from_secs(20)).await;
+    for (service, gauge) in resting {
+        wait_for_gauge(&sandbox, service, gauge, 1.0, Duration::from_secs(20)).await;
+    }
 
-    // A graph update written while the graph rests: applied.
-    wait_for_gauge(&sandbox, "tally-graph", "tally_graph_fetch_resting", 1.0, Duration::from_secs(20)).await;
+    // A graph update written while the ingester and the graph rest: applied.
     let updates = sandbox.metric("tally-graph", "tally_graph_applied_updates_total").await;
     let edge = tally_e2e::workload::Record {
         graph: true,
@@ -260,6 +265,17 @@ async fn idle_consumers_rest_and_what_comes_next_wakes_them() {
     let deadline = Instant::now() + Duration::from_secs(30);
     while sandbox.metric("tally-graph", "tally_graph_applied_updates_total").await != want {
         assert!(Instant::now() < deadline, "the graph did not apply the edge written while it rested");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // An ingester started again with nothing new to read rests too, and stays at
+    // rest: it takes the offsets its group committed for where it stands.
+    sandbox.stop("tally-ingester");
+    sandbox.spawn_ready(&["tally-ingester"]).await;
+    let (ingester, gauge) = ("tally-ingester", "tally_ingester_fetch_resting");
+    wait_for_gauge(&sandbox, ingester, gauge, 1.0, Duration::from_secs(20)).await;
+    for _ in 0..20 {
+        assert_eq!(sandbox.metric(ingester, gauge).await, vec![(String::new(), 1.0)], "woke with nothing to read");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }

@@ -430,7 +430,7 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
     let (mut batch, mut carried): (Vec<Polled>, Vec<Polled>) = (Vec::new(), Vec::new());
     let mut last_heartbeat: Option<Instant> = None;
     let mut open_for = setup.limits.linger;
-    let mut rest = Rest::new(REST_AFTER, REST_CHECK, setup.resting.clone());
+    let mut rest = Rest::new(&[setup.topic], REST_AFTER, REST_CHECK, setup.resting.clone());
     while !shutdown.is_cancelled() {
         batch.clear();
         batch.append(&mut carried);
@@ -440,9 +440,11 @@ pub fn drive<C: ConsumerContext, P: Processor<C>>(
         batch.retain(|polled| !setup.failures.is_failed(polled.partition as u32));
         if batch.is_empty() {
             open_for = setup.limits.linger;
-            rest.polled_nothing(consumer, setup.topic, setup.failures, || processor.next_offsets());
+            let next =
+                || processor.next_offsets().into_iter().map(|(partition, next)| ((0, partition), next)).collect();
+            rest.polled_nothing(consumer, |(_, partition)| setup.failures.is_failed(partition), next);
         } else {
-            rest.records_came(consumer, setup.topic);
+            rest.records_came(consumer);
             let started = Instant::now();
             let failed = processor.apply(consumer, &batch, &mut carried);
             open_for = setup.limits.open_for(started.elapsed(), full);

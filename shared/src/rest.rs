@@ -18,8 +18,6 @@ use prometheus::IntGauge;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 
-use crate::failures::FailureBoard;
-
 /// How long a loop polls nothing before it rests: longer than the pauses within a
 /// load. The local broker answers a backlog's fetches in lumps up to about two seconds
 /// apart (one increment per message), and a look at the ends waits behind them: a
@@ -31,8 +29,13 @@ pub const REST_CHECK: Duration = Duration::from_millis(100);
 /// How long a check waits for the broker; past it, the loop fetches again.
 const CHECK_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// A partition of one of the loop's topics: the topic's index, the partition.
+pub type TopicPartition = (usize, u32);
+
 /// Whether a loop rests, and since when it polled nothing.
 pub struct Rest {
+    /// The topics the loop consumes.
+    topics: Vec<String>,
     after: Duration,
     check: Duration,
     quiet_since: Instant,
@@ -43,16 +46,17 @@ pub struct Rest {
 
 /// The partitions a resting loop paused, and when it last checked their ends.
 struct Resting {
-    paused: Vec<u32>,
+    paused: Vec<TopicPartition>,
     checked: Instant,
 }
 
 impl Rest {
-    /// Rests after `after` without records, checking every `check`; `gauge` says
-    /// whether it rests.
-    pub fn new(after: Duration, check: Duration, gauge: IntGauge) -> Self {
+    /// A loop of `topics` that rests after `after` without records, checking every
+    /// `check`; `gauge` says whether it rests.
+    pub fn new(topics: &[&str], after: Duration, check: Duration, gauge: IntGauge) -> Self {
         gauge.set(0);
-        Self { after, check, quiet_since: Instant::now(), resting: None, gauge }
+        let topics = topics.iter().map(|topic| topic.to_string()).collect();
+        Self { topics, after, check, quiet_since: Instant::now(), resting: None, gauge }
     }
 
     pub fn is_resting(&self) -> bool {
@@ -60,9 +64,9 @@ impl Rest {
     }
 
     /// Records came: the loop fetches (every partition it paused to rest resumes).
-    pub fn records_came<C: ConsumerContext>(&mut self, consumer: &BaseConsumer<C>, topic: &str) {
+    pub fn records_came<C: ConsumerContext>(&mut self, consumer: &BaseConsumer<C>) {
         self.quiet_since = Instant::now();
-        self.wake(consumer, topic);
+        self.wake(consumer);
     }
 
     /// The processor set the consumer's positions anew (an assignment, which
@@ -74,22 +78,21 @@ impl Rest {
     }
 
     /// A turn that polled nothing. Awake and quiet for `after`: pauses every
-    /// assigned partition of `topic` that has not failed. Resting, every `check`:
-    /// asks the broker for the paused partitions' ends and wakes when one ends past
-    /// the next offset the processor will apply (`next_offsets`; a partition it
-    /// does not name counts from 0), or when the broker does not answer.
+    /// assigned partition of its topics that has not failed (`is_failed`). Resting,
+    /// every `check`: asks the broker for the paused partitions' ends and wakes when
+    /// one ends past the next offset the processor will apply (`next_offsets`; a
+    /// partition it does not name counts from 0), or when the broker does not answer.
     pub fn polled_nothing<C: ConsumerContext>(
         &mut self,
         consumer: &BaseConsumer<C>,
-        topic: &str,
-        failures: &FailureBoard,
-        next_offsets: impl FnOnce() -> Vec<(u32, i64)>,
+        is_failed: impl Fn(TopicPartition) -> bool,
+        next_offsets: impl FnOnce() -> Vec<(TopicPartition, i64)>,
     ) {
         match &self.resting {
-            None if self.quiet_since.elapsed() >= self.after => self.start(consumer, topic, failures),
+            None if self.quiet_since.elapsed() >= self.after => self.start(consumer, is_failed),
             Some(resting) if resting.checked.elapsed() >= self.check => {
-                if self.grew(consumer, topic, next_offsets()) {
-                    self.wake(consumer, topic);
+                if self.grew(consumer, next_offsets()) {
+                    self.wake(consumer);
                 } else if let Some(resting) = &mut self.resting {
                     resting.checked = Instant::now();
                 }
@@ -98,75 +101,76 @@ impl Rest {
         }
     }
 
-    fn start<C: ConsumerContext>(&mut self, consumer: &BaseConsumer<C>, topic: &str, failures: &FailureBoard) {
+    fn start<C: ConsumerContext>(&mut self, consumer: &BaseConsumer<C>, is_failed: impl Fn(TopicPartition) -> bool) {
         let assigned = match consumer.assignment() {
             Ok(assigned) => assigned,
-            Err(err) => return tracing::warn!(topic, error = %err, "reading the assignment to rest"),
+            Err(err) => return tracing::warn!(error = %err, "reading the assignment to rest"),
         };
-        let paused: Vec<u32> = assigned
-            .elements_for_topic(topic)
-            .iter()
-            .map(|element| element.partition() as u32)
-            .filter(|partition| !failures.is_failed(*partition))
+        let paused: Vec<TopicPartition> = (0..self.topics.len())
+            .flat_map(|topic| {
+                let elements = assigned.elements_for_topic(&self.topics[topic]);
+                elements.into_iter().map(move |element| (topic, element.partition() as u32))
+            })
+            .filter(|partition| !is_failed(*partition))
             .collect();
         if paused.is_empty() {
             return;
         }
-        if let Err(err) = consumer.pause(&partitions(topic, &paused, None)) {
-            return tracing::warn!(topic, error = %err, "pausing partitions to rest");
+        if let Err(err) = consumer.pause(&self.list(&paused, None)) {
+            return tracing::warn!(error = %err, "pausing partitions to rest");
         }
-        tracing::debug!(topic, partitions = ?paused, "resting: no fetches until the log grows");
+        tracing::debug!(topics = ?self.topics, partitions = ?paused, "resting: no fetches until a log grows");
         self.resting = Some(Resting { paused, checked: Instant::now() });
         self.gauge.set(1);
     }
 
-    fn wake<C: ConsumerContext>(&mut self, consumer: &BaseConsumer<C>, topic: &str) {
+    fn wake<C: ConsumerContext>(&mut self, consumer: &BaseConsumer<C>) {
         let Some(resting) = self.resting.take() else { return };
         self.gauge.set(0);
         // Quiet from now on: what woke it has a whole `after` to come.
         self.quiet_since = Instant::now();
         // A partition that failed since it was paused stays paused: only the loop
         // that applies its records pauses one, and it applies nothing while resting.
-        if let Err(err) = consumer.resume(&partitions(topic, &resting.paused, None)) {
-            tracing::warn!(topic, error = %err, "resuming rested partitions");
+        if let Err(err) = consumer.resume(&self.list(&resting.paused, None)) {
+            tracing::warn!(error = %err, "resuming rested partitions");
         }
-        tracing::debug!(topic, "awake: the log grew");
+        tracing::debug!(topics = ?self.topics, "awake: a log grew");
     }
 
     /// Whether a paused partition's log ends past where its processor stands (or
     /// the broker did not say).
-    fn grew<C: ConsumerContext>(&self, consumer: &BaseConsumer<C>, topic: &str, next_offsets: Vec<(u32, i64)>) -> bool {
+    fn grew<C: ConsumerContext>(&self, consumer: &BaseConsumer<C>, next_offsets: Vec<(TopicPartition, i64)>) -> bool {
         let Some(resting) = &self.resting else { return false };
         // One ListOffsets request for every paused partition: the latest offsets.
-        let ends =
-            match consumer.offsets_for_times(partitions(topic, &resting.paused, Some(Offset::End)), CHECK_TIMEOUT) {
-                Ok(ends) => ends,
-                Err(err) => {
-                    tracing::debug!(topic, error = %err, "asking for the ends of rested partitions; fetching again");
-                    return true;
-                }
-            };
-        resting.paused.iter().any(|&partition| {
-            let next = next_offsets.iter().find(|(p, _)| *p == partition).map_or(0, |(_, next)| *next);
-            match ends.find_partition(topic, partition as i32).map(|element| (element.error(), element.offset())) {
+        let ends = match consumer.offsets_for_times(self.list(&resting.paused, Some(Offset::End)), CHECK_TIMEOUT) {
+            Ok(ends) => ends,
+            Err(err) => {
+                tracing::debug!(error = %err, "asking for the ends of rested partitions; fetching again");
+                return true;
+            }
+        };
+        resting.paused.iter().any(|&(topic, partition)| {
+            let next = next_offsets.iter().find(|(at, _)| *at == (topic, partition)).map_or(0, |(_, next)| *next);
+            let end = ends.find_partition(&self.topics[topic], partition as i32);
+            match end.map(|element| (element.error(), element.offset())) {
                 Some((Ok(()), Offset::Offset(end))) => end > next,
                 _ => true,
             }
         })
     }
-}
 
-/// `partitions` of `topic`, each at `offset` when given.
-fn partitions(topic: &str, partitions: &[u32], offset: Option<Offset>) -> TopicPartitionList {
-    let mut tpl = TopicPartitionList::new();
-    for &partition in partitions {
-        let mut element = tpl.add_partition(topic, partition as i32);
-        if let Some(offset) = offset {
-            // Only an offset out of librdkafka's range fails, and `End` is not.
-            let _ = element.set_offset(offset);
+    /// `partitions`, each at `offset` when given.
+    fn list(&self, partitions: &[TopicPartition], offset: Option<Offset>) -> TopicPartitionList {
+        let mut tpl = TopicPartitionList::new();
+        for &(topic, partition) in partitions {
+            let mut element = tpl.add_partition(&self.topics[topic], partition as i32);
+            if let Some(offset) = offset {
+                // Only an offset out of librdkafka's range fails, and `End` is not.
+                let _ = element.set_offset(offset);
+            }
         }
+        tpl
     }
-    tpl
 }
 
 #[cfg(test)]
@@ -177,7 +181,7 @@ mod tests {
 
     use super::*;
     use crate::config::KafkaConfig;
-    use crate::failures::Failure;
+    use crate::failures::{Failure, FailureBoard};
     use crate::kafka::client_config;
 
     const TOPIC: &str = "rest";
@@ -214,12 +218,12 @@ mod tests {
                 producer,
                 consumer,
                 failures: FailureBoard::new(|p| format!("p{p}")),
-                rest: Rest::new(AFTER, CHECK, gauge),
+                rest: Rest::new(&[TOPIC], AFTER, CHECK, gauge),
             };
             rig.write(0);
             rig.write(1);
             assert_eq!(rig.polled(2, Duration::from_secs(10)), vec![(0, 0), (1, 0)]);
-            rig.rest.records_came(&rig.consumer, TOPIC);
+            rig.rest.records_came(&rig.consumer);
             rig
         }
 
@@ -242,13 +246,20 @@ mod tests {
             got
         }
 
+        /// One turn that polled nothing, the processor standing at `next`.
+        fn nothing(&mut self, next: &[(u32, i64)]) {
+            let next: Vec<(TopicPartition, i64)> = next.iter().map(|&(p, n)| ((0, p), n)).collect();
+            let failures = &self.failures;
+            self.rest.polled_nothing(&self.consumer, |(_, p)| failures.is_failed(p), || next);
+        }
+
         /// Turns of a loop that polls nothing, for `span`, the processor standing at
         /// `next`.
         fn idle_for(&mut self, span: Duration, next: &[(u32, i64)]) {
             let until = Instant::now() + span;
             while Instant::now() < until {
                 assert_eq!(self.consumer.poll(Duration::from_millis(20)).map(|m| m.map(|m| m.offset())), None);
-                self.rest.polled_nothing(&self.consumer, TOPIC, &self.failures, || next.to_vec());
+                self.nothing(next);
             }
         }
     }
@@ -271,11 +282,11 @@ mod tests {
         assert!(rig.rest.is_resting());
         // The next look finds it, and the loop fetches it.
         std::thread::sleep(CHECK);
-        rig.rest.polled_nothing(&rig.consumer, TOPIC, &rig.failures, || applied.to_vec());
+        rig.nothing(&applied);
         assert!(!rig.rest.is_resting());
         assert_eq!(rig.rest.gauge.get(), 0);
         assert_eq!(rig.polled(1, Duration::from_secs(10)), vec![(1, 1)]);
-        rig.rest.records_came(&rig.consumer, TOPIC);
+        rig.rest.records_came(&rig.consumer);
         // A partition the processor does not name counts from 0: its record wakes it.
         rig.idle_for(AFTER + CHECK, &[(0, 1), (1, 2)]);
         assert!(rig.rest.is_resting());
@@ -304,7 +315,7 @@ mod tests {
         let mut rig = Rig::new();
         rig.idle_for(AFTER + CHECK, &[(0, 1), (1, 1)]);
         assert!(rig.rest.is_resting());
-        rig.rest.records_came(&rig.consumer, TOPIC);
+        rig.rest.records_came(&rig.consumer);
         assert!(!rig.rest.is_resting());
         rig.write(0);
         assert_eq!(rig.polled(1, Duration::from_secs(10)), vec![(0, 1)]);

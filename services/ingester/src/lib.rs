@@ -32,6 +32,7 @@ use rdkafka::{ClientContext, Message};
 use tally_core::format::{INPUT_DRAINED_HEADER, RECORD_TIME_HEADER};
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{cached_high_watermark, consumer_config, producer_config, wait_for_topic, TopicNames};
+use tally_shared::rest::{Rest, TopicPartition, REST_AFTER, REST_CHECK};
 use tally_shared::telemetry::{serve_admin, Readiness};
 use tokio_util::sync::CancellationToken;
 
@@ -185,6 +186,12 @@ impl Pipeline {
         let mut batch: Vec<BorrowedMessage<'_>> = Vec::with_capacity(self.max_records);
         let mut last_commit = Instant::now();
         let mut last_health: Option<Instant> = None;
+        // Idle, it rests (`shared::rest`): its inputs paused, a look at their ends.
+        let inputs: Vec<&str> = self.inputs.iter().map(String::as_str).collect();
+        let mut rest = Rest::new(&inputs, REST_AFTER, REST_CHECK, self.metrics.fetch_resting.clone());
+        // Where the group committed the partitions not read since this start (`None`:
+        // not asked during this rest).
+        let mut committed: Option<HashMap<InputPartition, i64>> = None;
         let result = loop {
             if shutdown.is_cancelled() {
                 break Ok(());
@@ -194,7 +201,11 @@ impl Pipeline {
                 self.check_health();
             }
             let full = self.poll_batch(&mut batch);
-            if !batch.is_empty() {
+            if batch.is_empty() {
+                rest.polled_nothing(&self.consumer, |_| false, || self.next_offsets(&mut committed));
+            } else {
+                rest.records_came(&self.consumer);
+                committed = None;
                 if let Err(err) = self.send(&batch, !full, &mut in_flight) {
                     break Err(err);
                 }
@@ -227,6 +238,27 @@ impl Pipeline {
             self.commit(&mut in_flight, CommitMode::Sync)?;
         }
         result
+    }
+
+    /// The next offset to read of each input partition: what this ingester read up
+    /// to, else where its group committed (asked once per rest, into `committed`).
+    fn next_offsets(&self, committed: &mut Option<HashMap<InputPartition, i64>>) -> Vec<(TopicPartition, i64)> {
+        if committed.is_none() {
+            if let Ok(list) = self.consumer.committed(Duration::from_secs(1)) {
+                let mut offsets = HashMap::new();
+                for element in list.elements() {
+                    let input = self.inputs.iter().position(|name| name == element.topic());
+                    if let (Some(input), Offset::Offset(offset)) = (input, element.offset()) {
+                        offsets.insert((input, element.partition()), offset);
+                    }
+                }
+                *committed = Some(offsets);
+            }
+        }
+        let read = self.positions.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut next: HashMap<InputPartition, i64> = committed.clone().unwrap_or_default();
+        next.extend(read.iter().map(|(at, offset)| (*at, *offset)));
+        next.into_iter().map(|((input, partition), offset)| ((input, partition as u32), offset)).collect()
     }
 
     /// Ready while it holds input partitions; the lag of partitions it no longer

@@ -1,6 +1,6 @@
 //! The ingester's Prometheus metrics, declared once.
 
-use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 use tally_shared::telemetry::register;
 
 #[derive(Clone)]
@@ -14,6 +14,8 @@ pub struct Metrics {
     pub dead_letters: IntCounter,
     pub batch_records: Histogram,
     pub consumer_lag: IntGaugeVec,
+    /// 1 while the input consumer rests ([`tally_shared::rest`]).
+    pub fetch_resting: IntGauge,
 }
 
 impl Metrics {
@@ -58,6 +60,14 @@ impl Metrics {
                 Histogram::with_opts(
                     HistogramOpts::new("tally_ingester_batch_records", "Input records per batch")
                         .buckets(vec![1.0, 10.0, 100.0, 1_000.0, 10_000.0, 20_000.0, 100_000.0]),
+                )
+                .expect("valid metric"),
+            ),
+            fetch_resting: register(
+                registry,
+                IntGauge::new(
+                    "tally_ingester_fetch_resting",
+                    "1 while the input consumer rests: its inputs had nothing new for 5 s, no fetches until a look at their ends finds records",
                 )
                 .expect("valid metric"),
             ),
