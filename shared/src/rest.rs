@@ -1,6 +1,7 @@
-//! A consume loop that rests while its log is idle: its partitions paused, so it
+//! A consume loop that rests while its logs are idle: its partitions paused, so it
 //! sends no fetches, and one request for the partitions' ends every
-//! [`REST_CHECK`] to learn when to fetch again.
+//! [`REST_CHECK`] to learn when to fetch again. The ingester's loop and
+//! [`crate::consume::drive`] (a counter's, the graph's) rest.
 //!
 //! A broker that holds every fetch for the consumer's whole wait (the local one)
 //! looks at each partition once per wait, records or not, and those looks take the
