@@ -9,6 +9,12 @@
 //! keeps a container of one CPU without helpers. Elsewhere nothing is known, and a
 //! loop works alone.
 
+use std::time::{Duration, Instant};
+
+/// The shortest span [`HelperGauge::joining`] reads the kernel's account over: its
+/// clock ticks every 10 ms, and a read of `/proc/stat` costs tens of microseconds.
+pub const MIN_LOOK: Duration = Duration::from_millis(20);
+
 /// The CPU time of the cores the thread may run on, at one moment, in the kernel's
 /// clock ticks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,14 +99,18 @@ pub fn helpers(idle_cores: f64, max_helpers: usize, usable: usize) -> usize {
 
 /// Decides, piece of work by piece of work, how many helpers a loop starts
 /// ([`helpers`]) from how idle its cores were while the loop waited for that piece
-/// (a batch gathering). A wait too short for the kernel's clock (10 ms ticks) keeps
-/// the decision before; with `max_helpers` 0 nothing is read.
+/// (a batch gathering), and, while the piece runs, how many more join it as cores
+/// fall idle ([`HelperGauge::joining`]). A wait too short for the kernel's clock
+/// (10 ms ticks) keeps the decision before; with `max_helpers` 0 nothing is read.
 pub struct HelperGauge {
     max_helpers: usize,
     /// How many cores the process may use ([`std::thread::available_parallelism`]).
     usable: usize,
     /// When the last piece of work ended (the wait began).
     waiting_since: Option<CpuTimes>,
+    /// While a piece of work runs: when it started or [`HelperGauge::joining`] last
+    /// decided, by the kernel's account and by the clock.
+    working_since: Option<(CpuTimes, Instant)>,
     helpers: usize,
     /// [`CpuTimes::now`] over the thread's CPUs, or what a test says.
     sample: Box<dyn FnMut() -> Option<CpuTimes> + Send>,
@@ -115,7 +125,14 @@ impl HelperGauge {
     }
 
     fn sampling(max_helpers: usize, usable: usize, sample: impl FnMut() -> Option<CpuTimes> + Send + 'static) -> Self {
-        let mut gauge = Self { max_helpers, usable, waiting_since: None, helpers: 0, sample: Box::new(sample) };
+        let mut gauge = Self {
+            max_helpers,
+            usable,
+            waiting_since: None,
+            working_since: None,
+            helpers: 0,
+            sample: Box::new(sample),
+        };
         gauge.done();
         gauge
     }
@@ -125,7 +142,8 @@ impl HelperGauge {
         if self.max_helpers == 0 {
             return 0;
         }
-        match (self.waiting_since, (self.sample)()) {
+        let now = (self.sample)();
+        match (self.waiting_since, now) {
             (Some(since), Some(now)) => {
                 if let Some(idle) = since.idle_cores_until(&now) {
                     self.helpers = helpers(idle, self.max_helpers, self.usable);
@@ -133,11 +151,34 @@ impl HelperGauge {
             }
             _ => self.helpers = 0,
         }
+        self.working_since = now.map(|now| (now, Instant::now()));
         self.helpers
+    }
+
+    /// While the work runs with `running` helpers: how many more to start now, one
+    /// for each further core that sat idle at least half the time since it started
+    /// or since the last look that decided (the loop's own core busy with it) — a
+    /// batch that gathered while the machine was busy, and goes on after the others
+    /// fell idle (the end of a backlog), or one that gathered at once (a rebuild).
+    /// A look sooner than [`MIN_LOOK`] after that, or one the kernel's clock has
+    /// not ticked twice per CPU for, decides nothing and keeps its span.
+    pub fn joining(&mut self, running: usize) -> usize {
+        let Some((since, at)) = self.working_since.filter(|_| running < self.max_helpers) else { return 0 };
+        if at.elapsed() < MIN_LOOK {
+            return 0;
+        }
+        let Some(now) = (self.sample)() else { return 0 };
+        if now.total.saturating_sub(since.total) < 2 * now.cpus as u64 {
+            return 0;
+        }
+        self.working_since = Some((now, Instant::now()));
+        let Some(idle) = since.idle_cores_until(&now) else { return 0 };
+        helpers(idle + 1.0, self.max_helpers, self.usable).saturating_sub(running)
     }
 
     /// The piece of work ended: the wait for the next begins.
     pub fn done(&mut self) {
+        self.working_since = None;
         if self.max_helpers > 0 {
             self.waiting_since = (self.sample)();
         }
@@ -232,6 +273,37 @@ mod tests {
         let (mut none, taken) = scripted(0, vec![(40, 40)]);
         assert_eq!((none.starting(), none.starting()), (0, 0));
         none.done();
+        assert_eq!(*taken.lock().unwrap(), 0, "without helpers to give, nothing is read");
+    }
+
+    #[test]
+    fn helpers_join_work_under_way_once_a_further_core_sat_idle_half_the_time() {
+        let wait_out = || std::thread::sleep(MIN_LOOK + Duration::from_millis(5));
+        // Created, a busy wait, looks while the work runs; done, a busy wait, a look.
+        let steps = vec![(0, 0), (0, 40), (1, 3), (19, 37), (0, 40), (0, 0), (1, 40), (20, 40)];
+        let (mut gauge, taken) = scripted(2, steps);
+        assert_eq!(gauge.starting(), 0, "the machine was busy as the work gathered");
+        assert_eq!(gauge.joining(0), 0, "too soon to look");
+        assert_eq!(*taken.lock().unwrap(), 2, "not read");
+        wait_out();
+        assert_eq!(gauge.joining(0), 0, "fewer than two ticks per CPU: too short to tell");
+        wait_out();
+        assert_eq!(gauge.joining(0), 1, "one further core idle half the time since the work started");
+        assert_eq!(gauge.joining(1), 0, "too soon after that look");
+        wait_out();
+        assert_eq!(gauge.joining(1), 0, "busy since the last look");
+        gauge.done();
+        assert_eq!(gauge.starting(), 0, "the wait: 1 idle tick of 40");
+        wait_out();
+        assert_eq!(gauge.joining(0), 1);
+        gauge.done();
+        wait_out();
+        assert_eq!(gauge.joining(0), 0, "no work under way");
+
+        let (mut alone, taken) = scripted(0, vec![(40, 40)]);
+        alone.starting();
+        wait_out();
+        assert_eq!(alone.joining(0), 0);
         assert_eq!(*taken.lock().unwrap(), 0, "without helpers to give, nothing is read");
     }
 }

@@ -98,32 +98,47 @@ pub fn nice() -> io::Result<i32> {
     linux::nice()
 }
 
-/// Runs `work` on `threads` threads at once — the calling thread and `threads - 1`
-/// helpers named `name`, which inherit its nice value and slice — and returns what
-/// each returned, the caller's first (0 or 1 thread: the caller alone). A helper
-/// that cannot be started is done without (said in a warning), so `work` takes its
-/// items from what the threads share; a panic in a helper comes back in the caller
-/// once the others are done.
-pub fn on_threads<T: Send>(threads: usize, name: &str, work: impl Fn() -> T + Sync) -> Vec<T> {
-    if threads <= 1 {
-        return vec![work()];
-    }
+/// Works through items on `threads` threads at once — the calling thread and
+/// `threads - 1` helpers named `name`, which inherit its nice value and slice —
+/// each taking the next item from `next` (its result; `None`: none are left) until
+/// none are left. Between its own items the calling thread asks `join`, given how
+/// many helpers run, how many more to start (cores that fell idle meanwhile).
+/// Returns every item's result (the caller's first, then each helper's) and how
+/// many threads ran. A helper that cannot be started is done without (said in a
+/// warning); a panic in a helper comes back in the caller once the others are done.
+pub fn on_threads<T: Send>(
+    threads: usize,
+    name: &str,
+    mut join: impl FnMut(usize) -> usize,
+    next: impl Fn() -> Option<T> + Sync,
+) -> (Vec<T>, usize) {
+    let next = &next;
+    let work = move || std::iter::from_fn(next).collect::<Vec<T>>();
     std::thread::scope(|scope| {
-        let work = &work;
-        let helpers: Vec<_> = (1..threads)
-            .filter_map(|_| match std::thread::Builder::new().name(name.into()).spawn_scoped(scope, work) {
-                Ok(helper) => Some(helper),
-                Err(err) => {
-                    tracing::warn!(name, error = %err, "cannot start a helper thread; going on without it");
-                    None
+        let mut helpers = Vec::new();
+        let start = |helpers: &mut Vec<_>, count: usize| {
+            for _ in 0..count {
+                match std::thread::Builder::new().name(name.into()).spawn_scoped(scope, work) {
+                    Ok(helper) => helpers.push(helper),
+                    Err(err) => {
+                        tracing::warn!(name, error = %err, "cannot start a helper thread; going on without it");
+                        return;
+                    }
                 }
-            })
-            .collect();
-        let mut results = vec![work()];
-        for helper in helpers {
-            results.push(helper.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)));
+            }
+        };
+        start(&mut helpers, threads.saturating_sub(1));
+        let mut results = Vec::new();
+        while let Some(result) = next() {
+            results.push(result);
+            let more = join(helpers.len());
+            start(&mut helpers, more);
         }
-        results
+        let ran = 1 + helpers.len();
+        for helper in helpers {
+            results.extend(helper.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)));
+        }
+        (results, ran)
     })
 }
 
@@ -392,6 +407,43 @@ pub(crate) mod tests {
         assert_eq!(nice().unwrap(), before, "other threads keep theirs");
     }
 
+    /// Threads that meet: each that arrives waits until `.1` have, or 10 s passed
+    /// (so that a test of threads that never come fails instead of hanging).
+    struct Meet(std::sync::atomic::AtomicUsize, usize);
+
+    impl Meet {
+        fn new(threads: usize) -> Self {
+            Self(std::sync::atomic::AtomicUsize::new(0), threads)
+        }
+
+        fn wait(&self) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while self.0.load(std::sync::atomic::Ordering::SeqCst) < self.1 && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+
+    /// `count` items for [`on_threads`], each taken in turn: item `i` waits at
+    /// `meets[i]` (if any) and returns who ran it.
+    fn items<'a>(
+        count: usize,
+        meets: &'a [Option<&'a Meet>],
+    ) -> impl Fn() -> Option<(usize, Option<String>, i32)> + Sync + 'a {
+        let taken = std::sync::atomic::AtomicUsize::new(0);
+        move || {
+            let item = taken.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if item >= count {
+                return None;
+            }
+            if let Some(meet) = meets.get(item).copied().flatten() {
+                meet.wait();
+            }
+            Some((item, std::thread::current().name().map(String::from), nice().unwrap()))
+        }
+    }
+
     #[test]
     fn work_on_threads_runs_on_the_caller_and_helpers_that_inherit_its_nice_value() {
         // Room to lower it by 3, whatever the tests run at.
@@ -401,25 +453,54 @@ pub(crate) mod tests {
             .spawn(move || {
                 set_nice(base);
                 let lowered = lower_priority(3).unwrap();
-                let whoami = || (std::thread::current().name().map(String::from), nice().unwrap());
-                (
-                    lowered,
-                    on_threads(3, "helper", whoami),
-                    on_threads(1, "helper", whoami),
-                    on_threads(0, "helper", whoami),
-                )
+                // Three items that wait for each other: one on each thread.
+                let all = Meet::new(3);
+                let three = on_threads(3, "helper", |_| 0, items(3, &[Some(&all), Some(&all), Some(&all)]));
+                // The caller alone takes its item, then starts a helper; the two
+                // items after wait for each other.
+                let (pair, mut asked) = (Meet::new(2), Vec::new());
+                let joined = on_threads(
+                    1,
+                    "helper",
+                    |running| {
+                        asked.push(running);
+                        usize::from(running == 0)
+                    },
+                    items(3, &[None, Some(&pair), Some(&pair)]),
+                );
+                (lowered, three, joined, asked, on_threads(0, "helper", |_| 0, items(2, &[])))
             })
             .unwrap()
             .join()
             .unwrap();
         let lowered = base + 3;
-        let on = |name: &str| (Some(name.to_string()), lowered);
-        assert_eq!(
-            seen,
-            (lowered, vec![on("caller"), on("helper"), on("helper")], vec![on("caller")], vec![on("caller")])
-        );
+        let (got_lowered, three, joined, asked, alone) = seen;
+        assert_eq!(got_lowered, lowered);
+        let by = |results: &(Vec<(usize, Option<String>, i32)>, usize)| {
+            let mut who: Vec<(String, i32)> =
+                results.0.iter().map(|(_, name, nice)| (name.clone().unwrap_or_default(), *nice)).collect();
+            who.sort();
+            let mut items: Vec<usize> = results.0.iter().map(|(item, _, _)| *item).collect();
+            items.sort();
+            (items, who, results.1)
+        };
+        let on = |name: &str| (name.to_string(), lowered);
+        assert_eq!(by(&three), (vec![0, 1, 2], vec![on("caller"), on("helper"), on("helper")], 3));
+        assert_eq!(by(&joined), (vec![0, 1, 2], vec![on("caller"), on("caller"), on("helper")], 2));
+        assert_eq!(joined.0[0].0, 0, "the caller's results come first");
+        assert_eq!(asked, vec![0, 1], "asked after each of the caller's items, with the helpers running");
+        assert_eq!(by(&alone), (vec![0, 1], vec![on("caller"), on("caller")], 1));
         let panicked = std::panic::catch_unwind(|| {
-            on_threads(2, "helper", || assert!(std::thread::current().name() != Some("helper"), "a helper panicked"))
+            let once = std::sync::atomic::AtomicBool::new(false);
+            on_threads(
+                2,
+                "helper",
+                |_| 0,
+                || {
+                    assert!(std::thread::current().name() != Some("helper"), "a helper panicked");
+                    (!once.swap(true, std::sync::atomic::Ordering::Relaxed)).then_some(())
+                },
+            )
         });
         assert!(panicked.is_err(), "a helper's panic comes back in the caller");
     }

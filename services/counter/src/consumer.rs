@@ -421,8 +421,15 @@ impl Processor<CounterContext> for Counter {
         let threads = 1 + self.helpers.starting();
         let shards_in_batch = batch.iter().map(|polled| polled.partition as u32);
         let late = LateRecords::new(consumer, shards_in_batch, self.late_budget, tally_core::packed::unpacked_len);
-        let (written, failed) =
-            apply_batch(batch, Some(&late), &self.shards, &self.metrics, self.rollups.is_some(), threads);
+        let helpers = &mut self.helpers;
+        let (written, failed) = apply_batch(
+            batch,
+            Some(&late),
+            &self.shards,
+            &self.metrics,
+            self.rollups.is_some(),
+            (threads, |running| helpers.joining(running)),
+        );
         *carried = late.into_carried();
         self.helpers.done();
         self.outbox_written += written;
@@ -579,11 +586,14 @@ fn report_state(shards: &Shards, readiness: &Readiness, metrics: &Metrics, confl
 /// nothing more (records of it polled before it was paused are dropped: its
 /// store's offset stays at the failure); the others go on.
 ///
-/// The helper threads run as nice as the apply loop; the loop starts them only
-/// while cores sat idle as the batch gathered ([`HelperGauge`]): on 2 cores shared
-/// with the ingester and the broker, helpers in every batch applied a backlog
-/// sooner but made batch reads while ingesting slower (BENCHMARKS.md, "Two apply
-/// threads, as nice as the loop"; "Helpers only on idle cores").
+/// `helpers`: how many threads start on it, and how many more join, asked between
+/// the loop's shards given how many run. The helper threads run as nice as the
+/// apply loop; the loop starts them only while cores sat idle as the batch gathered,
+/// or joins them once cores fell idle as it was applied ([`HelperGauge`]): on 2
+/// cores shared with the ingester and the broker, helpers in every batch applied a
+/// backlog sooner but made batch reads while ingesting slower (BENCHMARKS.md, "Two
+/// apply threads, as nice as the loop"; "Helpers only on idle cores"; "Helpers that
+/// join a batch").
 ///
 /// With `late`, records that arrived meanwhile join each shard as it starts
 /// ([`crate::late`]).
@@ -593,7 +603,7 @@ fn apply_batch<C: ConsumerContext>(
     shards: &Shards,
     metrics: &Metrics,
     mark_rollups: bool,
-    threads: usize,
+    (threads, join): (usize, impl FnMut(usize) -> usize),
 ) -> (u64, Vec<u32>) {
     let mut by_shard: BTreeMap<u32, Vec<ShardRecord<'_>>> = BTreeMap::new();
     for polled in batch {
@@ -609,32 +619,24 @@ fn apply_batch<C: ConsumerContext>(
     });
     let now = now_ms();
     let taken = AtomicUsize::new(0);
-    let apply_shards = || {
-        let (mut outbox_written, mut failed) = (0, Vec::new());
-        while let Some((shard, records)) = work.get(taken.fetch_add(1, Ordering::Relaxed)) {
-            let late = late.map(|late| late.start(*shard)).unwrap_or_default();
-            metrics.late_records.inc_by(late.len() as u64);
-            let records = match late.is_empty() {
-                true => Cow::Borrowed(records),
-                false => Cow::Owned(records.iter().copied().chain(late.iter().map(shard_record)).collect()),
-            };
-            let (written, shard_failed) = apply_shard(*shard, &records, shards, metrics, mark_rollups, now);
-            outbox_written += written;
-            if shard_failed {
-                failed.push(*shard);
-            }
-        }
-        (outbox_written, failed)
+    let apply_next = || {
+        let (shard, records) = work.get(taken.fetch_add(1, Ordering::Relaxed))?;
+        let late = late.map(|late| late.start(*shard)).unwrap_or_default();
+        metrics.late_records.inc_by(late.len() as u64);
+        let records = match late.is_empty() {
+            true => Cow::Borrowed(records),
+            false => Cow::Owned(records.iter().copied().chain(late.iter().map(shard_record)).collect()),
+        };
+        let (written, failed) = apply_shard(*shard, &records, shards, metrics, mark_rollups, now);
+        Some((written, failed.then_some(*shard)))
     };
-    let applied = tally_shared::sched::on_threads(threads.min(work.len()), "counter-apply+", apply_shards);
-    // One result per thread that ran (a helper that could not start is not counted).
-    if applied.len() > 1 {
+    let (applied, ran) = tally_shared::sched::on_threads(threads.min(work.len()), "counter-apply+", join, apply_next);
+    // A helper that could not start is not counted.
+    if ran > 1 {
         metrics.helped_batches.inc();
     }
-    applied.into_iter().fold((0, Vec::new()), |(written, mut failed), (more_written, more_failed)| {
-        failed.extend(more_failed);
-        (written + more_written, failed)
-    })
+    let written = applied.iter().map(|(written, _)| written).sum();
+    (written, applied.into_iter().filter_map(|(_, failed)| failed).collect())
 }
 
 fn shard_record(polled: &Polled) -> ShardRecord<'_> {
@@ -802,7 +804,7 @@ mod tests {
             .collect();
         let shards = Shards::default();
         shards.replace(stores, BTreeMap::new());
-        let mut returned = apply_batch(batch, late, &shards, &Metrics::new(&Registry::new()), true, threads);
+        let mut returned = apply_batch(batch, late, &shards, &Metrics::new(&Registry::new()), true, (threads, |_| 0));
         returned.1.sort();
         let states = (0..SHARDS)
             .map(|shard| {
