@@ -23,6 +23,11 @@ use crate::Result;
 /// machine is not the end of the load, however short the fetch wait.
 pub const MIN_QUIET: Duration = Duration::from_millis(100);
 
+/// How long a batch whose last record says its ingester read its input to the end
+/// ([`INPUT_DRAINED_HEADER`]) waits for more ([`poll_batch`]): the rest of the
+/// fetch that brought it is queued by then, and nothing else is on its way.
+pub const DRAINED_QUIET: Duration = Duration::from_millis(2);
+
 /// How big a batch may grow and how long it waits for more.
 #[derive(Debug, Clone, Copy)]
 pub struct BatchLimits {
@@ -133,10 +138,12 @@ impl Polled {
 /// It closes when full, when `open_for` (at least `limits.linger`) passed since it
 /// opened, past `limits.linger` once no record arrived for `limits.quiet` (the load
 /// that stretched it has stopped: at the end of a backlog, waiting out the stretch
-/// only delays the last records) — or for just `limits.linger` after a record that
-/// says its ingester read its input to the end ([`INPUT_DRAINED_HEADER`]: the end
-/// of a load told from a pause between an ingester's sends) —, or, while still
-/// empty, after one idle poll (so the caller's heartbeat work runs). After every poll `interrupted()` is asked:
+/// only delays the last records) — or, `linger` or not, once nothing more came for
+/// [`DRAINED_QUIET`] after a record that says its ingester read its input to the
+/// end ([`INPUT_DRAINED_HEADER`]: the end of a load, or a light one, told from a
+/// pause between an ingester's sends; what else came in the same fetch is already
+/// queued) —, or, while still empty, after one idle poll (so the caller's heartbeat
+/// work runs). After every poll `interrupted()` is asked:
 /// true (a rebalance reset the positions) discards what was collected and returns.
 pub fn poll_batch<C: ConsumerContext>(
     consumer: &BaseConsumer<C>,
@@ -150,9 +157,9 @@ pub fn poll_batch<C: ConsumerContext>(
     let deadline = opened + open_for.max(limits.linger);
     // When the batch closes, given when its last record came (or it opened) and
     // whether that record said its input was drained.
-    let closes = |quiet_from: Instant, drained: bool| {
-        let quiet = if drained { limits.linger } else { limits.quiet };
-        deadline.min((quiet_from + quiet).max(opened + limits.linger))
+    let closes = |quiet_from: Instant, drained: bool| match drained {
+        true => deadline.min(quiet_from + DRAINED_QUIET),
+        false => deadline.min((quiet_from + limits.quiet).max(opened + limits.linger)),
     };
     let (mut quiet_from, mut drained) = (opened, batch.last().is_some_and(|polled| polled.drained));
     loop {
@@ -743,6 +750,54 @@ mod tests {
         let between = second_batch_after_a_slow_apply(Trickle::StopsDrained);
         // Every record was waiting when the batch opened (10 ms of `linger`).
         assert!(between < QUIET - Duration::from_millis(100), "the second batch lingered {between:?}");
+    }
+
+    /// Under light load too, a batch whose last record says its ingester's input
+    /// drained closes once nothing more is queued, without waiting out `linger`;
+    /// the same records without it wait it out.
+    #[test]
+    fn a_batch_closes_once_nothing_follows_a_record_that_says_its_input_drained() {
+        const LINGER: Duration = Duration::from_millis(400);
+        let open_for = |drained: bool| -> (Duration, Vec<i64>) {
+            let cluster = MockCluster::new(1).unwrap();
+            let topic = "drained";
+            cluster.create_topic(topic, 1, 1).unwrap();
+            let kafka = KafkaConfig { bootstrap_servers: cluster.bootstrap_servers(), ..Default::default() };
+            let producer: BaseProducer = client_config(&kafka).unwrap().create().unwrap();
+            for at in 0..3 {
+                let mut record = BaseRecord::<(), _>::to(topic).payload("x");
+                if drained && at == 2 {
+                    let header = Header { key: INPUT_DRAINED_HEADER, value: Some(&[][..]) };
+                    record = record.headers(OwnedHeaders::new().insert(header));
+                }
+                producer.send(record).unwrap();
+            }
+            producer.flush(Duration::from_secs(5)).unwrap();
+            let mut consumer_config = crate::kafka::consumer_config(&kafka).unwrap();
+            consumer_config.set("group.id", "drained-test").set("enable.auto.commit", "false");
+            let consumer: BaseConsumer = consumer_config.create().unwrap();
+            let mut assignment = TopicPartitionList::new();
+            assignment.add_partition_offset(topic, 0, Offset::Beginning).unwrap();
+            consumer.assign(&assignment).unwrap();
+            // The batch opens with the first record; the two after it came in the
+            // same fetch.
+            let first = std::iter::repeat_with(|| consumer.poll(Duration::from_secs(1)))
+                .take(20)
+                .find_map(|polled| polled.and_then(Result::ok).map(|message| Polled::copy(&message)))
+                .expect("the first record");
+            let mut batch = vec![first];
+            let started = Instant::now();
+            let full =
+                poll_batch(&consumer, &unbounded(LINGER, LINGER, Duration::from_secs(5)), LINGER, &mut batch, || false);
+            assert!(!full);
+            (started.elapsed(), batch.iter().map(|polled| polled.offset).collect())
+        };
+        let (drained, offsets) = open_for(true);
+        assert_eq!(offsets, vec![0, 1, 2]);
+        assert!(drained < LINGER / 2, "the batch lingered {drained:?} after its input drained");
+        let (lingered, offsets) = open_for(false);
+        assert_eq!(offsets, vec![0, 1, 2]);
+        assert!(lingered >= LINGER - Duration::from_millis(5), "the batch closed after {lingered:?}");
     }
 
     /// Takes the first record of its first batch and hands the rest back as polled
