@@ -425,12 +425,12 @@ pub(crate) mod tests {
         }
     }
 
+    /// An item's number, and the name and nice value of the thread that took it.
+    type Taken = (usize, Option<String>, i32);
+
     /// `count` items for [`on_threads`], each taken in turn: item `i` waits at
     /// `meets[i]` (if any) and returns who ran it.
-    fn items<'a>(
-        count: usize,
-        meets: &'a [Option<&'a Meet>],
-    ) -> impl Fn() -> Option<(usize, Option<String>, i32)> + Sync + 'a {
+    fn items<'a>(count: usize, meets: &'a [Option<&'a Meet>]) -> impl Fn() -> Option<Taken> + Sync + 'a {
         let taken = std::sync::atomic::AtomicUsize::new(0);
         move || {
             let item = taken.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -476,7 +476,7 @@ pub(crate) mod tests {
         let lowered = base + 3;
         let (got_lowered, three, joined, asked, alone) = seen;
         assert_eq!(got_lowered, lowered);
-        let by = |results: &(Vec<(usize, Option<String>, i32)>, usize)| {
+        let by = |results: &(Vec<Taken>, usize)| {
             let mut who: Vec<(String, i32)> =
                 results.0.iter().map(|(_, name, nice)| (name.clone().unwrap_or_default(), *nice)).collect();
             who.sort();
