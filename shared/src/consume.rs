@@ -759,26 +759,17 @@ mod tests {
     fn a_batch_closes_once_nothing_follows_a_record_that_says_its_input_drained() {
         const LINGER: Duration = Duration::from_millis(400);
         let open_for = |drained: bool| -> (Duration, Vec<i64>) {
-            let cluster = MockCluster::new(1).unwrap();
             let topic = "drained";
-            cluster.create_topic(topic, 1, 1).unwrap();
-            let kafka = KafkaConfig { bootstrap_servers: cluster.bootstrap_servers(), ..Default::default() };
-            let producer: BaseProducer = client_config(&kafka).unwrap().create().unwrap();
-            for at in 0..3 {
-                let mut record = BaseRecord::<(), _>::to(topic).payload("x");
-                if drained && at == 2 {
-                    let header = Header { key: INPUT_DRAINED_HEADER, value: Some(&[][..]) };
-                    record = record.headers(OwnedHeaders::new().insert(header));
-                }
-                producer.send(record).unwrap();
+            let (_cluster, kafka) = mock_topic(topic, &["x", "x"]);
+            let mut last = BaseRecord::<(), _>::to(topic).payload("x");
+            if drained {
+                let header = Header { key: INPUT_DRAINED_HEADER, value: Some(&[][..]) };
+                last = last.headers(OwnedHeaders::new().insert(header));
             }
+            let producer: BaseProducer = client_config(&kafka).unwrap().create().unwrap();
+            producer.send(last).unwrap();
             producer.flush(Duration::from_secs(5)).unwrap();
-            let mut consumer_config = crate::kafka::consumer_config(&kafka).unwrap();
-            consumer_config.set("group.id", "drained-test").set("enable.auto.commit", "false");
-            let consumer: BaseConsumer = consumer_config.create().unwrap();
-            let mut assignment = TopicPartitionList::new();
-            assignment.add_partition_offset(topic, 0, Offset::Beginning).unwrap();
-            consumer.assign(&assignment).unwrap();
+            let consumer = consumer_from_start(&kafka, topic, "drained-test");
             // The batch opens with the first record; the two after it came in the
             // same fetch.
             let first = std::iter::repeat_with(|| consumer.poll(Duration::from_secs(1)))
