@@ -45,6 +45,11 @@ pub struct IngestBenchArgs {
     pub cases: Vec<String>,
     #[arg(long, default_value_t = 100_000)]
     pub entities: usize,
+    /// Runs every case this many times (the cases taking turns, each run on a fresh
+    /// local broker) and ends with each case's median ratio: on a broker that shares
+    /// the machine, one run's raw rate can be a tenth off the next one's.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub repeat: u32,
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -242,11 +247,12 @@ impl Rig {
         Ok(TopicNames::new(&self.config.kafka.topic_prefix))
     }
 
-    /// An empty local broker in place of the one the cases before used, so that a
-    /// case measures alike however many ran before it in the same run (the local
-    /// broker slows as its database grows); nothing when Kafka is the configured one.
-    pub(crate) async fn fresh_local_broker(&mut self, case: usize) -> anyhow::Result<()> {
-        let dir = self.scratch.path().join(format!("kafka-{case}"));
+    /// An empty local broker in place of the one the runs before used, so that a
+    /// run measures alike however many ran before it (the local broker slows as its
+    /// database grows); nothing when Kafka is the configured one. `run` names its
+    /// data directory.
+    pub(crate) async fn fresh_local_broker(&mut self, run: usize) -> anyhow::Result<()> {
+        let dir = self.scratch.path().join(format!("kafka-{run}"));
         replace_local_broker(&mut self.local, &mut self.config, dir).await
     }
 
@@ -559,88 +565,157 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
     let cases = args.cases.iter().map(|c| Case::parse(c)).collect::<anyhow::Result<Vec<_>>>()?;
     let mut rig = Rig::start(config, config_path).await?;
     println!(
-        "ingest bench: backlogs of {} on the increments topic, {} entities (Zipf 1.1); broker {}; services as processes from {}",
+        "ingest bench: backlogs of {} on the increments topic, {} entities (Zipf 1.1){}; broker {}; services as processes from {}",
         args.cases.join(", "),
         args.entities,
+        match args.repeat {
+            1 => String::new(),
+            n => format!(", each case {n} times"),
+        },
         match rig.local {
-            Some(_) => "a local one, started afresh for each case".to_string(),
+            Some(_) => "a local one, started afresh for each run".to_string(),
             None => rig.config.kafka.bootstrap_servers.clone(),
         },
         rig.bin_dir.display()
     );
-    for (i, case) in cases.iter().enumerate() {
-        if i > 0 {
-            rig.fresh_local_broker(i).await?;
+    let mut ratios: Vec<Vec<Ratios>> = vec![Vec::new(); cases.len()];
+    for round in 0..args.repeat as usize {
+        for (i, case) in cases.iter().enumerate() {
+            let run = round * cases.len() + i;
+            if run > 0 {
+                rig.fresh_local_broker(run).await?;
+            }
+            // The same backlog in every round: the seed is the case's.
+            ratios[i].push(ingest_case(&mut rig, *case, args.entities, i as u64).await?);
         }
-        let names = rig.fresh_topics().await?;
-        produce_backlog(&rig.config, &names.increments(), *case, args.entities, i as u64).await?;
-        let raw_cpu = CpuWatch::start(
-            &[("consumer", std::process::id())].into_iter().chain(rig.broker_process()).collect::<Vec<_>>(),
-        );
-        let raw = raw_consume(&rig.config, &names.increments(), case.messages).await?;
-        let raw_cpu = raw_cpu.per_unit(case.increments() as f64 / 1e6);
-        let counter_admin = rig.ports.counter_admin;
-        rig.run("tally-counter", counter_admin).await?;
-        let label = format!("{} per message, end to end", case.per_message);
-        let through = ingest_backlog(&mut rig, case.increments(), case.messages as u64, &label).await?;
-        let tally_cpu =
-            through.cpu.as_ref().map_or_else(|| "unknown".into(), |cpu| cpu.per_unit(case.increments() as f64 / 1e6));
-        let rollups = rig.scrape(counter_admin, "tally_counter_rollups_published_total").await?;
-        let live_batches = rig.batches(counter_admin).await?;
-        let late_records = rig.scrape(counter_admin, "tally_counter_late_records_total").await?;
-        let journal = match rig.scrape(counter_admin, "tally_counter_store_wal").await? == 0.0 {
-            true => "the shard topic (no WAL)",
-            false => "RocksDB's WAL",
-        };
-        let ingester_admin = rig.ports.ingester_admin;
-        let input_bytes = rig.scrape(ingester_admin, "tally_ingester_input_bytes_total").await?;
-        let shard_bytes =
-            rig.scrape_labelled(ingester_admin, "tally_ingester_output_bytes_total", &names.shards()).await?;
-        rig.stop_all().await?;
-        // A broker can slow down as its data grows (the local one does): the raw rate
-        // again after the run, and the ratio against both.
-        let raw_after = raw_consume(&rig.config, &names.increments(), case.messages).await?;
-        let rebuild = rebuild_from_the_log(&mut rig, case.increments()).await?;
-        let per = case.per_message as f64;
-        println!(
-            "{:>3} {}/message: raw consume {:>9.0} records/s before, {:>9.0} after ({:.0} and {:.0} increments/s); tally end to end {:>9.0} increments/s = {:.2}x raw before, {:.2}x after (the ingester read it all after {:.2} s, when the counter had applied {:.0} %; the counter applied it all after {:.2} s)",
-            case.per_message,
-            case.increment_word(),
-            raw,
-            raw_after,
-            raw * per,
-            raw_after * per,
-            through.per_sec,
-            through.per_sec / (raw * per).max(1e-9),
-            through.per_sec / (raw_after * per).max(1e-9),
-            through.routed_after.as_secs_f64(),
-            through.applied_when_routed * 100.0,
-            through.applied_after.as_secs_f64(),
-        );
-        println!("    rollup records published by then: {rollups:.0}");
-        let increments = case.increments() as f64;
-        println!(
-            "    bytes per increment: input {:.1}, shard topic {:.1}",
-            input_bytes / increments,
-            shard_bytes / increments
-        );
-        println!("    CPU per million increments: tally end to end: {tally_cpu}; raw consume: {raw_cpu}");
-        println!(
-            "    the counter's write batches: live {}; rebuilding {}",
-            live_batches.describe(increments),
-            rebuild.batches.describe(increments)
-        );
-        println!(
-            "    the counter's stores journaled by {journal}; {late_records:.0} records joined a batch being applied"
-        );
-        println!(
-            "    the counter alone, rebuilding every shard from the shard topic: {:.0} increments/s ({:.2} s; CPU per million increments: {})",
-            case.increments() as f64 / rebuild.elapsed.as_secs_f64().max(1e-9),
-            rebuild.elapsed.as_secs_f64(),
-            rebuild.cpu,
-        );
+    }
+    if args.repeat > 1 {
+        for (case, ratios) in cases.iter().zip(&ratios) {
+            let before = Spread::of(ratios.iter().map(|r| r.before));
+            let after = Spread::of(ratios.iter().map(|r| r.after));
+            println!(
+                "{:>3} {}/message, {} runs: tally end to end {} raw before, {} after",
+                case.per_message,
+                case.increment_word(),
+                ratios.len(),
+                before,
+                after
+            );
+        }
     }
     rig.finish().await
+}
+
+/// One run's end-to-end rate against the raw rate before and after it.
+#[derive(Debug, Clone, Copy)]
+struct Ratios {
+    before: f64,
+    after: f64,
+}
+
+/// The median of several runs' ratios, and their range.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Spread {
+    median: f64,
+    min: f64,
+    max: f64,
+}
+
+impl Spread {
+    /// An even count's median is the mean of the middle two.
+    fn of(values: impl Iterator<Item = f64>) -> Self {
+        let mut sorted: Vec<f64> = values.collect();
+        sorted.sort_by(f64::total_cmp);
+        let Some((&min, &max)) = sorted.first().zip(sorted.last()) else {
+            return Self { median: f64::NAN, min: f64::NAN, max: f64::NAN };
+        };
+        let mid = sorted.len() / 2;
+        let median = match sorted.len() % 2 {
+            1 => sorted[mid],
+            _ => (sorted[mid - 1] + sorted[mid]) / 2.0,
+        };
+        Self { median, min, max }
+    }
+}
+
+impl std::fmt::Display for Spread {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "median {:.2}x ({:.2}-{:.2}x)", self.median, self.min, self.max)
+    }
+}
+
+/// One run of a case on the rig's broker as it is: the backlog, the raw rate, tally
+/// end to end, the raw rate again and the counter's rebuild, each printed.
+async fn ingest_case(rig: &mut Rig, case: Case, entities: usize, seed: u64) -> anyhow::Result<Ratios> {
+    let names = rig.fresh_topics().await?;
+    produce_backlog(&rig.config, &names.increments(), case, entities, seed).await?;
+    let raw_cpu = CpuWatch::start(
+        &[("consumer", std::process::id())].into_iter().chain(rig.broker_process()).collect::<Vec<_>>(),
+    );
+    let raw = raw_consume(&rig.config, &names.increments(), case.messages).await?;
+    let raw_cpu = raw_cpu.per_unit(case.increments() as f64 / 1e6);
+    let counter_admin = rig.ports.counter_admin;
+    rig.run("tally-counter", counter_admin).await?;
+    let label = format!("{} per message, end to end", case.per_message);
+    let through = ingest_backlog(rig, case.increments(), case.messages as u64, &label).await?;
+    let tally_cpu =
+        through.cpu.as_ref().map_or_else(|| "unknown".into(), |cpu| cpu.per_unit(case.increments() as f64 / 1e6));
+    let rollups = rig.scrape(counter_admin, "tally_counter_rollups_published_total").await?;
+    let live_batches = rig.batches(counter_admin).await?;
+    let late_records = rig.scrape(counter_admin, "tally_counter_late_records_total").await?;
+    let journal = match rig.scrape(counter_admin, "tally_counter_store_wal").await? == 0.0 {
+        true => "the shard topic (no WAL)",
+        false => "RocksDB's WAL",
+    };
+    let ingester_admin = rig.ports.ingester_admin;
+    let input_bytes = rig.scrape(ingester_admin, "tally_ingester_input_bytes_total").await?;
+    let shard_bytes = rig.scrape_labelled(ingester_admin, "tally_ingester_output_bytes_total", &names.shards()).await?;
+    rig.stop_all().await?;
+    // A broker can slow down as its data grows (the local one does): the raw rate
+    // again after the run, and the ratio against both.
+    let raw_after = raw_consume(&rig.config, &names.increments(), case.messages).await?;
+    let rebuild = rebuild_from_the_log(rig, case.increments()).await?;
+    let per = case.per_message as f64;
+    let ratios = Ratios {
+        before: through.per_sec / (raw * per).max(1e-9),
+        after: through.per_sec / (raw_after * per).max(1e-9),
+    };
+    println!(
+        "{:>3} {}/message: raw consume {:>9.0} records/s before, {:>9.0} after ({:.0} and {:.0} increments/s); tally end to end {:>9.0} increments/s = {:.2}x raw before, {:.2}x after (the ingester read it all after {:.2} s, when the counter had applied {:.0} %; the counter applied it all after {:.2} s)",
+        case.per_message,
+        case.increment_word(),
+        raw,
+        raw_after,
+        raw * per,
+        raw_after * per,
+        through.per_sec,
+        ratios.before,
+        ratios.after,
+        through.routed_after.as_secs_f64(),
+        through.applied_when_routed * 100.0,
+        through.applied_after.as_secs_f64(),
+    );
+    println!("    rollup records published by then: {rollups:.0}");
+    let increments = case.increments() as f64;
+    println!(
+        "    bytes per increment: input {:.1}, shard topic {:.1}",
+        input_bytes / increments,
+        shard_bytes / increments
+    );
+    println!("    CPU per million increments: tally end to end: {tally_cpu}; raw consume: {raw_cpu}");
+    println!(
+        "    the counter's write batches: live {}; rebuilding {}",
+        live_batches.describe(increments),
+        rebuild.batches.describe(increments)
+    );
+    println!("    the counter's stores journaled by {journal}; {late_records:.0} records joined a batch being applied");
+    println!(
+        "    the counter alone, rebuilding every shard from the shard topic: {:.0} increments/s ({:.2} s; CPU per million increments: {})",
+        case.increments() as f64 / rebuild.elapsed.as_secs_f64().max(1e-9),
+        rebuild.elapsed.as_secs_f64(),
+        rebuild.cpu,
+    );
+    Ok(ratios)
 }
 
 /// How long the counter took to rebuild its shards from the shard topic alone.
@@ -1109,6 +1184,18 @@ mod tests {
                 assert!((got - want).abs() < 1e-6, "{dues:?}");
             }
         }
+    }
+
+    #[test]
+    fn a_spread_is_the_median_and_the_range_of_its_runs() {
+        let odd = Spread::of([0.93, 0.81, 0.90].into_iter());
+        assert_eq!(odd, Spread { median: 0.90, min: 0.81, max: 0.93 });
+        let even = Spread::of([0.95, 0.80, 0.91, 0.89].into_iter());
+        assert_eq!((even.min, even.max), (0.80, 0.95));
+        assert!((even.median - 0.90).abs() < 1e-12, "{even:?}");
+        assert_eq!(Spread::of([0.5].into_iter()), Spread { median: 0.5, min: 0.5, max: 0.5 });
+        assert_eq!(even.to_string(), "median 0.90x (0.80-0.95x)");
+        assert!(Spread::of(std::iter::empty()).median.is_nan());
     }
 
     #[test]
