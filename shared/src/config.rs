@@ -348,7 +348,8 @@ pub struct IngesterConfig {
     /// Most input payload bytes held in one batch (memory stays bounded whatever
     /// the records' sizes).
     pub batch_max_bytes: usize,
-    /// Longest wait for a batch to fill, in ms.
+    /// Longest wait for a batch to fill, in ms; a batch whose input partitions are
+    /// read to the end their last fetch reported closes at once.
     pub batch_linger_ms: u64,
     /// Consume every input partition without joining the consumer group (one
     /// instance only). For brokers whose group coordinator cannot evict a killed

@@ -14,6 +14,7 @@
 //! every shard partition's records in the order they were sent.
 
 pub mod error;
+pub mod gather;
 pub mod in_flight;
 pub mod metrics;
 pub mod route;
@@ -28,7 +29,7 @@ use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::message::{BorrowedMessage, Header, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
-use rdkafka::{ClientContext, Message};
+use rdkafka::ClientContext;
 use tally_core::format::{INPUT_DRAINED_HEADER, RECORD_TIME_HEADER};
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{cached_high_watermark, consumer_config, producer_config, wait_for_topic, TopicNames};
@@ -37,6 +38,7 @@ use tally_shared::telemetry::{serve_admin, Readiness};
 use tokio_util::sync::CancellationToken;
 
 pub use error::{Error, Result};
+use gather::{BatchEnds, Closed, Gather};
 use in_flight::{InFlight, InputPartition};
 use route::{Outgoing, Router};
 
@@ -123,9 +125,11 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         metrics,
         readiness: readiness.clone(),
         positions,
-        linger: Duration::from_millis(config.ingester.batch_linger_ms),
-        max_records: config.ingester.batch_max_records.max(1),
-        max_bytes: config.ingester.batch_max_bytes.max(1),
+        gather: Gather {
+            linger: Duration::from_millis(config.ingester.batch_linger_ms),
+            max_records: config.ingester.batch_max_records.max(1),
+            max_bytes: config.ingester.batch_max_bytes.max(1),
+        },
     };
     let stop = shutdown.clone();
     let result = tally_shared::sched::spawn_background("ingest-pipeline", move || pipeline.run(&stop))
@@ -175,15 +179,14 @@ struct Pipeline {
     metrics: metrics::Metrics,
     readiness: Readiness,
     positions: Arc<Mutex<HashMap<InputPartition, i64>>>,
-    linger: Duration,
-    max_records: usize,
-    max_bytes: usize,
+    gather: Gather,
 }
 
 impl Pipeline {
     fn run(&self, shutdown: &CancellationToken) -> Result<()> {
         let mut in_flight = InFlight::default();
-        let mut batch: Vec<BorrowedMessage<'_>> = Vec::with_capacity(self.max_records);
+        let mut batch: Vec<BorrowedMessage<'_>> = Vec::with_capacity(self.gather.max_records.min(1 << 16));
+        let mut ends = BatchEnds::default();
         let mut last_commit = Instant::now();
         let mut last_health: Option<Instant> = None;
         // Idle, it rests (`shared::rest`): its inputs paused, a look at their ends.
@@ -200,17 +203,18 @@ impl Pipeline {
                 last_health = Some(Instant::now());
                 self.check_health();
             }
-            let full = self.poll_batch(&mut batch);
+            let closed = self.gather.poll(&self.consumer, &self.inputs, &mut batch, &mut ends);
             if batch.is_empty() {
                 rest.polled_nothing(&self.consumer, |_| false, || self.next_offsets(&mut committed));
             } else {
                 rest.records_came(&self.consumer);
                 committed = None;
-                if let Err(err) = self.send(&batch, !full, &mut in_flight) {
+                if let Err(err) = self.send(&batch, &ends, closed, &mut in_flight) {
                     break Err(err);
                 }
                 self.metrics.batch_records.observe(batch.len() as f64);
                 batch.clear();
+                ends.clear();
             }
             // Wait for the oldest batches while too many are out.
             let mut failed = None;
@@ -277,52 +281,25 @@ impl Pipeline {
         positions.retain(|key, _| holds(key));
     }
 
-    /// Collects one bounded batch: it closes when full (then true), `linger` after
-    /// its first record, or after an idle poll while still empty.
-    fn poll_batch<'c>(&'c self, batch: &mut Vec<BorrowedMessage<'c>>) -> bool {
-        let mut bytes = 0usize;
-        let mut deadline = None;
-        loop {
-            let wait =
-                deadline.map_or(Duration::from_millis(100), |d: Instant| d.saturating_duration_since(Instant::now()));
-            match self.consumer.poll(wait) {
-                Some(Ok(message)) => {
-                    bytes += message.payload_len();
-                    batch.push(message);
-                    deadline.get_or_insert_with(|| Instant::now() + self.linger);
-                }
-                Some(Err(err)) => tracing::warn!(error = %err, "consumer error"),
-                None if batch.is_empty() => return false,
-                None => {}
-            }
-            let full = batch.len() >= self.max_records || bytes >= self.max_bytes;
-            if full || deadline.is_some_and(|d| Instant::now() >= d) {
-                return full;
-            }
-        }
-    }
-
     /// Routes a batch and hands its output to the producer. A batch that closed
     /// before it was full and read each of its input partitions to the end the
     /// broker last reported is sent as `drained` ([`INPUT_DRAINED_HEADER`]).
-    fn send(&self, batch: &[BorrowedMessage<'_>], closed_early: bool, in_flight: &mut InFlight) -> Result<()> {
+    fn send(
+        &self,
+        batch: &[BorrowedMessage<'_>],
+        ends: &BatchEnds,
+        closed: Closed,
+        in_flight: &mut InFlight,
+    ) -> Result<()> {
         let outgoing = self.router.route(batch, &self.metrics)?;
-        let mut next: HashMap<InputPartition, i64> = HashMap::new();
-        for message in batch {
-            let input = self.inputs.iter().position(|name| name == message.topic()).unwrap_or(0);
-            let entry = next.entry((input, message.partition())).or_insert(0);
-            *entry = (*entry).max(message.offset() + 1);
-        }
-        self.positions
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .extend(next.iter().map(|(k, v)| (*k, *v)));
-        let drained = closed_early
-            && next.iter().all(|((input, partition), next)| {
-                cached_high_watermark(&self.consumer, &self.inputs[*input], *partition)
-                    .is_some_and(|high| *next >= high)
-            });
-        let seq = in_flight.open(next.into_iter().collect(), outgoing.len());
+        self.positions.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).extend(ends.0.iter().copied());
+        let drained = match closed {
+            Closed::ReadToTheEnd => true,
+            Closed::Lingered => ends
+                .at_the_end(|(input, partition)| cached_high_watermark(&self.consumer, &self.inputs[input], partition)),
+            Closed::Full | Closed::Empty => false,
+        };
+        let seq = in_flight.open(ends.0.clone(), outgoing.len());
         for out in &outgoing {
             self.produce(out, drained, seq, in_flight)?;
         }

@@ -4,10 +4,11 @@
 //! messages for the valid graph updates (per input partition, in input order) and
 //! dead letters for everything rejected.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use rdkafka::message::BorrowedMessage;
 use rdkafka::Message;
+use rustc_hash::FxHashMap;
 use tally_core::bundle::{BUNDLE_OVERHEAD, SECTION_OVERHEAD};
 use tally_core::format::{RECORD_V2, RECORD_V4};
 use tally_core::input::{parse_graph_updates, parse_increments, Rejection};
@@ -287,8 +288,8 @@ impl Router {
 /// A batch's valid increments: per input partition, a row of one group per shard.
 type IncrementsByPartition<'a> = BTreeMap<i32, Vec<Vec<(Stamp, IncrementCow<'a>)>>>;
 /// The time of every input record of a batch from one input topic, by (partition,
-/// offset).
-type RecordTimes = HashMap<(i32, i64), i64>;
+/// offset): FxHash, as the keys are the broker's, not a producer's.
+type RecordTimes = FxHashMap<(i32, i64), i64>;
 
 /// The input time of the record that holds the last entry of `chunk`.
 fn last_time<T>(record_times: &RecordTimes, partition: i32, chunk: &[(Stamp, T)]) -> Option<i64> {
