@@ -81,7 +81,13 @@ pub fn parse_increments<'a>(
     // the scanner when they are plain (`scan`), else by serde_json. A message with
     // anything to reject goes the element-by-element way, which names each bad
     // element and its bytes (and accepts the same valid ones).
-    if first_significant_byte(payload) == Some(b'[') {
+    // A single plain object read by the scanner and valid is accepted as it is;
+    // anything else about it the general way decides.
+    if first_significant_byte(payload) == Some(b'{') {
+        if let Some(increment) = scan::plain_increment(payload).and_then(|raw| checked(raw, record_ts).ok()) {
+            return accept(0, increment);
+        }
+    } else if first_significant_byte(payload) == Some(b'[') {
         let all_checked = |raws: Vec<RawIncrement<'a>>| -> Option<Vec<IncrementCow<'a>>> {
             raws.into_iter().map(|raw| checked(raw, record_ts)).collect::<Result<Vec<_>, _>>().ok()
         };
@@ -413,6 +419,23 @@ mod tests {
                 if let Some(cut) = broken {
                     // Cut where a character starts (a name may end in a multi-byte one).
                     let mut at = payload.len().saturating_sub(cut + 2);
+                    while !payload.is_char_boundary(at) {
+                        at -= 1;
+                    }
+                    payload.truncate(at);
+                }
+                prop_assert_eq!(run(&payload), element_by_element(&payload));
+            }
+
+            #[test]
+            fn single_objects_read_in_one_pass_as_element_by_element(
+                element in prop_oneof![element(), plain()],
+                space in proptest::sample::select(vec!["", " ", "\n", "\r\n\t"]),
+                broken in proptest::option::of(0usize..4),
+            ) {
+                let mut payload = format!("{space}{element}{space}");
+                if let Some(cut) = broken {
+                    let mut at = payload.len().saturating_sub(cut + 1);
                     while !payload.is_char_boundary(at) {
                         at -= 1;
                     }

@@ -1,6 +1,6 @@
 //! The quick way through the usual increments message: an array of flat objects
-//! whose strings hold no escapes and whose numbers are plain integers, read by a
-//! scanner that borrows every name from the payload.
+//! (or one such object) whose strings hold no escapes and whose numbers are plain
+//! integers, read by a scanner that borrows every name from the payload.
 //!
 //! It answers only where it reads exactly what serde_json reads. Anything else — an
 //! escape or control byte in a string, `null`, a number with a fraction, an exponent,
@@ -33,6 +33,15 @@ pub(super) fn plain_increments(payload: &[u8]) -> Option<Vec<RawIncrement<'_>>> 
     }
     scanner.skip_whitespace();
     (scanner.pos == payload.len()).then_some(elements)
+}
+
+/// `payload` when it is one plain increment object; `None` when the general way
+/// has to read it.
+pub(super) fn plain_increment(payload: &[u8]) -> Option<RawIncrement<'_>> {
+    let mut scanner = Scanner { text: std::str::from_utf8(payload).ok()?, pos: 0 };
+    let element = scanner.object()?;
+    scanner.skip_whitespace();
+    (scanner.pos == payload.len()).then_some(element)
 }
 
 struct Scanner<'a> {
@@ -177,6 +186,30 @@ mod tests {
         );
         assert_eq!(scanned("[]"), Some(vec![]));
         assert_eq!(scanned(" [ \n] "), Some(vec![]));
+    }
+
+    #[test]
+    fn reads_a_plain_object_alone() {
+        type Owned = (String, String, Option<i64>, Option<i64>, Option<String>);
+        fn single(payload: &str) -> Option<Owned> {
+            plain_increment(payload.as_bytes()).map(|raw| {
+                (raw.entity.into_owned(), raw.metric.into_owned(), raw.delta, raw.ts, raw.id.map(Cow::into_owned))
+            })
+        }
+        let fields = single(" {\"metric\":\"v.2\",\n\"entity\":\"user:7\", \"delta\":-3,\"id\":\"e\",\"ts\":5}\r\n");
+        assert_eq!(fields, Some(("user:7".into(), "v.2".into(), Some(-3), Some(5), Some("e".into()))));
+        for leave in [
+            r#"[{"entity":"a","metric":"v"}]"#,
+            r#"{"entity":"a","metric":"v"} x"#,
+            r#"{"entity":"a","metric":"v"}{}"#,
+            r#"{"entity":"a","metric":"v","colour":1}"#,
+            r#"{"entity":"a\u0041","metric":"v"}"#,
+            r#"{"entity":"a"}"#,
+            "\u{c}{\"entity\":\"a\",\"metric\":\"v\"}",
+            "",
+        ] {
+            assert_eq!(single(leave), None, "{leave}");
+        }
     }
 
     #[test]
