@@ -415,14 +415,8 @@ mod tests {
                 broken in proptest::option::of(0usize..4),
             ) {
                 let mut payload = format!(" [{}] ", elements.join(" ,\n"));
-                // Now and then a message that is not JSON at all.
                 if let Some(cut) = broken {
-                    // Cut where a character starts (a name may end in a multi-byte one).
-                    let mut at = payload.len().saturating_sub(cut + 2);
-                    while !payload.is_char_boundary(at) {
-                        at -= 1;
-                    }
-                    payload.truncate(at);
+                    cut_short(&mut payload, cut + 2);
                 }
                 prop_assert_eq!(run(&payload), element_by_element(&payload));
             }
@@ -435,15 +429,32 @@ mod tests {
             ) {
                 let mut payload = format!("{space}{element}{space}");
                 if let Some(cut) = broken {
-                    let mut at = payload.len().saturating_sub(cut + 1);
-                    while !payload.is_char_boundary(at) {
-                        at -= 1;
-                    }
-                    payload.truncate(at);
+                    cut_short(&mut payload, cut + 1);
                 }
                 prop_assert_eq!(run(&payload), element_by_element(&payload));
             }
         }
+
+        /// Now and then a message that is not JSON at all: `payload` without about its
+        /// last `bytes`, cut where a character starts (a name may end in a multi-byte one).
+        fn cut_short(payload: &mut String, bytes: usize) {
+            let mut at = payload.len().saturating_sub(bytes);
+            while !payload.is_char_boundary(at) {
+                at -= 1;
+            }
+            payload.truncate(at);
+        }
+    }
+
+    /// A single object with a name past its bound: the scanner reads it, the check
+    /// rejects it, and the reason is the element-by-element way's.
+    #[test]
+    fn an_oversized_single_object_is_rejected_as_element_by_element() {
+        let payload = format!(r#"{{"entity":"{}","metric":"v"}}"#, "e".repeat(300));
+        let (accepted, rejected) = run(&payload);
+        assert_eq!(accepted, vec![]);
+        assert_eq!(rejected, vec![(None, "entity: must be 1-256 bytes of UTF-8".to_string(), payload.clone())]);
+        assert_eq!(run(&payload), element_by_element(&payload));
     }
 
     #[test]

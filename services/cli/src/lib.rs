@@ -200,7 +200,8 @@ enum BenchCommand {
         tail: usize,
     },
     /// The ingester's parse on one thread: arrays of valid increments (one pass) vs the
-    /// same with an element to reject (element by element).
+    /// same with an element to reject (element by element); with `--per-message 1`,
+    /// single objects read by the scanner vs serde_json.
     Parse {
         #[arg(long, default_value_t = 20_000)]
         messages: usize,

@@ -66,6 +66,12 @@ impl BatchEnds {
         !self.0.is_empty() && self.0.iter().all(|(at, next)| end_of(*at).is_some_and(|end| *next >= end))
     }
 
+    /// [`BatchEnds::at_the_end`] of the ends `consumer`'s last fetches reported
+    /// (librdkafka's cached high watermarks: no round trip).
+    pub fn fetched_to_the_end<C: ConsumerContext>(&self, consumer: &BaseConsumer<C>, inputs: &[String]) -> bool {
+        self.at_the_end(|(input, partition)| cached_high_watermark(consumer, &inputs[input], partition))
+    }
+
     pub fn clear(&mut self) {
         self.0.clear();
     }
@@ -94,11 +100,7 @@ impl Gather {
                 }
                 Some(Err(err)) => tracing::warn!(error = %err, "consumer error"),
                 None if batch.is_empty() => return Closed::Empty,
-                None if ends
-                    .at_the_end(|(input, partition)| cached_high_watermark(consumer, &inputs[input], partition)) =>
-                {
-                    return Closed::ReadToTheEnd
-                }
+                None if ends.fetched_to_the_end(consumer, inputs) => return Closed::ReadToTheEnd,
                 None => {}
             }
             if batch.len() >= self.max_records || bytes >= self.max_bytes {

@@ -32,7 +32,7 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::ClientContext;
 use tally_core::format::{INPUT_DRAINED_HEADER, RECORD_TIME_HEADER};
 use tally_shared::config::TallyConfig;
-use tally_shared::kafka::{cached_high_watermark, consumer_config, producer_config, wait_for_topic, TopicNames};
+use tally_shared::kafka::{consumer_config, producer_config, wait_for_topic, TopicNames};
 use tally_shared::rest::{Rest, TopicPartition, REST_AFTER, REST_CHECK};
 use tally_shared::telemetry::{serve_admin, Readiness};
 use tokio_util::sync::CancellationToken;
@@ -295,8 +295,7 @@ impl Pipeline {
         self.positions.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).extend(ends.0.iter().copied());
         let drained = match closed {
             Closed::ReadToTheEnd => true,
-            Closed::Lingered => ends
-                .at_the_end(|(input, partition)| cached_high_watermark(&self.consumer, &self.inputs[input], partition)),
+            Closed::Lingered => ends.fetched_to_the_end(&self.consumer, &self.inputs),
             Closed::Full | Closed::Empty => false,
         };
         let seq = in_flight.open(ends.0.clone(), outgoing.len());
