@@ -28,6 +28,86 @@ pub struct Rejection<'a> {
     pub raw: &'a [u8],
 }
 
+/// The numbers an increment may carry (SPEC §8). Anything outside is refused with a
+/// reason naming the setting, never wrapped, and never counted into buckets that
+/// can no longer hold it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// The largest `|delta|` accepted (`ingester.max_abs_delta`).
+    pub max_abs_delta: i64,
+    /// How far past the ingester's clock a `ts` may lie (`ingester.max_future_ms`).
+    pub max_future_ms: i64,
+    /// How far behind the clock a `ts` may lie: the longest retention of the
+    /// configured resolutions, past which no bucket keeps the event.
+    pub max_age_ms: i64,
+}
+
+impl Limits {
+    /// `|delta|` up to 2^53: every count stays exact as a JSON number in every
+    /// reader, and 1 024 of the largest still fit one i64 total.
+    pub const DEFAULT_MAX_ABS_DELTA: i64 = 1 << 53;
+    pub const DEFAULT_MAX_FUTURE_MS: i64 = 3_600_000;
+    /// No bound but the epoch: for tests and benchmarks of the parse alone.
+    pub const NONE: Limits = Limits { max_abs_delta: i64::MAX, max_future_ms: i64::MAX, max_age_ms: i64::MAX };
+
+    /// The limits with the default bounds and `resolutions`' longest retention.
+    pub fn new(resolutions: &crate::time::Resolutions) -> Self {
+        Self {
+            max_abs_delta: Self::DEFAULT_MAX_ABS_DELTA,
+            max_future_ms: Self::DEFAULT_MAX_FUTURE_MS,
+            max_age_ms: resolutions.longest_retention_ms(),
+        }
+    }
+
+    /// The window of event times accepted at `now_ms`.
+    pub fn at(self, now_ms: i64) -> Bounds {
+        Bounds {
+            limits: self,
+            earliest_ts: now_ms.saturating_sub(self.max_age_ms),
+            latest_ts: now_ms.saturating_add(self.max_future_ms),
+        }
+    }
+}
+
+/// [`Limits`] at one moment: what [`parse_increments`] checks each increment against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bounds {
+    limits: Limits,
+    earliest_ts: i64,
+    latest_ts: i64,
+}
+
+impl Bounds {
+    /// Accepts every `delta` and every `ts` from the epoch on: for tests and
+    /// benchmarks of the parse alone.
+    pub fn none() -> Self {
+        Self { limits: Limits::NONE, earliest_ts: 0, latest_ts: i64::MAX }
+    }
+
+    fn check(&self, delta: i64, ts: i64) -> Result<(), String> {
+        let Limits { max_abs_delta, max_future_ms, max_age_ms } = self.limits;
+        if delta.unsigned_abs() > max_abs_delta.unsigned_abs() {
+            return Err(format!("delta: {delta} is beyond ±{max_abs_delta} (ingester.max_abs_delta)"));
+        }
+        if ts < 0 {
+            return Err("ts: must be milliseconds since the epoch (>= 0)".into());
+        }
+        if ts > self.latest_ts {
+            return Err(format!(
+                "ts: {ts} is more than {} ahead of the ingester's clock (ingester.max_future_ms)",
+                crate::time::format_duration(max_future_ms.unsigned_abs())
+            ));
+        }
+        if ts < self.earliest_ts {
+            return Err(format!(
+                "ts: {ts} is older than the longest retention ({}): no bucket keeps it",
+                crate::time::format_duration(max_age_ms.unsigned_abs())
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// The increment as producers write it, before the naming rules are checked.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -70,10 +150,11 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for ObjectOnly<T> {
 /// `reject(rejection)` for each invalid one, in message order.
 ///
 /// `record_ts` is the Kafka record's timestamp: the event time of increments that
-/// carry no `ts`.
+/// carry no `ts`; `bounds` are what their numbers must keep.
 pub fn parse_increments<'a>(
     payload: &'a [u8],
     record_ts: i64,
+    bounds: &Bounds,
     mut accept: impl FnMut(u32, IncrementCow<'a>),
     reject: impl FnMut(Rejection<'a>),
 ) {
@@ -84,12 +165,12 @@ pub fn parse_increments<'a>(
     // A single plain object read by the scanner and valid is accepted as it is;
     // anything else about it the general way decides.
     if first_significant_byte(payload) == Some(b'{') {
-        if let Some(increment) = scan::plain_increment(payload).and_then(|raw| checked(raw, record_ts).ok()) {
+        if let Some(increment) = scan::plain_increment(payload).and_then(|raw| checked(raw, record_ts, bounds).ok()) {
             return accept(0, increment);
         }
     } else if first_significant_byte(payload) == Some(b'[') {
         let all_checked = |raws: Vec<RawIncrement<'a>>| -> Option<Vec<IncrementCow<'a>>> {
-            raws.into_iter().map(|raw| checked(raw, record_ts)).collect::<Result<Vec<_>, _>>().ok()
+            raws.into_iter().map(|raw| checked(raw, record_ts, bounds)).collect::<Result<Vec<_>, _>>().ok()
         };
         let all_valid = match scan::plain_increments(payload) {
             Some(raws) => all_checked(raws),
@@ -104,7 +185,7 @@ pub fn parse_increments<'a>(
             return;
         }
     }
-    parse_elements(payload, |raw| parse_one(raw, record_ts), accept, reject);
+    parse_elements(payload, |raw| parse_one(raw, record_ts, bounds), accept, reject);
 }
 
 /// Parses a graph message (`add_edge` / `remove_edge` objects) like
@@ -214,28 +295,20 @@ fn parse_graph_update(raw: &str) -> Result<GraphUpdate, String> {
     })
 }
 
-fn parse_one(raw: &str, record_ts: i64) -> Result<IncrementCow<'_>, String> {
-    checked(deserialize_object(raw)?, record_ts)
+fn parse_one<'a>(raw: &'a str, record_ts: i64, bounds: &Bounds) -> Result<IncrementCow<'a>, String> {
+    checked(deserialize_object(raw)?, record_ts, bounds)
 }
 
-/// An increment as parsed, once its names, id and time are checked.
-fn checked(parsed: RawIncrement<'_>, record_ts: i64) -> Result<IncrementCow<'_>, String> {
+/// An increment as parsed, once its names, id and numbers are checked.
+fn checked<'a>(parsed: RawIncrement<'a>, record_ts: i64, bounds: &Bounds) -> Result<IncrementCow<'a>, String> {
     check_entity(&parsed.entity)?;
     check_metric(&parsed.metric)?;
     if let Some(id) = &parsed.id {
         check_id(id)?;
     }
-    let ts = parsed.ts.unwrap_or(record_ts);
-    if ts < 0 {
-        return Err("ts: must be milliseconds since the epoch (>= 0)".into());
-    }
-    Ok(IncrementCow {
-        entity: parsed.entity,
-        metric: parsed.metric,
-        delta: parsed.delta.unwrap_or(1),
-        ts,
-        id: parsed.id,
-    })
+    let (delta, ts) = (parsed.delta.unwrap_or(1), parsed.ts.unwrap_or(record_ts));
+    bounds.check(delta, ts)?;
+    Ok(IncrementCow { entity: parsed.entity, metric: parsed.metric, delta, ts, id: parsed.id })
 }
 
 #[cfg(test)]
@@ -245,12 +318,20 @@ mod tests {
 
     type Rejected = Vec<(Option<u32>, String, String)>;
 
+    /// The tests' clock stands at 1 000 ms; events up to 2·10^12 ms are accepted,
+    /// `|delta|` up to the default 2^53.
+    fn test_bounds() -> Bounds {
+        Limits { max_abs_delta: Limits::DEFAULT_MAX_ABS_DELTA, max_future_ms: 1_999_999_999_000, max_age_ms: 1_000 }
+            .at(1_000)
+    }
+
     fn run(payload: &str) -> (Vec<(u32, Increment)>, Rejected) {
         let mut accepted = Vec::new();
         let mut rejected = Vec::new();
         parse_increments(
             payload.as_bytes(),
             1_000,
+            &test_bounds(),
             |i, inc| accepted.push((i, inc.into_owned())),
             |r| rejected.push((r.index, r.reason, String::from_utf8(r.raw.to_vec()).unwrap())),
         );
@@ -301,7 +382,7 @@ mod tests {
         let mut rejected = Vec::new();
         parse_elements(
             payload.as_bytes(),
-            |raw| parse_one(raw, 1_000),
+            |raw| parse_one(raw, 1_000, &test_bounds()),
             |i, inc: IncrementCow| accepted.push((i, inc.into_owned())),
             |r| rejected.push((r.index, r.reason, String::from_utf8(r.raw.to_vec()).unwrap())),
         );
@@ -379,6 +460,8 @@ mod tests {
             let wrong = prop_oneof![
                 Just(r#"{"entity":"a","metric":"BAD"}"#.to_string()),
                 Just(r#"{"entity":"a","metric":"v","ts":-1}"#.to_string()),
+                Just(r#"{"entity":"a","metric":"v","ts":4102444800000}"#.to_string()),
+                Just(r#"{"entity":"a","metric":"v","delta":-9007199254740993}"#.to_string()),
                 Just(r#"{"entity":"","metric":"v"}"#.to_string()),
             ];
             prop_oneof![26 => valid(true), 2 => wrong, 2 => unusual()]
@@ -503,6 +586,47 @@ mod tests {
     }
 
     #[test]
+    fn numbers_beyond_their_bounds_are_refused_naming_the_setting() {
+        let limits = Limits { max_abs_delta: 100, max_future_ms: 3_600_000, max_age_ms: 86_400_000 };
+        let now = 10 * 86_400_000;
+        let parse = |payload: &str| {
+            let (mut accepted, mut rejected) = (Vec::new(), Vec::new());
+            parse_increments(
+                payload.as_bytes(),
+                now,
+                &limits.at(now),
+                |_, inc| accepted.push((inc.delta, inc.ts)),
+                |r| rejected.push(r.reason),
+            );
+            (accepted, rejected)
+        };
+        let edges = format!(
+            r#"[{{"entity":"a","metric":"v","delta":100,"ts":{}}},{{"entity":"a","metric":"v","delta":-100,"ts":{}}}]"#,
+            now + 3_600_000,
+            now - 86_400_000
+        );
+        assert_eq!(parse(&edges), (vec![(100, now + 3_600_000), (-100, now - 86_400_000)], vec![]));
+        let beyond = format!(
+            r#"[{{"entity":"a","metric":"v","delta":101}},{{"entity":"a","metric":"v","delta":-9223372036854775808}},
+                {{"entity":"a","metric":"v","ts":{}}},{{"entity":"a","metric":"v","ts":{}}},{{"entity":"a","metric":"v"}}]"#,
+            now + 3_600_001,
+            now - 86_400_001
+        );
+        let reasons = vec![
+            "delta: 101 is beyond ±100 (ingester.max_abs_delta)".to_string(),
+            "delta: -9223372036854775808 is beyond ±100 (ingester.max_abs_delta)".to_string(),
+            format!("ts: {} is more than 1h ahead of the ingester's clock (ingester.max_future_ms)", now + 3_600_001),
+            format!("ts: {} is older than the longest retention (1d): no bucket keeps it", now - 86_400_001),
+        ];
+        assert_eq!(parse(&beyond), (vec![(1, now)], reasons));
+        let default = Limits::new(&crate::time::Resolutions::default());
+        assert_eq!(
+            (default.max_abs_delta, default.max_future_ms, default.max_age_ms),
+            (1 << 53, 3_600_000, 400 * 86_400_000)
+        );
+    }
+
+    #[test]
     fn whole_message_rejections() {
         for payload in ["", "   ", "null", "42", "\"str\"", "[{\"entity\":", "{not json", "\u{fffd}"] {
             let (ok, bad) = run(payload);
@@ -512,7 +636,7 @@ mod tests {
             assert_eq!(bad[0].2, payload);
         }
         let mut rejected = Vec::new();
-        parse_increments(&[0xff, 0xfe], 0, |_, _| {}, |r| rejected.push(r.reason));
+        parse_increments(&[0xff, 0xfe], 0, &Bounds::none(), |_, _| {}, |r| rejected.push(r.reason));
         assert_eq!(rejected.len(), 1);
     }
 

@@ -137,6 +137,12 @@ impl Resolutions {
         self.0.iter()
     }
 
+    /// The longest time any resolution keeps a bucket: events older than that
+    /// count nowhere.
+    pub fn longest_retention_ms(&self) -> i64 {
+        self.0.iter().map(|r| r.retention_ms).max().unwrap_or(0)
+    }
+
     /// How many there are (never zero).
     pub fn count(&self) -> usize {
         self.0.len()

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use base64::Engine;
 use serde_json::{json, Value};
+use tally_core::jobs::api::MAX_ERROR_BYTES;
 use tally_core::jobs::DeadJob;
 use tally_core::model::Model;
 use tally_core::wire::{DeadLetter, Increment, Rollup};
@@ -264,8 +265,8 @@ async fn ten_thousand_delayed_jobs_do_not_delay_a_ready_one() {
     assert!(letters[0].reason.starts_with("run_at: "), "{}", letters[0].reason);
 }
 
-/// A job whose dead record (a 900 KB payload and a 1 MB error) is far over the
-/// broker's limit still lands in `.dead` — its error cut, and the record says so —
+/// A job whose dead record (a 950 KB payload and the longest error a nack may
+/// carry) is over the broker's limit still lands in `.dead` — its error cut, and the record says so —
 /// and the partition moves past it; an oversized malformed job's dead letter is
 /// written (cut) before the partition's offset passes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -273,7 +274,7 @@ async fn a_two_megabyte_dead_job_lands_in_dead() {
     let mut sandbox = Sandbox::start().await;
     let declarations =
         sandbox.declare("[[queue]]\nname = \"big\"\npartitions = 1\nmax_attempts = 1\nlease_ms = 600000\n").await;
-    let payload = "p".repeat(900_000);
+    let payload = "p".repeat(950_000);
     let job = json!({"id": "huge", "payload": {"blob": payload}}).to_string().into_bytes();
     let malformed = vec![b'#'; 900_000];
     let after = json!({"id": "after", "payload": 1}).to_string().into_bytes();
@@ -287,9 +288,15 @@ async fn a_two_megabyte_dead_job_lands_in_dead() {
         huge = dequeue(&broker, "big", 1).await;
     }
     assert_eq!(huge.first().map(|j| j["id"].clone()), Some(json!("huge")));
-    let error = "e".repeat(1_000_000);
+    let error = "e".repeat(MAX_ERROR_BYTES + 1);
     let (status, body) =
         post(format!("{broker}/v1/queues/big/nack"), json!({"lease": huge[0]["lease"], "error": error})).await;
+    assert_eq!((status, body["error"]["code"].as_str()), (400, Some("error_too_long")), "{body}");
+    let (status, body) = post(
+        format!("{broker}/v1/queues/big/nack"),
+        json!({"lease": huge[0]["lease"], "error": &error[..MAX_ERROR_BYTES]}),
+    )
+    .await;
     assert_eq!(status, 200, "{body}");
 
     let dead = sandbox.read_topic(&sandbox.names.dead_jobs("big"), 1, Duration::from_secs(60));
@@ -297,8 +304,8 @@ async fn a_two_megabyte_dead_job_lands_in_dead() {
     let dead: DeadJob = serde_json::from_slice(&dead[0]).unwrap();
     assert_eq!((dead.job.id.as_str(), dead.attempts), ("huge", 1));
     assert_eq!(dead.job.payload.get(), json!({"blob": payload}).to_string(), "the job is whole");
-    assert_eq!(dead.truncated, BTreeMap::from([("error".to_string(), 1_000_000)]));
-    assert!(dead.error.len() > 50_000 && dead.error.bytes().all(|b| b == b'e'));
+    assert_eq!(dead.truncated, BTreeMap::from([("error".to_string(), MAX_ERROR_BYTES)]));
+    assert!(dead.error.len() > 10_000 && dead.error.bytes().all(|b| b == b'e'));
 
     let letters = dead_letters(&sandbox, 1);
     assert_eq!(letters.len(), 1);

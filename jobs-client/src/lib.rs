@@ -159,6 +159,7 @@ impl BrokerClient {
     }
 
     pub async fn nack(&self, base: &str, lease: &str, retry_in_ms: Option<i64>, error: &str) -> Result<()> {
+        let error = tally_core::jobs::api::error_text(error);
         let request = NackRequest { lease: lease.to_string(), retry_in_ms, error: Some(error.to_string()) };
         let _: serde_json::Value = self.post(base, "nack", &request).await?;
         Ok(())

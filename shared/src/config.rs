@@ -89,6 +89,9 @@ pub struct WorkerConfig {
     pub webhook_url: Option<String>,
     /// Or run this program with the payload on stdin: exit 0 acks.
     pub command: Option<Vec<String>>,
+    /// The worker's environment variables the command sees (when set): it runs
+    /// with a cleared environment, so the worker's tokens never reach it.
+    pub command_env: Vec<String>,
     /// Prometheus metrics and health endpoints.
     pub admin_listen: String,
     /// Bearer token for the brokers.
@@ -104,6 +107,7 @@ impl Default for WorkerConfig {
             lease_ms: 0,
             webhook_url: None,
             command: None,
+            command_env: vec!["PATH".into(), "HOME".into(), "LANG".into()],
             admin_listen: "127.0.0.1:9106".into(),
             auth_token: None,
         }
@@ -362,6 +366,27 @@ pub struct IngesterConfig {
     /// reads only versions up to that one, until they are upgraded (README:
     /// "Upgrading").
     pub shard_record_format: u8,
+    /// The largest `|delta|` an increment may carry; larger ones go to the
+    /// dead-letter topic with a reason (counts never wrap).
+    pub max_abs_delta: i64,
+    /// How far ahead of the ingester's clock an increment's `ts` may lie, in ms;
+    /// later ones go to the dead-letter topic, as do those older than the longest
+    /// retention of `[counting] resolutions`.
+    pub max_future_ms: i64,
+}
+
+impl IngesterConfig {
+    /// What increments' numbers must keep, with `counting`'s longest retention.
+    pub fn limits(&self, counting: &CountingConfig) -> Result<tally_core::input::Limits> {
+        if self.max_abs_delta < 1 {
+            return Err(Error::Config(format!("ingester.max_abs_delta is {}: it is at least 1", self.max_abs_delta)));
+        }
+        if self.max_future_ms < 0 {
+            return Err(Error::Config(format!("ingester.max_future_ms is {}: it is at least 0", self.max_future_ms)));
+        }
+        let limits = tally_core::input::Limits::new(&counting.resolutions()?);
+        Ok(tally_core::input::Limits { max_abs_delta: self.max_abs_delta, max_future_ms: self.max_future_ms, ..limits })
+    }
 }
 
 /// Refuses a shard-record format the ingester cannot write (`ingester.shard_record_format`):
@@ -386,6 +411,8 @@ impl Default for IngesterConfig {
             batch_linger_ms: 20,
             static_assignment: false,
             shard_record_format: tally_core::format::RECORD_V4,
+            max_abs_delta: tally_core::input::Limits::DEFAULT_MAX_ABS_DELTA,
+            max_future_ms: tally_core::input::Limits::DEFAULT_MAX_FUTURE_MS,
         }
     }
 }
@@ -661,6 +688,7 @@ impl TallyConfig {
             return Err(Error::Config("counter.apply_threads: must be at least 1".into()));
         }
         check_shard_record_format(config.ingester.shard_record_format)?;
+        config.ingester.limits(&config.counting)?;
         // A relative declarations file sits next to the config that names it.
         let mut config = config;
         if let (Some(declarations), Some(dir)) = (&config.broker.declarations, path.and_then(Path::parent)) {

@@ -77,6 +77,27 @@ pub struct QueueDecl {
     /// How long enqueued jobs stay in the topic.
     #[serde(default = "default_queue_retention_ms")]
     pub retention_ms: i64,
+    /// The longest lease a worker may take at dequeue or ask for at extend; a
+    /// longer one is refused (400): a lease holds its partition's committed offset.
+    #[serde(default = "default_max_lease_ms", skip_serializing_if = "is_default_max_lease_ms")]
+    pub max_lease_ms: i64,
+    /// The longest delay a nack may ask before the retry (also capped below the
+    /// topic's retention, [`QueueDecl::max_retry_ms`]); a longer one is refused (400).
+    #[serde(default = "default_max_retry_ms", skip_serializing_if = "is_default_max_retry_ms")]
+    pub max_retry_ms: i64,
+}
+
+fn default_max_lease_ms() -> i64 {
+    3_600_000
+}
+fn is_default_max_lease_ms(ms: &i64) -> bool {
+    *ms == default_max_lease_ms()
+}
+fn default_max_retry_ms() -> i64 {
+    86_400_000
+}
+fn is_default_max_retry_ms(ms: &i64) -> bool {
+    *ms == default_max_retry_ms()
 }
 
 fn default_max_attempts() -> u32 {
@@ -126,6 +147,13 @@ impl QueueDecl {
         self.retention_ms - (self.retention_ms / 2).min(3_600_000)
     }
 
+    /// The longest retry delay a nack may ask: the declared `max_retry_ms`, and never
+    /// past [`QueueDecl::max_delay_ms`], where the job would leave the topic while it
+    /// waits.
+    pub fn max_retry_ms(&self) -> i64 {
+        self.max_retry_ms.min(self.max_delay_ms())
+    }
+
     /// What the broker's buffer applies.
     pub fn policy(&self) -> tally_core::jobs::partition::QueuePolicy {
         tally_core::jobs::partition::QueuePolicy {
@@ -168,6 +196,12 @@ impl Declarations {
             if queue.lease_ms < 1 || queue.backoff_ms < 0 || queue.backoff_max_ms < queue.backoff_ms {
                 return Err(Error::Topics(format!(
                     "queue {}: lease_ms must be positive, 0 <= backoff_ms <= backoff_max_ms",
+                    queue.name
+                )));
+            }
+            if queue.max_lease_ms < queue.lease_ms || queue.max_retry_ms < 0 {
+                return Err(Error::Topics(format!(
+                    "queue {}: max_lease_ms must be at least lease_ms, max_retry_ms not negative",
                     queue.name
                 )));
             }

@@ -8,6 +8,18 @@ use serde_json::value::RawValue;
 pub const MAX_WAIT_MS: u64 = 30_000;
 /// Most jobs one dequeue hands out.
 pub const MAX_DEQUEUE: usize = 1_000;
+/// Most bytes of a nack's error text; a longer one is refused (the worker library
+/// cuts its own to fit).
+pub const MAX_ERROR_BYTES: usize = 64 << 10;
+
+/// `text` cut to at most [`MAX_ERROR_BYTES`], at a character boundary.
+pub fn error_text(text: &str) -> &str {
+    let mut end = text.len().min(MAX_ERROR_BYTES);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

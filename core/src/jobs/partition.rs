@@ -72,7 +72,6 @@ struct Entry {
     attempts: u32,
     ready_at: i64,
     state: State,
-    last_error: Option<String>,
 }
 
 /// A job handed to a worker.
@@ -211,7 +210,7 @@ impl PartitionQueue {
         }
         let ready_at = job.run_at.unwrap_or(i64::MIN);
         self.held_bytes += job_bytes(&job);
-        self.entries.insert(offset, Entry { job, attempts: 0, ready_at, state: State::Waiting, last_error: None });
+        self.entries.insert(offset, Entry { job, attempts: 0, ready_at, state: State::Waiting });
         self.wait(offset, ready_at, now);
         self.next_offset = self.next_offset.max(offset + 1);
     }
@@ -291,7 +290,6 @@ impl PartitionQueue {
         let Some(entry) = self.entries.get_mut(&offset) else {
             return Failure::Retry { offset, at: now };
         };
-        entry.last_error = Some(error.to_string());
         if entry.attempts >= policy.max_attempts {
             entry.state = State::Dying;
             return Failure::Dead {

@@ -10,6 +10,8 @@ pub enum Error {
     Core(#[from] tally_core::Error),
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
+    #[error("the system's random source failed drawing {0}")]
+    Random(&'static str),
     #[error("broker: {0}")]
     Broker(String),
 }

@@ -14,7 +14,8 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::json;
 use tally_core::jobs::api::{
-    AckRequest, AckResponse, DequeueRequest, DequeueResponse, ExtendRequest, NackRequest, MAX_DEQUEUE, MAX_WAIT_MS,
+    AckRequest, AckResponse, DequeueRequest, DequeueResponse, ExtendRequest, NackRequest, MAX_DEQUEUE, MAX_ERROR_BYTES,
+    MAX_WAIT_MS,
 };
 use tally_shared::http::ApiError;
 use tally_shared::kafka::now_ms;
@@ -90,8 +91,8 @@ async fn dequeue(
         return error(StatusCode::BAD_REQUEST, "invalid_wait", format!("wait_ms: must be at most {MAX_WAIT_MS}"));
     }
     let lease_ms = request.lease_ms.unwrap_or(queue.decl().lease_ms);
-    if lease_ms < 1 {
-        return error(StatusCode::BAD_REQUEST, "invalid_lease", "lease_ms: must be positive");
+    if let Err(response) = check_lease_ms(&queue, lease_ms) {
+        return response;
     }
     let deadline = Instant::now() + Duration::from_millis(request.wait_ms);
     loop {
@@ -132,6 +133,20 @@ async fn ack(
     Json(AckResponse { acked: request.leases.len() - unknown.len(), unknown }).into_response()
 }
 
+/// A lease asked at dequeue or extend: positive, and at most the queue's
+/// `max_lease_ms`.
+fn check_lease_ms(queue: &QueueRuntime, lease_ms: i64) -> Result<(), Response> {
+    let max_lease_ms = queue.decl().max_lease_ms;
+    if (1..=max_lease_ms).contains(&lease_ms) {
+        return Ok(());
+    }
+    Err(error(
+        StatusCode::BAD_REQUEST,
+        "invalid_lease",
+        format!("lease_ms: must be 1-{max_lease_ms} (the queue's max_lease_ms)"),
+    ))
+}
+
 fn unknown_lease() -> Response {
     error(StatusCode::CONFLICT, "unknown_lease", "lease unknown, expired, or held by another broker")
 }
@@ -145,8 +160,20 @@ async fn nack(
         (Ok(queue), Ok(request)) => (queue, request),
         (Err(response), _) | (_, Err(response)) => return response,
     };
-    if request.retry_in_ms.is_some_and(|ms| ms < 0) {
-        return error(StatusCode::BAD_REQUEST, "invalid_retry", "retry_in_ms: must not be negative");
+    let max_retry_ms = queue.decl().max_retry_ms();
+    if request.retry_in_ms.is_some_and(|ms| !(0..=max_retry_ms).contains(&ms)) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_retry",
+            format!("retry_in_ms: must be 0-{max_retry_ms} (the queue's max_retry_ms, within its retention)"),
+        );
+    }
+    if request.error.as_ref().is_some_and(|text| text.len() > MAX_ERROR_BYTES) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "error_too_long",
+            format!("error: at most {MAX_ERROR_BYTES} bytes (cut it; a dead job keeps its last error)"),
+        );
     }
     let reason = request.error.as_deref().unwrap_or("nacked by the worker");
     match state.broker.nack(&queue, &request.lease, request.retry_in_ms, reason) {
@@ -164,8 +191,8 @@ async fn extend(
         (Ok(queue), Ok(request)) => (queue, request),
         (Err(response), _) | (_, Err(response)) => return response,
     };
-    if request.lease_ms < 1 {
-        return error(StatusCode::BAD_REQUEST, "invalid_lease", "lease_ms: must be positive");
+    if let Err(response) = check_lease_ms(&queue, request.lease_ms) {
+        return response;
     }
     match state.broker.extend(&queue, &request.lease, request.lease_ms) {
         Ok(deadline) => Json(json!({"lease_deadline": deadline})).into_response(),

@@ -9,6 +9,7 @@
 //!   dead jobs;
 //! - [`declarations`]: follows the declarations topic, so queues declared or
 //!   changed while it runs are served without a restart;
+//! - [`lease`]: lease tokens no worker can forge (an HMAC under a per-process key);
 //! - [`http`]: the worker API; [`metrics`]: what it exports.
 
 pub mod dead;
@@ -16,6 +17,7 @@ pub mod declarations;
 pub mod error;
 pub mod fetcher;
 pub mod http;
+pub mod lease;
 pub mod metrics;
 pub mod state;
 
@@ -63,7 +65,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let instance = format!("{:016x}", rand::random::<u64>());
     // Dead jobs carry no stamps and are retried until written.
     let dead_producer: FutureProducer = unstamped_producer_config(&config.kafka)?.create()?;
-    let broker = Arc::new(state::Broker::new(instance.clone(), metrics, dead_producer, config.kafka.record_budget()));
+    let broker = Arc::new(state::Broker::new(instance.clone(), metrics, dead_producer, config.kafka.record_budget())?);
     for decl in declarations.queues {
         broker.declare(decl, &names);
     }

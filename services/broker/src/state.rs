@@ -16,6 +16,7 @@ use tally_shared::kafka::{now_ms, TopicNames};
 use tally_shared::topics::QueueDecl;
 use tokio::sync::Notify;
 
+use crate::lease::LeaseSigner;
 use crate::metrics::Metrics;
 
 /// One queue on this broker.
@@ -102,21 +103,10 @@ pub fn rate_share(rate: u32, owned: usize, partitions: i32) -> f64 {
     f64::from(rate) * owned as f64 / f64::from(partitions.max(1))
 }
 
-/// The lease token a worker holds: `partition.lease.instance`.
-pub fn encode_lease(partition: i32, lease: u64, instance: &str) -> String {
-    format!("{partition}.{lease}.{instance}")
-}
-
-/// `(partition, lease)` of a token this broker issued.
-pub fn decode_lease(token: &str, instance: &str) -> Option<(i32, u64)> {
-    let mut parts = token.splitn(3, '.');
-    let partition = parts.next()?.parse().ok()?;
-    let lease = parts.next()?.parse().ok()?;
-    (parts.next()? == instance).then_some((partition, lease))
-}
-
 pub struct Broker {
     pub instance: String,
+    /// Issues and checks the lease tokens workers hold.
+    leases: LeaseSigner,
     /// The queues served, by name: those of the declarations file at start, and
     /// every queue declared since on the declarations topic.
     queues: RwLock<BTreeMap<String, Arc<QueueRuntime>>>,
@@ -130,15 +120,21 @@ pub struct Broker {
 }
 
 impl Broker {
-    pub fn new(instance: String, metrics: Metrics, dead_producer: FutureProducer, record_budget: usize) -> Self {
-        Self {
+    pub fn new(
+        instance: String,
+        metrics: Metrics,
+        dead_producer: FutureProducer,
+        record_budget: usize,
+    ) -> crate::Result<Self> {
+        Ok(Self {
+            leases: LeaseSigner::new(instance.clone())?,
             instance,
             queues: RwLock::new(BTreeMap::new()),
             metrics,
             dead_producer,
             record_budget,
             tenures: AtomicU32::new(0),
-        }
+        })
     }
 
     /// Serves a queue, or takes newer settings of one served: the rate limit and
@@ -211,7 +207,7 @@ impl Broker {
                     id: handout.job.id,
                     payload: handout.job.payload,
                     attempt: handout.attempt,
-                    lease: encode_lease(*partition, handout.lease, &self.instance),
+                    lease: self.leases.issue(*partition, handout.lease),
                     key: handout.job.key,
                     lease_deadline: handout.deadline,
                 });
@@ -227,7 +223,9 @@ impl Broker {
         let mut unknown = Vec::new();
         let mut acked = 0u64;
         for token in leases {
-            let done = decode_lease(token, &self.instance)
+            let done = self
+                .leases
+                .check(token)
                 .and_then(|(partition, lease)| Some((queue.partition(partition)?, lease)))
                 .and_then(|(buffer, lease)| buffer.lock().ok()?.ack(lease).ok());
             match done {
@@ -250,7 +248,7 @@ impl Broker {
         retry_in_ms: Option<i64>,
         error: &str,
     ) -> Result<(), LeaseError> {
-        let (partition, lease) = decode_lease(token, &self.instance).ok_or(LeaseError::Unknown)?;
+        let (partition, lease) = self.leases.check(token).ok_or(LeaseError::Unknown)?;
         let buffer = queue.partition(partition).ok_or(LeaseError::Unknown)?;
         let failure = buffer.lock().map_err(|_| LeaseError::Unknown)?.nack(lease, retry_in_ms, error, now_ms())?;
         self.metrics.nacked.with_label_values(&[&queue.name]).inc();
@@ -260,7 +258,7 @@ impl Broker {
 
     /// Extends a lease; returns the new deadline.
     pub fn extend(&self, queue: &QueueRuntime, token: &str, lease_ms: i64) -> Result<i64, LeaseError> {
-        let (partition, lease) = decode_lease(token, &self.instance).ok_or(LeaseError::Unknown)?;
+        let (partition, lease) = self.leases.check(token).ok_or(LeaseError::Unknown)?;
         let buffer = queue.partition(partition).ok_or(LeaseError::Unknown)?;
         let mut buffer = buffer.lock().map_err(|_| LeaseError::Unknown)?;
         buffer.extend(lease, lease_ms, now_ms())
@@ -398,14 +396,5 @@ mod tests {
             assert!((total - f64::from(rate)).abs() < 1e-9, "{rate} over {owned:?}: {total}");
         }
         assert_eq!(rate_share(2, 1, 4), 0.5, "less than one a second is still a rate");
-    }
-
-    #[test]
-    fn lease_tokens_name_their_broker() {
-        let token = encode_lease(3, 42, "abc");
-        assert_eq!(decode_lease(&token, "abc"), Some((3, 42)));
-        assert_eq!(decode_lease(&token, "xyz"), None);
-        assert_eq!(decode_lease("junk", "abc"), None);
-        assert_eq!(decode_lease("1.x.abc", "abc"), None);
     }
 }

@@ -8,7 +8,7 @@
 //! serde_json's of the same objects with `"id":null`, which the scanner leaves to it.
 
 use anyhow::ensure;
-use tally_core::input::parse_increments;
+use tally_core::input::{parse_increments, Bounds};
 use tally_counter::bench::thread_cpu_seconds;
 
 use crate::bench_pipeline::Entities;
@@ -57,7 +57,7 @@ fn parse_all(messages: &[String], per_message: usize, rejected_per_message: usiz
     let (mut accepted, mut rejected) = (0usize, 0usize);
     let started = thread_cpu_seconds();
     for message in messages {
-        parse_increments(message.as_bytes(), 0, |_, _| accepted += 1, |_| rejected += 1);
+        parse_increments(message.as_bytes(), 0, &Bounds::none(), |_, _| accepted += 1, |_| rejected += 1);
     }
     let spent = thread_cpu_seconds() - started;
     let want = (messages.len() * per_message, messages.len() * rejected_per_message);

@@ -115,7 +115,8 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     }
 
     let router = Router::new(names.clone(), shards, config.kafka.record_budget())
-        .writing_shard_records_in(config.ingester.shard_record_format)?;
+        .writing_shard_records_in(config.ingester.shard_record_format)?
+        .limiting(config.ingester.limits(&config.counting)?);
     let pipeline = Pipeline {
         consumer,
         producer,

@@ -11,7 +11,7 @@ use rdkafka::Message;
 use rustc_hash::FxHashMap;
 use tally_core::bundle::{BUNDLE_OVERHEAD, SECTION_OVERHEAD};
 use tally_core::format::{RECORD_V2, RECORD_V4};
-use tally_core::input::{parse_graph_updates, parse_increments, Rejection};
+use tally_core::input::{parse_graph_updates, parse_increments, Limits, Rejection};
 use tally_core::records::split_by_size;
 use tally_core::sharding::shard_of;
 use tally_core::wire::{
@@ -81,11 +81,22 @@ pub struct Router {
     /// ([`KafkaConfig::record_budget`](tally_shared::config::KafkaConfig::record_budget)):
     /// messages are split to fit, dead letters truncated.
     record_budget: usize,
+    /// What increments' numbers must keep (`ingester.max_abs_delta`,
+    /// `ingester.max_future_ms`, the longest retention), checked against the clock
+    /// once per batch.
+    limits: Limits,
 }
 
 impl Router {
     pub fn new(names: TopicNames, shards: u32, record_budget: usize) -> Self {
-        Self { names, shards, shard_record_format: RECORD_V4, record_budget }
+        let limits = Limits::new(&tally_core::time::Resolutions::default());
+        Self { names, shards, shard_record_format: RECORD_V4, record_budget, limits }
+    }
+
+    /// Checks increments against `limits` instead of the defaults.
+    pub fn limiting(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
     }
 
     /// Writes shard records of increments in format `version` (1, 2, 3 or 4) instead of 4.
@@ -128,6 +139,7 @@ impl Router {
         let mut counts = RouteCounts::default();
         let mut unencodable: Option<tally_shared::Error> = None;
         let graph_topic = self.names.graph();
+        let bounds = self.limits.at(now_ms());
         for record in records {
             let record_time = record.timestamp.filter(|ts| *ts >= 0).unwrap_or_else(now_ms);
             let reject = |rejection: Rejection<'_>| {
@@ -159,6 +171,7 @@ impl Router {
             parse_increments(
                 record.payload,
                 record_time,
+                &bounds,
                 |index, increment| {
                     counts.increments += 1;
                     let shard = shard_of(&increment.entity, self.shards) as usize;
@@ -304,6 +317,12 @@ mod tests {
 
     use super::*;
 
+    /// A router that takes increments of any time: the tests' records are stamped
+    /// in the first seconds of the epoch.
+    fn test_router(shards: u32, record_budget: usize) -> Router {
+        Router::new(TopicNames::new("tally."), shards, record_budget).limiting(Limits::NONE)
+    }
+
     fn record(partition: i32, offset: i64, payload: &str) -> InputRecord<'_> {
         InputRecord { topic: "tally.increments", partition, offset, timestamp: Some(5), payload: payload.as_bytes() }
     }
@@ -347,7 +366,7 @@ mod tests {
                 let (out, _) = router.route_records(&records).unwrap();
                 out.into_iter().filter(|o| o.topic == "tally.shards").map(|o| o.payload).collect()
             };
-            let router = || Router::new(TopicNames::new("tally."), 1, 900_000);
+            let router = || test_router(1, 900_000);
             let v4 = shard_records(router());
             let v3 = shard_records(router().writing_shard_records_in(3).unwrap());
             let v2 = shard_records(router().writing_shard_records_in(2).unwrap());
@@ -368,9 +387,7 @@ mod tests {
             assert_eq!((unpacked[1], v4[0][1]), (RECORD_V4, if packed { RECORD_V3 } else { RECORD_V4 }));
             assert_eq!(ShardMessage::decode_sections(&v4[0], 0).unwrap(), vec![(5, decoded)]);
         }
-        let Err(err) = Router::new(TopicNames::new("tally."), 1, 900_000).writing_shard_records_in(5) else {
-            panic!("format 5 accepted")
-        };
+        let Err(err) = test_router(1, 900_000).writing_shard_records_in(5) else { panic!("format 5 accepted") };
         assert!(err.to_string().contains("ingester.shard_record_format is 5: it is 1, 2, 3 or 4"), "{err}");
     }
 
@@ -392,9 +409,9 @@ mod tests {
         let (a, b, c): (&'static str, &'static str, &'static str) =
             (Box::leak(a.into_boxed_str()), Box::leak(b.into_boxed_str()), Box::leak(c.into_boxed_str()));
         let records = [at(3, 7, a, 1_000), at(0, 2, b, 2_000), at(3, 8, c, 3_000), at(0, 3, c, 4_000)];
-        let by_partition = Router::new(TopicNames::new("tally."), 8, 900_000).writing_shard_records_in(3).unwrap();
+        let by_partition = test_router(8, 900_000).writing_shard_records_in(3).unwrap();
         let (old, _) = by_partition.route_records(&records).unwrap();
-        let (out, counts) = Router::new(TopicNames::new("tally."), 8, 900_000).route_records(&records).unwrap();
+        let (out, counts) = test_router(8, 900_000).route_records(&records).unwrap();
         assert_eq!(counts, RouteCounts { increments: 1_100, graph_updates: 0, rejected: 0 });
         // One record per shard (all 8 get some), where format 3 sends one per
         // input partition and shard.
@@ -415,7 +432,7 @@ mod tests {
 
         // Within a smaller budget a shard's bundle is cut into several records, each
         // source's entries still in order.
-        let small = Router::new(TopicNames::new("tally."), 2, 3_000);
+        let small = test_router(2, 3_000);
         let (out, _) = small.route_records(&records).unwrap();
         assert!(out.len() > 4, "{} records", out.len());
         assert!(out.iter().all(|o| o.payload.len() <= 3_000), "every record fits the budget");
@@ -436,7 +453,7 @@ mod tests {
 
     #[test]
     fn routes_valid_entries_by_entity_and_bad_ones_to_dead_letter() {
-        let router = Router::new(TopicNames::new("tally."), 4, 900_000);
+        let router = test_router(4, 900_000);
         let records = [
             record(
                 0,
@@ -475,7 +492,7 @@ mod tests {
     /// alike: each routed record carries the time of its own topic's input record.
     #[test]
     fn a_routed_record_carries_its_own_topics_record_time() {
-        let router = Router::new(TopicNames::new("tally."), 4, 900_000);
+        let router = test_router(4, 900_000);
         let increments = InputRecord { timestamp: Some(1_000), ..record(2, 9, r#"{"entity":"a","metric":"v"}"#) };
         let graph = InputRecord {
             topic: "tally.graph",
@@ -494,7 +511,7 @@ mod tests {
 
     #[test]
     fn graph_updates_go_to_the_graph_topic_in_order() {
-        let router = Router::new(TopicNames::new("tally."), 4, 900_000);
+        let router = test_router(4, 900_000);
         let graph = |partition, offset, payload: &'static str| InputRecord {
             topic: "tally.graph",
             partition,
@@ -522,7 +539,7 @@ mod tests {
 
     #[test]
     fn oversized_input_is_dead_lettered_within_the_budget_and_long_updates_split() {
-        let router = Router::new(TopicNames::new("tally."), 4, 100_000);
+        let router = test_router(4, 100_000);
         let garbage = "z".repeat(800_000);
         let long = "n".repeat(250);
         let updates: String = format!(
@@ -559,7 +576,7 @@ mod tests {
 
     #[test]
     fn routing_is_deterministic_for_replays() {
-        let router = Router::new(TopicNames::new("tally."), 8, 20_000);
+        let router = test_router(8, 20_000);
         let payload: String = format!(
             "[{}]",
             (0..9000).map(|i| format!(r#"{{"entity":"e{}","metric":"v"}}"#, i % 3)).collect::<Vec<_>>().join(",")

@@ -32,8 +32,16 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// How a job is run.
 #[derive(Debug, Clone)]
 pub enum Handler {
-    Webhook { client: reqwest::Client, url: String },
-    Command { program: Vec<String> },
+    Webhook {
+        client: reqwest::Client,
+        url: String,
+    },
+    /// `env`: what the command sees of the worker's environment
+    /// (`worker.command_env`, those set at start); nothing else.
+    Command {
+        program: Vec<String>,
+        env: Vec<(String, String)>,
+    },
 }
 
 impl Handler {
@@ -46,7 +54,14 @@ impl Handler {
                     .map_err(|err| Error::Config(err.to_string()))?;
                 Ok(Handler::Webhook { client, url: url.clone() })
             }
-            (None, Some(program)) if !program.is_empty() => Ok(Handler::Command { program: program.clone() }),
+            (None, Some(program)) if !program.is_empty() => {
+                let env = config
+                    .command_env
+                    .iter()
+                    .filter_map(|name| Some((name.clone(), std::env::var(name).ok()?)))
+                    .collect();
+                Ok(Handler::Command { program: program.clone(), env })
+            }
             _ => Err(Error::Config("set exactly one of worker.webhook_url and worker.command".into())),
         }
     }
@@ -69,12 +84,12 @@ impl Handler {
                     Err(err) => Outcome::Retry { in_ms: None, error: format!("webhook: {err}") },
                 }
             }
-            Handler::Command { program } => run_command(program, job).await,
+            Handler::Command { program, env } => run_command(program, env, job).await,
         }
     }
 }
 
-async fn run_command(program: &[String], job: &DequeuedJob) -> Outcome {
+async fn run_command(program: &[String], env: &[(String, String)], job: &DequeuedJob) -> Outcome {
     let mut command = tokio::process::Command::new(&program[0]);
     // The job runs at the kernel's default CPU slice, not this request thread's short
     // one, which a child inherits (`tally_shared::sched`).
@@ -88,6 +103,8 @@ async fn run_command(program: &[String], job: &DequeuedJob) -> Outcome {
     }
     let spawned = command
         .args(&program[1..])
+        .env_clear()
+        .envs(env.iter().map(|(name, value)| (name, value)))
         .env("TALLY_JOB_ID", &job.id)
         .env("TALLY_JOB_ATTEMPT", job.attempt.to_string())
         .stdin(Stdio::piped())
@@ -188,25 +205,51 @@ mod tests {
         }
     }
 
+    /// A command as the default config runs it.
+    fn command(program: &[&str]) -> Handler {
+        let config =
+            WorkerConfig { command: Some(program.iter().map(|arg| arg.to_string()).collect()), ..Default::default() };
+        Handler::from_config(&config).unwrap()
+    }
+
+    /// The command sees the variables `worker.command_env` names (those set) and
+    /// the job's own, never the rest of the worker's environment (`HOME` here, a
+    /// token in production).
+    #[tokio::test]
+    async fn a_command_sees_only_the_environment_its_config_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("env");
+        let config = WorkerConfig {
+            command: Some(vec!["sh".into(), "-c".into(), format!("env > {}", out.display())]),
+            command_env: vec!["PATH".into(), "TALLY_TEST_NOT_SET".into()],
+            ..Default::default()
+        };
+        assert!(std::env::var("HOME").is_ok(), "the test needs a variable the command must not see");
+        assert_eq!(Handler::from_config(&config).unwrap().run(&job("1")).await, Outcome::Ack);
+        let seen = std::fs::read_to_string(&out).unwrap();
+        // What the shell itself sets.
+        let shells_own = ["PWD=", "OLDPWD=", "SHLVL=", "_="];
+        let mut seen: Vec<&str> =
+            seen.lines().filter(|line| !shells_own.iter().any(|own| line.starts_with(own))).collect();
+        seen.sort_unstable();
+        let path = format!("PATH={}", std::env::var("PATH").unwrap());
+        assert_eq!(seen, vec![path.as_str(), "TALLY_JOB_ATTEMPT=2", "TALLY_JOB_ID=j1"]);
+    }
+
     #[tokio::test]
     async fn commands_ack_on_exit_zero_and_retry_with_stderr_otherwise() {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("seen");
-        let ok = Handler::Command {
-            program: vec![
-                "sh".into(),
-                "-c".into(),
-                format!("cat > {}; echo $TALLY_JOB_ATTEMPT >> {}", out.display(), out.display()),
-            ],
-        };
+        let ok =
+            command(&["sh", "-c", &format!("cat > {}; echo $TALLY_JOB_ATTEMPT >> {}", out.display(), out.display())]);
         assert_eq!(ok.run(&job(r#"{"to":"a@b"}"#)).await, Outcome::Ack);
         assert_eq!(std::fs::read_to_string(&out).unwrap(), "{\"to\":\"a@b\"}2\n");
-        let failing = Handler::Command { program: vec!["sh".into(), "-c".into(), "echo nope >&2; exit 3".into()] };
+        let failing = command(&["sh", "-c", "echo nope >&2; exit 3"]);
         match failing.run(&job("1")).await {
             Outcome::Retry { error, .. } => assert!(error.contains("nope"), "{error}"),
             other => panic!("{other:?}"),
         }
-        let missing = Handler::Command { program: vec!["/no/such/program".into()] };
+        let missing = command(&["/no/such/program"]);
         assert!(matches!(missing.run(&job("1")).await, Outcome::Retry { .. }));
     }
 
@@ -220,9 +263,7 @@ mod tests {
         let default = std::thread::spawn(tally_shared::sched::slice).join().unwrap().unwrap();
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("sched");
-        let report = Handler::Command {
-            program: vec!["sh".into(), "-c".into(), format!("grep '^se.slice ' /proc/self/sched > {}", out.display())],
-        };
+        let report = command(&["sh", "-c", &format!("grep '^se.slice ' /proc/self/sched > {}", out.display())]);
         tally_shared::sched::set_slice(tally_shared::sched::MIN_SLICE).unwrap();
         let outcome = report.run(&job("1")).await;
         tally_shared::sched::set_slice(Duration::ZERO).unwrap();
