@@ -159,7 +159,7 @@ mod tests {
             for batch in [&events[..split], &events[split..]] {
                 let mut coalescer = Coalescer::new(&resolutions, NOW);
                 for inc in batch {
-                    coalescer.add(&inc.entity, &inc.metric, inc.ts, Counts { direct: inc.delta, total: inc.delta });
+                    coalescer.add(&inc.entity, &inc.metric, inc.ts, Counts::increment(inc.delta));
                 }
                 prop_assert_eq!(coalescer.increments(), batch.len() as u64);
                 coalescer.for_each(|e, m, w, b, c| {
@@ -184,7 +184,7 @@ mod tests {
                         let (entity, metric) = (format!("e{e}"), format!("m{m}"));
                         let expected = model.sums(&entity, &metric, crate::wire::Kind::Direct, &plan);
                         let width = plan.resolution.as_ref().map_or(ALL_TIME_WIDTH, |r| r.width_ms);
-                        let got: Vec<i64> = (0..plan.points as i64).map(|i| {
+                        let got: Vec<crate::keys::Count> = (0..plan.points as i64).map(|i| {
                             if width == ALL_TIME_WIDTH {
                                 return store.get(&(entity.clone(), metric.clone(), 0, 0)).map_or(0, |c| c.direct);
                             }

@@ -38,8 +38,11 @@ pub const RECORD_V3: u8 = 3;
 /// one shard, from several sources, each with the time of its input record. An
 /// ingester writes one per shard per batch, packed into version 3.
 pub const RECORD_V4: u8 = 4;
-/// The current version of RocksDB values.
+/// The version of RocksDB values.
 pub const VALUE_V1: u8 = 1;
+/// Version 2 of a counts value ([`crate::keys::Counts`]): counts beyond an i64's
+/// range, as i128s. Every other value is in version 1.
+pub const VALUE_V2: u8 = 2;
 /// The current version of the JSON records tally writes (their `"v"`).
 pub const JSON_V1: u32 = 1;
 /// The key, in a store's default column family, of its key layout version.

@@ -142,40 +142,107 @@ pub fn decode_stamp(bytes: &[u8]) -> crate::Result<Stamp> {
     Ok(Stamp { offset: i64::from_le_bytes(offset), index: u32::from_le_bytes(index) })
 }
 
-/// Counts add up field by field; wrapping keeps the merge associative and never panics.
+/// An accumulated count: a sum of bounded deltas (|delta| ≤ 2^63, and at most the
+/// ingesters' `max_abs_delta`, 2^53 by default), kept in 128 bits so that no number of
+/// increments a deployment can make wraps it: reaching the bounds of an i128 takes
+/// more than 2^64 increments of the largest delta.
+pub type Count = i128;
+
+/// Counts add up field by field. They cannot reach an i128's bounds ([`Count`]);
+/// saturating rather than wrapping keeps even that impossible case from turning a sum
+/// negative, and the merge associative for every sum that can occur.
 impl std::ops::Add for Counts {
     type Output = Self;
 
     fn add(self, other: Self) -> Self {
-        Self { direct: self.direct.wrapping_add(other.direct), total: self.total.wrapping_add(other.total) }
+        Self { direct: self.direct.saturating_add(other.direct), total: self.total.saturating_add(other.total) }
+    }
+}
+
+/// The bytes of an encoded [`Counts`], on the stack (one is written per merge).
+#[derive(Debug, Clone, Copy)]
+pub struct EncodedCounts {
+    bytes: [u8; Counts::V2_LEN],
+    len: usize,
+}
+
+impl AsRef<[u8]> for EncodedCounts {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+}
+
+impl std::ops::Deref for EncodedCounts {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        self.as_ref()
     }
 }
 
 /// The stored value of a bucket: its direct and total counts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counts {
-    pub direct: i64,
-    pub total: i64,
+    pub direct: Count,
+    pub total: Count,
 }
 
 impl Counts {
-    /// The version byte, then direct and total (little-endian).
-    pub const ENCODED_LEN: usize = 17;
-
-    pub fn encode(self) -> [u8; Self::ENCODED_LEN] {
-        let mut out = [crate::format::VALUE_V1; Self::ENCODED_LEN];
-        out[1..9].copy_from_slice(&self.direct.to_le_bytes());
-        out[9..].copy_from_slice(&self.total.to_le_bytes());
-        out
+    /// What one increment of `delta` adds to its own entity's bucket.
+    pub fn increment(delta: i64) -> Self {
+        Self { direct: delta.into(), total: delta.into() }
     }
 
-    /// Decodes a value; malformed bytes are an error, never zero.
+    /// What a descendant change of `delta` adds to a bucket: to its total only.
+    pub fn descendant(delta: Count) -> Self {
+        Self { direct: 0, total: delta }
+    }
+
+    /// A value in version 1: the version byte, then direct and total as i64s
+    /// (little-endian) — what counts that fit in an i64 are written in.
+    const V1_LEN: usize = 17;
+    /// A value in version 2: the version byte, then direct and total as i128s
+    /// (little-endian) — written only for counts beyond an i64's range.
+    const V2_LEN: usize = 33;
+
+    /// The value's bytes: version 1 while both counts fit in an i64, else version 2.
+    /// Every value of a store written before counts were wider reads the same.
+    pub fn encode(self) -> EncodedCounts {
+        let mut bytes = [0u8; Self::V2_LEN];
+        let len = match (i64::try_from(self.direct), i64::try_from(self.total)) {
+            (Ok(direct), Ok(total)) => {
+                bytes[0] = crate::format::VALUE_V1;
+                bytes[1..9].copy_from_slice(&direct.to_le_bytes());
+                bytes[9..17].copy_from_slice(&total.to_le_bytes());
+                Self::V1_LEN
+            }
+            _ => {
+                bytes[0] = crate::format::VALUE_V2;
+                bytes[1..17].copy_from_slice(&self.direct.to_le_bytes());
+                bytes[17..].copy_from_slice(&self.total.to_le_bytes());
+                Self::V2_LEN
+            }
+        };
+        EncodedCounts { bytes, len }
+    }
+
+    /// Decodes a value of either version; malformed bytes are an error, never zero.
     pub fn decode(bytes: &[u8]) -> crate::Result<Self> {
-        let body: [u8; 16] = crate::format::value_array(bytes, "counts value")?;
+        const WHAT: &str = "counts value";
+        if let [crate::format::VALUE_V2, body @ ..] = bytes {
+            let body: [u8; 32] = body
+                .try_into()
+                .map_err(|_| crate::Error::Format(format!("{WHAT} (version 2): {} bytes, expected 32", body.len())))?;
+            let (mut direct, mut total) = ([0u8; 16], [0u8; 16]);
+            direct.copy_from_slice(&body[..16]);
+            total.copy_from_slice(&body[16..]);
+            return Ok(Self { direct: i128::from_le_bytes(direct), total: i128::from_le_bytes(total) });
+        }
+        let body: [u8; 16] = crate::format::value_array(bytes, WHAT)?;
         let (mut direct, mut total) = ([0u8; 8], [0u8; 8]);
         direct.copy_from_slice(&body[..8]);
         total.copy_from_slice(&body[8..]);
-        Ok(Self { direct: i64::from_le_bytes(direct), total: i64::from_le_bytes(total) })
+        Ok(Self { direct: i64::from_le_bytes(direct).into(), total: i64::from_le_bytes(total).into() })
     }
 }
 
@@ -219,11 +286,21 @@ mod tests {
         }
 
         #[test]
-        fn counts_round_trip_and_add(d in any::<i64>(), t in any::<i64>(), d2 in any::<i64>(), t2 in any::<i64>()) {
-            let a = Counts { direct: d, total: t };
+        fn counts_round_trip_and_add(d in any::<i64>(), t in any::<i64>(), d2 in any::<i64>(), wide in any::<i128>()) {
+            let a = Counts { direct: d.into(), total: t.into() };
+            prop_assert_eq!(a.encode().len(), 17, "counts within an i64 keep version 1");
             prop_assert_eq!(Counts::decode(&a.encode()).unwrap(), a);
-            let b = Counts { direct: d2, total: t2 };
+            let b = Counts { direct: d2.into(), total: wide };
+            prop_assert_eq!(Counts::decode(&b.encode()).unwrap(), b);
             prop_assert_eq!(a + b, b + a);
+        }
+
+        #[test]
+        fn sums_of_bounded_deltas_are_exact(deltas in proptest::collection::vec(any::<i64>(), 1..64)) {
+            let sum = deltas.iter().fold(Counts::default(), |sum, &d| sum + Counts { direct: d.into(), total: d.into() });
+            let exact: i128 = deltas.iter().map(|&d| i128::from(d)).sum();
+            prop_assert_eq!(sum, Counts { direct: exact, total: exact });
+            prop_assert_eq!(Counts::decode(&sum.encode()).unwrap(), sum);
         }
     }
 
@@ -233,6 +310,7 @@ mod tests {
         assert!(decode_count_key(b"e\0m\0short").is_none());
         assert!(Counts::decode(b"bad").is_err());
         assert!(Counts::decode(&[0; 16]).is_err(), "unversioned");
-        assert!(Counts::decode(&[2; 17]).is_err(), "a newer version");
+        assert!(Counts::decode(&[2; 17]).is_err(), "version 2 of the wrong length");
+        assert!(Counts::decode(&[3; 33]).is_err(), "a newer version");
     }
 }

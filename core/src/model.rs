@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
+use crate::keys::Count;
 use crate::time::Plan;
 use crate::wire::{Increment, Kind};
 
@@ -78,20 +79,20 @@ impl Model {
     /// The value of each point of `plan` for (entity, metric, kind): the sum of the
     /// deltas whose event time falls in the point's span and whose bucket is still
     /// retained at `plan.to` (all of them for all-time).
-    pub fn sums(&self, entity: &str, metric: &str, kind: Kind, plan: &Plan) -> Vec<i64> {
+    pub fn sums(&self, entity: &str, metric: &str, kind: Kind, plan: &Plan) -> Vec<Count> {
         let origins = self.origins(entity, kind);
         let own = self.events.iter().filter(|e| e.metric == metric && origins.contains(&e.entity));
         let Some(resolution) = &plan.resolution else {
-            return vec![own.map(|e| e.delta).sum()];
+            return vec![own.map(|e| Count::from(e.delta)).sum()];
         };
-        let mut points = vec![0i64; plan.points as usize];
+        let mut points = vec![0; plan.points as usize];
         for event in own.filter(|e| resolution.retains(crate::time::bucket_start(e.ts, resolution.width_ms), plan.to)) {
             let offset = event.ts - plan.start;
             if offset < 0 {
                 continue;
             }
             if let Some(point) = points.get_mut((offset / plan.step) as usize) {
-                *point += event.delta;
+                *point += Count::from(event.delta);
             }
         }
         points
@@ -100,8 +101,8 @@ impl Model {
     /// The contributors of (entity, metric) over `plan`'s single point: every other
     /// entity that reaches `entity`, with its direct sum, the nonzero ones only,
     /// largest first (ties by name). `direct + Σ values = total`.
-    pub fn contributors(&self, entity: &str, metric: &str, plan: &Plan) -> Vec<(String, i64)> {
-        let mut contributors: Vec<(String, i64)> = self
+    pub fn contributors(&self, entity: &str, metric: &str, plan: &Plan) -> Vec<(String, Count)> {
+        let mut contributors: Vec<(String, Count)> = self
             .origins(entity, Kind::Total)
             .into_iter()
             .filter(|origin| origin != entity)
@@ -117,15 +118,15 @@ impl Model {
 
     /// Every metric counted on `entity` (directly or through the graph) with its
     /// all-time `(direct, total)`, sorted by metric.
-    pub fn metrics(&self, entity: &str) -> BTreeMap<String, (i64, i64)> {
+    pub fn metrics(&self, entity: &str) -> BTreeMap<String, (Count, Count)> {
         let origins = self.origins(entity, Kind::Total);
         let mut metrics = BTreeMap::new();
         for event in self.events.iter().filter(|e| origins.contains(&e.entity)) {
             let slot = metrics.entry(event.metric.clone()).or_insert((0, 0));
             if event.entity == entity {
-                slot.0 += event.delta;
+                slot.0 += Count::from(event.delta);
             }
-            slot.1 += event.delta;
+            slot.1 += Count::from(event.delta);
         }
         metrics
     }

@@ -11,7 +11,7 @@
 //! What a shard sends other shards is stamped by [`stamp_totals`], so that a replay
 //! at another clock is exact.
 
-use crate::keys::ALL_TIME_WIDTH;
+use crate::keys::{Count, ALL_TIME_WIDTH};
 use crate::time::Resolutions;
 use crate::wire::{Stamp, TotalDelta};
 
@@ -19,8 +19,8 @@ use crate::wire::{Stamp, TotalDelta};
 /// (`(key, value)`, for every metric and retained bucket): `(descendant, key, delta)`.
 pub fn change_deltas<'c, 'd, S: AsRef<str>, K: Copy + 'd>(
     (added, removed): (&'c [S], &'c [S]),
-    direct: &'d [(K, i64)],
-) -> impl Iterator<Item = (&'c str, K, i64)> + use<'c, 'd, S, K> {
+    direct: &'d [(K, Count)],
+) -> impl Iterator<Item = (&'c str, K, Count)> + use<'c, 'd, S, K> {
     let signed = added.iter().map(|d| (d, 1)).chain(removed.iter().map(|d| (d, -1)));
     signed.flat_map(move |(d, sign)| {
         direct.iter().filter(|(_, value)| *value != 0).map(move |&(key, value)| (d.as_ref(), key, sign * value))
@@ -126,7 +126,7 @@ mod tests {
     }
 
     /// A total as a sortable tuple.
-    type Entry = (String, String, i64, i64, i64);
+    type Entry = (String, String, i64, i64, Count);
 
     fn entry(total: &TotalDelta) -> Entry {
         (total.entity.clone(), total.metric.clone(), total.width_ms, total.bucket, total.delta)
@@ -138,7 +138,7 @@ mod tests {
         let total = (0..3u8, 0..2u8, 0..3usize, 0i64..3 * 3_600_000, -3i64..4).prop_map(|(e, m, width, age, delta)| {
             let width_ms = [ALL_TIME_WIDTH, 60_000, 3_600_000][width];
             let bucket = if width_ms == ALL_TIME_WIDTH { 0 } else { bucket_start(NOW - age, width_ms) };
-            TotalDelta { entity: format!("e{e}"), metric: format!("m{m}"), width_ms, bucket, delta }
+            TotalDelta { entity: format!("e{e}"), metric: format!("m{m}"), width_ms, bucket, delta: delta.into() }
         });
         proptest::collection::vec(total, 0..60)
     }
@@ -194,14 +194,14 @@ mod tests {
 
             let deliver = |change: DescChange, views: &mut HashMap<String, Vec<String>>, store: &mut BTreeMap<Key, Counts>| {
                 apply_change(views.entry(change.origin.clone()).or_default(), &change.added, &change.removed);
-                let direct: Vec<((String, i64, i64), i64)> = store
+                let direct: Vec<((String, i64, i64), Count)> = store
                     .iter()
                     .filter(|((entity, ..), _)| *entity == change.origin)
                     .map(|((_, metric, width, bucket), counts)| ((metric.clone(), *width, *bucket), counts.direct))
                     .collect();
-                let keys: Vec<(usize, i64)> = direct.iter().enumerate().map(|(i, (_, v))| (i, *v)).collect();
+                let keys: Vec<(usize, Count)> = direct.iter().enumerate().map(|(i, (_, v))| (i, *v)).collect();
                 for (d, i, delta) in change_deltas((&change.added, &change.removed), &keys) {
-                    add(store, d, &direct[i].0, Counts { direct: 0, total: delta });
+                    add(store, d, &direct[i].0, Counts::descendant(delta));
                 }
             };
 
@@ -210,9 +210,9 @@ mod tests {
                     Op::Increment(increment) => {
                         let view = views.get(&increment.entity).cloned().unwrap_or_default();
                         for key in bucket_keys(&resolutions, &increment) {
-                            add(&mut store, &increment.entity, &key, Counts { direct: increment.delta, total: increment.delta });
+                            add(&mut store, &increment.entity, &key, Counts::increment(increment.delta));
                             for d in &view {
-                                add(&mut store, d, &key, Counts { direct: 0, total: increment.delta });
+                                add(&mut store, d, &key, Counts::descendant(increment.delta.into()));
                             }
                         }
                         model.apply(increment);
@@ -241,9 +241,9 @@ mod tests {
             let mut expected: BTreeMap<Key, Counts> = BTreeMap::new();
             for event in model.events() {
                 for key in bucket_keys(&resolutions, event) {
-                    add(&mut expected, &event.entity, &key, Counts { direct: event.delta, total: event.delta });
+                    add(&mut expected, &event.entity, &key, Counts::increment(event.delta));
                     for d in model.descendants(&event.entity) {
-                        add(&mut expected, &d, &key, Counts { direct: 0, total: event.delta });
+                        add(&mut expected, &d, &key, Counts::descendant(event.delta.into()));
                     }
                 }
             }

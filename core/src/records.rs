@@ -22,8 +22,12 @@ pub fn str_bound(s: &str) -> usize {
     s.len() + 9
 }
 
-/// An upper bound of the encoded size of any integer (a varint, in either encoding).
+/// An upper bound of the encoded size of any 64-bit integer (a varint, in either
+/// encoding).
 pub const INT_BOUND: usize = 10;
+/// The most bytes one 128-bit integer ([`crate::keys::Count`]) takes in bincode's
+/// variable-length encoding (a tag byte, then 16).
+pub const WIDE_INT_BOUND: usize = 17;
 
 /// Splits `entries` into consecutive runs whose bounds (`size_of`) add up to at most
 /// `budget`. An entry bigger than the budget on its own makes a run of its own

@@ -13,7 +13,8 @@ use std::borrow::Cow;
 use serde::{Deserialize, Serialize};
 
 use crate::graph::{DescChange, DescChangeRef, EdgeUpdate};
-use crate::records::{str_bound, truncate_utf8, Truncated, INT_BOUND};
+use crate::keys::Count;
+use crate::records::{str_bound, truncate_utf8, Truncated, INT_BOUND, WIDE_INT_BOUND};
 use crate::time::WindowSpec;
 use crate::{Error, Result};
 
@@ -184,20 +185,22 @@ impl GraphMessage {
 }
 
 /// A change to a counter's total made by another shard: `delta` for one bucket of
-/// one counter (`width_ms` 0 is all-time).
+/// one counter (`width_ms` 0 is all-time). `delta` is a sum of many increments, as
+/// wide as a count; bincode writes integers by value, so one that fits in an i64 has
+/// the bytes it had when the field was an i64.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TotalDelta {
     pub entity: String,
     pub metric: String,
     pub width_ms: i64,
     pub bucket: i64,
-    pub delta: i64,
+    pub delta: Count,
 }
 
 impl TotalDelta {
     /// An upper bound of its encoded size with its stamp.
     pub fn size_bound(&self) -> usize {
-        STAMP_BOUND + str_bound(&self.entity) + str_bound(&self.metric) + 3 * INT_BOUND
+        STAMP_BOUND + str_bound(&self.entity) + str_bound(&self.metric) + 2 * INT_BOUND + WIDE_INT_BOUND
     }
 }
 
@@ -208,7 +211,7 @@ pub struct TotalDeltaRef<'a> {
     pub metric: &'a str,
     pub width_ms: i64,
     pub bucket: i64,
-    pub delta: i64,
+    pub delta: Count,
 }
 
 /// The format header, then the bincode of `value`.
@@ -533,8 +536,8 @@ pub struct Rollup {
     /// A resolution name such as `1h`, or `all`.
     pub resolution: String,
     pub bucket: i64,
-    pub total: i64,
-    pub direct: i64,
+    pub total: Count,
+    pub direct: Count,
 }
 
 /// A counter's claim on a shard, on the shard-owners topic: where to send reads,
@@ -726,8 +729,8 @@ pub enum ShardOutcome {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ShardAnswer {
-    Window { value: i64, resolution: String, from: i64, to: i64 },
-    Series { resolution: String, points: Vec<(i64, i64)> },
+    Window { value: Count, resolution: String, from: i64, to: i64 },
+    Series { resolution: String, points: Vec<(i64, Count)> },
     Error { code: String, message: String },
 }
 
@@ -744,8 +747,8 @@ pub struct ShardMetricsRequest {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MetricTotals {
     pub metric: String,
-    pub total: i64,
-    pub direct: i64,
+    pub total: Count,
+    pub direct: Count,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -1005,5 +1008,42 @@ mod tests {
     fn stamps_order_by_offset_then_index() {
         assert!(Stamp { offset: 1, index: 9 } < Stamp { offset: 2, index: 0 });
         assert!(Stamp { offset: 2, index: 0 } < Stamp { offset: 2, index: 1 });
+    }
+
+    /// Counts past an i64 travel exactly, in bincode and in JSON; a count within an
+    /// i64 keeps the bytes it had when these fields were i64s.
+    #[test]
+    fn wide_counts_travel_exactly() {
+        let wide: Count = (1 << 65) + 7;
+        let response = ReadResponse {
+            shards: vec![ShardOutcome::Answers {
+                answers: vec![
+                    ShardAnswer::Window { value: -wide, resolution: "all".into(), from: 0, to: 9 },
+                    ShardAnswer::Series { resolution: "1h".into(), points: vec![(0, wide), (1, 2)] },
+                ],
+            }],
+        };
+        assert_eq!(ReadResponse::decode(&response.encode().unwrap()).unwrap(), response);
+        let json = serde_json::to_string(&response).unwrap();
+        assert!(json.contains("-36893488147419103239"), "{json}");
+        assert_eq!(serde_json::from_str::<ReadResponse>(&json).unwrap(), response);
+
+        #[derive(Serialize)]
+        struct Narrow {
+            entity: String,
+            metric: String,
+            width_ms: i64,
+            bucket: i64,
+            delta: i64,
+        }
+        for delta in [0, -1, 300, i64::MIN, i64::MAX] {
+            let narrow = Narrow { entity: "e".into(), metric: "m".into(), width_ms: 60_000, bucket: 5, delta };
+            let total =
+                TotalDelta { entity: "e".into(), metric: "m".into(), width_ms: 60_000, bucket: 5, delta: delta.into() };
+            assert_eq!(encode(&total).unwrap(), encode(&narrow).unwrap(), "{delta}");
+        }
+        let total = TotalDelta { entity: "e".into(), metric: "m".into(), width_ms: 0, bucket: 0, delta: -wide };
+        assert!(encode(&total).unwrap().len() <= 2 + total.size_bound());
+        assert_eq!(decode::<TotalDelta>(&encode(&total).unwrap(), "total").unwrap(), total);
     }
 }

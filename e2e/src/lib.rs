@@ -144,6 +144,19 @@ impl Sandbox {
         }
     }
 
+    /// Sets an environment variable for every service started from now on and for
+    /// the command line (e.g. `TALLY__AUTH__READER_TOKEN`).
+    pub fn set_env(&mut self, key: &str, value: &str) {
+        self.env.retain(|(k, _)| k != key);
+        self.env.push((key.to_string(), value.to_string()));
+    }
+
+    /// The reader token the services were given, which [`Sandbox::get`] and
+    /// [`Sandbox::post`] send.
+    fn reader_token(&self) -> Option<&str> {
+        self.env.iter().find(|(k, _)| k == "TALLY__AUTH__READER_TOKEN").map(|(_, v)| v.as_str())
+    }
+
     /// Applies every built-in topic (after [`Sandbox::start_without`]).
     pub async fn apply_topics(&self) {
         topics::apply(&self.kafka, &Declarations::load(None).unwrap()).await.expect("topics apply");
@@ -440,12 +453,38 @@ impl Sandbox {
 
     /// GET a path of the read API: status and JSON body (see [`answer`]).
     pub async fn get(&self, path: &str) -> (u16, serde_json::Value) {
-        answer(reqwest::get(format!("{}{path}", self.query_url)).await).await
+        let request = reqwest::Client::new().get(format!("{}{path}", self.query_url));
+        answer(self.as_reader(request).send().await).await
     }
 
     /// POST JSON to a path of the read API (see [`answer`]).
     pub async fn post(&self, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
-        answer(reqwest::Client::new().post(format!("{}{path}", self.query_url)).json(body).send().await).await
+        let request = reqwest::Client::new().post(format!("{}{path}", self.query_url)).json(body);
+        answer(self.as_reader(request).send().await).await
+    }
+
+    /// GET a path of the read API and read its answer into `T` (counts past 2^64,
+    /// which `serde_json::Value` cannot hold exactly, read into typed fields).
+    pub async fn get_as<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, String> {
+        let request = reqwest::Client::new().get(format!("{}{path}", self.query_url));
+        typed(self.as_reader(request).send().await, path).await
+    }
+
+    /// POST JSON to a path of the read API and read its answer into `T`.
+    pub async fn post_as<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> Result<T, String> {
+        let request = reqwest::Client::new().post(format!("{}{path}", self.query_url)).json(body);
+        typed(self.as_reader(request).send().await, path).await
+    }
+
+    fn as_reader(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match self.reader_token() {
+            Some(token) => request.bearer_auth(token),
+            None => request,
+        }
     }
 }
 
@@ -478,6 +517,20 @@ async fn answer(sent: reqwest::Result<reqwest::Response>) -> (u16, serde_json::V
     }
 }
 
+/// A 200 answer read into `T`; anything else an error naming `path`.
+async fn typed<T: serde::de::DeserializeOwned>(
+    sent: reqwest::Result<reqwest::Response>,
+    path: &str,
+) -> Result<T, String> {
+    let response = sent.map_err(|err| format!("{path}: {err}"))?;
+    let status = response.status().as_u16();
+    let body = response.text().await.map_err(|err| format!("{path}: {err}"))?;
+    match status {
+        200 => serde_json::from_str(&body).map_err(|err| format!("{path}: {err}: {body}")),
+        _ => Err(format!("{path}: {status} {body}")),
+    }
+}
+
 async fn start_broker(binary: PathBuf, port: u16, advertised: u16, dir: PathBuf) -> LocalBroker {
     tokio::task::spawn_blocking(move || LocalBroker::start_advertising(&binary, port, advertised, &dir))
         .await
@@ -493,14 +546,97 @@ pub fn encode(segment: &str) -> String {
         .collect()
 }
 
-/// Comparisons of the HTTP answers with the model.
+/// Comparisons of the HTTP answers with the model. Answers are read into typed
+/// structs: counts may pass 2^64, past what `serde_json::Value` holds exactly.
 pub mod check {
+    use serde::Deserialize;
     use serde_json::{json, Value};
     use tally_core::model::Model;
     use tally_core::time::{format_duration, parse_duration, Resolutions, WindowSpec};
     use tally_core::wire::Kind;
 
     use crate::{encode, Sandbox};
+
+    /// One window of a batch read.
+    #[derive(Debug, Deserialize)]
+    struct WindowAnswer {
+        resolution: String,
+        from: i64,
+        to: i64,
+        value: i128,
+    }
+
+    #[derive(Debug, Deserialize)]
+    struct BatchAnswer {
+        results: Vec<WindowAnswer>,
+    }
+
+    #[derive(Debug, Deserialize)]
+    struct SeriesAnswer {
+        points: Vec<Point>,
+    }
+
+    #[derive(Debug, Deserialize)]
+    struct Point {
+        t: i64,
+        value: i128,
+    }
+
+    #[derive(Debug, Deserialize)]
+    struct MetricsPage {
+        metrics: Vec<ListedMetric>,
+        next_page_token: Option<String>,
+    }
+
+    #[derive(Debug, Deserialize)]
+    struct ListedMetric {
+        metric: String,
+        direct: i128,
+        total: i128,
+    }
+
+    #[derive(Debug, Deserialize)]
+    struct ContributorsPage {
+        entity: String,
+        metric: String,
+        window: String,
+        resolution: String,
+        from: i64,
+        to: i64,
+        total: i128,
+        direct: i128,
+        contributors: Vec<Contributor>,
+        next_page_token: Option<String>,
+    }
+
+    #[derive(Debug, Deserialize)]
+    struct Contributor {
+        entity: String,
+        value: i128,
+    }
+
+    /// A page of a listing: where the next one starts.
+    pub trait Page: serde::de::DeserializeOwned {
+        fn next_page_token(&self) -> Option<&str>;
+    }
+
+    impl Page for Value {
+        fn next_page_token(&self) -> Option<&str> {
+            self["next_page_token"].as_str()
+        }
+    }
+
+    impl Page for MetricsPage {
+        fn next_page_token(&self) -> Option<&str> {
+            self.next_page_token.as_deref()
+        }
+    }
+
+    impl Page for ContributorsPage {
+        fn next_page_token(&self) -> Option<&str> {
+            self.next_page_token.as_deref()
+        }
+    }
 
     /// Every (entity, metric) all-time total and direct equals the model's; the
     /// mismatches otherwise.
@@ -522,18 +658,17 @@ pub mod check {
                 }
             }
         }
-        let (status, body) = sandbox.post("/v1/query", &json!({ "queries": queries })).await;
-        if status != 200 {
-            return Err(format!("batch read failed: {status} {body}"));
-        }
-        let results = body["results"].as_array().cloned().unwrap_or_default();
-        if results.len() != queries.len() {
-            return Err(format!("{} results for {} queries: {body}", results.len(), queries.len()));
+        let body: BatchAnswer = sandbox
+            .post_as("/v1/query", &json!({ "queries": queries }))
+            .await
+            .map_err(|failure| format!("batch read failed: {failure}"))?;
+        if body.results.len() != queries.len() {
+            return Err(format!("{} results for {} queries: {body:?}", body.results.len(), queries.len()));
         }
         let mut mismatches = Vec::new();
-        for ((query, want), got) in queries.iter().zip(&expected).zip(results) {
-            if got["value"].as_i64() != Some(*want) {
-                mismatches.push(format!("{query}: want {want}, got {}", got["value"]));
+        for ((query, want), got) in queries.iter().zip(&expected).zip(body.results) {
+            if got.value != *want {
+                mismatches.push(format!("{query}: want {want}, got {}", got.value));
             }
         }
         if mismatches.is_empty() {
@@ -629,20 +764,17 @@ pub mod check {
             }
         }
         for chunk in queries.chunks(1_000) {
-            let (status, body) = sandbox.post("/v1/query", &json!({ "queries": chunk })).await;
-            same(status, 200, &body)?;
-            let results = body["results"].as_array().cloned().unwrap_or_default();
-            same(results.len(), chunk.len(), format!("one result per query: {body}"))?;
-            for (query, result) in chunk.iter().zip(&results) {
+            let body: BatchAnswer = sandbox.post_as("/v1/query", &json!({ "queries": chunk })).await?;
+            same(body.results.len(), chunk.len(), "one result per query")?;
+            for (query, result) in chunk.iter().zip(&body.results) {
                 let window_ms = parse_duration(query["window"].as_str().unwrap()).unwrap();
-                let to = result["to"].as_i64().ok_or_else(|| format!("no `to`: {result}"))?;
-                let plan = resolutions.plan(WindowSpec::Last { window_ms }, to).unwrap();
-                same(result["resolution"].clone(), json!(plan.resolution_name()), query)?;
-                same(result["from"].as_i64(), Some(plan.start), query)?;
+                let plan = resolutions.plan(WindowSpec::Last { window_ms }, result.to).unwrap();
+                same(result.resolution.as_str(), plan.resolution_name(), query)?;
+                same(result.from, plan.start, query)?;
                 let kind = if query["kind"] == "total" { Kind::Total } else { Kind::Direct };
                 let (entity, metric) = (query["entity"].as_str().unwrap(), query["metric"].as_str().unwrap());
                 let want = model.sums(entity, metric, kind, &plan)[0];
-                same(result["value"].as_i64(), Some(want), format!("{query} → {result}"))?;
+                same(result.value, want, format!("{query} → {result:?}"))?;
             }
         }
         Ok(())
@@ -671,11 +803,8 @@ pub mod check {
                         encode(entity),
                         encode(metric)
                     );
-                    let (status, body) = sandbox.get(&path).await;
-                    same(status, 200, format!("{path}: {body}"))?;
-                    let points = body["points"].as_array().cloned().unwrap_or_default();
-                    let last_t =
-                        points.last().and_then(|p| p["t"].as_i64()).ok_or_else(|| format!("{path}: no point"))?;
+                    let body: SeriesAnswer = sandbox.get_as(&path).await?;
+                    let last_t = body.points.last().map(|p| p.t).ok_or_else(|| format!("{path}: no point"))?;
                     let spec = WindowSpec::Series {
                         step_ms: parse_duration(step).unwrap(),
                         range_ms: parse_duration(range).unwrap(),
@@ -683,12 +812,11 @@ pub mod check {
                     let plan = resolutions.plan(spec, last_t).unwrap();
                     let kind = if kind == "total" { Kind::Total } else { Kind::Direct };
                     let want = model.sums(entity, metric, kind, &plan);
-                    let got: Vec<Option<i64>> = points.iter().map(|p| p["value"].as_i64()).collect();
-                    let times: Vec<Option<i64>> = points.iter().map(|p| p["t"].as_i64()).collect();
-                    let want_times: Vec<Option<i64>> =
-                        (0..plan.points as i64).map(|i| Some(plan.start + i * plan.step)).collect();
+                    let got: Vec<i128> = body.points.iter().map(|p| p.value).collect();
+                    let times: Vec<i64> = body.points.iter().map(|p| p.t).collect();
+                    let want_times: Vec<i64> = (0..plan.points as i64).map(|i| plan.start + i * plan.step).collect();
                     same(times, want_times, &path)?;
-                    same(got, want.into_iter().map(Some).collect(), &path)?;
+                    same(got, want, &path)?;
                 }
             }
         }
@@ -698,16 +826,15 @@ pub mod check {
     /// Every page of the listing at `base` (a path with its query), following
     /// `next_page_token`: each page's path and body; `Err` unless every page is a 200,
     /// and when a token comes back a second time (a listing that would never end).
-    pub async fn pages(sandbox: &Sandbox, base: &str) -> Result<Vec<(String, Value)>, String> {
+    pub async fn pages<P: Page>(sandbox: &Sandbox, base: &str) -> Result<Vec<(String, P)>, String> {
         let mut pages = Vec::new();
         let mut path = base.to_string();
         let mut tokens = std::collections::HashSet::new();
         loop {
-            let (status, body) = sandbox.get(&path).await;
-            same(status, 200, format!("{path}: {body}"))?;
-            let next = match body["next_page_token"].as_str() {
+            let body: P = sandbox.get_as(&path).await?;
+            let next = match body.next_page_token() {
                 Some(token) => {
-                    same(tokens.insert(token.to_string()), true, format!("{path}: token {token} again: {body}"))?;
+                    same(tokens.insert(token.to_string()), true, format!("{path}: token {token} again"))?;
                     Some(format!("{base}&page_token={token}"))
                 }
                 None => None,
@@ -725,21 +852,15 @@ pub mod check {
         try_listings(sandbox, model, entities).await.unwrap_or_else(|mismatch| panic!("{mismatch}"));
     }
 
-    /// A metric as listed: its name, direct and total.
-    type Listed = (String, (Option<i64>, Option<i64>));
-
     /// [`listings`], as a result (for negative controls).
     pub async fn try_listings(sandbox: &Sandbox, model: &Model, entities: &[String]) -> Result<(), String> {
         for entity in entities {
-            let mut listed: Vec<Listed> = Vec::new();
-            for (_, body) in pages(sandbox, &format!("/v1/entities/{}/metrics?limit=2", encode(entity))).await? {
-                for m in body["metrics"].as_array().cloned().unwrap_or_default() {
-                    let counts = (m["direct"].as_i64(), m["total"].as_i64());
-                    listed.push((m["metric"].as_str().unwrap_or_default().to_string(), counts));
-                }
+            let mut listed: Vec<(String, (i128, i128))> = Vec::new();
+            let base = format!("/v1/entities/{}/metrics?limit=2", encode(entity));
+            for (_, page) in pages::<MetricsPage>(sandbox, &base).await? {
+                listed.extend(page.metrics.into_iter().map(|m| (m.metric, (m.direct, m.total))));
             }
-            let want: Vec<Listed> =
-                model.metrics(entity).into_iter().map(|(m, (d, t))| (m, (Some(d), Some(t)))).collect();
+            let want: Vec<(String, (i128, i128))> = model.metrics(entity).into_iter().collect();
             same(listed, want, entity)?;
         }
         Ok(())
@@ -768,22 +889,27 @@ pub mod check {
                         encode(entity),
                         encode(metric)
                     );
-                    let (mut listed, mut first) = (Vec::new(), None::<Value>);
-                    for (path, body) in pages(sandbox, &base).await? {
-                        let page = body["contributors"].as_array().cloned().unwrap_or_default();
-                        same(page.len() <= 2, true, format!("{path}: at most `limit`: {body}"))?;
-                        for c in page {
-                            listed.push((c["entity"].as_str().unwrap_or_default().to_string(), c["value"].as_i64()));
-                        }
-                        let header = ["entity", "metric", "window", "resolution", "from", "to", "total", "direct"]
-                            .map(|field| body[field].clone());
+                    let (mut listed, mut first) = (Vec::new(), None);
+                    for (path, page) in pages::<ContributorsPage>(sandbox, &base).await? {
+                        same(page.contributors.len() <= 2, true, format!("{path}: at most `limit`: {page:?}"))?;
+                        listed.extend(page.contributors.iter().map(|c| (c.entity.clone(), c.value)));
+                        let header = (
+                            page.entity,
+                            page.metric,
+                            page.window,
+                            page.resolution,
+                            page.from,
+                            page.to,
+                            page.total,
+                            page.direct,
+                        );
                         match &first {
-                            None => first = Some(json!(header)),
-                            Some(earlier) => same(&json!(header), earlier, format!("{path}: every page alike"))?,
+                            None => first = Some(header),
+                            Some(earlier) => same(&header, earlier, format!("{path}: every page alike"))?,
                         }
                     }
-                    let header = first.unwrap_or_default();
-                    let to = header[5].as_i64().ok_or_else(|| format!("{base}: no `to`: {header}"))?;
+                    let header = first.ok_or_else(|| format!("{base}: no page"))?;
+                    let to = header.5;
                     let spec = match window {
                         "all" => WindowSpec::All,
                         text => WindowSpec::Last { window_ms: parse_duration(text).unwrap() },
@@ -793,26 +919,21 @@ pub mod check {
                         WindowSpec::Last { window_ms } => format_duration(window_ms),
                         _ => window.to_string(),
                     };
-                    let want_header = json!([
-                        entity,
-                        metric,
+                    let want_header = (
+                        entity.clone(),
+                        metric.clone(),
                         echoed,
-                        plan.resolution_name(),
+                        plan.resolution_name().to_string(),
                         plan.start,
                         to,
                         model.sums(entity, metric, Kind::Total, &plan)[0],
-                        model.sums(entity, metric, Kind::Direct, &plan)[0]
-                    ]);
+                        model.sums(entity, metric, Kind::Direct, &plan)[0],
+                    );
                     same(&header, &want_header, &base)?;
-                    let want: Vec<(String, Option<i64>)> =
-                        model.contributors(entity, metric, &plan).into_iter().map(|(e, v)| (e, Some(v))).collect();
+                    let want = model.contributors(entity, metric, &plan);
                     same(&listed, &want, &base)?;
-                    let sum: i64 = listed.iter().filter_map(|(_, v)| *v).sum();
-                    same(
-                        header[7].as_i64().map(|direct| direct + sum),
-                        header[6].as_i64(),
-                        format!("{base}: adds up"),
-                    )?;
+                    let sum: i128 = listed.iter().map(|(_, v)| v).sum();
+                    same(header.7 + sum, header.6, format!("{base}: adds up"))?;
                 }
             }
         }

@@ -336,11 +336,16 @@ async fn counters_page_plots_totals_and_explains_what_the_api_answers() {
     browser.close().await;
 }
 
+/// The roles' tokens of the jobs console's test.
+const WORKER_TOKEN: &str = "worker-token-of-the-mail-queue";
+const OPERATOR_TOKEN: &str = "operator-token-for-dead-jobs";
+const CLUSTER_TOKEN: &str = "cluster-token-between-services";
+
 /// A worker's call to the broker's API for the `mail` queue (with its token): the
 /// JSON answer.
 async fn worker(http: &reqwest::Client, broker: &str, call: &str, body: Value) -> Value {
     let url = format!("{broker}/v1/queues/mail/{call}");
-    let response = http.post(&url).bearer_auth("s3cret").json(&body).send().await.unwrap();
+    let response = http.post(&url).bearer_auth(WORKER_TOKEN).json(&body).send().await.unwrap();
     assert!(response.status().is_success(), "{url}: {}", response.status());
     response.json().await.unwrap()
 }
@@ -356,10 +361,15 @@ lease_ms = 5000
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_console_shows_queues_and_requeues_and_discards_dead_jobs_with_the_token() {
     let mut sandbox = Sandbox::start().await;
-    sandbox.spawn("tally-query");
+    let cluster = ("TALLY__AUTH__CLUSTER_TOKEN", CLUSTER_TOKEN.to_string());
+    sandbox.spawn_instance("tally-query", "tally-query", std::slice::from_ref(&cluster));
     let declarations = sandbox.declare(QUEUE).await;
-    let broker =
-        sandbox.spawn_broker_with("broker-a", &declarations, &[("TALLY__BROKER__AUTH_TOKEN", "s3cret".into())]);
+    let tokens = [
+        ("TALLY__AUTH__WORKER_TOKEN", WORKER_TOKEN.to_string()),
+        ("TALLY__AUTH__OPERATOR_TOKEN", OPERATOR_TOKEN.to_string()),
+        cluster,
+    ];
+    let broker = sandbox.spawn_broker_with("broker-a", &declarations, &tokens);
     let http = reqwest::Client::new();
     let jobs: Vec<(Option<String>, Vec<u8>)> = (1..=3)
         .map(|i| {
@@ -374,7 +384,7 @@ async fn jobs_console_shows_queues_and_requeues_and_discards_dead_jobs_with_the_
     sandbox.produce_to(&sandbox.names.jobs("mail"), &jobs).await;
 
     eventually("the broker serves", || async {
-        let answer = http.get(format!("{broker}/v1/queues")).bearer_auth("s3cret").send().await;
+        let answer = http.get(format!("{broker}/v1/queues")).bearer_auth(WORKER_TOKEN).send().await;
         answer.ok().filter(|r| r.status().is_success()).map(|_| ()).ok_or("not yet".to_string())
     })
     .await;
@@ -396,7 +406,7 @@ async fn jobs_console_shows_queues_and_requeues_and_discards_dead_jobs_with_the_
     let dead_listing = || async {
         let response = http
             .get(format!("{}/v1/jobs/mail/dead", sandbox.query_url))
-            .header("X-Broker-Authorization", "Bearer s3cret")
+            .header("X-Broker-Authorization", format!("Bearer {OPERATOR_TOKEN}"))
             .send()
             .await
             .unwrap();
@@ -407,10 +417,19 @@ async fn jobs_console_shows_queues_and_requeues_and_discards_dead_jobs_with_the_
         (listing["total"] == 3).then_some(()).ok_or(listing.to_string())
     })
     .await;
-    let unauthorized = http.get(format!("{}/v1/jobs", sandbox.query_url)).send().await.unwrap();
-    assert_eq!(unauthorized.status(), 401, "the console's data needs the brokers' token");
+    let unauthorized = http.get(format!("{}/v1/jobs/mail/dead", sandbox.query_url)).send().await.unwrap();
+    assert_eq!(unauthorized.status(), 401, "dead jobs need the operator token");
     let refusal: Value = unauthorized.json().await.unwrap();
     assert_eq!(refusal["error"]["code"], "broker_unauthorized", "{refusal}");
+    let as_a_worker = http
+        .get(format!("{}/v1/jobs/mail/dead", sandbox.query_url))
+        .header("X-Broker-Authorization", format!("Bearer {WORKER_TOKEN}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(as_a_worker.status(), 401, "a worker's token decides nothing about dead jobs");
+    let overview = http.get(format!("{}/v1/jobs", sandbox.query_url)).send().await.unwrap();
+    assert_eq!(overview.status(), 200, "the queues' stats come with tally-query's cluster token");
     // Garbage and oversized requests are 4xx with a JSON error, and decide nothing.
     let too_many: Vec<Value> = (0..1_001).map(|i| json!({"partition": 0, "offset": i})).collect();
     let bad = [
@@ -434,7 +453,7 @@ async fn jobs_console_shows_queues_and_requeues_and_discards_dead_jobs_with_the_
         let request = if method == "POST" { http.post(&url).body(body) } else { http.get(&url) };
         let response = request
             .header("content-type", "application/json")
-            .header("X-Broker-Authorization", "Bearer s3cret")
+            .header("X-Broker-Authorization", format!("Bearer {OPERATOR_TOKEN}"))
             .send()
             .await
             .unwrap();
@@ -447,13 +466,14 @@ async fn jobs_console_shows_queues_and_requeues_and_discards_dead_jobs_with_the_
 
     let browser = Browser::start().await;
     browser.open(&format!("{}/jobs", sandbox.query_url)).await;
-    browser.wait_for("#token").await.send_keys("s3cret").await.unwrap();
-    browser.click("#save-token").await;
+    // The queues' stats need no token of the page's; their dead jobs ask for the operators'.
     browser.click("tr[data-queue='mail']").await;
+    browser.wait_for("#token").await.send_keys(OPERATOR_TOKEN).await.unwrap();
+    browser.click("#save-token").await;
     eventually("the queue row equals the API", || async {
         let overview: Value = http
             .get(format!("{}/v1/jobs", sandbox.query_url))
-            .header("X-Broker-Authorization", "Bearer s3cret")
+            .header("X-Broker-Authorization", format!("Bearer {OPERATOR_TOKEN}"))
             .send()
             .await
             .unwrap()

@@ -376,11 +376,11 @@ async fn a_kill9_after_a_commit_still_leaves_the_right_final_rollup() {
             }
         }
     }
-    let want: BTreeMap<(String, String), (i64, i64)> = entities
+    let want: BTreeMap<(String, String), (i128, i128)> = entities
         .iter()
         .flat_map(|e| model.metrics(e).into_iter().map(move |(m, (direct, total))| ((e.clone(), m), (total, direct))))
         .collect();
-    let got: BTreeMap<(String, String), (i64, i64)> =
+    let got: BTreeMap<(String, String), (i128, i128)> =
         latest.into_iter().map(|(key, rollup)| (key, (rollup.total, rollup.direct))).collect();
     assert_eq!(got, want, "the latest all-time rollup of every counter");
 }

@@ -13,7 +13,7 @@ const SERVICES: [&str; 4] = ["tally-ingester", "tally-counter", "tally-graph", "
 /// The neighbours the read API lists for `entity`, two per page.
 async fn neighbours(sandbox: &Sandbox, entity: &str, direction: &str) -> Vec<String> {
     let base = format!("/v1/graph/{}?direction={direction}&limit=2", encode(entity));
-    let pages = check::pages(sandbox, &base).await.unwrap_or_else(|failure| panic!("{failure}"));
+    let pages = check::pages::<serde_json::Value>(sandbox, &base).await.unwrap_or_else(|failure| panic!("{failure}"));
     pages
         .iter()
         .flat_map(|(_, body)| body["entities"].as_array().unwrap().iter())

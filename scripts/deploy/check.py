@@ -335,8 +335,9 @@ def user_secrets(values: dict) -> dict[str, set[str]]:
     sasl = kafka.get("sasl") or {}
     made: dict[str, set[str]] = {}
     if auth.get("existingSecret"):
+        defaults = {"reader": "reader-token", "worker": "worker-token", "operator": "operator-token", "cluster": "cluster-token"}
         made.setdefault(auth["existingSecret"], set()).update(
-            k for k in (auth.get("queryTokenKey", "query-auth-token"), auth.get("brokerTokenKey", "broker-auth-token")) if k)
+            k for k in (auth.get(f"{role}TokenKey", key) for role, key in defaults.items()) if k)
     if sasl.get("existingSecret"):
         made.setdefault(sasl["existingSecret"], set()).add(sasl.get("passwordKey", "sasl-password"))
     if kafka.get("tlsSecret"):
@@ -377,8 +378,9 @@ def resolve_env(container: dict, secrets: dict, external: dict) -> tuple[dict, l
                 if (ref["name"], ref["key"]) in secrets:
                     env[name] = secrets[(ref["name"], ref["key"])]
                 else:
-                    # A stand-in for a value of the user's Secret, all digits as a password may be.
-                    env[name] = external.get(ref["name"], {}).get(ref["key"], str(int(hashlib.sha256(f"{ref['name']}/{ref['key']}".encode()).hexdigest(), 16) % 10**12).zfill(12))
+                    # A stand-in for a value of the user's Secret, all digits as a password or a
+                    # token may be (20 digits: tokens have at least 16 bytes).
+                    env[name] = external.get(ref["name"], {}).get(ref["key"], str(int(hashlib.sha256(f"{ref['name']}/{ref['key']}".encode()).hexdigest(), 16) % 10**20).zfill(20))
                 secret_values.append(env[name])
             else:
                 env[name] = "stand-in"
@@ -592,6 +594,48 @@ def check_queues_only_upgrade(report: Report, helm) -> None:
                          checksums(old[comp][0]) != checksums(new[comp][0]), "unchanged: the checksums do not follow tally.toml")
 
 
+# The roles whose tokens each binary checks or sends (shared/src/auth.rs).
+ROLE_TOKENS = {"tally-query": ("reader", "cluster"), "tally-counter": ("operator", "cluster"), "tally-graph": ("operator", "cluster"),
+               "tally-broker": ("worker", "operator", "cluster"), "tally-worker": ("worker",)}
+
+# Which components may reach each component's internal port (ARCHITECTURE.md, "Trust boundaries").
+INTERNAL_PEERS = {"counter": ("read", {"query"}), "graph": ("read", {"query"}), "broker": ("http", {"query", "worker"})}
+
+
+def check_network_policies(report, case: str, values: dict, objects, policies: list[dict]) -> None:
+    """The counters', tally-graph's and brokers' internal ports admit only their peers' pods; admin ports stay open."""
+    if not (values.get("networkPolicy") or {}).get("enabled", True):
+        report.check(f"{case}: networkPolicy.enabled false renders no NetworkPolicy", not policies, f"{len(policies)} rendered")
+        return
+    pods = [(obj["spec"]["template"]["metadata"].get("labels") or {}, pod_spec(obj)) for _, obj in objects if pod_spec(obj) is not None and obj["kind"] != "Job"]
+    component = lambda labels: labels.get("app.kubernetes.io/component")
+    selects = lambda selector, labels: all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+    for name, (port_name, peers) in INTERNAL_PEERS.items():
+        targets = [(labels, spec) for labels, spec in pods if component(labels) == name]
+        if not targets:
+            continue
+        mine = [p for p in policies if any(selects(p["spec"]["podSelector"], labels) for labels, _ in targets)]
+        if not report.check(f"{case}: one NetworkPolicy selects the {name} pods", len(mine) == 1, f"{len(mine)} select them"):
+            continue
+        policy = mine[0]["spec"]
+        report.check(f"{case}: the {name} NetworkPolicy governs ingress", policy.get("policyTypes") == ["Ingress"], f"{policy.get('policyTypes')}")
+        ports = {c["name"]: c["containerPort"] for c in targets[0][1]["containers"][0].get("ports", [])}
+        rules = policy.get("ingress", [])
+        open_ports = {p["port"] for r in rules if not r.get("from") for p in r.get("ports", [])}
+        report.check(f"{case}: the {name} admin port is open (metrics, probes)", ports.get("admin") in open_ports, f"open: {open_ports}")
+        report.check(f"{case}: the {name} internal port is not open to all", ports.get(port_name) not in open_ports and port_name not in open_ports,
+                     f"open: {open_ports}")
+        allowed = [r for r in rules if r.get("from") and {p["port"] for p in r.get("ports", [])} & {port_name, ports.get(port_name)}]
+        # A peer names a component of this release (its pods may not be rendered: workers).
+        release = {k: v for k, v in targets[0][0].items() if k != "app.kubernetes.io/component"}
+        admitted = {(peer["podSelector"].get("matchLabels") or {}).get("app.kubernetes.io/component") for r in allowed
+                    for peer in r["from"] if "podSelector" in peer and selects({"matchLabels": release}, peer["podSelector"].get("matchLabels") or {})}
+        extra = (values.get("networkPolicy") or {}).get("extraFrom") or []
+        others = [peer for r in allowed for peer in r["from"] if "podSelector" not in peer or peer in extra]
+        report.check(f"{case}: the {name} internal port admits exactly {sorted(peers)} pods (and networkPolicy.extraFrom)",
+                     admitted == peers and len(others) == len(extra) * len(allowed), f"admits {sorted(admitted)}, other peers {others}")
+
+
 def check_rendered(report, config_check, work: Path, case: str, values: dict, objects, uid, gid, defaults, builtin_queues):
     by_kind: dict[str, list[dict]] = {}
     for _, obj in objects:
@@ -642,6 +686,8 @@ def check_rendered(report, config_check, work: Path, case: str, values: dict, ob
             credential_keys = sorted(k for k in snapshots if re.search(r"key|secret|token|password|credential", k, re.I))
             report.check(f"{case}: ConfigMap/{cm['metadata']['name']} holds no S3 credentials", not credential_keys,
                          f"[snapshots] sets {credential_keys}")
+
+    check_network_policies(report, case, values, objects, by_kind.get("NetworkPolicy", []))
 
     # The topics Job runs before everything else, on a config of its own.
     jobs = by_kind.get("Job", [])
@@ -781,9 +827,11 @@ def check_rendered(report, config_check, work: Path, case: str, values: dict, ob
                                "snapshots.allow_http": bool(snap.get("allowHttp", False))})
             if section == "worker":
                 expect["worker.queue"] = env.get("TALLY__WORKER__QUEUE", effective("worker", "queue", toml, env, defaults))
-            for var in ("TALLY__QUERY__AUTH_TOKEN", "TALLY__BROKER__AUTH_TOKEN", "TALLY__WORKER__AUTH_TOKEN"):
-                if var in env:
-                    expect[var.removeprefix("TALLY__").lower().replace("__", ".")] = "<redacted>"
+            tokens = {var for var in env if var.startswith("TALLY__AUTH__")}
+            allowed = {f"TALLY__AUTH__{role.upper()}_TOKEN" for role in ROLE_TOKENS.get(binary, ())}
+            report.check(f"{where}: {binary} gets only the tokens it checks or sends", tokens <= allowed, f"{sorted(tokens - allowed)}")
+            for var in tokens:
+                expect[var.removeprefix("TALLY__").lower().replace("__", ".")] = "<redacted>"
             for var in env:
                 if var.startswith("TALLY__KAFKA__CLIENT__"):
                     # The loader's mapping: SASL_PASSWORD → "sasl.password"; shown redacted.

@@ -35,6 +35,7 @@ pub struct TallyConfig {
     pub query: QueryConfig,
     pub broker: BrokerConfig,
     pub worker: WorkerConfig,
+    pub auth: crate::auth::AuthConfig,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -56,8 +57,6 @@ pub struct BrokerConfig {
     pub heartbeat_ms: u64,
     /// A broker silent this long is gone; its partitions move.
     pub member_timeout_ms: u64,
-    /// Optional bearer token workers must send.
-    pub auth_token: Option<String>,
 }
 
 impl Default for BrokerConfig {
@@ -70,7 +69,6 @@ impl Default for BrokerConfig {
             declarations: None,
             heartbeat_ms: 1_000,
             member_timeout_ms: 6_000,
-            auth_token: None,
         }
     }
 }
@@ -94,8 +92,6 @@ pub struct WorkerConfig {
     pub command_env: Vec<String>,
     /// Prometheus metrics and health endpoints.
     pub admin_listen: String,
-    /// Bearer token for the brokers.
-    pub auth_token: Option<String>,
 }
 
 impl Default for WorkerConfig {
@@ -109,7 +105,6 @@ impl Default for WorkerConfig {
             command: None,
             command_env: vec!["PATH".into(), "HOME".into(), "LANG".into()],
             admin_listen: "127.0.0.1:9106".into(),
-            auth_token: None,
         }
     }
 }
@@ -132,6 +127,10 @@ pub struct GraphConfig {
     pub batch_linger_ms: u64,
     /// fsync the RocksDB WAL on every batch.
     pub sync_writes: bool,
+    /// The most descendants one entity may have: an edge that would give one more is
+    /// refused (dead-lettered with its reason, the graph unchanged), so what one
+    /// update costs stays bounded.
+    pub max_descendants: usize,
 }
 
 impl Default for GraphConfig {
@@ -144,6 +143,7 @@ impl Default for GraphConfig {
             batch_max_records: 1_000,
             batch_linger_ms: 20,
             sync_writes: false,
+            max_descendants: 1_000_000,
         }
     }
 }
@@ -172,6 +172,9 @@ pub struct SnapshotsConfig {
     pub interval_ms: u64,
     /// Snapshots kept per shard (the newest; at least two).
     pub keep: usize,
+    /// An upload that never got its manifest (its writer died) is deleted once it
+    /// started this long ago, in ms.
+    pub orphan_grace_ms: u64,
     /// How long the shard topic and graph-updates keep records, set when `tally
     /// topics apply` creates them (on existing topics a difference is reported as
     /// drift, to change by hand). 0: 7 days when snapshots go to a shared store
@@ -204,6 +207,7 @@ impl Default for SnapshotsConfig {
             every_records: 1_000_000,
             interval_ms: 300_000,
             keep: 2,
+            orphan_grace_ms: 3_600_000,
             log_retention_ms: 0,
         }
     }
@@ -586,8 +590,6 @@ pub struct QueryConfig {
     pub listen: String,
     /// Prometheus metrics and health endpoints.
     pub admin_listen: String,
-    /// When set, every `/v1` request needs `Authorization: Bearer <token>`.
-    pub auth_token: Option<String>,
     /// Most queries in one `POST /v1/query`.
     pub max_batch: usize,
     /// How long a read waits for a shard owner to appear, in ms.
@@ -603,7 +605,6 @@ impl Default for QueryConfig {
         Self {
             listen: "127.0.0.1:8080".into(),
             admin_listen: "127.0.0.1:9103".into(),
-            auth_token: None,
             max_batch: 1_000,
             owner_wait_ms: 6_000,
             read_link: true,
@@ -687,8 +688,12 @@ impl TallyConfig {
         if config.counter.apply_threads == 0 {
             return Err(Error::Config("counter.apply_threads: must be at least 1".into()));
         }
+        if config.graph.max_descendants == 0 {
+            return Err(Error::Config("graph.max_descendants: must be at least 1".into()));
+        }
         check_shard_record_format(config.ingester.shard_record_format)?;
         config.ingester.limits(&config.counting)?;
+        config.auth.check()?;
         // A relative declarations file sits next to the config that names it.
         let mut config = config;
         if let (Some(declarations), Some(dir)) = (&config.broker.declarations, path.and_then(Path::parent)) {
@@ -720,7 +725,7 @@ fn redact(value: &mut serde_json::Value, path: &str) {
     map.retain(|_, v| !v.is_null());
     for (key, v) in map.iter_mut() {
         let path = format!("{path}.{key}");
-        let secret = key == "auth_token"
+        let secret = (path.starts_with(".auth.") && key.ends_with("_token"))
             || (path.starts_with(".kafka.client.")
                 && ["password", "secret", "key.pem", "keystore", "sasl.jaas"].iter().any(|s| key.contains(s)));
         if secret {
@@ -731,7 +736,7 @@ fn redact(value: &mut serde_json::Value, path: &str) {
     }
 }
 
-/// The default value at a dotted path (`worker.auth_token`), if the path exists.
+/// The default value at a dotted path (`auth.worker_token`), if the path exists.
 fn default_at<'a>(defaults: &'a serde_json::Value, dotted: &str) -> Option<&'a serde_json::Value> {
     dotted.split('.').try_fold(defaults, |value, key| value.get(key))
 }
@@ -942,8 +947,8 @@ mod tests {
         let config = TallyConfig::load_with_env(
             None,
             env(&[
-                ("TALLY__WORKER__AUTH_TOKEN", "123456"),
-                ("TALLY__QUERY__AUTH_TOKEN", "true"),
+                ("TALLY__AUTH__WORKER_TOKEN", "1234567890123456"),
+                ("TALLY__GRAPH__ADVERTISE_HOST", "true"),
                 ("TALLY__KAFKA__TOPIC_PREFIX", "42"),
                 ("TALLY__WORKER__QUEUE", "007"),
                 ("TALLY__COUNTER__BATCH_MAX_RECORDS", "12"),
@@ -951,8 +956,8 @@ mod tests {
             ]),
         )
         .unwrap();
-        assert_eq!(config.worker.auth_token.as_deref(), Some("123456"));
-        assert_eq!(config.query.auth_token.as_deref(), Some("true"));
+        assert_eq!(config.auth.worker_token.as_deref(), Some("1234567890123456"));
+        assert_eq!(config.graph.advertise_host.as_deref(), Some("true"));
         assert_eq!((config.kafka.topic_prefix.as_str(), config.worker.queue.as_str()), ("42", "007"));
         assert_eq!((config.counter.batch_max_records, config.counter.sync_writes), (12, true));
         let err = TallyConfig::load_with_env(None, env(&[("TALLY__COUNTER__BATCH_MAX_RECORDS", "many")])).unwrap_err();
@@ -964,17 +969,18 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tally.toml");
         let client = "[kafka.client]\n\"sasl.password\" = \"p\"\n\"ssl.key.password\" = \"k\"\n\"security.protocol\" = \"SASL_SSL\"\n";
-        std::fs::write(&path, format!("[query]\nauth_token = \"q\"\n{client}")).unwrap();
-        let config = TallyConfig::load_with_env(Some(&path), env(&[("TALLY__BROKER__AUTH_TOKEN", "b")])).unwrap();
+        std::fs::write(&path, format!("[auth]\nreader_token = \"reader-token-0123456789\"\n{client}")).unwrap();
+        let worker = ("TALLY__AUTH__WORKER_TOKEN", "worker-token-0123456789");
+        let config = TallyConfig::load_with_env(Some(&path), env(&[worker])).unwrap();
         let shown = config.redacted().unwrap();
-        assert_eq!(shown["query"]["auth_token"], REDACTED);
-        assert_eq!(shown["broker"]["auth_token"], REDACTED);
+        assert_eq!(shown["auth"]["reader_token"], REDACTED);
+        assert_eq!(shown["auth"]["worker_token"], REDACTED);
         assert_eq!(shown["kafka"]["client"]["sasl.password"], REDACTED);
         assert_eq!(shown["kafka"]["client"]["ssl.key.password"], REDACTED);
         assert_eq!(shown["kafka"]["client"]["security.protocol"], "SASL_SSL");
-        assert!(shown["worker"].get("auth_token").is_none(), "unset options are left out");
+        assert!(shown["auth"].get("cluster_token").is_none(), "unset options are left out");
         let text = shown.to_string();
-        assert!(!text.contains("\"p\"") && !text.contains("\"q\"") && !text.contains("\"b\""), "{text}");
+        assert!(!text.contains("\"p\"") && !text.contains("0123456789"), "{text}");
         // Everything but the secrets is the effective config.
         assert_eq!(shown["counter"]["batch_max_records"], config.counter.batch_max_records);
     }

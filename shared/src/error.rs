@@ -17,6 +17,10 @@ pub enum Error {
     Topics(String),
     #[error("snapshots: {0}")]
     Snapshot(String),
+    /// A snapshot that cannot be restored as it is (a file missing, cut short or
+    /// changed): a restore falls back to an older one.
+    #[error("snapshots: {0}")]
+    SnapshotUnusable(String),
     #[error("rocksdb: {0}")]
     Store(String),
     #[error("outbox relay: {0}")]

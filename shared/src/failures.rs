@@ -22,6 +22,7 @@ use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
+use crate::auth::{AuthConfig, Role};
 use crate::outbox::Relay;
 use crate::{Error, Result};
 use tally_core::wire::DeadLetter;
@@ -184,9 +185,10 @@ impl FailureBoard {
 /// How long a skip waits for the consuming thread.
 const SKIP_WAIT: Duration = Duration::from_secs(60);
 
-/// `POST /internal/v1/shards/{partition}/skip` (`tally shards skip`).
-pub fn skip_router(board: Arc<FailureBoard>) -> Router {
-    Router::new().route("/internal/v1/shards/{partition}/skip", post(skip)).with_state(board)
+/// `POST /internal/v1/shards/{partition}/skip` (`tally shards skip`), for operators.
+pub fn skip_router(board: Arc<FailureBoard>, auth: &AuthConfig) -> Router {
+    let routes = Router::new().route("/internal/v1/shards/{partition}/skip", post(skip));
+    crate::auth::require(routes, auth, &[Role::Operator]).with_state(board)
 }
 
 async fn skip(
@@ -247,7 +249,7 @@ mod tests {
     async fn serve(board: Arc<FailureBoard>) -> String {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, skip_router(board)).await });
+        tokio::spawn(async move { axum::serve(listener, skip_router(board, &AuthConfig::default())).await });
         format!("http://{addr}/internal/v1/shards")
     }
 

@@ -1,17 +1,14 @@
-//! The one HTTP server loop, the one HTTP error format, the one auth layer and the
-//! one page-token format of tally's APIs.
+//! The one HTTP server loop, the one HTTP error format and the one page-token
+//! format of tally's APIs.
 //!
 //! Every API is served by [`serve`] (or [`spawn_serve`]): connections without
 //! Nagle's delay ([`no_delay`]).
 //!
 //! Every error answer is `{"error":{"code","message"}}` with a 4xx or 5xx status
-//! ([`ApiError`]); every API that takes a bearer token checks it with
-//! [`require_bearer`]; every paginated listing hands out [`page_token`]s.
+//! ([`ApiError`]); every paginated listing hands out [`page_token`]s. Bearer
+//! tokens are checked by [`crate::auth`].
 
-use axum::extract::{Request, State};
-use axum::http::header::AUTHORIZATION;
 use axum::http::StatusCode;
-use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::serve::{ListenerExt, TapIo};
 use axum::{Json, Router};
@@ -81,27 +78,6 @@ pub fn spawn_serve(what: &'static str, listener: TcpListener, router: Router, sh
             tracing::error!(error = %err, "{what} failed");
         }
     });
-}
-
-/// Requires `Authorization: Bearer <token>` on every route of `router` when a token
-/// is configured; 401 `unauthorized` otherwise.
-pub fn require_bearer<S: Clone + Send + Sync + 'static>(router: Router<S>, token: Option<String>) -> Router<S> {
-    match token {
-        Some(token) => router.route_layer(axum::middleware::from_fn_with_state(
-            std::sync::Arc::new(format!("Bearer {token}")),
-            authorize,
-        )),
-        None => router,
-    }
-}
-
-async fn authorize(State(expected): State<std::sync::Arc<String>>, request: Request, next: Next) -> Response {
-    let given = request.headers().get(AUTHORIZATION).and_then(|value| value.to_str().ok());
-    if given != Some(expected.as_str()) {
-        return ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "a valid bearer token is required")
-            .into_response();
-    }
-    next.run(request).await
 }
 
 /// Opaque page tokens: a kind tag (which listing, which version of its token) and

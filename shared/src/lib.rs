@@ -15,13 +15,14 @@
 //! apply`), [`progress`] (offsets and high-water stamps kept in a store),
 //! [`dedupe`] (idempotency marks that expire by the records' own time), [`outbox`]
 //! (relaying what a store wrote with its state), [`failures`] (a partition that
-//! fails stops, visibly, until an operator skips), [`http`] (the one error format and
-//! auth layer), [`read_link`] (tally-query's binary connection to a counter),
+//! fails stops, visibly, until an operator skips), [`auth`] (roles and their
+//! tokens: the one auth layer), [`http`] (the one error format), [`read_link`] (tally-query's binary connection to a counter),
 //! [`sched`] (short CPU slices for request threads, the default for backlog loops)
 //! and [`local_broker`] (install/start/stop Tansu).
 
 pub mod allocator;
 pub mod announce;
+pub mod auth;
 pub mod config;
 pub mod consume;
 pub mod dead_jobs;

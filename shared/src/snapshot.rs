@@ -5,8 +5,15 @@
 //! lock, so it holds exactly the state, progress, outbox and marks of one committed
 //! offset) uploaded file by file to a snapshot store — an [`ObjectStore`]: a local
 //! directory by default — under `<name>/<id>/`, with its [`Manifest`] written last:
-//! a snapshot without a manifest is incomplete and never restored. Ids sort by the
-//! offset the snapshot is consistent with, so the newest is the last.
+//! a snapshot without a manifest is incomplete and never restored (and collected
+//! once older than `snapshots.orphan_grace_ms`). Ids sort by the offset the snapshot
+//! is consistent with, so the newest is the last.
+//!
+//! The store is read from outside and degrades gracefully: a manifest this build
+//! cannot read is skipped and reported (the newest readable one is used); each file
+//! is checked against its manifest's size and SHA-256 as it is downloaded, and a
+//! restore that meets a missing or damaged file falls back to the next older
+//! snapshot, then to the log.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -33,11 +40,14 @@ pub fn restored_marker(dir: &Path) -> PathBuf {
 
 /// The name of the manifest in a snapshot's directory.
 const MANIFEST: &str = "MANIFEST.json";
+/// Version 2 of manifests: each file with its SHA-256. Version 1 (sizes only) is
+/// still read.
+const MANIFEST_V2: u32 = 2;
 
 /// What a snapshot holds: its files and the offset it is consistent with.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Manifest {
-    /// Format version ([`JSON_V1`]).
+    /// Format version ([`MANIFEST_V2`]; version 1 files have no hashes).
     pub v: u32,
     /// Whose store: `shard-0003`, `graph`.
     pub name: String,
@@ -53,6 +63,34 @@ pub struct Manifest {
 pub struct SnapshotFile {
     pub name: String,
     pub bytes: u64,
+    /// The file's SHA-256, hex (from version 2 on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
+}
+
+/// A manifest found in the snapshot store that this build cannot use: its folder
+/// and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unreadable {
+    pub folder: String,
+    pub reason: String,
+}
+
+/// What a listing of one store's snapshots found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Listing {
+    /// The complete, readable snapshots, oldest first.
+    pub manifests: Vec<Manifest>,
+    /// Manifests skipped: unreadable, of a newer version, or naming another folder.
+    pub unreadable: Vec<Unreadable>,
+    /// Folders without a manifest (uploads under way or abandoned) and when each
+    /// was started (from its id), if it says.
+    pub incomplete: Vec<(String, Option<i64>)>,
+}
+
+/// The SHA-256 of `bytes`, hex.
+fn sha256_hex(bytes: &[u8]) -> String {
+    ring::digest::digest(&ring::digest::SHA256, bytes).as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 impl Manifest {
@@ -62,7 +100,18 @@ impl Manifest {
     }
 
     fn decode(bytes: &[u8]) -> Result<Self> {
-        Ok(tally_core::format::decode_json(bytes, "snapshot manifest", |manifest: &Self| manifest.v)?)
+        let manifest: Self =
+            serde_json::from_slice(bytes).map_err(|err| Error::corrupt(format!("snapshot manifest: {err}")))?;
+        match manifest.v {
+            JSON_V1 => Ok(manifest),
+            MANIFEST_V2 => match manifest.files.iter().find(|f| f.sha256.is_none()) {
+                Some(file) => Err(Error::corrupt(format!("snapshot manifest: {} has no sha256", file.name))),
+                None => Ok(manifest),
+            },
+            v => {
+                Err(Error::corrupt(format!("snapshot manifest: format version {v}, this build reads versions 1 and 2")))
+            }
+        }
     }
 
     /// Decodes the manifest found in folder `folder` (`<name>/<id>`) of the
@@ -177,12 +226,16 @@ impl SnapshotStore {
                 .map(str::to_string)
                 .ok_or_else(|| Error::Snapshot(format!("{}: not a file name", path.display())))?;
             let bytes = std::fs::read(&path)?;
-            files.push(SnapshotFile { name: file.clone(), bytes: bytes.len() as u64 });
+            files.push(SnapshotFile {
+                name: file.clone(),
+                bytes: bytes.len() as u64,
+                sha256: Some(sha256_hex(&bytes)),
+            });
             let location = ObjectPath::from(format!("{name}/{id}/{file}"));
             self.runtime.block_on(self.objects.put(&location, bytes.into())).map_err(objects_error)?;
         }
         let manifest = Manifest {
-            v: JSON_V1,
+            v: MANIFEST_V2,
             name: name.to_string(),
             id: id.clone(),
             next_offset: progress.next_offset,
@@ -195,26 +248,46 @@ impl SnapshotStore {
         Ok(manifest)
     }
 
-    /// The complete snapshots of `name`, oldest first.
+    /// The complete, readable snapshots of `name`, oldest first; a manifest this
+    /// build cannot read is skipped with a warning ([`Self::listing`] names them).
     pub fn list(&self, name: &str) -> Result<Vec<Manifest>> {
+        let listing = self.listing(name)?;
+        for skipped in &listing.unreadable {
+            tracing::warn!(folder = %skipped.folder, reason = %skipped.reason, "skipping a snapshot manifest this build cannot read");
+        }
+        Ok(listing.manifests)
+    }
+
+    /// Everything under `name`: readable snapshots, unreadable manifests and
+    /// folders without a manifest.
+    pub fn listing(&self, name: &str) -> Result<Listing> {
         self.runtime.block_on(async {
             let prefix = ObjectPath::from(name);
             let listed = self.objects.list_with_delimiter(Some(&prefix)).await.map_err(objects_error)?;
-            let mut manifests = Vec::new();
+            let mut listing = Listing::default();
             for dir in listed.common_prefixes {
                 let location = dir.child(MANIFEST);
                 match self.objects.get(&location).await {
                     Ok(got) => {
                         let bytes = got.bytes().await.map_err(objects_error)?;
-                        manifests.push(Manifest::decode_from(&bytes, dir.as_ref())?);
+                        match Manifest::decode_from(&bytes, dir.as_ref()) {
+                            Ok(manifest) => listing.manifests.push(manifest),
+                            Err(err) => {
+                                listing.unreadable.push(Unreadable { folder: dir.to_string(), reason: err.to_string() })
+                            }
+                        }
                     }
                     // Being uploaded, or abandoned half way: not a snapshot.
-                    Err(object_store::Error::NotFound { .. }) => {}
+                    Err(object_store::Error::NotFound { .. }) => {
+                        let started =
+                            dir.filename().and_then(|id| id.rsplit_once('-')).and_then(|(_, ms)| ms.parse().ok());
+                        listing.incomplete.push((dir.to_string(), started));
+                    }
                     Err(err) => return Err(objects_error(err)),
                 }
             }
-            manifests.sort_by(|a, b| a.id.cmp(&b.id));
-            Ok(manifests)
+            listing.manifests.sort_by(|a, b| a.id.cmp(&b.id));
+            Ok(listing)
         })
     }
 
@@ -235,7 +308,8 @@ impl SnapshotStore {
     }
 
     /// Downloads `manifest`'s files into `dir`, which must not exist yet; a store
-    /// opened there is the snapshot's. Each file's size is checked.
+    /// opened there is the snapshot's. Each file's size and SHA-256 are checked: a
+    /// file missing or not as the manifest says is [`Error::SnapshotUnusable`].
     pub fn restore(&self, manifest: &Manifest, dir: &Path) -> Result<()> {
         self.restore_with_progress(manifest, dir, |_| {})
     }
@@ -259,13 +333,22 @@ impl SnapshotStore {
                     false => Ok((size, None)),
                 }
             });
-            let (size, bytes) = got.map_err(objects_error)?;
-            let Some(bytes) = bytes.filter(|bytes| bytes.len() as u64 == file.bytes) else {
-                return Err(Error::corrupt(format!(
-                    "snapshot {}/{}: {} is {size} bytes, the manifest says {}",
-                    manifest.name, manifest.id, file.name, file.bytes
-                )));
+            let unusable = |what: String| {
+                Error::SnapshotUnusable(format!("snapshot {}/{}: {} {what}", manifest.name, manifest.id, file.name))
             };
+            let (size, bytes) = got.map_err(|err| match err {
+                object_store::Error::NotFound { .. } => unusable("is missing".into()),
+                err => objects_error(err),
+            })?;
+            let Some(bytes) = bytes.filter(|bytes| bytes.len() as u64 == file.bytes) else {
+                return Err(unusable(format!("is {size} bytes, the manifest says {}", file.bytes)));
+            };
+            if let Some(want) = &file.sha256 {
+                let found = sha256_hex(&bytes);
+                if found != *want {
+                    return Err(unusable(format!("has SHA-256 {found}, the manifest says {want}")));
+                }
+            }
             let mut written = std::fs::File::create(partial.join(&file.name))?;
             std::io::Write::write_all(&mut written, &bytes)?;
             written.sync_all()?;
@@ -284,27 +367,56 @@ impl SnapshotStore {
     }
 
     /// Deletes all but the newest `keep` snapshots of `name` (at least two stay, so
-    /// a restore that just picked the newer one is not cut short by the next prune);
-    /// returns how many were deleted.
-    pub fn prune(&self, name: &str, keep: usize) -> Result<usize> {
-        let manifests = self.list(name)?;
-        let stale = manifests.len().saturating_sub(keep.max(2));
-        for manifest in &manifests[..stale] {
-            self.runtime
-                .block_on(async {
-                    // The manifest first: a snapshot half deleted is no longer listed.
-                    let dir = ObjectPath::from(format!("{}/{}", manifest.name, manifest.id));
-                    self.objects.delete(&dir.child(MANIFEST)).await?;
-                    let mut files = self.objects.list(Some(&dir));
-                    while let Some(meta) = files.next().await {
-                        self.objects.delete(&meta?.location).await?;
-                    }
-                    Ok::<_, object_store::Error>(())
-                })
-                .map_err(objects_error)?;
+    /// a restore that just picked the newer one is not cut short by the next prune)
+    /// and the uploads that never got a manifest and started more than
+    /// `orphan_grace_ms` ago; reports the manifests it could not read (left alone).
+    pub fn prune(&self, name: &str, keep: usize, orphan_grace_ms: i64) -> Result<Pruned> {
+        let listing = self.listing(name)?;
+        let stale = listing.manifests.len().saturating_sub(keep.max(2));
+        for manifest in &listing.manifests[..stale] {
+            // The manifest first: a snapshot half deleted is no longer listed.
+            self.delete_folder(&format!("{}/{}", manifest.name, manifest.id))?;
         }
-        Ok(stale)
+        let cutoff = now_ms().saturating_sub(orphan_grace_ms);
+        let mut collected = 0;
+        for (folder, started) in &listing.incomplete {
+            if started.is_some_and(|started| started < cutoff) {
+                tracing::info!(folder = %folder, "collecting an upload that never got a manifest");
+                self.delete_folder(folder)?;
+                collected += 1;
+            }
+        }
+        Ok(Pruned { deleted: stale, collected, unreadable: listing.unreadable })
     }
+
+    /// Deletes a snapshot's folder, its manifest first.
+    fn delete_folder(&self, folder: &str) -> Result<()> {
+        self.runtime
+            .block_on(async {
+                let dir = ObjectPath::from(folder);
+                match self.objects.delete(&dir.child(MANIFEST)).await {
+                    Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                    Err(err) => return Err(err),
+                }
+                let mut files = self.objects.list(Some(&dir));
+                while let Some(meta) = files.next().await {
+                    self.objects.delete(&meta?.location).await?;
+                }
+                Ok::<_, object_store::Error>(())
+            })
+            .map_err(objects_error)
+    }
+}
+
+/// What [`SnapshotStore::prune`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Pruned {
+    /// Old snapshots deleted.
+    pub deleted: usize,
+    /// Uploads without a manifest collected.
+    pub collected: usize,
+    /// Manifests this build cannot read (skipped by every listing).
+    pub unreadable: Vec<Unreadable>,
 }
 
 /// Decides when a store is snapshot: once it applied `every_records` records since
@@ -317,6 +429,9 @@ pub struct Snapshotter {
     every_records: i64,
     interval: Duration,
     keep: usize,
+    orphan_grace_ms: i64,
+    /// Unreadable manifests met since the last round (reported as failures).
+    unreadable: u64,
     last: HashMap<String, Option<(i64, Instant)>>,
 }
 
@@ -332,6 +447,8 @@ impl Snapshotter {
             every_records: config.every_records.max(1),
             interval: Duration::from_millis(config.interval_ms),
             keep: config.keep,
+            orphan_grace_ms: config.orphan_grace_ms.min(i64::MAX as u64) as i64,
+            unreadable: 0,
             last: HashMap::new(),
         }
     }
@@ -345,9 +462,10 @@ impl Snapshotter {
     /// One round of a service's snapshot thread over the `stores` it serves now
     /// (snapshot name, store): operators' `requests` answered with a snapshot of
     /// each as of now (or the first failure), then each snapshot if due. Returns
-    /// how many were taken and how many failed (failures are tried again next round).
+    /// how many were taken and how many failed (failures are tried again next round;
+    /// an unreadable manifest met while pruning counts as one).
     pub fn round(&mut self, requests: &SnapshotRequests, stores: &[(String, &Store)]) -> (u64, u64) {
-        let (mut taken, mut failed) = (0, 0);
+        let (mut taken, mut failed) = (0, std::mem::take(&mut self.unreadable));
         for reply in requests.take() {
             let mut now = Vec::new();
             let mut answer = Ok(());
@@ -407,20 +525,43 @@ impl Snapshotter {
         tracing::info!(snapshot = %manifest.name, id = %manifest.id, next_offset = ?manifest.next_offset, bytes = manifest.bytes(), "snapshot stored");
         self.last.insert(name.to_string(), Some((manifest.next_offset.unwrap_or(0), Instant::now())));
         // Stored whatever pruning does; old snapshots go next time.
-        if let Err(err) = self.snapshots.prune(name, self.keep) {
-            tracing::warn!(snapshot = %manifest.name, error = %err, "pruning old snapshots; trying again next time");
+        match self.snapshots.prune(name, self.keep, self.orphan_grace_ms) {
+            Ok(pruned) => {
+                for skipped in &pruned.unreadable {
+                    tracing::warn!(folder = %skipped.folder, reason = %skipped.reason, "a snapshot manifest this build cannot read: skipped by restores, left in place");
+                }
+                self.unreadable += pruned.unreadable.len() as u64;
+            }
+            Err(err) => {
+                tracing::warn!(snapshot = %manifest.name, error = %err, "pruning old snapshots; trying again next time")
+            }
         }
         Ok(Some(manifest))
     }
 
-    /// Restores the newest snapshot of `name` into `dir` (where no store is);
-    /// the snapshot restored, if there was one.
+    /// Restores the newest snapshot of `name` that restores whole into `dir` (where
+    /// no store is): one with a file missing or damaged is passed over for the next
+    /// older; none, and the store rebuilds from the log. The snapshot restored, if any.
     pub fn restore_latest(snapshots: &SnapshotStore, name: &str, dir: &Path) -> Result<Option<Manifest>> {
-        let Some(manifest) = snapshots.latest(name)? else { return Ok(None) };
-        let started = Instant::now();
-        snapshots.restore(&manifest, dir)?;
-        tracing::info!(snapshot = %manifest.name, id = %manifest.id, next_offset = ?manifest.next_offset, bytes = manifest.bytes(), seconds = started.elapsed().as_secs_f64(), "restored from a snapshot; replaying the log after it");
-        Ok(Some(manifest))
+        let manifests = snapshots.list(name)?;
+        for manifest in manifests.iter().rev() {
+            let started = Instant::now();
+            match snapshots.restore(manifest, dir) {
+                Ok(()) => {
+                    tracing::info!(snapshot = %manifest.name, id = %manifest.id, next_offset = ?manifest.next_offset, bytes = manifest.bytes(), seconds = started.elapsed().as_secs_f64(), "restored from a snapshot; replaying the log after it");
+                    return Ok(Some(manifest.clone()));
+                }
+                Err(Error::SnapshotUnusable(reason)) => {
+                    tracing::warn!(snapshot = %manifest.name, id = %manifest.id, %reason, "a snapshot that cannot be restored; trying the next older one");
+                }
+                Err(err) => return Err(err),
+            }
+        }
+        remove_dir_if_there(&dir.with_extension("restoring"))?;
+        if !manifests.is_empty() {
+            tracing::warn!(snapshot = %name, "no snapshot restores whole: rebuilding from the log");
+        }
+        Ok(None)
     }
 }
 
@@ -447,8 +588,10 @@ impl SnapshotRequests {
 
 /// `POST /internal/v1/snapshots`: snapshot now, answered with the snapshots stored
 /// (`{"snapshots": [manifest…]}`) once they are; `None`: snapshots are off here.
-pub fn snapshot_router(requests: Option<Arc<SnapshotRequests>>) -> axum::Router {
-    axum::Router::new().route("/internal/v1/snapshots", axum::routing::post(snapshot_now)).with_state(requests)
+/// For operators.
+pub fn snapshot_router(requests: Option<Arc<SnapshotRequests>>, auth: &crate::auth::AuthConfig) -> axum::Router {
+    let routes = axum::Router::new().route("/internal/v1/snapshots", axum::routing::post(snapshot_now));
+    crate::auth::require(routes, auth, &[crate::auth::Role::Operator]).with_state(requests)
 }
 
 async fn snapshot_now(
@@ -533,17 +676,23 @@ mod tests {
         assert!(restored_marker(&restored_dir).exists(), "marked for its service to wait until caught up");
 
         let third = snapshots.take(&store, "t.shards/shard-0001", dir.path()).unwrap();
-        // A manifest that is not one stops the listing loudly, never skipped or half read.
+        // A manifest this build cannot use is skipped, and named by the listing.
         let garbage = ObjectPath::from("t.shards/shard-0002/00000000000000000001-1/MANIFEST.json");
-        runtime_handle.block_on(snapshots.objects.put(&garbage, b"{\"v\":1,\"name\":".to_vec().into())).unwrap();
-        let err = snapshots.latest("t.shards/shard-0002").unwrap_err().to_string();
-        assert!(err.contains("snapshot manifest"), "{err}");
-        let newer = br#"{"v":2,"name":"n","id":"i","next_offset":1,"created_ms":0,"files":[]}"#;
-        runtime_handle.block_on(snapshots.objects.put(&garbage, newer.to_vec().into())).unwrap();
-        let err = snapshots.latest("t.shards/shard-0002").unwrap_err().to_string();
-        assert!(err.contains("version 2"), "{err}");
-        // Read from outside: it must name its own folder, and only plain file names.
         let folder = "t.shards/shard-0002/00000000000000000001-1";
+        let skipped = |manifest: &[u8]| {
+            runtime_handle.block_on(snapshots.objects.put(&garbage, manifest.to_vec().into())).unwrap();
+            assert_eq!(snapshots.latest("t.shards/shard-0002").unwrap(), None);
+            let listing = snapshots.listing("t.shards/shard-0002").unwrap();
+            assert_eq!((listing.manifests.len(), listing.unreadable.len()), (0, 1));
+            assert_eq!(listing.unreadable[0].folder, folder);
+            listing.unreadable[0].reason.clone()
+        };
+        assert!(skipped(b"{\"v\":1,\"name\":").contains("snapshot manifest"));
+        let newer = br#"{"v":3,"name":"n","id":"i","next_offset":1,"created_ms":0,"files":[]}"#;
+        assert!(skipped(newer).contains("format version 3, this build reads versions 1 and 2"));
+        let unhashed = r#"{"v":2,"name":"t.shards/shard-0002","id":"00000000000000000001-1","next_offset":1,"created_ms":0,"files":[{"name":"a","bytes":1}]}"#;
+        assert!(skipped(unhashed.as_bytes()).contains("a has no sha256"));
+        // Read from outside: it must name its own folder, and only plain file names.
         for (manifest, says) in [
             (
                 r#"{"v":1,"name":"t.shards/shard-0009","id":"00000000000000000001-1","next_offset":1,"created_ms":0,"files":[]}"#,
@@ -558,17 +707,83 @@ mod tests {
                 "is not a file name",
             ),
         ] {
-            runtime_handle.block_on(snapshots.objects.put(&garbage, manifest.as_bytes().to_vec().into())).unwrap();
-            let err = snapshots.latest("t.shards/shard-0002").unwrap_err().to_string();
-            assert!(err.contains(folder) && err.contains(says), "{err}");
+            let reason = skipped(manifest.as_bytes());
+            assert!(reason.contains(folder) && reason.contains(says), "{reason}");
         }
         // An object bigger than its manifest says is refused before it is loaded.
         let oversized = second.files.iter().max_by_key(|f| f.bytes).unwrap().name.clone();
         let location = ObjectPath::from(format!("{}/{}/{oversized}", second.name, second.id));
         runtime_handle.block_on(snapshots.objects.put(&location, vec![0u8; 1 << 20].into())).unwrap();
-        let err = snapshots.restore(&second, &dir.path().join("again")).unwrap_err().to_string();
-        assert!(err.contains(&format!("{oversized} is 1048576 bytes, the manifest says")), "{err}");
-        assert_eq!(snapshots.prune("t.shards/shard-0001", 1).unwrap(), 1, "two stay at least");
+        let err = snapshots.restore(&second, &dir.path().join("again")).unwrap_err();
+        assert!(
+            matches!(&err, Error::SnapshotUnusable(m) if m.contains(&format!("{oversized} is 1048576 bytes, the manifest says"))),
+            "{err}"
+        );
+        let pruned = snapshots.prune("t.shards/shard-0001", 1, 3_600_000).unwrap();
+        assert_eq!(
+            pruned,
+            Pruned { deleted: 1, collected: 1, unreadable: vec![] },
+            "two stay at least; the cut-short upload goes"
+        );
         assert_eq!(snapshots.list("t.shards/shard-0001").unwrap(), vec![second, third]);
+    }
+
+    /// A restore passes over a snapshot with a file damaged or missing for the next
+    /// older one, then for the log; an unreadable manifest is never tried; uploads
+    /// without a manifest go once older than the grace period.
+    #[test]
+    fn restores_fall_back_past_damaged_snapshots_and_orphans_are_collected() {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let snapshots = SnapshotStore::local(&dir.path().join("snapshots"), runtime.handle().clone()).unwrap();
+        let store = open(&dir.path().join("store"));
+        let name = "t.shards/shard-0003";
+        let mut taken = Vec::new();
+        for (key, offset) in [(&b"a"[..], 10), (b"b", 20), (b"c", 30)] {
+            commit(&store, key, offset);
+            taken.push(snapshots.take(&store, name, dir.path()).unwrap());
+        }
+        let put = |location: String, bytes: Vec<u8>| {
+            runtime.block_on(snapshots.objects.put(&ObjectPath::from(location), bytes.into())).unwrap();
+        };
+        put(format!("{name}/99999999999999999999-5/MANIFEST.json"), b"not json".to_vec());
+        let restored = |into: &str| {
+            let path = dir.path().join(into);
+            let manifest = Snapshotter::restore_latest(&snapshots, name, &path).unwrap();
+            assert!(!path.with_extension("restoring").exists(), "nothing half restored is left");
+            manifest.map(|m| (m.next_offset, open(&path).progress().next_offset))
+        };
+        assert_eq!(restored("r1"), Some((Some(30), Some(30))), "the newest readable snapshot");
+        // The newest: one file changed, its size kept.
+        let file = taken[2].files.iter().max_by_key(|f| f.bytes).unwrap();
+        let location = format!("{name}/{}/{}", taken[2].id, file.name);
+        let mut bytes = runtime
+            .block_on(async { snapshots.objects.get(&ObjectPath::from(location.clone())).await?.bytes().await })
+            .unwrap()
+            .to_vec();
+        bytes[0] ^= 0xff;
+        put(location, bytes);
+        assert_eq!(restored("r2"), Some((Some(20), Some(20))), "the next older one");
+        // The middle one: a file missing.
+        let file = &taken[1].files[0];
+        runtime
+            .block_on(snapshots.objects.delete(&ObjectPath::from(format!("{name}/{}/{}", taken[1].id, file.name))))
+            .unwrap();
+        assert_eq!(restored("r3"), Some((Some(10), Some(10))));
+        let file = &taken[0].files[0];
+        runtime
+            .block_on(snapshots.objects.delete(&ObjectPath::from(format!("{name}/{}/{}", taken[0].id, file.name))))
+            .unwrap();
+        assert_eq!(restored("r4"), None, "then the log");
+
+        put(format!("{name}/00000000000000000001-1000/000001.sst"), b"x".to_vec());
+        put(format!("{name}/00000000000000000002-{}/000001.sst", now_ms()), b"x".to_vec());
+        let pruned = snapshots.prune(name, 10, 3_600_000).unwrap();
+        assert_eq!((pruned.deleted, pruned.collected, pruned.unreadable.len()), (0, 1, 1));
+        let listing = snapshots.listing(name).unwrap();
+        let incomplete: Vec<&str> = listing.incomplete.iter().map(|(folder, _)| folder.as_str()).collect();
+        assert_eq!(incomplete.len(), 1, "the upload under way stays: {incomplete:?}");
+        assert!(incomplete[0].starts_with(&format!("{name}/00000000000000000002-")));
+        assert_eq!(listing.manifests, taken, "damaged snapshots stay listed (a restore passes them over)");
     }
 }

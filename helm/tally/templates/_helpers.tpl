@@ -180,17 +180,19 @@ both keys named. */ -}}
 {{- fail (printf "snapshots.endpoint %q is plain HTTP: set snapshots.allowHttp to true (or use an https:// endpoint)" $snap.endpoint) -}}
 {{- end -}}
 {{- /* Tokens: in the chart's Secret or in yours, not both. */ -}}
-{{- if $v.auth.existingSecret -}}
-{{- if or $v.query.authToken $v.broker.authToken -}}
-{{- fail "auth.existingSecret is set: put the tokens in that Secret and leave query.authToken and broker.authToken empty" -}}
+{{- $auth := $v.auth -}}
+{{- range $role := list "reader" "worker" "operator" "cluster" -}}
+{{- $token := index $auth (printf "%sToken" $role) -}}
+{{- if and $auth.existingSecret $token -}}
+{{- fail (printf "auth.existingSecret is set: put the tokens in that Secret and leave auth.%sToken empty" $role) -}}
 {{- end -}}
-{{- else -}}
-{{- if and $v.query.authToken (not $v.auth.queryTokenKey) -}}
-{{- fail "query.authToken is set: auth.queryTokenKey must name its key in the Secret" -}}
+{{- if and $token (not (index $auth (printf "%sTokenKey" $role))) -}}
+{{- fail (printf "auth.%sToken is set: auth.%sTokenKey must name its key in the Secret" $role $role) -}}
 {{- end -}}
-{{- if and $v.broker.authToken (not $v.auth.brokerTokenKey) -}}
-{{- fail "broker.authToken is set: auth.brokerTokenKey must name its key in the Secret" -}}
 {{- end -}}
+{{- /* A read API reachable from outside the cluster asks for the readers' token. */ -}}
+{{- if and (ne (toString $v.query.service.type) "ClusterIP") (not (include "tally.tokenSecret" (dict "root" $ "role" "reader"))) -}}
+{{- fail (printf "query.service.type is %s: set auth.readerToken (or auth.existingSecret with auth.readerTokenKey), or the read API is open to anyone who reaches it" $v.query.service.type) -}}
 {{- end -}}
 {{- end -}}
 
@@ -367,24 +369,33 @@ snapshots.credentialsSecret is set (the pods' own AWS identity, or no S3 at all)
 {{- end }}
 {{- end -}}
 
-{{/* A token from the chart's Secret or the user's: (dict "root" $ "which" "query"
-"var" "TALLY__QUERY__AUTH_TOKEN"); nothing when that token is not set. */}}
-{{- define "tally.tokenEnv" -}}
+{{/* The Secret holding a role's token: (dict "root" $ "role" "reader"); nothing
+when that role has no token. */}}
+{{- define "tally.tokenSecret" -}}
 {{- $auth := .root.Values.auth -}}
-{{- $key := index $auth (printf "%sTokenKey" .which) -}}
-{{- $secret := "" -}}
+{{- if index $auth (printf "%sTokenKey" .role) -}}
 {{- if $auth.existingSecret -}}
-{{- $secret = $auth.existingSecret -}}
-{{- else if (index .root.Values .which).authToken -}}
-{{- $secret = printf "%s-auth" (include "tally.fullname" .root) -}}
+{{- $auth.existingSecret -}}
+{{- else if index $auth (printf "%sToken" .role) -}}
+{{- printf "%s-auth" (include "tally.fullname" .root) -}}
 {{- end -}}
-{{- if and $secret $key -}}
-- name: {{ .var }}
+{{- end -}}
+{{- end -}}
+
+{{/* The tokens of `roles` a service checks or sends, from the chart's Secret or the
+user's: (dict "root" $ "roles" (list "reader" "cluster")); nothing for a role without
+a token. */}}
+{{- define "tally.tokenEnv" -}}
+{{- $root := .root -}}
+{{- range $role := .roles }}
+{{- with include "tally.tokenSecret" (dict "root" $root "role" $role) }}
+- name: TALLY__AUTH__{{ upper $role }}_TOKEN
   valueFrom:
     secretKeyRef:
-      name: {{ $secret }}
-      key: {{ $key }}
-{{- end -}}
+      name: {{ . }}
+      key: {{ index $root.Values.auth (printf "%sTokenKey" $role) }}
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{/* Probes on the admin port. The startup probe holds the liveness probe off while

@@ -17,6 +17,7 @@ use tally_core::jobs::api::{
     AckRequest, AckResponse, DequeueRequest, DequeueResponse, ExtendRequest, NackRequest, MAX_DEQUEUE, MAX_ERROR_BYTES,
     MAX_WAIT_MS,
 };
+use tally_shared::auth::{require, AuthConfig, Role};
 use tally_shared::http::ApiError;
 use tally_shared::kafka::now_ms;
 
@@ -25,22 +26,27 @@ use crate::state::{Broker, QueueRuntime};
 #[derive(Clone)]
 pub struct ApiState {
     pub broker: Arc<Broker>,
-    pub auth_token: Option<String>,
+    pub auth: AuthConfig,
     pub dead: Arc<tally_shared::dead_jobs::DeadJobs>,
 }
 
+/// Stats for workers, operators and tally-query (the cluster token); dequeue, ack,
+/// nack and extend for workers; dead jobs for operators.
 pub fn router(state: ApiState) -> Router {
-    let routes = Router::new()
-        .route("/v1/queues", get(list))
-        .route("/v1/queues/{queue}", get(stats))
+    let auth = &state.auth;
+    let stats = Router::new().route("/v1/queues", get(list)).route("/v1/queues/{queue}", get(stats));
+    let work = Router::new()
         .route("/v1/queues/{queue}/dequeue", post(dequeue))
         .route("/v1/queues/{queue}/ack", post(ack))
         .route("/v1/queues/{queue}/nack", post(nack))
-        .route("/v1/queues/{queue}/extend", post(extend))
+        .route("/v1/queues/{queue}/extend", post(extend));
+    let dead = Router::new()
         .route("/v1/queues/{queue}/dead", get(crate::dead::list))
         .route("/v1/queues/{queue}/dead/requeue", post(crate::dead::requeue))
         .route("/v1/queues/{queue}/dead/discard", post(crate::dead::discard));
-    tally_shared::http::require_bearer(routes, state.auth_token.clone())
+    require(stats, auth, &[Role::Worker, Role::Operator, Role::Cluster])
+        .merge(require(work, auth, &[Role::Worker]))
+        .merge(require(dead, auth, &[Role::Operator]))
         .layer(axum::extract::DefaultBodyLimit::max(1 << 20))
         .with_state(state)
 }

@@ -101,8 +101,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     });
 
     let dead = Arc::new(tally_shared::dead_jobs::DeadJobs::new(&config.kafka, names.clone())?);
-    let api =
-        http::router(http::ApiState { broker: broker.clone(), auth_token: config.broker.auth_token.clone(), dead });
+    let api = http::router(http::ApiState { broker: broker.clone(), auth: config.auth.clone(), dead });
     tally_shared::http::spawn_serve("worker API", listener, api, shutdown.clone());
     let timeout_ms = config.broker.member_timeout_ms;
     let watched = [heartbeat, follower, declared];

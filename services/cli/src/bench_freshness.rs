@@ -54,9 +54,9 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     anyhow::ensure!(args.seconds * 1_000 >= args.probe_every_ms, "a phase of --seconds must fit a probe");
     let mut rig = Rig::start(config, config_path).await?;
-    if rig.config.query.auth_token.is_some() {
+    if rig.config.auth.reader_token.is_some() {
         rig.finish().await?;
-        bail!("tally bench freshness sends no token: run it with query.auth_token unset");
+        bail!("tally bench freshness sends no token: run it with auth.reader_token unset");
     }
     let names = rig.fresh_topics().await?;
     println!(

@@ -23,8 +23,10 @@ pub fn edge_latency_against_differential(
         buckets: latency.buckets_per_count as u8,
         repeats: shape.repeats,
     });
-    let (ours, theirs) =
-        ((latency.root_after_add, latency.root_after_remove), (baseline.root_after_add, baseline.root_after_remove));
+    let (ours, theirs) = (
+        (latency.root_after_add, latency.root_after_remove),
+        (baseline.root_after_add.into(), baseline.root_after_remove.into()),
+    );
     anyhow::ensure!(
         ours == theirs,
         "differential-dataflow's root totals after the add and the remove {theirs:?} differ from tally's {ours:?}"
@@ -118,8 +120,13 @@ mod tests {
         let (ours, theirs) = edge_latency_against_differential(shape, dir.path()).unwrap();
         assert!(ours.top_total > 0);
         assert_eq!(
-            (ours.root_after_add, ours.root_after_remove, theirs.root_after_add, theirs.root_after_remove),
-            (ours.top_total, 0, ours.top_total, 0)
+            (
+                ours.root_after_add,
+                ours.root_after_remove,
+                theirs.root_after_add.into(),
+                theirs.root_after_remove.into()
+            ),
+            (ours.top_total, 0, ours.top_total, 0i128)
         );
     }
 }

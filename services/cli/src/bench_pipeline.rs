@@ -999,9 +999,9 @@ fn batch_read(draw: &mut Entities) -> Vec<u8> {
 
 pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadBenchArgs) -> anyhow::Result<()> {
     let mut rig = Rig::start(config, config_path).await?;
-    if rig.config.query.auth_token.is_some() {
+    if rig.config.auth.reader_token.is_some() {
         rig.finish().await?;
-        bail!("tally bench read sends no token: run it with query.auth_token unset");
+        bail!("tally bench read sends no token: run it with auth.reader_token unset");
     }
     let names = rig.fresh_topics().await?;
     let busy = Case { per_message: args.ingest_per_message as usize, messages: args.ingest_messages };

@@ -66,7 +66,8 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
                 None => format!("{base}/v1/queues"),
             };
             let mut request = reqwest::Client::new().get(&url);
-            if let Some(token) = &config.broker.auth_token {
+            // Stats answer workers and operators alike.
+            if let Some(token) = config.auth.operator_token.as_ref().or(config.auth.worker_token.as_ref()) {
                 request = request.bearer_auth(token);
             }
             let response = request.send().await.with_context(|| format!("GET {url}"))?;

@@ -374,7 +374,8 @@ fn config_check(path: Option<&std::path::Path>) -> anyhow::Result<()> {
     let source = path.map_or_else(|| "defaults".to_string(), |p| p.display().to_string());
     let queues: Vec<&str> = declarations.queues.iter().map(|q| q.name.as_str()).collect();
     println!("# effective config: {source}, then TALLY__SECTION__KEY variables; secrets redacted");
-    println!("# queues declared: {}\n{shown}", queues.join(", "));
+    println!("# queues declared: {}", queues.join(", "));
+    println!("# roles: {}\n{shown}", config.auth.describe_open_roles());
     Ok(())
 }
 
@@ -430,7 +431,7 @@ async fn graph(config: &TallyConfig, args: GraphArgs) -> anyhow::Result<()> {
 /// GETs `url` from tally-query (with the configured token) and prints the JSON.
 async fn get_and_print(config: &TallyConfig, url: &str) -> anyhow::Result<()> {
     let mut request = reqwest::Client::new().get(url);
-    if let Some(token) = &config.query.auth_token {
+    if let Some(token) = &config.auth.reader_token {
         request = request.bearer_auth(token);
     }
     let response = request.send().await.with_context(|| format!("GET {url}"))?;

@@ -49,26 +49,28 @@ pub async fn run(config: &TallyConfig, command: ShardsCommand) -> anyhow::Result
     };
     let path = format!("/internal/v1/shards/{partition}/skip");
     let body = serde_json::json!({"offset": offset, "reason": reason});
-    post_internal(&addr, &path, &body, Duration::from_secs(90)).await.with_context(|| format!("shard {shard}"))?;
+    post_internal(config, &addr, &path, &body, Duration::from_secs(90))
+        .await
+        .with_context(|| format!("shard {shard}"))?;
     println!("shard {shard}: record {offset} is in the dead-letter topic; the shard resumed at {}", offset + 1);
     Ok(())
 }
 
-/// POSTs `body` to a service's internal API at `addr` and returns its JSON answer;
-/// an error answer becomes an error with the service's message.
+/// POSTs `body` to an operator route of a service's internal API at `addr` (with
+/// the operator token, when one is set) and returns its JSON answer; an error answer
+/// becomes an error with the service's message.
 pub async fn post_internal(
+    config: &TallyConfig,
     addr: &str,
     path: &str,
     body: &serde_json::Value,
     timeout: Duration,
 ) -> anyhow::Result<serde_json::Value> {
-    let response = reqwest::Client::new()
-        .post(format!("http://{addr}{path}"))
-        .json(body)
-        .timeout(timeout)
-        .send()
-        .await
-        .with_context(|| format!("asking {addr}"))?;
+    let mut request = reqwest::Client::new().post(format!("http://{addr}{path}")).json(body).timeout(timeout);
+    if let Some(token) = &config.auth.operator_token {
+        request = request.bearer_auth(token);
+    }
+    let response = request.send().await.with_context(|| format!("asking {addr}"))?;
     let status = response.status();
     let answer: serde_json::Value = response.json().await.with_context(|| format!("reading {addr}'s answer"))?;
     if !status.is_success() {

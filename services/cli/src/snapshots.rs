@@ -35,7 +35,8 @@ pub async fn take_now(config: &TallyConfig) -> anyhow::Result<()> {
         bar.set_message(service.clone());
         let nothing = serde_json::json!({});
         let body =
-            crate::shards::post_internal(service, "/internal/v1/snapshots", &nothing, Duration::from_secs(660)).await?;
+            crate::shards::post_internal(config, service, "/internal/v1/snapshots", &nothing, Duration::from_secs(660))
+                .await?;
         let manifests: Vec<Manifest> =
             serde_json::from_value(body["snapshots"].clone()).context("the service's snapshots")?;
         stored.extend(manifests);
@@ -93,9 +94,14 @@ pub async fn list(config: &TallyConfig) -> anyhow::Result<()> {
         let names = TopicNames::new(&config.kafka.topic_prefix);
         let mut stores = snapshots.names(&names.shards())?;
         stores.push(format!("{}/graph", names.graph_updates()));
-        let mut count = 0;
+        let (mut count, mut unreadable) = (0, 0);
         for name in stores {
-            for manifest in snapshots.list(&name)? {
+            let listing = snapshots.listing(&name)?;
+            for skipped in &listing.unreadable {
+                unreadable += 1;
+                println!("{}  UNREADABLE (skipped by restores): {}", skipped.folder, skipped.reason);
+            }
+            for manifest in listing.manifests {
                 count += 1;
                 let age = Duration::from_millis((now_ms() - manifest.created_ms).max(0) as u64);
                 println!(
@@ -111,7 +117,10 @@ pub async fn list(config: &TallyConfig) -> anyhow::Result<()> {
             "" => config.snapshots.dir.display().to_string(),
             url => url.to_string(),
         };
-        println!("{count} snapshots in {place}");
+        match unreadable {
+            0 => println!("{count} snapshots in {place}"),
+            n => println!("{count} snapshots in {place}; {n} manifests this build cannot read"),
+        }
         anyhow::Ok(())
     })
     .await?

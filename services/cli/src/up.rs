@@ -101,6 +101,7 @@ pub async fn run(mut config: TallyConfig, config_path: Option<PathBuf>, args: Up
         "tally: metrics  ingester http://{}/metrics  counter {}  graph http://{}/metrics  query http://{}/metrics  broker http://{}/metrics",
         config.ingester.admin_listen, counter_metrics.join(" "), config.graph.admin_listen, config.query.admin_listen, config.broker.admin_listen
     );
+    println!("tally: roles: {}", config.auth.describe_open_roles());
     println!("tally: try  tally produce increment answer:42 views;  tally produce edge add answer:42 user:7;  tally query user:7 views   (Ctrl-C stops everything)");
 
     let mut supervisors: Vec<_> = SERVICES

@@ -38,7 +38,7 @@ use tally_core::counting::Coalescer;
 use tally_core::format::PRESENT;
 use tally_core::graph::DescChangeRef;
 use tally_core::keys::{
-    encode_count_key, encode_dedupe_key, encode_entity_prefix, parse_count_key, Counts, ALL_TIME_WIDTH,
+    encode_count_key, encode_dedupe_key, encode_entity_prefix, parse_count_key, Count, Counts, ALL_TIME_WIDTH,
 };
 use tally_core::propagation::{change_deltas, stamp_totals};
 use tally_core::records::split_by_size;
@@ -99,7 +99,7 @@ pub struct ApplyReport {
 
 /// An origin's direct value per `(metric, width_ms, bucket)`; the metric is a
 /// `start..end` range of [`Scratch::metrics`].
-type DirectBuckets = Vec<(((u32, u32), i64, i64), i64)>;
+type DirectBuckets = Vec<(((u32, u32), i64, i64), Count)>;
 
 /// Buffers one record of descendant changes reuses from origin to origin (what
 /// still allocates: each sum's key, a delta for another shard, a metric new to the
@@ -112,7 +112,7 @@ struct Scratch {
     metrics: String,
     direct: DirectBuckets,
     /// The origin's retained buckets by metric number: what its changes move.
-    numbered: Vec<((u32, i64, i64), i64)>,
+    numbered: Vec<((u32, i64, i64), Count)>,
     /// The names of the record's metrics, numbered in order of appearance (a
     /// record has few).
     metric_names: Vec<String>,
@@ -307,9 +307,9 @@ impl ShardStore {
                         report.increments += 1;
                         let (entity, metric, ts, delta) =
                             (increment.entity, increment.metric, increment.ts, increment.delta);
-                        coalescer.add(entity, metric, ts, Counts { direct: delta, total: delta });
+                        coalescer.add(entity, metric, ts, Counts::increment(delta));
                         for d in descendants.map.get(entity).into_iter().flatten() {
-                            let counts = Counts { direct: 0, total: delta };
+                            let counts = Counts::descendant(delta.into());
                             match shard_of(d, self.options.shards) {
                                 target if target == self.shard => coalescer.add(d, metric, ts, counts),
                                 target => remote
@@ -327,7 +327,7 @@ impl ShardStore {
                             continue;
                         }
                         report.totals_received += 1;
-                        let counts = Counts { direct: 0, total: delta.delta };
+                        let counts = Counts::descendant(delta.delta);
                         coalescer.add_bucket(delta.entity, delta.metric, delta.width_ms, delta.bucket, counts);
                     }
                 }
@@ -359,7 +359,7 @@ impl ShardStore {
         // The direct deltas of cached origins, added to their copies once committed.
         let mut cache = self.direct.lock().map_err(|_| self.poisoned())?;
         let caching = !cache.is_empty();
-        let mut cached_deltas: Vec<(&str, &str, i64, i64, i64)> = Vec::new();
+        let mut cached_deltas: Vec<(&str, &str, i64, i64, Count)> = Vec::new();
         let mut last_entity: Option<(&str, bool)> = None;
         let mut writes = self.count_writes()?;
         coalescer.for_each(|entity, metric, width_ms, bucket, counts| {
@@ -413,7 +413,7 @@ impl ShardStore {
         let rollups_cf = self.cf(CF_ROLLUPS)?;
         // Totals here summed by (descendant, metric number, width, bucket): keys are
         // encoded once each, when written.
-        let mut local: FxHashMap<(&str, u32, i64, i64), i64> = FxHashMap::default();
+        let mut local: FxHashMap<(&str, u32, i64, i64), Count> = FxHashMap::default();
         let mut remote: BTreeMap<u32, Vec<TotalDelta>> = BTreeMap::new();
         let mut descendants = self.descendants.lock().map_err(|_| self.poisoned())?;
         // One iterator for every origin of the record whose counts are not in memory
@@ -465,7 +465,7 @@ impl ShardStore {
         }
         drop((cache, counts));
         report.keys += local.len();
-        let mut sums: Vec<(Vec<u8>, i64)> = local
+        let mut sums: Vec<(Vec<u8>, Count)> = local
             .into_iter()
             .map(|((d, metric, width_ms, bucket), delta)| {
                 let mut key = Vec::new();
@@ -487,7 +487,7 @@ impl ShardStore {
         let mut marking = self.marking(mark_rollups)?;
         let mut writes = self.count_writes()?;
         for (key, delta) in sums {
-            writes.add(&mut batch, counts_cf, &key, Counts { direct: 0, total: delta });
+            writes.add(&mut batch, counts_cf, &key, Counts::descendant(delta));
             marking.mark(&mut batch, rollups_cf, &key);
         }
         writes.finish(self, &mut batch, counts_cf)?;
@@ -686,7 +686,7 @@ mod tests {
         .unwrap()
     }
 
-    fn all_time(store: &ShardStore, entity: &str) -> i64 {
+    fn all_time(store: &ShardStore, entity: &str) -> Count {
         let mut key = Vec::new();
         encode_count_key(&mut key, entity, "views", ALL_TIME_WIDTH, 0);
         store.get_counts(&[key]).unwrap()[0].direct
@@ -815,8 +815,8 @@ mod tests {
             let payload = message(0, &entries);
             store.apply(&[ShardRecord { offset: round, payload: &payload, timestamp: None }], NOW, true).unwrap();
             let (read, operands) = counts_and_operands(&store, "hot");
-            assert_eq!(read, Counts { direct: hot, total: hot }, "after round {round}");
-            assert_eq!(counts(&store, "cold"), Counts { direct: cold, total: cold }, "after round {round}");
+            assert_eq!(read, Counts::increment(hot), "after round {round}");
+            assert_eq!(counts(&store, "cold"), Counts::increment(cold), "after round {round}");
             operands_read.push(operands);
         }
         // The operands stack up to the bound, then every write sums them (RocksDB
@@ -826,8 +826,8 @@ mod tests {
         assert_eq!(operands_read, want);
         drop(store);
         let store = ShardStore::open(0, dir.path(), options()).unwrap();
-        assert_eq!(counts(&store, "hot"), Counts { direct: hot, total: hot }, "reopened");
-        assert_eq!(counts(&store, "cold"), Counts { direct: cold, total: cold }, "reopened");
+        assert_eq!(counts(&store, "hot"), Counts::increment(hot), "reopened");
+        assert_eq!(counts(&store, "cold"), Counts::increment(cold), "reopened");
     }
 
     #[test]
@@ -853,12 +853,9 @@ mod tests {
         }
         let stacked = 5 + i64::from(MAX_OPERANDS);
         let operands_after_the_newest = u64::from(MAX_OPERANDS);
-        assert_eq!(
-            counts_and_operands(&store, "hot"),
-            (Counts { direct: stacked, total: stacked }, operands_after_the_newest)
-        );
+        assert_eq!(counts_and_operands(&store, "hot"), (Counts::increment(stacked), operands_after_the_newest));
         write_hot(&store);
-        assert_eq!(counts_and_operands(&store, "hot"), (Counts { direct: stacked + 1, total: stacked + 1 }, 0));
+        assert_eq!(counts_and_operands(&store, "hot"), (Counts::increment(stacked + 1), 0));
     }
 
     #[test]
@@ -1037,7 +1034,7 @@ mod tests {
         let resolutions = &options.resolutions;
         let mut expected = Coalescer::new(resolutions, later);
         for i in &increments {
-            expected.add(&i.entity, &i.metric, i.ts, Counts { direct: i.delta, total: i.delta });
+            expected.add(&i.entity, &i.metric, i.ts, Counts::increment(i.delta));
         }
         let mut want = Vec::new();
         expected.for_each(|_, _, width, bucket, counts| want.push((width, bucket, counts.direct)));
@@ -1052,7 +1049,7 @@ mod tests {
                     key
                 })
                 .collect();
-            let got: Vec<(i64, i64, i64)> =
+            let got: Vec<(i64, i64, Count)> =
                 receiver.get_counts(&keys).unwrap().iter().zip(&want).map(|(c, (w, b, _))| (*w, *b, c.total)).collect();
             assert_eq!(got, want, "{d}");
         }
@@ -1122,11 +1119,11 @@ mod tests {
                 key
             })
             .collect();
-        let near: Vec<i64> = store.get_counts(&encoded).unwrap().iter().map(|c| c.total).collect();
+        let near: Vec<Count> = store.get_counts(&encoded).unwrap().iter().map(|c| c.total).collect();
         // views all, clicks all; then per width: views now, clicks now, views old, clicks old.
         assert_eq!(near, vec![14, 5, 10, 5, 0, 0, 10, 5, 4, 0, 10, 5, 4, 0]);
         // far lives on the other shard: o1's buckets only, through the outbox.
-        let mut sent: Vec<(String, String, i64, i64, i64)> = Vec::new();
+        let mut sent: Vec<(String, String, i64, i64, Count)> = Vec::new();
         for entry in store.outbox().unwrap() {
             assert_eq!(entry.partition, 1 - shard);
             let ShardMessage::Totals { entries, .. } = ShardMessage::decode(&entry.payload).unwrap() else {
@@ -1135,7 +1132,7 @@ mod tests {
             sent.extend(entries.into_iter().map(|(_, d)| (d.entity, d.metric, d.width_ms, d.bucket, d.delta)));
         }
         sent.sort();
-        let mut expected: Vec<(String, String, i64, i64, i64)> = vec![
+        let mut expected: Vec<(String, String, i64, i64, Count)> = vec![
             (far.clone(), "views".into(), ALL_TIME_WIDTH, 0, 7),
             (far.clone(), "clicks".into(), ALL_TIME_WIDTH, 0, 5),
             (far.clone(), "views".into(), MINUTE, bucket_start(NOW, MINUTE), 3),
@@ -1200,12 +1197,12 @@ mod tests {
             let records: Vec<ShardRecord<'_>> =
                 (0..).zip(records).map(|(offset, payload)| ShardRecord { offset, payload, timestamp: None }).collect();
             let report = store.apply(&records, NOW, true).unwrap();
-            let totals: Vec<i64> = (0..30).map(|user| all_time(&store, &format!("user-{user}"))).collect();
+            let totals: Vec<Count> = (0..30).map(|user| all_time(&store, &format!("user-{user}"))).collect();
             (report.increments, report.marked, report.undecodable, store.progress().next_offset, totals)
         };
         let unpacked = apply(&v2);
         assert_eq!(unpacked.0, 800);
-        assert_eq!(unpacked.4.iter().sum::<i64>(), 2 * (0..400).map(|i| i % 5).sum::<i64>());
+        assert_eq!(unpacked.4.iter().sum::<Count>(), 2 * (0..400).map(|i| i % 5).sum::<Count>());
         assert_eq!(apply(&v3), unpacked);
 
         let mut broken = v3.clone();
@@ -1262,7 +1259,7 @@ mod tests {
             let outbox = store.outbox().unwrap();
             // What the totals add up to per bucket (a bundle's are coalesced over
             // its sections).
-            let mut sent: BTreeMap<(String, i64, i64), i64> = BTreeMap::new();
+            let mut sent: BTreeMap<(String, i64, i64), Count> = BTreeMap::new();
             for entry in &outbox {
                 let ShardMessage::Totals { entries, .. } = ShardMessage::decode(&entry.payload).unwrap() else {
                     panic!("totals")

@@ -212,7 +212,7 @@ fn apply_per_event(store: &ShardStore, records: &[Vec<u8>], now: i64) -> Result<
         let payload = tally_core::packed::unpack(payload)?;
         let ShardMessageRef::Increments { entries, .. } = ShardMessageRef::decode(&payload)? else { continue };
         for (_, increment) in entries {
-            let counts = Counts { direct: increment.delta, total: increment.delta }.encode();
+            let counts = Counts::increment(increment.delta).encode();
             let mut batch = WriteBatch::default();
             key.clear();
             encode_count_key(&mut key, increment.entity, increment.metric, ALL_TIME_WIDTH, 0);
@@ -259,7 +259,7 @@ mod tests {
             let page_b = baseline.metrics(&format!("answer:{entity}"), None, 10).unwrap();
             assert_eq!(page_c.metrics, page_b.metrics, "answer:{entity}");
         }
-        let total: i64 = (0..50)
+        let total: tally_core::keys::Count = (0..50)
             .flat_map(|e| coalesced.metrics(&format!("answer:{e}"), None, 10).unwrap().metrics)
             .map(|m| m.total)
             .sum();

@@ -212,9 +212,9 @@ pub struct LatencyReport {
     /// descendant views' log, [`crate::views`]).
     pub slowest_shard_seconds: f64,
     /// All-time totals: `top:0` before, the root after the add and after the remove.
-    pub top_total: i64,
-    pub root_after_add: i64,
-    pub root_after_remove: i64,
+    pub top_total: tally_core::keys::Count,
+    pub root_after_add: tally_core::keys::Count,
+    pub root_after_remove: tally_core::keys::Count,
     /// The increments each leaf got (index: the leaf's number), for a baseline that
     /// computes the same totals (`tally-baseline-differential`).
     pub leaf_counts: Vec<i64>,
@@ -222,7 +222,7 @@ pub struct LatencyReport {
     pub buckets_per_count: usize,
 }
 
-fn all_time_total(store: &ShardStore, entity: &str) -> Result<i64> {
+fn all_time_total(store: &ShardStore, entity: &str) -> Result<tally_core::keys::Count> {
     let mut key = Vec::new();
     tally_core::keys::encode_count_key(&mut key, entity, "views", tally_core::keys::ALL_TIME_WIDTH, 0);
     Ok(store.get_counts(&[key])?[0].total)

@@ -780,7 +780,7 @@ mod tests {
     }
 
     /// A shard's next offset and the all-time totals of some entities.
-    type ShardState = (Option<i64>, Vec<i64>);
+    type ShardState = (Option<i64>, Vec<tally_core::keys::Count>);
 
     /// Every shard's state after applying `batch` on `threads` threads, and what
     /// `apply_batch` returned.

@@ -32,20 +32,22 @@
 use std::collections::HashMap;
 use std::mem;
 
+use tally_core::keys::Count;
+
 /// One metric of an entity: `(width_ms, bucket, direct)` in key order.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MetricBuckets {
     pub metric: String,
-    pub buckets: Vec<(i64, i64, i64)>,
+    pub buckets: Vec<(i64, i64, Count)>,
 }
 
 /// An entity's direct counts, by metric in key order.
 pub type EntityDirect = Vec<MetricBuckets>;
 
 /// What an entry is estimated to take, in bytes: the map's slot and the name, each
-/// metric's header and name, 24 bytes a bucket.
+/// metric's header and name, 32 bytes a bucket.
 fn footprint(entity: &str, direct: &EntityDirect) -> usize {
-    64 + entity.len() + direct.iter().map(|m| 56 + m.metric.len() + 24 * m.buckets.capacity()).sum::<usize>()
+    64 + entity.len() + direct.iter().map(|m| 56 + m.metric.len() + 32 * m.buckets.capacity()).sum::<usize>()
 }
 
 /// Entities by name. Names come from producers, so the hash is seeded per process
@@ -96,7 +98,7 @@ impl DirectCache {
             self.young.entries.insert(name, direct);
         }
         let direct = self.young.entries.get_mut(entity)?;
-        let kept = |&(width_ms, bucket, value): &(i64, i64, i64)| value != 0 && retained(width_ms, bucket);
+        let kept = |&(width_ms, bucket, value): &(i64, i64, Count)| value != 0 && retained(width_ms, bucket);
         if !direct.iter().all(|metric| metric.buckets.iter().all(kept)) {
             let before = footprint(entity, direct);
             for metric in direct.iter_mut() {
@@ -125,7 +127,7 @@ impl DirectCache {
     }
 
     /// Adds a committed delta to one direct bucket of `entity`, when it is cached.
-    pub fn add(&mut self, entity: &str, metric: &str, width_ms: i64, bucket: i64, delta: i64) {
+    pub fn add(&mut self, entity: &str, metric: &str, width_ms: i64, bucket: i64, delta: Count) {
         let generation = if self.young.entries.contains_key(entity) { &mut self.young } else { &mut self.old };
         let Some(direct) = generation.entries.get_mut(entity) else { return };
         let at = match direct.binary_search_by(|m| m.metric.as_str().cmp(metric)) {
@@ -138,12 +140,12 @@ impl DirectCache {
         };
         let buckets = &mut direct[at].buckets;
         match buckets.binary_search_by(|&(w, b, _)| (w, b).cmp(&(width_ms, bucket))) {
-            // Wrapping, like the store's merge of counts.
-            Ok(found) => buckets[found].2 = buckets[found].2.wrapping_add(delta),
+            // Saturating, like the store's merge of counts (which no sum reaches).
+            Ok(found) => buckets[found].2 = buckets[found].2.saturating_add(delta),
             Err(found) => {
                 let capacity = buckets.capacity();
                 buckets.insert(found, (width_ms, bucket, delta));
-                generation.bytes += 24 * (buckets.capacity() - capacity);
+                generation.bytes += 32 * (buckets.capacity() - capacity);
             }
         }
         if self.young.bytes + self.old.bytes > self.capacity_bytes {
@@ -172,7 +174,7 @@ mod tests {
     use super::*;
 
     /// The brute-force model: every direct bucket, by (entity, metric, width, bucket).
-    type Model = BTreeMap<(String, String, i64, i64), i64>;
+    type Model = BTreeMap<(String, String, i64, i64), Count>;
 
     /// What a full scan of the store finds for `entity` (non-zero buckets, key order).
     fn scan(model: &Model, entity: &str, retained: impl Fn(i64, i64) -> bool) -> EntityDirect {
@@ -218,8 +220,8 @@ mod tests {
                 match op {
                     Op::Add { entity, metric, width, bucket, delta } => {
                         let (entity, metric) = (format!("e{entity}"), format!("m{metric}"));
-                        *model.entry((entity.clone(), metric.clone(), width, bucket)).or_default() += delta;
-                        cache.add(&entity, &metric, width, bucket, delta);
+                        *model.entry((entity.clone(), metric.clone(), width, bucket)).or_default() += Count::from(delta);
+                        cache.add(&entity, &metric, width, bucket, delta.into());
                     }
                     Op::Read { entity, later } => {
                         let entity = format!("e{entity}");

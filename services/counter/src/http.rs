@@ -22,6 +22,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use tally_core::time::WindowSpec;
 use tally_core::wire::{CounterStatus, ReadRequest, ReadResponse, ShardMetricsRequest, ShardOutcome, ShardQueries};
+use tally_shared::auth::{AuthConfig, Role};
 use tally_shared::failures::{skip_router, Failure};
 use tally_shared::http::ApiError;
 use tally_shared::snapshot::snapshot_router;
@@ -41,15 +42,18 @@ pub struct ReadState {
     pub shutdown: CancellationToken,
 }
 
-pub fn router(state: ReadState) -> Router {
-    Router::new()
+/// The internal routes: reads, the read link and status for tally services (the
+/// cluster token), shard skips and snapshots for operators.
+pub fn router(state: ReadState, auth: &AuthConfig) -> Router {
+    let internal = Router::new()
         .route("/internal/v2/read", post(read))
         .route(tally_shared::read_link::PATH, get(crate::read_link::open))
         .route("/internal/v1/metrics", post(metrics))
-        .route("/internal/v1/status", get(status))
+        .route("/internal/v1/status", get(status));
+    tally_shared::auth::require(internal, auth, &[Role::Cluster])
         .with_state(state.clone())
-        .merge(skip_router(state.shards.failures.clone()))
-        .merge(snapshot_router(state.snapshots.then(|| state.shards.snapshot_requests.clone())))
+        .merge(skip_router(state.shards.failures.clone(), auth))
+        .merge(snapshot_router(state.snapshots.then(|| state.shards.snapshot_requests.clone()), auth))
 }
 
 /// The store of `shard` when it serves reads; the answer to give otherwise (boxed:

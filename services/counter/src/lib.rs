@@ -90,12 +90,15 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let admin = serve_admin(&config.counter.admin_listen, registry, readiness.clone(), shutdown.clone()).await?;
     tracing::info!(read_api = %read_addr, admin = %admin, data_dir = %config.counter.data_dir.display(), "tally-counter starting");
 
-    let app = http::router(http::ReadState {
-        shards: shards.clone(),
-        metrics: metrics.clone(),
-        snapshots: config.snapshots.enabled,
-        shutdown: shutdown.clone(),
-    });
+    let app = http::router(
+        http::ReadState {
+            shards: shards.clone(),
+            metrics: metrics.clone(),
+            snapshots: config.snapshots.enabled,
+            shutdown: shutdown.clone(),
+        },
+        &config.auth,
+    );
     tally_shared::http::spawn_serve("read API", listener, app, shutdown.clone());
 
     let snapshots = match config.snapshots.enabled {

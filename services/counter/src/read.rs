@@ -3,7 +3,7 @@
 
 use rocksdb::{Direction, IteratorMode, ReadOptions};
 use tally_core::keys::{
-    encode_count_key, encode_entity_prefix, encode_resolution_prefix, parse_count_key, Counts, ALL_TIME_WIDTH,
+    encode_count_key, encode_entity_prefix, encode_resolution_prefix, parse_count_key, Count, Counts, ALL_TIME_WIDTH,
 };
 use tally_core::wire::{Kind, MetricTotals, ShardAnswer, ShardMetricsResponse, ShardQuery};
 
@@ -13,7 +13,7 @@ use crate::store::{ShardStore, CF_COUNTS};
 /// Most metrics one listing page returns.
 pub const MAX_METRICS_PAGE: usize = 1_000;
 
-fn pick(counts: Counts, kind: Kind) -> i64 {
+fn pick(counts: Counts, kind: Kind) -> Count {
     match kind {
         Kind::Total => counts.total,
         Kind::Direct => counts.direct,
@@ -49,7 +49,7 @@ impl ShardStore {
                 continue;
             };
             let end = plan.start + plan.step * plan.points as i64;
-            let mut points = vec![0i64; plan.points as usize];
+            let mut points: Vec<Count> = vec![0; plan.points as usize];
             key.clear();
             encode_count_key(&mut key, &query.entity, &query.metric, resolution.width_ms, end);
             let mut read_options = ReadOptions::default();
@@ -73,7 +73,7 @@ impl ShardStore {
                 }
                 let index = ((decoded.bucket - plan.start) / plan.step) as usize;
                 if let Some(point) = points.get_mut(index) {
-                    *point += pick(Counts::decode(&value)?, query.kind);
+                    *point = point.saturating_add(pick(Counts::decode(&value)?, query.kind));
                 }
             }
             let answer = match query.spec {
@@ -197,7 +197,7 @@ mod tests {
         assert!(matches!(&answers[1], ShardAnswer::Window { value: 3, resolution, .. } if resolution == "1m"));
         assert!(matches!(&answers[2], ShardAnswer::Window { value: 7, resolution, .. } if resolution == "1h"));
         let ShardAnswer::Series { points, .. } = &answers[3] else { panic!("{:?}", answers[3]) };
-        assert_eq!(points.iter().map(|p| p.1).sum::<i64>(), 7);
+        assert_eq!(points.iter().map(|p| p.1).sum::<tally_core::keys::Count>(), 7);
         assert_eq!(points.len(), 3);
         assert!(matches!(answers[4], ShardAnswer::Window { value: 0, .. }));
         assert!(matches!(&answers[5], ShardAnswer::Error { code, .. } if code == "invalid_window"));
@@ -231,7 +231,7 @@ mod tests {
             let answers = store.read(&[query("e", "v", series)], now).unwrap();
             let ShardAnswer::Series { points, resolution } = &answers[0] else { panic!("{:?}", answers[0]) };
             assert_eq!((resolution.as_str(), points[0].0), ("1m", oldest));
-            points.iter().map(|p| p.1).collect::<Vec<i64>>()
+            points.iter().map(|p| p.1).collect::<Vec<tally_core::keys::Count>>()
         };
         let mut want = vec![0; 52];
         (want[0], want[51]) = (1, 2);

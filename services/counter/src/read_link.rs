@@ -141,7 +141,7 @@ mod tests {
         let state = ReadState { shards, metrics, snapshots: false, shutdown: CancellationToken::new() };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
-        let app = crate::http::router(state.clone());
+        let app = crate::http::router(state.clone(), &Default::default());
         tokio::spawn(async move { axum::serve(listener, app).await });
         (dir, addr, state)
     }
@@ -178,7 +178,7 @@ mod tests {
     }
 
     fn window(value: i64, resolution: &str, from: i64, to: i64) -> ShardAnswer {
-        ShardAnswer::Window { value, resolution: resolution.into(), from, to }
+        ShardAnswer::Window { value: value.into(), resolution: resolution.into(), from, to }
     }
 
     #[tokio::test]

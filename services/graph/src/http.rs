@@ -13,17 +13,21 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
 use tally_core::wire::{GraphAncestorsRequest, GraphNeighboursRequest, GraphNeighboursResponse};
+use tally_shared::auth::{AuthConfig, Role};
 use tally_shared::failures::{skip_router, FailureBoard};
 use tally_shared::http::ApiError;
 
 use crate::store::GraphStore;
 
-pub fn router(store: Arc<GraphStore>, failures: Arc<FailureBoard>) -> Router {
-    Router::new()
+/// The internal routes: neighbours and ancestors for tally-query (the cluster
+/// token), skips for operators.
+pub fn router(store: Arc<GraphStore>, failures: Arc<FailureBoard>, auth: &AuthConfig) -> Router {
+    let internal = Router::new()
         .route("/internal/v1/graph", post(neighbours))
-        .route("/internal/v1/graph/ancestors", post(ancestors))
+        .route("/internal/v1/graph/ancestors", post(ancestors));
+    tally_shared::auth::require(internal, auth, &[Role::Cluster])
         .with_state((store, failures.clone()))
-        .merge(skip_router(failures))
+        .merge(skip_router(failures, auth))
 }
 
 type GraphState = (Arc<GraphStore>, Arc<FailureBoard>);

@@ -43,6 +43,8 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         dedupe_window_ms: config.counting.dedupe_window_ms()?,
         sync_writes: config.graph.sync_writes,
         record_budget: config.kafka.record_budget(),
+        max_descendants: config.graph.max_descendants,
+        input_topic: tally_shared::kafka::TopicNames::new(&config.kafka.topic_prefix).graph(),
     };
     let data_dir = config.graph.data_dir.clone();
     let snapshots = match config.snapshots.enabled {
@@ -79,7 +81,8 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     tracing::info!(read_api = %read_addr, admin = %admin, data_dir = %config.graph.data_dir.display(), "tally-graph starting");
     let failures = Arc::new(FailureBoard::new(|partition| format!("the graph (graph-updates partition {partition})")));
     let requests = snapshots.as_ref().map(|_| Arc::new(SnapshotRequests::default()));
-    let app = http::router(store.clone(), failures.clone()).merge(snapshot_router(requests.clone()));
+    let app = http::router(store.clone(), failures.clone(), &config.auth)
+        .merge(snapshot_router(requests.clone(), &config.auth));
     tally_shared::http::spawn_serve("graph read API", listener, app, shutdown.clone());
 
     let snapshots = snapshots.zip(requests);

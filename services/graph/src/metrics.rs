@@ -55,7 +55,7 @@ impl Metrics {
                 IntCounterVec::new(
                     Opts::new(
                         "tally_graph_dropped_updates_total",
-                        "Graph updates dropped as duplicates (redelivered, or a repeated id)",
+                        "Graph updates dropped: duplicates (redelivered, id) and adds refused for passing graph.max_descendants (max_descendants, dead-lettered)",
                     ),
                     &["reason"],
                 )

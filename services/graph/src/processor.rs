@@ -113,6 +113,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
         readiness,
         announcer: Announcer::new(&config.kafka, names.shard_owners(), read_addr)?,
         relay: Relay::new(&config.kafka, names.shards())?,
+        letters: Relay::unstamped(&config.kafka, names.dead_letter())?,
         start_end,
         input: input.clone(),
         advisory: AdvisoryCommits::default(),
@@ -139,7 +140,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
     // Stopping for good (also after an error): the helper threads end with it.
     shutdown.cancel();
     processor.readiness.set(false);
-    relay_outbox(&store, &processor.relay, &processor.metrics);
+    relay_outbox(&store, (&processor.relay, &processor.letters), &processor.metrics);
     processor.announcer.release_all();
     for (name, thread) in processor.threads.drain(..) {
         if thread.join().is_err() {
@@ -160,6 +161,8 @@ struct GraphProcessor {
     announcer: Announcer,
     /// Sends the outbox (descendant changes) to the counter shards.
     relay: Relay,
+    /// Sends the dead letters of refused updates.
+    letters: Relay,
     /// The end of the log at start: not ready before it applied that much.
     start_end: i64,
     /// The graph-updates topic.
@@ -199,8 +202,9 @@ impl Processor<DefaultConsumerContext> for GraphProcessor {
         if let Ok(graph) = self.store.graph.read() {
             metrics.edges.set(graph.edge_count() as i64);
         }
-        if report.outbox_messages > 0 {
-            relay_outbox(&self.store, &self.relay, metrics);
+        metrics.dropped.with_label_values(&["max_descendants"]).inc_by(report.refused);
+        if report.outbox_messages > 0 || report.refused > 0 {
+            relay_outbox(&self.store, (&self.relay, &self.letters), metrics);
         }
         if let Some((next, found)) = report.gap {
             let reason = format!("the log has no records {next}..{found} the store has not applied (deleted by retention, or the topic was recreated): restore or rebuild the graph's store");
@@ -241,9 +245,10 @@ impl Processor<DefaultConsumerContext> for GraphProcessor {
             if let Some(next) = self.store.next_offset() {
                 self.advisory.commit(consumer, &self.input, vec![(PARTITION, next)]);
             }
-            let outbox_ok = relay_outbox(&self.store, &self.relay, &self.metrics);
+            let outbox_ok = relay_outbox(&self.store, (&self.relay, &self.letters), &self.metrics);
             self.readiness.set(outbox_ok && caught_up);
-            if let Some(fatal) = self.relay.fatal().or_else(|| self.announcer.fatal()) {
+            if let Some(fatal) = self.relay.fatal().or_else(|| self.letters.fatal()).or_else(|| self.announcer.fatal())
+            {
                 // It delivers nothing more: stop loudly; the outbox waits in the store.
                 return Err(Error::Processor(format!("a producer (outbox or claims) failed for good: {fatal}")));
             }
@@ -255,15 +260,19 @@ impl Processor<DefaultConsumerContext> for GraphProcessor {
 /// The graph-updates topic's one partition.
 const PARTITION: u32 = 0;
 
-/// Sends what the outbox holds; on failure it stays for the next round. Whether
-/// the outbox got through.
-fn relay_outbox(store: &GraphStore, relay: &Relay, metrics: &Metrics) -> bool {
+/// Sends what the outbox holds (descendant changes to the shards, then dead
+/// letters); on failure it stays for the next round. Whether the outbox got through.
+fn relay_outbox(store: &GraphStore, (relay, letters): (&Relay, &Relay), metrics: &Metrics) -> bool {
     let sent = store.outbox().and_then(|entries| {
-        if entries.is_empty() {
-            return Ok(0);
+        if !entries.is_empty() {
+            relay.send_all("graph", &entries)?;
+            store.delete_outbox(&entries)?;
         }
-        relay.send_all("graph", &entries)?;
-        store.delete_outbox(&entries)?;
+        let refused = store.letters()?;
+        if !refused.is_empty() {
+            letters.send_all("graph", &refused)?;
+            store.delete_letters(&refused)?;
+        }
         Ok(entries.len() as u64)
     });
     match sent {

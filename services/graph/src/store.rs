@@ -5,17 +5,20 @@
 //! memory at start), `in_edges` (`to 0x00 from`, the same edges by target, for tools
 //! that read the store without loading it), `dedupe` (`from 0x00 id` → its first record's time, dropped by a compaction
 //! filter after the window, [`DedupeWindow`]), `outbox` (descendant changes for the counter shards,
-//! deleted once relayed) and the default one for [`Progress`].
+//! deleted once relayed), `letters` (dead letters of refused updates, for the
+//! dead-letter topic, deleted once relayed) and the default one for [`Progress`].
 
 use std::path::Path;
 use std::sync::RwLock;
 
 use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, Options, WriteBatch};
 use tally_core::format::PRESENT;
-use tally_core::graph::{DescChange, EdgeUpdate, Graph};
+use tally_core::graph::{DescChange, EdgeOp, EdgeUpdate, Graph, Refusal};
 use tally_core::records::split_by_size;
 use tally_core::sharding::shard_of;
-use tally_core::wire::{desc_change_bound, split_desc_change, GraphMessage, ShardMessage, Source, Stamp};
+use tally_core::wire::{
+    desc_change_bound, split_desc_change, DeadLetter, GraphMessage, GraphUpdate, ShardMessage, Source, Stamp,
+};
 use tally_shared::dedupe::DedupeWindow;
 use tally_shared::outbox::{outbox_key, OutboxEntry};
 use tally_shared::progress::Progress;
@@ -27,6 +30,7 @@ const CF_EDGES: &str = "edges";
 const CF_IN_EDGES: &str = "in_edges";
 const CF_DEDUPE: &str = "dedupe";
 const CF_OUTBOX: &str = "outbox";
+const CF_LETTERS: &str = "letters";
 /// Settings of the graph store.
 #[derive(Debug, Clone)]
 pub struct GraphOptions {
@@ -36,6 +40,11 @@ pub struct GraphOptions {
     pub sync_writes: bool,
     /// The most bytes of one outbox record ([`tally_core::records`]).
     pub record_budget: usize,
+    /// The most descendants one entity may have (`graph.max_descendants`): an add
+    /// that would give one more is refused and dead-lettered.
+    pub max_descendants: usize,
+    /// The producers' graph topic: where a refused update came from.
+    pub input_topic: String,
 }
 
 /// One record of the graph-updates topic.
@@ -61,6 +70,8 @@ pub struct BatchReport {
     pub gap: Option<(i64, i64)>,
     /// Origins whose descendant set changed.
     pub changes: u64,
+    /// Adds refused for passing `max_descendants`, each dead-lettered.
+    pub refused: u64,
     pub outbox_messages: u64,
 }
 
@@ -85,6 +96,7 @@ impl GraphStore {
             ColumnFamilyDescriptor::new(CF_IN_EDGES, Options::default()),
             ColumnFamilyDescriptor::new(CF_DEDUPE, dedupe),
             ColumnFamilyDescriptor::new(CF_OUTBOX, Options::default()),
+            ColumnFamilyDescriptor::new(CF_LETTERS, Options::default()),
         ];
         let durability = if options.sync_writes { Durability::WalSynced } else { Durability::Wal };
         let store = Store::open(path, Options::default(), families, durability)?;
@@ -151,6 +163,7 @@ impl GraphStore {
             let record_time = record.timestamp.unwrap_or(now);
             applied_times.push((source, record_time));
             let mut updates: Vec<EdgeUpdate> = Vec::with_capacity(entries.len());
+            let mut origins: Vec<(Stamp, Option<String>)> = Vec::with_capacity(entries.len());
             for (stamp, update) in entries {
                 if !progress.advance(source, stamp) {
                     report.redelivered += 1;
@@ -166,13 +179,16 @@ impl GraphStore {
                 }
                 report.updates += 1;
                 updates.push(update.edge);
+                origins.push((stamp, update.id));
             }
             // One step of the algorithm per record, stamped with the record's offset:
             // what a record emits depends only on the log before it, never on where a
             // batch happened to end, so rebuilding the graph from the log (a lost
             // disk) emits the very same stamps and the counters drop what they have.
-            let changes = self.step(&updates, &mut batch)?;
+            let (changes, refused) = self.step(&updates, &mut batch)?;
             report.changes += changes.len() as u64;
+            report.refused += refused.len() as u64;
+            self.put_letters(&mut batch, record.offset, source, &updates, &origins, refused)?;
             report.outbox_messages += self.put_outbox(&mut batch, record.offset, changes)?;
         }
         self.store.commit(batch, progress)?;
@@ -183,13 +199,13 @@ impl GraphStore {
     }
 
     /// Applies one record's updates to the graph and the edge column families;
-    /// returns the net descendant changes.
-    fn step(&self, updates: &[EdgeUpdate], batch: &mut WriteBatch) -> Result<Vec<DescChange>> {
+    /// returns the net descendant changes and the adds refused.
+    fn step(&self, updates: &[EdgeUpdate], batch: &mut WriteBatch) -> Result<(Vec<DescChange>, Vec<Refusal>)> {
         if updates.is_empty() {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), Vec::new()));
         }
         let mut graph = self.graph.write().map_err(|_| Error::Processor("graph lock poisoned".into()))?;
-        let changes = graph.apply_batch(updates);
+        let (changes, refused) = graph.apply_bounded(updates, self.options.max_descendants);
         let (edges_cf, in_edges_cf) = (self.cf(CF_EDGES)?, self.cf(CF_IN_EDGES)?);
         for update in updates {
             let (key, in_key) = (encode_edge(&update.from, &update.to), encode_edge(&update.to, &update.from));
@@ -201,7 +217,40 @@ impl GraphStore {
                 batch.delete_cf(in_edges_cf, &in_key);
             }
         }
-        Ok(changes)
+        Ok((changes, refused))
+    }
+
+    /// The dead letters of a record's refused updates, into `letters` with the
+    /// batch: each names the producer's record it came from (its stamp) and why.
+    fn put_letters(
+        &self,
+        batch: &mut WriteBatch,
+        offset: i64,
+        source: Source,
+        updates: &[EdgeUpdate],
+        origins: &[(Stamp, Option<String>)],
+        refused: Vec<Refusal>,
+    ) -> Result<()> {
+        let letters_cf = self.cf(CF_LETTERS)?;
+        for (chunk, refusal) in refused.into_iter().enumerate() {
+            let (update, (stamp, id)) = (&updates[refusal.index], &origins[refusal.index]);
+            let reason = format!(
+                "add_edge {} -> {}: {}'s descendants would pass {} (graph.max_descendants); the graph is unchanged",
+                update.from, update.to, refusal.origin, self.options.max_descendants
+            );
+            let element = GraphUpdate { edge: update.clone(), id: id.clone() };
+            let letter = DeadLetter::encode(
+                &self.options.input_topic,
+                source.partition as i32,
+                stamp.offset,
+                Some(stamp.index),
+                &reason,
+                &graph_element(&element),
+                self.options.record_budget,
+            )?;
+            batch.put_cf(letters_cf, outbox_key(offset, 0, chunk as u32), letter);
+        }
+        Ok(())
     }
 
     /// Each change goes to the shard that owns its origin, stamped (offset of the
@@ -246,6 +295,16 @@ impl GraphStore {
     pub fn delete_outbox(&self, entries: &[OutboxEntry]) -> Result<()> {
         Ok(self.store.delete_outbox(CF_OUTBOX, entries)?)
     }
+
+    /// The dead letters not yet relayed, in order (each for partition 0).
+    pub fn letters(&self) -> Result<Vec<OutboxEntry>> {
+        Ok(self.store.outbox(CF_LETTERS)?)
+    }
+
+    /// Drops relayed dead letters.
+    pub fn delete_letters(&self, entries: &[OutboxEntry]) -> Result<()> {
+        Ok(self.store.delete_outbox(CF_LETTERS, entries)?)
+    }
 }
 
 fn encode_edge(from: &str, to: &str) -> Vec<u8> {
@@ -261,21 +320,40 @@ fn decode_edge(key: &[u8]) -> Option<(&str, &str)> {
     Some((std::str::from_utf8(&key[..split]).ok()?, std::str::from_utf8(&key[split + 1..]).ok()?))
 }
 
+/// A graph update as a producer writes it (`{"op","from","to","id"}`).
+fn graph_element(update: &GraphUpdate) -> Vec<u8> {
+    let op = match update.edge.op {
+        EdgeOp::Add => "add_edge",
+        EdgeOp::Remove => "remove_edge",
+    };
+    let mut element = serde_json::json!({"op": op, "from": update.edge.from, "to": update.edge.to});
+    if let Some(id) = &update.id {
+        element["id"] = serde_json::Value::String(id.clone());
+    }
+    element.to_string().into_bytes()
+}
+
 fn dedupe_key(from: &str, id: &str) -> Vec<u8> {
     encode_edge(from, id)
 }
 
 #[cfg(test)]
 mod tests {
-    use tally_core::graph::EdgeOp;
-    use tally_core::wire::{GraphUpdate, ShardMessageRef};
+    use tally_core::wire::ShardMessageRef;
 
     use super::*;
 
     const NOW: i64 = 1_763_780_000_000;
 
     fn options() -> GraphOptions {
-        GraphOptions { shards: 4, dedupe_window_ms: 86_400_000, sync_writes: false, record_budget: 900_000 }
+        GraphOptions {
+            shards: 4,
+            dedupe_window_ms: 86_400_000,
+            sync_writes: false,
+            record_budget: 900_000,
+            max_descendants: 1_000,
+            input_topic: "tally.graph".into(),
+        }
     }
 
     fn record(offset: i64, updates: &[(bool, &str, &str, Option<&str>)]) -> Vec<u8> {
@@ -372,5 +450,45 @@ mod tests {
         let got = changes(&store);
         assert_eq!(got[0], DescChange { origin: "a".into(), added: vec![], removed: vec!["c".into()] });
         assert_eq!(got[1], DescChange { origin: "b".into(), added: vec![], removed: vec!["c".into()] });
+    }
+
+    /// An add that would pass `max_descendants` changes nothing — no edge, no
+    /// descendant change — and leaves one dead letter naming the producer's record
+    /// and why; the adds around it in the same record apply.
+    #[test]
+    fn adds_past_max_descendants_are_dead_lettered_and_change_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = GraphStore::open(dir.path(), GraphOptions { max_descendants: 2, ..options() }).unwrap();
+        let log = record(
+            7,
+            &[(true, "a", "b", None), (true, "b", "c", None), (true, "c", "d", Some("k")), (true, "x", "y", None)],
+        );
+        let report = store.apply(&[UpdateRecord { offset: 7, payload: &log, timestamp: None }], NOW).unwrap();
+        assert_eq!((report.updates, report.refused), (4, 1));
+        let graph = store.graph.read().unwrap();
+        assert_eq!(
+            (graph.descendants("a"), graph.has_edge("c", "d"), graph.edge_count()),
+            (vec!["b".into(), "c".into()], false, 3)
+        );
+        drop(graph);
+        let got = changes(&store);
+        let origins: Vec<&str> = got.iter().map(|c| c.origin.as_str()).collect();
+        assert_eq!(origins, ["a", "b", "x"]);
+        let letters = store.letters().unwrap();
+        assert_eq!(letters.len(), 1);
+        let letter: DeadLetter = serde_json::from_slice(&letters[0].payload).unwrap();
+        let payload = base64::Engine::decode(&base64::engine::general_purpose::STANDARD, &letter.payload).unwrap();
+        assert_eq!(
+            (letter.topic.as_str(), letter.offset, letter.index, letter.reason.as_str(), payload),
+            (
+                "tally.graph",
+                7,
+                Some(2),
+                "add_edge c -> d: a's descendants would pass 2 (graph.max_descendants); the graph is unchanged",
+                br#"{"from":"c","id":"k","op":"add_edge","to":"d"}"#.to_vec()
+            )
+        );
+        store.delete_letters(&letters).unwrap();
+        assert!(store.letters().unwrap().is_empty());
     }
 }

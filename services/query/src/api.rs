@@ -12,6 +12,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use tally_core::keys::Count;
 use tally_core::time::{format_duration, parse_duration, WindowSpec};
 use tally_core::validate::{check_entity, check_metric};
 use tally_core::wire::{GraphNeighboursRequest, Kind, ShardAnswer, ShardQuery};
@@ -28,7 +29,7 @@ pub struct ApiState {
     pub fanout: Fanout,
     pub brokers: crate::jobs::Brokers,
     pub metrics: Metrics,
-    pub auth_token: Option<String>,
+    pub auth: tally_shared::auth::AuthConfig,
     pub max_batch: usize,
 }
 
@@ -45,7 +46,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/v1/jobs", get(crate::jobs::overview))
         .route("/v1/jobs/{queue}/dead", get(crate::jobs::dead))
         .route("/v1/jobs/{queue}/dead/{action}", post(crate::jobs::decide));
-    let v1 = tally_shared::http::require_bearer(v1, state.auth_token.clone());
+    let v1 = tally_shared::auth::require(v1, &state.auth, &[tally_shared::auth::Role::Reader]);
     Router::new()
         .merge(crate::dashboard::router())
         .merge(v1)
@@ -150,12 +151,46 @@ enum WindowResult<'a> {
         metric: &'a str,
         resolution: String,
         to: i64,
-        value: i64,
+        value: Count,
         window: &'a str,
     },
     Error {
         error: ErrorBody,
     },
+}
+
+/// A series as clients see it (fields in alphabetical order, as every answer's).
+/// Counts may pass 2^63: written by value, never through a JSON tree of i64s.
+#[derive(Debug, Serialize)]
+struct Series<'a> {
+    entity: &'a str,
+    kind: &'static str,
+    metric: &'a str,
+    points: Vec<Point>,
+    range: String,
+    resolution: String,
+    step: String,
+}
+
+#[derive(Debug, Serialize)]
+struct Point {
+    t: i64,
+    value: Count,
+}
+
+/// A page of an entity's metrics as clients see it.
+#[derive(Debug, Serialize)]
+struct MetricsPage<'a> {
+    entity: &'a str,
+    metrics: Vec<ListedMetric<'a>>,
+    next_page_token: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct ListedMetric<'a> {
+    direct: Count,
+    metric: &'a str,
+    total: Count,
 }
 
 #[derive(Debug, Serialize)]
@@ -220,7 +255,7 @@ async fn series(
     State(state): State<Arc<ApiState>>,
     path: Result<Path<(String, String)>, PathRejection>,
     params: Result<Query<SeriesParams>, QueryRejection>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let Path((entity, metric)) = path.map_err(path_error)?;
     let Query(params) = params.map_err(query_error)?;
     check_counter(&entity, &metric)?;
@@ -234,11 +269,15 @@ async fn series(
     let mut answers = state.fanout.read(vec![query.clone()], now_ms()).await?;
     timer.observe_duration();
     match answers.pop() {
-        Some(ShardAnswer::Series { resolution, points }) => Ok(Json(json!({
-            "entity": query.entity, "metric": query.metric, "kind": kind.as_str(),
-            "step": format_duration(step_ms), "range": format_duration(range_ms), "resolution": resolution,
-            "points": points.into_iter().map(|(t, value)| json!({"t": t, "value": value})).collect::<Vec<_>>(),
-        }))),
+        Some(ShardAnswer::Series { resolution, points }) => json_response(&Series {
+            entity: &query.entity,
+            kind: kind.as_str(),
+            metric: &query.metric,
+            points: points.into_iter().map(|(t, value)| Point { t, value }).collect(),
+            range: format_duration(range_ms),
+            resolution,
+            step: format_duration(step_ms),
+        }),
         Some(answer) => Err(answer_error(&answer).unwrap_or_else(|| ApiError::unavailable("unexpected answer"))),
         None => Err(ApiError::unavailable("no answer")),
     }
@@ -281,7 +320,7 @@ async fn entity_metrics(
     State(state): State<Arc<ApiState>>,
     path: Result<Path<String>, PathRejection>,
     params: Result<Query<MetricsParams>, QueryRejection>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let Path(entity) = path.map_err(path_error)?;
     let Query(params) = params.map_err(query_error)?;
     check_entity(&entity).map_err(|m| ApiError::bad_request("invalid_entity", m))?;
@@ -295,11 +334,15 @@ async fn entity_metrics(
     };
     let page = state.fanout.metrics(&entity, after, limit).await?;
     let next_page_token = if page.more { page.metrics.last().map(|m| encode_token(&m.metric)) } else { None };
-    Ok(Json(json!({
-        "entity": entity,
-        "metrics": page.metrics.iter().map(|m| json!({"metric": m.metric, "total": m.total, "direct": m.direct})).collect::<Vec<_>>(),
-        "next_page_token": next_page_token,
-    })))
+    json_response(&MetricsPage {
+        entity: &entity,
+        metrics: page
+            .metrics
+            .iter()
+            .map(|m| ListedMetric { direct: m.direct, metric: &m.metric, total: m.total })
+            .collect(),
+        next_page_token,
+    })
 }
 
 #[derive(Deserialize)]

@@ -21,6 +21,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use serde::{Deserialize, Serialize};
+use tally_core::keys::Count;
 use tally_core::validate::check_entity;
 use tally_core::wire::{Kind, ShardAnswer, ShardQuery};
 use tally_shared::http::page_token;
@@ -44,7 +45,7 @@ pub struct ContributorsParams {
 #[derive(Debug, Serialize)]
 struct Contributor<'a> {
     entity: &'a str,
-    value: i64,
+    value: Count,
 }
 
 #[derive(Debug, Serialize)]
@@ -55,8 +56,8 @@ struct Contributors<'a> {
     resolution: String,
     from: i64,
     to: i64,
-    total: i64,
-    direct: i64,
+    total: Count,
+    direct: Count,
     contributors: Vec<Contributor<'a>>,
     next_page_token: Option<String>,
 }
@@ -73,7 +74,7 @@ const TOKEN_MAX_AGE_MS: i64 = 3_600_000;
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Position {
     now_ms: i64,
-    after: Option<(i64, String)>,
+    after: Option<(Count, String)>,
 }
 
 fn encode_position(position: &Position) -> String {
@@ -94,13 +95,13 @@ fn decode_position(token: &str, now_ms: i64) -> Result<Position, ApiError> {
             "page_token: issued more than an hour ago; start the listing again",
         ));
     }
-    let value = value.parse::<i64>().map_err(|_| invalid())?;
+    let value = value.parse::<Count>().map_err(|_| invalid())?;
     check_entity(entity).map_err(|_| invalid())?;
     Ok(Position { now_ms: read_at, after: Some((value, entity.to_string())) })
 }
 
 /// The nonzero contributors, largest first (ties by name).
-fn rank<'a>(ancestors: &'a [String], values: &[i64]) -> Vec<Contributor<'a>> {
+fn rank<'a>(ancestors: &'a [String], values: &[Count]) -> Vec<Contributor<'a>> {
     let mut ranked: Vec<Contributor<'a>> = ancestors
         .iter()
         .zip(values)
@@ -235,7 +236,7 @@ mod tests {
     fn contributors_rank_largest_first_without_zeros() {
         let ancestors: Vec<String> = ["a", "b", "c", "d", "e"].iter().map(|s| s.to_string()).collect();
         let ranked = rank(&ancestors, &[3, 0, 7, 3, -2]);
-        let got: Vec<(&str, i64)> = ranked.iter().map(|c| (c.entity, c.value)).collect();
+        let got: Vec<(&str, Count)> = ranked.iter().map(|c| (c.entity, c.value)).collect();
         assert_eq!(got, vec![("c", 7), ("a", 3), ("d", 3), ("e", -2)]);
     }
 }

@@ -170,7 +170,7 @@ async fn ask(
     let response = request.send().await.map_err(unreachable)?;
     let status = StatusCode::from_u16(response.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     if status == StatusCode::UNAUTHORIZED {
-        let message = "the dequeue brokers need their bearer token (X-Broker-Authorization)";
+        let message = "the dequeue broker refused: dead jobs need the operator token (X-Broker-Authorization)";
         return Err(ApiError::new(StatusCode::UNAUTHORIZED, "broker_unauthorized", message));
     }
     Ok((status, response.bytes().await.map_err(unreachable)?))

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus::Registry;
+use tally_shared::auth::Role;
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{wait_for_topic, TopicNames};
 use tally_shared::membership::{self, Membership};
@@ -47,7 +48,15 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let follower = owners::follow(&config.kafka, &names.shard_owners(), owners.clone(), shutdown.clone())?;
     let tracked =
         tokio::spawn(owners::track_readiness(owners.clone(), shards, readiness.clone(), shutdown.clone(), follower));
+    // Every call to a counter, tally-graph or a broker carries the cluster token
+    // (a broker's dead-job routes get the caller's operator token instead).
+    let mut cluster = reqwest::header::HeaderMap::new();
+    if let Some(bearer) = config.auth.bearer(Role::Cluster) {
+        let value = reqwest::header::HeaderValue::from_str(&bearer).map_err(|err| Error::Internal(err.to_string()))?;
+        cluster.insert(reqwest::header::AUTHORIZATION, value);
+    }
     let client = reqwest::Client::builder()
+        .default_headers(cluster)
         .timeout(CALL_TIMEOUT)
         .pool_max_idle_per_host(64)
         .build()
@@ -69,12 +78,15 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         fanout: fanout::Fanout {
             owners,
             client,
-            links: config.query.read_link.then(|| read_link::Links::new(CALL_TIMEOUT)),
+            links: config
+                .query
+                .read_link
+                .then(|| read_link::Links::new(CALL_TIMEOUT).authorized(config.auth.bearer(Role::Cluster))),
             shards,
             owner_wait: Duration::from_millis(config.query.owner_wait_ms),
         },
         metrics,
-        auth_token: config.query.auth_token.clone(),
+        auth: config.auth.clone(),
         max_batch: config.query.max_batch,
     });
     let listener = TcpListener::bind(&config.query.listen).await?;

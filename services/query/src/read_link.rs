@@ -51,6 +51,9 @@ pub struct Links {
     slots: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Slot>>>>,
     /// How long a read may take, all told.
     timeout: Duration,
+    /// The `Authorization` value each link's upgrade request carries (the cluster
+    /// token), when one is set.
+    authorization: Option<String>,
 }
 
 #[derive(Default)]
@@ -124,7 +127,13 @@ enum Unanswered {
 
 impl Links {
     pub fn new(timeout: Duration) -> Self {
-        Self { slots: Mutex::default(), timeout }
+        Self { slots: Mutex::default(), timeout, authorization: None }
+    }
+
+    /// Links that present `authorization` (`Bearer <cluster token>`) when they open.
+    pub fn authorized(mut self, authorization: Option<String>) -> Self {
+        self.authorization = authorization;
+        self
     }
 
     /// How long a read may take, all told.
@@ -202,7 +211,8 @@ impl Links {
             Slot::Failed(at, why) if *at >= waiting_since => return Err(LinkError::Failed(why.clone())),
             _ => {}
         }
-        let opened = timeout_at(deadline, open(addr)).await.unwrap_or_else(|_| Err(late()));
+        let opened =
+            timeout_at(deadline, open(addr, self.authorization.as_deref())).await.unwrap_or_else(|_| Err(late()));
         match opened {
             Ok(link) => {
                 *slot = Slot::Open(link.clone());
@@ -223,12 +233,15 @@ impl Links {
 
 /// Connects to `addr`, upgrades the connection to a read link, and starts its
 /// reader and writer tasks.
-async fn open(addr: &str) -> Result<Arc<Link>, LinkError> {
+async fn open(addr: &str, authorization: Option<&str>) -> Result<Arc<Link>, LinkError> {
     let failed = |err: std::io::Error| LinkError::Failed(format!("{addr}: {err}"));
     let stream = TcpStream::connect(addr).await.map_err(failed)?;
     stream.set_nodelay(true).map_err(failed)?;
     let (reader, mut writer) = stream.into_split();
-    let upgrade = format!("GET {PATH} HTTP/1.1\r\nhost: {addr}\r\nconnection: upgrade\r\nupgrade: {PROTOCOL}\r\n\r\n");
+    let credential = authorization.map(|value| format!("authorization: {value}\r\n")).unwrap_or_default();
+    let upgrade = format!(
+        "GET {PATH} HTTP/1.1\r\nhost: {addr}\r\nconnection: upgrade\r\nupgrade: {PROTOCOL}\r\n{credential}\r\n"
+    );
     writer.write_all(upgrade.as_bytes()).await.map_err(failed)?;
     let mut reader = BufReader::with_capacity(64 << 10, reader);
     if !switched(&mut reader).await.map_err(failed)? {
@@ -277,6 +290,9 @@ async fn switched<R: AsyncRead + Unpin>(reader: &mut BufReader<R>) -> std::io::R
             let (version, status) = (words.next(), words.next());
             if !version.is_some_and(|v| v.starts_with(b"HTTP/")) || status.is_none() {
                 return Err(invalid("not an HTTP answer"));
+            }
+            if status == Some(b"401".as_slice()) {
+                return Err(invalid("the counter refused the cluster token (401)"));
             }
             if status != Some(b"101".as_slice()) {
                 return Ok(false);

@@ -148,7 +148,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         queue: config.worker.queue.clone(),
         concurrency: config.worker.concurrency,
         lease_ms: (config.worker.lease_ms > 0).then_some(config.worker.lease_ms),
-        auth_token: config.worker.auth_token.clone(),
+        auth_token: config.auth.worker_token.clone(),
     };
     tracing::info!(queue = %options.queue, brokers = ?options.brokers, concurrency = options.concurrency, admin = %admin, "tally-worker starting");
     let probe = tokio::spawn(track_readiness(options.clone(), readiness.clone(), shutdown.clone()));

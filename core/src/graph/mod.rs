@@ -17,8 +17,11 @@
 //! sets contain the true components): components are independent, and their
 //! traversals run in parallel on scoped threads.
 
+mod bounded;
+
 use std::sync::Arc;
 
+pub use bounded::Refusal;
 use rustc_hash::{FxHashMap, FxHashSet};
 use serde::{Deserialize, Serialize};
 
@@ -233,6 +236,15 @@ impl Graph {
     /// Applies `updates` in order and returns the net descendant-set change of every
     /// origin whose set changed, sorted by origin. No-op updates change nothing.
     pub fn apply_batch(&mut self, updates: &[EdgeUpdate]) -> Vec<DescChange> {
+        self.apply_within(updates, usize::MAX).0
+    }
+
+    /// [`Self::apply_batch`], with each origin's new descendant set walked only as
+    /// far as `max_descendants + 1` nodes: the second value is an origin whose set
+    /// grew past `max_descendants` (the changes are then incomplete, and the caller
+    /// undoes the batch, [`bounded`]). An origin already past the bound before the
+    /// batch is walked in full, and counts only if it gained descendants.
+    fn apply_within(&mut self, updates: &[EdgeUpdate], max_descendants: usize) -> (Vec<DescChange>, Option<NodeId>) {
         // Which nodes' out-edges may change; grouped by component after the adds join them.
         let mut touched: Vec<NodeId> = Vec::new();
         for update in updates {
@@ -249,7 +261,7 @@ impl Graph {
             }
         }
         if touched.is_empty() {
-            return Vec::new();
+            return (Vec::new(), None);
         }
         let mut groups: FxHashMap<NodeId, Vec<NodeId>> = FxHashMap::default();
         for &node in &touched {
@@ -293,39 +305,46 @@ impl Graph {
         }
 
         // After: the same origins' new sets, and the differences.
-        let mut changes: Vec<DescChange> = self
-            .per_group(&mut stamps, &before, |graph, stamps, sets| {
-                let mut changes = Vec::new();
-                let mut new = Vec::new();
-                for (origin, range) in &sets.origins {
-                    stamps.clear();
-                    new.clear();
-                    graph.reach_into(stamps, *origin, true, usize::MAX, &mut new);
-                    new.sort_unstable();
-                    let (mut added, mut removed) = (Vec::new(), Vec::new());
-                    for_each_difference(&sets.nodes[range.clone()], &new, |node, is_new| {
-                        let name = graph.name(node).to_string();
-                        if is_new {
-                            added.push(name)
-                        } else {
-                            removed.push(name)
-                        }
-                    });
-                    if added.is_empty() && removed.is_empty() {
-                        continue;
-                    }
-                    added.sort_unstable();
-                    removed.sort_unstable();
-                    changes.push(DescChange { origin: graph.name(*origin).to_string(), added, removed });
+        let bound = max_descendants.saturating_add(1);
+        let per_group = self.per_group(&mut stamps, &before, |graph, stamps, sets| {
+            let (mut changes, mut over) = (Vec::new(), None);
+            let mut new = Vec::new();
+            for (origin, range) in &sets.origins {
+                stamps.clear();
+                new.clear();
+                let was_over = range.len() > max_descendants;
+                graph.reach_into(stamps, *origin, true, if was_over { usize::MAX } else { bound }, &mut new);
+                if new.len() > max_descendants && !was_over {
+                    over = Some(*origin);
+                    continue;
                 }
-                changes
-            })
-            .into_iter()
-            .flatten()
-            .collect();
+                new.sort_unstable();
+                let (mut added, mut removed) = (Vec::new(), Vec::new());
+                for_each_difference(&sets.nodes[range.clone()], &new, |node, is_new| {
+                    let name = graph.name(node).to_string();
+                    if is_new {
+                        added.push(name)
+                    } else {
+                        removed.push(name)
+                    }
+                });
+                if added.is_empty() && removed.is_empty() {
+                    continue;
+                }
+                if was_over && new.len() > max_descendants && !added.is_empty() {
+                    over = Some(*origin);
+                }
+                added.sort_unstable();
+                removed.sort_unstable();
+                changes.push(DescChange { origin: graph.name(*origin).to_string(), added, removed });
+            }
+            (changes, over)
+        });
         self.stamps = stamps;
+        let over = per_group.iter().find_map(|(_, over)| *over);
+        let mut changes: Vec<DescChange> = per_group.into_iter().flat_map(|(changes, _)| changes).collect();
         changes.sort_unstable_by(|a, b| a.origin.cmp(&b.origin));
-        changes
+        (changes, over)
     }
 
     /// Runs `work` on every group, on up to [`MAX_GROUP_THREADS`] scoped threads
