@@ -299,7 +299,12 @@ impl Sandbox {
 
     /// Runs the `tally` command line with the sandbox's settings; its success and output.
     pub fn cli(&self, args: &[&str]) -> (bool, String) {
-        let output = self.command("tally").args(args).output().expect("running tally");
+        self.cli_with(args, &[])
+    }
+
+    /// [`Self::cli`] with more environment.
+    pub fn cli_with(&self, args: &[&str], env: &[(&str, String)]) -> (bool, String) {
+        let output = self.command("tally").args(args).envs(env.iter().cloned()).output().expect("running tally");
         let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
         (output.status.success(), text)
     }

@@ -53,17 +53,38 @@ impl S3 {
         ]
     }
 
+    /// Writes an object, as a misbehaving writer of the bucket would.
+    pub async fn put(&self, key: &str, bytes: Vec<u8>) {
+        let url = format!("{}/{}/{key}", self.endpoint, self.bucket);
+        // Under the services' access key: moto checks no signature, only whose the
+        // objects are (an anonymous writer may not replace theirs).
+        let authorization =
+            "AWS4-HMAC-SHA256 Credential=test/20260101/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=0";
+        let request = reqwest::Client::new().put(url).header("authorization", authorization).body(bytes);
+        let response = request.send().await.expect("putting an object");
+        assert!(response.status().is_success(), "putting {key}: {}", response.status());
+    }
+
     /// The keys stored in the bucket (its ListObjectsV2, first page).
     pub async fn keys(&self) -> Vec<String> {
+        self.objects().await.into_iter().map(|(key, _)| key).collect()
+    }
+
+    /// The objects stored in the bucket with their sizes (first page).
+    pub async fn objects(&self) -> Vec<(String, u64)> {
         let body = reqwest::get(format!("{}/{}?list-type=2", self.endpoint, self.bucket))
             .await
             .expect("listing the bucket")
             .text()
             .await
             .expect("the listing");
-        body.split("<Key>")
+        let field = |entry: &str, name: &str| {
+            let (_, rest) = entry.split_once(&format!("<{name}>"))?;
+            rest.split_once(&format!("</{name}>")).map(|(value, _)| value.to_string())
+        };
+        body.split("<Contents>")
             .skip(1)
-            .filter_map(|rest| rest.split_once("</Key>").map(|(key, _)| key.to_string()))
+            .filter_map(|entry| Some((field(entry, "Key")?, field(entry, "Size")?.parse().ok()?)))
             .collect()
     }
 }

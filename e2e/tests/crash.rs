@@ -91,6 +91,147 @@ async fn an_operator_restores_every_shard_into_an_empty_data_dir() {
     lose_the_counters_disk_and_come_back(Recovery::ByAnOperator).await;
 }
 
+/// Snapshots in S3 that degrade gracefully: a garbage manifest written beside the
+/// good ones is skipped (and marked by `tally snapshot list`), a restore uses the
+/// newest good snapshot; with one of its files damaged, the next older one; an upload
+/// that never got a manifest is collected. Every count stays exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restores_from_s3_pass_over_garbage_and_damaged_snapshots() {
+    let mut sandbox = Sandbox::start().await;
+    let s3 = tally_e2e::s3::S3::start(std::path::PathBuf::from(sandbox.path("moto.log"))).await;
+    let mut env = vec![("TALLY__SNAPSHOTS__INTERVAL_MS", "300".to_string()), ("TALLY__SNAPSHOTS__KEEP", "10".into())];
+    env.extend(s3.env());
+    sandbox.spawn_instance("tally-counter", "tally-counter", &env);
+    sandbox.spawn_ready(&["tally-ingester", "tally-query"]).await;
+    let shard_topic = sandbox.names.shards();
+    let shard = tally_core::sharding::shard_of("solo", sandbox.partition_count(&shard_topic));
+    let folder = format!("tally/{shard_topic}/shard-{shard:04}");
+    // The ids of the shard's snapshots with a manifest, oldest first.
+    let snapshot_ids = || async {
+        let mut ids: Vec<String> = s3
+            .keys()
+            .await
+            .iter()
+            .filter_map(|key| {
+                key.strip_prefix(&format!("{folder}/"))?.strip_suffix("/MANIFEST.json").map(str::to_string)
+            })
+            .collect();
+        ids.sort();
+        ids
+    };
+    let mut model = tally_core::model::Model::default();
+    let (entities, metrics) = (vec!["solo".to_string()], vec!["views".to_string()]);
+    for (delta, snapshots) in [(5, 1), (7, 2)] {
+        solo(&sandbox, &mut model, delta).await;
+        check::wait_for_all_time(&sandbox, &model, &entities, &metrics, Duration::from_secs(60)).await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while snapshot_ids().await.len() < snapshots {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no snapshot of {folder}\n{}",
+                sandbox.log("tally-counter")
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    let good = snapshot_ids().await;
+    assert_eq!(good.len(), 2, "{good:?}");
+    // Newer than every good one by its id, and garbage; an upload abandoned long ago.
+    s3.put(&format!("{folder}/99999999999999999999-9/MANIFEST.json"), b"{\"v\":1,\"name\":".to_vec()).await;
+    let orphan = format!("{folder}/00000000000000000000-1000/000001.sst");
+    s3.put(&orphan, b"half an upload".to_vec()).await;
+    let (ok, listed) = sandbox.cli_with(&["snapshot", "list"], &s3.env());
+    assert!(ok, "{listed}");
+    let unreadable: Vec<&str> = listed.lines().filter(|l| l.contains("UNREADABLE")).collect();
+    assert_eq!(unreadable.len(), 1, "{listed}");
+    assert!(unreadable[0].starts_with(&format!("{}/99999999999999999999-9", &folder["tally/".len()..])), "{listed}");
+
+    // Lose the disk: the newest good snapshot is restored, the garbage passed over.
+    let restored_from = |sandbox: &Sandbox, id: &str| {
+        sandbox.log("tally-counter").lines().any(|l| l.contains("restored from a snapshot") && l.contains(id))
+    };
+    lose_the_disk(&mut sandbox, &mut model, (11, 3), &env).await;
+    assert!(restored_from(&sandbox, &good[1]), "restored {}\n{}", good[1], sandbox.log("tally-counter"));
+
+    // The snapshots now, and the newest damaged: one file changed, its size kept.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while snapshot_ids().await.len() < 4 {
+        assert!(tokio::time::Instant::now() < deadline, "no snapshot after the restore");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let ids: Vec<String> = snapshot_ids().await.into_iter().filter(|id| !id.starts_with("9999")).collect();
+    let (newest, older) = (ids[ids.len() - 1].clone(), ids[ids.len() - 2].clone());
+    let (file, size) = s3
+        .objects()
+        .await
+        .into_iter()
+        .filter(|(key, _)| key.starts_with(&format!("{folder}/{newest}/")) && !key.ends_with("MANIFEST.json"))
+        .max_by_key(|(_, size)| *size)
+        .expect("the newest snapshot's files");
+    s3.put(&file, vec![0u8; size as usize]).await;
+    lose_the_disk(&mut sandbox, &mut model, (13, 4), &env).await;
+    let log = sandbox.log("tally-counter");
+    assert!(restored_from(&sandbox, &older) && !restored_from(&sandbox, &newest), "restored {older}\n{log}");
+    assert!(log.lines().any(|l| l.contains("a snapshot that cannot be restored") && l.contains("SHA-256")), "{log}");
+    check::windows(&sandbox, &model, &entities, &metrics).await;
+    // The abandoned upload was collected by a prune after a new snapshot.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while s3.keys().await.contains(&orphan) {
+        assert!(tokio::time::Instant::now() < deadline, "the abandoned upload stays\n{}", sandbox.log("tally-counter"));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// One increment of `delta` on `solo`, produced and put in the model.
+async fn solo(sandbox: &Sandbox, model: &mut tally_core::model::Model, delta: i64) {
+    let now = tally_shared::kafka::now_ms();
+    model.apply(tally_core::wire::Increment {
+        entity: "solo".into(),
+        metric: "views".into(),
+        delta,
+        ts: now,
+        id: None,
+    });
+    let element = serde_json::json!({"entity": "solo", "metric": "views", "delta": delta, "ts": now});
+    sandbox
+        .produce_to(&sandbox.names.increments(), &[(Some("solo".to_string()), element.to_string().into_bytes())])
+        .await;
+}
+
+/// Kills the counter, wipes its disk, produces one more increment of `delta` on
+/// `solo` (the `records`-th input record) and brings the counter back: it restores,
+/// replays and serves `solo` exactly, never partially.
+async fn lose_the_disk(
+    sandbox: &mut Sandbox,
+    model: &mut tally_core::model::Model,
+    (delta, records): (i64, usize),
+    env: &[(&str, String)],
+) {
+    sandbox.kill9("tally-counter");
+    sandbox.wipe_counter_data();
+    solo(sandbox, model, delta).await;
+    routed(sandbox, records).await;
+    sandbox.spawn_instance("tally-counter", "tally-counter", env);
+    let (entities, metrics) = (["solo".to_string()], ["views".to_string()]);
+    check::never_partial(sandbox, model, &entities, &metrics, Duration::from_secs(90)).await;
+}
+
+/// Waits until the ingester routed `records` input records (and a moment for their
+/// acknowledgements): a counter that comes back then and says it caught up has
+/// every one of them.
+async fn routed(sandbox: &Sandbox, records: usize) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let routed = sandbox.metric("tally-ingester", "tally_ingester_input_records_total").await;
+        if routed == vec![(String::new(), records as f64)] {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "routed {routed:?} of {records}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+}
+
 #[derive(PartialEq)]
 enum Recovery {
     /// The counter restores what it lacks from the local snapshot store.
