@@ -775,7 +775,19 @@ pub struct GraphNeighboursRequest {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct GraphAncestorsRequest {
     pub entity: String,
+    /// At most [`GraphAncestorsRequest::MAX_LIMIT`].
     pub limit: usize,
+}
+
+impl GraphAncestorsRequest {
+    /// The longest walk `tally-graph` takes for one request (a contributors listing
+    /// ranks at most this many ancestors).
+    pub const MAX_LIMIT: usize = 100_000;
+}
+
+impl GraphNeighboursRequest {
+    /// The largest page of neighbours `tally-graph` answers.
+    pub const MAX_LIMIT: usize = 1_000;
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

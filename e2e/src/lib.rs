@@ -162,6 +162,24 @@ impl Sandbox {
         topics::apply(&self.kafka, &Declarations::load(None).unwrap()).await.expect("topics apply");
     }
 
+    /// Deletes `topic` and waits until the broker no longer lists it.
+    pub async fn delete_topic(&self, topic: &str) {
+        use rdkafka::admin::{AdminClient, AdminOptions};
+        let admin: AdminClient<rdkafka::client::DefaultClientContext> =
+            client_config(&self.kafka).unwrap().create().unwrap();
+        let deleted = admin.delete_topics(&[topic], &AdminOptions::new()).await.expect("deleting a topic");
+        assert!(deleted.iter().all(Result::is_ok), "deleting {topic}: {deleted:?}");
+        let consumer: BaseConsumer = client_config(&self.kafka).unwrap().create().unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while consumer
+            .fetch_metadata(Some(topic), Duration::from_secs(5))
+            .is_ok_and(|m| m.topics().iter().any(|t| t.error().is_none() && !t.partitions().is_empty()))
+        {
+            assert!(std::time::Instant::now() < deadline, "{topic} is still listed");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     /// The high watermark of one partition: the offset the next record gets.
     pub fn next_offset(&self, topic: &str, partition: i32) -> i64 {
         let consumer: BaseConsumer = client_config(&self.kafka).unwrap().create().unwrap();

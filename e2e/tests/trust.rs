@@ -178,9 +178,17 @@ async fn every_internal_and_operator_route_answers_only_its_roles_token() {
             "graph ancestors",
             Method::POST,
             format!("{graph}/internal/v1/graph/ancestors"),
-            Some(json!({"entity": "p", "limit": 1_000_000})),
+            Some(json!({"entity": "p", "limit": 100_000})),
             &[Cluster],
             (200, None),
+        ),
+        route(
+            "graph ancestors past the bound",
+            Method::POST,
+            format!("{graph}/internal/v1/graph/ancestors"),
+            Some(json!({"entity": "p", "limit": 100_001})),
+            &[Cluster],
+            (400, Some("invalid_limit")),
         ),
         route(
             "graph skip",

@@ -234,6 +234,22 @@ pub fn unreplayable(check: LogCheck) -> Option<(i64, String)> {
     Some((needed, reason))
 }
 
+/// Why a store is ahead of its log — it applied records up to `next - 1`, and the
+/// log ends before them: the topic was deleted and recreated (its offsets started
+/// again at 0), or the broker lost records it had acknowledged — or `None`. Such a
+/// store must stop: consuming on would skip the new records below `next` as already
+/// applied, and count the rest on top of another log's.
+pub fn ahead_of_log(next: Option<i64>, log_end: i64) -> Option<(i64, String)> {
+    let next = next.filter(|&next| next > log_end)?;
+    let reason = format!(
+        "the log ends at offset {log_end}, but the store applied it up to offset {}: the topic was deleted and \
+         recreated, or the broker lost records it had acknowledged; nothing more is applied (restore a store of this \
+         log, or delete the store to rebuild from the log as it is)",
+        next - 1
+    );
+    Some((next, reason))
+}
+
 /// The offsets `consumer`'s group committed for `partitions` of `topic` (those it
 /// has); empty when they cannot be read now (the check then relies on the log's
 /// start alone).
@@ -355,10 +371,30 @@ pub fn spawn_lag_reporter(
     positions: impl Fn() -> Vec<(u32, i64)> + Send + 'static,
     report: impl Fn(u32, i64) + Send + 'static,
 ) -> Result<std::thread::JoinHandle<()>> {
+    spawn_log_watch(kafka, name, topic, period, shutdown, positions, report, |_, _, _| {})
+}
+
+/// [`spawn_lag_reporter`] for a store's own log: `ahead(partition, next offset,
+/// reason)` when the store is past the log's end ([`ahead_of_log`]; positions are read before
+/// the log's end, so a store that moved on meanwhile is never taken for one ahead).
+#[allow(clippy::too_many_arguments)]
+pub fn spawn_log_watch(
+    kafka: &KafkaConfig,
+    name: &str,
+    topic: String,
+    period: Duration,
+    shutdown: CancellationToken,
+    positions: impl Fn() -> Vec<(u32, i64)> + Send + 'static,
+    report: impl Fn(u32, i64) + Send + 'static,
+    ahead: impl Fn(u32, i64, String) + Send + 'static,
+) -> Result<std::thread::JoinHandle<()>> {
     let client: BaseConsumer = client_config(kafka)?.create()?;
     Ok(crate::shutdown::every(name, period, shutdown, move || {
         for (partition, next) in positions() {
             if let Ok((_, high)) = client.fetch_watermarks(&topic, partition as i32, Duration::from_secs(1)) {
+                if let Some((offset, reason)) = ahead_of_log(Some(next), high) {
+                    ahead(partition, offset, reason);
+                }
                 report(partition, (high - next).max(0));
             }
         }
@@ -850,6 +886,16 @@ mod tests {
         });
         drive_on(&consumer, &kafka, topic, limits, &mut processor, &shutdown);
         processor.batches
+    }
+
+    #[test]
+    fn a_store_ahead_of_its_log_is_named_with_both_offsets() {
+        assert_eq!(ahead_of_log(None, 0), None, "an empty store");
+        assert_eq!(ahead_of_log(Some(900), 900), None, "caught up");
+        assert_eq!(ahead_of_log(Some(500), 900), None, "behind");
+        let (offset, reason) = ahead_of_log(Some(900), 3).unwrap();
+        assert_eq!(offset, 900, "where the store stopped");
+        assert!(reason.starts_with("the log ends at offset 3, but the store applied it up to offset 899: the topic was deleted and recreated"), "{reason}");
     }
 
     #[test]

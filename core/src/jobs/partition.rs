@@ -21,7 +21,7 @@
 //! gives it a new tenure, so a stale lease from an earlier one is unknown, never
 //! mistaken for a lease of the same number handed out since.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::schedule::RetrySchedule;
 use super::Job;
@@ -123,6 +123,13 @@ pub struct PartitionQueue {
     next_offset: i64,
     /// Waiting jobs whose time has come, by offset.
     ready: BTreeSet<i64>,
+    /// The unfinished jobs of each key, by offset: the first decides for the rest
+    /// on a FIFO queue.
+    by_key: HashMap<String, BTreeSet<i64>>,
+    /// The ready jobs a FIFO queue may hand out: those without a key and those
+    /// first among their key's unfinished jobs (a dequeue takes from here, never
+    /// scanning the jobs held behind a running one).
+    ready_heads: BTreeSet<i64>,
     /// Waiting jobs whose time has not come yet, by `(ready_at, offset)`.
     timed: BTreeSet<(i64, i64)>,
     /// Offsets of malformed records whose dead letter is not acknowledged yet.
@@ -149,6 +156,8 @@ impl PartitionQueue {
             next_lease: (u64::from(tenure) << 32) | 1,
             next_offset: start,
             ready: BTreeSet::new(),
+            by_key: HashMap::new(),
+            ready_heads: BTreeSet::new(),
             timed: BTreeSet::new(),
             rejected: BTreeSet::new(),
             held_bytes: 0,
@@ -189,14 +198,30 @@ impl PartitionQueue {
             }
             self.timed.pop_first();
             self.timed_bytes -= self.bytes_at(offset);
-            self.ready.insert(offset);
+            self.make_ready(offset);
+        }
+    }
+
+    /// Files a waiting job as ready (and as a ready head when it is one).
+    fn make_ready(&mut self, offset: i64) {
+        self.ready.insert(offset);
+        if self.is_head(offset) {
+            self.ready_heads.insert(offset);
+        }
+    }
+
+    /// Whether the job at `offset` has no key or is the first unfinished of its key.
+    fn is_head(&self, offset: i64) -> bool {
+        match self.entries.get(&offset).and_then(|entry| entry.job.key.as_deref()) {
+            Some(key) => self.by_key.get(key).and_then(BTreeSet::first) == Some(&offset),
+            None => true,
         }
     }
 
     /// Files a waiting job under ready or timed.
     fn wait(&mut self, offset: i64, ready_at: i64, now: i64) {
         if ready_at <= now {
-            self.ready.insert(offset);
+            self.make_ready(offset);
         } else if self.timed.insert((ready_at, offset)) {
             self.timed_bytes += self.bytes_at(offset);
         }
@@ -210,6 +235,9 @@ impl PartitionQueue {
         }
         let ready_at = job.run_at.unwrap_or(i64::MIN);
         self.held_bytes += job_bytes(&job);
+        if let Some(key) = &job.key {
+            self.by_key.entry(key.clone()).or_default().insert(offset);
+        }
         self.entries.insert(offset, Entry { job, attempts: 0, ready_at, state: State::Waiting });
         self.wait(offset, ready_at, now);
         self.next_offset = self.next_offset.max(offset + 1);
@@ -233,25 +261,13 @@ impl PartitionQueue {
         let mut chosen = Vec::new();
         if self.policy.fifo {
             // The first unfinished job of a key decides for all later ones.
-            let mut blocked_keys: HashSet<&str> = HashSet::new();
-            for (&offset, entry) in &self.entries {
-                if chosen.len() >= max {
-                    break;
-                }
-                if let Some(key) = entry.job.key.as_deref() {
-                    if !blocked_keys.insert(key) {
-                        continue;
-                    }
-                }
-                if self.ready.contains(&offset) {
-                    chosen.push(offset);
-                }
-            }
+            chosen.extend(self.ready_heads.iter().take(max).copied());
         } else {
             chosen.extend(self.ready.iter().take(max).copied());
         }
         for offset in chosen {
             self.ready.remove(&offset);
+            self.ready_heads.remove(&offset);
             let lease = self.next_lease;
             self.next_lease += 1;
             let deadline = now.saturating_add(lease_ms);
@@ -273,8 +289,21 @@ impl PartitionQueue {
 
     /// Drops a finished job (it is in no index: it was leased or dying).
     fn remove(&mut self, offset: i64) {
-        if let Some(entry) = self.entries.remove(&offset) {
-            self.held_bytes -= job_bytes(&entry.job);
+        let Some(entry) = self.entries.remove(&offset) else { return };
+        self.held_bytes -= job_bytes(&entry.job);
+        self.ready_heads.remove(&offset);
+        let Some(key) = entry.job.key else { return };
+        let Some(offsets) = self.by_key.get_mut(&key) else { return };
+        offsets.remove(&offset);
+        // The key's next job heads it now: handed out once it is ready.
+        match offsets.first().copied() {
+            Some(next) if self.ready.contains(&next) => {
+                self.ready_heads.insert(next);
+            }
+            Some(_) => {}
+            None => {
+                self.by_key.remove(&key);
+            }
         }
     }
 

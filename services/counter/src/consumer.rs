@@ -21,8 +21,8 @@ use rdkafka::ClientContext;
 use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
 use tally_shared::consume::{
-    committed_offsets, drive, spawn_lag_reporter, unreplayable, AdvisoryCommits, BatchLimits, LogCheck, LoopSetup,
-    Polled, Processor,
+    ahead_of_log, committed_offsets, drive, spawn_log_watch, unreplayable, AdvisoryCommits, BatchLimits, LogCheck,
+    LoopSetup, Polled, Processor,
 };
 use tally_shared::failures::Failure;
 use tally_shared::idle::HelperGauge;
@@ -174,7 +174,7 @@ impl CounterContext {
                     continue;
                 }
             };
-            if let Some((offset, reason)) = check(&store) {
+            if let Some((offset, reason)) = check(&store).or_else(|| ahead_of_log(store.next_offset(), end)) {
                 failures.insert(shard, Failure { offset: Some(offset), reason, record: None });
                 continue;
             }
@@ -278,7 +278,8 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     let lag_shards = shards.clone();
     let lag_shards_reported = shards.clone();
     let lag_metrics = metrics.clone();
-    let lag_reporter = spawn_lag_reporter(
+    let lag_failures = shards.failures.clone();
+    let lag_reporter = spawn_log_watch(
         &config.kafka,
         "counter-lag",
         shard_topic.clone(),
@@ -291,6 +292,12 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         move |shard, lag| {
             lag_metrics.consumer_lag.with_label_values(&[&shard.to_string()]).set(lag);
             lag_shards_reported.record_lag(shard, lag);
+        },
+        // A shard topic deleted and recreated under the counter: the shard stops.
+        move |shard, offset, reason| {
+            if !lag_failures.is_failed(shard) {
+                lag_failures.fail(shard, Failure { offset: Some(offset), reason, record: None });
+            }
         },
     )?;
     threads.push(("lag reporter", lag_reporter));

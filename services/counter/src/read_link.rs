@@ -7,7 +7,8 @@
 //! blocking pool that panics, and an answer too large to send, are answered
 //! `unavailable`, never left without an answer (a panic in an inline read, a point
 //! read or two, ends the link's task and so closes the link). The link closes when
-//! the counter stops.
+//! the counter stops. A link has at most [`MAX_IN_FLIGHT`] reads on the blocking pool
+//! at once; past that it reads no more frames until one is answered.
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -49,8 +50,14 @@ pub(crate) async fn open(State(state): State<ReadState>, mut request: Request) -
         })
 }
 
+/// The most reads one link has on the blocking pool at once: the next request
+/// frame is read only once one of them is answered (the client's writes wait in
+/// TCP), so a link holds bounded memory and threads whatever its client sends.
+pub(crate) const MAX_IN_FLIGHT: usize = 256;
+
 /// Serves one link until the client closes it, it breaks, or the counter stops.
 pub(crate) async fn serve<IO: AsyncRead + AsyncWrite + Send + 'static>(state: ReadState, io: IO) {
+    let in_flight = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
     let (reader, writer) = tokio::io::split(io);
     let (frames, queue) = mpsc::unbounded_channel();
     let writing = tokio::spawn(write_frames(writer, queue));
@@ -80,11 +87,19 @@ pub(crate) async fn serve<IO: AsyncRead + AsyncWrite + Send + 'static>(state: Re
             send(&frames, id, &answer_read(&state, request));
             continue;
         }
+        let permit = tokio::select! {
+            _ = state.shutdown.cancelled() => break,
+            permit = in_flight.clone().acquire_owned() => match permit {
+                Ok(permit) => permit,
+                Err(_) => break,
+            },
+        };
         let (state, frames, shards) = (state.clone(), frames.clone(), request.shards.len());
         let reading = tokio::task::spawn_blocking(move || answer_read(&state, request));
         tokio::spawn(async move {
             let response = reading.await.unwrap_or_else(|err| unavailable(shards, format!("the read failed: {err}")));
             send(&frames, id, &response);
+            drop(permit);
         });
     }
     // The writer ends once the answers still being worked out are sent.
@@ -250,6 +265,40 @@ mod tests {
         // A frame that is not a read request closes the link.
         link.get_mut().write_all(&frame(43, b"not a request").unwrap()).await.unwrap();
         assert_closed(&mut link).await;
+    }
+
+    /// More requests than a link may have in flight, sent at once: each is answered,
+    /// the later ones as earlier ones finish.
+    #[tokio::test]
+    async fn requests_past_the_in_flight_bound_wait_their_turn() {
+        let (_dir, addr, _state) = counter().await;
+        let (_, mut link) = upgrade(&addr, &link_head()).await;
+        let request = ReadRequest {
+            now_ms: NOW,
+            shards: vec![ShardQueries {
+                shard: 0,
+                queries: vec![query("user:1", WindowSpec::Last { window_ms: 3_600_000 })],
+            }],
+        };
+        assert!(!answers_inline(&request), "answered on the blocking pool");
+        let sent = MAX_IN_FLIGHT as u64 * 2 + 17;
+        let mut frames = Vec::new();
+        for id in 0..sent {
+            frames.extend(frame(id, &request.encode().unwrap()).unwrap());
+        }
+        link.get_mut().write_all(&frames).await.unwrap();
+        let mut answered = BTreeMap::new();
+        let mut message = Vec::new();
+        for _ in 0..sent {
+            let id = read_frame(&mut link, &mut message, MAX_FRAME_BYTES).await.unwrap().unwrap();
+            answered.insert(id, ReadResponse::decode(&message).unwrap());
+        }
+        let want = ReadResponse {
+            shards: vec![ShardOutcome::Answers {
+                answers: vec![window(2, "1m", NOW / 60_000 * 60_000 - 3_540_000, NOW)],
+            }],
+        };
+        assert_eq!(answered, (0..sent).map(|id| (id, want.clone())).collect::<BTreeMap<_, _>>());
     }
 
     #[tokio::test]

@@ -58,8 +58,19 @@ async fn off_runtime(
     })
 }
 
-/// A walk of up to `limit` nodes.
+/// A `limit` past `max`: 400 `invalid_limit`, before any walk.
+fn check_limit(limit: usize, max: usize) -> Result<(), ApiError> {
+    match (1..=max).contains(&limit) {
+        true => Ok(()),
+        false => Err(ApiError::bad_request("invalid_limit", format!("limit: must be 1-{max}"))),
+    }
+}
+
+/// A walk of up to `limit` nodes (at most [`GraphAncestorsRequest::MAX_LIMIT`]).
 async fn ancestors(State(state): State<GraphState>, Json(request): Json<GraphAncestorsRequest>) -> Response {
+    if let Err(refused) = check_limit(request.limit, GraphAncestorsRequest::MAX_LIMIT) {
+        return refused.into_response();
+    }
     off_runtime(state, move |graph| {
         let (names, more) = graph.ancestors(&request.entity, request.limit);
         GraphNeighboursResponse { entities: names.into_iter().map(str::to_string).collect(), more }
@@ -68,6 +79,9 @@ async fn ancestors(State(state): State<GraphState>, Json(request): Json<GraphAnc
 }
 
 async fn neighbours(State(state): State<GraphState>, Json(request): Json<GraphNeighboursRequest>) -> Response {
+    if let Err(refused) = check_limit(request.limit, GraphNeighboursRequest::MAX_LIMIT) {
+        return refused.into_response();
+    }
     off_runtime(state, move |graph| {
         let all = graph.neighbours(&request.entity, request.outgoing);
         let start = request.after.as_deref().map_or(0, |after| all.partition_point(|name| *name <= after));

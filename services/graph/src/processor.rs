@@ -20,8 +20,8 @@ use tally_core::wire::ShardOwner;
 use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
 use tally_shared::consume::{
-    committed_offsets, drive, pause, spawn_lag_reporter, unreplayable, AdvisoryCommits, BatchLimits, LogCheck,
-    LoopSetup, Polled, Processor,
+    ahead_of_log, committed_offsets, drive, pause, spawn_log_watch, unreplayable, AdvisoryCommits, BatchLimits,
+    LogCheck, LoopSetup, Polled, Processor,
 };
 use tally_shared::kafka::{now_ms, TopicNames};
 use tally_shared::outbox::Relay;
@@ -73,15 +73,15 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
     let (log_start, start_end) = consumer.fetch_watermarks(&input, PARTITION as i32, Duration::from_secs(10))?;
     let committed = committed_offsets(&consumer, &input, &[PARTITION]).get(&PARTITION).copied();
     let check = LogCheck { next: store.next_offset(), log_start, log_end: start_end, committed };
-    if let Some((offset, reason)) = unreplayable(check) {
+    if let Some((offset, reason)) = unreplayable(check).or_else(|| ahead_of_log(store.next_offset(), start_end)) {
         failures.fail(PARTITION, Failure { offset: Some(offset), reason, record: None });
         pause(&consumer, &input, &[PARTITION]);
     }
 
     let letters = Relay::unstamped(&config.kafka, names.dead_letter())?;
     tracing::info!(start = ?start, "graph processor consuming");
-    let (lag_store, lag_metrics) = (store.clone(), metrics.clone());
-    let lag_reporter = spawn_lag_reporter(
+    let (lag_store, lag_metrics, lag_failures) = (store.clone(), metrics.clone(), failures.clone());
+    let lag_reporter = spawn_log_watch(
         &config.kafka,
         "graph-lag",
         input.clone(),
@@ -89,6 +89,12 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
         shutdown.clone(),
         move || vec![(PARTITION, lag_store.next_offset().unwrap_or(0))],
         move |_, lag| lag_metrics.consumer_lag.set(lag),
+        // graph-updates deleted and recreated under the graph: it stops.
+        move |partition, offset, reason| {
+            if !lag_failures.is_failed(partition) {
+                lag_failures.fail(partition, Failure { offset: Some(offset), reason, record: None });
+            }
+        },
     )?;
     let setup = LoopSetup {
         topic: &input,

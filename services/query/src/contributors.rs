@@ -29,8 +29,8 @@ use tally_shared::http::page_token;
 use crate::api::{answer_error, check_counter, json_response, now_ms, parse_window, path_error, query_error, ApiState};
 use crate::error::ApiError;
 
-/// The most ancestors a contributors listing reads.
-pub const MAX_ANCESTORS: usize = 100_000;
+/// The most ancestors a contributors listing reads (as many as tally-graph walks).
+pub const MAX_ANCESTORS: usize = tally_core::wire::GraphAncestorsRequest::MAX_LIMIT;
 /// Queries per fan-out read.
 pub const READ_CHUNK: usize = 10_000;
 
