@@ -361,24 +361,12 @@ pub fn resume_at<C: ConsumerContext>(
 
 /// Reports, every `period` on a thread and client of its own, the lag of each
 /// partition `positions()` names — its high watermark minus the next offset the
-/// store will apply — through `report(partition, lag)`.
-pub fn spawn_lag_reporter(
-    kafka: &KafkaConfig,
-    name: &str,
-    topic: String,
-    period: Duration,
-    shutdown: CancellationToken,
-    positions: impl Fn() -> Vec<(u32, i64)> + Send + 'static,
-    report: impl Fn(u32, i64) + Send + 'static,
-) -> Result<std::thread::JoinHandle<()>> {
-    spawn_log_watch(kafka, name, topic, period, shutdown, positions, report, |_, _, _| {})
-}
-
-/// [`spawn_lag_reporter`] for a store's own log: `ahead(partition, next offset,
-/// reason)` when the store is past the log's end ([`ahead_of_log`]; positions are read before
-/// the log's end, so a store that moved on meanwhile is never taken for one ahead).
+/// store will apply — through `report(partition, lag)`, and `ahead(partition, next
+/// offset, reason)` when the store is past the log's end ([`ahead_of_log`];
+/// positions are read before the log's end, so a store that moved on meanwhile is
+/// never taken for one ahead).
 #[allow(clippy::too_many_arguments)]
-pub fn spawn_log_watch(
+pub fn spawn_lag_reporter(
     kafka: &KafkaConfig,
     name: &str,
     topic: String,

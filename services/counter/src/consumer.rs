@@ -21,7 +21,7 @@ use rdkafka::ClientContext;
 use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
 use tally_shared::consume::{
-    ahead_of_log, committed_offsets, drive, spawn_log_watch, unreplayable, AdvisoryCommits, BatchLimits, LogCheck,
+    ahead_of_log, committed_offsets, drive, spawn_lag_reporter, unreplayable, AdvisoryCommits, BatchLimits, LogCheck,
     LoopSetup, Polled, Processor,
 };
 use tally_shared::failures::Failure;
@@ -279,7 +279,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     let lag_shards_reported = shards.clone();
     let lag_metrics = metrics.clone();
     let lag_failures = shards.failures.clone();
-    let lag_reporter = spawn_log_watch(
+    let lag_reporter = spawn_lag_reporter(
         &config.kafka,
         "counter-lag",
         shard_topic.clone(),

@@ -20,7 +20,7 @@ use tally_core::wire::ShardOwner;
 use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
 use tally_shared::consume::{
-    ahead_of_log, committed_offsets, drive, pause, spawn_log_watch, unreplayable, AdvisoryCommits, BatchLimits,
+    ahead_of_log, committed_offsets, drive, pause, spawn_lag_reporter, unreplayable, AdvisoryCommits, BatchLimits,
     LogCheck, LoopSetup, Polled, Processor,
 };
 use tally_shared::kafka::{now_ms, TopicNames};
@@ -81,7 +81,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
     let letters = Relay::unstamped(&config.kafka, names.dead_letter())?;
     tracing::info!(start = ?start, "graph processor consuming");
     let (lag_store, lag_metrics, lag_failures) = (store.clone(), metrics.clone(), failures.clone());
-    let lag_reporter = spawn_log_watch(
+    let lag_reporter = spawn_lag_reporter(
         &config.kafka,
         "graph-lag",
         input.clone(),

@@ -111,6 +111,9 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
                 read.iter().filter(|((input, _), _)| *input == index).map(|((_, p), next)| (*p as u32, *next)).collect()
             },
             move |partition, records| lag.with_label_values(&[&topic, &partition.to_string()]).set(records),
+            // The ingester keeps no state of its input: a recreated input topic is
+            // its consumer group's to reset, not a store to stop.
+            |_, _, _| {},
         )?);
     }
 
