@@ -688,6 +688,13 @@ impl TallyConfig {
         if config.counter.apply_threads == 0 {
             return Err(Error::Config("counter.apply_threads: must be at least 1".into()));
         }
+        if config.snapshots.orphan_grace_ms < 60_000 {
+            return Err(Error::Config(format!(
+                "snapshots.orphan_grace_ms is {}: at least 60000, or an upload still under way (another counter's, \
+                 a clock or two apart) could be collected",
+                config.snapshots.orphan_grace_ms
+            )));
+        }
         if config.graph.max_descendants == 0 {
             return Err(Error::Config("graph.max_descendants: must be at least 1".into()));
         }

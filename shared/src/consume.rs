@@ -238,9 +238,11 @@ pub fn unreplayable(check: LogCheck) -> Option<(i64, String)> {
 /// log ends before them: the topic was deleted and recreated (its offsets started
 /// again at 0), or the broker lost records it had acknowledged — or `None`. Such a
 /// store must stop: consuming on would skip the new records below `next` as already
-/// applied, and count the rest on top of another log's.
+/// applied, and count the rest on top of another log's. An empty log (`0..0`) says
+/// nothing: the local broker reports a log that retention emptied so, whatever
+/// offsets it held; a recreated topic is told once it holds a record.
 pub fn ahead_of_log(next: Option<i64>, log_end: i64) -> Option<(i64, String)> {
-    let next = next.filter(|&next| next > log_end)?;
+    let next = next.filter(|&next| log_end > 0 && next > log_end)?;
     let reason = format!(
         "the log ends at offset {log_end}, but the store applied it up to offset {}: the topic was deleted and \
          recreated, or the broker lost records it had acknowledged; nothing more is applied (restore a store of this \
@@ -881,6 +883,7 @@ mod tests {
         assert_eq!(ahead_of_log(None, 0), None, "an empty store");
         assert_eq!(ahead_of_log(Some(900), 900), None, "caught up");
         assert_eq!(ahead_of_log(Some(500), 900), None, "behind");
+        assert_eq!(ahead_of_log(Some(500), 0), None, "an empty log: emptied by retention on the local broker");
         let (offset, reason) = ahead_of_log(Some(900), 3).unwrap();
         assert_eq!(offset, 900, "where the store stopped");
         assert!(reason.starts_with("the log ends at offset 3, but the store applied it up to offset 899: the topic was deleted and recreated"), "{reason}");

@@ -11,7 +11,8 @@
 //!
 //! The store is read from outside and degrades gracefully: a manifest this build
 //! cannot read is skipped and reported (the newest readable one is used); each file
-//! is checked against its manifest's size and SHA-256 as it is downloaded, and a
+//! is checked against its manifest's size and SHA-256 (when the manifest has it) as
+//! it is downloaded, and a
 //! restore that meets a missing or damaged file falls back to the next older
 //! snapshot, then to the log.
 
@@ -40,14 +41,11 @@ pub fn restored_marker(dir: &Path) -> PathBuf {
 
 /// The name of the manifest in a snapshot's directory.
 const MANIFEST: &str = "MANIFEST.json";
-/// Version 2 of manifests: each file with its SHA-256. Version 1 (sizes only) is
-/// still read.
-const MANIFEST_V2: u32 = 2;
 
 /// What a snapshot holds: its files and the offset it is consistent with.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Manifest {
-    /// Format version ([`MANIFEST_V2`]; version 1 files have no hashes).
+    /// Format version ([`JSON_V1`]).
     pub v: u32,
     /// Whose store: `shard-0003`, `graph`.
     pub name: String,
@@ -63,7 +61,9 @@ pub struct Manifest {
 pub struct SnapshotFile {
     pub name: String,
     pub bytes: u64,
-    /// The file's SHA-256, hex (from version 2 on).
+    /// The file's SHA-256, hex. A field added to version 1 (a build without it
+    /// reads the manifest and ignores the hash, so a rollback keeps its snapshots);
+    /// a manifest written before it has none, and its files are checked by size.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sha256: Option<String>,
 }
@@ -100,18 +100,7 @@ impl Manifest {
     }
 
     fn decode(bytes: &[u8]) -> Result<Self> {
-        let manifest: Self =
-            serde_json::from_slice(bytes).map_err(|err| Error::corrupt(format!("snapshot manifest: {err}")))?;
-        match manifest.v {
-            JSON_V1 => Ok(manifest),
-            MANIFEST_V2 => match manifest.files.iter().find(|f| f.sha256.is_none()) {
-                Some(file) => Err(Error::corrupt(format!("snapshot manifest: {} has no sha256", file.name))),
-                None => Ok(manifest),
-            },
-            v => {
-                Err(Error::corrupt(format!("snapshot manifest: format version {v}, this build reads versions 1 and 2")))
-            }
-        }
+        Ok(tally_core::format::decode_json(bytes, "snapshot manifest", |manifest: &Self| manifest.v)?)
     }
 
     /// Decodes the manifest found in folder `folder` (`<name>/<id>`) of the
@@ -235,7 +224,7 @@ impl SnapshotStore {
             self.runtime.block_on(self.objects.put(&location, bytes.into())).map_err(objects_error)?;
         }
         let manifest = Manifest {
-            v: MANIFEST_V2,
+            v: JSON_V1,
             name: name.to_string(),
             id: id.clone(),
             next_offset: progress.next_offset,
@@ -688,10 +677,8 @@ mod tests {
             listing.unreadable[0].reason.clone()
         };
         assert!(skipped(b"{\"v\":1,\"name\":").contains("snapshot manifest"));
-        let newer = br#"{"v":3,"name":"n","id":"i","next_offset":1,"created_ms":0,"files":[]}"#;
-        assert!(skipped(newer).contains("format version 3, this build reads versions 1 and 2"));
-        let unhashed = r#"{"v":2,"name":"t.shards/shard-0002","id":"00000000000000000001-1","next_offset":1,"created_ms":0,"files":[{"name":"a","bytes":1}]}"#;
-        assert!(skipped(unhashed.as_bytes()).contains("a has no sha256"));
+        let newer = br#"{"v":2,"name":"n","id":"i","next_offset":1,"created_ms":0,"files":[]}"#;
+        assert!(skipped(newer).contains("format version 2, this build reads version 1"));
         // Read from outside: it must name its own folder, and only plain file names.
         for (manifest, says) in [
             (

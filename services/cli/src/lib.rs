@@ -436,8 +436,9 @@ async fn get_and_print(config: &TallyConfig, url: &str) -> anyhow::Result<()> {
     }
     let response = request.send().await.with_context(|| format!("GET {url}"))?;
     let status = response.status();
-    let body: serde_json::Value = response.json().await.context("reading the answer")?;
-    println!("{}", serde_json::to_string_pretty(&body)?);
+    // Printed as it came: counts past 2^64 would lose digits through a JSON tree.
+    let body = response.text().await.context("reading the answer")?;
+    println!("{body}");
     if !status.is_success() {
         bail!("{status}");
     }

@@ -71,18 +71,22 @@ pub struct RestoreArgs {
     pub into: PathBuf,
 }
 
-/// The newest snapshot of every counter shard and of the graph, with where each
-/// restores to under `into`.
-fn newest(snapshots: &SnapshotStore, names: &TopicNames, into: &Path) -> anyhow::Result<Vec<(Manifest, PathBuf)>> {
+/// The snapshots of every counter shard and of the graph, newest first, with where
+/// each store restores to under `into`.
+fn candidates(
+    snapshots: &SnapshotStore,
+    names: &TopicNames,
+    into: &Path,
+) -> anyhow::Result<Vec<(Vec<Manifest>, PathBuf)>> {
     let mut found = Vec::new();
     for name in snapshots.names(&names.shards())? {
         let shard = name.rsplit('/').next().unwrap_or_default().to_string();
-        if let Some(manifest) = snapshots.latest(&name)? {
-            found.push((manifest, into.join("counter").join(shard)));
-        }
+        found.push((snapshots.list(&name)?, into.join("counter").join(shard)));
     }
-    if let Some(manifest) = snapshots.latest(&format!("{}/graph", names.graph_updates()))? {
-        found.push((manifest, into.join("graph")));
+    found.push((snapshots.list(&format!("{}/graph", names.graph_updates()))?, into.join("graph")));
+    found.retain(|(manifests, _)| !manifests.is_empty());
+    for (manifests, _) in &mut found {
+        manifests.reverse();
     }
     Ok(found)
 }
@@ -131,30 +135,54 @@ pub async fn restore(config: &TallyConfig, args: RestoreArgs) -> anyhow::Result<
     tokio::task::spawn_blocking(move || {
         let snapshots = SnapshotStore::from_config(&config.snapshots, tokio::runtime::Handle::current())?;
         let names = TopicNames::new(&config.kafka.topic_prefix);
-        let found = newest(&snapshots, &names, &args.into)?;
+        let found = candidates(&snapshots, &names, &args.into)?;
         if found.is_empty() {
             bail!("no snapshots in the snapshot store ({} {})", config.snapshots.url, config.snapshots.dir.display());
         }
         if let Some((_, dir)) = found.iter().find(|(_, dir)| dir.exists()) {
             bail!("{} exists: restore needs an empty data directory", dir.display());
         }
-        let total: u64 = found.iter().map(|(manifest, _)| manifest.bytes()).sum();
+        let total: u64 = found.iter().map(|(manifests, _)| manifests[0].bytes()).sum();
         let bar = ProgressBar::new(total);
         bar.set_style(
             ProgressStyle::with_template("{msg:24} [{bar:40}] {bytes}/{total_bytes} {eta}")
                 .context("progress bar template")?
                 .progress_chars("=> "),
         );
-        for (manifest, dir) in &found {
-            bar.set_message(manifest.name.rsplit('/').next().unwrap_or_default().to_string());
+        let mut restored = Vec::new();
+        for (manifests, dir) in &found {
             std::fs::create_dir_all(dir.parent().unwrap_or(Path::new(".")))?;
-            // Marked (beside it) so the service serves it only once caught up.
-            snapshots.restore_with_progress(manifest, dir, |bytes| bar.inc(bytes))?;
+            // The newest that restores whole; one with a file missing or damaged is
+            // passed over for the next older (marked beside it, so the service
+            // serves it only once caught up).
+            let mut chosen = None;
+            for manifest in manifests {
+                bar.set_message(manifest.name.rsplit('/').next().unwrap_or_default().to_string());
+                match snapshots.restore_with_progress(manifest, dir, |bytes| bar.inc(bytes)) {
+                    Ok(()) => {
+                        chosen = Some(manifest);
+                        break;
+                    }
+                    Err(tally_shared::Error::SnapshotUnusable(reason)) => {
+                        bar.println(format!("{}: {reason}; trying the next older snapshot", manifest.name));
+                    }
+                    Err(err) => return Err(err.into()),
+                }
+            }
+            if chosen.is_none() {
+                let _ = std::fs::remove_dir_all(dir.with_extension("restoring"));
+            }
+            restored.push((manifests[0].name.clone(), chosen, dir));
         }
         bar.finish_with_message("restored");
-        for (manifest, dir) in &found {
-            let next = manifest.next_offset.map_or("-".to_string(), |o| o.to_string());
-            println!("{}: snapshot {} (next offset {next}) → {}", manifest.name, manifest.id, dir.display());
+        for (name, manifest, dir) in &restored {
+            match manifest {
+                Some(manifest) => {
+                    let next = manifest.next_offset.map_or("-".to_string(), |o| o.to_string());
+                    println!("{name}: snapshot {} (next offset {next}) → {}", manifest.id, dir.display());
+                }
+                None => println!("{name}: no snapshot restores whole; the service rebuilds it from the log"),
+            }
         }
         anyhow::Ok(())
     })

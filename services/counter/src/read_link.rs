@@ -52,7 +52,9 @@ pub(crate) async fn open(State(state): State<ReadState>, mut request: Request) -
 
 /// The most reads one link has on the blocking pool at once: the next request
 /// frame is read only once one of them is answered (the client's writes wait in
-/// TCP), so a link holds bounded memory and threads whatever its client sends.
+/// TCP), so a link takes a bounded share of the pool whatever its client sends.
+/// (Answers wait for the writer unbounded: a client that writes and never reads
+/// holds them until its link breaks.)
 pub(crate) const MAX_IN_FLIGHT: usize = 256;
 
 /// Serves one link until the client closes it, it breaks, or the counter stops.

@@ -164,6 +164,8 @@ impl GraphStore {
             applied_times.push((source, record_time));
             let mut updates: Vec<EdgeUpdate> = Vec::with_capacity(entries.len());
             let mut origins: Vec<(Stamp, Option<String>)> = Vec::with_capacity(entries.len());
+            // Idempotency marks of the record's updates, written once the step kept them.
+            let mut marks: Vec<(usize, Vec<u8>)> = Vec::new();
             for (stamp, update) in entries {
                 if !progress.advance(source, stamp) {
                     report.redelivered += 1;
@@ -175,7 +177,7 @@ impl GraphStore {
                         report.duplicate_ids += 1;
                         continue;
                     }
-                    batch.put_cf(dedupe_cf, &key, DedupeWindow::mark(record_time, source));
+                    marks.push((updates.len(), key));
                 }
                 report.updates += 1;
                 updates.push(update.edge);
@@ -186,6 +188,15 @@ impl GraphStore {
             // batch happened to end, so rebuilding the graph from the log (a lost
             // disk) emits the very same stamps and the counters drop what they have.
             let (changes, refused) = self.step(&updates, &mut batch)?;
+            // A refused update took no effect: its id stays free for a retry (after
+            // the bound is raised, say).
+            for (index, key) in marks {
+                if refused.iter().any(|refusal| refusal.index == index) {
+                    ids_in_batch.remove(&key);
+                } else {
+                    batch.put_cf(dedupe_cf, &key, DedupeWindow::mark(record_time, source));
+                }
+            }
             report.changes += changes.len() as u64;
             report.refused += refused.len() as u64;
             self.put_letters(&mut batch, record.offset, source, &updates, &origins, refused)?;
@@ -490,5 +501,9 @@ mod tests {
         );
         store.delete_letters(&letters).unwrap();
         assert!(store.letters().unwrap().is_empty());
+        // Its id took no effect: sent again, it is refused again, not dropped as a repeat.
+        let retry = record(8, &[(true, "c", "d", Some("k"))]);
+        let report = store.apply(&[UpdateRecord { offset: 8, payload: &retry, timestamp: None }], NOW).unwrap();
+        assert_eq!((report.updates, report.duplicate_ids, report.refused), (1, 0, 1));
     }
 }
