@@ -251,6 +251,7 @@ tally.toml: |
   every_records = {{ $snap.everyRecords | int64 }}
   interval_ms = {{ $snap.intervalMs | int64 }}
   keep = {{ $snap.keep | int64 }}
+  orphan_grace_ms = {{ $snap.orphanGraceMs | int64 }}
 
   [graph]
   admin_listen = "0.0.0.0:9104"
@@ -258,6 +259,7 @@ tally.toml: |
   # A folder in the volume, not its mount point: on a new, empty volume the graph
   # has no store yet, so it restores its newest snapshot (from snapshots.url).
   data_dir = "/var/lib/tally/graph/store"
+  max_descendants = {{ .Values.graph.maxDescendants | int64 }}
 
   [query]
   listen = "0.0.0.0:8080"
