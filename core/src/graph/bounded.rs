@@ -58,20 +58,20 @@ impl Graph {
         max_descendants: usize,
         refused: &mut Vec<Refusal>,
     ) -> Vec<DescChange> {
-        let before = self.edge_states(adds);
+        let before = self.present(adds);
         let (changes, over) = self.apply_within(adds, max_descendants);
         if over.is_none() {
             return changes;
         }
-        self.restore(&before);
+        self.undo(adds, &before);
         let mut net = NetChanges::default();
         for (offset, add) in adds.iter().enumerate() {
             let one = std::slice::from_ref(add);
-            let state = self.edge_states(one);
+            let before = self.present(one);
             match self.apply_within(one, max_descendants) {
                 (changes, None) => net.compose(changes),
                 (_, Some(origin)) => {
-                    self.restore(&state);
+                    self.undo(one, &before);
                     refused.push(Refusal { index: start + offset, origin: self.name(origin).to_string() });
                 }
             }
@@ -79,26 +79,20 @@ impl Graph {
         net.finish()
     }
 
-    /// Whether each edge `updates` name is present now, in order of first mention.
-    fn edge_states(&self, updates: &[EdgeUpdate]) -> Vec<(String, String, bool)> {
-        let mut states: Vec<(String, String, bool)> = Vec::new();
-        for update in updates {
-            if !states.iter().any(|(from, to, _)| *from == update.from && *to == update.to) {
-                states.push((update.from.clone(), update.to.clone(), self.has_edge(&update.from, &update.to)));
-            }
-        }
-        states
+    /// Whether each add's edge is there now (a hash look-up each: this runs before
+    /// every run of adds, whether or not it passes the bound).
+    fn present(&self, adds: &[EdgeUpdate]) -> Vec<bool> {
+        adds.iter().map(|add| self.has_edge(&add.from, &add.to)).collect()
     }
 
-    /// Puts the edges of `states` back as they were (nodes and the components'
-    /// union-find keep what the undone updates made of them: a component found
-    /// joined only groups more work together).
-    fn restore(&mut self, states: &[(String, String, bool)]) {
-        for (from, to, present) in states {
-            if *present {
-                self.add_edge(from, to);
-            } else {
-                self.remove_edge(from, to);
+    /// Removes the edges `adds` added that were not there before (`present`, taken
+    /// before them; an edge added twice is removed once). Nodes and the components'
+    /// union-find keep what the undone adds made of them: a component found joined
+    /// only groups more work together.
+    fn undo(&mut self, adds: &[EdgeUpdate], present: &[bool]) {
+        for (add, &was_there) in adds.iter().zip(present) {
+            if !was_there {
+                self.remove_edge(&add.from, &add.to);
             }
         }
     }

@@ -78,7 +78,9 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
         pause(&consumer, &input, &[PARTITION]);
     }
 
-    let letters = Relay::unstamped(&config.kafka, names.dead_letter())?;
+    // One producer for the dead-letter topic: the loop's skipped records and the
+    // store's refused updates.
+    let letters = Arc::new(Relay::unstamped(&config.kafka, names.dead_letter())?);
     tracing::info!(start = ?start, "graph processor consuming");
     let (lag_store, lag_metrics, lag_failures) = (store.clone(), metrics.clone(), failures.clone());
     let lag_reporter = spawn_lag_reporter(
@@ -119,7 +121,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
         readiness,
         announcer: Announcer::new(&config.kafka, names.shard_owners(), read_addr)?,
         relay: Relay::new(&config.kafka, names.shards())?,
-        letters: Relay::unstamped(&config.kafka, names.dead_letter())?,
+        letters: letters.clone(),
         start_end,
         input: input.clone(),
         advisory: AdvisoryCommits::default(),
@@ -168,7 +170,7 @@ struct GraphProcessor {
     /// Sends the outbox (descendant changes) to the counter shards.
     relay: Relay,
     /// Sends the dead letters of refused updates.
-    letters: Relay,
+    letters: Arc<Relay>,
     /// The end of the log at start: not ready before it applied that much.
     start_end: i64,
     /// The graph-updates topic.

@@ -367,8 +367,10 @@ async fn graph_neighbours(
         _ => return Err(ApiError::bad_request("invalid_direction", "direction: must be descendants or ancestors")),
     };
     let limit = params.limit.unwrap_or(100);
-    if !(1..=1_000).contains(&limit) {
-        return Err(ApiError::bad_request("invalid_limit", "limit: must be 1-1000"));
+    // As large a page as tally-graph answers.
+    if !(1..=GraphNeighboursRequest::MAX_LIMIT).contains(&limit) {
+        let message = format!("limit: must be 1-{}", GraphNeighboursRequest::MAX_LIMIT);
+        return Err(ApiError::bad_request("invalid_limit", message));
     }
     let after = match params.page_token.as_deref() {
         None | Some("") => None,
