@@ -13,6 +13,7 @@
 //! - [`format`] (versions of everything kept), [`wire`] (internal messages; shard
 //!   records of increments in the [`compact`] encoding),
 //!   [`keys`] (RocksDB keys and values), [`records`] (every record fits the broker);
+//! - [`rollups`]: what a consumer of the rollups topic keeps (the newest by position);
 //! - [`model`]: the brute-force model every test compares with.
 
 pub mod assignment;
@@ -29,6 +30,7 @@ pub mod model;
 pub mod packed;
 pub mod propagation;
 pub mod records;
+pub mod rollups;
 pub mod sharding;
 pub mod time;
 pub mod validate;

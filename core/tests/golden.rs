@@ -19,8 +19,9 @@ use tally_core::keys::{decode_mark, decode_names, decode_stamp, encode_mark, enc
 use tally_core::records::Truncated;
 use tally_core::time::WindowSpec;
 use tally_core::wire::{
-    DeadLetter, GraphMessage, GraphUpdate, Heartbeat, Increment, Kind, ReadRequest, ReadResponse, Rollup, ShardAnswer,
-    ShardMessage, ShardMessageRef, ShardOutcome, ShardOwner, ShardQueries, ShardQuery, Source, Stamp, TotalDelta,
+    DeadLetter, GraphMessage, GraphUpdate, Heartbeat, Increment, Kind, ReadRequest, ReadResponse, Rollup,
+    RollupPosition, ShardAnswer, ShardMessage, ShardMessageRef, ShardOutcome, ShardOwner, ShardQueries, ShardQuery,
+    Source, Stamp, TotalDelta,
 };
 
 fn golden_path(name: &str) -> PathBuf {
@@ -277,9 +278,16 @@ fn json_records() {
         bucket: 1_699_999_200_000,
         total: 10,
         direct: 7,
+        position: None,
     };
-    let bytes = golden("rollup.json", &serde_json::to_vec(&rollup).unwrap());
-    assert_eq!(serde_json::from_slice::<Rollup>(&bytes).unwrap(), rollup);
+    let bytes = committed("rollup.json");
+    assert_eq!(Rollup::decode(&bytes).unwrap(), rollup, "version 1, from before positions, still reads");
+    let rollup = Rollup { v: Rollup::V2, position: Some(RollupPosition { shard: 3, offset: 1_234 }), ..rollup };
+    let bytes = golden("rollup-v2.json", &serde_json::to_vec(&rollup).unwrap());
+    assert_eq!(Rollup::decode(&bytes).unwrap(), rollup);
+    let position = rollup.position.unwrap();
+    let bytes = golden("rollup-position-header.json", &position.header_value());
+    assert_eq!(RollupPosition::from_header(&bytes).unwrap(), position);
 
     let letter =
         DeadLetter::encode("tally.increments", 2, 17, Some(1), "metric: empty", b"{\"x\":1}", 1 << 20).unwrap();

@@ -9,7 +9,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer, ProducerContext};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer, ProducerContext, PurgeConfig};
 use rdkafka::ClientContext;
 
 use crate::config::KafkaConfig;
@@ -131,6 +132,32 @@ impl Relay {
     /// one is acknowledged; an error means some may not have been.
     pub fn send_keyed<'a>(&'a self, records: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> Result<()> {
         self.send(records.into_iter().map(|(key, payload)| BaseRecord::to(&self.topic).key(key).payload(payload)))
+    }
+
+    /// Sends keyed records with a header each, a payload or none (a tombstone),
+    /// partitioned by key, and waits until every one is acknowledged; an error means
+    /// some may not have been.
+    pub fn send_with_header<'a>(
+        &'a self,
+        header: &'a str,
+        records: impl IntoIterator<Item = (&'a str, Option<&'a [u8]>, &'a [u8])>,
+    ) -> Result<()> {
+        self.send(records.into_iter().map(|(key, payload, value)| {
+            let headers = OwnedHeaders::new().insert(Header { key: header, value: Some(value) });
+            let record = BaseRecord::to(&self.topic).key(key).headers(headers);
+            match payload {
+                Some(payload) => record.payload(payload),
+                None => record,
+            }
+        }))
+    }
+
+    /// Drops every record still queued (their sends fail, counted as not
+    /// delivered): a holder whose lease lapsed sends nothing more of it. Records
+    /// already on the wire are left to land. For a relay without the gapless
+    /// guarantee ([`Relay::unstamped`]): a stamped one would stop at the gap.
+    pub fn purge(&self) {
+        self.producer.purge(PurgeConfig::default().queue());
     }
 
     fn send<'a>(&'a self, records: impl Iterator<Item = BaseRecord<'a, str, [u8]>>) -> Result<()> {

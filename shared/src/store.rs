@@ -171,7 +171,20 @@ impl Store {
         for key in keys {
             batch.delete_cf(cf, key);
         }
+        self.bookkeeping(batch)
+    }
+
+    /// Writes `batch` of bookkeeping (what was published and is still to be:
+    /// rollup marks and deadlines), never state, and never the default family.
+    pub fn bookkeeping(&self, batch: WriteBatch) -> Result<()> {
         self.db.write(batch).map_err(rocks)
+    }
+
+    /// A snapshot of the store with its next input offset: every record before it
+    /// applied in what the snapshot reads, none after (taken under the commit lock).
+    pub fn snapshot(&self) -> (rocksdb::Snapshot<'_>, Option<i64>) {
+        let committed = self.committed();
+        (self.db.snapshot(), committed.next_offset)
     }
 
     /// Deletes the marks (column family `marks`) of the keys whose value in column
@@ -238,6 +251,26 @@ mod tests {
         let progress = store.progress();
         assert_eq!((progress.next_offset, progress.high_water[&source]), (Some(46), Stamp { offset: 7, index: 2 }));
         assert_eq!(store.db().get_cf(store.cf("state").unwrap(), b"k").unwrap().as_deref(), Some(&b"v"[..]));
+    }
+
+    #[test]
+    fn a_snapshot_reads_the_state_of_its_offset_while_commits_go_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let families = vec![ColumnFamilyDescriptor::new("state", Options::default())];
+        let store = Store::open(dir.path(), Options::default(), families, Durability::InputLog).unwrap();
+        let commit = |value: &[u8], next: i64| {
+            let mut batch = WriteBatch::default();
+            batch.put_cf(store.cf("state").unwrap(), b"k", value);
+            store.commit(batch, Progress { next_offset: Some(next), ..Default::default() }).unwrap();
+        };
+        commit(b"first", 5);
+        let (snapshot, next) = store.snapshot();
+        commit(b"second", 6);
+        let mut read = rocksdb::ReadOptions::default();
+        read.set_snapshot(&snapshot);
+        let value = store.db().get_cf_opt(store.cf("state").unwrap(), b"k", &read).unwrap();
+        assert_eq!((value.as_deref(), next), (Some(&b"first"[..]), Some(5)));
+        assert_eq!(store.next_offset(), Some(6));
     }
 
     /// Set in a child process (this test binary run again): which crash to stage, and

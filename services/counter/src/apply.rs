@@ -1338,16 +1338,15 @@ mod tests {
             rest.to_vec(),
             "the next page"
         );
-        let published: Vec<_> = pending.iter().cloned().zip(store.count_values(&pending).unwrap()).collect();
+        let published = store.rollup_page(pending.clone()).unwrap();
         // `a` changes while its old value is on the way to the broker.
         let later = message(0, &[(2, 0, "a", 1, None)]);
         let changed = store.apply(&[ShardRecord { offset: 1, payload: &later, timestamp: None }], NOW, true).unwrap();
         assert_eq!((changed.keys, changed.marked), (4, 0), "`a`'s marks are there already: not written again");
-        store.rollups_published(published).unwrap();
+        store.rollups_published(published, NOW).unwrap();
         let left = store.pending_rollups(100).unwrap();
         assert_eq!(left, count_keys(&store, "a"), "`b`'s marks are gone, `a`'s stay for its newer value");
-        let published: Vec<_> = left.iter().cloned().zip(store.count_values(&left).unwrap()).collect();
-        store.rollups_published(published).unwrap();
+        store.rollups_published(store.rollup_page(left).unwrap(), NOW).unwrap();
         assert_eq!(store.pending_rollups(100).unwrap(), Vec::<Vec<u8>>::new());
         // Unmarked keys are forgotten: the next change marks them again.
         let again = message(0, &[(3, 0, "a", 1, None)]);
@@ -1362,7 +1361,10 @@ mod tests {
         let store = std::sync::Arc::new(ShardStore::open(0, dir.path(), options()).unwrap());
         let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         // The rollups thread's part: publish pages of marks, unmark what is unchanged;
-        // the last value published of each key.
+        // the last value published of each key. Each page's values are the shard's
+        // at the page's position: `d`, counted once per record, holds its offset.
+        let mut all_time_of_d = Vec::new();
+        tally_core::keys::encode_count_key(&mut all_time_of_d, "d", "views", ALL_TIME_WIDTH, 0);
         let publisher = {
             let (store, done) = (store.clone(), done.clone());
             std::thread::spawn(move || {
@@ -1373,12 +1375,16 @@ mod tests {
                     if pending.is_empty() && finished {
                         return last;
                     }
-                    let values = store.count_values(&pending).unwrap();
-                    for (key, value) in pending.iter().zip(&values) {
+                    let page = store.rollup_page(pending).unwrap();
+                    for (key, value) in page.keys.iter().zip(&page.values) {
                         last.insert(key.clone(), value.clone());
+                        if key == &all_time_of_d {
+                            let counts = Counts::decode(value.as_deref().unwrap()).unwrap();
+                            assert_eq!(counts.total, i128::from(page.offset), "d at its page's position");
+                        }
                     }
                     std::thread::yield_now();
-                    store.rollups_published(pending.into_iter().zip(values).collect()).unwrap();
+                    store.rollups_published(page, NOW).unwrap();
                 }
             })
         };

@@ -530,6 +530,12 @@ impl Counter {
                     "this counter's lease lapsed (paused, or cut off from Kafka, too long): dropping every shard, joining again"
                 );
                 context.assign(consumer, &[])?;
+                // What it queued of the lapsed tenure is not sent: the shards' new
+                // owners publish newer values (a record already on the wire carries
+                // its older position, and consumers keep the newest).
+                if let Some(rollups) = &self.rollups {
+                    rollups.relay().purge();
+                }
                 self.metrics.lapsed_leases.inc();
                 ownership.lease.restart();
                 Ok(())

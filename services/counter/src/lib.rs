@@ -32,6 +32,7 @@ pub mod ownership;
 pub mod read;
 pub mod read_link;
 pub mod relay;
+pub mod rollup_book;
 pub mod rollups;
 pub mod shards;
 pub mod store;

@@ -39,6 +39,8 @@ pub struct Metrics {
     pub lapsed_leases: IntCounter,
     pub reads: IntCounter,
     pub rollups_published: IntCounter,
+    /// Of those, tombstones of expired buckets.
+    pub rollup_tombstones: IntCounter,
     /// Rounds of rollups not acknowledged (they stay marked and go again).
     pub rollups_failed: IntCounter,
     /// Descendant-set changes applied, totals received from other shards.
@@ -181,6 +183,14 @@ impl Metrics {
                 registry,
                 IntCounter::new("tally_counter_rollups_published_total", "Rollup records published")
                     .expect("valid metric"),
+            ),
+            rollup_tombstones: register(
+                registry,
+                IntCounter::new(
+                    "tally_counter_rollup_tombstones_total",
+                    "Rollup records published as tombstones of expired buckets",
+                )
+                .expect("valid metric"),
             ),
             rollups_failed: register(
                 registry,

@@ -23,9 +23,10 @@ use std::time::{Duration, Instant};
 
 use tally_core::keys::{parse_count_key, Counts, ALL_TIME_WIDTH};
 use tally_core::time::Resolutions;
-use tally_core::wire::Rollup;
+use tally_core::wire::{Rollup, RollupPosition, ROLLUP_POSITION_HEADER};
 use tally_shared::config::KafkaConfig;
 use tally_shared::failures::Failure;
+use tally_shared::kafka::now_ms;
 use tally_shared::outbox::Relay;
 use tally_shared::shutdown::sleep_unless;
 use tokio_util::sync::CancellationToken;
@@ -45,6 +46,20 @@ const ROLLUP_PAGE: usize = 1_000;
 const REST_PER_SWEEP: u32 = 3;
 /// The shortest rest between rounds.
 const IDLE: Duration = Duration::from_millis(50);
+/// How often every live bucket is published again (the rollups topic deletes
+/// records older than its retention, which must be longer: `topics/topics.toml`).
+pub const REFRESH_EVERY_MS: i64 = 30 * 86_400_000;
+
+/// What one page of a shard published.
+#[derive(Debug, Default)]
+struct Page {
+    records: usize,
+    tombstones: usize,
+    /// The last marked key sent (where the shard's next page starts).
+    last: Option<Vec<u8>>,
+    /// A page was full: more to go.
+    more: bool,
+}
 
 pub struct Rollups {
     relay: Relay,
@@ -55,7 +70,9 @@ pub struct Rollups {
 
 impl Rollups {
     pub fn new(kafka: &KafkaConfig, topic: String, resolutions: Resolutions, interval: Duration) -> Result<Self> {
-        Ok(Self { relay: Relay::new(kafka, topic)?.waiting_at_most(ROLLUP_WAIT), resolutions, interval })
+        // Each record holds its bucket's whole value: one lost in a gap goes again
+        // from its mark, so the producer need not stop at a gap (and a purge is one).
+        Ok(Self { relay: Relay::unstamped(kafka, topic)?.waiting_at_most(ROLLUP_WAIT), resolutions, interval })
     }
 
     /// The producer, for its health.
@@ -104,11 +121,12 @@ impl Rollups {
                 if !still_ours(shard, &store) {
                     continue;
                 }
-                match self.publish_page(&store, after.as_deref()) {
-                    Ok((published, last)) => {
-                        metrics.rollups_published.inc_by(published as u64);
-                        if published == ROLLUP_PAGE {
-                            more.push((shard, store, last));
+                match self.publish_page(&store, after.as_deref(), now_ms()) {
+                    Ok(page) => {
+                        metrics.rollups_published.inc_by(page.records as u64);
+                        metrics.rollup_tombstones.inc_by(page.tombstones as u64);
+                        if page.more {
+                            more.push((shard, store, page.last));
                         }
                     }
                     Err(err) if err.is_corruption() => {
@@ -133,18 +151,40 @@ impl Rollups {
         }
     }
 
-    /// Publishes one page of a store's marked rollups after key `after`; how many,
-    /// and the last key sent.
-    fn publish_page(&self, store: &ShardStore, after: Option<&[u8]>) -> Result<(usize, Option<Vec<u8>>)> {
-        let keys = store.pending_rollups_after(after, ROLLUP_PAGE)?;
-        if keys.is_empty() {
-            return Ok((0, None));
+    /// Publishes one page of a store's due deadlines (tombstones of expired
+    /// buckets) and one of its marked rollups after key `after`: how many records,
+    /// the last marked key sent, and whether either page was full (more to go).
+    fn publish_page(&self, store: &ShardStore, after: Option<&[u8]>, now: i64) -> Result<Page> {
+        if let Some(marked) = store.refresh_rollups(now, REFRESH_EVERY_MS)? {
+            tracing::info!(shard = store.shard, marked, "every live bucket marked to be published again (refresh)");
         }
-        let values = store.count_values(&keys)?;
-        let mut records = Vec::with_capacity(keys.len());
-        for (stored_key, value) in keys.iter().zip(&values) {
+        let mut page = Page::default();
+        let due = store.due_rollups(now, ROLLUP_PAGE)?;
+        page.more = due.len() == ROLLUP_PAGE;
+        if !due.is_empty() {
+            let (deadlines, keys): (Vec<Vec<u8>>, Vec<Vec<u8>>) = due.into_iter().unzip();
+            self.publish(store, keys, now, &mut page)?;
+            store.deadlines_done(&deadlines)?;
+        }
+        let keys = store.pending_rollups_after(after, ROLLUP_PAGE)?;
+        page.more |= keys.len() == ROLLUP_PAGE;
+        page.last = keys.last().cloned().or_else(|| after.map(<[u8]>::to_vec));
+        if !keys.is_empty() {
+            self.publish(store, keys, now, &mut page)?;
+        }
+        Ok(page)
+    }
+
+    /// Publishes the buckets of `keys` as the store holds them now, each with the
+    /// shard's position — a tombstone for one expired (or no longer stored) — and
+    /// records what was acknowledged (counted in `counted`).
+    fn publish(&self, store: &ShardStore, keys: Vec<Vec<u8>>, now: i64, counted: &mut Page) -> Result<()> {
+        let page = store.rollup_page(keys)?;
+        let position = RollupPosition { shard: store.shard, offset: page.offset };
+        let header = position.header_value();
+        let mut records = Vec::with_capacity(page.keys.len());
+        for (stored_key, value) in page.keys.iter().zip(&page.values) {
             let changed = parse_count_key(stored_key)?;
-            let counts = value.as_deref().map(Counts::decode).transpose()?.unwrap_or_default();
             let resolution = if changed.width_ms == ALL_TIME_WIDTH {
                 "all".to_string()
             } else {
@@ -152,23 +192,32 @@ impl Rollups {
                     .by_width(changed.width_ms)
                     .map_or_else(|| format!("{}ms", changed.width_ms), |r| r.name.clone())
             };
-            let key = format!("{}/{}/{}/{}", changed.entity, changed.metric, resolution, changed.bucket);
-            let rollup = Rollup {
-                v: tally_core::format::JSON_V1,
+            let mut rollup = Rollup {
+                v: Rollup::V2,
                 entity: changed.entity.to_string(),
                 metric: changed.metric.to_string(),
                 resolution,
                 bucket: changed.bucket,
-                total: counts.total,
-                direct: counts.direct,
+                total: 0,
+                direct: 0,
+                position: Some(position),
             };
-            let payload = serde_json::to_vec(&rollup).map_err(|err| Error::Consumer(err.to_string()))?;
+            let key = rollup.key();
+            let payload = match value {
+                Some(value) if store.live_at(&changed, now) => {
+                    let counts = Counts::decode(value)?;
+                    (rollup.total, rollup.direct) = (counts.total, counts.direct);
+                    Some(serde_json::to_vec(&rollup).map_err(|err| Error::Consumer(err.to_string()))?)
+                }
+                _ => None,
+            };
             records.push((key, payload));
         }
-        self.relay.send_keyed(records.iter().map(|(key, payload)| (key.as_str(), payload.as_slice())))?;
-        let (published, last) = (keys.len(), keys.last().cloned());
-        store.rollups_published(keys.into_iter().zip(values).collect())?;
-        Ok((published, last))
+        let sent = records.iter().map(|(key, payload)| (key.as_str(), payload.as_deref(), header.as_slice()));
+        self.relay.send_with_header(ROLLUP_POSITION_HEADER, sent)?;
+        counted.records += records.len();
+        counted.tombstones += records.iter().filter(|(_, payload)| payload.is_none()).count();
+        store.rollups_published(page, now)
     }
 }
 

@@ -8,7 +8,8 @@
 //! changes not yet folded into it: [`crate::views`]),
 //! `outbox` (totals for other shards, written with the state that produced them and
 //! deleted once relayed), `rollups` (count keys whose latest values are still to be
-//! published, marked in the same write batch as the counts), and the default one for
+//! published, marked in the same write batch as the counts), `rollup_deadlines` (when
+//! each published bucket expires: [`crate::rollup_book`]), and the default one for
 //! progress: the next shard-topic offset to consume, the high-water stamp of every
 //! source and, while a rebuild runs, the offset it must reach. Expired buckets and
 //! marks are dropped by compaction filters; reads never look at them.
@@ -44,6 +45,8 @@ pub(crate) const CF_DESC: &str = "desc";
 pub(crate) const CF_DESC_LOG: &str = "desc_log";
 pub(crate) const CF_OUTBOX: &str = "outbox";
 pub(crate) const CF_ROLLUPS: &str = "rollups";
+/// When each published bucket expires, for its tombstone ([`crate::rollup_book`]).
+pub(crate) const CF_ROLLUP_DEADLINES: &str = "rollup_deadlines";
 /// The shard-topic offset a store built from scratch must reach before it serves.
 const KEY_REBUILD_UNTIL: &[u8] = b"rebuild_until";
 /// Settings of a shard store.
@@ -200,6 +203,7 @@ impl ShardStore {
             ColumnFamilyDescriptor::new(CF_DESC_LOG, desc),
             ColumnFamilyDescriptor::new(CF_OUTBOX, Options::default()),
             ColumnFamilyDescriptor::new(CF_ROLLUPS, Options::default()),
+            ColumnFamilyDescriptor::new(CF_ROLLUP_DEADLINES, Options::default()),
         ];
         let store = Store::open(path, db_options, families, options.durability)?;
         let descendants = Views::load(&store)?;
@@ -235,42 +239,6 @@ impl ShardStore {
     /// Drops relayed outbox entries.
     pub fn delete_outbox(&self, entries: &[OutboxEntry]) -> Result<()> {
         Ok(self.store.delete_outbox(CF_OUTBOX, entries)?)
-    }
-
-    /// The first `limit` count keys whose latest values are still to be published
-    /// as rollups, in key order: marked with the counts that changed them, unmarked
-    /// once published.
-    pub fn pending_rollups(&self, limit: usize) -> Result<Vec<Vec<u8>>> {
-        self.pending_rollups_after(None, limit)
-    }
-
-    /// [`ShardStore::pending_rollups`] strictly after key `after`.
-    pub fn pending_rollups_after(&self, after: Option<&[u8]>, limit: usize) -> Result<Vec<Vec<u8>>> {
-        let mode = match after {
-            Some(key) => rocksdb::IteratorMode::From(key, rocksdb::Direction::Forward),
-            None => rocksdb::IteratorMode::Start,
-        };
-        let mut keys = Vec::new();
-        let items = self.store.db().iterator_cf(self.cf(CF_ROLLUPS)?, mode);
-        for item in items.filter(|item| !matches!((item, after), (Ok((key, _)), Some(a)) if &key[..] == a)).take(limit)
-        {
-            let (key, value) = item?;
-            tally_core::format::check_present(&value, "rollup mark")?;
-            keys.push(key.to_vec());
-        }
-        Ok(keys)
-    }
-
-    /// Unmarks rollups the broker acknowledged: each `(count key, value published)`
-    /// whose key still holds that value (a key a later batch changed keeps its mark).
-    pub fn rollups_published(&self, published: Vec<(Vec<u8>, Option<Vec<u8>>)>) -> Result<()> {
-        // The marked set first, then (inside) the commit lock: the order a batch
-        // takes them in (see `marks`).
-        let mut marked = self.marked()?;
-        for at in self.store.unmark_unchanged(CF_ROLLUPS, CF_COUNTS, &published)? {
-            marked.remove(&published[at].0);
-        }
-        Ok(())
     }
 
     /// The count keys known to be marked for rollups; held by a batch from its
