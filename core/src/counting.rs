@@ -9,7 +9,7 @@
 //! Deltas come out in count-key order (entity, metric, width, bucket): RocksDB's
 //! memtable then inserts each key next to the previous one.
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::keys::{Counts, ALL_TIME_WIDTH};
 use crate::time::{bucket_start, Resolutions};
@@ -25,12 +25,37 @@ pub struct Coalescer<'a> {
     now_ms: i64,
     counters: FxHashMap<(&'a str, &'a str), CounterDeltas>,
     increments: u64,
+    /// Buckets skipped as expired no longer than this ago are noted (none: not noted).
+    note_expired_within: Option<i64>,
+    expired: FxHashSet<(&'a str, &'a str, i64, i64)>,
 }
 
 impl<'a> Coalescer<'a> {
     /// A coalescer for a batch applied at `now_ms` (wall clock, for retention).
     pub fn new(resolutions: &'a Resolutions, now_ms: i64) -> Self {
-        Self { resolutions, now_ms, counters: FxHashMap::default(), increments: 0 }
+        Self {
+            resolutions,
+            now_ms,
+            counters: FxHashMap::default(),
+            increments: 0,
+            note_expired_within: None,
+            expired: FxHashSet::default(),
+        }
+    }
+
+    /// Notes the buckets skipped because they expired at most `within_ms` before
+    /// now ([`Coalescer::for_each_expired`]): an earlier owner of the shard may have
+    /// published them, and their rollups must end as tombstones.
+    pub fn noting_expired(mut self, within_ms: i64) -> Self {
+        self.note_expired_within = Some(within_ms);
+        self
+    }
+
+    fn skip_expired(&mut self, entity: &'a str, metric: &'a str, width_ms: i64, bucket: i64, retention_ms: i64) {
+        let expired_at = bucket.saturating_add(width_ms).saturating_add(retention_ms);
+        if self.note_expired_within.is_some_and(|within| self.now_ms.saturating_sub(expired_at) <= within) {
+            self.expired.insert((entity, metric, width_ms, bucket));
+        }
     }
 
     /// Adds `counts` at event time `ts` to every bucket of (entity, metric).
@@ -38,15 +63,20 @@ impl<'a> Coalescer<'a> {
         self.increments += 1;
         let deltas = deltas_of(&mut self.counters, (entity, metric), self.resolutions);
         deltas[0].2 = deltas[0].2 + counts;
+        let mut skipped = Vec::new();
         for resolution in self.resolutions.iter() {
             let bucket = bucket_start(ts, resolution.width_ms);
             if !resolution.retains(bucket, self.now_ms) {
+                skipped.push((resolution.width_ms, bucket, resolution.retention_ms));
                 continue;
             }
             match deltas.iter_mut().find(|(w, b, _)| *w == resolution.width_ms && *b == bucket) {
                 Some(entry) => entry.2 = entry.2 + counts,
                 None => deltas.push((resolution.width_ms, bucket, counts)),
             }
+        }
+        for (width_ms, bucket, retention_ms) in skipped {
+            self.skip_expired(entity, metric, width_ms, bucket, retention_ms);
         }
     }
 
@@ -56,7 +86,10 @@ impl<'a> Coalescer<'a> {
         if width_ms != ALL_TIME_WIDTH {
             match self.resolutions.by_width(width_ms) {
                 Some(resolution) if resolution.retains(bucket, self.now_ms) => {}
-                _ => return,
+                Some(resolution) => {
+                    return self.skip_expired(entity, metric, width_ms, bucket, resolution.retention_ms)
+                }
+                None => return,
             }
         }
         let deltas = deltas_of(&mut self.counters, (entity, metric), self.resolutions);
@@ -96,6 +129,18 @@ impl<'a> Coalescer<'a> {
             for &(width, bucket, counts) in deltas.iter() {
                 visit(entity, metric, width, bucket, counts);
             }
+        }
+    }
+}
+
+impl<'a> Coalescer<'a> {
+    /// Visits every bucket noted as expired ([`Coalescer::noting_expired`]), in
+    /// count-key order: `(entity, metric, width_ms, bucket)`.
+    pub fn for_each_expired(&self, mut visit: impl FnMut(&'a str, &'a str, i64, i64)) {
+        let mut expired: Vec<_> = self.expired.iter().copied().collect();
+        expired.sort_unstable();
+        for (entity, metric, width_ms, bucket) in expired {
+            visit(entity, metric, width_ms, bucket);
         }
     }
 }
@@ -241,6 +286,29 @@ mod tests {
         coalescer.for_each(|_, _, w, _, _| widths.push(w));
         widths.sort();
         assert_eq!(widths, vec![0, 3_600_000, 86_400_000]);
+    }
+
+    #[test]
+    fn buckets_expired_lately_are_noted_for_their_tombstones() {
+        let resolutions = Resolutions::default();
+        let hour = 3_600_000;
+        // Minute buckets expire 6 h after they end: this one 30 min ago, that one 3 h ago.
+        let lately = NOW - 6 * hour - 60_000 - 30 * 60_000;
+        let long_ago = NOW - 9 * hour - 60_000;
+        let mut noting = Coalescer::new(&resolutions, NOW).noting_expired(hour);
+        let mut not_noting = Coalescer::new(&resolutions, NOW);
+        for coalescer in [&mut noting, &mut not_noting] {
+            coalescer.add("e", "m", lately, Counts::increment(1));
+            coalescer.add("e", "m", long_ago, Counts::increment(1));
+            coalescer.add("d", "m", lately + 5, Counts::increment(1));
+            coalescer.add_bucket("f", "m", 60_000, bucket_start(lately, 60_000), Counts::descendant(1));
+            coalescer.add_bucket("f", "m", 60_000, bucket_start(long_ago, 60_000), Counts::descendant(1));
+        }
+        let mut noted = Vec::new();
+        noting.for_each_expired(|e, m, w, b| noted.push((e, m, w, b)));
+        let minute = bucket_start(lately, 60_000);
+        assert_eq!(noted, vec![("d", "m", 60_000, minute), ("e", "m", 60_000, minute), ("f", "m", 60_000, minute)]);
+        not_noting.for_each_expired(|e, _, _, _| panic!("{e} noted"));
     }
 
     #[test]

@@ -14,7 +14,9 @@
 //! - a record without a position (format version 1, from a build before positions)
 //!   ranks below every positioned one;
 //! - a tombstone removes the bucket but its position is kept, so a late value from
-//!   before the expiry cannot bring it back.
+//!   before the expiry cannot bring it back;
+//! - a record carries when its bucket expires: [`LatestRollups::expire`] drops the
+//!   buckets past it without waiting for their tombstones.
 
 use std::collections::HashMap;
 
@@ -81,6 +83,19 @@ impl LatestRollups {
         Ok(self.offer(key, position, rollup))
     }
 
+    /// Treats every bucket whose `expires_at` is not after `now` as expired, as
+    /// its tombstone would (which may come later); returns their keys.
+    pub fn expire(&mut self, now: i64) -> Vec<String> {
+        let mut expired = Vec::new();
+        for (key, kept) in &mut self.kept {
+            if kept.rollup.as_ref().and_then(|r| r.expires_at).is_some_and(|at| at <= now) {
+                (kept.rollup, kept.rank.1) = (None, true);
+                expired.push(key.clone());
+            }
+        }
+        expired
+    }
+
     /// The newest values of `key`, unless it expired (or was never seen).
     pub fn get(&self, key: &str) -> Option<&Rollup> {
         self.kept.get(key).and_then(|kept| kept.rollup.as_ref())
@@ -119,6 +134,7 @@ mod tests {
             total: i128::from(offset) * 3,
             direct: i128::from(offset),
             position: Some(position),
+            expires_at: Some(bucket + 1_000),
         };
         (rollup.key(), position, (!expired).then_some(rollup))
     }
@@ -163,6 +179,23 @@ mod tests {
             got_expired.sort();
             prop_assert_eq!(got_expired, want_expired);
         }
+    }
+
+    #[test]
+    fn buckets_past_their_expiry_are_dropped_before_their_tombstones() {
+        let mut latest = LatestRollups::new();
+        for bucket in [0, 10_000] {
+            let (key, position, rollup) = published(bucket, 5, false);
+            latest.offer(&key, Some(position), rollup);
+        }
+        let (first, _, _) = published(0, 5, false);
+        assert_eq!(latest.expire(999), Vec::<String>::new());
+        assert_eq!(latest.expire(1_000), vec![first.clone()]);
+        assert_eq!(latest.expired().collect::<Vec<_>>(), vec![first.as_str()]);
+        assert_eq!(latest.live().count(), 1);
+        // Its value again, late, at the same position: still gone.
+        let (key, position, rollup) = published(0, 5, false);
+        assert!(!latest.offer(&key, Some(position), rollup));
     }
 
     #[test]

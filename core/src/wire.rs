@@ -544,6 +544,10 @@ pub struct Rollup {
     /// Where the shard stood when these values were read (none in version 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub position: Option<RollupPosition>,
+    /// When the bucket expires (ms; none for `all`, and in version 1): from then on
+    /// it is gone, whether or not its tombstone has come yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<i64>,
 }
 
 /// The Kafka header of every rollup record, tombstones included: its

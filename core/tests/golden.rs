@@ -279,10 +279,12 @@ fn json_records() {
         total: 10,
         direct: 7,
         position: None,
+        expires_at: None,
     };
     let bytes = committed("rollup.json");
     assert_eq!(Rollup::decode(&bytes).unwrap(), rollup, "version 1, from before positions, still reads");
-    let rollup = Rollup { v: Rollup::V2, position: Some(RollupPosition { shard: 3, offset: 1_234 }), ..rollup };
+    let position = Some(RollupPosition { shard: 3, offset: 1_234 });
+    let rollup = Rollup { v: Rollup::V2, position, expires_at: Some(1_703_026_800_000), ..rollup };
     let bytes = golden("rollup-v2.json", &serde_json::to_vec(&rollup).unwrap());
     assert_eq!(Rollup::decode(&bytes).unwrap(), rollup);
     let position = rollup.position.unwrap();

@@ -15,6 +15,8 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::Message;
+use tally_core::rollups::LatestRollups;
+use tally_core::wire::ROLLUP_POSITION_HEADER;
 use tally_shared::config::KafkaConfig;
 use tally_shared::kafka::{client_config, producer_config, TopicNames};
 use tally_shared::local_broker::{ensure_installed, free_port, LocalBroker};
@@ -44,9 +46,21 @@ pub struct Sandbox {
 #[derive(Debug, Clone)]
 pub struct ReadRecord {
     pub partition: i32,
+    pub key: Option<Vec<u8>>,
+    /// Empty for a tombstone (see `tombstone`).
     pub payload: Vec<u8>,
+    pub tombstone: bool,
     /// Its headers' keys.
     pub headers: Vec<String>,
+    /// Its headers, with their values.
+    pub header_values: Vec<(String, Vec<u8>)>,
+}
+
+impl ReadRecord {
+    /// The value of header `name`.
+    pub fn header(&self, name: &str) -> Option<&[u8]> {
+        self.header_values.iter().find(|(key, _)| key == name).map(|(_, value)| value.as_slice())
+    }
 }
 
 /// How a sandbox starts.
@@ -306,6 +320,25 @@ impl Sandbox {
         .await;
     }
 
+    /// Produces `records` (as read from a topic) to `topic` again, with their key,
+    /// payload (or none: a tombstone) and header `header`, and waits for every
+    /// acknowledgement.
+    pub async fn produce_with_header(&self, topic: &str, header: &str, records: impl IntoIterator<Item = ReadRecord>) {
+        use rdkafka::message::{Header, OwnedHeaders};
+        let records: Vec<ReadRecord> = records.into_iter().collect();
+        self.send_all(records.iter().map(|read| {
+            let value = read.header(header);
+            let mut record = FutureRecord::to(topic)
+                .headers(OwnedHeaders::new().insert(Header { key: header, value }))
+                .key(std::str::from_utf8(read.key.as_deref().unwrap_or_default()).expect("a text key"));
+            if !read.tombstone {
+                record = record.payload(read.payload.as_slice());
+            }
+            record
+        }))
+        .await;
+    }
+
     /// Sends records on one producer and waits until every one is acknowledged.
     async fn send_all<'a>(&self, records: impl Iterator<Item = FutureRecord<'a, str, [u8]>>) {
         let producer: FutureProducer = producer_config(&self.kafka).unwrap().create().unwrap();
@@ -325,6 +358,11 @@ impl Sandbox {
         let output = self.command("tally").args(args).envs(env.iter().cloned()).output().expect("running tally");
         let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
         (output.status.success(), text)
+    }
+
+    /// Runs one of the workspace's binaries (an example) to its end; its output.
+    pub fn run(&self, binary: &str, args: &[&str]) -> std::process::Output {
+        self.command(binary).args(args).output().unwrap_or_else(|err| panic!("running {binary}: {err}"))
     }
 
     /// A command for one of the binaries with the sandbox's environment and config
@@ -409,17 +447,33 @@ impl Sandbox {
         let mut records = Vec::new();
         while !enough(&records) && std::time::Instant::now() < deadline {
             if let Some(Ok(message)) = consumer.poll(Duration::from_millis(200)) {
-                let headers = message
-                    .headers()
-                    .map_or_else(Vec::new, |headers| headers.iter().map(|header| header.key.to_string()).collect());
+                let header_values: Vec<(String, Vec<u8>)> = message.headers().map_or_else(Vec::new, |headers| {
+                    headers.iter().map(|h| (h.key.to_string(), h.value.unwrap_or_default().to_vec())).collect()
+                });
                 records.push(ReadRecord {
                     partition: message.partition(),
+                    key: message.key().map(<[u8]>::to_vec),
                     payload: message.payload().unwrap_or_default().to_vec(),
-                    headers,
+                    tombstone: message.payload().is_none(),
+                    headers: header_values.iter().map(|(key, _)| key.clone()).collect(),
+                    header_values,
                 });
             }
         }
         records
+    }
+
+    /// What a consumer of the rollups topic keeps after reading it for `timeout`:
+    /// the newest record of every bucket by position (every record must decode).
+    pub fn latest_rollups(&self, timeout: Duration) -> LatestRollups {
+        let mut latest = LatestRollups::new();
+        for record in self.read_records(&self.names.rollups(), timeout, |_| false) {
+            let payload = (!record.tombstone).then_some(record.payload.as_slice());
+            let position = record.header(ROLLUP_POSITION_HEADER);
+            let key = record.key.as_deref().expect("rollups are keyed");
+            latest.offer_record(key, payload, position).expect("rollups decode");
+        }
+        latest
     }
 
     /// The status of a service's `/readyz` (0 when it does not answer).

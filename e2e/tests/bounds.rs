@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use tally_core::model::Model;
-use tally_core::wire::{DeadLetter, Increment, Rollup};
+use tally_core::wire::{DeadLetter, Increment};
 use tally_e2e::{check, Sandbox};
 use tally_shared::kafka::now_ms;
 
@@ -135,12 +135,12 @@ async fn counts_past_an_i64_are_exact_everywhere() {
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let mut latest: BTreeMap<String, (i128, i128)> = BTreeMap::new();
     while latest != want && std::time::Instant::now() < deadline {
-        for raw in sandbox.read_topic(&sandbox.names.rollups(), usize::MAX, Duration::from_secs(3)) {
-            let rollup: Rollup = serde_json::from_slice(&raw).expect("rollups are JSON");
-            if rollup.resolution == "all" {
-                latest.insert(rollup.entity, (rollup.direct, rollup.total));
-            }
-        }
+        let rollups = sandbox.latest_rollups(Duration::from_secs(3));
+        latest = rollups
+            .live()
+            .filter(|(_, rollup)| rollup.resolution == "all")
+            .map(|(_, rollup)| (rollup.entity.clone(), (rollup.direct, rollup.total)))
+            .collect();
     }
     assert_eq!(latest, want, "the latest all-time rollup of every counter");
 }

@@ -368,13 +368,12 @@ async fn a_kill9_after_a_commit_still_leaves_the_right_final_rollup() {
     let mut latest: BTreeMap<(String, String), Rollup> = BTreeMap::new();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while latest.len() < expected && tokio::time::Instant::now() < deadline {
-        latest.clear();
-        for raw in sandbox.read_topic(&sandbox.names.rollups(), usize::MAX, Duration::from_secs(3)) {
-            let rollup: Rollup = serde_json::from_slice(&raw).expect("rollups are JSON");
-            if rollup.resolution == "all" {
-                latest.insert((rollup.entity.clone(), rollup.metric.clone()), rollup);
-            }
-        }
+        let rollups = sandbox.latest_rollups(Duration::from_secs(3));
+        latest = rollups
+            .live()
+            .filter(|(_, rollup)| rollup.resolution == "all")
+            .map(|(_, rollup)| ((rollup.entity.clone(), rollup.metric.clone()), rollup.clone()))
+            .collect();
     }
     let want: BTreeMap<(String, String), (i128, i128)> = entities
         .iter()

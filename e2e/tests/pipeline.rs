@@ -70,13 +70,12 @@ async fn counts_windows_series_and_dead_letters_match_the_model() {
     }
 
     // The latest all-time rollup of every counter equals the model.
-    let mut latest = std::collections::HashMap::new();
-    for raw in sandbox.read_topic(&sandbox.names.rollups(), usize::MAX, Duration::from_secs(10)) {
-        let rollup: Rollup = serde_json::from_slice(&raw).expect("rollups are JSON");
-        if rollup.resolution == "all" {
-            latest.insert((rollup.entity.clone(), rollup.metric.clone()), rollup);
-        }
-    }
+    let rollups = sandbox.latest_rollups(Duration::from_secs(10));
+    let latest: std::collections::HashMap<(String, String), &Rollup> = rollups
+        .live()
+        .filter(|(_, rollup)| rollup.resolution == "all")
+        .map(|(_, rollup)| ((rollup.entity.clone(), rollup.metric.clone()), rollup))
+        .collect();
     for entity in entities {
         for (metric, (_, total)) in model.metrics(entity) {
             let rollup = latest

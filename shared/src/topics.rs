@@ -31,7 +31,8 @@ pub struct TopicDecl {
     /// `-1` keeps forever; absent leaves the broker default.
     #[serde(default)]
     pub retention_ms: Option<i64>,
-    /// `delete` or `compact`.
+    /// `delete`, `compact` or both (`compact,delete`: the newest record per key, and
+    /// none older than the retention).
     pub cleanup_policy: String,
     /// Partition count must not change (routing depends on it).
     #[serde(default)]
@@ -239,8 +240,11 @@ impl Declarations {
             if topic.partitions < 1 {
                 return Err(Error::Topics(format!("{}: partitions must be at least 1", topic.name)));
             }
-            if !matches!(topic.cleanup_policy.as_str(), "delete" | "compact") {
-                return Err(Error::Topics(format!("{}: cleanup_policy must be delete or compact", topic.name)));
+            if !matches!(topic.cleanup_policy.as_str(), "delete" | "compact" | "compact,delete") {
+                return Err(Error::Topics(format!(
+                    "{}: cleanup_policy must be delete, compact or compact,delete",
+                    topic.name
+                )));
             }
         }
         Ok(decls)
@@ -696,6 +700,9 @@ mod tests {
     fn bad_declarations_are_rejected() {
         assert!(Declarations::parse("[[topic]]\nname='a'\npartitions=0\ncleanup_policy='delete'\n").is_err());
         assert!(Declarations::parse("[[topic]]\nname='a'\npartitions=1\ncleanup_policy='keep'\n").is_err());
+        assert!(Declarations::parse("[[topic]]\nname='a'\npartitions=1\ncleanup_policy='compact,keep'\n").is_err());
+        let both = Declarations::parse("[[topic]]\nname='a'\npartitions=1\ncleanup_policy='compact,delete'\n");
+        assert_eq!(both.unwrap().topics[0].cleanup_policy, "compact,delete");
         assert!(Declarations::parse("[[topic]]\nname='a'\npartitions=1\ncleanup_policy='delete'\ncolour=1\n").is_err());
     }
 

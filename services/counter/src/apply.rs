@@ -269,6 +269,9 @@ impl ShardStore {
     ) -> Result<()> {
         let descendants = self.descendants.lock().map_err(|_| self.poisoned())?;
         let mut coalescer = Coalescer::new(&self.options.resolutions, now);
+        if mark_rollups {
+            coalescer = coalescer.noting_expired(crate::rollup_book::TOMBSTONE_WINDOW_MS);
+        }
         let mut batch = WriteBatch::default();
         // Ids marked in this batch, with the record time of their marks.
         let mut ids_in_batch: FxHashMap<(&str, &str), i64> = FxHashMap::default();
@@ -380,6 +383,13 @@ impl ShardStore {
             }
         });
         writes.finish(self, &mut batch, counts_cf)?;
+        // Buckets that expired lately are marked, with no counts: their rollups go
+        // as tombstones (an earlier owner may have published values).
+        coalescer.for_each_expired(|entity, metric, width_ms, bucket| {
+            key.clear();
+            encode_count_key(&mut key, entity, metric, width_ms, bucket);
+            marking.mark(&mut batch, rollups_cf, &key);
+        });
         self.commit(batch, progress.clone())?;
         for (entity, metric, width_ms, bucket, delta) in cached_deltas {
             cache.add(entity, metric, width_ms, bucket, delta);

@@ -15,6 +15,12 @@ use tally_core::keys::{parse_count_key, CountKey, ALL_TIME_WIDTH};
 use crate::error::Result;
 use crate::store::{ShardStore, CF_COUNTS, CF_ROLLUPS, CF_ROLLUP_DEADLINES};
 
+/// How long after a bucket expired a batch that meets it (a late event, a replay
+/// after a handover) still marks it, for a tombstone: an owner that published the
+/// bucket and lost the shard before it expired left no deadline here. A rebuild
+/// from a long log so publishes at most this much of its expired buckets again.
+pub const TOMBSTONE_WINDOW_MS: i64 = 3_600_000;
+
 /// When the last refresh marked every live bucket (ms), in the default family.
 const KEY_ROLLUPS_REFRESHED: &[u8] = b"rollups_refreshed";
 /// Marks written per batch by a refresh.
@@ -223,6 +229,27 @@ mod tests {
         assert_eq!(store.due_rollups(i64::MAX, 2).unwrap(), all[..2].to_vec());
         store.deadlines_done(&[first[0].0.clone()]).unwrap();
         assert_eq!(due(i64::MAX), all[1..].to_vec());
+    }
+
+    /// An event in a minute bucket that expired half an hour ago counts in its
+    /// hour, day and all-time buckets, and marks the minute bucket (no counts) for
+    /// its tombstone; one that expired two hours ago marks nothing.
+    #[test]
+    fn a_bucket_that_expired_lately_is_marked_without_counts() {
+        let dir = tempfile::tempdir().unwrap();
+        let hour = 60 * MINUTE;
+        let (lately, long_ago) = (NOW - 6 * hour - 31 * MINUTE, NOW - 8 * hour - MINUTE);
+        let shards = crate::shards::one_shard_with(dir.path(), &[("e", 1, lately), ("f", 1, long_ago)], NOW, true);
+        let store = shards.get(0).unwrap();
+        let marked = store.pending_rollups(usize::MAX).unwrap();
+        let widths = |entity: &str| -> Vec<i64> {
+            let keys = marked.iter().map(|k| parse_count_key(k).unwrap());
+            keys.filter(|k| k.entity == entity).map(|k| k.width_ms).collect()
+        };
+        assert_eq!((widths("e"), widths("f")), (vec![0, MINUTE, hour, 24 * hour], vec![0, hour, 24 * hour]));
+        let page = store.rollup_page(marked).unwrap();
+        let stored: Vec<bool> = page.values.iter().map(Option::is_some).collect();
+        assert_eq!(stored, vec![true, false, true, true, true, true, true], "the expired minute has no counts");
     }
 
     #[test]

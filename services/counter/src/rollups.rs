@@ -201,6 +201,7 @@ impl Rollups {
                 total: 0,
                 direct: 0,
                 position: Some(position),
+                expires_at: store.expires_at(&changed),
             };
             let key = rollup.key();
             let payload = match value {
