@@ -25,7 +25,7 @@ RUN ROCKSDB_COMPILE=1 cargo build --release --workspace --bins \
  && mkdir /out \
  && cp target/release/tally target/release/tally-ingester target/release/tally-counter \
        target/release/tally-graph target/release/tally-query target/release/tally-broker \
-       target/release/tally-worker /out/
+       target/release/tally-worker target/release/tally-rollups-consumer /out/
 
 FROM debian:bookworm-slim
 # The libraries the binaries load: the C++ runtime and Snappy (RocksDB is linked in),

@@ -205,7 +205,7 @@ async fn a_counter_paused_mid_rollup_past_its_lease_never_sets_a_bucket_back() {
     let expired_at = bucket_start(last_ts, 1_000) + 1_000 + SHORT_RETENTION_MS;
     let wait = (expired_at - tally_shared::kafka::now_ms()).max(0) as u64 + 3_000;
     tokio::time::sleep(Duration::from_millis(wait)).await;
-    let produced = produced.lock().unwrap();
+    let produced = Arc::try_unwrap(produced).ok().expect("the producer ended").into_inner().unwrap();
     eprintln!("{records} records produced, {} buckets", produced.buckets.len());
     check_rollups(&sandbox, &consume(&sandbox), &produced);
 

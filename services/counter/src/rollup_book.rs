@@ -193,7 +193,7 @@ mod tests {
     #[test]
     fn deadline_keys_order_by_time_then_key() {
         let (a, b) = (key(MINUTE, 0), key(MINUTE, MINUTE));
-        let mut keys = vec![deadline_key(5, &a), deadline_key(-5, &b), deadline_key(5, &b), deadline_key(-6, &a)];
+        let mut keys = [deadline_key(5, &a), deadline_key(-5, &b), deadline_key(5, &b), deadline_key(-6, &a)];
         keys.sort();
         let times: Vec<_> = keys.iter().map(|k| (deadline_time(k).unwrap(), k[8..].to_vec())).collect();
         assert_eq!(times, vec![(-6, a.clone()), (-5, b.clone()), (5, a), (5, b)]);
