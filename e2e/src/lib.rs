@@ -200,6 +200,12 @@ impl Sandbox {
         consumer.fetch_watermarks(topic, partition, Duration::from_secs(10)).unwrap().1
     }
 
+    /// The id the broker gives `topic` (none: it gives no ids).
+    pub fn topic_id(&self, topic: &str) -> Option<String> {
+        let consumer: BaseConsumer = client_config(&self.kafka).unwrap().create().unwrap();
+        tally_shared::topic_id::topic_id(consumer.client(), topic, Duration::from_secs(10)).unwrap()
+    }
+
     /// How many partitions `topic` has.
     pub fn partition_count(&self, topic: &str) -> u32 {
         let consumer: BaseConsumer = client_config(&self.kafka).unwrap().create().unwrap();

@@ -196,6 +196,16 @@ pub fn unstamped_producer_config(kafka: &KafkaConfig) -> Result<ClientConfig> {
     Ok(config)
 }
 
+/// Settings of a producer of records that carry their own order (rollups, by
+/// their positions): acknowledged by every replica, retried, but not idempotent —
+/// a repeat or a reordering is harmless to them, and a purge of what it queued
+/// (a lapsed lease) leaves no gap in sequence numbers for a broker to refuse.
+pub fn positioned_producer_config(kafka: &KafkaConfig) -> Result<ClientConfig> {
+    let mut config = producer_config(kafka)?;
+    config.set("enable.idempotence", "false").set("enable.gapless.guarantee", "false");
+    Ok(config)
+}
+
 /// The number of partitions of `topic`, or an error when it does not exist.
 pub fn partition_count<X: ConsumerContext>(consumer: &BaseConsumer<X>, topic: &str, timeout: Duration) -> Result<u32> {
     let metadata = consumer.fetch_metadata(Some(topic), timeout)?;

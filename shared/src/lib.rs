@@ -45,6 +45,7 @@ pub mod shutdown;
 pub mod snapshot;
 pub mod store;
 pub mod telemetry;
+pub mod topic_id;
 pub mod topics;
 
 pub use error::{Error, Result};

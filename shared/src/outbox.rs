@@ -108,6 +108,13 @@ impl Relay {
         Ok(Self { producer, topic, wait: Duration::from_secs(30) })
     }
 
+    /// A relay for records that carry their own order ([`crate::kafka::positioned_producer_config`]):
+    /// the one whose queue may be [`Relay::purge`]d.
+    pub fn positioned(kafka: &KafkaConfig, topic: String) -> Result<Self> {
+        let producer = crate::kafka::positioned_producer_config(kafka)?.create_with_context(RelayContext::default())?;
+        Ok(Self { producer, topic, wait: Duration::from_secs(30) })
+    }
+
     /// A relay whose rounds wait at most `wait` for their acknowledgements.
     pub fn waiting_at_most(mut self, wait: Duration) -> Self {
         self.wait = wait;
@@ -154,8 +161,9 @@ impl Relay {
 
     /// Drops every record still queued (their sends fail, counted as not
     /// delivered): a holder whose lease lapsed sends nothing more of it. Records
-    /// already on the wire are left to land. For a relay without the gapless
-    /// guarantee ([`Relay::unstamped`]): a stamped one would stop at the gap.
+    /// already on the wire are left to land. Only for a [`Relay::positioned`] one: an
+    /// idempotent producer would go on past the gap in its sequence numbers, which
+    /// a broker refuses (the local one, Tansu 0.6, panicked on it).
     pub fn purge(&self) {
         self.producer.purge(PurgeConfig::default().queue());
     }

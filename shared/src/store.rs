@@ -41,6 +41,9 @@ pub struct Store {
     durability: Durability,
 }
 
+/// The key, in the default column family, of the id of the topic the store applied.
+const KEY_TOPIC_ID: &[u8] = b"topic_id";
+
 fn rocks(err: rocksdb::Error) -> Error {
     Error::Store(err.to_string())
 }
@@ -153,6 +156,19 @@ impl Store {
         let committed = self.committed();
         rocksdb::checkpoint::Checkpoint::new(&self.db).and_then(|c| c.create_checkpoint(dir)).map_err(rocks)?;
         Ok(committed.clone())
+    }
+
+    /// The id of the topic this store applied ([`crate::topic_id`]), if recorded.
+    pub fn topic_id(&self) -> Result<Option<String>> {
+        let Some(bytes) = self.db.get(KEY_TOPIC_ID).map_err(rocks)? else { return Ok(None) };
+        let body = tally_core::format::value_body(&bytes, "topic id")?;
+        let id = std::str::from_utf8(body).map_err(|_| Error::Store("topic id: not UTF-8".into()))?;
+        Ok(Some(id.to_string()))
+    }
+
+    /// Records the id of the topic this store applies (persisted at once).
+    pub fn record_topic_id(&self, id: &str) -> Result<()> {
+        self.put_meta(KEY_TOPIC_ID, &tally_core::format::value(id.as_bytes()))
     }
 
     /// A value outside the state (such as the offset a rebuild must reach).

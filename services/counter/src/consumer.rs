@@ -141,6 +141,7 @@ impl CounterContext {
         // checked was not: it is gated like a new one when it comes back).
         let before = self.shards.owned();
         let committed = committed_offsets(consumer, &self.topic, wanted);
+        let topic_id = tally_shared::topic_id::current(consumer.client(), &self.topic);
         let mut stores = HashMap::new();
         let mut failures = BTreeMap::new();
         let mut assigned = TopicPartitionList::new();
@@ -177,6 +178,18 @@ impl CounterContext {
             if let Some((offset, reason)) = check(&store).or_else(|| ahead_of_log(store.next_offset(), end)) {
                 failures.insert(shard, Failure { offset: Some(offset), reason, record: None });
                 continue;
+            }
+            match tally_shared::topic_id::check_store(&store.store, &self.topic, topic_id.as_deref()) {
+                Ok(None) => {}
+                Ok(Some(reason)) => {
+                    failures.insert(shard, Failure { offset: store.next_offset(), reason, record: None });
+                    continue;
+                }
+                Err(err) => {
+                    let reason = format!("checking its store's topic id: {err}");
+                    failures.insert(shard, Failure { offset: None, reason, record: None });
+                    continue;
+                }
             }
             if !before.contains(&shard) || store.next_offset().is_none() || restored {
                 // Newly taken — built from scratch, restored from a snapshot, or kept

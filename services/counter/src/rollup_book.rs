@@ -8,6 +8,8 @@
 //! refresh; deadlines when a bucket's value is acknowledged. Both are bookkeeping:
 //! a lost one costs a repeat, never a count.
 
+use std::sync::atomic::Ordering;
+
 use rocksdb::WriteBatch;
 use tally_core::format::{check_present, decode_i64_value, i64_value, PRESENT};
 use tally_core::keys::{parse_count_key, CountKey, ALL_TIME_WIDTH};
@@ -128,7 +130,14 @@ impl ShardStore {
     /// key)`.
     pub fn due_rollups(&self, now: i64, limit: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
         let mut due = Vec::new();
-        for item in self.store.db().iterator_cf(self.cf(CF_ROLLUP_DEADLINES)?, rocksdb::IteratorMode::Start) {
+        // From the last deadline done on (those before it are deleted: their
+        // tombstones need not be stepped over again; a deadline written later is
+        // past `now`, so after it), up to `now`.
+        let mut read = rocksdb::ReadOptions::default();
+        read.set_iterate_lower_bound(deadline_key(self.deadlines_done_until.load(Ordering::Relaxed), &[]));
+        read.set_iterate_upper_bound(deadline_key(now.saturating_add(1), &[]));
+        let deadlines = self.cf(CF_ROLLUP_DEADLINES)?;
+        for item in self.store.db().iterator_cf_opt(deadlines, read, rocksdb::IteratorMode::Start) {
             let (key, value) = item?;
             check_present(&value, "rollup deadline")?;
             let at = deadline_time(&key)
@@ -141,37 +150,45 @@ impl ShardStore {
         Ok(due)
     }
 
-    /// Drops deadlines whose buckets were published as they stood then.
+    /// Drops deadlines whose buckets were published as they stood then (the
+    /// earliest due first: [`ShardStore::due_rollups`]).
     pub fn deadlines_done(&self, deadline_keys: &[Vec<u8>]) -> Result<()> {
-        Ok(self.store.delete(CF_ROLLUP_DEADLINES, deadline_keys)?)
+        self.store.delete(CF_ROLLUP_DEADLINES, deadline_keys)?;
+        if let Some(last) = deadline_keys.iter().filter_map(|key| deadline_time(key)).max() {
+            self.deadlines_done_until.fetch_max(last, Ordering::Relaxed);
+        }
+        Ok(())
     }
 
     /// Marks every live bucket for publishing when the last refresh is `every_ms`
-    /// old at `now` (the first call only records `now`); how many were marked.
+    /// old at `now`, or there was none (a store from before refreshes: what it
+    /// published then has no deadline, and the rollups topic would delete its
+    /// unchanging values); how many were marked.
     pub fn refresh_rollups(&self, now: i64, every_ms: i64) -> Result<Option<usize>> {
         let last = self.store.db().get(KEY_ROLLUPS_REFRESHED)?;
         let last = last.map(|bytes| decode_i64_value(&bytes, "rollups_refreshed")).transpose()?;
         if last.is_some_and(|at| now.saturating_sub(at) < every_ms) {
             return Ok(None);
         }
+        let rollups_cf = self.cf(CF_ROLLUPS)?;
+        let mut batch = WriteBatch::default();
         let mut marked = 0;
-        if last.is_some() {
-            let rollups_cf = self.cf(CF_ROLLUPS)?;
-            let mut batch = WriteBatch::default();
-            for item in self.store.db().iterator_cf(self.cf(CF_COUNTS)?, rocksdb::IteratorMode::Start) {
-                let (key, _) = item?;
-                if self.live_at(&parse_count_key(&key)?, now) {
-                    batch.put_cf(rollups_cf, &key, PRESENT);
-                    marked += 1;
-                }
-                if batch.len() == REFRESH_BATCH {
-                    self.store.bookkeeping(std::mem::take(&mut batch))?;
-                }
+        // A scan of every bucket once in a while: it does not evict the hot blocks.
+        let mut read = rocksdb::ReadOptions::default();
+        read.fill_cache(false);
+        for item in self.store.db().iterator_cf_opt(self.cf(CF_COUNTS)?, read, rocksdb::IteratorMode::Start) {
+            let (key, _) = item?;
+            if self.live_at(&parse_count_key(&key)?, now) {
+                batch.put_cf(rollups_cf, &key, PRESENT);
+                marked += 1;
             }
-            self.store.bookkeeping(batch)?;
+            if batch.len() == REFRESH_BATCH {
+                self.store.bookkeeping(std::mem::take(&mut batch))?;
+            }
         }
+        self.store.bookkeeping(batch)?;
         self.store.put_meta(KEY_ROLLUPS_REFRESHED, &i64_value(now))?;
-        Ok(last.map(|_| marked))
+        Ok(Some(marked))
     }
 }
 
@@ -261,7 +278,10 @@ mod tests {
         let marked = store.pending_rollups(usize::MAX).unwrap();
         store.rollups_published(store.rollup_page(marked.clone()).unwrap(), NOW).unwrap();
         let every = 30 * 86_400_000;
-        assert_eq!(store.refresh_rollups(NOW, every).unwrap(), None, "the first call starts the interval");
+        // The first refresh comes at once (a store from before them): every bucket.
+        assert_eq!(store.refresh_rollups(NOW, every).unwrap(), Some(marked.len()));
+        assert_eq!(store.pending_rollups(usize::MAX).unwrap(), marked);
+        store.rollups_published(store.rollup_page(marked.clone()).unwrap(), NOW).unwrap();
         assert_eq!(store.refresh_rollups(NOW + every - 1, every).unwrap(), None);
         assert_eq!(store.pending_rollups(usize::MAX).unwrap(), Vec::<Vec<u8>>::new());
         // A day later the minute buckets have expired: the rest is marked again.

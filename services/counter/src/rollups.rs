@@ -22,7 +22,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tally_core::keys::{parse_count_key, Counts, ALL_TIME_WIDTH};
-use tally_core::time::Resolutions;
+use tally_core::time::{format_duration, Resolutions};
 use tally_core::wire::{Rollup, RollupPosition, ROLLUP_POSITION_HEADER};
 use tally_shared::config::KafkaConfig;
 use tally_shared::failures::Failure;
@@ -44,6 +44,9 @@ const ROLLUP_PAGE: usize = 1_000;
 /// How many times as long as a sweep took the thread rests after it, when pages
 /// are still to go (a backlog): it publishes at most about a quarter of the time.
 const REST_PER_SWEEP: u32 = 3;
+/// At most this many pages of due deadlines per shard and round (a round is not
+/// held open by a stream of expiries; what is left goes with the next).
+const DUE_PAGES_PER_ROUND: usize = 10;
 /// The shortest rest between rounds.
 const IDLE: Duration = Duration::from_millis(50);
 /// How often every live bucket is published again (the rollups topic deletes
@@ -55,10 +58,17 @@ pub const REFRESH_EVERY_MS: i64 = 30 * 86_400_000;
 struct Page {
     records: usize,
     tombstones: usize,
-    /// The last marked key sent (where the shard's next page starts).
-    last: Option<Vec<u8>>,
     /// A page was full: more to go.
     more: bool,
+}
+
+/// Where a shard's round stands.
+#[derive(Debug, Default)]
+struct Cursor {
+    /// The last marked key sent (the next page starts after it).
+    after: Option<Vec<u8>>,
+    /// Pages of due deadlines sent.
+    due_pages: usize,
 }
 
 pub struct Rollups {
@@ -70,9 +80,10 @@ pub struct Rollups {
 
 impl Rollups {
     pub fn new(kafka: &KafkaConfig, topic: String, resolutions: Resolutions, interval: Duration) -> Result<Self> {
-        // Each record holds its bucket's whole value: one lost in a gap goes again
-        // from its mark, so the producer need not stop at a gap (and a purge is one).
-        Ok(Self { relay: Relay::unstamped(kafka, topic)?.waiting_at_most(ROLLUP_WAIT), resolutions, interval })
+        // Each record holds its bucket's whole value and its position: a repeat or
+        // a reordering is harmless, one lost goes again from its mark; so no
+        // idempotence, and a lapsed lease may purge what is queued.
+        Ok(Self { relay: Relay::positioned(kafka, topic)?.waiting_at_most(ROLLUP_WAIT), resolutions, interval })
     }
 
     /// The producer, for its health.
@@ -106,8 +117,11 @@ impl Rollups {
     /// (the next round tries again).
     fn round(&self, shards: &Shards, metrics: &Metrics, mut rest: impl FnMut(Duration) -> bool) {
         // Per shard: its store when the round began, and the last key sent.
-        let mut cursors: Vec<(u32, Arc<ShardStore>, Option<Vec<u8>>)> =
-            shards.serving().into_iter().filter_map(|shard| Some((shard, shards.get(shard)?, None))).collect();
+        let mut cursors: Vec<(u32, Arc<ShardStore>, Cursor)> = shards
+            .serving()
+            .into_iter()
+            .filter_map(|shard| Some((shard, shards.get(shard)?, Cursor::default())))
+            .collect();
         // Still this counter's, the same store, serving and not failed: a shard
         // handed over mid-round publishes nothing more from here (its new owner's
         // values are newer).
@@ -117,16 +131,16 @@ impl Rollups {
         while !cursors.is_empty() {
             let sweep = Instant::now();
             let mut more = Vec::with_capacity(cursors.len());
-            for (shard, store, after) in cursors {
+            for (shard, store, mut cursor) in cursors {
                 if !still_ours(shard, &store) {
                     continue;
                 }
-                match self.publish_page(&store, after.as_deref(), now_ms()) {
+                match self.publish_page(&store, &mut cursor, now_ms()) {
                     Ok(page) => {
                         metrics.rollups_published.inc_by(page.records as u64);
                         metrics.rollup_tombstones.inc_by(page.tombstones as u64);
                         if page.more {
-                            more.push((shard, store, page.last));
+                            more.push((shard, store, cursor));
                         }
                     }
                     Err(err) if err.is_corruption() => {
@@ -152,23 +166,31 @@ impl Rollups {
     }
 
     /// Publishes one page of a store's due deadlines (tombstones of expired
-    /// buckets) and one of its marked rollups after key `after`: how many records,
-    /// the last marked key sent, and whether either page was full (more to go).
-    fn publish_page(&self, store: &ShardStore, after: Option<&[u8]>, now: i64) -> Result<Page> {
+    /// buckets; up to [`DUE_PAGES_PER_ROUND`] a round) and one of its marked rollups
+    /// after the cursor's key, moving the cursor on: how many records, and whether
+    /// either page was full (more to go).
+    fn publish_page(&self, store: &ShardStore, cursor: &mut Cursor, now: i64) -> Result<Page> {
         if let Some(marked) = store.refresh_rollups(now, REFRESH_EVERY_MS)? {
             tracing::info!(shard = store.shard, marked, "every live bucket marked to be published again (refresh)");
         }
         let mut page = Page::default();
-        let due = store.due_rollups(now, ROLLUP_PAGE)?;
-        page.more = due.len() == ROLLUP_PAGE;
+        // A bounded share of the round for deadlines: the rest go with the next.
+        let due = match cursor.due_pages < DUE_PAGES_PER_ROUND {
+            true => store.due_rollups(now, ROLLUP_PAGE)?,
+            false => Vec::new(),
+        };
+        cursor.due_pages += 1;
+        page.more = due.len() == ROLLUP_PAGE && cursor.due_pages < DUE_PAGES_PER_ROUND;
         if !due.is_empty() {
             let (deadlines, keys): (Vec<Vec<u8>>, Vec<Vec<u8>>) = due.into_iter().unzip();
             self.publish(store, keys, now, &mut page)?;
             store.deadlines_done(&deadlines)?;
         }
-        let keys = store.pending_rollups_after(after, ROLLUP_PAGE)?;
+        let keys = store.pending_rollups_after(cursor.after.as_deref(), ROLLUP_PAGE)?;
         page.more |= keys.len() == ROLLUP_PAGE;
-        page.last = keys.last().cloned().or_else(|| after.map(<[u8]>::to_vec));
+        if let Some(last) = keys.last() {
+            cursor.after = Some(last.clone());
+        }
         if !keys.is_empty() {
             self.publish(store, keys, now, &mut page)?;
         }
@@ -190,7 +212,7 @@ impl Rollups {
             } else {
                 self.resolutions
                     .by_width(changed.width_ms)
-                    .map_or_else(|| format!("{}ms", changed.width_ms), |r| r.name.clone())
+                    .map_or_else(|| format_duration(changed.width_ms as u64), |r| r.name.clone())
             };
             let mut rollup = Rollup {
                 v: Rollup::V2,

@@ -108,6 +108,8 @@ pub struct ShardStore {
     rebuild_until: AtomicI64,
     /// When the store was last persisted (or opened).
     last_persist: Mutex<Instant>,
+    /// Every rollup deadline before this time is done ([`crate::rollup_book`]).
+    pub(crate) deadlines_done_until: AtomicI64,
 }
 
 /// Sums counts. A malformed value or operand fails the merge (`None`): RocksDB then
@@ -223,6 +225,7 @@ impl ShardStore {
             operands: Mutex::default(),
             rebuild_until: AtomicI64::new(rebuild_until),
             last_persist: Mutex::new(Instant::now()),
+            deadlines_done_until: AtomicI64::new(i64::MIN),
         })
     }
 

@@ -73,7 +73,14 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
     let (log_start, start_end) = consumer.fetch_watermarks(&input, PARTITION as i32, Duration::from_secs(10))?;
     let committed = committed_offsets(&consumer, &input, &[PARTITION]).get(&PARTITION).copied();
     let check = LogCheck { next: store.next_offset(), log_start, log_end: start_end, committed };
-    if let Some((offset, reason)) = unreplayable(check).or_else(|| ahead_of_log(store.next_offset(), start_end)) {
+    let topic_id = tally_shared::topic_id::current(consumer.client(), &input);
+    let recreated = || {
+        let reason = tally_shared::topic_id::check_store(store.store(), &input, topic_id.as_deref())
+            .unwrap_or_else(|err| Some(format!("checking its store's topic id: {err}")))?;
+        Some((store.next_offset().unwrap_or(0), reason))
+    };
+    let failed = unreplayable(check).or_else(|| ahead_of_log(store.next_offset(), start_end)).or_else(recreated);
+    if let Some((offset, reason)) = failed {
         failures.fail(PARTITION, Failure { offset: Some(offset), reason, record: None });
         pause(&consumer, &input, &[PARTITION]);
     }
