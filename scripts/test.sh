@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh Debian 12 machine with Rust: installs the native
-# packages and the local Kafka-protocol broker (Tansu) when missing, builds the
+# packages and the local Kafka-protocol broker (Tansu) when missing, checks formatting,
+# lints and unused dependencies, builds the
 # service binaries the end-to-end tests start, checks the deployment files (Helm,
 # docker-compose, Dockerfile) with pinned tools from PyPI and npm, then runs every test.
 set -euo pipefail
@@ -25,6 +26,16 @@ export TALLY_TANSU_ROOT="$TANSU_ROOT"
 # A run from a clean clone gains nothing from incremental compilation; it only
 # writes gigabytes of session data (CI shares this machine's disk).
 export CARGO_INCREMENTAL=0
+# Formatting, lints ([workspace.lints], clippy.toml) and unused dependencies fail the
+# suite before anything is built for the tests.
+echo "==> formatting, lints, unused dependencies"
+cargo fmt --all --check
+cargo clippy --workspace --all-targets -- -D warnings
+MACHETE_ROOT="$HOME/.cache/tally/cargo-machete-0.9.2"
+if [ ! -x "$MACHETE_ROOT/bin/cargo-machete" ]; then
+  cargo install cargo-machete --version 0.9.2 --locked --root "$MACHETE_ROOT"
+fi
+"$MACHETE_ROOT/bin/cargo-machete"
 echo "==> building"
 cargo build --workspace --bins --tests
 echo "==> deployment checks (Helm chart, docker-compose, Dockerfile; tools from PyPI/npm)"

@@ -31,7 +31,7 @@ fn golden_path(name: &str) -> PathBuf {
 /// Compares `encoded` with the committed bytes of `name` and returns them.
 fn golden(name: &str, encoded: &[u8]) -> Vec<u8> {
     if !golden_path(name).exists() && std::env::var_os("TALLY_BLESS").is_some() {
-        std::fs::write(golden_path(name), encoded).unwrap();
+        std::fs::write(golden_path(name), encoded).expect("writing a blessed golden file");
     }
     let committed = committed(name);
     assert_eq!(encoded, committed.as_slice(), "{name}: the current encoder no longer writes the committed bytes");
@@ -43,7 +43,7 @@ fn golden(name: &str, encoded: &[u8]) -> Vec<u8> {
 /// output changes with its version): they are only decoded.
 fn committed_or_blessed(name: &str, encoded: &[u8]) -> Vec<u8> {
     if !golden_path(name).exists() && std::env::var_os("TALLY_BLESS").is_some() {
-        std::fs::write(golden_path(name), encoded).unwrap();
+        std::fs::write(golden_path(name), encoded).expect("writing a blessed golden file");
     }
     committed(name)
 }

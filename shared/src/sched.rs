@@ -440,7 +440,7 @@ pub(crate) mod tests {
             if let Some(meet) = meets.get(item).copied().flatten() {
                 meet.wait();
             }
-            Some((item, std::thread::current().name().map(String::from), nice().unwrap()))
+            Some((item, std::thread::current().name().map(String::from), nice().expect("the thread's nice value")))
         }
     }
 
