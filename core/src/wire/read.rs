@@ -1,0 +1,166 @@
+//! The internal read APIs: counters' reads and metric listings, `tally-graph`'s
+//! neighbours and ancestors.
+
+use serde::{Deserialize, Serialize};
+
+use super::codec::{decode, encode};
+use crate::keys::Count;
+use crate::time::WindowSpec;
+use crate::Result;
+
+/// `kind` of a read (SPEC §5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    #[default]
+    Total,
+    Direct,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Total => "total",
+            Kind::Direct => "direct",
+        }
+    }
+}
+
+/// One question to a counter shard.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardQuery {
+    pub entity: String,
+    pub metric: String,
+    pub kind: Kind,
+    pub spec: WindowSpec,
+}
+
+/// The internal read API tally-query uses: the questions for every shard one
+/// counter owns, in one request (a batch of 100 over 8 shards is one round trip, not
+/// eight). Each shard is answered from one snapshot of its store.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReadRequest {
+    /// The clock of the request, so every answer of a batch uses the same `now`.
+    pub now_ms: i64,
+    pub shards: Vec<ShardQueries>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardQueries {
+    pub shard: u32,
+    pub queries: Vec<ShardQuery>,
+}
+
+/// One outcome per shard asked, in request order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReadResponse {
+    pub shards: Vec<ShardOutcome>,
+}
+
+impl ReadRequest {
+    /// The binary form the read link carries (`tally_shared::read_link`): the
+    /// record header ([`crate::format`], version 1), then bincode.
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        encode(self)
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        decode(bytes, "read request")
+    }
+}
+
+impl ReadResponse {
+    /// The binary form the read link carries, as [`ReadRequest::encode`].
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        encode(self)
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        decode(bytes, "read response")
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShardOutcome {
+    /// Answers in the order of the shard's queries.
+    Answers { answers: Vec<ShardAnswer> },
+    /// Not served here now (another owner, catching up, lease lapsed): ask the owner
+    /// of a newer claim.
+    NotOwner,
+    /// Stopped by a failure until an operator acts.
+    Failed { message: String },
+    /// Could not be read now (a storage error).
+    Unavailable { message: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShardAnswer {
+    Window { value: Count, resolution: String, from: i64, to: i64 },
+    Series { resolution: String, points: Vec<(i64, Count)> },
+    Error { code: String, message: String },
+}
+
+/// The internal metrics-listing API of a shard.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ShardMetricsRequest {
+    pub shard: u32,
+    pub entity: String,
+    /// List metrics strictly after this one.
+    pub after: Option<String>,
+    pub limit: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetricTotals {
+    pub metric: String,
+    pub total: Count,
+    pub direct: Count,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ShardMetricsResponse {
+    pub metrics: Vec<MetricTotals>,
+    /// Whether more metrics follow the last one returned.
+    pub more: bool,
+}
+
+/// The internal neighbours API of `tally-graph`: one page of an entity's direct
+/// neighbours, sorted, strictly after `after`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GraphNeighboursRequest {
+    pub entity: String,
+    /// Out-edges (`descendants` direction) when true, in-edges otherwise.
+    pub outgoing: bool,
+    pub after: Option<String>,
+    pub limit: usize,
+}
+
+/// `tally-graph`'s ancestors of an entity (`POST /internal/v1/graph/ancestors`):
+/// every entity that reaches it, sorted, at most `limit` (`more` says when there are
+/// more). Answered with a [`GraphNeighboursResponse`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GraphAncestorsRequest {
+    pub entity: String,
+    /// At most [`GraphAncestorsRequest::MAX_LIMIT`].
+    pub limit: usize,
+}
+
+impl GraphAncestorsRequest {
+    /// The longest walk `tally-graph` takes for one request (a contributors listing
+    /// ranks at most this many ancestors).
+    pub const MAX_LIMIT: usize = 100_000;
+}
+
+impl GraphNeighboursRequest {
+    /// The largest page of neighbours `tally-graph` answers.
+    pub const MAX_LIMIT: usize = 1_000;
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GraphNeighboursResponse {
+    pub entities: Vec<String>,
+    /// Whether more neighbours follow the last one returned.
+    pub more: bool,
+}
