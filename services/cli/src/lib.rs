@@ -228,6 +228,13 @@ enum BenchCommand {
     },
 }
 
+/// Whether `args` (the words after `tally`) is a command line `tally` accepts; the
+/// parser's message when not.
+pub fn check_command_line(args: &[String]) -> Result<(), String> {
+    let words = std::iter::once("tally".to_string()).chain(args.iter().cloned());
+    Cli::try_parse_from(words).map(|_| ()).map_err(|err| err.to_string())
+}
+
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = tokio::runtime::Builder::new_multi_thread()
