@@ -2,6 +2,9 @@
 //! ARCHITECTURE.md's map and every repository path the map names exists; every
 //! `tally …` command line in README.md's shell blocks parses with the real CLI.
 
+// Helpers of tests: a panic is the failure report.
+#![allow(clippy::unwrap_used)]
+
 use std::path::{Path, PathBuf};
 
 fn root() -> PathBuf {
