@@ -46,15 +46,19 @@ pub fn topic_id<C: ClientContext>(client: &Client<C>, topic: &str, timeout: Dura
         } else {
             let result = rd::rd_kafka_event_DescribeTopics_result(event);
             let mut count = 0usize;
-            let topics = rd::rd_kafka_DescribeTopics_result_topics(result, &mut count);
+            let topics = match result.is_null() {
+                true => std::ptr::null_mut(),
+                false => rd::rd_kafka_DescribeTopics_result_topics(result, &mut count),
+            };
             match (count, topics.is_null()) {
                 (1, false) => {
                     let description = *topics;
                     let error = rd::rd_kafka_TopicDescription_error(description);
                     if error.is_null() {
                         let id = rd::rd_kafka_TopicDescription_topic_id(description);
-                        let id = if id.is_null() { NO_ID.to_string() } else { text(rd::rd_kafka_Uuid_base64str(id)) };
-                        Ok((id != NO_ID).then_some(id))
+                        // No id, or none librdkafka could print: no identity to check.
+                        let id = if id.is_null() { String::new() } else { text(rd::rd_kafka_Uuid_base64str(id)) };
+                        Ok((!id.is_empty() && id != NO_ID).then_some(id))
                     } else {
                         Err(failed(text(rd::rd_kafka_error_string(error))))
                     }

@@ -232,7 +232,16 @@ enum BenchCommand {
 /// parser's message when not.
 pub fn check_command_line(args: &[String]) -> Result<(), String> {
     let words = std::iter::once("tally".to_string()).chain(args.iter().cloned());
-    Cli::try_parse_from(words).map(|_| ()).map_err(|err| err.to_string())
+    match Cli::try_parse_from(words) {
+        Ok(_) => Ok(()),
+        // `--help` and `--version` are accepted: clap answers them with an "error".
+        Err(err)
+            if matches!(err.kind(), clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion) =>
+        {
+            Ok(())
+        }
+        Err(err) => Err(err.to_string()),
+    }
 }
 
 pub fn main() -> ExitCode {
