@@ -16,6 +16,11 @@
 //! publishes at most about a quarter of the time and leaves the broker to counting
 //! meanwhile; what a backlog marks again goes once, with its newest value, when the
 //! backlog is done. Each record carries the full value, so a repeat is harmless.
+//!
+//! Every record carries the shard's position its values were read at (one snapshot:
+//! [`crate::rollup_book`]), so a consumer keeps the newest whatever the order of
+//! delivery; a bucket's deadline comes due when it expires and it goes as a
+//! tombstone; every live bucket goes again every [`REFRESH_EVERY_MS`].
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -116,7 +121,7 @@ impl Rollups {
     /// the sweep took (the thread's sleep; false: stop). Stops at the first failure
     /// (the next round tries again).
     fn round(&self, shards: &Shards, metrics: &Metrics, mut rest: impl FnMut(Duration) -> bool) {
-        // Per shard: its store when the round began, and the last key sent.
+        // Per shard: its store when the round began, and where its round stands.
         let mut cursors: Vec<(u32, Arc<ShardStore>, Cursor)> = shards
             .serving()
             .into_iter()
