@@ -95,23 +95,28 @@ impl Relay {
     /// ([`request_producer_id`]: blocks until the broker answers, up to 10 s — call it
     /// off the async runtime).
     pub fn new(kafka: &KafkaConfig, topic: String) -> Result<Self> {
-        let producer = producer_config(kafka)?.create_with_context(RelayContext::default())?;
-        request_producer_id(&producer);
-        Ok(Self { producer, topic, wait: Duration::from_secs(30) })
+        Self::with(producer_config(kafka)?, topic, true)
     }
 
     /// A relay for records that carry no stamps (dead letters): delivered at least
     /// once, without the gapless guarantee, whose errors are fatal to a producer.
     pub fn unstamped(kafka: &KafkaConfig, topic: String) -> Result<Self> {
-        let producer = crate::kafka::unstamped_producer_config(kafka)?.create_with_context(RelayContext::default())?;
-        request_producer_id(&producer);
-        Ok(Self { producer, topic, wait: Duration::from_secs(30) })
+        Self::with(crate::kafka::unstamped_producer_config(kafka)?, topic, true)
     }
 
     /// A relay for records that carry their own order ([`crate::kafka::positioned_producer_config`]):
     /// the one whose queue may be [`Relay::purge`]d.
     pub fn positioned(kafka: &KafkaConfig, topic: String) -> Result<Self> {
-        let producer = crate::kafka::positioned_producer_config(kafka)?.create_with_context(RelayContext::default())?;
+        Self::with(crate::kafka::positioned_producer_config(kafka)?, topic, false)
+    }
+
+    /// A relay on a producer made from `config`; an idempotent one asks for its id
+    /// now (`idempotent`).
+    fn with(config: rdkafka::ClientConfig, topic: String, idempotent: bool) -> Result<Self> {
+        let producer = config.create_with_context(RelayContext::default())?;
+        if idempotent {
+            request_producer_id(&producer);
+        }
         Ok(Self { producer, topic, wait: Duration::from_secs(30) })
     }
 

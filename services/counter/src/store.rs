@@ -336,13 +336,6 @@ impl ShardStore {
         Ok(self.store.commit(batch, progress)?)
     }
 
-    /// The stored values of count keys, as bytes (`None`: never written).
-    pub fn count_values<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Option<Vec<u8>>>> {
-        let cf = self.cf(CF_COUNTS)?;
-        let values = self.store.db().batched_multi_get_cf(cf, keys.iter().map(AsRef::as_ref), false);
-        values.into_iter().map(|value| Ok(value?.map(|v| v.to_vec()))).collect()
-    }
-
     /// The counts stored under each key (zero when absent; an error when malformed).
     pub fn get_counts<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Counts>> {
         let cf = self.cf(CF_COUNTS)?;
