@@ -10,7 +10,7 @@
 //!
 //! A record older than the one kept (a late delivery from a counter that lost its
 //! shard) is skipped; a bucket past its `expires_at` is deleted without waiting for
-//! its tombstone; a record it cannot decode is reported on stderr and skipped.
+//! its tombstone; a record it cannot decode stops it, naming the record.
 //! Replace the printing with writes to your own table: the rule is the same.
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -107,7 +107,10 @@ fn main() -> Result<()> {
                     None => println!(r#"{{"op":"delete","key":{quoted}}}"#),
                 }
             }
-            Err(err) => eprintln!("skipped the record at {at}: {err}"),
+            // A record this consumer cannot read (another format, a stray
+            // producer) may hold a bucket's newest value: stop, rather than keep
+            // an older one as the newest.
+            Err(err) => bail!("the record at {at}: {err}"),
         }
     }
 }
