@@ -27,14 +27,14 @@ pub const RECORD_MAGIC: u8 = 0xA7;
 /// record but a shard record of increments is still written in it.
 pub const RECORD_V1: u8 = 1;
 /// Version 2: a shard record of increments in the compact encoding
-/// ([`crate::compact`]: names once per record, small differences).
+/// ([`crate::wire::compact`]: names once per record, small differences).
 pub const RECORD_V2: u8 = 2;
 /// Version 3: a version 2 or version 4 record compressed whole with zstd
-/// ([`crate::packed`]; holding a version 4 record since version 4 exists). Counters
-/// read versions 1 to 4 (a version 3 record is unpacked, [`crate::packed::unpack`],
+/// ([`crate::wire::packed`]; holding a version 4 record since version 4 exists). Counters
+/// read versions 1 to 4 (a version 3 record is unpacked, [`crate::wire::packed::unpack`],
 /// before it is decoded).
 pub const RECORD_V3: u8 = 3;
-/// Version 4: a bundle ([`crate::bundle`]) of version 2 records of increments for
+/// Version 4: a bundle ([`crate::wire::bundle`]) of version 2 records of increments for
 /// one shard, from several sources, each with the time of its input record. An
 /// ingester writes one per shard per batch, packed into version 3.
 pub const RECORD_V4: u8 = 4;

@@ -1,4 +1,4 @@
-//! Parsing and validation of producer messages (SPEC §4): increments and graph
+//! Parsing and validation of producer messages: increments and graph
 //! updates.
 //!
 //! A message holds one JSON object or an array of them. Every element is either
@@ -28,7 +28,7 @@ pub struct Rejection<'a> {
     pub raw: &'a [u8],
 }
 
-/// The numbers an increment may carry (SPEC §8). Anything outside is refused with a
+/// The numbers an increment may carry. Anything outside is refused with a
 /// reason naming the setting, never wrapped, and never counted into buckets that
 /// can no longer hold it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -6,7 +6,7 @@
 //! by metric, then resolution (the all-time bucket, width 0, first), then bucket time:
 //! an entity's metrics and a counter's buckets are prefix scans.
 
-use crate::wire::{Source, Stamp};
+use crate::position::{Source, Stamp};
 
 /// Width used for the all-time bucket.
 pub const ALL_TIME_WIDTH: i64 = 0;

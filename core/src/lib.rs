@@ -17,8 +17,6 @@
 //! - [`model`]: the brute-force model every test compares with.
 
 pub mod assignment;
-pub mod bundle;
-pub mod compact;
 pub mod counting;
 pub mod error;
 pub mod format;
@@ -27,7 +25,7 @@ pub mod input;
 pub mod jobs;
 pub mod keys;
 pub mod model;
-pub mod packed;
+pub mod position;
 pub mod propagation;
 pub mod records;
 pub mod rollups;

@@ -1,4 +1,4 @@
-//! How a counter shard keeps totals eagerly (SPEC §3): the rule the counter applies
+//! How a counter shard keeps totals eagerly: the rule the counter applies
 //! to each message of its log, as pure functions.
 //!
 //! A shard keeps, for each origin `a` it owns, a view of desc(a). An increment on `a`

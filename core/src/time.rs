@@ -1,5 +1,5 @@
-//! Time buckets, resolutions, retention and the planning of window and series reads
-//! (SPEC §3 "Time" and "Windows"). Pure arithmetic on milliseconds since the epoch.
+//! Time buckets, resolutions, retention and the planning of window and series reads.
+//! Pure arithmetic on milliseconds since the epoch.
 
 use serde::{Deserialize, Serialize};
 
@@ -80,7 +80,7 @@ impl Resolution {
 pub struct Resolutions(Vec<Resolution>);
 
 impl Default for Resolutions {
-    /// `1m` kept 6 h, `1h` kept 35 d, `1d` kept 400 d (SPEC §3).
+    /// `1m` kept 6 h, `1h` kept 35 d, `1d` kept 400 d.
     fn default() -> Self {
         let defaults = [("1m", "6h"), ("1h", "35d"), ("1d", "400d")];
         let list = defaults.iter().map(|(w, r)| Resolution::new(w, r)).collect::<Result<Vec<_>>>();

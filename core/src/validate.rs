@@ -1,4 +1,4 @@
-//! The naming rules of SPEC §3: entities, metrics and idempotency ids.
+//! The naming rules of entities, metrics and idempotency ids.
 //!
 //! Each check returns the precise reason a producer sees in the dead-letter topic or
 //! an HTTP client sees in a 400.

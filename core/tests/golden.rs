@@ -109,12 +109,12 @@ fn shard_records() {
         assert_eq!(bytes[..2], [format::RECORD_MAGIC, format::RECORD_V3]);
         assert_eq!(ShardMessage::decode(bytes).unwrap(), many);
     }
-    let unpacked = tally_core::packed::unpack(&v3).unwrap();
+    let unpacked = tally_core::wire::packed::unpack(&v3).unwrap();
     assert_eq!(unpacked[..2], [format::RECORD_MAGIC, format::RECORD_V2]);
     let Ok(ShardMessageRef::Increments { entries, .. }) = ShardMessageRef::decode(&unpacked) else { panic!("v3") };
     assert_eq!(entries.len(), 60);
 
-    // Version 4 (what ingesters write since session 34): a bundle of version 2
+    // Version 4 (what ingesters write): a bundle of version 2
     // records of several sources for one shard, each with its record time, packed
     // into version 3. The bundle's own bytes are golden; packed, they are only
     // decoded (zstd).
@@ -127,7 +127,7 @@ fn shard_records() {
     ];
     let packed = ShardMessage::bundle(&sections).unwrap();
     assert_eq!(packed[..2], [format::RECORD_MAGIC, format::RECORD_V3]);
-    let v4 = golden("shard-increments-v4.bin", &tally_core::packed::unpack(&packed).unwrap());
+    let v4 = golden("shard-increments-v4.bin", &tally_core::wire::packed::unpack(&packed).unwrap());
     assert_eq!(v4[..2], [format::RECORD_MAGIC, format::RECORD_V4]);
     let want = vec![
         (1_700_000_000_000, many.clone()),

@@ -17,7 +17,8 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::Message;
 use tally_core::rollups::LatestRollups;
 use tally_core::wire::ROLLUP_POSITION_HEADER;
-use tally_shared::config::KafkaConfig;
+use tally_shared::config::{KafkaConfig, TallyConfig};
+use tally_shared::harness;
 use tally_shared::kafka::{client_config, producer_config, TopicNames};
 use tally_shared::local_broker::{ensure_installed, free_port, LocalBroker};
 use tally_shared::topics::{self, Declarations};
@@ -30,16 +31,17 @@ pub struct Sandbox {
     pub query_url: String,
     /// Each service's admin address (`/metrics`, `/healthz`, `/readyz`).
     admin: HashMap<&'static str, String>,
-    env: Vec<(String, String)>,
+    /// What every service started from now on and the command line run with (each
+    /// gets it as its config file; a spawn may change its own copy).
+    pub config: TallyConfig,
+    /// Process environment that is not tally's config (the test S3's credentials).
+    process_env: Vec<(String, String)>,
     children: HashMap<&'static str, Child>,
     broker: LocalBroker,
     broker_binary: PathBuf,
     broker_port: u16,
     /// The TLS terminator in front of the broker, when the sandbox is TLS-only.
     tls: Option<tls::Terminator>,
-    /// A config file every service and the CLI read (`TALLY_CONFIG`), for settings
-    /// the environment cannot carry (dotted Kafka client keys).
-    config_file: Option<PathBuf>,
 }
 
 /// A record [`Sandbox::read_records`] read.
@@ -108,13 +110,8 @@ impl Sandbox {
             topic_prefix: prefix.clone(),
             ..Default::default()
         };
-        let mut config_file = None;
         if let Some(tls) = &tls {
             kafka.client = tls.client_settings();
-            let path = dir.path().join("tally.toml");
-            let settings: String = kafka.client.iter().map(|(k, v)| format!("{k:?} = {v:?}\n")).collect();
-            std::fs::write(&path, format!("[kafka.client]\n{settings}")).unwrap();
-            config_file = Some(path);
         }
         let mut declarations = Declarations::load(None).unwrap();
         declarations.topics.retain(|topic| topic.name != options.missing);
@@ -124,51 +121,40 @@ impl Sandbox {
             .into_iter()
             .map(|name| (name, format!("127.0.0.1:{}", free_port().unwrap())))
             .collect();
-        let env = vec![
-            ("TALLY__KAFKA__BOOTSTRAP_SERVERS".into(), kafka.bootstrap_servers.clone()),
-            ("TALLY__KAFKA__TOPIC_PREFIX".into(), prefix.clone()),
-            ("TALLY__INGESTER__ADMIN_LISTEN".into(), admin["tally-ingester"].clone()),
-            ("TALLY__INGESTER__GROUP_ID".into(), format!("{prefix}ingester")),
-            ("TALLY__COUNTER__ADMIN_LISTEN".into(), admin["tally-counter"].clone()),
-            ("TALLY__COUNTER__GROUP_ID".into(), format!("{prefix}counter")),
-            ("TALLY__COUNTER__DATA_DIR".into(), dir.path().join("counter").display().to_string()),
-            ("TALLY__SNAPSHOTS__DIR".into(), dir.path().join("snapshots").display().to_string()),
-            ("TALLY__QUERY__ADMIN_LISTEN".into(), admin["tally-query"].clone()),
-            ("TALLY__GRAPH__ADMIN_LISTEN".into(), admin["tally-graph"].clone()),
-            ("TALLY__GRAPH__DATA_DIR".into(), dir.path().join("graph").display().to_string()),
-            // Tansu 0.6 never evicts a member killed with -9 from a consumer group.
-            ("TALLY__INGESTER__STATIC_ASSIGNMENT".into(), "true".into()),
-            ("TALLY__COUNTER__STATIC_ASSIGNMENT".into(), "true".into()),
-            ("TALLY__QUERY__LISTEN".into(), format!("127.0.0.1:{query_port}")),
-            ("RUST_LOG".into(), std::env::var("TALLY_E2E_LOG").unwrap_or_else(|_| "info".into())),
-        ];
+        let mut config = TallyConfig { kafka: kafka.clone(), ..Default::default() };
+        config.ingester.admin_listen = admin["tally-ingester"].clone();
+        config.ingester.group_id = format!("{prefix}ingester");
+        config.counter.admin_listen = admin["tally-counter"].clone();
+        config.counter.group_id = format!("{prefix}counter");
+        config.counter.data_dir = dir.path().join("counter");
+        config.snapshots.dir = dir.path().join("snapshots");
+        config.query.admin_listen = admin["tally-query"].clone();
+        config.graph.admin_listen = admin["tally-graph"].clone();
+        config.graph.data_dir = dir.path().join("graph");
+        // Tansu 0.6 never evicts a member killed with -9 from a consumer group.
+        config.ingester.static_assignment = true;
+        config.counter.static_assignment = true;
+        config.query.listen = format!("127.0.0.1:{query_port}");
         Self {
             names: TopicNames::new(&prefix),
             kafka,
             query_url: format!("http://127.0.0.1:{query_port}"),
             admin,
-            env,
+            config,
+            process_env: Vec::new(),
             children: HashMap::new(),
             dir,
             broker,
             broker_binary: binary,
             broker_port: port,
             tls,
-            config_file,
         }
-    }
-
-    /// Sets an environment variable for every service started from now on and for
-    /// the command line (e.g. `TALLY__AUTH__READER_TOKEN`).
-    pub fn set_env(&mut self, key: &str, value: &str) {
-        self.env.retain(|(k, _)| k != key);
-        self.env.push((key.to_string(), value.to_string()));
     }
 
     /// The reader token the services were given, which [`Sandbox::get`] and
     /// [`Sandbox::post`] send.
     fn reader_token(&self) -> Option<&str> {
-        self.env.iter().find(|(k, _)| k == "TALLY__AUTH__READER_TOKEN").map(|(_, v)| v.as_str())
+        self.config.auth.reader_token.as_deref()
     }
 
     /// Applies every built-in topic (after [`Sandbox::start_without`]).
@@ -237,35 +223,53 @@ impl Sandbox {
     /// Deletes a stopped counter's RocksDB: its shards must rebuild from the log.
     pub fn wipe_counter_data(&self) {
         assert!(!self.children.contains_key("tally-counter"), "stop the counter first");
-        let _ = std::fs::remove_dir_all(self.dir.path().join("counter"));
+        remove_dir(&self.dir.path().join("counter"));
     }
 
     /// Deletes a stopped graph processor's RocksDB: it must rebuild from the log.
     pub fn wipe_graph_data(&self) {
         assert!(!self.children.contains_key("tally-graph"), "stop the graph first");
-        let _ = std::fs::remove_dir_all(self.dir.path().join("graph"));
+        remove_dir(&self.dir.path().join("graph"));
     }
 
     /// Starts (or restarts) a service binary: `tally-ingester`, `tally-counter`, `tally-query`.
     pub fn spawn(&mut self, name: &'static str) {
-        self.spawn_instance(name, name, &[]);
+        self.spawn_instance(name, name, |_| {});
     }
 
-    /// Starts `binary` as the instance `name` (its log is `name.log`) with extra
-    /// environment on top of the sandbox's.
-    pub fn spawn_instance(&mut self, name: &'static str, binary: &str, env: &[(&str, String)]) {
-        self.spawn_command(name, binary, &[], env);
+    /// Starts `binary` as the instance `name` (its log is `name.log`) with the
+    /// sandbox's config as `change` changes it.
+    pub fn spawn_instance(&mut self, name: &'static str, binary: &str, change: impl FnOnce(&mut TallyConfig)) {
+        let mut config = self.config.clone();
+        change(&mut config);
+        self.spawn_configured(name, binary, &config, &[], &[]);
     }
 
-    /// Starts `binary` with arguments as the instance `name` (its log is `name.log`).
+    /// Starts `binary` with arguments as the instance `name` (its log is `name.log`),
+    /// with the sandbox's config and the operator's environment `env` on top (how
+    /// `tally up` is run).
     pub fn spawn_command(&mut self, name: &'static str, binary: &str, args: &[&str], env: &[(&str, String)]) {
+        let config = self.config.clone();
+        self.spawn_configured(name, binary, &config, args, env);
+    }
+
+    /// Starts `binary` as the instance `name` with its own `config` (environment
+    /// overrides `env` on top, as an operator's would be).
+    fn spawn_configured(
+        &mut self,
+        name: &'static str,
+        binary: &str,
+        config: &TallyConfig,
+        args: &[&str],
+        env: &[(&str, String)],
+    ) {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.dir.path().join(format!("{name}.log")))
             .unwrap();
         let child = self
-            .command(binary)
+            .command_with(name, binary, config)
             .args(args)
             .envs(env.iter().map(|(k, v)| (k.to_string(), v.clone())))
             .stdin(Stdio::null())
@@ -290,27 +294,26 @@ impl Sandbox {
     /// Starts a dequeue broker instance serving the queues declared in `declarations`;
     /// returns its worker API URL.
     pub fn spawn_broker(&mut self, name: &'static str, declarations: &std::path::Path) -> String {
-        self.spawn_broker_with(name, declarations, &[])
+        self.spawn_broker_with(name, declarations, |_| {})
     }
 
-    /// [`Sandbox::spawn_broker`] with more environment (e.g. an auth token).
+    /// [`Sandbox::spawn_broker`] with its config as `change` changes it (e.g. tokens).
     pub fn spawn_broker_with(
         &mut self,
         name: &'static str,
         declarations: &std::path::Path,
-        extra: &[(&str, String)],
+        change: impl FnOnce(&mut TallyConfig),
     ) -> String {
         let port = free_port().unwrap();
-        let mut env = vec![
-            ("TALLY__BROKER__LISTEN", format!("127.0.0.1:{port}")),
-            ("TALLY__BROKER__ADMIN_LISTEN", format!("127.0.0.1:{}", free_port().unwrap())),
-            ("TALLY__BROKER__DECLARATIONS", declarations.display().to_string()),
-            ("TALLY__BROKER__GROUP_ID", format!("{}broker", self.names.name(""))),
-            ("TALLY__BROKER__HEARTBEAT_MS", "500".to_string()),
-            ("TALLY__BROKER__MEMBER_TIMEOUT_MS", "3000".to_string()),
-        ];
-        env.extend(extra.iter().cloned());
-        self.spawn_instance(name, "tally-broker", &env);
+        let mut config = self.config.clone();
+        config.broker.listen = format!("127.0.0.1:{port}");
+        config.broker.admin_listen = format!("127.0.0.1:{}", free_port().unwrap());
+        config.broker.declarations = Some(declarations.to_path_buf());
+        config.broker.group_id = format!("{}broker", self.names.name(""));
+        config.broker.heartbeat_ms = 500;
+        config.broker.member_timeout_ms = 3000;
+        change(&mut config);
+        self.spawn_configured(name, "tally-broker", &config, &[], &[]);
         format!("http://127.0.0.1:{port}")
     }
 
@@ -371,16 +374,27 @@ impl Sandbox {
         self.command(binary).args(args).output().unwrap_or_else(|err| panic!("running {binary}: {err}"))
     }
 
-    /// A command for one of the binaries with the sandbox's environment and config
-    /// file (never the developer's own `TALLY_CONFIG`).
+    /// A command for one of the binaries with the sandbox's config (never the
+    /// developer's own `TALLY_CONFIG` or `TALLY__…` variables).
     fn command(&self, binary: &str) -> Command {
-        let mut command = Command::new(bin_dir().join(binary));
-        command.envs(self.env.iter().cloned());
-        match &self.config_file {
-            Some(path) => command.env("TALLY_CONFIG", path),
-            None => command.env_remove("TALLY_CONFIG"),
-        };
+        self.command_with(binary, binary, &self.config)
+    }
+
+    /// A command for `binary` as the instance `name` with `config` (its file is
+    /// `name.toml` in the sandbox's directory).
+    fn command_with(&self, name: &str, binary: &str, config: &TallyConfig) -> Command {
+        let service =
+            harness::Service { name: name.to_string(), binary: bin_dir().join(binary), config: config.clone() };
+        let mut command = service.command(self.dir.path()).expect("writing a service's config");
+        command.env("RUST_LOG", std::env::var("TALLY_E2E_LOG").unwrap_or_else(|_| "info".into()));
+        command.envs(self.process_env.iter().cloned());
         command
+    }
+
+    /// Services and the command line started from now on keep their snapshots in `s3`.
+    pub fn use_s3(&mut self, s3: &s3::S3) {
+        s3.configure(&mut self.config);
+        self.process_env.extend(s3.credentials().map(|(key, value)| (key.to_string(), value)));
     }
 
     /// A scratch directory of this sandbox (for an extra instance's data).
@@ -398,8 +412,8 @@ impl Sandbox {
     /// `kill -9` a service and reap it.
     pub fn kill9(&mut self, name: &'static str) {
         if let Some(mut child) = self.children.remove(name) {
-            let _ = child.kill();
-            let _ = child.wait();
+            child.kill().expect("kill -9");
+            child.wait().expect("reaping a killed service");
         }
     }
 
@@ -584,7 +598,15 @@ fn terminate(child: &mut Child) {
     unsafe {
         libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
     }
-    let _ = child.wait();
+    child.wait().expect("reaping a stopped service");
+}
+
+/// Deletes `dir` and what it holds; nothing when there is none.
+fn remove_dir(dir: &std::path::Path) {
+    match std::fs::remove_dir_all(dir) {
+        Err(err) if err.kind() != std::io::ErrorKind::NotFound => panic!("removing {}: {err}", dir.display()),
+        _ => {}
+    }
 }
 
 /// A read's status and JSON body; status 0 (and the error, as `{"transport":…}`) when

@@ -42,15 +42,16 @@ impl S3 {
         Self { child, endpoint, bucket }
     }
 
-    /// The environment that points a service's snapshots at this server.
-    pub fn env(&self) -> Vec<(&'static str, String)> {
-        vec![
-            ("TALLY__SNAPSHOTS__URL", format!("s3://{}/tally", self.bucket)),
-            ("TALLY__SNAPSHOTS__ENDPOINT", self.endpoint.clone()),
-            ("TALLY__SNAPSHOTS__ALLOW_HTTP", "true".into()),
-            ("AWS_ACCESS_KEY_ID", "test".into()),
-            ("AWS_SECRET_ACCESS_KEY", "test".into()),
-        ]
+    /// Points `config`'s snapshots at this server.
+    pub fn configure(&self, config: &mut tally_shared::config::TallyConfig) {
+        config.snapshots.url = format!("s3://{}/tally", self.bucket);
+        config.snapshots.endpoint = self.endpoint.clone();
+        config.snapshots.allow_http = true;
+    }
+
+    /// The credentials it takes, as the environment a client reads them from.
+    pub fn credentials(&self) -> [(&'static str, String); 2] {
+        [("AWS_ACCESS_KEY_ID", "test".into()), ("AWS_SECRET_ACCESS_KEY", "test".into())]
     }
 
     /// Writes an object, as a misbehaving writer of the bucket would.
@@ -91,7 +92,8 @@ impl S3 {
 
 impl Drop for S3 {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        // Dropped: a failure to stop it leaves a process the machine reaps later.
+        self.child.kill().ok();
+        self.child.wait().ok();
     }
 }

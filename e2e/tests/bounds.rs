@@ -151,7 +151,7 @@ async fn counts_past_an_i64_are_exact_everywhere() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_edge_past_max_descendants_is_dead_lettered_and_changes_nothing() {
     let mut sandbox = Sandbox::start().await;
-    sandbox.spawn_instance("tally-graph", "tally-graph", &[("TALLY__GRAPH__MAX_DESCENDANTS", "4999".into())]);
+    sandbox.spawn_instance("tally-graph", "tally-graph", |config| config.graph.max_descendants = 4999);
     sandbox.spawn_ready(&["tally-ingester", "tally-counter", "tally-query"]).await;
     let node = |i: usize| format!("c:{i}");
     let mut model = Model::default();

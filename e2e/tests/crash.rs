@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use tally_e2e::workload::Workload;
 use tally_e2e::{check, Sandbox};
+use tally_shared::config::TallyConfig;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill9_of_counter_and_ingester_mid_workload_counts_exactly_once() {
@@ -52,8 +53,8 @@ async fn kill9_of_counter_and_ingester_mid_workload_counts_exactly_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn counter_rebuilds_from_the_shard_log_after_losing_its_data() {
     let mut sandbox = Sandbox::start().await;
-    let no_snapshots = [("TALLY__SNAPSHOTS__ENABLED", "false".to_string())];
-    sandbox.spawn_instance("tally-counter", "tally-counter", &no_snapshots);
+    let no_snapshots = |config: &mut TallyConfig| config.snapshots.enabled = false;
+    sandbox.spawn_instance("tally-counter", "tally-counter", no_snapshots);
     for service in ["tally-ingester", "tally-query"] {
         sandbox.spawn(service);
     }
@@ -65,7 +66,7 @@ async fn counter_rebuilds_from_the_shard_log_after_losing_its_data() {
     sandbox.kill9("tally-counter");
     sandbox.wipe_counter_data();
     sandbox.restart_broker().await;
-    sandbox.spawn_instance("tally-counter", "tally-counter", &no_snapshots);
+    sandbox.spawn_instance("tally-counter", "tally-counter", no_snapshots);
     check::never_partial(&sandbox, model, entities, metrics, Duration::from_secs(120)).await;
     check::windows(&sandbox, model, entities, metrics).await;
 }
@@ -99,9 +100,12 @@ async fn an_operator_restores_every_shard_into_an_empty_data_dir() {
 async fn restores_from_s3_pass_over_garbage_and_damaged_snapshots() {
     let mut sandbox = Sandbox::start().await;
     let s3 = tally_e2e::s3::S3::start(std::path::PathBuf::from(sandbox.path("moto.log"))).await;
-    let mut env = vec![("TALLY__SNAPSHOTS__INTERVAL_MS", "300".to_string()), ("TALLY__SNAPSHOTS__KEEP", "10".into())];
-    env.extend(s3.env());
-    sandbox.spawn_instance("tally-counter", "tally-counter", &env);
+    sandbox.use_s3(&s3);
+    let snapshots = |config: &mut TallyConfig| {
+        config.snapshots.interval_ms = 300;
+        config.snapshots.keep = 10;
+    };
+    sandbox.spawn_instance("tally-counter", "tally-counter", snapshots);
     sandbox.spawn_ready(&["tally-ingester", "tally-query"]).await;
     let shard_topic = sandbox.names.shards();
     let shard = tally_core::sharding::shard_of("solo", sandbox.partition_count(&shard_topic));
@@ -140,7 +144,7 @@ async fn restores_from_s3_pass_over_garbage_and_damaged_snapshots() {
     s3.put(&format!("{folder}/99999999999999999999-9/MANIFEST.json"), b"{\"v\":1,\"name\":".to_vec()).await;
     let orphan = format!("{folder}/00000000000000000000-1000/000001.sst");
     s3.put(&orphan, b"half an upload".to_vec()).await;
-    let (ok, listed) = sandbox.cli_with(&["snapshot", "list"], &s3.env());
+    let (ok, listed) = sandbox.cli(&["snapshot", "list"]);
     assert!(ok, "{listed}");
     let unreadable: Vec<&str> = listed.lines().filter(|l| l.contains("UNREADABLE")).collect();
     assert_eq!(unreadable.len(), 1, "{listed}");
@@ -150,7 +154,7 @@ async fn restores_from_s3_pass_over_garbage_and_damaged_snapshots() {
     let restored_from = |sandbox: &Sandbox, id: &str| {
         sandbox.log("tally-counter").lines().any(|l| l.contains("restored from a snapshot") && l.contains(id))
     };
-    lose_the_disk(&mut sandbox, &mut model, (11, 3), &env).await;
+    lose_the_disk(&mut sandbox, &mut model, (11, 3), &snapshots).await;
     assert!(restored_from(&sandbox, &good[1]), "restored {}\n{}", good[1], sandbox.log("tally-counter"));
 
     // The snapshots now, and the newest damaged: one file changed, its size kept.
@@ -169,7 +173,7 @@ async fn restores_from_s3_pass_over_garbage_and_damaged_snapshots() {
         .max_by_key(|(_, size)| *size)
         .expect("the newest snapshot's files");
     s3.put(&file, vec![0u8; size as usize]).await;
-    lose_the_disk(&mut sandbox, &mut model, (13, 4), &env).await;
+    lose_the_disk(&mut sandbox, &mut model, (13, 4), &snapshots).await;
     let log = sandbox.log("tally-counter");
     assert!(restored_from(&sandbox, &older) && !restored_from(&sandbox, &newest), "restored {older}\n{log}");
     assert!(log.lines().any(|l| l.contains("a snapshot that cannot be restored") && l.contains("SHA-256")), "{log}");
@@ -205,13 +209,13 @@ async fn lose_the_disk(
     sandbox: &mut Sandbox,
     model: &mut tally_core::model::Model,
     (delta, records): (i64, usize),
-    env: &[(&str, String)],
+    change: &dyn Fn(&mut TallyConfig),
 ) {
     sandbox.kill9("tally-counter");
     sandbox.wipe_counter_data();
     solo(sandbox, model, delta).await;
     routed(sandbox, records).await;
-    sandbox.spawn_instance("tally-counter", "tally-counter", env);
+    sandbox.spawn_instance("tally-counter", "tally-counter", change);
     let (entities, metrics) = (["solo".to_string()], ["views".to_string()]);
     check::never_partial(sandbox, model, &entities, &metrics, Duration::from_secs(90)).await;
 }
@@ -248,9 +252,11 @@ async fn lose_the_counters_disk_and_come_back(recovery: Recovery) {
         Recovery::FromS3 => Some(tally_e2e::s3::S3::start(std::path::PathBuf::from(sandbox.path("moto.log"))).await),
         _ => None,
     };
-    let mut snapshots = vec![("TALLY__SNAPSHOTS__INTERVAL_MS", "500".to_string())];
-    snapshots.extend(s3.iter().flat_map(|s3| s3.env()));
-    sandbox.spawn_instance("tally-counter", "tally-counter", &snapshots);
+    if let Some(s3) = &s3 {
+        sandbox.use_s3(s3);
+    }
+    let snapshots = |config: &mut TallyConfig| config.snapshots.interval_ms = 500;
+    sandbox.spawn_instance("tally-counter", "tally-counter", snapshots);
     for service in ["tally-ingester", "tally-query"] {
         sandbox.spawn(service);
     }
@@ -341,11 +347,12 @@ async fn lose_the_counters_disk_and_come_back(recovery: Recovery) {
         assert!(ok, "{output}");
         let (ok, again) = sandbox.cli(&["restore", "--into", &dr]);
         assert!(!ok && again.contains("restore needs an empty data directory"), "{again}");
-        let on_dr =
-            [("TALLY__COUNTER__DATA_DIR", format!("{dr}/counter")), ("TALLY__SNAPSHOTS__ENABLED", "false".to_string())];
-        sandbox.spawn_instance("tally-counter", "tally-counter", &on_dr);
+        sandbox.spawn_instance("tally-counter", "tally-counter", |config| {
+            config.counter.data_dir = format!("{dr}/counter").into();
+            config.snapshots.enabled = false;
+        });
     } else {
-        sandbox.spawn_instance("tally-counter", "tally-counter", &snapshots);
+        sandbox.spawn_instance("tally-counter", "tally-counter", snapshots);
     }
     check::never_partial(&sandbox, &model, &entities, &metrics, Duration::from_secs(120)).await;
     check::windows(&sandbox, &model, &entities, &metrics).await;

@@ -103,7 +103,12 @@ async fn tally_up_serves_the_queues_of_a_users_own_file() {
     )
     .unwrap();
     let config = format!("{dir}/tally.toml");
-    std::fs::write(&config, "[broker]\ndeclarations = \"queues.toml\"\n").unwrap();
+    // The user's own file: their Kafka (the sandbox's) and their queues.
+    let kafka = format!(
+        "[kafka]\nbootstrap_servers = {:?}\ntopic_prefix = {:?}\n",
+        sandbox.kafka.bootstrap_servers, sandbox.kafka.topic_prefix
+    );
+    std::fs::write(&config, format!("{kafka}[broker]\ndeclarations = \"queues.toml\"\n")).unwrap();
     let (ok, output) = sandbox.cli(&["config", "check", "--config", &config]);
     assert!(ok && output.contains(&format!("declarations = \"{dir}/queues.toml\"")), "{output}");
 

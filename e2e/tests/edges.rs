@@ -13,6 +13,7 @@ use tally_core::jobs::DeadJob;
 use tally_core::model::Model;
 use tally_core::wire::{DeadLetter, Increment, Rollup};
 use tally_e2e::{check, encode, Sandbox};
+use tally_shared::config::TallyConfig;
 use tally_shared::kafka::now_ms;
 
 /// Reads the dead letters (up to `at_most`, waiting up to 10 s for them) and decodes them.
@@ -327,9 +328,9 @@ async fn a_two_megabyte_dead_job_lands_in_dead() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_applied_after_a_long_backlog_counts_once() {
     let mut sandbox = Sandbox::start().await;
-    let window = [("TALLY__COUNTING__DEDUPE_WINDOW", "10s".to_string())];
-    sandbox.spawn_instance("tally-ingester", "tally-ingester", &window);
-    sandbox.spawn_instance("tally-counter", "tally-counter", &window);
+    let window = |config: &mut TallyConfig| config.counting.dedupe_window = "10s".into();
+    sandbox.spawn_instance("tally-ingester", "tally-ingester", window);
+    sandbox.spawn_instance("tally-counter", "tally-counter", window);
     sandbox.spawn_ready(&["tally-query"]).await;
     let increment =
         |id: &str| (Some("e".to_string()), json!({"entity": "e", "metric": "m", "id": id}).to_string().into_bytes());
@@ -341,7 +342,7 @@ async fn a_retry_applied_after_a_long_backlog_counts_once() {
     tokio::time::sleep(Duration::from_secs(3).saturating_sub(original_at.elapsed())).await;
     sandbox.produce_to(&sandbox.names.increments(), &[increment("x"), increment("y")]).await;
     tokio::time::sleep(Duration::from_secs(13).saturating_sub(original_at.elapsed())).await;
-    sandbox.spawn_instance("tally-counter", "tally-counter", &window);
+    sandbox.spawn_instance("tally-counter", "tally-counter", window);
     eventually("the new id is counted", Duration::from_secs(60), || async { value(&sandbox).await >= Some(2) }).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(value(&sandbox).await, Some(2), "the retry counts once");

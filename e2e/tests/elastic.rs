@@ -20,13 +20,14 @@ use tally_core::sharding::shard_of;
 use tally_core::wire::Increment;
 use tally_e2e::workload::{Record, Workload};
 use tally_e2e::{check, Sandbox};
+use tally_shared::config::TallyConfig;
 
 const ROUNDS: usize = 20;
 const SHARDS: u32 = 8;
 
-/// The children of `parent` whose command is `comm`, with their environment's
-/// `key` (a counter's instance name).
-fn children(parent: u32, comm: &str, key: &str) -> BTreeMap<String, u32> {
+/// The children of `parent` whose command is `comm`, by what `key` reads from the
+/// config `tally up` started each with (a counter's instance name).
+fn children(parent: u32, comm: &str, key: fn(&TallyConfig) -> String) -> BTreeMap<String, u32> {
     let mut found = BTreeMap::new();
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
@@ -39,13 +40,13 @@ fn children(parent: u32, comm: &str, key: &str) -> BTreeMap<String, u32> {
             continue;
         }
         let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-        let prefix = format!("{key}=");
-        if let Some(value) = environ
+        let config = environ
             .split(|b| *b == 0)
             .filter_map(|var| std::str::from_utf8(var).ok())
-            .find_map(|var| var.strip_prefix(prefix.as_str()))
-        {
-            found.insert(value.to_string(), pid);
+            .find_map(|var| var.strip_prefix("TALLY_CONFIG="))
+            .and_then(|path| TallyConfig::load_with_env(Some(std::path::Path::new(path)), Vec::new()).ok());
+        if let Some(config) = config {
+            found.insert(key(&config), pid);
         }
     }
     found
@@ -142,7 +143,7 @@ async fn three_counters_under_kill9_and_pauses_count_exactly_and_never_read_stal
     ];
     sandbox.spawn_command("tally-up", "tally", &["up", "--counters", "3", "--data-dir", &up_dir], &env);
     let up = sandbox.pid("tally-up").unwrap();
-    let counters = || children(up, "tally-counter", "TALLY__COUNTER__INSTANCE");
+    let counters = || children(up, "tally-counter", |config| config.counter.instance.clone());
     let deadline = Instant::now() + Duration::from_secs(60);
     while counters().len() < 3 {
         assert!(Instant::now() < deadline, "three counters never ran:\n{}", sandbox.log("tally-up"));
@@ -201,7 +202,7 @@ async fn three_counters_under_kill9_and_pauses_count_exactly_and_never_read_stal
         let pid = running[&victim];
         if round == ROUNDS / 2 {
             // Lose a counter's disk and the graph's, mid-workload.
-            let graph = children(up, "tally-graph", "TALLY__GRAPH__DATA_DIR");
+            let graph = children(up, "tally-graph", |config| config.graph.data_dir.display().to_string());
             let graph_pid = *graph.values().next().expect("tally-graph runs");
             signal(pid, libc::SIGSTOP);
             signal(graph_pid, libc::SIGSTOP);

@@ -116,6 +116,26 @@ async fn garbage_on_the_shard_topic_stops_only_its_shard_until_an_operator_skips
     );
 }
 
+/// The CLI reads the shard-owners topic through the one claim table: a record it
+/// cannot read stops the command, naming it, while the counter that follows the
+/// topic skips it and keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_refuses_a_shard_owners_record_it_cannot_read() {
+    let mut sandbox = Sandbox::start().await;
+    sandbox.spawn_ready(&["tally-counter"]).await;
+    let (stored, text) = sandbox.cli(&["snapshot"]);
+    assert!(stored, "{text}");
+
+    let owners = sandbox.names.shard_owners();
+    let offset = sandbox.next_offset(&owners, 0);
+    produce_raw(&sandbox, &owners, 0, br#"{"v":99,"shard":"not a number"}"#).await;
+    let (stored, text) = sandbox.cli(&["snapshot"]);
+    assert!(!stored, "{text}");
+    let refusal = format!("the shard-owners record at offset {offset} is not a claim this build reads");
+    assert!(text.contains(&refusal), "{text}");
+    sandbox.wait_ready("tally-counter", Duration::from_secs(10)).await;
+}
+
 /// Produces `payload` to one partition of `topic`, as a stray producer would.
 async fn produce_raw(sandbox: &Sandbox, topic: &str, partition: i32, payload: &[u8]) {
     let producer: rdkafka::producer::FutureProducer = client_config(&sandbox.kafka).unwrap().create().unwrap();

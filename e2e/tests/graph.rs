@@ -84,7 +84,7 @@ async fn kill9_and_lost_disk_of_graph_and_kill9_of_counter_mid_workload_count_ex
                 // and emits the same stamps, which the counters drop.
                 sandbox.kill9("tally-graph");
                 sandbox.wipe_graph_data();
-                sandbox.spawn_instance("tally-graph", "tally-graph", &[("TALLY__SNAPSHOTS__ENABLED", "false".into())]);
+                sandbox.spawn_instance("tally-graph", "tally-graph", |config| config.snapshots.enabled = false);
             }
             3 => {
                 sandbox.kill9("tally-counter");

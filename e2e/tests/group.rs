@@ -7,12 +7,14 @@ use std::time::Duration;
 use tally_e2e::workload::Workload;
 use tally_e2e::{check, Sandbox};
 
-fn group_member(sandbox: &Sandbox, instance: &str) -> Vec<(&'static str, String)> {
-    vec![
-        ("TALLY__COUNTER__STATIC_ASSIGNMENT", "false".into()),
-        ("TALLY__COUNTER__DATA_DIR", sandbox.path(instance)),
-        ("TALLY__COUNTER__ADMIN_LISTEN", "127.0.0.1:0".into()),
-    ]
+/// A counter of the group: its own data directory, the membership's assignment.
+fn group_member(sandbox: &mut Sandbox, instance: &'static str) {
+    let data_dir = sandbox.path(instance);
+    sandbox.spawn_instance(instance, "tally-counter", |config| {
+        config.counter.static_assignment = false;
+        config.counter.data_dir = data_dir.into();
+        config.counter.admin_listen = "127.0.0.1:0".into();
+    });
 }
 
 /// The shards a counter instance announced most recently, from its log.
@@ -32,10 +34,8 @@ async fn two_counters_split_the_shards_and_hand_them_over() {
     let mut sandbox = Sandbox::start().await;
     sandbox.spawn("tally-ingester");
     sandbox.spawn("tally-query");
-    let first = group_member(&sandbox, "counter-a");
-    sandbox.spawn_instance("counter-a", "tally-counter", &first);
-    let second = group_member(&sandbox, "counter-b");
-    sandbox.spawn_instance("counter-b", "tally-counter", &second);
+    group_member(&mut sandbox, "counter-a");
+    group_member(&mut sandbox, "counter-b");
 
     let before = Workload::generate(4, 150, tally_shared::kafka::now_ms());
     sandbox.produce(&before.records).await;

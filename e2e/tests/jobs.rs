@@ -79,7 +79,7 @@ async fn work_until<H, F>(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     shutdown.cancel();
-    let _ = running.await;
+    running.await.unwrap().expect("the workers stop cleanly");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -308,7 +308,7 @@ async fn a_broker_killed_mid_run_loses_no_job() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     shutdown.cancel();
-    let _ = running.await;
+    running.await.unwrap().expect("the workers stop cleanly");
     let done = done.lock().unwrap();
     let missing: Vec<usize> = (0..JOBS).filter(|n| !done.contains(n)).take(10).collect();
     assert!(
@@ -330,13 +330,12 @@ async fn the_generic_worker_runs_jobs_with_a_command() {
     let script = format!(
         r#"if [ "$TALLY_JOB_ID" = c7 ] && [ "$TALLY_JOB_ATTEMPT" = 1 ]; then echo flaky >&2; exit 1; fi; cat > {out}/$TALLY_JOB_ID"#
     );
-    let env = [
-        ("TALLY__WORKER__BROKERS", serde_json::json!([broker]).to_string()),
-        ("TALLY__WORKER__QUEUE", "work".to_string()),
-        ("TALLY__WORKER__COMMAND", serde_json::json!(["sh", "-c", script]).to_string()),
-        ("TALLY__WORKER__ADMIN_LISTEN", "127.0.0.1:0".to_string()),
-    ];
-    sandbox.spawn_instance("worker", "tally-worker", &env);
+    sandbox.spawn_instance("worker", "tally-worker", |config| {
+        config.worker.brokers = vec![broker.clone()];
+        config.worker.queue = "work".into();
+        config.worker.command = Some(vec!["sh".into(), "-c".into(), script]);
+        config.worker.admin_listen = "127.0.0.1:0".into();
+    });
     let records: Vec<_> = (0..50).map(|i| job(&format!("c{i}"), serde_json::json!({"n": i}), None, None)).collect();
     sandbox.produce_to(&sandbox.names.jobs("work"), &records).await;
     // A job's file exists from the moment `cat` opens it: wait for every payload

@@ -116,7 +116,7 @@ async fn the_records_that_end_an_ingesters_input_say_so() {
     assert_eq!(ends.iter().sum::<i64>(), BACKLOG as i64, "{ends:?}");
     // Batches that close a millisecond after their first record, most before they
     // are full: whether records wait behind them is the broker's to say.
-    sandbox.spawn_instance("tally-ingester", "tally-ingester", &[("TALLY__INGESTER__BATCH_LINGER_MS", "1".into())]);
+    sandbox.spawn_instance("tally-ingester", "tally-ingester", |config| config.ingester.batch_linger_ms = 1);
 
     // Each input partition's part of each shard record (a record bundles a batch's
     // partitions, format 4), in order: the input partition, its input offsets,
@@ -186,7 +186,7 @@ impl ProducerContext for ProducerIdState {
 /// A fresh idempotent producer asked for its id (`request_producer_id`, what the
 /// relays, the shard claims and the heartbeats do when created) has it before
 /// librdkafka's own retries, 500 ms apart, could have got it: left to them, an
-/// ingester's first batch waited 0.7–0.8 s for the id after it was read.
+/// ingester's first batch would wait 0.7–0.8 s for the id after it was read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_producer_asked_for_its_id_has_it_before_librdkafka_would_retry() {
     let sandbox = Sandbox::start().await;

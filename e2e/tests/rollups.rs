@@ -22,6 +22,7 @@ use tally_core::time::bucket_start;
 use tally_core::wire::{Increment, ROLLUP_POSITION_HEADER};
 use tally_e2e::workload::Record;
 use tally_e2e::{check, Sandbox};
+use tally_shared::config::ResolutionConfig;
 
 const ENTITIES: usize = 12;
 /// (name, width) of the resolutions configured here, and the all-time bucket.
@@ -139,15 +140,13 @@ fn check_rollups(sandbox: &Sandbox, consumed: &BTreeMap<String, Option<i128>>, p
 async fn a_counter_paused_mid_rollup_past_its_lease_never_sets_a_bucket_back() {
     let mut sandbox = Sandbox::start().await;
     let up_dir = sandbox.path("up");
+    // The user's own file: the sandbox's Kafka and ports, and buckets that expire soon.
     let config = sandbox.path("tally.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[counting]\nresolutions = [{{ width = \"1s\", retention = \"{}s\" }}, {{ width = \"1m\", retention = \"6h\" }}]\n",
-            SHORT_RETENTION_MS / 1_000
-        ),
-    )
-    .unwrap();
+    let mut own = sandbox.config.clone();
+    let resolution = |width: &str, retention: String| ResolutionConfig { width: width.into(), retention };
+    own.counting.resolutions =
+        vec![resolution("1s", format!("{}s", SHORT_RETENTION_MS / 1_000)), resolution("1m", "6h".into())];
+    tally_shared::harness::write_config(&own, std::path::Path::new(&config)).unwrap();
     let free = || format!("127.0.0.1:{}", tally_shared::local_broker::free_port().unwrap());
     let env = [
         ("TALLY_CONFIG", config),

@@ -59,7 +59,7 @@ async fn post_as(role: Role, url: String, body: Value) -> (u16, Value) {
 async fn every_internal_and_operator_route_answers_only_its_roles_token() {
     let mut sandbox = Sandbox::start().await;
     for role in Role::ALL {
-        sandbox.set_env(&format!("TALLY__AUTH__{}_TOKEN", role.name().to_uppercase()), &token(role));
+        *sandbox.config.auth.token_mut(role) = Some(token(role));
     }
     sandbox.spawn_ready(&["tally-ingester", "tally-counter", "tally-graph", "tally-query"]).await;
     let declarations = sandbox.declare("[[queue]]\nname = \"guarded\"\npartitions = 1\nmax_attempts = 1\n").await;

@@ -203,7 +203,9 @@ impl Acker {
                     }
                 };
                 for (lease, reply) in batch {
-                    let _ = reply.send(!unknown.contains(&lease));
+                    if reply.send(!unknown.contains(&lease)).is_err() {
+                        tracing::debug!(broker = %base, "an ack's answer is no longer waited for");
+                    }
                 }
             }
         });
@@ -285,7 +287,10 @@ where
         }
     }
     // Let the jobs in hand finish.
-    let _ = slots.acquire_many(concurrency as u32).await;
+    if let Err(err) = slots.acquire_many(concurrency as u32).await {
+        // Only a closed semaphore fails, and nothing closes it.
+        tracing::warn!(error = %err, "not waiting for the jobs in hand");
+    }
     Ok(counts)
 }
 

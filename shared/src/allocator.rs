@@ -5,10 +5,9 @@
 //! frees them all when it is done. With glibc's defaults the free memory at the top
 //! of a heap is handed back to the kernel (trimmed) as soon as it passes twice the
 //! largest block freed so far, so the next batch touches fresh pages: each a page
-//! fault and a page the kernel zeroes: an ingester under a backlog took 95 k page
-//! faults in 4 s, 10 k with the thresholds below (and, with a cheaper name table, a
-//! sixth less CPU per increment: BENCHMARKS.md, "Memory kept between batches"; a
-//! counter's faults are mostly its memtables' new data, which no allocator setting
+//! fault and a page the kernel zeroes: an ingester under a backlog takes about ten
+//! times the page faults without the thresholds below (BENCHMARKS.md, "End to end:
+//! ingest"; a counter's faults are mostly its memtables' new data, which no allocator setting
 //! saves). So a service keeps up to
 //! [`TRIM_THRESHOLD`] free at a heap's top, and serves blocks below
 //! [`MMAP_THRESHOLD`] from its heaps instead of mapping each one afresh. An

@@ -123,7 +123,10 @@ impl Announcer {
         for (shard, epoch) in std::mem::take(&mut self.epochs).into_iter().chain(released) {
             self.publish(shard, None, epoch);
         }
-        let _ = self.producer.flush(Duration::from_secs(5));
+        if let Err(err) = self.producer.flush(Duration::from_secs(5)) {
+            // The others take the shards when this owner's claims expire instead.
+            tracing::warn!(error = %err, "the shard releases were not flushed");
+        }
     }
 
     /// Sends, waiting while the producer's queue is full rather than dropping.

@@ -80,6 +80,16 @@ impl AuthConfig {
     }
 
     /// The `Authorization` value a caller of `role` sends, when it has a token.
+    /// The token `role` is given, to set it.
+    pub fn token_mut(&mut self, role: Role) -> &mut Option<String> {
+        match role {
+            Role::Reader => &mut self.reader_token,
+            Role::Worker => &mut self.worker_token,
+            Role::Operator => &mut self.operator_token,
+            Role::Cluster => &mut self.cluster_token,
+        }
+    }
+
     pub fn bearer(&self, role: Role) -> Option<String> {
         self.token(role).map(|token| format!("Bearer {token}"))
     }

@@ -318,7 +318,7 @@ pub struct RuntimeConfig {
     /// Heavy work runs on threads of its own (applying batches, RocksDB, rollups),
     /// so one is the default: on a machine whose cores the services and the broker
     /// share, more threads per service only contend for them and lengthen the
-    /// read tail (BENCHMARKS.md, "One runtime thread per service"). Raise it for a
+    /// read tail (BENCHMARKS.md, "Reads"). Raise it for a
     /// service with cores of its own, e.g. a query pod with 4 CPUs: 4.
     pub worker_threads: usize,
     /// CPU time slice, in µs, that the service's request threads ask Linux for
@@ -351,7 +351,7 @@ pub struct IngesterConfig {
     /// Most input records handled in one batch. A batch becomes one shard record per
     /// shard it touches (format 4; per input partition and shard in formats 1 to 3),
     /// so bigger batches hand the broker fewer, larger records (BENCHMARKS.md,
-    /// "Bigger ingester batches").
+    /// "End to end: ingest").
     pub batch_max_records: usize,
     /// Most input payload bytes held in one batch (memory stays bounded whatever
     /// the records' sizes).
@@ -458,7 +458,7 @@ pub struct CounterConfig {
     /// waits after it was written, so this bounds how soon counts follow the
     /// ingester. Each wait also costs such a broker a look at every shard, until the
     /// consumer rests (`shared::rest`: after 5 s without records); BENCHMARKS.md,
-    /// "The counter's fetch wait, and consumers that rest". A broker that answers as
+    /// "Freshness". A broker that answers as
     /// soon as records arrive (Kafka) makes it only the idle fetches' rhythm.
     pub fetch_wait_ms: u64,
     /// How much lower than the counter's other threads the thread that applies
@@ -596,7 +596,7 @@ pub struct QueryConfig {
     pub owner_wait_ms: u64,
     /// Reads go to the counters over their read links (one binary connection per
     /// counter, shared by concurrent reads); `false`: one JSON request per read over
-    /// HTTP, as before the links (a proxy that drops upgrades falls back by itself).
+    /// HTTP (the fallback: a proxy that drops upgrades falls back by itself).
     pub read_link: bool,
 }
 

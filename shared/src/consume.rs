@@ -60,7 +60,7 @@ impl BatchLimits {
     /// applies at most about half the time, and its batches grow with the load (a
     /// hot key is written once per batch, so bigger batches cost less per record)
     /// rather than its share of the CPU; under light load batches close after
-    /// `linger` as before. After a `full` batch (a backlog) it is `linger`: the
+    /// `linger`. After a `full` batch (a backlog) it is `linger`: the
     /// next batch fills without waiting, and the one that ends the backlog closes
     /// as soon as under light load (a shard catching up is ready no later).
     pub fn open_for(&self, applying: Duration, full: bool) -> Duration {
@@ -320,10 +320,15 @@ impl AdvisoryCommits {
 pub fn commit_advisory<C: ConsumerContext>(consumer: &BaseConsumer<C>, topic: &str, offsets: &[(u32, i64)]) {
     let mut tpl = TopicPartitionList::new();
     for &(partition, next) in offsets {
-        let _ = tpl.add_partition_offset(topic, partition as i32, Offset::Offset(next));
+        if let Err(err) = tpl.add_partition_offset(topic, partition as i32, Offset::Offset(next)) {
+            tracing::warn!(error = %err, topic, partition, next, "not committing an advisory offset");
+        }
     }
     if tpl.count() > 0 {
-        let _ = consumer.commit(&tpl, rdkafka::consumer::CommitMode::Async);
+        if let Err(err) = consumer.commit(&tpl, rdkafka::consumer::CommitMode::Async) {
+            // Advisory: the next commit carries newer offsets.
+            tracing::debug!(error = %err, topic, "an advisory commit failed");
+        }
     }
 }
 
@@ -706,7 +711,8 @@ mod tests {
                 (producing.clone(), client_config(&kafka).unwrap().create::<BaseProducer>().unwrap());
             std::thread::spawn(move || {
                 while producing.load(Ordering::Relaxed) {
-                    let _ = producer.send(BaseRecord::<(), _>::to(topic).payload("x"));
+                    // A record the full queue refuses is one fewer in the trickle.
+                    producer.send(BaseRecord::<(), _>::to(topic).payload("x")).ok();
                     producer.poll(Duration::from_millis(5));
                 }
                 if how == Trickle::StopsDrained {
@@ -714,7 +720,8 @@ mod tests {
                     let headers = OwnedHeaders::new().insert(drained);
                     producer.send(BaseRecord::<(), _>::to(topic).payload("x").headers(headers)).unwrap();
                 }
-                let _ = producer.flush(Duration::from_secs(5));
+                // What is not flushed by now is not waited for by the test.
+                producer.flush(Duration::from_secs(5)).ok();
             })
         };
         let mut consumer_config = crate::kafka::consumer_config(&kafka).unwrap();

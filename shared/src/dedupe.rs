@@ -23,8 +23,14 @@ use std::sync::{Arc, RwLock};
 
 use rocksdb::compaction_filter::Decision;
 
+use crate::lock::{read, write};
 use crate::Result;
 use tally_core::wire::Source;
+
+/// What [`DedupeWindow::stream_time`]'s and [`DedupeWindow::flushed`]'s locks
+/// guard ([`crate::lock`]).
+const STREAM_TIME: &str = "a dedupe window's stream times";
+const FLUSHED: &str = "a dedupe window's stream times as of the last flush";
 
 /// The window and the stream time of each source it expires marks by.
 #[derive(Debug, Clone)]
@@ -51,14 +57,14 @@ impl DedupeWindow {
     /// The stream times of what was committed so far: taken before a flush, they
     /// are at most those of what it wrote.
     pub fn stream_times(&self) -> HashMap<Source, i64> {
-        self.stream_time.read().map(|times| times.clone()).unwrap_or_default()
+        read(&self.stream_time, STREAM_TIME).clone()
     }
 
     /// A flush wrote the commits whose stream times are `times` (taken before it):
     /// marks may now expire by them.
     pub fn flushed(&self, times: HashMap<Source, i64>) {
-        if let Some(Ok(mut flushed)) = self.flushed.as_ref().map(|flushed| flushed.write()) {
-            *flushed = times;
+        if let Some(flushed) = &self.flushed {
+            *write(flushed, FLUSHED) = times;
         }
     }
 
@@ -90,10 +96,9 @@ impl DedupeWindow {
     /// Moves `source`'s stream time forward to `record_time` (never back); call
     /// after the batch holding that record is committed.
     pub fn advance(&self, source: Source, record_time: i64) {
-        if let Ok(mut times) = self.stream_time.write() {
-            let time = times.entry(source).or_insert(record_time);
-            *time = (*time).max(record_time);
-        }
+        let mut times = write(&self.stream_time, STREAM_TIME);
+        let time = times.entry(source).or_insert(record_time);
+        *time = (*time).max(record_time);
     }
 
     /// The compaction filter of the marks' column family.
@@ -102,8 +107,11 @@ impl DedupeWindow {
         move |_level, _key, mark| {
             // A malformed mark stays, for the lookup that meets it to fail loudly.
             let Ok((time, source)) = Self::decode(mark) else { return Decision::Keep };
-            let times = window.flushed.as_ref().unwrap_or(&window.stream_time);
-            let source_time = times.read().ok().and_then(|t| t.get(&source).copied());
+            let (times, name) = match &window.flushed {
+                Some(flushed) => (flushed, FLUSHED),
+                None => (&window.stream_time, STREAM_TIME),
+            };
+            let source_time = read(times, name).get(&source).copied();
             let Some(source_time) = source_time else { return Decision::Keep };
             if window.within(time, source_time.min(crate::kafka::now_ms())) {
                 Decision::Keep

@@ -25,6 +25,8 @@ pub enum Error {
     Store(String),
     #[error("outbox relay: {0}")]
     Relay(String),
+    #[error("shard claims: {0}")]
+    Claims(String),
     #[error("local broker: {0}")]
     LocalBroker(String),
     #[error("i/o: {0}")]

@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
 use crate::auth::{AuthConfig, Role};
+use crate::lock::lock;
 use crate::outbox::Relay;
 use crate::{Error, Result};
 use tally_core::wire::DeadLetter;
@@ -55,6 +56,10 @@ pub struct SkipBody {
     /// Why it may be skipped: written into the dead letter.
     pub reason: String,
 }
+
+/// What [`FailureBoard`]'s locks guard ([`crate::lock`]).
+const FAILURES: &str = "a failure board's failures";
+const SKIPS: &str = "a failure board's skip requests";
 
 /// The failures of one service's partitions and the skips asked for them.
 pub struct FailureBoard {
@@ -134,7 +139,7 @@ impl FailureBoard {
         mut resume: impl FnMut(u32, i64) -> Result<()>,
     ) -> u64 {
         let mut skipped = 0;
-        for request in std::mem::take(&mut *self.skips.lock().unwrap_or_else(|p| p.into_inner())) {
+        for request in std::mem::take(&mut *lock(&self.skips, SKIPS)) {
             let result = self.skip(letters, topic, budget, &request, &mut resume);
             let name = (self.name)(request.partition);
             match &result {
@@ -144,7 +149,9 @@ impl FailureBoard {
                 }
                 Err(err) => tracing::error!(partition = %name, offset = request.offset, error = %err, "skip failed"),
             }
-            let _ = request.done.send(result.map_err(|err| err.to_string()));
+            if request.done.send(result.map_err(|err| err.to_string())).is_err() {
+                tracing::debug!(partition = %name, "the skip's requester stopped waiting (timed out) before its answer");
+            }
         }
         skipped
     }
@@ -174,11 +181,11 @@ impl FailureBoard {
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<u32, Failure>> {
-        self.failures.read().unwrap_or_else(|poisoned| poisoned.into_inner())
+        crate::lock::read(&self.failures, FAILURES)
     }
 
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, BTreeMap<u32, Failure>> {
-        self.failures.write().unwrap_or_else(|poisoned| poisoned.into_inner())
+        crate::lock::write(&self.failures, FAILURES)
     }
 }
 
@@ -219,12 +226,7 @@ async fn skip(
         );
     }
     let (done, answer) = oneshot::channel();
-    board.skips.lock().unwrap_or_else(|p| p.into_inner()).push(SkipRequest {
-        partition,
-        offset: body.offset,
-        reason: body.reason,
-        done,
-    });
+    lock(&board.skips, SKIPS).push(SkipRequest { partition, offset: body.offset, reason: body.reason, done });
     match tokio::time::timeout(SKIP_WAIT, answer).await {
         Ok(Ok(Ok(()))) => {
             Json(serde_json::json!({"skipped": body.offset, "resumed_at": body.offset + 1})).into_response()

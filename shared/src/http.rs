@@ -55,7 +55,7 @@ impl IntoResponse for ApiError {
 /// unacknowledged waits until the peer's next packet brings the ACK; the peer
 /// delays its ACK, so on a connection that carries request after request (a read
 /// link: one request every 2 ms at 500 reads/s) every answer waited for the next
-/// request, phase after phase (BENCHMARKS.md, "Nagle on the read link").
+/// request, phase after phase (BENCHMARKS.md, "Reads").
 pub fn no_delay(listener: TcpListener) -> TapIo<TcpListener, fn(&mut TcpStream)> {
     fn set_no_delay(connection: &mut TcpStream) {
         if let Err(err) = connection.set_nodelay(true) {

@@ -25,12 +25,12 @@ impl TopicNames {
         format!("{}{short}", self.prefix)
     }
 
-    /// Producer increments (SPEC §4).
+    /// Producer increments.
     pub fn increments(&self) -> String {
         self.name("increments")
     }
 
-    /// Rejected input with reasons (SPEC §4).
+    /// Rejected input with reasons.
     pub fn dead_letter(&self) -> String {
         self.name("dead-letter")
     }
@@ -40,12 +40,12 @@ impl TopicNames {
         self.name("shards")
     }
 
-    /// Latest bucket values for downstream consumers (SPEC §4).
+    /// Latest bucket values for downstream consumers.
     pub fn rollups(&self) -> String {
         self.name("rollups")
     }
 
-    /// Producer graph updates (SPEC §4).
+    /// Producer graph updates.
     pub fn graph(&self) -> String {
         self.name("graph")
     }
@@ -65,7 +65,7 @@ impl TopicNames {
         self.name("counter-members")
     }
 
-    /// A job queue's topic (SPEC §6).
+    /// A job queue's topic.
     pub fn jobs(&self, queue: &str) -> String {
         self.name(&format!("jobs.{queue}"))
     }
@@ -109,7 +109,7 @@ pub fn client_config(kafka: &KafkaConfig) -> Result<ClientConfig> {
 /// How long a data-path fetch may wait at the broker for data, unless
 /// `kafka.client` says. librdkafka's 500 ms costs nothing on a broker that answers
 /// as soon as data arrives, but some brokers (the local one) hold a fetch for the
-/// whole wait, which caps a consumer at one fetch per wait (`tally bench ingest`:
+/// whole wait, which caps a consumer at one fetch per wait (`tally-bench ingest`:
 /// 2.7× the raw rate of 100-increment messages at 500 ms). Shorter waits cost idle fetches: at 100 ms the
 /// local broker spends 18 % of a core on an idle `tally up` (8 % at 500 ms, 43 % at
 /// 25 ms), so the followers of small internal topics keep librdkafka's default. A
@@ -166,16 +166,14 @@ const PRODUCER_ID_WAIT: Duration = Duration::from_secs(5);
 /// next try, so its first records need not wait for it. librdkafka asks for the id
 /// when a metadata answer comes in, or else on a 500 ms timer; right after a
 /// producer is created its first try finds no connection up (the bootstrap one is
-/// dropped once the answer to it names the broker), so the id came 0.5–1 s after
-/// the producer was created: an ingester's first batch was acknowledged 0.72–0.81 s
-/// after it was read in five of seven starts of `tally bench ingest` (BENCHMARKS.md,
-/// session 36), 0.05–0.07 s when it asked. The relays, the shard claims and the
+/// dropped once the answer to it names the broker), so the id comes 0.5–1 s after
+/// the producer was created unless it is asked for (then 0.05–0.07 s). The relays, the shard claims and the
 /// heartbeats ask when their producer is created (their first records go at once);
 /// the ingester does not, measured. The requests name no topic: a producer's request
 /// for a topic asks the broker to create it when missing (librdkafka's
 /// `allow.auto.create.topics` is on for producers), which would make a topic `tally
 /// topics apply` has not declared yet with the broker's defaults. Blocks up to twice
-/// `PRODUCER_ID_WAIT` (5 s); best effort: unanswered, the id comes as before.
+/// `PRODUCER_ID_WAIT` (5 s); best effort: unanswered, the id comes by librdkafka's own retry.
 pub fn request_producer_id<C: ProducerContext>(producer: &impl Producer<C>) {
     // Twice: the first answer may come over the bootstrap connection, which is
     // dropped as that answer names the broker; the second goes over the broker's own.
@@ -415,7 +413,8 @@ mod tests {
         send(&producer, topic, &[2]);
         poll_for(&producer, Duration::from_secs(26));
         cluster.broker_up(1).unwrap();
-        let _ = producer.flush(Duration::from_secs(20));
+        // Records still undelivered show as such in the reports below.
+        producer.flush(Duration::from_secs(20)).ok();
         let reports = producer.context().0.lock().unwrap().clone();
         if reports.iter().any(|(_, ok)| !ok) {
             // What the ingester and every relay do on a failed delivery: send again

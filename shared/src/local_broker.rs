@@ -56,7 +56,7 @@ pub fn free_port() -> Result<u16> {
     use std::hash::{BuildHasher, Hasher};
     static PICKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     static HANDED_OUT: std::sync::Mutex<BTreeSet<u16>> = std::sync::Mutex::new(BTreeSet::new());
-    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let mut handed_out = crate::lock::lock(&HANDED_OUT, "the ports handed out");
     for _ in 0..200 {
         let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
         hasher.write_u64(PICKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
@@ -153,8 +153,12 @@ impl LocalBroker {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        if let Err(err) = self.child.kill() {
+            tracing::warn!(error = %err, "killing the local broker");
+        }
+        if let Err(err) = self.child.wait() {
+            tracing::warn!(error = %err, "waiting for the local broker to stop");
+        }
     }
 }
 

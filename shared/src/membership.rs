@@ -34,7 +34,12 @@ use tokio_util::sync::CancellationToken;
 use crate::config::KafkaConfig;
 use crate::follow::Follow;
 use crate::kafka::{now_ms, producer_config};
+use crate::lock::{lock, read, write};
 use crate::Result;
+
+/// What [`Membership::latest`]'s and [`Lease::state`]'s locks guard ([`crate::lock`]).
+const LATEST: &str = "the membership's heartbeats";
+const LEASE: &str = "a membership lease";
 
 /// The members seen on a membership topic, and how far it was read.
 #[derive(Default)]
@@ -47,7 +52,7 @@ pub struct Membership {
 
 impl Membership {
     pub fn record(&self, heartbeat: Heartbeat) {
-        let mut latest = self.latest.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut latest = write(&self.latest, LATEST);
         let newer = latest.get(&heartbeat.instance).is_none_or(|h| h.at_ms <= heartbeat.at_ms);
         if newer {
             latest.insert(heartbeat.instance.clone(), heartbeat);
@@ -56,7 +61,7 @@ impl Membership {
 
     /// The members alive at `now`, sorted by instance.
     pub fn live(&self, now: i64, timeout_ms: u64) -> Vec<Member> {
-        let latest = self.latest.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let latest = read(&self.latest, LATEST);
         latest
             .values()
             .filter(|h| !h.leaving && h.at_ms + timeout_ms as i64 > now)
@@ -66,7 +71,7 @@ impl Membership {
 
     /// When `instance`'s newest heartbeat read was sent.
     pub fn heard_at(&self, instance: &str) -> Option<i64> {
-        let latest = self.latest.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let latest = read(&self.latest, LATEST);
         latest.get(instance).map(|h| h.at_ms)
     }
 
@@ -118,7 +123,7 @@ impl Lease {
 
     /// A heartbeat sent at `sent_ms` was acknowledged at `now`.
     pub fn acknowledged(&self, sent_ms: i64, now: i64) {
-        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut state = lock(&self.state, LEASE);
         if state.lapsed || state.until == i64::MAX {
             return;
         }
@@ -139,7 +144,7 @@ impl Lease {
     /// Whether the lease ended while held (checked by the holder, which then drops
     /// everything and calls [`Lease::restart`]).
     pub fn lapsed(&self, now: i64) -> bool {
-        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut state = lock(&self.state, LEASE);
         if !state.fresh && now >= state.until {
             state.lapsed = true;
         }
@@ -149,14 +154,14 @@ impl Lease {
     /// Ends the lease at once (a member that stops): it acts as a holder no more,
     /// before it tells the others it is leaving.
     pub fn end(&self) {
-        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut state = lock(&self.state, LEASE);
         *state = LeaseState { until: 0, fresh: false, lapsed: true };
         self.until.store(0, Ordering::SeqCst);
     }
 
     /// A new tenure, after the holder dropped everything of the lapsed one.
     pub fn restart(&self) {
-        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut state = lock(&self.state, LEASE);
         *state = LeaseState { until: 0, fresh: true, lapsed: false };
         self.until.store(0, Ordering::SeqCst);
     }
@@ -217,7 +222,10 @@ pub fn heartbeat(
             crate::shutdown::sleep_unless(&leave, every);
         }
         send(true);
-        let _ = producer.flush(Duration::from_secs(5));
+        if let Err(err) = producer.flush(Duration::from_secs(5)) {
+            // The others see it leave when its heartbeats time out instead.
+            tracing::warn!(error = %err, "the last heartbeat (leaving) was not flushed");
+        }
     })?;
     Ok(thread)
 }

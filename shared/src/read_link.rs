@@ -82,7 +82,7 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
 /// Woken by a frame, the writer first yields once: tokio runs a task woken by the
 /// running one right after it, so without yielding each read's frame would go out
 /// alone, while the other reads (and answers) already in hand wait to add theirs
-/// (BENCHMARKS.md, "Scheduling hints": 12 % more single reads a second).
+/// (BENCHMARKS.md, "Reads").
 pub async fn write_frames<W: AsyncWrite + Unpin>(
     mut writer: W,
     mut frames: mpsc::UnboundedReceiver<Vec<u8>>,

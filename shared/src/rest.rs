@@ -5,7 +5,7 @@
 //!
 //! A broker that holds every fetch for the consumer's whole wait (the local one)
 //! looks at each partition once per wait, records or not, and those looks take the
-//! cores the read path shares (BENCHMARKS.md, "Where the idle tail goes"). A shorter
+//! cores the read path shares (BENCHMARKS.md, "Reads"). A shorter
 //! wait brings a record to the processor sooner but costs more looks. Resting keeps
 //! both: a short wait while records flow, and while none do, one look at the ends
 //! per [`REST_CHECK`] instead of a fetch per wait. A record written while the loop
@@ -22,7 +22,7 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 /// How long a loop polls nothing before it rests: longer than the pauses within a
 /// load. The local broker answers a backlog's fetches in lumps up to about two seconds
 /// apart (one increment per message), and a look at the ends waits behind them: a
-/// loop that rested between lumps came to the next one late (`tally bench ingest`:
+/// loop that rested between lumps came to the next one late (`tally-bench ingest`:
 /// 0.83-0.88x raw at one second against 0.89-0.91x not resting).
 pub const REST_AFTER: Duration = Duration::from_secs(5);
 /// How often a resting loop asks for its partitions' ends.
@@ -167,7 +167,9 @@ impl Rest {
             let mut element = tpl.add_partition(&self.topics[topic], partition as i32);
             if let Some(offset) = offset {
                 // Only an offset out of librdkafka's range fails, and `End` is not.
-                let _ = element.set_offset(offset);
+                if let Err(err) = element.set_offset(offset) {
+                    tracing::warn!(error = %err, topic = %self.topics[topic], partition, "a partition's offset not set");
+                }
             }
         }
         tpl

@@ -8,7 +8,7 @@
 //! the thread on its core to use up its slice — while its share of the CPU stays
 //! what its nice value gives it. On cores that the services share with each other
 //! and the broker, that wait is what a read's p99 is made of (BENCHMARKS.md,
-//! "Scheduling hints").
+//! "Reads").
 //!
 //! Every service's runtime threads (async workers and the blocking pool) take
 //! `runtime.latency_slice_us` ([`crate::service`]); threads and processes they start
@@ -170,7 +170,9 @@ where
     let spawned = background_thread(name, move || {
         let _context = runtime.as_ref().map(|runtime| runtime.enter());
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
-        let _ = done.send(result.map_err(|panic| panic_message(&*panic)));
+        if done.send(result.map_err(|panic| panic_message(&*panic))).is_err() {
+            tracing::debug!("a background thread's result is no longer waited for");
+        }
     });
     if let Err(err) = spawned {
         return Err(format!("cannot start thread {name}: {err}"));

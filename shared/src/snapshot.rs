@@ -468,7 +468,9 @@ impl Snapshotter {
                     }
                 }
             }
-            let _ = reply.send(answer.map(|()| now));
+            if reply.send(answer.map(|()| now)).is_err() {
+                tracing::debug!("the snapshot's requester stopped waiting before its answer");
+            }
         }
         for (name, store) in stores {
             match self.consider(name, store) {
@@ -554,6 +556,9 @@ impl Snapshotter {
     }
 }
 
+/// What [`SnapshotRequests`]' lock guards ([`crate::lock`]).
+const SNAPSHOT_REQUESTS: &str = "the snapshot requests";
+
 /// An answer to an operator's snapshot request: the snapshots stored, or what failed.
 pub type SnapshotReply = tokio::sync::oneshot::Sender<std::result::Result<Vec<Manifest>, String>>;
 
@@ -566,12 +571,12 @@ pub struct SnapshotRequests(std::sync::Mutex<Vec<SnapshotReply>>);
 
 impl SnapshotRequests {
     fn push(&self, reply: SnapshotReply) {
-        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(reply);
+        crate::lock::lock(&self.0, SNAPSHOT_REQUESTS).push(reply);
     }
 
     /// The requests waiting, to be answered now.
     pub fn take(&self) -> Vec<SnapshotReply> {
-        std::mem::take(&mut *self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+        std::mem::take(&mut *crate::lock::lock(&self.0, SNAPSHOT_REQUESTS))
     }
 }
 

@@ -80,9 +80,7 @@ impl Store {
     }
 
     fn committed(&self) -> MutexGuard<'_, Progress> {
-        // Only the thread committing writes it, whole; a panic there cannot leave
-        // it half-written.
-        self.progress.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        crate::lock::lock(&self.progress, "a store's committed progress")
     }
 
     /// A copy of the committed progress.

@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;
 
 use crate::config::{LogConfig, LogFormat};
+use crate::lock::{read, write};
 use crate::Result;
 
 /// Installs the global tracing subscriber. `RUST_LOG`, when set, wins over the
@@ -28,16 +29,23 @@ pub fn init_logging(config: &LogConfig) {
     // Colours only on a terminal: log files and collectors get plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
-    let _ = match config.format {
+    let installed = match config.format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
     };
+    if let Err(err) = installed {
+        // To the subscriber installed before.
+        tracing::debug!(error = %err, "logging was set up already; the first setup stays");
+    }
 }
 
 /// Whether the service is ready to serve: set by the service from its real state
 /// (connected, owning what it should), and never while something it owns failed.
 #[derive(Clone, Default)]
 pub struct Readiness(Arc<ReadinessState>);
+
+/// What [`ReadinessState::failures`]' lock guards ([`crate::lock`]).
+const FAILURES: &str = "the readiness's failures";
 
 #[derive(Default)]
 struct ReadinessState {
@@ -53,17 +61,11 @@ impl Readiness {
 
     /// Replaces the list of failures; any failure makes the service not ready.
     pub fn set_failures(&self, failures: Vec<String>) {
-        match self.0.failures.write() {
-            Ok(mut current) => *current = failures,
-            Err(poisoned) => *poisoned.into_inner() = failures,
-        }
+        *write(&self.0.failures, FAILURES) = failures;
     }
 
     pub fn failures(&self) -> Vec<String> {
-        match self.0.failures.read() {
-            Ok(failures) => failures.clone(),
-            Err(poisoned) => poisoned.into_inner().clone(),
-        }
+        read(&self.0.failures, FAILURES).clone()
     }
 
     pub fn is_ready(&self) -> bool {
@@ -121,6 +123,9 @@ async fn ready(State(state): State<AdminState>) -> axum::response::Response {
 /// Registers a metric, tolerating double registration (tests start a service twice
 /// in one process).
 pub fn register<M: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: M) -> M {
-    let _ = registry.register(Box::new(metric.clone()));
+    match registry.register(Box::new(metric.clone())) {
+        Ok(()) | Err(prometheus::Error::AlreadyReg) => {}
+        Err(err) => tracing::warn!(error = %err, "a metric not registered"),
+    }
     metric
 }

@@ -39,7 +39,7 @@ pub struct TopicDecl {
     pub fixed_partitions: bool,
 }
 
-/// A job queue (SPEC §6): its topic `jobs.<name>`, its dead topic `jobs.<name>.dead`
+/// A job queue: its topic `jobs.<name>`, its dead topic `jobs.<name>.dead`
 /// and how brokers serve it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -1,5 +1,5 @@
 //! The graph algorithm: which entities' descendant sets a batch of edge updates
-//! changes, and by how much (SPEC §3, Quanta's eager propagation).
+//! changes, and by how much (Quanta's eager propagation).
 //!
 //! desc(a) is every entity reachable from `a` by one or more edges, `a` excluded;
 //! cycles are allowed. A batch of updates is applied to the graph as a whole and

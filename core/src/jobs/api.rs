@@ -1,4 +1,4 @@
-//! The HTTP API of a dequeue broker (SPEC §6), as types shared by `tally-broker`,
+//! The HTTP API of a dequeue broker, as types shared by `tally-broker`,
 //! the worker library and the CLI.
 
 use serde::{Deserialize, Serialize};

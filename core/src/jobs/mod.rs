@@ -1,4 +1,4 @@
-//! Job queues (SPEC §6): the pure parts of a dequeue broker and the job format.
+//! Job queues: the pure parts of a dequeue broker and the job format.
 //!
 //! - [`schedule`]: the retry schedule (exponential backoff between attempts);
 //! - [`partition`]: one queue partition's buffer: leases, retries, delays, the FIFO

@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use crate::records::{truncate_utf8, Truncated};
 use crate::{Error, Result};
 
-/// A record of `tally.dead-letter` (SPEC §4).
+/// A record of `tally.dead-letter`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeadLetter {
     /// Format version ([`crate::format::JSON_V1`]).

@@ -8,7 +8,7 @@ use crate::keys::Count;
 use crate::time::WindowSpec;
 use crate::Result;
 
-/// `kind` of a read (SPEC §5).
+/// `kind` of a read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Kind {

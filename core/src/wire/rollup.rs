@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use crate::keys::Count;
 use crate::{Error, Result};
 
-/// A record of `tally.rollups` (SPEC §4): a bucket's values as its shard held them
+/// A record of `tally.rollups`: a bucket's values as its shard held them
 /// at `position`. A consumer keeps, per key, the record of the newest position
 /// ([`crate::rollups::LatestRollups`]); an expired bucket's last record is a
 /// tombstone (no payload) whose position is in its [`ROLLUP_POSITION_HEADER`].

@@ -85,7 +85,7 @@ fn sections_of_several_sources_read_back_with_their_times() {
         (90, ShardMessage::Increments { source: p5, entries: second.clone() }),
     ];
     assert_eq!(ShardMessage::decode_sections(&bytes, 7).unwrap(), want);
-    let unpacked = crate::packed::unpack(&bytes).unwrap();
+    let unpacked = crate::wire::packed::unpack(&bytes).unwrap();
     let borrowed = ShardMessageRef::decode_sections(&unpacked, 7).unwrap();
     let summary: Vec<(i64, u32, usize)> = borrowed
         .iter()
@@ -153,10 +153,11 @@ fn size_bounds_hold_for_encoded_messages() {
         (i64::MAX, ShardMessage::encode_increments(source, halves.1, crate::format::RECORD_V2).unwrap()),
     ];
     let bundle = ShardMessage::bundle(&sections).unwrap();
-    let bound: usize = sections.iter().map(|(_, record)| record.len() + crate::bundle::SECTION_OVERHEAD).sum::<usize>()
-        + crate::bundle::BUNDLE_OVERHEAD;
+    let bound: usize =
+        sections.iter().map(|(_, record)| record.len() + crate::wire::bundle::SECTION_OVERHEAD).sum::<usize>()
+            + crate::wire::bundle::BUNDLE_OVERHEAD;
     assert!(bundle.len() <= bound, "{} > {bound}", bundle.len());
-    let unpacked = crate::packed::unpack(&bundle).unwrap();
+    let unpacked = crate::wire::packed::unpack(&bundle).unwrap();
     assert!(unpacked.len() <= bound, "{} > {bound}", unpacked.len());
     // The borrowed form the ingester routes encodes to the same bytes.
     let borrowed: Vec<(Stamp, IncrementCow<'_>)> = entries

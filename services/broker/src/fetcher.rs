@@ -22,13 +22,16 @@ use tally_core::jobs::Job;
 use tally_core::wire::DeadLetter;
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{client_config, now_ms, unstamped_producer_config, TopicNames};
+use tally_shared::lock::lock;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::Result;
-use crate::state::{Broker, QueueRuntime};
+use crate::state::{Broker, QueueRuntime, BUFFER, LAG, OWNERS, PARTITIONS};
 use tally_shared::membership::Membership;
 
 const COMMIT_EVERY: Duration = Duration::from_secs(1);
+/// What [`LetterContext::written`]'s lock guards ([`tally_shared::lock`]).
+const WRITTEN: &str = "the dead letters written";
 
 pub struct FetcherSetup {
     pub config: TallyConfig,
@@ -76,9 +79,7 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                         }
                     }
                 }
-                if let Ok(mut current) = queue.owners.lock() {
-                    *current = owners;
-                }
+                *lock(&queue.owners, OWNERS) = owners;
                 reconcile(&consumer, &broker, queue, &desired, &mut pending, &mut paused, settle)?;
             }
         }
@@ -87,7 +88,7 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                 Ok(message) => {
                     let Some(queue) = by_topic.get(message.topic()) else { continue };
                     let partition = message.partition();
-                    let Some(buffer) = queue.partitions.lock().ok().and_then(|p| p.get(&partition).cloned()) else {
+                    let Some(buffer) = lock(&queue.partitions, PARTITIONS).get(&partition).cloned() else {
                         continue; // revoked meanwhile
                     };
                     let payload = message.payload().unwrap_or_default();
@@ -96,7 +97,7 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                     let max_delay_ms = queue.decl().max_delay_ms();
                     let parsed = Job::parse(payload).and_then(|job| check_delay(job, enqueued_at, max_delay_ms));
                     let (full, rejected) = {
-                        let Ok(mut buffer) = buffer.lock() else { continue };
+                        let mut buffer = lock(&buffer, BUFFER);
                         let rejected = match parsed {
                             Ok(job) => {
                                 buffer.push(message.offset(), job, now);
@@ -136,8 +137,13 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
         }
     }
     commit(&consumer, &broker, CommitMode::Sync);
-    let _ = letters.flush(Duration::from_secs(5));
-    let _ = reporter.join();
+    if let Err(err) = letters.flush(Duration::from_secs(5)) {
+        // Their records stay unfinished, the committed watermarks below them.
+        tracing::warn!(error = %err, "dead letters not flushed at shutdown");
+    }
+    if reporter.join().is_err() {
+        tracing::warn!("the broker's reporter thread panicked");
+    }
     Ok(())
 }
 
@@ -151,13 +157,12 @@ fn reconcile(
     paused: &mut HashSet<Key>,
     settle: Duration,
 ) -> Result<()> {
-    let served: Vec<i32> = queue.partitions.lock().map(|p| p.keys().copied().collect()).unwrap_or_default();
+    let served: Vec<i32> = lock(&queue.partitions, PARTITIONS).keys().copied().collect();
     let mut changed = false;
     for partition in served.iter().filter(|p| !desired.contains(p)) {
-        let removed = queue.partitions.lock().ok().and_then(|mut p| p.remove(partition));
+        let removed = lock(&queue.partitions, PARTITIONS).remove(partition);
         if let Some(buffer) = removed {
-            // A buffer whose holder panicked still knows its watermark; never offset 0.
-            let offset = buffer.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).commit_offset();
+            let offset = lock(&buffer, BUFFER).commit_offset();
             let mut tpl = TopicPartitionList::new();
             tpl.add_partition_offset(&queue.topic, *partition, Offset::Offset(offset))?;
             if let Err(err) = consumer.commit(&tpl, CommitMode::Sync) {
@@ -184,9 +189,7 @@ fn reconcile(
         let mut tpl = TopicPartitionList::new();
         for (partition, start) in acquire.into_iter().zip(starts) {
             let buffer = PartitionQueue::new(queue.decl().policy(), start, broker.next_tenure());
-            if let Ok(mut partitions) = queue.partitions.lock() {
-                partitions.insert(partition, Arc::new(Mutex::new(buffer)));
-            }
+            lock(&queue.partitions, PARTITIONS).insert(partition, Arc::new(Mutex::new(buffer)));
             tpl.add_partition_offset(&queue.topic, partition, Offset::Offset(start))?;
             tracing::info!(queue = %queue.name, partition, start, "serving partition");
         }
@@ -195,7 +198,7 @@ fn reconcile(
     }
     pending.retain(|(name, partition), _| name != &queue.name || desired.contains(partition));
     if changed {
-        let owned = queue.partitions.lock().map(|p| p.len()).unwrap_or(0);
+        let owned = lock(&queue.partitions, PARTITIONS).len();
         queue.set_rate_share(owned);
     }
     Ok(())
@@ -222,8 +225,8 @@ fn resume_drained(consumer: &BaseConsumer, broker: &Broker, paused: &mut HashSet
     let mut resumed = Vec::new();
     for (name, partition) in paused.iter() {
         let Some(queue) = broker.queue(name) else { continue };
-        let buffer = queue.partitions.lock().ok().and_then(|p| p.get(partition).cloned());
-        let has_room = buffer.is_none_or(|b| b.lock().map(|mut b| b.has_room(now_ms())).unwrap_or(true));
+        let buffer = lock(&queue.partitions, PARTITIONS).get(partition).cloned();
+        let has_room = buffer.is_none_or(|b| lock(&b, BUFFER).has_room(now_ms()));
         if has_room {
             let mut tpl = TopicPartitionList::new();
             tpl.add_partition(&queue.topic, *partition);
@@ -241,10 +244,12 @@ fn resume_drained(consumer: &BaseConsumer, broker: &Broker, paused: &mut HashSet
 fn commit(consumer: &BaseConsumer, broker: &Broker, mode: CommitMode) {
     let mut tpl = TopicPartitionList::new();
     for queue in broker.queues() {
-        let Ok(partitions) = queue.partitions.lock() else { continue };
+        let partitions = lock(&queue.partitions, PARTITIONS);
         for (partition, buffer) in partitions.iter() {
-            let Ok(buffer) = buffer.lock() else { continue };
-            let _ = tpl.add_partition_offset(&queue.topic, *partition, Offset::Offset(buffer.commit_offset()));
+            let offset = lock(buffer, BUFFER).commit_offset();
+            if let Err(err) = tpl.add_partition_offset(&queue.topic, *partition, Offset::Offset(offset)) {
+                tracing::warn!(error = %err, queue = %queue.name, partition, offset, "not committing a watermark");
+            }
         }
     }
     if tpl.count() > 0 {
@@ -264,11 +269,10 @@ pub fn spawn_reporter(
     let client: BaseConsumer = client_config(&config.kafka)?.create()?;
     let thread = tally_shared::shutdown::every("broker-report", Duration::from_secs(1), shutdown, move || {
         for queue in broker.queues() {
-            let served: Vec<(i32, i64)> = queue
-                .partitions
-                .lock()
-                .map(|p| p.iter().map(|(k, b)| (*k, b.lock().map(|b| b.fetched_until()).unwrap_or(0))).collect())
-                .unwrap_or_default();
+            let served: Vec<(i32, i64)> = lock(&queue.partitions, PARTITIONS)
+                .iter()
+                .map(|(k, b)| (*k, lock(b, BUFFER).fetched_until()))
+                .collect();
             let mut lag = HashMap::new();
             for (partition, fetched) in served {
                 if let Ok((_, high)) = client.fetch_watermarks(&queue.topic, partition, Duration::from_secs(2)) {
@@ -276,9 +280,7 @@ pub fn spawn_reporter(
                 }
             }
             let total: i64 = lag.values().sum();
-            if let Ok(mut current) = queue.lag.lock() {
-                *current = lag;
-            }
+            *lock(&queue.lag, LAG) = lag;
             let name = &queue.name;
             let stats = broker.stats(&queue);
             broker.metrics.consumer_lag.with_label_values(&[name]).set(total);
@@ -321,17 +323,18 @@ struct LetterContext {
 impl LetterContext {
     /// Finishes the rejected records whose dead letters are written.
     fn finish_written(&self, broker: &Broker) {
-        let written = match self.written.lock() {
-            Ok(mut written) if !written.is_empty() => std::mem::take(&mut *written),
-            _ => return,
+        let written = {
+            let mut written = lock(&self.written, WRITTEN);
+            if written.is_empty() {
+                return;
+            }
+            std::mem::take(&mut *written)
         };
         for letter in written {
             let Some(queue) = broker.queue(&letter.queue) else { continue };
-            let buffer = queue.partitions.lock().ok().and_then(|p| p.get(&letter.partition).cloned());
+            let buffer = lock(&queue.partitions, PARTITIONS).get(&letter.partition).cloned();
             if let Some(buffer) = buffer {
-                if let Ok(mut buffer) = buffer.lock() {
-                    buffer.finish_dead(letter.offset);
-                }
+                lock(&buffer, BUFFER).finish_dead(letter.offset);
             }
         }
     }
@@ -349,9 +352,7 @@ impl ProducerContext for LetterContext {
                 "a dead letter was not written; the partition's offset stays below it");
             return;
         }
-        if let Ok(mut written) = self.written.lock() {
-            written.push(*letter);
-        }
+        lock(&self.written, WRITTEN).push(*letter);
     }
 }
 

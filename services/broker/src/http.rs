@@ -1,4 +1,4 @@
-//! The worker API (SPEC §6): dequeue (long poll), ack, nack, extend, the queue
+//! The worker API: dequeue (long poll), ack, nack, extend, the queue
 //! stats, and dead jobs for operators ([`crate::dead`]). Every error is a JSON `{"error":{"code","message"}}` with a 4xx status.
 
 #![allow(clippy::result_large_err)] // handlers return ready responses as errors
@@ -118,8 +118,9 @@ async fn dequeue(
         if left.is_zero() {
             return Json(DequeueResponse { jobs }).into_response();
         }
-        // New jobs notify; delayed jobs and rate-limit tokens come with time.
-        let _ = tokio::time::timeout(left.min(Duration::from_millis(50)), notified).await;
+        // New jobs notify; delayed jobs and rate-limit tokens come with time: after
+        // either, notified or timed out, it looks again.
+        tokio::time::timeout(left.min(Duration::from_millis(50)), notified).await.ok();
     }
 }
 

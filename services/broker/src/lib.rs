@@ -1,4 +1,4 @@
-//! `tally-broker`: a dequeue broker (SPEC §6, Pinterest's Pacer on Kafka).
+//! `tally-broker`: a dequeue broker (Pinterest's Pacer on Kafka).
 //!
 //! - which brokers are alive: heartbeats on `tally.queue-brokers`
 //!   ([`tally_shared::membership`]); every broker derives the same partition owners
@@ -151,7 +151,7 @@ fn watch(
             readiness.set(membership.live(now, timeout_ms).iter().any(|member| member.instance == instance));
         };
         readiness.set(false);
-        let _ = tokio::task::spawn_blocking(move || {
+        let joined = tokio::task::spawn_blocking(move || {
             for (thread, name) in threads.into_iter().zip(NAMES) {
                 if thread.join().is_err() {
                     tracing::error!(thread = name, "a broker thread panicked");
@@ -159,6 +159,9 @@ fn watch(
             }
         })
         .await;
+        if let Err(err) = joined {
+            tracing::warn!(error = %err, "joining the broker threads");
+        }
         died
     })
 }

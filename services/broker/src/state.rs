@@ -13,11 +13,22 @@ use tally_core::jobs::api::{DequeuedJob, PartitionInfo, QueueStats};
 use tally_core::jobs::partition::{Failure, LeaseError, PartitionQueue};
 use tally_core::jobs::DeadJob;
 use tally_shared::kafka::{now_ms, TopicNames};
+use tally_shared::lock::{lock, read, write};
 use tally_shared::topics::QueueDecl;
 use tokio::sync::Notify;
 
 use crate::lease::LeaseSigner;
 use crate::metrics::Metrics;
+
+/// What each lock guards, as [`tally_shared::lock`] names it.
+const DECL: &str = "a queue's settings";
+pub const PARTITIONS: &str = "a queue's partitions";
+pub const BUFFER: &str = "a partition's buffer";
+const LIMITER: &str = "a queue's rate limiter";
+const RATE_WINDOW: &str = "a queue's rate window";
+pub const LAG: &str = "a queue's lag";
+pub const OWNERS: &str = "a queue's partition owners";
+const QUEUES: &str = "the broker's queues";
 
 /// One queue on this broker.
 pub struct QueueRuntime {
@@ -64,7 +75,7 @@ impl QueueRuntime {
 
     /// The queue's current settings.
     pub fn decl(&self) -> RwLockReadGuard<'_, QueueDecl> {
-        self.decl.read().unwrap_or_else(|poisoned| poisoned.into_inner())
+        read(&self.decl, DECL)
     }
 
     /// This broker's share of the queue's rate limit: in proportion to the
@@ -82,17 +93,15 @@ impl QueueRuntime {
             let burst = NonZeroU32::new(((share / 10.0) as u32).max(1))?;
             Some(Arc::new(RateLimiter::direct(Quota::with_period(period)?.allow_burst(burst))))
         });
-        if let Ok(mut current) = self.limiter.lock() {
-            *current = limiter;
-        }
+        *lock(&self.limiter, LIMITER) = limiter;
     }
 
     fn served(&self) -> Vec<(i32, Arc<Mutex<PartitionQueue>>)> {
-        self.partitions.lock().map(|p| p.iter().map(|(k, v)| (*k, v.clone())).collect()).unwrap_or_default()
+        lock(&self.partitions, PARTITIONS).iter().map(|(k, v)| (*k, v.clone())).collect()
     }
 
     fn partition(&self, partition: i32) -> Option<Arc<Mutex<PartitionQueue>>> {
-        self.partitions.lock().ok()?.get(&partition).cloned()
+        lock(&self.partitions, PARTITIONS).get(&partition).cloned()
     }
 }
 
@@ -140,7 +149,7 @@ impl Broker {
     /// Serves a queue, or takes newer settings of one served: the rate limit and
     /// partition count apply at once, buffer settings to partitions taken from now.
     pub fn declare(&self, decl: QueueDecl, names: &TopicNames) {
-        let Ok(mut queues) = self.queues.write() else { return };
+        let mut queues = write(&self.queues, QUEUES);
         match queues.get(&decl.name) {
             Some(queue) => {
                 if *queue.decl() == decl {
@@ -148,16 +157,12 @@ impl Broker {
                 }
                 tracing::info!(queue = %decl.name, "queue settings changed");
                 let policy = decl.policy();
-                if let Ok(mut current) = queue.decl.write() {
-                    *current = decl;
-                }
+                *write(&queue.decl, DECL) = decl;
                 // Partitions held now take the new buffer settings at once.
                 for (_, buffer) in queue.served() {
-                    if let Ok(mut buffer) = buffer.lock() {
-                        buffer.set_policy(policy.clone());
-                    }
+                    lock(&buffer, BUFFER).set_policy(policy.clone());
                 }
-                let owned = queue.partitions.lock().map(|p| p.len()).unwrap_or(0);
+                let owned = lock(&queue.partitions, PARTITIONS).len();
                 queue.set_rate_share(owned);
             }
             None => {
@@ -170,7 +175,7 @@ impl Broker {
 
     /// Every queue served.
     pub fn queues(&self) -> Vec<Arc<QueueRuntime>> {
-        self.queues.read().map(|q| q.values().cloned().collect()).unwrap_or_default()
+        read(&self.queues, QUEUES).values().cloned().collect()
     }
 
     /// The tenure of a partition taken now.
@@ -179,13 +184,13 @@ impl Broker {
     }
 
     pub fn queue(&self, name: &str) -> Option<Arc<QueueRuntime>> {
-        self.queues.read().ok()?.get(name).cloned()
+        read(&self.queues, QUEUES).get(name).cloned()
     }
 
     /// Hands out up to `max` ready jobs of `queue` from the partitions served here,
     /// within the rate limit.
     pub fn dequeue(&self, queue: &QueueRuntime, max: usize, lease_ms: i64, now: i64) -> Vec<DequeuedJob> {
-        let limiter = queue.limiter.lock().ok().and_then(|l| l.clone());
+        let limiter = lock(&queue.limiter, LIMITER).clone();
         let mut allowed = max;
         if let Some(limiter) = &limiter {
             allowed = (0..max).take_while(|_| limiter.check().is_ok()).count();
@@ -201,7 +206,7 @@ impl Broker {
                 break;
             }
             let (partition, buffer) = &served[(start + i) % served.len()];
-            let Ok(mut buffer) = buffer.lock() else { continue };
+            let mut buffer = lock(buffer, BUFFER);
             for handout in buffer.dequeue(allowed - jobs.len(), now, lease_ms) {
                 jobs.push(DequeuedJob {
                     id: handout.job.id,
@@ -227,7 +232,7 @@ impl Broker {
                 .leases
                 .check(token)
                 .and_then(|(partition, lease)| Some((queue.partition(partition)?, lease)))
-                .and_then(|(buffer, lease)| buffer.lock().ok()?.ack(lease).ok());
+                .and_then(|(buffer, lease)| lock(&buffer, BUFFER).ack(lease).ok());
             match done {
                 Some(_) => acked += 1,
                 None => unknown.push(token.clone()),
@@ -250,7 +255,7 @@ impl Broker {
     ) -> Result<(), LeaseError> {
         let (partition, lease) = self.leases.check(token).ok_or(LeaseError::Unknown)?;
         let buffer = queue.partition(partition).ok_or(LeaseError::Unknown)?;
-        let failure = buffer.lock().map_err(|_| LeaseError::Unknown)?.nack(lease, retry_in_ms, error, now_ms())?;
+        let failure = lock(&buffer, BUFFER).nack(lease, retry_in_ms, error, now_ms())?;
         self.metrics.nacked.with_label_values(&[&queue.name]).inc();
         self.handle_failure(queue, partition, failure);
         Ok(())
@@ -260,7 +265,7 @@ impl Broker {
     pub fn extend(&self, queue: &QueueRuntime, token: &str, lease_ms: i64) -> Result<i64, LeaseError> {
         let (partition, lease) = self.leases.check(token).ok_or(LeaseError::Unknown)?;
         let buffer = queue.partition(partition).ok_or(LeaseError::Unknown)?;
-        let mut buffer = buffer.lock().map_err(|_| LeaseError::Unknown)?;
+        let mut buffer = lock(&buffer, BUFFER);
         buffer.extend(lease, lease_ms, now_ms())
     }
 
@@ -269,10 +274,7 @@ impl Broker {
         let now = now_ms();
         for queue in self.queues() {
             for (partition, buffer) in queue.served() {
-                let failures = match buffer.lock() {
-                    Ok(mut buffer) => buffer.expire(now),
-                    Err(_) => continue,
-                };
+                let failures = lock(&buffer, BUFFER).expire(now);
                 for failure in failures {
                     if let Failure::Retry { offset, .. } = &failure {
                         tracing::info!(queue = %queue.name, partition, offset, "lease expired; the job will run again");
@@ -329,9 +331,7 @@ impl Broker {
             }
         }
         if let Some(buffer) = queue.partition(partition) {
-            if let Ok(mut buffer) = buffer.lock() {
-                buffer.finish_dead(offset);
-            }
+            lock(&buffer, BUFFER).finish_dead(offset);
         }
         queue.dead.fetch_add(1, Ordering::Relaxed);
         self.metrics.dead.with_label_values(&[&queue.name]).inc();
@@ -341,8 +341,8 @@ impl Broker {
     pub fn stats(&self, queue: &QueueRuntime) -> QueueStats {
         let now = now_ms();
         let served: BTreeMap<i32, _> = queue.served().into_iter().collect();
-        let lag = queue.lag.lock().map(|l| l.clone()).unwrap_or_default();
-        let owners = queue.owners.lock().map(|o| o.clone()).unwrap_or_default();
+        let lag = lock(&queue.lag, LAG).clone();
+        let owners = lock(&queue.owners, OWNERS).clone();
         let decl = queue.decl().clone();
         let mut stats = QueueStats {
             queue: queue.name.clone(),
@@ -355,10 +355,8 @@ impl Broker {
         for partition in 0..decl.partitions {
             let mut info = PartitionInfo { partition, owner: owners.get(&partition).cloned(), ..Default::default() };
             if let Some(buffer) = served.get(&partition) {
-                if let Ok(buffer) = buffer.lock() {
-                    let s = buffer.stats(now);
-                    info = PartitionInfo { ready: s.ready, delayed: s.delayed, in_flight: s.in_flight, ..info };
-                }
+                let s = lock(buffer, BUFFER).stats(now);
+                info = PartitionInfo { ready: s.ready, delayed: s.delayed, in_flight: s.in_flight, ..info };
                 info.owned_here = true;
                 info.lag = lag.get(&partition).copied().unwrap_or(0);
                 stats.depth += (info.ready + info.delayed) as i64 + info.lag;
@@ -373,7 +371,7 @@ impl Broker {
     /// Jobs handed out per second since the last call (at least a second apart).
     fn rate(&self, queue: &QueueRuntime, now: i64) -> f64 {
         let handed = queue.handed.load(Ordering::Relaxed);
-        let Ok(mut window) = queue.rate_window.lock() else { return 0.0 };
+        let mut window = lock(&queue.rate_window, RATE_WINDOW);
         let (since, count, rate) = *window;
         if now - since >= 1_000 {
             let fresh = (handed - count) as f64 * 1_000.0 / (now - since) as f64;

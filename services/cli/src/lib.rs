@@ -1,14 +1,8 @@
 //! `tally`, the command line: `up` runs the whole pipeline on one machine; the other
-//! subcommands apply topics, produce test input, read counters and run benchmarks.
+//! subcommands apply topics, produce test input, read counters and jobs, and act on shards
+//! and snapshots. Benchmarks are `tally-bench`'s (the `bench/` crate).
 
-pub mod bench_freshness;
-pub mod bench_graph;
-pub mod bench_jobs;
-pub mod bench_parse;
-pub mod bench_pipeline;
-pub mod cpu;
 pub mod jobs;
-pub mod read_phase;
 pub mod shards;
 pub mod snapshots;
 pub mod up;
@@ -75,11 +69,6 @@ enum Command {
     Config {
         #[command(subcommand)]
         command: ConfigCommand,
-    },
-    /// Run a benchmark and print its figures.
-    Bench {
-        #[command(subcommand)]
-        command: BenchCommand,
     },
 }
 
@@ -164,70 +153,6 @@ struct QueryArgs {
     url: Option<String>,
 }
 
-#[derive(Subcommand)]
-enum BenchCommand {
-    /// End to end: increments/s from a backlog through the ingester and a counter vs the raw consume rate.
-    Ingest(bench_pipeline::IngestBenchArgs),
-    /// Read latency through tally-query (p50/p99/p999), idle and while ingesting.
-    Read(bench_pipeline::ReadBenchArgs),
-    /// How soon a read shows an increment after it was sent, idle and under steady loads.
-    Freshness(bench_freshness::FreshnessBenchArgs),
-    /// A dequeue broker: dequeue latency, dequeue → ack round trips and jobs/s vs the raw consume rate.
-    Jobs(bench_jobs::JobsBenchArgs),
-    /// What hierarchy costs: an edge add with many ancestors, increments with three levels of ancestors.
-    Graph {
-        #[arg(long, default_value_t = 10_000)]
-        ancestors: usize,
-        /// Unaffected edges elsewhere in the graph.
-        #[arg(long, default_value_t = 100_000)]
-        bystanders: usize,
-        #[arg(long, default_value_t = 10_000)]
-        increments: usize,
-        #[arg(long, default_value_t = 8)]
-        shards: u32,
-        /// Edge adds and removes timed in the latency shape (medians printed).
-        #[arg(long, default_value_t = 21)]
-        repeats: usize,
-    },
-    /// Time for a shard that lost its disk to serve again: restored from a snapshot
-    /// (and the log after it) vs replaying its whole log, at several history sizes.
-    Restore {
-        /// Increments of history before the snapshot, comma-separated; one run each.
-        #[arg(long, value_delimiter = ',', default_values_t = [1_000_000usize, 10_000_000])]
-        history: Vec<usize>,
-        /// Increments after the snapshot (the tail a restore replays).
-        #[arg(long, default_value_t = 100_000)]
-        tail: usize,
-    },
-    /// The ingester's parse on one thread: arrays of valid increments (one pass) vs the
-    /// same with an element to reject (element by element); with `--per-message 1`,
-    /// single objects read by the scanner vs serde_json.
-    Parse {
-        #[arg(long, default_value_t = 20_000)]
-        messages: usize,
-        #[arg(long, default_value_t = 100)]
-        per_message: usize,
-        /// Rounds of each way, alternating; the best of each counts.
-        #[arg(long, default_value_t = 5)]
-        rounds: usize,
-    },
-    /// The counter apply path vs a per-event, no-coalescing baseline.
-    Counter {
-        #[arg(long, default_value_t = 5_000_000)]
-        increments: usize,
-        #[arg(long, default_value_t = 200_000)]
-        baseline_increments: usize,
-        #[arg(long, default_value_t = 100_000)]
-        entities: usize,
-        /// Spread of event times before now, in ms (10 s: a live stream; 3600000: an hour of backfill).
-        #[arg(long, default_value_t = 10_000)]
-        event_spread_ms: i64,
-        /// Payload bytes per applied batch (default: `counter.batch_max_bytes` of the config).
-        #[arg(long)]
-        batch_max_bytes: Option<usize>,
-    },
-}
-
 /// Whether `args` (the words after `tally`) is a command line `tally` accepts; the
 /// parser's message when not.
 pub fn check_command_line(args: &[String]) -> Result<(), String> {
@@ -266,11 +191,8 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         return config_check(cli.config.as_deref());
     }
     let config = TallyConfig::load(cli.config.as_deref())?;
-    if matches!(cli.command, Command::Bench { .. }) {
-        println!("RocksDB: {}", rocksdb_build());
-    }
     match cli.command {
-        Command::Up(args) => up::run(config, cli.config, args).await,
+        Command::Up(args) => up::run(config, args).await,
         Command::Topics { command: TopicsCommand::Apply { file } } => topics_apply(&config, file).await,
         Command::Produce { command: ProduceCommand::Increment { entity, metric, delta, ts, id } } => {
             let mut body = serde_json::json!({"entity": entity, "metric": metric, "delta": delta});
@@ -305,56 +227,6 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Snapshot { command: None } => snapshots::take_now(&config).await,
         Command::Restore(args) => snapshots::restore(&config, args).await,
         Command::Query(args) => query(&config, args).await,
-        Command::Bench {
-            command:
-                BenchCommand::Counter { increments, baseline_increments, entities, event_spread_ms, batch_max_bytes },
-        } => {
-            let options = tally_counter::bench::BenchOptions {
-                increments,
-                baseline_increments,
-                entities,
-                event_spread_ms,
-                batch_max_bytes: batch_max_bytes.unwrap_or(config.counter.batch_max_bytes),
-                ..Default::default()
-            };
-            bench_counter(options).await
-        }
-        Command::Bench { command: BenchCommand::Ingest(args) } => {
-            bench_pipeline::ingest(config, cli.config, args).await
-        }
-        Command::Bench { command: BenchCommand::Read(args) } => bench_pipeline::read(config, cli.config, args).await,
-        Command::Bench { command: BenchCommand::Freshness(args) } => {
-            bench_freshness::run(config, cli.config, args).await
-        }
-        Command::Bench { command: BenchCommand::Jobs(args) } => bench_jobs::run(config, args).await,
-        Command::Bench { command: BenchCommand::Parse { messages, per_message, rounds } } => {
-            println!("parse bench: {messages} messages of {per_message} increments (Zipf entities), {rounds} rounds each way, one thread");
-            let figures =
-                tokio::task::spawn_blocking(move || bench_parse::run(messages, per_message, rounds)).await??;
-            println!("one pass (every element valid): {:>12.0} increments per CPU-second", figures.one_pass);
-            println!("{}: {:>8.0} increments per CPU-second", figures.baseline, figures.element_by_element);
-            println!("ratio: {:.2}x", figures.one_pass / figures.element_by_element);
-            Ok(())
-        }
-        Command::Bench { command: BenchCommand::Restore { history, tail } } => bench_restore(history, tail).await,
-        Command::Bench { command: BenchCommand::Graph { ancestors, bystanders, increments, shards, repeats } } => {
-            let options = tally_counter::bench_graph::GraphBenchOptions { ancestors, bystanders, increments, shards };
-            bench_graph::run(options, repeats).await
-        }
-    }
-}
-
-/// Which RocksDB this build runs on: Debian's shared library (what debug builds link,
-/// `.cargo/config.toml`) is built with its assertions on and runs the counter's hot
-/// paths at up to half the speed of one compiled from source, so a benchmark says so.
-/// It looks at this process; the services a benchmark starts come from the same build.
-fn rocksdb_build() -> &'static str {
-    match std::fs::read_to_string("/proc/self/maps") {
-        Ok(maps) if maps.contains("librocksdb.so") => {
-            "Debian's shared library (built with assertions: counter figures up to 2x slower than BENCHMARKS.md's; build with ROCKSDB_COMPILE=1)"
-        }
-        Ok(_) => "compiled in from source (ROCKSDB_COMPILE=1)",
-        Err(_) => "unknown (/proc/self/maps unreadable)",
     }
 }
 
@@ -458,48 +330,5 @@ async fn get_and_print(config: &TallyConfig, url: &str) -> anyhow::Result<()> {
     if !status.is_success() {
         bail!("{status}");
     }
-    Ok(())
-}
-
-async fn bench_restore(histories: Vec<usize>, tail: usize) -> anyhow::Result<()> {
-    let workload = tally_counter::bench::BenchOptions::default();
-    println!(
-        "restore bench: one shard's log of {histories:?} increments of history and {tail} after the snapshot, {} entities, Zipf s={}, {} increments/record; RocksDB and the snapshot store (a local directory) on disk",
-        workload.entities, workload.zipf_exponent, workload.increments_per_record
-    );
-    let options = tally_counter::bench_restore::RestoreBenchOptions { histories, tail, workload };
-    let dir = tempfile::Builder::new().prefix("tally-bench").tempdir_in(".")?;
-    let path = dir.path().to_path_buf();
-    let runtime = tokio::runtime::Handle::current();
-    let figures =
-        tokio::task::spawn_blocking(move || tally_counter::bench_restore::run(&options, &path, runtime)).await??;
-    for f in figures {
-        println!(
-            "history {:>10}: replay {:>7.2} s   restore {:>6.2} s (snapshot {:.1} MB + tail)   {:.1}x",
-            f.history,
-            f.replay_seconds,
-            f.restore_seconds,
-            f.snapshot_bytes as f64 / 1e6,
-            f.ratio()
-        );
-    }
-    Ok(())
-}
-
-async fn bench_counter(options: tally_counter::bench::BenchOptions) -> anyhow::Result<()> {
-    println!(
-        "counter apply bench: {} increments (baseline {}), {} entities, Zipf s={}, {} increments/record, batches of {} bytes, events over the last {} ms, RocksDB on disk",
-        options.increments, options.baseline_increments, options.entities, options.zipf_exponent, options.increments_per_record, options.batch_max_bytes, options.event_spread_ms
-    );
-    let dir = tempfile::Builder::new().prefix("tally-bench").tempdir_in(".")?;
-    let path = dir.path().to_path_buf();
-    let report = tokio::task::spawn_blocking(move || tally_counter::bench::run(&options, &path)).await??;
-    println!(
-        "coalesced batches : {:>12.0} increments/s ({:.0} increments and {:.0} keys written per batch)",
-        report.coalesced_per_sec, report.increments_per_batch, report.keys_per_batch
-    );
-    println!("  on the apply thread: {:>10.0} increments per CPU-second", report.coalesced_per_cpu_sec);
-    println!("per-event baseline: {:>12.0} increments/s", report.baseline_per_sec);
-    println!("ratio             : {:>12.1}x", report.ratio());
     Ok(())
 }

@@ -11,8 +11,9 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Subcommand;
 use tally_core::wire::ShardOwner;
+use tally_shared::claims::ClaimTable;
 use tally_shared::config::TallyConfig;
-use tally_shared::kafka::{read_to_end, TopicNames};
+use tally_shared::kafka::TopicNames;
 
 #[derive(Subcommand)]
 pub enum ShardsCommand {
@@ -79,24 +80,15 @@ pub async fn post_internal(
     Ok(answer)
 }
 
-/// The latest claim on every shard (and the graph), from the shard-owners topic:
-/// the read address of its owner, `None` when it was let go.
+/// The latest claim on every shard (and the graph), from the shard-owners topic
+/// ([`ClaimTable::read_once`]: a record this build cannot read is an error): the
+/// read address of its owner, `None` when it was let go.
 pub async fn claims(config: &TallyConfig) -> anyhow::Result<HashMap<u32, Option<String>>> {
     let topic = TopicNames::new(&config.kafka.topic_prefix).shard_owners();
     let kafka = config.kafka.clone();
-    let records = tokio::task::spawn_blocking(move || read_to_end(&kafka, &topic, Duration::from_secs(30))).await??;
-    let mut claims: HashMap<u32, (Option<String>, i64)> = HashMap::new();
-    for record in records {
-        // Claims of other formats are not this build's to follow; the newest epoch
-        // wins (`ShardOwner::replaces`), as in tally-query.
-        if let Ok(claim) = ShardOwner::decode(&record) {
-            let current = claims.get(&claim.shard).map(|(addr, epoch)| (addr.is_some(), *epoch));
-            if claim.replaces(current) {
-                claims.insert(claim.shard, (claim.addr, claim.at_ms));
-            }
-        }
-    }
-    Ok(claims.into_iter().map(|(shard, (addr, _))| (shard, addr)).collect())
+    let table =
+        tokio::task::spawn_blocking(move || ClaimTable::read_once(&kafka, &topic, Duration::from_secs(30))).await??;
+    Ok(table.owners())
 }
 
 /// The read address of the process that claims `shard`, from the shard-owners topic.

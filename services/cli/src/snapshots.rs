@@ -10,6 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{now_ms, TopicNames};
 use tally_shared::snapshot::{Manifest, SnapshotStore};
+use tally_shared::store_name::StoreName;
 
 /// `tally snapshot`: asks every counter and tally-graph (found on the shard-owners
 /// topic) to snapshot what it serves now, and waits until all are stored.
@@ -71,24 +72,35 @@ pub struct RestoreArgs {
     pub into: PathBuf,
 }
 
-/// The snapshots of every counter shard and of the graph, newest first, with where
-/// each store restores to under `into`.
+/// The snapshots of every counter shard and of the graph, newest first, with the
+/// store each restores and where it goes under `into`.
 fn candidates(
     snapshots: &SnapshotStore,
     names: &TopicNames,
     into: &Path,
-) -> anyhow::Result<Vec<(Vec<Manifest>, PathBuf)>> {
+) -> anyhow::Result<Vec<(Vec<Manifest>, StoreName, PathBuf)>> {
     let mut found = Vec::new();
-    for name in snapshots.names(&names.shards())? {
-        let shard = name.rsplit('/').next().unwrap_or_default().to_string();
-        found.push((snapshots.list(&name)?, into.join("counter").join(shard)));
+    for store in stores(snapshots, names)? {
+        let dir = store.restore_dir(into);
+        found.push((snapshots.list(&store.to_string())?, store, dir));
     }
-    found.push((snapshots.list(&format!("{}/graph", names.graph_updates()))?, into.join("graph")));
-    found.retain(|(manifests, _)| !manifests.is_empty());
-    for (manifests, _) in &mut found {
+    found.retain(|(manifests, _, _)| !manifests.is_empty());
+    for (manifests, _, _) in &mut found {
         manifests.reverse();
     }
     Ok(found)
+}
+
+/// Every store the snapshot store holds snapshots of for the deployment `names`: the
+/// counter shards listed under the shard topic, and the graph. A name there that
+/// names no store is an error, not skipped: it is not tally's, or not this build's.
+fn stores(snapshots: &SnapshotStore, names: &TopicNames) -> anyhow::Result<Vec<StoreName>> {
+    let mut stores = Vec::new();
+    for name in snapshots.names(&names.shards())? {
+        stores.push(name.parse::<StoreName>().with_context(|| format!("the snapshot store ({name})"))?);
+    }
+    stores.push(StoreName::graph(names));
+    Ok(stores)
 }
 
 pub async fn list(config: &TallyConfig) -> anyhow::Result<()> {
@@ -96,11 +108,9 @@ pub async fn list(config: &TallyConfig) -> anyhow::Result<()> {
     tokio::task::spawn_blocking(move || {
         let snapshots = SnapshotStore::from_config(&config.snapshots, tokio::runtime::Handle::current())?;
         let names = TopicNames::new(&config.kafka.topic_prefix);
-        let mut stores = snapshots.names(&names.shards())?;
-        stores.push(format!("{}/graph", names.graph_updates()));
         let (mut count, mut unreadable) = (0, 0);
-        for name in stores {
-            let listing = snapshots.listing(&name)?;
+        for name in stores(&snapshots, &names)? {
+            let listing = snapshots.listing(&name.to_string())?;
             for skipped in &listing.unreadable {
                 unreadable += 1;
                 println!("{}  UNREADABLE (skipped by restores): {}", skipped.folder, skipped.reason);
@@ -139,10 +149,10 @@ pub async fn restore(config: &TallyConfig, args: RestoreArgs) -> anyhow::Result<
         if found.is_empty() {
             bail!("no snapshots in the snapshot store ({} {})", config.snapshots.url, config.snapshots.dir.display());
         }
-        if let Some((_, dir)) = found.iter().find(|(_, dir)| dir.exists()) {
+        if let Some((_, _, dir)) = found.iter().find(|(_, _, dir)| dir.exists()) {
             bail!("{} exists: restore needs an empty data directory", dir.display());
         }
-        let total: u64 = found.iter().map(|(manifests, _)| manifests[0].bytes()).sum();
+        let total: u64 = found.iter().map(|(manifests, _, _)| manifests[0].bytes()).sum();
         let bar = ProgressBar::new(total);
         bar.set_style(
             ProgressStyle::with_template("{msg:24} [{bar:40}] {bytes}/{total_bytes} {eta}")
@@ -150,14 +160,14 @@ pub async fn restore(config: &TallyConfig, args: RestoreArgs) -> anyhow::Result<
                 .progress_chars("=> "),
         );
         let mut restored = Vec::new();
-        for (manifests, dir) in &found {
+        for (manifests, store, dir) in &found {
             std::fs::create_dir_all(dir.parent().unwrap_or(Path::new(".")))?;
             // The newest that restores whole; one with a file missing or damaged is
             // passed over for the next older (marked beside it, so the service
             // serves it only once caught up).
             let mut chosen = None;
             for manifest in manifests {
-                bar.set_message(manifest.name.rsplit('/').next().unwrap_or_default().to_string());
+                bar.set_message(store.dir_name());
                 match snapshots.restore_with_progress(manifest, dir, |bytes| bar.inc(bytes)) {
                     Ok(()) => {
                         chosen = Some(manifest);
@@ -170,9 +180,15 @@ pub async fn restore(config: &TallyConfig, args: RestoreArgs) -> anyhow::Result<
                 }
             }
             if chosen.is_none() {
-                let _ = std::fs::remove_dir_all(dir.with_extension("restoring"));
+                let partial = dir.with_extension("restoring");
+                match std::fs::remove_dir_all(&partial) {
+                    Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
+                        bar.println(format!("{}: not removed ({err}); delete it by hand", partial.display()));
+                    }
+                    _ => {}
+                }
             }
-            restored.push((manifests[0].name.clone(), chosen, dir));
+            restored.push((store.to_string(), chosen, dir));
         }
         bar.finish_with_message("restored");
         for (name, manifest, dir) in &restored {

@@ -157,3 +157,18 @@ fn command_lines_split_like_a_shell() {
     assert!(tally_cli::check_command_line(&["jobs".into(), "nonsense".into()]).is_err(), "a refusal is seen");
     assert_eq!(tally_cli::check_command_line(&["query".into(), "--help".into()]), Ok(()), "help is not a refusal");
 }
+
+/// The shipped `tally` links tally's libraries only — no service, no benchmark:
+/// ARCHITECTURE.md's invariant, read off its manifest.
+#[test]
+fn the_cli_depends_on_the_libraries_only() {
+    let manifest: toml::Table = read("services/cli/Cargo.toml").parse().unwrap();
+    let tally: Vec<&str> = manifest["dependencies"]
+        .as_table()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .filter(|name| name.starts_with("tally-"))
+        .collect();
+    assert_eq!(tally, vec!["tally-core", "tally-jobs-client", "tally-shared"]);
+}

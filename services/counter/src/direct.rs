@@ -4,7 +4,7 @@
 //! A record of descendant changes moves each origin's retained direct counts into
 //! the totals of the descendants it gains or loses, so it reads them first: a prefix
 //! scan of the origin's count keys, 64 % of the record's time in a profile of
-//! `tally bench graph`'s latency shape (BENCHMARKS.md, "Hierarchy"). An edge high in
+//! `tally-bench graph`'s latency shape (BENCHMARKS.md, "Hierarchy"). An edge high in
 //! the graph changes the same ancestors again and again (a topic's ancestors whenever
 //! it moves), and differential-dataflow, the yardstick, keeps every count in memory.
 //! So an origin read once is cached here with all its direct buckets, and every

@@ -5,8 +5,8 @@
 //! RocksDB: no thread runs for them.
 //!
 //! A flush waits for RocksDB to write the store's memtables and holds the store's
-//! commit lock meanwhile. On the consume loop's thread, as until session 33, it held
-//! up the batches of every shard for that long — a sixth of a counter's stores per
+//! commit lock meanwhile. On the consume loop's thread it would hold up the batches
+//! of every shard for that long — a sixth of a counter's stores per
 //! heartbeat, tens of flushes with hundreds of shards; here it holds up only the next
 //! commit of the shard it flushes.
 

@@ -12,6 +12,10 @@ use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, ConsumerContext};
 use tally_shared::consume::Polled;
+use tally_shared::lock;
+
+/// What the inbox's lock guards, for [`lock::poisoned`].
+const INBOX: &str = "a batch's late records";
 
 /// One batch's late records, polled as each shard starts.
 pub struct LateRecords<'c, C: ConsumerContext> {
@@ -48,9 +52,8 @@ impl<'c, C: ConsumerContext> LateRecords<'c, C> {
     /// `shard` starts: the records that came for it since the batch was polled,
     /// those the consumer holds now included, in offset order.
     pub fn start(&self, shard: u32) -> Vec<Polled> {
-        // Only the threads of one batch take it, for a poll's moments; a panic
-        // while it is held leaves whole records behind.
-        let mut inbox = self.inbox.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        // Only the threads of one batch take it, for a poll's moments.
+        let mut inbox = lock::lock(&self.inbox, INBOX);
         while inbox.bytes < inbox.budget {
             match self.consumer.poll(Duration::ZERO) {
                 Some(Ok(message)) => {
@@ -76,7 +79,7 @@ impl<'c, C: ConsumerContext> LateRecords<'c, C> {
 
     /// What the batch polled and did not apply: the next batch's first records.
     pub fn into_carried(self) -> Vec<Polled> {
-        let inbox = self.inbox.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let inbox = self.inbox.into_inner().unwrap_or_else(|_| lock::poisoned(INBOX));
         let mut carried = inbox.carried;
         // Records of shards that never started (the batch stopped early) go on too.
         carried.extend(inbox.waiting.into_values().flatten());

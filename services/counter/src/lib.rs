@@ -2,11 +2,15 @@
 //! and remote totals to RocksDB exactly once, serves reads for them and publishes
 //! rollups.
 //!
-//! - [`store`]: one shard's RocksDB (counts, idempotency marks, progress), and
-//!   [`operands`]: when a batch writes a count key's sum instead of a merge operand;
-//! - [`apply`]: a batch of shard records → one atomic write batch;
-//! - [`read`]: windows, series and metric listings from a snapshot;
-//! - [`consumer`]: the consumer thread that owns shards and applies batches;
+//! - [`store`]: one shard's RocksDB (counts, idempotency marks, progress) and all
+//!   that is done to it — `store::apply` (a batch of shard records → one atomic
+//!   write batch), `store::read` (windows, series and metric listings from a
+//!   snapshot), `store::rollup_book` (rollup pages and deadlines) — with
+//!   [`operands`] (when a batch writes a count key's sum instead of a merge
+//!   operand), [`direct`], [`views`] and [`marks`] (what it keeps in memory);
+//! - [`consumer`]: the consumer thread that owns shards (taking and dropping them:
+//!   [`context`]) and applies [`batch`]es, with [`late`] records joining them;
+//! - [`snapshots`]: the serving shards' snapshots, on a thread of its own;
 //! - [`flushes`]: flushing the stores that run without the WAL, on a thread of its own;
 //! - [`ownership`]: which shards this counter owns among the live counters, fenced
 //!   by its lease;
@@ -15,11 +19,9 @@
 //! - [`http`]: the internal read API, and [`read_link`] its binary connection;
 //!   [`metrics`]: what it exports.
 
-pub mod apply;
-pub mod bench;
-pub mod bench_graph;
-pub mod bench_restore;
+pub mod batch;
 pub mod consumer;
+pub mod context;
 pub mod direct;
 pub mod error;
 pub mod flushes;
@@ -29,12 +31,11 @@ pub mod marks;
 pub mod metrics;
 pub mod operands;
 pub mod ownership;
-pub mod read;
 pub mod read_link;
 pub mod relay;
-pub mod rollup_book;
 pub mod rollups;
 pub mod shards;
+pub mod snapshots;
 pub mod store;
 pub mod views;
 

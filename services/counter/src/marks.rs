@@ -2,8 +2,8 @@
 //! same mark again.
 //!
 //! Under load the same buckets change batch after batch while their marks wait for
-//! the next round of rollups (at most one a second): writing each mark again was a
-//! third of the counter's CPU per increment (BENCHMARKS.md). A batch writes a mark
+//! the next round of rollups (at most one a second): writing each mark again would be
+//! a third of the counter's CPU per increment (BENCHMARKS.md). A batch writes a mark
 //! only for a key not in this set; the set holds a key only while its mark is in the
 //! store.
 //!
@@ -14,7 +14,7 @@
 //! a batch's "already marked" and its commit. Keys enter the set only after their
 //! marks are committed, and leave it with their marks. The set starts empty when a
 //! store opens (every key is then marked again once: harmless) and is bounded: a key
-//! that does not fit is simply marked every time, as before.
+//! that does not fit is simply marked every time.
 //!
 //! Keys are held as 128-bit hashes (two SipHash-1-3 with random keys): a collision
 //! would skip a mark, and at 2^-128 per pair it is not a risk worth a key's bytes.

@@ -5,8 +5,8 @@
 //! Counts are written as merge operands (the write path reads nothing), and a read
 //! of a key collects and sums every operand down to its last whole value. Under a
 //! backlog the popular keys, the ones read most, get an operand in every batch:
-//! bounding them took batches of 100 reads while ingesting from p50 2.3–2.7 to
-//! 1.6–2.0 ms (BENCHMARKS.md, "Merge operands"). RocksDB's own bound
+//! bounded, batches of 100 reads while ingesting answer sooner (BENCHMARKS.md,
+//! "Reads"). RocksDB's own bound
 //! (`max_successive_merges`) counts a key's operands with a seek into the memtable at
 //! every merge write, a second skiplist search next to the insert's; here the count
 //! is a byte in a fixed table indexed by the key's hash, so a write costs a hash.

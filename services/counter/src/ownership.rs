@@ -17,17 +17,15 @@
 //!   it and names it in readiness; their newest heartbeats alternate, so neither
 //!   settles on an assignment until one is gone: give each counter its own name.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use tally_core::assignment::{balanced, Member};
-use tally_core::wire::ShardOwner;
+use tally_shared::claims::ClaimTable;
 use tally_shared::config::TallyConfig;
-use tally_shared::follow::{follow, Follow};
+use tally_shared::follow::follow;
 use tally_shared::kafka::TopicNames;
 use tally_shared::membership::{self, Lease, Membership};
 use tokio_util::sync::CancellationToken;
@@ -41,68 +39,9 @@ pub type Watched = Vec<(&'static str, JoinHandle<()>)>;
 /// How long an assignment must stay the same before it is acted on.
 pub const SETTLE: Duration = Duration::from_millis(1_000);
 
-/// The counters' claims, read from the shard-owners topic: per shard, the claim of
-/// the newest epoch ([`ShardOwner::replaces`]; its address `None`: released).
-#[derive(Default)]
-pub struct Claims {
-    claims: RwLock<HashMap<u32, ShardOwner>>,
-    /// The offset after the last record read.
-    read_to: AtomicI64,
-}
-
-impl Claims {
-    fn record(&self, owner: ShardOwner) {
-        let mut claims = self.claims.write().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let current = claims.get(&owner.shard).map(|claim| (claim.addr.is_some(), claim.at_ms));
-        if owner.replaces(current) {
-            claims.insert(owner.shard, owner);
-        }
-    }
-
-    /// The newest epoch read for `shard`.
-    pub fn epoch(&self, shard: u32) -> Option<i64> {
-        let claims = self.claims.read().unwrap_or_else(|poisoned| poisoned.into_inner());
-        claims.get(&shard).map(|claim| claim.at_ms)
-    }
-
-    /// Who claims `shard` now, if anyone.
-    fn claimed_by(&self, shard: u32) -> Option<String> {
-        let claims = self.claims.read().unwrap_or_else(|poisoned| poisoned.into_inner());
-        claims.get(&shard).and_then(|claim| claim.addr.clone())
-    }
-
-    /// Claims under this counter's read address `addr` that another process made
-    /// (`instance` is this one's): a previous incarnation's, killed before it let
-    /// go. Another counter would wait for their release forever (the address is a
-    /// live member's), so this one releases them: `(shard, epoch)`.
-    pub fn orphans(&self, addr: &str, instance: &str) -> Vec<(u32, i64)> {
-        let claims = self.claims.read().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let mut orphans: Vec<(u32, i64)> = claims
-            .values()
-            .filter(|claim| claim.addr.as_deref() == Some(addr) && claim.instance != instance)
-            .map(|claim| (claim.shard, claim.at_ms))
-            .collect();
-        orphans.sort_unstable();
-        orphans
-    }
-}
-
-/// Follows the shard-owners topic into [`Claims`].
-pub struct FollowClaims(pub Arc<Claims>);
-
-impl Follow for FollowClaims {
-    fn record(&mut self, offset: i64, payload: &[u8]) {
-        match ShardOwner::decode(payload) {
-            Ok(owner) => self.0.record(owner),
-            Err(err) => tracing::warn!(offset, error = %err, "ignoring a shard-owner claim this build cannot read"),
-        }
-        self.0.read_to.fetch_max(offset + 1, Ordering::SeqCst);
-    }
-}
-
 pub struct Ownership {
     pub membership: Arc<Membership>,
-    pub claims: Arc<Claims>,
+    pub claims: Arc<ClaimTable>,
     /// The shard-owners topic.
     pub claims_topic: String,
     pub lease: Arc<Lease>,
@@ -163,13 +102,13 @@ impl Ownership {
         tracing::info!(instance = %me.instance, "joining the counters");
         let (topic, claims_topic) = (names.counter_members(), names.shard_owners());
         let membership = Arc::new(Membership::default());
-        let claims = Arc::new(Claims::default());
+        let claims = Arc::new(ClaimTable::default());
         let every = Duration::from_millis(config.counter.heartbeat_ms);
         let kafka = &config.kafka;
         let beats = membership::heartbeat(kafka, topic.clone(), me.clone(), every, lease.clone(), leave.clone())?;
         let members = membership::follow(kafka, "counter-membership", &topic, membership.clone(), shutdown.clone())?;
         let (poll, group) = (Duration::from_millis(50), "tally-counter-claims");
-        let read_claims = FollowClaims(claims.clone());
+        let read_claims = ClaimTable::follower(claims.clone());
         let claimed = follow(kafka, "counter-claims", group, &claims_topic, poll, shutdown.clone(), read_claims)?;
         let ownership = Self {
             membership,
@@ -257,7 +196,7 @@ impl Ownership {
             }
         };
         let members_read = self.membership.caught_up(check.members_end);
-        if !members_read || self.claims.read_to.load(Ordering::SeqCst) < check.claims_end {
+        if !members_read || self.claims.read_to() < check.claims_end {
             return drop_only;
         }
         self.take_check = None;
@@ -314,24 +253,6 @@ mod tests {
     use tally_core::wire::Heartbeat;
 
     #[test]
-    fn claims_keep_the_newest_epoch_and_name_a_previous_incarnations_orphans() {
-        let claims = Claims::default();
-        let claim = |shard, addr: Option<&str>, instance: &str, epoch| {
-            ShardOwner::new(shard, addr.map(String::from), instance.into(), epoch)
-        };
-        claims.record(claim(1, Some("me:1"), "old", 100)); // a killed incarnation's
-        claims.record(claim(2, Some("me:1"), "old", 100));
-        claims.record(claim(2, Some("b:1"), "b", 200)); // taken over since
-        claims.record(claim(2, Some("me:1"), "old", 100)); // late: ignored
-        claims.record(claim(3, Some("me:1"), "new", 300)); // this process's own
-        claims.record(claim(4, Some("me:1"), "old", 100));
-        claims.record(claim(4, None, "old", 100)); // released
-        assert_eq!(claims.claimed_by(2), Some("b:1".to_string()));
-        assert_eq!(claims.claimed_by(4), None);
-        assert_eq!(claims.orphans("me:1", "new"), vec![(1, 100)]);
-    }
-
-    #[test]
     fn every_shard_has_one_owner_among_the_live_counters() {
         let membership = Arc::new(Membership::default());
         for name in ["a", "b", "c"] {
@@ -343,7 +264,7 @@ mod tests {
             let me = Member { instance: name.into(), addr: format!("{name}:1") };
             let mut ownership = Ownership {
                 membership: membership.clone(),
-                claims: Arc::new(Claims::default()),
+                claims: Arc::new(ClaimTable::default()),
                 claims_topic: "o".into(),
                 lease: Arc::new(Lease::new(5_000)),
                 me,

@@ -129,7 +129,9 @@ fn send(frames: &mpsc::UnboundedSender<Vec<u8>>, id: u64, response: &ReadRespons
     });
     // A closed link (its writer gone) has no one to answer.
     if let Ok(bytes) = bytes {
-        let _ = frames.send(bytes);
+        if frames.send(bytes).is_err() {
+            tracing::debug!(id, "the link closed before its answer went out");
+        }
     }
 }
 

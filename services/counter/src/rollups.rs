@@ -18,7 +18,7 @@
 //! backlog is done. Each record carries the full value, so a repeat is harmless.
 //!
 //! Every record carries the shard's position its values were read at (one snapshot:
-//! [`crate::rollup_book`]), so a consumer keeps the newest whatever the order of
+//! [`crate::store::rollup_book`]), so a consumer keeps the newest whatever the order of
 //! delivery; a bucket's deadline comes due when it expires and it goes as a
 //! tombstone; every live bucket goes again every [`REFRESH_EVERY_MS`].
 

@@ -10,10 +10,11 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, RwLock};
 
 use tally_shared::failures::{Failure, FailureBoard};
 use tally_shared::kafka::now_ms;
+use tally_shared::lock;
 use tally_shared::membership::Lease;
 use tally_shared::snapshot::SnapshotRequests;
 
@@ -21,6 +22,11 @@ use tally_core::wire::{ShardState, ShardStatus};
 
 use crate::store::ShardStore;
 
+/// The owned shards, shared by every thread of the counter.
+///
+/// **Lock order.** `owned` before `lags`; the failure board's lock is taken after
+/// `owned` (read) or alone, never the other way round. No shard store's lock is
+/// taken while `owned` is held for writing ([`ShardStore`] has its own order).
 pub struct Shards {
     owned: RwLock<HashMap<u32, Arc<ShardStore>>>,
     /// Operators' requests to snapshot every serving shard now.
@@ -37,15 +43,9 @@ pub struct Shards {
     lags: RwLock<HashMap<u32, (i64, i64)>>,
 }
 
-/// A lock whose holder panicked still guards consistent data here (plain maps
-/// replaced whole), so it is used rather than turning ownership into "none".
-fn read<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
-    lock.read().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
-    lock.write().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
+/// What the two locks guard, for [`lock::poisoned`].
+const OWNED: &str = "the counter's owned shards";
+const LAGS: &str = "the counter's shard lags";
 
 impl Default for Shards {
     /// Shards owned statically: the lease never ends.
@@ -68,16 +68,15 @@ impl Shards {
 
     /// Records that `shard` was `lag` records behind its log's end just now.
     pub fn record_lag(&self, shard: u32, lag: i64) {
-        write(&self.lags).insert(shard, (lag, now_ms()));
+        lock::write(&self.lags, LAGS).insert(shard, (lag, now_ms()));
     }
 
     /// What this counter holds and how fresh it is: every held shard's state and
     /// last measured lag (`GET /internal/v1/status`, the dashboard's freshness).
     pub fn status(&self) -> Vec<ShardStatus> {
-        let serving = self.serving();
-        let lags = read(&self.lags);
-        self.held()
-            .into_iter()
+        let (serving, held) = (self.serving(), self.held());
+        let lags = lock::read(&self.lags, LAGS);
+        held.into_iter()
             .map(|shard| {
                 let state = if self.failures.is_failed(shard) {
                     ShardState::Failed
@@ -93,11 +92,11 @@ impl Shards {
     }
 
     pub fn get(&self, shard: u32) -> Option<Arc<ShardStore>> {
-        read(&self.owned).get(&shard).cloned()
+        lock::read(&self.owned, OWNED).get(&shard).cloned()
     }
 
     pub fn owned(&self) -> Vec<u32> {
-        let mut shards: Vec<u32> = read(&self.owned).keys().copied().collect();
+        let mut shards: Vec<u32> = lock::read(&self.owned, OWNED).keys().copied().collect();
         shards.sort_unstable();
         shards
     }
@@ -114,7 +113,7 @@ impl Shards {
         if !self.lease.valid(now_ms()) {
             return Vec::new();
         }
-        let mut shards: Vec<u32> = read(&self.owned)
+        let mut shards: Vec<u32> = lock::read(&self.owned, OWNED)
             .iter()
             .filter(|(shard, store)| store.serving() && !self.failures.is_failed(**shard))
             .map(|(shard, _)| *shard)
@@ -155,8 +154,8 @@ impl Shards {
     pub(crate) fn replace(&self, stores: HashMap<u32, Arc<ShardStore>>, failures: BTreeMap<u32, Failure>) {
         {
             // A lag measured in an earlier tenure says nothing of a shard taken again.
-            let mut owned = write(&self.owned);
-            write(&self.lags).retain(|shard, _| owned.contains_key(shard) && stores.contains_key(shard));
+            let mut owned = lock::write(&self.owned, OWNED);
+            lock::write(&self.lags, LAGS).retain(|shard, _| owned.contains_key(shard) && stores.contains_key(shard));
             *owned = stores;
         }
         self.failures.reset(failures);
@@ -187,7 +186,7 @@ pub(crate) fn one_shard_with(
         .collect();
     let source = Source { stream: Source::INCREMENTS, partition: 0 };
     let payload = ShardMessage::Increments { source, entries }.encode().unwrap();
-    let record = crate::apply::ShardRecord { offset: 0, payload: &payload, timestamp: None };
+    let record = crate::store::apply::ShardRecord { offset: 0, payload: &payload, timestamp: None };
     store.apply(&[record], now, rollups).unwrap();
     let shards = Arc::new(Shards::default());
     shards.replace(HashMap::from([(0, Arc::new(store))]), BTreeMap::new());

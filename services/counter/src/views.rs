@@ -3,11 +3,11 @@
 //! not written view by view.
 //!
 //! An edge high in the graph changes the view of every one of its ancestors (1 011
-//! of them in `tally bench graph`'s latency shape); writing each view in the
-//! record's write batch was a third of the record's time on the counter. Instead
+//! of them in `tally-bench graph`'s latency shape); writing each view in the
+//! record's write batch would be a third of the record's time on the counter. Instead
 //! the record's accepted changes go into the `desc_log` column family under the
 //! record's offset, in the same write batch as the counts and the progress they
-//! belong to — so a crash keeps both or neither, as before. Once the log holds
+//! belong to — so a crash keeps both or neither. Once the log holds
 //! [`StoreOptions::view_log_bytes`](crate::store::StoreOptions) the record that
 //! crosses it folds it instead: the current view of every origin changed since the
 //! last fold is written to `desc`, and the log is deleted, in that record's write
@@ -151,7 +151,7 @@ mod tests {
     use tally_core::wire::{ShardMessage, Source, Stamp};
 
     use super::*;
-    use crate::apply::ShardRecord;
+    use crate::store::apply::ShardRecord;
     use crate::store::{ShardStore, StoreOptions};
 
     const NOW: i64 = 1_763_780_000_000;
@@ -220,7 +220,7 @@ mod tests {
                 model.retain(|_, view| !view.is_empty());
                 drop(store);
                 let store = ShardStore::open(0, dir.path(), options.clone()).unwrap();
-                let views: BTreeMap<String, Vec<String>> = store.descendants.lock().unwrap().map.clone().into_iter().collect();
+                let views: BTreeMap<String, Vec<String>> = store.views().map.clone().into_iter().collect();
                 prop_assert_eq!(&views, &model, "after record {}", offset);
             }
         }

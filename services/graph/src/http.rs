@@ -17,7 +17,7 @@ use tally_shared::auth::{AuthConfig, Role};
 use tally_shared::failures::{skip_router, FailureBoard};
 use tally_shared::http::ApiError;
 
-use crate::store::GraphStore;
+use crate::store::{GraphStore, GRAPH};
 
 /// The internal routes: neighbours and ancestors for tally-query (the cluster
 /// token), skips for operators.
@@ -40,9 +40,7 @@ fn with_graph(
     if let Some(refusal) = failures.read_refusal(0) {
         return refusal;
     }
-    let Ok(graph) = store.graph.read() else {
-        return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "graph lock poisoned").into_response();
-    };
+    let graph = tally_shared::lock::read(&store.graph, GRAPH);
     Json(answer(&graph)).into_response()
 }
 

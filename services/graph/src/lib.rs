@@ -1,5 +1,5 @@
 //! `tally-graph`: keeps the entity graph and tells counter shards how each origin's
-//! descendant set changes (SPEC §3).
+//! descendant set changes.
 //!
 //! - [`store`]: the graph's RocksDB, loaded into a [`Graph`](tally_core::graph::Graph)
 //!   in memory; a batch of updates → net descendant changes in the outbox, with the

@@ -26,12 +26,13 @@ use tally_shared::consume::{
 use tally_shared::kafka::{now_ms, TopicNames};
 use tally_shared::outbox::Relay;
 use tally_shared::snapshot::{SnapshotRequests, SnapshotStore, Snapshotter};
+use tally_shared::store_name::StoreName;
 use tally_shared::telemetry::Readiness;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
-use crate::store::{GraphStore, UpdateRecord};
+use crate::store::{GraphStore, UpdateRecord, GRAPH};
 use tally_shared::failures::{Failure, FailureBoard};
 
 pub struct ProcessorSetup {
@@ -49,7 +50,7 @@ pub struct ProcessorSetup {
 
 /// The name of the graph's snapshots: under its log's name.
 pub fn snapshot_name(names: &TopicNames) -> String {
-    format!("{}/graph", names.graph_updates())
+    StoreName::graph(names).to_string()
 }
 
 /// Runs until `shutdown`; the batch in hand is persisted and relayed first.
@@ -214,9 +215,7 @@ impl Processor<DefaultConsumerContext> for GraphProcessor {
         metrics.dropped.with_label_values(&["redelivered"]).inc_by(report.redelivered);
         metrics.dropped.with_label_values(&["id"]).inc_by(report.duplicate_ids);
         metrics.desc_changes.inc_by(report.changes);
-        if let Ok(graph) = self.store.graph.read() {
-            metrics.edges.set(graph.edge_count() as i64);
-        }
+        metrics.edges.set(tally_shared::lock::read(&self.store.graph, GRAPH).edge_count() as i64);
         metrics.dropped.with_label_values(&["max_descendants"]).inc_by(report.refused);
         if report.outbox_messages > 0 || report.refused > 0 {
             relay_outbox(&self.store, (&self.relay, &self.letters), metrics);

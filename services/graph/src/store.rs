@@ -24,7 +24,7 @@ use tally_shared::outbox::{outbox_key, OutboxEntry};
 use tally_shared::progress::Progress;
 use tally_shared::store::{Durability, Store};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 const CF_EDGES: &str = "edges";
 const CF_IN_EDGES: &str = "in_edges";
@@ -74,6 +74,9 @@ pub struct BatchReport {
     pub refused: u64,
     pub outbox_messages: u64,
 }
+
+/// What [`GraphStore::graph`]'s lock guards ([`tally_shared::lock`]).
+pub const GRAPH: &str = "the graph";
 
 pub struct GraphStore {
     /// The database and its progress ([`tally_shared::store`]).
@@ -215,7 +218,7 @@ impl GraphStore {
         if updates.is_empty() {
             return Ok((Vec::new(), Vec::new()));
         }
-        let mut graph = self.graph.write().map_err(|_| Error::Processor("graph lock poisoned".into()))?;
+        let mut graph = tally_shared::lock::write(&self.graph, GRAPH);
         let (changes, refused) = graph.apply_bounded(updates, self.options.max_descendants);
         let (edges_cf, in_edges_cf) = (self.cf(CF_EDGES)?, self.cf(CF_IN_EDGES)?);
         for update in updates {

@@ -33,6 +33,7 @@ use rdkafka::ClientContext;
 use tally_core::format::{INPUT_DRAINED_HEADER, RECORD_TIME_HEADER};
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{consumer_config, producer_config, wait_for_topic, TopicNames};
+use tally_shared::lock::lock;
 use tally_shared::rest::{Rest, TopicPartition, REST_AFTER, REST_CHECK};
 use tally_shared::telemetry::{serve_admin, Readiness};
 use tokio_util::sync::CancellationToken;
@@ -49,8 +50,11 @@ const MAX_IN_FLIGHT: usize = 16;
 /// How often acknowledged positions are committed (and at shutdown). A restart
 /// replays what was acknowledged after the last commit, which the stamps make
 /// harmless; each commit is a round of statements on a broker that pays per request
-/// (BENCHMARKS.md, "Memory kept between batches, fewer commits").
+/// (BENCHMARKS.md, "End to end: ingest").
 const COMMIT_EVERY: Duration = Duration::from_secs(1);
+/// What [`Pipeline::positions`]' and [`Acks::sender`]'s locks guard ([`tally_shared::lock`]).
+const POSITIONS: &str = "the input positions read";
+const ACKS: &str = "the delivery reports' sender";
 
 /// Runs an ingester until `shutdown`; what was sent is delivered and committed
 /// first (unless Kafka does not acknowledge it within [`SHUTDOWN_GRACE`]).
@@ -88,8 +92,8 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let (acks, acknowledged) = mpsc::channel();
     // Not asked for its producer id at once (`kafka::request_producer_id`, as the
     // other services' producers are): from a backlog the first batches then wait up
-    // to a second for it and go out together, and `tally bench ingest` measured the
-    // asking ingester lower with one increment per message (BENCHMARKS.md, session 36).
+    // to a second for it and go out together, and `tally-bench ingest` measures the
+    // asking ingester lower with one increment per message.
     let producer: ThreadedProducer<Acks> =
         producer_config(&config.kafka)?.create_with_context(Acks { sender: Mutex::new(acks) })?;
 
@@ -107,7 +111,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
             Duration::from_secs(5),
             shutdown.clone(),
             move || {
-                let read = read.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                let read = lock(&read, POSITIONS);
                 read.iter().filter(|((input, _), _)| *input == index).map(|((_, p), next)| (*p as u32, *next)).collect()
             },
             move |partition, records| lag.with_label_values(&[&topic, &partition.to_string()]).set(records),
@@ -143,7 +147,10 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     shutdown.cancel();
     // A reporter may be mid-tick (watermark look-ups of up to a second): joined off
     // the runtime, whose thread still serves the admin endpoints.
-    let _ = tokio::task::spawn_blocking(move || reporters.into_iter().for_each(|reporter| drop(reporter.join()))).await;
+    let joined = tokio::task::spawn_blocking(move || reporters.into_iter().for_each(|reporter| drop(reporter.join())));
+    if let Err(err) = joined.await {
+        tracing::warn!(error = %err, "joining the lag reporters");
+    }
     tracing::info!("tally-ingester stopping");
     result
 }
@@ -166,9 +173,9 @@ impl ProducerContext for Acks {
             Ok(_) => Ok(*seq),
             Err((err, _)) => Err(err.to_string()),
         };
-        if let Ok(sender) = self.sender.lock() {
+        if let Err(ack) = lock(&self.sender, ACKS).send(ack) {
             // The loop is gone only when the ingester is stopping.
-            let _ = sender.send(ack);
+            tracing::debug!(ack = ?ack.0, "a delivery report after the ingest loop stopped");
         }
     }
 }
@@ -263,7 +270,7 @@ impl Pipeline {
                 *committed = Some(offsets);
             }
         }
-        let read = self.positions.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let read = lock(&self.positions, POSITIONS);
         let mut next: HashMap<InputPartition, i64> = committed.clone().unwrap_or_default();
         next.extend(read.iter().map(|(at, offset)| (*at, *offset)));
         next.into_iter().map(|((input, partition), offset)| ((input, partition as u32), offset)).collect()
@@ -277,10 +284,14 @@ impl Pipeline {
         let Some(assigned) = assigned else { return };
         let holds =
             |(input, partition): &InputPartition| assigned.find_partition(&self.inputs[*input], *partition).is_some();
-        let mut positions = self.positions.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut positions = lock(&self.positions, POSITIONS);
         for (input, partition) in positions.keys().filter(|key| !holds(key)) {
-            // Err only when it was never set.
-            let _ = self.metrics.consumer_lag.remove_label_values(&[&self.inputs[*input], &partition.to_string()]);
+            if let Err(err) =
+                self.metrics.consumer_lag.remove_label_values(&[&self.inputs[*input], &partition.to_string()])
+            {
+                // Only when it was never set.
+                tracing::debug!(error = %err, input = %self.inputs[*input], partition, "no lag to stop reporting");
+            }
         }
         positions.retain(|key, _| holds(key));
     }
@@ -296,7 +307,7 @@ impl Pipeline {
         in_flight: &mut InFlight,
     ) -> Result<()> {
         let outgoing = self.router.route(batch, &self.metrics)?;
-        self.positions.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).extend(ends.0.iter().copied());
+        lock(&self.positions, POSITIONS).extend(ends.0.iter().copied());
         let drained = match closed {
             Closed::ReadToTheEnd => true,
             Closed::Lingered => ends.fetched_to_the_end(&self.consumer, &self.inputs),

@@ -9,11 +9,11 @@ use std::collections::BTreeMap;
 use rdkafka::message::BorrowedMessage;
 use rdkafka::Message;
 use rustc_hash::FxHashMap;
-use tally_core::bundle::{BUNDLE_OVERHEAD, SECTION_OVERHEAD};
 use tally_core::format::{RECORD_V2, RECORD_V4};
 use tally_core::input::{parse_graph_updates, parse_increments, Limits, Rejection};
 use tally_core::records::split_by_size;
 use tally_core::sharding::shard_of;
+use tally_core::wire::bundle::{BUNDLE_OVERHEAD, SECTION_OVERHEAD};
 use tally_core::wire::{
     DeadLetter, GraphMessage, GraphUpdate, IncrementCow, IncrementFields, ShardMessage, Source, Stamp,
     V2_RECORD_OVERHEAD,
@@ -383,7 +383,7 @@ mod tests {
             );
             // Format 4: the same increments as the one section of a bundle, with the
             // input record's time (packed when that makes it smaller).
-            let unpacked = tally_core::packed::unpack(&v4[0]).unwrap();
+            let unpacked = tally_core::wire::packed::unpack(&v4[0]).unwrap();
             assert_eq!((unpacked[1], v4[0][1]), (RECORD_V4, if packed { RECORD_V3 } else { RECORD_V4 }));
             assert_eq!(ShardMessage::decode_sections(&v4[0], 0).unwrap(), vec![(5, decoded)]);
         }

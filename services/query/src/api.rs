@@ -1,4 +1,4 @@
-//! The public read API (SPEC §5): parsing and validating requests, and shaping the
+//! The public read API: parsing and validating requests, and shaping the
 //! answers. Every mistake in a request is a 400 with a JSON error; nothing a client
 //! sends can cause a 500.
 

@@ -1,4 +1,4 @@
-//! The dashboard (SPEC §5): `/` (counters: charts from the URL, window totals,
+//! The dashboard: `/` (counters: charts from the URL, window totals,
 //! metrics, neighbours, contributors) and `/jobs` (the queue console), two pages
 //! over one script and one stylesheet. Everything is compiled into the binary: the
 //! pages work offline and need no CDN; the charts are hand-written SVG.

@@ -18,13 +18,13 @@ use tally_core::wire::{
 };
 
 use crate::error::ApiError;
-use crate::owners::{Claim, Owners};
 use crate::read_link::{LinkError, Links};
+use tally_shared::claims::{Claim, ClaimTable};
 
 const ATTEMPTS: usize = 4;
 
 pub struct Fanout {
-    pub owners: Arc<Owners>,
+    pub owners: Arc<ClaimTable>,
     pub client: reqwest::Client,
     /// Read links to the counters (`None`: `query.read_link = false`, reads go over
     /// HTTP).

@@ -24,6 +24,7 @@ use serde::Serialize;
 use tally_core::assignment::Member;
 use tally_core::jobs::api::{PartitionInfo, QueueStats};
 use tally_shared::kafka::now_ms;
+use tally_shared::lock::lock;
 use tally_shared::membership::Membership;
 
 use crate::api::{json_response, ApiState};
@@ -44,6 +45,9 @@ const DEAD_JOBS_TIMEOUT: Duration = Duration::from_secs(60);
 /// The header that carries the brokers' bearer token.
 pub const BROKER_AUTHORIZATION: &str = "x-broker-authorization";
 
+/// What [`Brokers::dead_totals`]' lock guards ([`tally_shared::lock`]).
+const DEAD_TOTALS: &str = "the dead-job totals";
+
 /// The live dequeue brokers, as their heartbeats say.
 pub struct Brokers {
     pub membership: Arc<Membership>,
@@ -62,12 +66,12 @@ impl Brokers {
     }
 
     fn cached_dead_total(&self, queue: &str) -> Option<usize> {
-        let totals = self.dead_totals.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let totals = lock(&self.dead_totals, DEAD_TOTALS);
         totals.get(queue).filter(|(at, _)| at.elapsed() < DEAD_TOTALS_TTL).map(|(_, total)| *total)
     }
 
     fn cache_dead_total(&self, queue: &str, total: usize) {
-        let mut totals = self.dead_totals.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut totals = lock(&self.dead_totals, DEAD_TOTALS);
         totals.insert(queue.to_string(), (Instant::now(), total));
     }
 }
@@ -271,7 +275,7 @@ pub async fn decide(
     let target = format!("/v1/queues/{}/dead/{action}", encode(&queue));
     let answer = pass_on(&state, Method::POST, &target, &headers, body).await;
     // The next overview counts this queue's dead jobs again.
-    state.brokers.dead_totals.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).remove(&queue);
+    lock(&state.brokers.dead_totals, DEAD_TOTALS).remove(&queue);
     answer
 }
 

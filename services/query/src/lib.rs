@@ -1,4 +1,4 @@
-//! `tally-query`: the stateless HTTP front door for reads (SPEC §5) and the dashboard.
+//! `tally-query`: the stateless HTTP front door for reads and the dashboard.
 //!
 //! It learns which counter owns which shard from the shard-owners topic ([`owners`]),
 //! validates requests and shapes answers ([`api`], [`contributors`]), and sends each
@@ -44,7 +44,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let names = TopicNames::new(&config.kafka.topic_prefix);
     let shards = wait_for_topic(&config.kafka, &names.shards(), Duration::from_secs(60)).await?;
 
-    let owners = Arc::new(owners::Owners::default());
+    let owners = Arc::new(tally_shared::claims::ClaimTable::default());
     let follower = owners::follow(&config.kafka, &names.shard_owners(), owners.clone(), shutdown.clone())?;
     let tracked =
         tokio::spawn(owners::track_readiness(owners.clone(), shards, readiness.clone(), shutdown.clone(), follower));
@@ -94,7 +94,11 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     tracing::info!(api = %addr, admin = %admin, shards, "tally-query serving");
     tally_shared::http::serve(listener, api::router(state), shutdown.clone()).await?;
     shutdown.cancel();
-    let _ = tokio::task::spawn_blocking(move || broker_follower.join()).await;
+    match tokio::task::spawn_blocking(move || broker_follower.join()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(_)) => tracing::warn!("the dequeue brokers' follower panicked"),
+        Err(err) => tracing::warn!(error = %err, "joining the dequeue brokers' follower"),
+    }
     match tracked.await {
         Ok(false) => Ok(()),
         _ => Err(Error::Internal("the shard-owners follower stopped unexpectedly".into())),

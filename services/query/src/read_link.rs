@@ -21,6 +21,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use tally_core::wire::{ReadRequest, ReadResponse};
+use tally_shared::lock::lock;
 use tally_shared::read_link::{frame, read_frame, write_frames, MAX_FRAME_BYTES, PATH, PROTOCOL};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
@@ -32,6 +33,9 @@ use tokio::time::{timeout_at, Instant};
 const HTTP_ONLY_FOR: Duration = Duration::from_secs(60);
 /// Longest status line and headers a counter's upgrade answer may have.
 const MAX_HEAD_BYTES: u64 = 16 << 10;
+/// What [`Links::slots`]' and [`Link::state`]'s locks guard ([`tally_shared::lock`]).
+const SLOTS: &str = "the read links by counter";
+const LINK_STATE: &str = "a read link's state";
 
 /// Why a read over a link got no answer. Not an error of the service: it tells the
 /// fan-out what to do next.
@@ -86,20 +90,22 @@ struct LinkState {
 
 impl Link {
     fn is_open(&self) -> bool {
-        lock(&self.state).closed.is_none()
+        lock(&self.state, LINK_STATE).closed.is_none()
     }
 
     /// Closes the link (the first reason stays): every waiting read fails with
     /// `why`, and the writer ends, which closes the connection.
     fn close(&self, why: String) {
-        let mut state = lock(&self.state);
+        let mut state = lock(&self.state, LINK_STATE);
         let why = state.closed.get_or_insert(why).clone();
         state.frames = None;
         for task in state.tasks.drain(..) {
             task.abort();
         }
         for (_, waiting) in state.waiting.drain() {
-            let _ = waiting.send(Err(why.clone()));
+            if waiting.send(Err(why.clone())).is_err() {
+                tracing::debug!(reason = %why, "a read gave up before its link closed");
+            }
         }
     }
 }
@@ -113,7 +119,7 @@ struct Registered<'a> {
 
 impl Drop for Registered<'_> {
     fn drop(&mut self) {
-        lock(&self.link.state).waiting.remove(&self.id);
+        lock(&self.link.state, LINK_STATE).waiting.remove(&self.id);
     }
 }
 
@@ -165,7 +171,7 @@ impl Links {
     async fn exchange(&self, link: &Link, message: &[u8], deadline: Instant) -> Result<ReadResponse, Unanswered> {
         let (answer, answered) = oneshot::channel();
         let (id, answers_before) = {
-            let mut state = lock(&link.state);
+            let mut state = lock(&link.state, LINK_STATE);
             let id = state.next_id;
             let Some(frames) = &state.frames else {
                 return Err(Unanswered::Closed(state.closed.clone().unwrap_or_default()));
@@ -187,7 +193,7 @@ impl Links {
                 let why = format!("no answer within {:?}", self.timeout);
                 // Silent for half a deadline or more (not a read that came late to
                 // its link with moments left): the counter is paused or cut off.
-                let silent = lock(&link.state).answers == answers_before;
+                let silent = lock(&link.state, LINK_STATE).answers == answers_before;
                 if silent && sent.elapsed() >= self.timeout / 2 {
                     link.close(format!("{why}, nor to any later read"));
                 }
@@ -202,7 +208,7 @@ impl Links {
     async fn link(&self, addr: &str, deadline: Instant) -> Result<(Arc<Link>, bool), LinkError> {
         let late = || LinkError::Failed(format!("no read link to {addr} within {:?}", self.timeout));
         let waiting_since = Instant::now();
-        let slot = lock(&self.slots).entry(addr.to_string()).or_default().clone();
+        let slot = lock(&self.slots, SLOTS).entry(addr.to_string()).or_default().clone();
         let mut slot = timeout_at(deadline, slot.lock()).await.map_err(|_| late())?;
         match &*slot {
             Slot::Open(link) if link.is_open() => return Ok((link.clone(), true)),
@@ -265,7 +271,7 @@ async fn open(addr: &str, authorization: Option<&str>) -> Result<Arc<Link>, Link
             link.close(why);
         }
     });
-    lock(&link.state).tasks = vec![reading.abort_handle(), writing.abort_handle()];
+    lock(&link.state, LINK_STATE).tasks = vec![reading.abort_handle(), writing.abort_handle()];
     Ok(link)
 }
 
@@ -320,19 +326,17 @@ async fn read_answers<R: AsyncRead + Unpin>(reader: &mut R, link: &Weak<Link>) -
         };
         let Some(link) = link.upgrade() else { return "no longer used".into() };
         let waiting = {
-            let mut state = lock(&link.state);
+            let mut state = lock(&link.state, LINK_STATE);
             state.answers += 1;
             // An answer nobody waits for any more (its read timed out) is dropped.
             state.waiting.remove(&id)
         };
         if let Some(waiting) = waiting {
-            let _ = waiting.send(Ok(answer));
+            if waiting.send(Ok(answer)).is_err() {
+                tracing::debug!(id, "a read gave up before its answer came");
+            }
         }
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[cfg(test)]
@@ -468,9 +472,9 @@ mod tests {
         assert_eq!(links.read(&addr, &request(5)).await, Err(LinkError::Failed("no answer within 300ms".into())));
         assert!(started.elapsed() >= Duration::from_millis(300));
         {
-            let slot = lock(&links.slots)[&addr].clone();
+            let slot = lock(&links.slots, SLOTS)[&addr].clone();
             let Slot::Open(link) = &*slot.try_lock().unwrap() else { panic!("no link") };
-            let state = lock(&link.state);
+            let state = lock(&link.state, LINK_STATE);
             assert_eq!(state.closed.as_deref(), Some("no answer within 300ms, nor to any later read"));
             assert!(state.waiting.is_empty() && state.frames.is_none() && state.tasks.is_empty());
         }

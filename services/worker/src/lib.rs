@@ -1,4 +1,4 @@
-//! `tally-worker`: a generic worker for one queue (SPEC §6). Each job's payload is
+//! `tally-worker`: a generic worker for one queue. Each job's payload is
 //! either POSTed to `worker.webhook_url` (a 2xx answer acks it; anything else, or no
 //! answer, retries it with the queue's backoff) or given on stdin to
 //! `worker.command` (exit status 0 acks; otherwise it retries with the command's
@@ -97,7 +97,9 @@ async fn run_command(program: &[String], env: &[(String, String)], job: &Dequeue
     // nothing.
     unsafe {
         command.pre_exec(|| {
-            let _ = tally_shared::sched::set_slice(Duration::ZERO);
+            // Nothing may log here (it would allocate); a child that keeps the
+            // short slice still runs.
+            tally_shared::sched::set_slice(Duration::ZERO).ok();
             Ok(())
         });
     }
@@ -117,7 +119,10 @@ async fn run_command(program: &[String], env: &[(String, String)], job: &Dequeue
         Err(err) => return Outcome::Retry { in_ms: None, error: format!("starting {}: {err}", program[0]) },
     };
     if let Some(mut stdin) = child.stdin.take() {
-        let _ = stdin.write_all(job.payload.get().as_bytes()).await;
+        if let Err(err) = stdin.write_all(job.payload.get().as_bytes()).await {
+            // A command that does not read its stdin closes it early: its exit says how it went.
+            tracing::debug!(job = %job.id, error = %err, "the payload was not all written to the command's stdin");
+        }
     }
     match child.wait_with_output().await {
         Ok(output) if output.status.success() => Outcome::Ack,
@@ -170,7 +175,9 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     };
     let result = worker::run(options, job_handler, shutdown.clone()).await;
     shutdown.cancel();
-    let _ = probe.await;
+    if let Err(err) = probe.await {
+        tracing::warn!(error = %err, "the readiness probe task failed");
+    }
     tracing::info!("tally-worker stopped");
     Ok(result.map(|_| ())?)
 }

@@ -1,4 +1,4 @@
-//! `tally bench jobs`: a dequeue broker against the raw consume rate of its queue
+//! `tally-bench jobs`: a dequeue broker against the raw consume rate of its queue
 //! topic, in the same run on the same broker.
 //!
 //! 1. `jobs` jobs are produced to a one-partition queue.
@@ -42,7 +42,7 @@ pub(crate) fn percentile(sorted: &[Duration], p: f64) -> Duration {
 
 pub async fn run(mut config: TallyConfig, args: JobsBenchArgs) -> anyhow::Result<()> {
     let scratch = tempfile::Builder::new().prefix("tally-bench").tempdir_in(".")?;
-    let local = crate::bench_pipeline::local_broker_unless_configured(&mut config, scratch.path()).await?;
+    let local = crate::pipeline::local_broker_unless_configured(&mut config, scratch.path()).await?;
     config.kafka.topic_prefix = format!("bench{:08x}.", rand::random::<u32>());
     let names = TopicNames::new(&config.kafka.topic_prefix);
     let queue = "bench";
@@ -155,9 +155,13 @@ pub async fn run(mut config: TallyConfig, args: JobsBenchArgs) -> anyhow::Result
     }
     let through_broker = acked.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
     stop_workers.cancel();
-    let _ = workers.await;
+    if let Err(err) = workers.await {
+        eprintln!("jobs bench: the workers ended badly: {err}");
+    }
     shutdown.cancel();
-    let _ = running.await;
+    if let Err(err) = running.await {
+        eprintln!("jobs bench: the broker ended badly: {err}");
+    }
     if let Some(mut broker) = local {
         tokio::task::spawn_blocking(move || broker.stop()).await?;
     }

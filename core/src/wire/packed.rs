@@ -1,13 +1,13 @@
 //! Binary record format version 3 ([`RECORD_V3`]): a version 2 shard record of
-//! increments ([`crate::compact`]), or a version 4 bundle of them
-//! ([`crate::bundle`]), compressed whole with zstd.
+//! increments ([`crate::wire::compact`]), or a version 4 bundle of them
+//! ([`crate::wire::bundle`]), compressed whole with zstd.
 //!
 //! Every byte of the shard topic is written once and read back at least once by the
 //! broker; on the local broker (SQLite) those bytes are most of what tally's path
 //! costs it beyond serving the producers' input, and its writes hold up its reads.
 //! Version 2 records of a Zipf load compress to about 37 % at zstd's level 1 (names
 //! sharing prefixes, small integers in runs): 9.2 → 3.4 bytes per increment in
-//! `tally bench ingest` (BENCHMARKS.md).
+//! `tally-bench ingest` (BENCHMARKS.md).
 //!
 //! Layout: `[RECORD_MAGIC, 3]`, then one zstd frame that states its content size,
 //! holds a whole version 2 or version 4 record, header included (its own header says
@@ -180,7 +180,7 @@ mod tests {
         assert!(matches!(unpack(&v2).unwrap(), Cow::Borrowed(bytes) if bytes == &v2[..]));
         assert!(matches!(unpack(b"").unwrap(), Cow::Borrowed(b"")));
         // A bundle of version 2 records packs and unpacks the same way.
-        let bundle = crate::bundle::encode(&[(5, v2_record(4_000)), (6, v2_record(6_000))]);
+        let bundle = crate::wire::bundle::encode(&[(5, v2_record(4_000)), (6, v2_record(6_000))]);
         let packed = pack(bundle.clone());
         assert_eq!(&packed[..2], &[RECORD_MAGIC, RECORD_V3]);
         assert!(packed.len() < bundle.len() / 10, "{} bytes", packed.len());

@@ -57,7 +57,7 @@ impl CpuWatch {
 mod tests {
     use super::*;
     // This thread's CPU seconds, by another clock than `/proc`'s.
-    use tally_counter::bench::thread_cpu_seconds as thread_cpu;
+    use crate::counter_apply::thread_cpu_seconds as thread_cpu;
 
     #[test]
     fn counts_the_cpu_a_process_spends() {

@@ -27,7 +27,7 @@
 
 use rustc_hash::FxHashMap;
 
-use crate::wire::{IncrementFields, IncrementRef, Source, Stamp};
+use super::shard::{IncrementFields, IncrementRef, Source, Stamp};
 use crate::{Error, Result};
 
 /// The only kind of version 2 record so far.

@@ -214,7 +214,7 @@ impl ShardStore {
                 report.gap = Some((next, record.offset));
                 break;
             }
-            let payload = match tally_core::packed::unpack(record.payload) {
+            let payload = match tally_core::wire::packed::unpack(record.payload) {
                 Ok(Cow::Borrowed(payload)) => payload,
                 Ok(Cow::Owned(payload)) => unpacked.get_or_init(move || payload).as_slice(),
                 Err(err) => {
@@ -267,10 +267,10 @@ impl ShardStore {
         mark_rollups: bool,
         report: &mut ApplyReport,
     ) -> Result<()> {
-        let descendants = self.descendants.lock().map_err(|_| self.poisoned())?;
+        let descendants = self.views();
         let mut coalescer = Coalescer::new(&self.options.resolutions, now);
         if mark_rollups {
-            coalescer = coalescer.noting_expired(crate::rollup_book::TOMBSTONE_WINDOW_MS);
+            coalescer = coalescer.noting_expired(crate::store::rollup_book::TOMBSTONE_WINDOW_MS);
         }
         let mut batch = WriteBatch::default();
         // Ids marked in this batch, with the record time of their marks.
@@ -360,7 +360,7 @@ impl ShardStore {
         report.keys += coalescer.keys();
         let mut marking = self.marking(mark_rollups)?;
         // The direct deltas of cached origins, added to their copies once committed.
-        let mut cache = self.direct.lock().map_err(|_| self.poisoned())?;
+        let mut cache = self.direct_cache();
         let caching = !cache.is_empty();
         let mut cached_deltas: Vec<(&str, &str, i64, i64, Count)> = Vec::new();
         let mut last_entity: Option<(&str, bool)> = None;
@@ -425,7 +425,7 @@ impl ShardStore {
         // encoded once each, when written.
         let mut local: FxHashMap<(&str, u32, i64, i64), Count> = FxHashMap::default();
         let mut remote: BTreeMap<u32, Vec<TotalDelta>> = BTreeMap::new();
-        let mut descendants = self.descendants.lock().map_err(|_| self.poisoned())?;
+        let mut descendants = self.views();
         // One iterator for every origin of the record whose counts are not in memory
         // (a seek each), not one each: what the record changes is written only when
         // it commits.
@@ -445,7 +445,7 @@ impl ShardStore {
         }
         accepted.sort_by(|(_, a), (_, b)| a.origin.cmp(b.origin));
         let mut scratch = Scratch::default();
-        let mut cache = self.direct.lock().map_err(|_| self.poisoned())?;
+        let mut cache = self.direct_cache();
         for (_, change) in &accepted {
             report.desc_changes += 1;
             self.origin_direct(&mut counts, &mut cache, change.origin, now, &mut scratch)?;
@@ -634,7 +634,7 @@ impl ShardStore {
     /// The count writes of one write batch, with the memtable's switch (if any) told
     /// to the operand tally.
     fn count_writes(&self) -> Result<CountWrites<'_>> {
-        let mut tally = self.operands.lock().map_err(|_| self.poisoned())?;
+        let mut tally = self.operand_tally();
         // Unreadable, the counts carry on (a key is then summed sooner, never wrong).
         let entries = self.store.db().property_int_value_cf(self.cf(CF_COUNTS)?, NUM_ENTRIES_ACTIVE_MEM_TABLE);
         if let Ok(Some(entries)) = entries {
@@ -645,14 +645,7 @@ impl ShardStore {
 
     /// The marks of one write batch; `rollups` off: none.
     fn marking(&self, rollups: bool) -> Result<Marking<'_>> {
-        Ok(Marking { marked: if rollups { Some(self.marked()?) } else { None }, written: Vec::new() })
-    }
-
-    fn poisoned(&self) -> crate::Error {
-        crate::Error::Shard {
-            shard: self.shard,
-            message: "shard state poisoned (a thread panicked holding its lock)".into(),
-        }
+        Ok(Marking { marked: if rollups { Some(self.marked()) } else { None }, written: Vec::new() })
     }
 }
 
@@ -1310,7 +1303,7 @@ mod tests {
             store.apply(&[ShardRecord { offset: 2, payload: &bundle, timestamp: None }], NOW + 2 * day, false).unwrap();
         assert_eq!((report.increments, report.redelivered), (0, 6));
         // A broken bundle stops the batch at it.
-        let mut broken = tally_core::packed::unpack(&bundle).unwrap().into_owned();
+        let mut broken = tally_core::wire::packed::unpack(&bundle).unwrap().into_owned();
         broken.truncate(broken.len() - 1);
         let report = store.apply(&[ShardRecord { offset: 3, payload: &broken, timestamp: None }], NOW, false).unwrap();
         let (offset, reason) = report.undecodable.unwrap();

@@ -1,4 +1,4 @@
-//! `tally bench restore`: how long a shard that lost its disk takes until it can
+//! `tally-bench restore`: how long a shard that lost its disk takes until it can
 //! serve again — restored from its newest snapshot (download, open, replay the log
 //! after it) against replaying its whole log — at several sizes of history, in one
 //! run, on the same data.
@@ -8,10 +8,10 @@ use std::time::Instant;
 
 use tally_shared::snapshot::{SnapshotStore, Snapshotter};
 
-use crate::apply::ShardRecord;
-use crate::bench::{batches_of, workload, BenchOptions};
-use crate::error::Result;
-use crate::store::{ShardStore, StoreOptions};
+use crate::counter_apply::{batches_of, workload, BenchOptions};
+use tally_counter::error::Result;
+use tally_counter::store::apply::ShardRecord;
+use tally_counter::store::{ShardStore, StoreOptions};
 
 /// The shape of the bench.
 #[derive(Debug, Clone)]
@@ -76,7 +76,7 @@ pub fn run(options: &RestoreBenchOptions, dir: &Path, runtime: tokio::runtime::H
         let started = Instant::now();
         apply_log(&lived, log, 0, batch, now)?;
         let replay_history = started.elapsed();
-        let manifest = snapshots.take(&lived.store, &name, dir)?;
+        let manifest = snapshots.take(lived.rocks(), &name, dir)?;
         let started = Instant::now();
         apply_log(&lived, tail, split as i64, batch, now)?;
         let replay_seconds = (replay_history + started.elapsed()).as_secs_f64();

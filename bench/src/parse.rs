@@ -1,17 +1,17 @@
-//! `tally bench parse`: the ingester's parse of producers' messages on one thread.
+//! `tally-bench parse`: the ingester's parse of producers' messages on one thread.
 //! Arrays of valid increments (read in one pass) against the same messages with one
 //! element to reject put first, which go element by element (the way that names each
-//! bad element, and the way every message went before session 20). The one pass gives
+//! bad element). The one pass gives
 //! up on such a message at its first element, and the rejection is the cheapest there
 //! is (not an object), so the baseline is the element-by-element way and little else.
 //! Messages of one increment are single objects: the scanner's read of them against
 //! serde_json's of the same objects with `"id":null`, which the scanner leaves to it.
 
+use crate::counter_apply::thread_cpu_seconds;
 use anyhow::ensure;
 use tally_core::input::{parse_increments, Bounds};
-use tally_counter::bench::thread_cpu_seconds;
 
-use crate::bench_pipeline::Entities;
+use crate::pipeline::Entities;
 
 /// The element every baseline message starts with: not an object.
 const REJECTED: &str = "5";
@@ -30,7 +30,7 @@ pub struct ParseFigures {
 }
 
 /// Parses `messages` messages of `per_message` increments (Zipf-drawn entities, as
-/// `tally bench ingest` produces them) both ways, `rounds` times each, alternating;
+/// `tally-bench ingest` produces them) both ways, `rounds` times each, alternating;
 /// the best round of each counts.
 pub fn run(messages: usize, per_message: usize, rounds: usize) -> anyhow::Result<ParseFigures> {
     ensure!(per_message >= 1, "messages of no increments");

@@ -4,7 +4,7 @@
 //! again whole (a refresh: the rollups topic deletes records older than its
 //! retention, so a value that stopped changing is published again before that).
 //!
-//! Marks are written with the counts that changed them ([`crate::apply`]) and by a
+//! Marks are written with the counts that changed them ([`crate::store::apply`]) and by a
 //! refresh; deadlines when a bucket's value is acknowledged. Both are bookkeeping:
 //! a lost one costs a repeat, never a count.
 
@@ -119,7 +119,7 @@ impl ShardStore {
         let published: Vec<(Vec<u8>, Option<Vec<u8>>)> = page.keys.into_iter().zip(page.values).collect();
         // The marked set first, then (inside) the commit lock: the order a batch
         // takes them in (see `marks`).
-        let mut marked = self.marked()?;
+        let mut marked = self.marked();
         for at in self.store.unmark_unchanged(CF_ROLLUPS, CF_COUNTS, &published)? {
             marked.remove(&published[at].0);
         }

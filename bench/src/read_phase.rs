@@ -1,4 +1,4 @@
-//! What one phase of `tally bench read` cost the machine, and where its tail was:
+//! What one phase of `tally-bench read` cost the machine, and where its tail was:
 //! the cores each process kept busy, and the share of reads that took over 1 ms and
 //! over 5 ms (the two bars) inside tally-query, by its own latency histogram
 //! (`tally_query_request_seconds`, from the request's handler to its answer, the
@@ -8,8 +8,8 @@
 
 use std::time::Instant;
 
-use crate::bench_pipeline::{find_series, sum_series};
 use crate::cpu::CpuWatch;
+use crate::pipeline::{find_series, sum_series};
 
 /// What a phase's line says when tally-query's histogram counted no reads.
 const NONE_COUNTED: &str = "no reads counted in tally_query_request_seconds";

@@ -1,4 +1,4 @@
-//! `tally bench ingest` and `tally bench read`: the real services, each its own
+//! `tally-bench ingest` and `tally-bench read`: the real services, each its own
 //! process as `tally up` runs them, on the configured Kafka (or a local broker),
 //! against a baseline measured in the same run.
 //!
@@ -21,6 +21,7 @@ use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::counter_apply::Zipf;
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::rngs::StdRng;
@@ -28,10 +29,10 @@ use rand::SeedableRng;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
-use tally_counter::bench::Zipf;
 use tally_shared::config::TallyConfig;
+use tally_shared::harness;
 use tally_shared::kafka::{producer_config, TopicNames};
-use tally_shared::local_broker::{ensure_installed, free_port, LocalBroker};
+use tally_shared::local_broker::{free_port, LocalBroker};
 use tally_shared::topics::{self, Declarations};
 use tokio::process::{Child, Command};
 
@@ -152,18 +153,13 @@ pub(crate) fn bar(len: u64, what: &str) -> ProgressBar {
     bar
 }
 
-/// Starts a local broker with its data under `scratch` when `config` names no Kafka,
-/// and points `config` at it.
+/// A local broker with its data under `scratch` when `config` names no Kafka, `config`
+/// pointed at it.
 pub(crate) async fn local_broker_unless_configured(
     config: &mut TallyConfig,
     scratch: &Path,
 ) -> anyhow::Result<Option<LocalBroker>> {
-    if !config.kafka.bootstrap_servers.trim().is_empty() {
-        return Ok(None);
-    }
-    let broker = start_local_broker(scratch.join("kafka")).await?;
-    config.kafka.bootstrap_servers = broker.bootstrap_servers.clone();
-    Ok(Some(broker))
+    Ok(harness::local_broker_unless_configured(config, scratch.join("kafka"), None).await?)
 }
 
 /// Stops the local broker in `local`, if any, deletes its data, and starts an empty
@@ -177,28 +173,16 @@ async fn replace_local_broker(
     let used_dir = used.data_dir().to_path_buf();
     tokio::task::spawn_blocking(move || used.stop()).await?;
     std::fs::remove_dir_all(&used_dir).with_context(|| format!("removing {}", used_dir.display()))?;
-    let broker = start_local_broker(dir).await?;
-    config.kafka.bootstrap_servers = broker.bootstrap_servers.clone();
-    *local = Some(broker);
+    config.kafka.bootstrap_servers.clear();
+    *local = harness::local_broker_unless_configured(config, dir, None).await?;
     Ok(())
-}
-
-/// A local broker with its data in `dir`, on a free port.
-async fn start_local_broker(dir: PathBuf) -> anyhow::Result<LocalBroker> {
-    let port = free_port()?;
-    tokio::task::spawn_blocking(move || -> anyhow::Result<LocalBroker> {
-        Ok(LocalBroker::start(&ensure_installed()?, port, &dir)?)
-    })
-    .await?
 }
 
 /// A broker, a topic prefix of its own, and the services as child processes.
 pub(crate) struct Rig {
     pub(crate) config: TallyConfig,
-    config_path: Option<PathBuf>,
     scratch: tempfile::TempDir,
     local: Option<LocalBroker>,
-    bin_dir: PathBuf,
     pub(crate) ports: Ports,
     children: Vec<(&'static str, Child)>,
     /// For the services' admin endpoints.
@@ -215,14 +199,13 @@ pub(crate) struct Ports {
 }
 
 impl Rig {
-    pub(crate) async fn start(mut config: TallyConfig, config_path: Option<PathBuf>) -> anyhow::Result<Self> {
-        let bin_dir =
-            std::env::current_exe()?.parent().map(Path::to_path_buf).context("locating the service binaries")?;
+    pub(crate) async fn start(mut config: TallyConfig) -> anyhow::Result<Self> {
         for name in ["tally-ingester", "tally-counter", "tally-query"] {
+            let binary = harness::sibling_binary(name)?;
             anyhow::ensure!(
-                bin_dir.join(name).exists(),
-                "{name} is not next to this tally binary ({}): build every binary first (cargo build --release --bins)",
-                bin_dir.display()
+                binary.exists(),
+                "{} does not exist: build every binary first (cargo build --release --bins)",
+                binary.display()
             );
         }
         let scratch = tempfile::Builder::new().prefix("tally-bench").tempdir_in(".")?;
@@ -234,9 +217,8 @@ impl Rig {
             query: free_port()?,
             query_admin: free_port()?,
         };
-        let config_path = config_path.map(std::fs::canonicalize).transpose()?;
         let client = reqwest::Client::new();
-        Ok(Self { config, config_path, scratch, local, bin_dir, ports, children: Vec::new(), client })
+        Ok(Self { config, scratch, local, ports, children: Vec::new(), client })
     }
 
     /// A fresh topic prefix (fresh topics) for the next case, with its topics applied.
@@ -261,27 +243,24 @@ impl Rig {
         self.scratch.path().join(&self.config.kafka.topic_prefix)
     }
 
-    fn env(&self) -> Vec<(String, String)> {
+    /// The services' config: the rig's, with the current case's data, its own ports,
+    /// static assignment (the local broker never evicts a killed member) and quiet logs.
+    fn service_config(&self) -> TallyConfig {
         let data = self.data_dir();
         let p = self.ports;
-        let mut env = vec![
-            ("TALLY__KAFKA__BOOTSTRAP_SERVERS", self.config.kafka.bootstrap_servers.clone()),
-            ("TALLY__KAFKA__TOPIC_PREFIX", self.config.kafka.topic_prefix.clone()),
-            ("TALLY__COUNTER__DATA_DIR", data.join("counter").display().to_string()),
-            ("TALLY__SNAPSHOTS__DIR", data.join("snapshots").display().to_string()),
-            ("TALLY__COUNTER__STATIC_ASSIGNMENT", "true".into()),
-            ("TALLY__INGESTER__STATIC_ASSIGNMENT", "true".into()),
-            ("TALLY__COUNTER__READ_LISTEN", format!("127.0.0.1:{}", p.counter_read)),
-            ("TALLY__COUNTER__ADMIN_LISTEN", format!("127.0.0.1:{}", p.counter_admin)),
-            ("TALLY__INGESTER__ADMIN_LISTEN", format!("127.0.0.1:{}", p.ingester_admin)),
-            ("TALLY__QUERY__LISTEN", format!("127.0.0.1:{}", p.query)),
-            ("TALLY__QUERY__ADMIN_LISTEN", format!("127.0.0.1:{}", p.query_admin)),
-            ("TALLY__LOG__LEVEL", "warn".into()),
-        ];
-        if let Some(path) = &self.config_path {
-            env.push(("TALLY_CONFIG", path.display().to_string()));
-        }
-        env.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+        let local = |port: u16| format!("127.0.0.1:{port}");
+        let mut config = self.config.clone();
+        config.counter.data_dir = data.join("counter");
+        config.snapshots.dir = data.join("snapshots");
+        config.counter.static_assignment = true;
+        config.ingester.static_assignment = true;
+        config.counter.read_listen = local(p.counter_read);
+        config.counter.admin_listen = local(p.counter_admin);
+        config.ingester.admin_listen = local(p.ingester_admin);
+        config.query.listen = local(p.query);
+        config.query.admin_listen = local(p.query_admin);
+        config.log.level = "warn".into();
+        config
     }
 
     /// Starts a service and waits until its `/readyz` answers 200.
@@ -291,14 +270,15 @@ impl Rig {
     }
 
     fn spawn(&mut self, name: &'static str) -> anyhow::Result<()> {
-        self.spawn_with(name, &[])
+        self.spawn_with(name, |_| {})
     }
 
-    /// [`Rig::spawn`] with more environment variables.
-    fn spawn_with(&mut self, name: &'static str, env: &[(&str, &str)]) -> anyhow::Result<()> {
-        let child = Command::new(self.bin_dir.join(name))
-            .envs(self.env())
-            .envs(env.iter().copied())
+    /// [`Rig::spawn`] with the service's config changed by `change`.
+    fn spawn_with(&mut self, name: &'static str, change: impl FnOnce(&mut TallyConfig)) -> anyhow::Result<()> {
+        let mut config = self.service_config();
+        change(&mut config);
+        let service = harness::Service::sibling(name, config)?;
+        let child = Command::from(service.command(self.scratch.path())?)
             .kill_on_drop(true)
             .spawn()
             .with_context(|| format!("starting {name}"))?;
@@ -334,7 +314,7 @@ impl Rig {
     async fn stop(&mut self, name: &str) -> anyhow::Result<()> {
         while let Some(at) = self.children.iter().position(|(n, _)| *n == name) {
             let (_, mut child) = self.children.remove(at);
-            crate::up::stop(name, &mut child).await;
+            harness::stop(name, &mut child, harness::STOP_GRACE).await;
         }
         Ok(())
     }
@@ -561,9 +541,9 @@ async fn ingest_backlog(rig: &mut Rig, expected: u64, messages: u64, label: &str
     }
 }
 
-pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: IngestBenchArgs) -> anyhow::Result<()> {
+pub async fn ingest(config: TallyConfig, args: IngestBenchArgs) -> anyhow::Result<()> {
     let cases = args.cases.iter().map(|c| Case::parse(c)).collect::<anyhow::Result<Vec<_>>>()?;
-    let mut rig = Rig::start(config, config_path).await?;
+    let mut rig = Rig::start(config).await?;
     println!(
         "ingest bench: backlogs of {} on the increments topic, {} entities (Zipf 1.1){}; broker {}; services as processes from {}",
         args.cases.join(", "),
@@ -576,7 +556,7 @@ pub async fn ingest(config: TallyConfig, config_path: Option<PathBuf>, args: Ing
             Some(_) => "a local one, started afresh for each run".to_string(),
             None => rig.config.kafka.bootstrap_servers.clone(),
         },
-        rig.bin_dir.display()
+        harness::sibling_binary("tally-counter")?.parent().unwrap_or(Path::new("?")).display()
     );
     let mut ratios: Vec<Vec<Ratios>> = vec![Vec::new(); cases.len()];
     for round in 0..args.repeat as usize {
@@ -775,7 +755,7 @@ async fn rebuild_from_the_log(rig: &mut Rig, expected: u64) -> anyhow::Result<Re
         }
     }
     let started = Instant::now();
-    rig.spawn_with("tally-counter", &[("TALLY__SNAPSHOTS__ENABLED", "false")])?;
+    rig.spawn_with("tally-counter", |config| config.snapshots.enabled = false)?;
     let cpu = CpuWatch::start(&rig.pids());
     let progress = bar(expected, "the counter rebuilding");
     let deadline = started + Duration::from_secs(900);
@@ -809,7 +789,7 @@ impl Latencies {
         if self.0.is_empty() {
             return f64::NAN;
         }
-        crate::bench_jobs::percentile(&self.0, p).as_secs_f64() * 1e3
+        crate::jobs::percentile(&self.0, p).as_secs_f64() * 1e3
     }
 
     fn line(&self, label: &str, seconds: f64) -> String {
@@ -926,7 +906,7 @@ async fn load(
         .map(|(c, mut connection)| {
             tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<Duration>> {
                 // Refused (a sandbox without the call): the clients keep the kernel's.
-                let _ = tally_shared::sched::set_slice(slice);
+                tally_shared::sched::set_slice(slice).ok();
                 let mut draw = Entities::new(entities, 1_000 + c as u64);
                 let (mut latencies, mut body) = (Vec::new(), Vec::new());
                 let mut schedule = rate.map(|rate| Schedule::new(start, c, connections, rate));
@@ -997,11 +977,11 @@ fn batch_read(draw: &mut Entities) -> Vec<u8> {
     .into_bytes()
 }
 
-pub async fn read(config: TallyConfig, config_path: Option<PathBuf>, args: ReadBenchArgs) -> anyhow::Result<()> {
-    let mut rig = Rig::start(config, config_path).await?;
+pub async fn read(config: TallyConfig, args: ReadBenchArgs) -> anyhow::Result<()> {
+    let mut rig = Rig::start(config).await?;
     if rig.config.auth.reader_token.is_some() {
         rig.finish().await?;
-        bail!("tally bench read sends no token: run it with auth.reader_token unset");
+        bail!("tally-bench read sends no token: run it with auth.reader_token unset");
     }
     let names = rig.fresh_topics().await?;
     let busy = Case { per_message: args.ingest_per_message as usize, messages: args.ingest_messages };
@@ -1147,15 +1127,15 @@ mod tests {
         let server = std::thread::spawn(move || {
             let (mut stream, _) = listener.accept().unwrap();
             let mut request = [0u8; 256];
-            let _ = std::io::Read::read(&mut stream, &mut request);
-            let _ = stopped.recv();
+            std::io::Read::read(&mut stream, &mut request).ok();
+            stopped.recv().ok();
         });
         let mut connection = Connection::open_waiting(port, Duration::from_millis(200)).unwrap();
         let (done, result) = std::sync::mpsc::channel();
         let started = Instant::now();
         std::thread::spawn(move || {
             let mut body = Vec::new();
-            let _ = done.send(connection.exchange(b"GET / HTTP/1.1\r\nhost: bench\r\n\r\n", &mut body).is_err());
+            done.send(connection.exchange(b"GET / HTTP/1.1\r\nhost: bench\r\n\r\n", &mut body).is_err()).ok();
         });
         let failed = result.recv_timeout(Duration::from_secs(3)).expect("the read still waits after 3 s");
         assert!(failed, "a read nobody answered succeeded");

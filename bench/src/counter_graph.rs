@@ -1,4 +1,4 @@
-//! `tally bench graph`: what hierarchy costs, each figure against a baseline run in
+//! `tally-bench graph`: what hierarchy costs, each figure against a baseline run in
 //! the same process.
 //!
 //! 1. An edge add `u → v` whose ancestor side has `ancestors` entities (`a_i → u`):
@@ -21,9 +21,9 @@ use std::time::Instant;
 use tally_core::graph::{DescChange, EdgeOp, EdgeUpdate, Graph};
 use tally_core::wire::{Increment, ShardMessage, Source, Stamp};
 
-use crate::apply::ShardRecord;
-use crate::error::Result;
-use crate::store::{ShardStore, StoreOptions};
+use tally_counter::error::Result;
+use tally_counter::store::apply::ShardRecord;
+use tally_counter::store::{ShardStore, StoreOptions};
 
 #[derive(Debug, Clone)]
 pub struct GraphBenchOptions {
@@ -206,10 +206,10 @@ pub struct LatencyReport {
     pub remove_graph_seconds: f64,
     pub remove_shard_seconds: f64,
     /// The first add's shard step: the origins' direct counts are read from RocksDB
-    /// (not yet in memory, [`crate::direct`]).
+    /// (not yet in memory, [`tally_counter::direct`]).
     pub first_add_shard_seconds: f64,
     /// The slowest shard step of all the adds and removes (one of them folds the
-    /// descendant views' log, [`crate::views`]).
+    /// descendant views' log, [`tally_counter::views`]).
     pub slowest_shard_seconds: f64,
     /// All-time totals: `top:0` before, the root after the add and after the remove.
     pub top_total: tally_core::keys::Count,
@@ -245,7 +245,7 @@ pub fn edge_latency(shape: LatencyShape, dir: &Path) -> Result<LatencyReport> {
     let store = ShardStore::open(0, &dir.join("latency"), store_options)?;
     store.apply(&[ShardRecord { offset: 0, payload: &views, timestamp: None }], now, false)?;
     // Zipf(1.1) over the leaves, in records of 1 000 increments.
-    let zipf = crate::bench::Zipf::new(shape.leaves, 1.1);
+    let zipf = crate::counter_apply::Zipf::new(shape.leaves, 1.1);
     let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(3);
     let mut leaf_counts = vec![0i64; shape.leaves];
     let records: Vec<Vec<u8>> = (0..shape.increments.div_ceil(1_000))
@@ -321,7 +321,7 @@ mod tests {
     use super::*;
 
     /// A small run: the edge add reaches every ancestor, and the hierarchical batch
-    /// writes totals (figures come from `tally bench graph`, never a timed test).
+    /// writes totals (figures come from `tally-bench graph`, never a timed test).
     #[test]
     fn small_run_changes_every_ancestor() {
         let dir = tempfile::tempdir().unwrap();

@@ -1,4 +1,4 @@
-//! `tally bench counter`: the apply path on a Zipf-skewed workload, against a
+//! `tally-bench counter`: the apply path on a Zipf-skewed workload, against a
 //! per-event, no-coalescing baseline run in the same process on the same data.
 //!
 //! Both paths decode the same shard messages and write the same buckets to a real
@@ -15,9 +15,9 @@ use tally_core::keys::{encode_count_key, Counts, ALL_TIME_WIDTH};
 use tally_core::time::bucket_start;
 use tally_core::wire::{Increment, ShardMessage, ShardMessageRef, Source, Stamp};
 
-use crate::apply::ShardRecord;
-use crate::error::Result;
-use crate::store::{ShardStore, StoreOptions, CF_COUNTS};
+use tally_counter::error::Result;
+use tally_counter::store::apply::ShardRecord;
+use tally_counter::store::{ShardStore, StoreOptions};
 
 /// The shape of the workload.
 #[derive(Debug, Clone)]
@@ -193,7 +193,7 @@ pub(crate) fn batches_of(records: &[Vec<u8>], max_bytes: usize) -> impl Iterator
         }
         let mut bytes = 0;
         let end = rest.iter().position(|r| {
-            bytes += tally_core::packed::unpacked_len(r);
+            bytes += tally_core::wire::packed::unpacked_len(r);
             bytes >= max_bytes
         });
         let (batch, tail) = rest.split_at(end.map_or(rest.len(), |i| i + 1));
@@ -205,11 +205,11 @@ pub(crate) fn batches_of(records: &[Vec<u8>], max_bytes: usize) -> impl Iterator
 /// The baseline: every increment is its own RocksDB write of its buckets, committed
 /// with its position like any write of the store.
 fn apply_per_event(store: &ShardStore, records: &[Vec<u8>], now: i64) -> Result<()> {
-    let cf = store.cf(CF_COUNTS)?;
-    let resolutions = &store.options.resolutions;
+    let cf = store.counts_family()?;
+    let resolutions = &store.store_options().resolutions;
     let mut key = Vec::with_capacity(128);
     for (offset, payload) in records.iter().enumerate() {
-        let payload = tally_core::packed::unpack(payload)?;
+        let payload = tally_core::wire::packed::unpack(payload)?;
         let ShardMessageRef::Increments { entries, .. } = ShardMessageRef::decode(&payload)? else { continue };
         for (_, increment) in entries {
             let counts = Counts::increment(increment.delta).encode();
@@ -227,7 +227,7 @@ fn apply_per_event(store: &ShardStore, records: &[Vec<u8>], now: i64) -> Result<
             }
             let mut progress = store.progress();
             progress.next_offset = Some(offset as i64 + 1);
-            store.store.commit(batch, progress)?;
+            store.commit(batch, progress)?;
         }
     }
     Ok(())
@@ -238,7 +238,7 @@ mod tests {
     use super::*;
 
     /// A tiny run checks that both paths agree on what they wrote (the bench's
-    /// figures come from `tally bench counter`, never from a timed test).
+    /// figures come from `tally-bench counter`, never from a timed test).
     #[test]
     fn both_paths_write_the_same_counts() {
         let dir = tempfile::tempdir().unwrap();

@@ -140,7 +140,7 @@ mod tests {
     use tally_core::wire::{Increment, ShardMessage, Source, Stamp};
 
     use super::*;
-    use crate::apply::ShardRecord;
+    use crate::store::apply::ShardRecord;
     use crate::store::StoreOptions;
 
     const NOW: i64 = 1_763_780_000_000;

@@ -1,5 +1,5 @@
 //! Binary record format version 4 ([`RECORD_V4`]): a bundle of version 2 shard
-//! records of increments ([`crate::compact`]) for one shard, each with the time of
+//! records of increments ([`crate::wire::compact`]) for one shard, each with the time of
 //! its input record.
 //!
 //! An ingester's batch holds records of every input partition it reads. With a
@@ -22,9 +22,9 @@
 //! Decoding ([`sections`]) fails closed: no sections, a truncated or overlong
 //! integer, a length past the end, a section that is not a version 2 record, or
 //! trailing bytes are each an [`Error::Format`] naming the fault. The sections'
-//! own contents are decoded by [`crate::compact::decode_increments`].
+//! own contents are decoded by [`crate::wire::compact::decode_increments`].
 
-use crate::compact::{put_varint, put_zigzag, varint_len, zigzag_len, Reader};
+use super::compact::{put_varint, put_zigzag, varint_len, zigzag_len, Reader};
 use crate::format::{RECORD_MAGIC, RECORD_V2, RECORD_V4};
 use crate::{Error, Result};
 
@@ -72,7 +72,7 @@ pub fn is_bundle(record: &[u8]) -> bool {
 
 /// The sections of the version 4 record `record` (its header included), in order:
 /// each one's record time and the body of its version 2 record (after that record's
-/// header, which is checked: what [`crate::compact::decode_increments`] reads),
+/// header, which is checked: what [`crate::wire::compact::decode_increments`] reads),
 /// borrowed.
 pub fn sections(record: &[u8]) -> Result<Vec<(i64, &[u8])>> {
     let [RECORD_MAGIC, RECORD_V4, body @ ..] = record else {
@@ -101,7 +101,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::compact::{decode_increments, encode_increments};
+    use crate::wire::compact::{decode_increments, encode_increments};
     use crate::wire::{Increment, Source, Stamp};
 
     fn record(partition: u32, offset: i64) -> Vec<u8> {

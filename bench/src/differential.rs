@@ -1,5 +1,5 @@
 //! differential-dataflow (DD) computing hierarchical counters on the latency shape of
-//! `tally bench graph`, so tally's edge-update latency is printed against DD's
+//! `tally-bench graph`, so tally's edge-update latency is printed against DD's
 //! measured in the same run on the same machine (not against a figure from
 //! elsewhere).
 //!
@@ -13,7 +13,7 @@
 //!
 //! Entity ids: leaves `0..leaves`, mids next, tops next, then the root; leaf `i`
 //! belongs to mid `i / ceil(leaves / mids)`, mid `j` to top `j / ceil(mids / tops)`
-//! (the shape of `tally_counter::bench_graph::edge_latency`).
+//! (the shape of `crate::counter_graph::edge_latency`).
 
 use std::cell::Cell;
 use std::rc::Rc;

@@ -9,15 +9,23 @@
 //! `outbox` (totals for other shards, written with the state that produced them and
 //! deleted once relayed), `rollups` (count keys whose latest values are still to be
 //! published, marked in the same write batch as the counts), `rollup_deadlines` (when
-//! each published bucket expires: [`crate::rollup_book`]), and the default one for
+//! each published bucket expires: [`crate::store::rollup_book`]), and the default one for
 //! progress: the next shard-topic offset to consume, the high-water stamp of every
 //! source and, while a rebuild runs, the offset it must reach. Expired buckets and
 //! marks are dropped by compaction filters; reads never look at them.
+//!
+//! [`ShardStore`] lives here whole: opening, progress and persisting in this file,
+//! the apply path in [`apply`], reads in [`read`], rollup pages and deadlines in
+//! [`rollup_book`].
+
+pub mod apply;
+pub mod read;
+pub mod rollup_book;
 
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
 use rocksdb::compaction_filter::Decision;
@@ -25,6 +33,7 @@ use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, MergeOperands, Options, Writ
 use tally_core::keys::{decode_count_key, Counts, ALL_TIME_WIDTH};
 use tally_core::time::Resolutions;
 use tally_shared::dedupe::DedupeWindow;
+use tally_shared::lock;
 use tally_shared::outbox::OutboxEntry;
 use tally_shared::progress::Progress;
 use tally_shared::store::{Durability, Store};
@@ -45,7 +54,7 @@ pub(crate) const CF_DESC: &str = "desc";
 pub(crate) const CF_DESC_LOG: &str = "desc_log";
 pub(crate) const CF_OUTBOX: &str = "outbox";
 pub(crate) const CF_ROLLUPS: &str = "rollups";
-/// When each published bucket expires, for its tombstone ([`crate::rollup_book`]).
+/// When each published bucket expires, for its tombstone ([`crate::store::rollup_book`]).
 pub(crate) const CF_ROLLUP_DEADLINES: &str = "rollup_deadlines";
 /// The shard-topic offset a store built from scratch must reach before it serves.
 const KEY_REBUILD_UNTIL: &[u8] = b"rebuild_until";
@@ -82,7 +91,24 @@ impl Default for StoreOptions {
     }
 }
 
-/// A shard's database.
+/// What the lock of a store's last persist guards, for [`lock::poisoned`].
+const LAST_PERSIST: &str = "a shard's last persist time";
+
+/// A shard's database and what the counter keeps of it in memory.
+///
+/// Its methods live by concern: opening, progress and persisting here; the apply
+/// path in [`crate::store::apply`] (one batch at a time, on the consume loop or a helper
+/// apply thread: [`crate::consumer`]); reads in [`crate::store::read`] (the HTTP and read
+/// link threads); rollups in [`crate::store::rollup_book`] (the rollups thread).
+///
+/// **Lock order.** A thread that holds several of its locks took them in this
+/// order, and takes none of them while it holds [`crate::shards::Shards`]'
+/// ownership lock for writing: `descendants` ([`ShardStore::views`]), `marked`
+/// ([`ShardStore::marked`]), `direct` ([`ShardStore::direct_cache`]), `operands`
+/// ([`ShardStore::operand_tally`]); `last_persist` alone. The apply path takes
+/// them all, in that order, for a batch; readers take `descendants` alone and
+/// the rollups thread `marked` alone. All are taken through
+/// [`tally_shared::lock`]: a poisoned one stops the process.
 pub struct ShardStore {
     pub shard: u32,
     /// The database and its progress ([`tally_shared::store`]).
@@ -108,7 +134,7 @@ pub struct ShardStore {
     rebuild_until: AtomicI64,
     /// When the store was last persisted (or opened).
     last_persist: Mutex<Instant>,
-    /// Every rollup deadline before this time is done ([`crate::rollup_book`]).
+    /// Every rollup deadline before this time is done ([`crate::store::rollup_book`]).
     pub(crate) deadlines_done_until: AtomicI64,
 }
 
@@ -192,8 +218,8 @@ impl ShardStore {
         // write-only: a read of a mutable vector memtable copies and sorts the whole
         // memtable. It takes no concurrent inserts, so RocksDB inserts a write
         // group's batches one after another (writes from other threads — outbox and
-        // rollup deletes, metadata — are serialised by RocksDB, as before, just not
-        // inserted in parallel).
+        // rollup deletes, metadata — are serialised by RocksDB, just not inserted
+        // in parallel).
         let mut desc = Options::default();
         desc.set_memtable_factory(rocksdb::MemtableFactory::Vector);
         db_options.set_allow_concurrent_memtable_write(false);
@@ -231,7 +257,22 @@ impl ShardStore {
 
     /// desc(origin) as this shard currently sees it.
     pub fn descendants_of(&self, origin: &str) -> Vec<String> {
-        self.descendants.lock().ok().and_then(|views| views.map.get(origin).cloned()).unwrap_or_default()
+        self.views().map.get(origin).cloned().unwrap_or_default()
+    }
+
+    /// The descendant views (first in the lock order: [`ShardStore`]).
+    pub(crate) fn views(&self) -> MutexGuard<'_, Views> {
+        lock::lock(&self.descendants, "a shard's descendant views")
+    }
+
+    /// The direct counts cached (third in the lock order).
+    pub(crate) fn direct_cache(&self) -> MutexGuard<'_, DirectCache> {
+        lock::lock(&self.direct, "a shard's direct-count cache")
+    }
+
+    /// The merge-operand tally (fourth in the lock order).
+    pub(crate) fn operand_tally(&self) -> MutexGuard<'_, OperandTally> {
+        lock::lock(&self.operands, "a shard's operand tally")
     }
 
     /// The outbox in send order (by source offset, then target shard).
@@ -244,16 +285,29 @@ impl ShardStore {
         Ok(self.store.delete_outbox(CF_OUTBOX, entries)?)
     }
 
-    /// The count keys known to be marked for rollups; held by a batch from its
-    /// first look-up until it committed.
-    pub(crate) fn marked(&self) -> Result<MutexGuard<'_, MarkedKeys>> {
-        self.marked
-            .lock()
-            .map_err(|_| crate::Error::Shard { shard: self.shard, message: "rollup marks poisoned".into() })
+    /// The count keys known to be marked for rollups (second in the lock order); held
+    /// by a batch from its first look-up until it committed.
+    pub(crate) fn marked(&self) -> MutexGuard<'_, MarkedKeys> {
+        lock::lock(&self.marked, "a shard's rollup marks")
     }
 
     pub(crate) fn cf(&self, name: &str) -> Result<&ColumnFamily> {
         Ok(self.store.cf(name)?)
+    }
+
+    /// The column family of counts (the benchmarks' per-event baseline writes there).
+    pub fn counts_family(&self) -> Result<&ColumnFamily> {
+        self.cf(CF_COUNTS)
+    }
+
+    /// What the shard was opened with.
+    pub fn store_options(&self) -> &StoreOptions {
+        &self.options
+    }
+
+    /// The shard's RocksDB store, to snapshot it.
+    pub fn rocks(&self) -> &Store {
+        &self.store
     }
 
     /// A copy of the committed progress.
@@ -272,14 +326,13 @@ impl ShardStore {
         let times = self.dedupe.stream_times();
         self.store.persist()?;
         self.dedupe.flushed(times);
-        *self.last_persist.lock().unwrap_or_else(PoisonError::into_inner) = Instant::now();
+        *lock::lock(&self.last_persist, LAST_PERSIST) = Instant::now();
         Ok(())
     }
 
     /// When the store was last persisted (or opened).
     pub fn last_persist(&self) -> Instant {
-        // An `Instant` is never half-written: a panic elsewhere leaves it readable.
-        *self.last_persist.lock().unwrap_or_else(PoisonError::into_inner)
+        *lock::lock(&self.last_persist, LAST_PERSIST)
     }
 
     /// Whether `(entity, id)` was seen within the dedupe window of a record at
@@ -318,8 +371,9 @@ impl ShardStore {
         }
         if self.next_offset().is_some_and(|next| next >= until) {
             // Caught up, and offsets only move forward: later calls need not take the
-            // commit lock (every read asks). A wait set since then stays.
-            let _ = self.rebuild_until.compare_exchange(until, i64::MIN, Ordering::Relaxed, Ordering::Relaxed);
+            // commit lock (every read asks). A wait set since then stays (the exchange
+            // then fails, as it should).
+            self.rebuild_until.compare_exchange(until, i64::MIN, Ordering::Relaxed, Ordering::Relaxed).ok();
             return true;
         }
         false
@@ -332,7 +386,7 @@ impl ShardStore {
     }
 
     /// Writes `batch` plus the new progress atomically.
-    pub(crate) fn commit(&self, batch: WriteBatch, progress: Progress) -> Result<()> {
+    pub fn commit(&self, batch: WriteBatch, progress: Progress) -> Result<()> {
         Ok(self.store.commit(batch, progress)?)
     }
 

@@ -1,7 +1,7 @@
-//! `tally bench freshness`: how soon a read through tally-query shows an increment
-//! after it was sent (SPEC: within 2 s at p99 at nominal load), idle and under
+//! `tally-bench freshness`: how soon a read through tally-query shows an increment
+//! after it was sent (the target: within 2 s at p99 at nominal load), idle and under
 //! steady loads — the rate a deployment runs at, not a backlog it catches up with
-//! (`tally bench read` and `tally bench ingest` cover those).
+//! (`tally-bench read` and `tally-bench ingest` cover those).
 //!
 //! A probe is one increment of an entity of its own, sent every `--probe-every-ms`.
 //! One client reads that entity's all-time total every millisecond on a keep-alive
@@ -20,8 +20,9 @@ use futures::{FutureExt, StreamExt};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::producer_config;
+use tally_shared::lock::lock;
 
-use crate::bench_pipeline::{bar, Connection, Entities, Latencies, Rig};
+use crate::pipeline::{bar, Connection, Entities, Latencies, Rig};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct FreshnessBenchArgs {
@@ -42,21 +43,19 @@ pub struct FreshnessBenchArgs {
     pub entities: usize,
 }
 
+/// What the lock of the probes' send times guards ([`tally_shared::lock`]).
+const SENT: &str = "the probes' send times";
 /// The probes' entity: no load increment touches it.
 const PROBE: &str = "bench-probe";
 /// A probe: one increment of [`PROBE`]'s `views`.
 const PROBE_MESSAGE: &str = r#"{"entity":"bench-probe","metric":"views"}"#;
 
-pub async fn run(
-    config: TallyConfig,
-    config_path: Option<std::path::PathBuf>,
-    args: FreshnessBenchArgs,
-) -> anyhow::Result<()> {
+pub async fn run(config: TallyConfig, args: FreshnessBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.seconds * 1_000 >= args.probe_every_ms, "a phase of --seconds must fit a probe");
-    let mut rig = Rig::start(config, config_path).await?;
+    let mut rig = Rig::start(config).await?;
     if rig.config.auth.reader_token.is_some() {
         rig.finish().await?;
-        bail!("tally bench freshness sends no token: run it with auth.reader_token unset");
+        bail!("tally-bench freshness sends no token: run it with auth.reader_token unset");
     }
     let names = rig.fresh_topics().await?;
     println!(
@@ -164,7 +163,7 @@ async fn measure(
         }
         if now >= next_probe {
             next_probe += Duration::from_millis(args.probe_every_ms);
-            sent.lock().map_err(|_| anyhow::anyhow!("a probe's clock"))?.push(Instant::now());
+            lock(&sent, SENT).push(Instant::now());
             let record = FutureRecord::to(topic).key(PROBE).payload(PROBE_MESSAGE);
             pending.push(producer.send_result(record).map_err(|(err, _)| anyhow::anyhow!("producing a probe: {err}"))?);
         }
@@ -176,7 +175,7 @@ async fn measure(
     while let Some(delivered) = pending.next().await {
         check_delivered(delivered)?;
     }
-    let probes = sent.lock().map_err(|_| anyhow::anyhow!("a probe's clock"))?.len();
+    let probes = lock(&sent, SENT).len();
     expected.store(probes, Ordering::SeqCst);
     progress.finish_and_clear();
     let mut seen = watcher.await??;
@@ -191,8 +190,8 @@ struct StopWatching(Arc<AtomicUsize>);
 
 impl Drop for StopWatching {
     fn drop(&mut self) {
-        // Once sending ended the watcher was told how many probes to wait for.
-        let _ = self.0.compare_exchange(usize::MAX, 0, Ordering::SeqCst, Ordering::SeqCst);
+        // Fails once sending ended: the watcher was told how many probes to wait for.
+        self.0.compare_exchange(usize::MAX, 0, Ordering::SeqCst, Ordering::SeqCst).ok();
     }
 }
 
@@ -248,7 +247,7 @@ fn watch(
         let total = probe_total(&mut reader)?;
         let read_at = Instant::now();
         let shown = usize::try_from(total - base).context("the probes' total fell")?;
-        let times = sent.lock().map_err(|_| anyhow::anyhow!("a probe's clock"))?;
+        let times = lock(sent, SENT);
         anyhow::ensure!(shown <= times.len(), "{shown} probes show but {} were sent", times.len());
         while freshness.len() < shown {
             freshness.push(read_at - times[freshness.len()]);

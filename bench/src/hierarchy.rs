@@ -1,12 +1,12 @@
-//! `tally bench graph`'s command: the counter's hierarchy benchmarks
-//! ([`tally_counter::bench_graph`]), and the latency shape's edge updates against
+//! `tally-bench graph`'s command: the counter's hierarchy benchmarks
+//! ([`crate::counter_graph`]), and the latency shape's edge updates against
 //! differential-dataflow computing the same totals in the same run
-//! ([`tally_baseline_differential`]).
+//! ([`crate::differential`]).
 
 use std::path::Path;
 
-use tally_baseline_differential as differential;
-use tally_counter::bench_graph::{edge_latency, GraphBenchOptions, LatencyReport, LatencyShape};
+use crate::counter_graph::{edge_latency, GraphBenchOptions, LatencyReport, LatencyShape};
+use crate::differential;
 
 /// tally's edge updates on `shape`, then differential-dataflow's on the same graph
 /// and the same counts, each in as many buckets as the shard keeps it in. An error when the two disagree on the root's totals: the
@@ -34,7 +34,7 @@ pub fn edge_latency_against_differential(
     Ok((latency, baseline))
 }
 
-/// Runs `tally bench graph` and prints its figures with their baselines.
+/// Runs `tally-bench graph` and prints its figures with their baselines.
 pub async fn run(options: GraphBenchOptions, repeats: usize) -> anyhow::Result<()> {
     println!(
         "graph bench: an edge add with {} ancestors in a graph with {} other edges; {} increments on leaves with 3 levels of ancestors; {} shards; RocksDB on disk",
@@ -44,7 +44,7 @@ pub async fn run(options: GraphBenchOptions, repeats: usize) -> anyhow::Result<(
     let path = dir.path().to_path_buf();
     let shape = LatencyShape { repeats, ..Default::default() };
     let (r, (latency, differential)) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-        Ok((tally_counter::bench_graph::run(&options, &path)?, edge_latency_against_differential(shape, &path)?))
+        Ok((crate::counter_graph::run(&options, &path)?, edge_latency_against_differential(shape, &path)?))
     })
     .await??;
     let ms = |s: f64| s * 1_000.0;

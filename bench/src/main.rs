@@ -1,0 +1,5 @@
+//! The `tally-bench` binary: see the library.
+
+fn main() -> std::process::ExitCode {
+    tally_bench::main()
+}
