@@ -170,5 +170,5 @@ fn the_cli_depends_on_the_libraries_only() {
         .map(String::as_str)
         .filter(|name| name.starts_with("tally-"))
         .collect();
-    assert_eq!(tally, vec!["tally-core", "tally-jobs-client", "tally-shared"]);
+    assert_eq!(tally, vec!["tally-core", "tally-shared"]);
 }
