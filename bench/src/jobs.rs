@@ -7,6 +7,10 @@
 //!    single dequeues and acks go one after the other (latency of a dequeue served from the
 //!    buffer, and of the whole dequeue → ack round trip).
 //! 4. The worker library drains the rest with `concurrency` jobs at once (jobs/s).
+//! 5. Pickup: how soon a job produced now is handed out — on the drained queue (the
+//!    baseline), and at the top level of a queue with two priority levels behind a
+//!    `backlog` of low jobs its broker holds (a buffer that size: priorities order
+//!    what a broker holds).
 //!
 //! Uses the configured Kafka, or starts a local one when none is configured.
 
@@ -34,6 +38,12 @@ pub struct JobsBenchArgs {
     pub round_trips: usize,
     #[arg(long, default_value_t = 32)]
     pub concurrency: usize,
+    /// Low jobs ahead of each high one in the pickup phase.
+    #[arg(long, default_value_t = 100_000)]
+    pub backlog: usize,
+    /// Jobs produced one at a time and timed until handed out, per queue.
+    #[arg(long, default_value_t = 200)]
+    pub pickups: usize,
 }
 
 pub(crate) fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -47,9 +57,11 @@ pub async fn run(mut config: TallyConfig, args: JobsBenchArgs) -> anyhow::Result
     let names = TopicNames::new(&config.kafka.topic_prefix);
     let queue = "bench";
     let declarations = format!(
-        "{}\n[[queue]]\nname = \"{queue}\"\npartitions = 1\nbuffer = {}\nlease_ms = 60000\n",
+        "{}\n[[queue]]\nname = \"{queue}\"\npartitions = 1\nbuffer = {}\nlease_ms = 60000\n\
+         [[queue]]\nname = \"{RANKED}\"\npartitions = 1\nbuffer = {}\nlease_ms = 60000\npriority_levels = 2\n",
         topics::BUILTIN,
-        args.jobs
+        args.jobs,
+        args.backlog + args.pickups
     );
     let declarations_path = scratch.path().join("topics.toml");
     std::fs::write(&declarations_path, &declarations)?;
@@ -61,20 +73,7 @@ pub async fn run(mut config: TallyConfig, args: JobsBenchArgs) -> anyhow::Result
     );
 
     let producer: FutureProducer = producer_config(&config.kafka)?.create()?;
-    let sends = (0..args.jobs).map(|i| {
-        let payload = format!(r#"{{"id":"b{i}","payload":{{"n":{i}}}}}"#);
-        let producer = producer.clone();
-        let topic = topic.clone();
-        async move {
-            producer
-                .send(FutureRecord::to(&topic).key("k").payload(&payload), Duration::from_secs(60))
-                .await
-                .map(|_| ())
-        }
-    });
-    for result in futures::future::join_all(sends).await {
-        result.map_err(|(err, _)| anyhow::anyhow!("producing: {err}"))?;
-    }
+    produce_all(&producer, &topic, (0..args.jobs).map(|i| format!(r#"{{"id":"b{i}","payload":{{"n":{i}}}}}"#))).await?;
 
     // Baseline: the raw consume rate of the same topic.
     let kafka = config.kafka.clone();
@@ -158,6 +157,18 @@ pub async fn run(mut config: TallyConfig, args: JobsBenchArgs) -> anyhow::Result
     if let Err(err) = workers.await {
         eprintln!("jobs bench: the workers ended badly: {err}");
     }
+
+    // Pickups: on the drained queue, then at the top level behind the backlog.
+    let empty = pickups(&producer, &client, &base, &topic, None, args.pickups).await?;
+    produce_all(
+        &producer,
+        &names.jobs(RANKED),
+        (0..args.backlog).map(|i| format!(r#"{{"id":"low{i}","payload":{{}}}}"#)),
+    )
+    .await?;
+    let ranked = BrokerClient::new(RANKED, None)?;
+    wait_until_held(&ranked, &base, args.backlog).await?;
+    let behind = pickups(&producer, &ranked, &base, &names.jobs(RANKED), Some(1), args.pickups).await?;
     shutdown.cancel();
     if let Err(err) = running.await {
         eprintln!("jobs bench: the broker ended badly: {err}");
@@ -183,5 +194,91 @@ pub async fn run(mut config: TallyConfig, args: JobsBenchArgs) -> anyhow::Result
         args.concurrency,
         through_broker / raw_per_sec.max(1e-9)
     );
+    let millis = |d: Duration| d.as_secs_f64() * 1e3;
+    println!(
+        "pickup on a drained queue      : p50 {:>7.1} ms   p99 {:>7.1} ms",
+        millis(percentile(&empty, 0.50)),
+        millis(percentile(&empty, 0.99))
+    );
+    println!(
+        "pickup, high behind {:>6} low: p50 {:>7.1} ms   p99 {:>7.1} ms  ({:.2}x the drained queue's p99)",
+        args.backlog,
+        millis(percentile(&behind, 0.50)),
+        millis(percentile(&behind, 0.99)),
+        percentile(&behind, 0.99).as_secs_f64() / percentile(&empty, 0.99).as_secs_f64().max(1e-9)
+    );
     Ok(())
+}
+
+/// The queue with priority levels of the pickup phase.
+const RANKED: &str = "ranked";
+
+/// Produces every payload to `topic` and waits for every acknowledgement.
+async fn produce_all(
+    producer: &FutureProducer,
+    topic: &str,
+    payloads: impl Iterator<Item = String>,
+) -> anyhow::Result<()> {
+    let sends = payloads.map(|payload| {
+        let producer = producer.clone();
+        let topic = topic.to_string();
+        async move {
+            producer
+                .send(FutureRecord::to(&topic).key("k").payload(&payload), Duration::from_secs(60))
+                .await
+                .map(|_| ())
+        }
+    });
+    for result in futures::future::join_all(sends).await {
+        result.map_err(|(err, _)| anyhow::anyhow!("producing: {err}"))?;
+    }
+    Ok(())
+}
+
+/// Waits until the broker holds at least `jobs` ready jobs of `client`'s queue.
+async fn wait_until_held(client: &BrokerClient, base: &str, jobs: usize) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let stats = client.stats(base).await.ok();
+        if stats.as_ref().map_or(0, |s| s.partitions.iter().map(|p| p.ready).sum::<usize>()) >= jobs {
+            return Ok(());
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the broker never held {jobs} jobs");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Produces `count` jobs one at a time (at `level`), each timed from its
+/// acknowledgement until a dequeue hands it out (the next dequeue must be it), then
+/// acked; the times, sorted.
+async fn pickups(
+    producer: &FutureProducer,
+    client: &BrokerClient,
+    base: &str,
+    topic: &str,
+    level: Option<u8>,
+    count: usize,
+) -> anyhow::Result<Vec<Duration>> {
+    let mut times = Vec::with_capacity(count);
+    for i in 0..count {
+        let id = format!("pickup{i}");
+        let mut job = serde_json::json!({"id": id, "payload": {}});
+        if let Some(level) = level {
+            job["priority"] = level.into();
+        }
+        produce_all(producer, topic, std::iter::once(job.to_string())).await?;
+        let started = Instant::now();
+        let handed = loop {
+            let jobs = client.dequeue(base, 1, None, 1_000).await?;
+            if let Some(job) = jobs.into_iter().next() {
+                break job;
+            }
+            anyhow::ensure!(started.elapsed() < Duration::from_secs(30), "{id} was never handed out");
+        };
+        times.push(started.elapsed());
+        anyhow::ensure!(handed.id == id, "{} was handed out before {id}", handed.id);
+        client.ack(base, &handed.lease).await?;
+    }
+    times.sort();
+    Ok(times)
 }

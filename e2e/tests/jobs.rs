@@ -423,3 +423,59 @@ async fn the_cli_enqueues_shows_stats_and_requeues_dead_jobs() {
         .await;
     assert_eq!(ran.lock().unwrap().len(), 3);
 }
+
+const RANKED: &str = r#"
+[[queue]]
+name = "ranked"
+partitions = 1
+priority_levels = 3
+"#;
+
+/// A job of `ranked` at `level` (none: the default, the lowest).
+fn ranked(id: &str, level: Option<u8>) -> (Option<String>, Vec<u8>) {
+    let mut job = serde_json::json!({"id": id, "payload": {"id": id}});
+    if let Some(level) = level {
+        job["priority"] = level.into();
+    }
+    (Some(id.to_string()), job.to_string().into_bytes())
+}
+
+/// A job of a higher level goes before a backlog of lower ones; one of the lowest
+/// level waits its turn behind them; one past the queue's levels is refused by the
+/// CLI and dead-lettered by the broker, each saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_high_job_is_handed_out_before_a_backlog_of_low_ones() {
+    let mut sandbox = Sandbox::start().await;
+    let declarations = sandbox.declare(RANKED).await;
+    sandbox.config.broker.declarations = Some(declarations.clone());
+    let broker = sandbox.spawn_broker("broker-a", &declarations);
+    let (ok, out) = sandbox.cli(&["jobs", "enqueue", "ranked", "{}", "--priority", "3"]);
+    assert!(!ok && out.contains("queue ranked: priority: 3 is past the queue's levels (0 to 2)"), "{out}");
+
+    let mut records: Vec<_> = (0..200).map(|i| ranked(&format!("low{i}"), None)).collect();
+    records.extend([ranked("high", Some(2)), ranked("late", Some(0)), ranked("past", Some(3))]);
+    sandbox.produce_to(&sandbox.names.jobs("ranked"), &records).await;
+    let held = || async {
+        let stats: serde_json::Value =
+            reqwest::get(format!("{broker}/v1/queues/ranked")).await.ok()?.json().await.ok()?;
+        stats["partitions"][0]["ready"].as_u64()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while held().await != Some(202) {
+        assert!(Instant::now() < deadline, "the broker never held the 202 jobs:\n{}", tail(&sandbox.log("broker-a")));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let response = reqwest::Client::new()
+        .post(format!("{broker}/v1/queues/ranked/dequeue"))
+        .json(&serde_json::json!({"max": 3}))
+        .send()
+        .await
+        .unwrap();
+    let handed: tally_core::jobs::api::DequeueResponse = response.json().await.unwrap();
+    let order: Vec<(&str, Option<u8>)> = handed.jobs.iter().map(|j| (j.id.as_str(), j.priority)).collect();
+    assert_eq!(order, vec![("high", Some(2)), ("low0", None), ("low1", None)]);
+
+    let letters = sandbox.read_topic(&sandbox.names.dead_letter(), 1, Duration::from_secs(20));
+    let letter: DeadLetter = serde_json::from_slice(&letters[0]).unwrap();
+    assert_eq!(letter.reason, "priority: 3 is past the queue's levels (0 to 2)");
+}

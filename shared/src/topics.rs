@@ -86,6 +86,28 @@ pub struct QueueDecl {
     /// topic's retention, [`QueueDecl::max_retry_ms`]); a longer one is refused (400).
     #[serde(default = "default_max_retry_ms", skip_serializing_if = "is_default_max_retry_ms")]
     pub max_retry_ms: i64,
+    /// Priority levels a job may name: `"priority"` 0 (the lowest, and the default)
+    /// to `priority_levels - 1`; a ready job of a higher level goes before any lower
+    /// one of its partition. 1 (the default): no priorities.
+    #[serde(default = "default_priority_levels", skip_serializing_if = "is_default_priority_levels")]
+    pub priority_levels: u8,
+    /// A ready job rises one level for every this long it waits, so a stream of
+    /// higher jobs delays a lower one but never starves it (0: never rises).
+    #[serde(default = "default_priority_aging_ms", skip_serializing_if = "is_default_priority_aging_ms")]
+    pub priority_aging_ms: i64,
+}
+
+fn default_priority_levels() -> u8 {
+    1
+}
+fn is_default_priority_levels(levels: &u8) -> bool {
+    *levels == default_priority_levels()
+}
+fn default_priority_aging_ms() -> i64 {
+    60_000
+}
+fn is_default_priority_aging_ms(ms: &i64) -> bool {
+    *ms == default_priority_aging_ms()
 }
 
 fn default_max_lease_ms() -> i64 {
@@ -167,6 +189,8 @@ impl QueueDecl {
             capacity: self.buffer.max(1),
             delayed_capacity: self.delayed_buffer.max(1),
             max_bytes: self.buffer_bytes.max(1),
+            priority_levels: self.priority_levels.max(1),
+            priority_aging_ms: self.priority_aging_ms.max(0),
         }
     }
 }
@@ -209,6 +233,13 @@ impl Declarations {
             if queue.rate_limit_per_sec == Some(0) {
                 return Err(Error::Topics(format!(
                     "queue {}: rate_limit_per_sec must be at least 1 (leave it out for no limit)",
+                    queue.name
+                )));
+            }
+            let most = tally_core::jobs::partition::QueuePolicy::MAX_PRIORITY_LEVELS;
+            if !(1..=most).contains(&queue.priority_levels) || queue.priority_aging_ms < 0 {
+                return Err(Error::Topics(format!(
+                    "queue {}: priority_levels must be 1 to {most} (1: no priorities), priority_aging_ms not negative (0: jobs never rise)",
                     queue.name
                 )));
             }
@@ -694,6 +725,20 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("rate_limit_per_sec must be at least 1"));
+    }
+
+    #[test]
+    fn priority_levels_are_declared_within_bounds() {
+        let queue = |extra: &str| format!("[[queue]]\nname='q'\npartitions=1\n{extra}");
+        let ranked = Declarations::parse(&queue("priority_levels=3\npriority_aging_ms=5000\n")).unwrap();
+        let policy = ranked.queue("q").unwrap().policy();
+        assert_eq!((policy.priority_levels, policy.priority_aging_ms), (3, 5_000));
+        let plain = Declarations::parse(&queue("")).unwrap().queue("q").unwrap().policy();
+        assert_eq!((plain.priority_levels, plain.priority_aging_ms), (1, 60_000));
+        for bad in ["priority_levels=0\n", "priority_levels=11\n", "priority_aging_ms=-1\n"] {
+            let err = Declarations::parse(&queue(bad)).unwrap_err().to_string();
+            assert!(err.contains("queue q: priority_levels must be 1 to 10"), "{bad}: {err}");
+        }
     }
 
     #[test]

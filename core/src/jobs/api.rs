@@ -48,6 +48,9 @@ pub struct DequeuedJob {
     pub lease: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<String>,
+    /// The level it was enqueued at (on a queue with priority levels).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<u8>,
     /// When the lease ends unless extended (ms since the epoch).
     pub lease_deadline: i64,
 }

@@ -2,7 +2,8 @@
 //!
 //! - [`schedule`]: the retry schedule (exponential backoff between attempts);
 //! - [`partition`]: one queue partition's buffer: leases, retries, delays, the FIFO
-//!   gate and the commit watermark that never passes an unfinished job.
+//!   gate, priority levels with aging, and the commit watermark that never passes an
+//!   unfinished job.
 //!
 //! They know nothing of Kafka, HTTP or clocks: time is passed in, so the property
 //! tests can drive them through any history.
@@ -30,6 +31,11 @@ pub struct Job {
     /// FIFO queues run one job of a key at a time, in order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<String>,
+    /// Its level on a queue that declares priority levels: 0 (the default, lowest)
+    /// to the queue's `priority_levels - 1`; a ready job of a higher level is handed
+    /// out before any lower one of its partition ([`partition`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<u8>,
 }
 
 impl PartialEq for Job {
@@ -38,6 +44,7 @@ impl PartialEq for Job {
             && self.payload.get() == other.payload.get()
             && self.run_at == other.run_at
             && self.key == other.key
+            && self.priority == other.priority
     }
 }
 
@@ -199,6 +206,7 @@ mod tests {
                 payload: serde_json::value::to_raw_value(&payload).unwrap(),
                 run_at: None,
                 key: None,
+                priority: None,
             },
             truncated: Truncated::new(),
         }

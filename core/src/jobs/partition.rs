@@ -9,7 +9,11 @@
 //!
 //! Rules of [`PartitionQueue::dequeue`]: a job is handed out only when it is not
 //! leased, its `ready_at` (its `run_at`, or the retry time after a failure) has come,
-//! and — on a FIFO queue — no earlier unfinished job has the same key.
+//! and — on a FIFO queue — no earlier unfinished job has the same key. Among those,
+//! a job of a higher priority level goes first, then the lower offset. A ready job
+//! starts at its own level (`Job::priority`, within the queue's levels) each time
+//! it becomes ready and rises one level for every `priority_aging_ms` it waits
+//! ready, so a stream of higher jobs delays a lower one, never starves it.
 //!
 //! Room ([`PartitionQueue::has_room`]) bounds what is held, so the consumer pauses
 //! instead of buffering without end: jobs ready or running by `capacity`, jobs
@@ -39,6 +43,31 @@ pub struct QueuePolicy {
     pub delayed_capacity: usize,
     /// Most bytes of jobs held, ready and delayed each.
     pub max_bytes: usize,
+    /// Priority levels a job may name: `0..priority_levels` (1: no priorities).
+    pub priority_levels: u8,
+    /// A ready job rises one level for every this long it waits (0: never).
+    pub priority_aging_ms: i64,
+}
+
+impl QueuePolicy {
+    /// The most levels a queue may declare.
+    pub const MAX_PRIORITY_LEVELS: u8 = 10;
+
+    /// Whether the queue takes `job` as it is; the reason for its dead letter if not.
+    pub fn check(&self, job: &Job) -> Result<(), String> {
+        match job.priority {
+            Some(level) if level >= self.priority_levels => Err(format!(
+                "priority: {level} is past the queue's levels (0 to {})",
+                self.priority_levels.saturating_sub(1)
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The level `job` starts at when it becomes ready.
+    fn level_of(&self, job: &Job) -> u8 {
+        job.priority.unwrap_or(0).min(self.priority_levels.saturating_sub(1))
+    }
 }
 
 impl Default for QueuePolicy {
@@ -50,6 +79,8 @@ impl Default for QueuePolicy {
             capacity: 10_000,
             delayed_capacity: 100_000,
             max_bytes: 64 << 20,
+            priority_levels: 1,
+            priority_aging_ms: 0,
         }
     }
 }
@@ -72,7 +103,14 @@ struct Entry {
     attempts: u32,
     ready_at: i64,
     state: State,
+    /// Its priority level while ready (its own, risen by waiting).
+    level: u8,
+    /// When it rises a level next, while ready (an older entry of `aging` is stale).
+    rises_at: Option<i64>,
 }
+
+/// Where a ready job sits: higher levels first, then lower offsets.
+type ReadyKey = (std::cmp::Reverse<u8>, i64);
 
 /// A job handed to a worker.
 #[derive(Debug, Clone, PartialEq)]
@@ -121,15 +159,17 @@ pub struct PartitionQueue {
     next_lease: u64,
     /// The offset after the last one pushed (where the watermark sits when empty).
     next_offset: i64,
-    /// Waiting jobs whose time has come, by offset.
-    ready: BTreeSet<i64>,
+    /// Waiting jobs whose time has come, by level (highest first), then offset.
+    ready: BTreeSet<ReadyKey>,
     /// The unfinished jobs of each key, by offset: the first decides for the rest
     /// on a FIFO queue.
     by_key: HashMap<String, BTreeSet<i64>>,
     /// The ready jobs a FIFO queue may hand out: those without a key and those
     /// first among their key's unfinished jobs (a dequeue takes from here, never
     /// scanning the jobs held behind a running one).
-    ready_heads: BTreeSet<i64>,
+    ready_heads: BTreeSet<ReadyKey>,
+    /// When ready jobs rise a level: `(at, offset)` (see [`Entry::rises_at`]).
+    aging: BTreeSet<(i64, i64)>,
     /// Waiting jobs whose time has not come yet, by `(ready_at, offset)`.
     timed: BTreeSet<(i64, i64)>,
     /// Offsets of malformed records whose dead letter is not acknowledged yet.
@@ -158,6 +198,7 @@ impl PartitionQueue {
             ready: BTreeSet::new(),
             by_key: HashMap::new(),
             ready_heads: BTreeSet::new(),
+            aging: BTreeSet::new(),
             timed: BTreeSet::new(),
             rejected: BTreeSet::new(),
             held_bytes: 0,
@@ -190,7 +231,8 @@ impl PartitionQueue {
         self.entries.get(&offset).map_or(0, |entry| job_bytes(&entry.job))
     }
 
-    /// Moves the waiting jobs whose time has come at `now` to the ready set.
+    /// Moves the waiting jobs whose time has come at `now` to the ready set, and
+    /// raises the ready jobs that waited long enough a level.
     fn promote(&mut self, now: i64) {
         while let Some(&(at, offset)) = self.timed.first() {
             if at > now {
@@ -198,16 +240,59 @@ impl PartitionQueue {
             }
             self.timed.pop_first();
             self.timed_bytes -= self.bytes_at(offset);
-            self.make_ready(offset);
+            self.make_ready(offset, at);
+        }
+        while let Some(&(at, offset)) = self.aging.first() {
+            if at > now {
+                break;
+            }
+            self.aging.pop_first();
+            self.rise(offset, at);
         }
     }
 
-    /// Files a waiting job as ready (and as a ready head when it is one).
-    fn make_ready(&mut self, offset: i64) {
-        self.ready.insert(offset);
-        if self.is_head(offset) {
-            self.ready_heads.insert(offset);
+    /// Files a waiting job as ready since `since` (and as a ready head when it is
+    /// one), at its own level.
+    fn make_ready(&mut self, offset: i64, since: i64) {
+        let (top, aging) = (self.policy.priority_levels.saturating_sub(1), self.policy.priority_aging_ms);
+        let Some(entry) = self.entries.get_mut(&offset) else { return };
+        entry.level = self.policy.level_of(&entry.job);
+        entry.rises_at = (aging > 0 && entry.level < top).then(|| since.saturating_add(aging));
+        let (key, rises_at) = ((std::cmp::Reverse(entry.level), offset), entry.rises_at);
+        if let Some(at) = rises_at {
+            self.aging.insert((at, offset));
         }
+        self.ready.insert(key);
+        if self.is_head(offset) {
+            self.ready_heads.insert(key);
+        }
+    }
+
+    /// A ready job that waited since its last rise (`at`) rises a level.
+    fn rise(&mut self, offset: i64, at: i64) {
+        let (top, aging) = (self.policy.priority_levels.saturating_sub(1), self.policy.priority_aging_ms);
+        let Some(entry) = self.entries.get_mut(&offset) else { return };
+        if entry.rises_at != Some(at) {
+            return; // handed out (or failed and ready again) since it was filed
+        }
+        let old = (std::cmp::Reverse(entry.level), offset);
+        entry.level = entry.level.saturating_add(1).min(top);
+        entry.rises_at = (aging > 0 && entry.level < top).then(|| at.saturating_add(aging));
+        let (new, rises_at) = ((std::cmp::Reverse(entry.level), offset), entry.rises_at);
+        if let Some(next) = rises_at {
+            self.aging.insert((next, offset));
+        }
+        if self.ready.remove(&old) {
+            self.ready.insert(new);
+        }
+        if self.ready_heads.remove(&old) {
+            self.ready_heads.insert(new);
+        }
+    }
+
+    /// Where the job at `offset` sits among the ready ones.
+    fn ready_key(&self, offset: i64) -> ReadyKey {
+        (std::cmp::Reverse(self.entries.get(&offset).map_or(0, |entry| entry.level)), offset)
     }
 
     /// Whether the job at `offset` has no key or is the first unfinished of its key.
@@ -221,7 +306,7 @@ impl PartitionQueue {
     /// Files a waiting job under ready or timed.
     fn wait(&mut self, offset: i64, ready_at: i64, now: i64) {
         if ready_at <= now {
-            self.make_ready(offset);
+            self.make_ready(offset, now);
         } else if self.timed.insert((ready_at, offset)) {
             self.timed_bytes += self.bytes_at(offset);
         }
@@ -238,7 +323,8 @@ impl PartitionQueue {
         if let Some(key) = &job.key {
             self.by_key.entry(key.clone()).or_default().insert(offset);
         }
-        self.entries.insert(offset, Entry { job, attempts: 0, ready_at, state: State::Waiting });
+        let entry = Entry { job, attempts: 0, ready_at, state: State::Waiting, level: 0, rises_at: None };
+        self.entries.insert(offset, entry);
         self.wait(offset, ready_at, now);
         self.next_offset = self.next_offset.max(offset + 1);
     }
@@ -265,15 +351,17 @@ impl PartitionQueue {
         } else {
             chosen.extend(self.ready.iter().take(max).copied());
         }
-        for offset in chosen {
-            self.ready.remove(&offset);
-            self.ready_heads.remove(&offset);
+        for key in chosen {
+            let offset = key.1;
+            self.ready.remove(&key);
+            self.ready_heads.remove(&key);
             let lease = self.next_lease;
             self.next_lease += 1;
             let deadline = now.saturating_add(lease_ms);
             let Some(entry) = self.entries.get_mut(&offset) else { continue };
             entry.attempts += 1;
             entry.state = State::Leased { lease, deadline };
+            entry.rises_at = None;
             self.leases.insert(lease, offset);
             handed.push(Handout { offset, lease, attempt: entry.attempts, deadline, job: entry.job.clone() });
         }
@@ -291,14 +379,15 @@ impl PartitionQueue {
     fn remove(&mut self, offset: i64) {
         let Some(entry) = self.entries.remove(&offset) else { return };
         self.held_bytes -= job_bytes(&entry.job);
-        self.ready_heads.remove(&offset);
+        self.ready_heads.remove(&(std::cmp::Reverse(entry.level), offset));
         let Some(key) = entry.job.key else { return };
         let Some(offsets) = self.by_key.get_mut(&key) else { return };
         offsets.remove(&offset);
         // The key's next job heads it now: handed out once it is ready.
         match offsets.first().copied() {
-            Some(next) if self.ready.contains(&next) => {
-                self.ready_heads.insert(next);
+            Some(next) if self.ready.contains(&self.ready_key(next)) => {
+                let head = self.ready_key(next);
+                self.ready_heads.insert(head);
             }
             Some(_) => {}
             None => {
@@ -421,6 +510,7 @@ mod tests {
             payload: serde_json::value::to_raw_value(&id).unwrap(),
             run_at,
             key: key.map(|k| format!("k{k}")),
+            priority: None,
         }
     }
 
@@ -553,6 +643,133 @@ mod tests {
             prop_assert_eq!(finished.len(), pushed.len());
             prop_assert_eq!(queue.commit_offset(), next_offset);
         }
+    }
+
+    /// What the brute force knows of a job in the priority test.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum Modelled {
+        /// Ready once `now` reaches `at`, and ready since then.
+        Waiting {
+            at: i64,
+        },
+        Out {
+            lease: u64,
+        },
+        Done,
+    }
+
+    #[derive(Debug, Clone)]
+    enum PriorityStep {
+        Push { level: u8, key: Option<u8> },
+        Dequeue,
+        Ack(usize),
+        Retry(usize, i64),
+        Tick(i64),
+    }
+
+    fn priority_steps() -> impl Strategy<Value = Vec<PriorityStep>> {
+        let step = prop_oneof![
+            4 => (0..4u8, proptest::option::of(0..3u8)).prop_map(|(level, key)| PriorityStep::Push { level, key }),
+            4 => Just(PriorityStep::Dequeue),
+            2 => (0usize..6).prop_map(PriorityStep::Ack),
+            1 => ((0usize..6), (0i64..300)).prop_map(|(i, ms)| PriorityStep::Retry(i, ms)),
+            3 => (1i64..250).prop_map(PriorityStep::Tick),
+        ];
+        proptest::collection::vec(step, 0..150)
+    }
+
+    proptest! {
+        /// Every dequeue hands out what a brute force picks: among the ready jobs
+        /// (on a FIFO queue, the first unfinished of each key) the highest level —
+        /// its own, plus one for every `aging` it waited ready, at most the top —
+        /// then the lowest offset.
+        #[test]
+        fn dequeues_follow_priorities_with_aging(
+            steps in priority_steps(),
+            fifo in any::<bool>(),
+            levels in 1..5u8,
+            aging in prop_oneof![Just(0i64), 50i64..400],
+        ) {
+            let policy = QueuePolicy { fifo, priority_levels: levels, priority_aging_ms: aging, ..Default::default() };
+            let mut queue = PartitionQueue::new(policy, 0, 0);
+            let mut jobs: Vec<(Job, Modelled)> = Vec::new();
+            let mut now = 1_000i64;
+            let top = levels - 1;
+            for step in steps {
+                match step {
+                    PriorityStep::Push { level, key } => {
+                        let mut j = job(jobs.len(), key, None);
+                        j.priority = Some(level.min(top));
+                        queue.push(jobs.len() as i64, j.clone(), now);
+                        jobs.push((j, Modelled::Waiting { at: now }));
+                    }
+                    PriorityStep::Dequeue => {
+                        let unfinished_before = |offset: usize, key: &Option<String>| {
+                            jobs[..offset].iter().any(|(j, state)| key.is_some() && j.key == *key && *state != Modelled::Done)
+                        };
+                        let effective = |j: &Job, since: i64| {
+                            let risen = if aging > 0 { (now - since) / aging } else { 0 };
+                            (i64::from(j.priority.unwrap_or(0)) + risen).min(i64::from(top))
+                        };
+                        let want = jobs
+                            .iter()
+                            .enumerate()
+                            .filter_map(|(offset, (j, state))| match state {
+                                Modelled::Waiting { at } if *at <= now && !(fifo && unfinished_before(offset, &j.key)) => {
+                                    Some((effective(j, *at), offset))
+                                }
+                                _ => None,
+                            })
+                            .max_by_key(|&(level, offset)| (level, std::cmp::Reverse(offset)))
+                            .map(|(_, offset)| offset as i64);
+                        let handed = queue.dequeue(1, now, 10_000);
+                        prop_assert_eq!(handed.first().map(|h| h.offset), want, "at {}", now);
+                        if let Some(handout) = handed.first() {
+                            jobs[handout.offset as usize].1 = Modelled::Out { lease: handout.lease };
+                        }
+                    }
+                    PriorityStep::Ack(i) | PriorityStep::Retry(i, _) => {
+                        let out: Vec<(usize, u64)> = jobs.iter().enumerate()
+                            .filter_map(|(offset, (_, state))| match state { Modelled::Out { lease } => Some((offset, *lease)), _ => None })
+                            .collect();
+                        let Some(&(offset, lease)) = out.get(i) else { continue };
+                        if let PriorityStep::Retry(_, ms) = step {
+                            prop_assert_eq!(queue.nack(lease, Some(ms), "again", now), Ok(Failure::Retry { offset: offset as i64, at: now + ms }));
+                            jobs[offset].1 = Modelled::Waiting { at: now + ms };
+                        } else {
+                            prop_assert_eq!(queue.ack(lease), Ok(offset as i64));
+                            jobs[offset].1 = Modelled::Done;
+                        }
+                    }
+                    PriorityStep::Tick(ms) => now += ms,
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_high_job_goes_before_a_backlog_of_low_ones_and_aging_lifts_the_low_ones() {
+        let policy = QueuePolicy { priority_levels: 3, priority_aging_ms: 1_000, ..Default::default() };
+        let mut queue = PartitionQueue::new(policy, 0, 0);
+        for offset in 0..100 {
+            queue.push(offset, job(offset as usize, None, None), 0);
+        }
+        let mut high = job(100, None, None);
+        high.priority = Some(2);
+        queue.push(100, high, 500);
+        let first: Vec<i64> = queue.dequeue(2, 600, 10).iter().map(|h| h.offset).collect();
+        assert_eq!(first, vec![100, 0], "the high job first, then the oldest low one");
+        // Two seconds on, the low jobs have risen to the top level: a new high job
+        // waits behind them (in offset order among equals).
+        let mut later = job(101, None, None);
+        later.priority = Some(2);
+        queue.push(101, later, 2_000);
+        let next: Vec<i64> = queue.dequeue(2, 2_000, 10).iter().map(|h| h.offset).collect();
+        assert_eq!(next, vec![1, 2]);
+        // A level past the queue's is refused (its dead letter says why).
+        let mut past = job(102, None, None);
+        past.priority = Some(3);
+        assert_eq!(queue.policy().check(&past), Err("priority: 3 is past the queue's levels (0 to 2)".into()));
     }
 
     #[test]

@@ -94,8 +94,13 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                     let payload = message.payload().unwrap_or_default();
                     let now = now_ms();
                     let enqueued_at = message.timestamp().to_millis().filter(|ts| *ts >= 0).unwrap_or(now);
-                    let max_delay_ms = queue.decl().max_delay_ms();
-                    let parsed = Job::parse(payload).and_then(|job| check_delay(job, enqueued_at, max_delay_ms));
+                    let (max_delay_ms, policy) = {
+                        let decl = queue.decl();
+                        (decl.max_delay_ms(), decl.policy())
+                    };
+                    let parsed = Job::parse(payload)
+                        .and_then(|job| check_delay(job, enqueued_at, max_delay_ms))
+                        .and_then(|job| policy.check(&job).map(|()| job));
                     let (full, rejected) = {
                         let mut buffer = lock(&buffer, BUFFER);
                         let rejected = match parsed {

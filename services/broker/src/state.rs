@@ -214,6 +214,7 @@ impl Broker {
                     attempt: handout.attempt,
                     lease: self.leases.issue(*partition, handout.lease),
                     key: handout.job.key,
+                    priority: handout.job.priority,
                     lease_deadline: handout.deadline,
                 });
             }

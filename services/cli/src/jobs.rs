@@ -6,6 +6,7 @@ use tally_core::jobs::{DeadJobAction, Job};
 use tally_shared::config::TallyConfig;
 use tally_shared::dead_jobs::DeadJobs;
 use tally_shared::kafka::TopicNames;
+use tally_shared::topics::Declarations;
 
 #[derive(clap::Subcommand)]
 pub enum JobsCommand {
@@ -23,6 +24,9 @@ pub enum JobsCommand {
         /// Ordering key (FIFO queues run one job of a key at a time).
         #[arg(long)]
         key: Option<String>,
+        /// Priority level, 0 (the default, lowest) to the queue's `priority_levels - 1`.
+        #[arg(long)]
+        priority: Option<u8>,
     },
     /// Depth, in flight, delayed, dead, rate and owners of every queue (or one).
     Stats {
@@ -43,7 +47,7 @@ pub enum JobsCommand {
 pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<()> {
     let names = TopicNames::new(&config.kafka.topic_prefix);
     match command {
-        JobsCommand::Enqueue { queue, payload, id, run_at, key } => {
+        JobsCommand::Enqueue { queue, payload, id, run_at, key, priority } => {
             let payload: serde_json::Value = serde_json::from_str(&payload).context("the payload must be JSON")?;
             let id = id.unwrap_or_else(|| format!("job-{:016x}", rand::random::<u64>()));
             let mut job = serde_json::json!({"id": id, "payload": payload});
@@ -53,8 +57,17 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
             if let Some(key) = &key {
                 job["key"] = key.clone().into();
             }
+            if let Some(level) = priority {
+                job["priority"] = level.into();
+            }
             let bytes = serde_json::to_vec(&job)?;
-            Job::parse(&bytes).map_err(anyhow::Error::msg)?;
+            let parsed = Job::parse(&bytes).map_err(anyhow::Error::msg)?;
+            // A queue declared here is checked as its brokers check it (one declared
+            // elsewhere: they dead-letter what they refuse).
+            let declarations = Declarations::load(config.broker.declarations.as_deref())?;
+            if let Some(declared) = declarations.queue(&queue) {
+                declared.policy().check(&parsed).map_err(|reason| anyhow::anyhow!("queue {queue}: {reason}"))?;
+            }
             send(config, &names.jobs(&queue), key.as_deref().unwrap_or(&id), &bytes).await?;
             println!("enqueued {id} on {queue}");
             Ok(())

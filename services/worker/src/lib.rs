@@ -208,6 +208,7 @@ mod tests {
             attempt: 2,
             lease: "0.1.x".into(),
             key: None,
+            priority: None,
             lease_deadline: 0,
         }
     }
