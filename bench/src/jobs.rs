@@ -249,8 +249,8 @@ async fn wait_until_held(client: &BrokerClient, base: &str, jobs: usize) -> anyh
 }
 
 /// Produces `count` jobs one at a time (at `level`), each timed from its
-/// acknowledgement until a dequeue hands it out (the next dequeue must be it), then
-/// acked; the times, sorted.
+/// acknowledgement until a dequeue hands it out (lower jobs handed out meanwhile,
+/// before the broker fetched it, are acked), then acked; the times, sorted.
 async fn pickups(
     producer: &FutureProducer,
     client: &BrokerClient,
@@ -268,16 +268,20 @@ async fn pickups(
         }
         produce_all(producer, topic, std::iter::once(job.to_string())).await?;
         let started = Instant::now();
-        let handed = loop {
+        // Until the broker has fetched it, lower jobs it holds go out (acked here).
+        loop {
             let jobs = client.dequeue(base, 1, None, 1_000).await?;
-            if let Some(job) = jobs.into_iter().next() {
-                break job;
+            let Some(job) = jobs.into_iter().next() else {
+                anyhow::ensure!(started.elapsed() < Duration::from_secs(30), "{id} was never handed out");
+                continue;
+            };
+            client.ack(base, &job.lease).await?;
+            if job.id == id {
+                break;
             }
-            anyhow::ensure!(started.elapsed() < Duration::from_secs(30), "{id} was never handed out");
-        };
+            anyhow::ensure!(level.is_some(), "{} was handed out on a drained queue before {id}", job.id);
+        }
         times.push(started.elapsed());
-        anyhow::ensure!(handed.id == id, "{} was handed out before {id}", handed.id);
-        client.ack(base, &handed.lease).await?;
     }
     times.sort();
     Ok(times)
