@@ -479,3 +479,62 @@ async fn a_high_job_is_handed_out_before_a_backlog_of_low_ones() {
     let letter: DeadLetter = serde_json::from_slice(&letters[0]).unwrap();
     assert_eq!(letter.reason, "priority: 3 is past the queue's levels (0 to 2)");
 }
+
+const HEALTH: &str = r#"
+[[queue]]
+name = "health"
+partitions = 1
+backoff_ms = 60000
+backoff_max_ms = 60000
+"#;
+
+/// What an operator watches: the age of the oldest ready job (the API's and the
+/// Prometheus gauge's, within the test's own clock) and the jobs waiting to retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_health_shows_the_oldest_ready_age_and_the_retrying_jobs() {
+    let mut sandbox = Sandbox::start().await;
+    let declarations = sandbox.declare(HEALTH).await;
+    let admin = format!("127.0.0.1:{}", tally_shared::local_broker::free_port().unwrap());
+    let admin_listen = admin.clone();
+    let broker =
+        sandbox.spawn_broker_with("broker-a", &declarations, |config| config.broker.admin_listen = admin_listen);
+    let produced = Instant::now();
+    let records: Vec<_> = ["h0", "h1", "h2"].iter().map(|id| job(id, serde_json::json!({}), None, None)).collect();
+    sandbox.produce_to(&sandbox.names.jobs("health"), &records).await;
+    let client = tally_jobs_client::BrokerClient::new("health", None).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while client.stats(&broker).await.map_or(0, |s| s.partitions[0].ready) < 3 {
+        assert!(Instant::now() < deadline, "the broker never held the jobs:\n{}", tail(&sandbox.log("broker-a")));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // One attempt fails: it waits a minute for its retry.
+    let handed = client.dequeue(&broker, 1, None, 0).await.unwrap();
+    client.nack(&broker, &handed[0].lease, None, "not yet").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+
+    let stats = client.stats(&broker).await.unwrap();
+    let (age, waited) = (stats.oldest_ready_age_ms.expect("an age"), produced.elapsed().as_millis() as i64);
+    assert!((1_500..=waited).contains(&age), "oldest ready age {age} ms, the test waited {waited} ms");
+    let counts = (stats.partitions[0].ready, stats.delayed, stats.retrying, stats.in_flight);
+    assert_eq!(counts, (2, 1, 1, 0), "ready, delayed, retrying, in flight");
+    // The gauge is refreshed every second.
+    let gauge = || async {
+        let text = reqwest::get(format!("http://{admin}/metrics")).await.unwrap().text().await.unwrap();
+        let line = text.lines().find(|l| l.starts_with("tally_jobs_oldest_ready_age_seconds{queue=\"health\"}"));
+        line.and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let seconds = loop {
+        match gauge().await {
+            Some(seconds) if seconds >= 1.5 => break seconds,
+            _ => assert!(Instant::now() < deadline, "the gauge never showed the age"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(seconds <= produced.elapsed().as_secs_f64(), "gauge {seconds} s");
+
+    // Nothing ready: no age.
+    let rest = client.dequeue(&broker, 2, None, 0).await.unwrap();
+    assert_eq!(rest.len(), 2);
+    assert_eq!(client.stats(&broker).await.unwrap().oldest_ready_age_ms, None);
+}

@@ -101,9 +101,15 @@ pub struct PartitionInfo {
     pub owned_here: bool,
     pub ready: usize,
     pub delayed: usize,
+    /// Of the delayed, those waiting for a retry.
+    #[serde(default)]
+    pub retrying: usize,
     pub in_flight: usize,
     /// Records in the topic not yet fetched.
     pub lag: i64,
+    /// How long its longest-waiting ready job has waited (none ready: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_ready_age_ms: Option<i64>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -113,6 +119,13 @@ pub struct QueueStats {
     pub depth: i64,
     pub in_flight: usize,
     pub delayed: usize,
+    /// Of the delayed, those waiting for a retry.
+    #[serde(default)]
+    pub retrying: usize,
+    /// How long the longest-waiting ready job of the partitions answered for has
+    /// waited (Sidekiq's "latency"; none ready: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_ready_age_ms: Option<i64>,
     /// Jobs sent to the dead topic by this broker since it started.
     pub dead: u64,
     /// Dequeues per second handed out by this broker, recently.

@@ -107,6 +107,8 @@ struct Entry {
     level: u8,
     /// When it rises a level next, while ready (an older entry of `aging` is stale).
     rises_at: Option<i64>,
+    /// Since when it has been ready, while ready.
+    ready_since: i64,
 }
 
 /// Where a ready job sits: higher levels first, then lower offsets.
@@ -146,9 +148,13 @@ pub struct PartitionStats {
     pub ready: usize,
     /// Waiting for `run_at` or a retry time.
     pub delayed: usize,
+    /// Of the delayed, those waiting for a retry (they failed before).
+    pub retrying: usize,
     pub in_flight: usize,
     /// Held in memory, unfinished.
     pub held: usize,
+    /// Since when the longest-waiting ready job has been ready (none ready: none).
+    pub oldest_ready_since: Option<i64>,
 }
 
 #[derive(Debug)]
@@ -170,6 +176,8 @@ pub struct PartitionQueue {
     ready_heads: BTreeSet<ReadyKey>,
     /// When ready jobs rise a level: `(at, offset)` (see [`Entry::rises_at`]).
     aging: BTreeSet<(i64, i64)>,
+    /// The ready jobs by `(ready_since, offset)`: the oldest first.
+    ready_by_age: BTreeSet<(i64, i64)>,
     /// Waiting jobs whose time has not come yet, by `(ready_at, offset)`.
     timed: BTreeSet<(i64, i64)>,
     /// Offsets of malformed records whose dead letter is not acknowledged yet.
@@ -199,6 +207,7 @@ impl PartitionQueue {
             by_key: HashMap::new(),
             ready_heads: BTreeSet::new(),
             aging: BTreeSet::new(),
+            ready_by_age: BTreeSet::new(),
             timed: BTreeSet::new(),
             rejected: BTreeSet::new(),
             held_bytes: 0,
@@ -258,6 +267,8 @@ impl PartitionQueue {
         let Some(entry) = self.entries.get_mut(&offset) else { return };
         entry.level = self.policy.level_of(&entry.job);
         entry.rises_at = (aging > 0 && entry.level < top).then(|| since.saturating_add(aging));
+        entry.ready_since = since;
+        self.ready_by_age.insert((since, offset));
         let (key, rises_at) = ((std::cmp::Reverse(entry.level), offset), entry.rises_at);
         if let Some(at) = rises_at {
             self.aging.insert((at, offset));
@@ -323,7 +334,8 @@ impl PartitionQueue {
         if let Some(key) = &job.key {
             self.by_key.entry(key.clone()).or_default().insert(offset);
         }
-        let entry = Entry { job, attempts: 0, ready_at, state: State::Waiting, level: 0, rises_at: None };
+        let entry =
+            Entry { job, attempts: 0, ready_at, state: State::Waiting, level: 0, rises_at: None, ready_since: 0 };
         self.entries.insert(offset, entry);
         self.wait(offset, ready_at, now);
         self.next_offset = self.next_offset.max(offset + 1);
@@ -362,6 +374,7 @@ impl PartitionQueue {
             entry.attempts += 1;
             entry.state = State::Leased { lease, deadline };
             entry.rises_at = None;
+            self.ready_by_age.remove(&(entry.ready_since, offset));
             self.leases.insert(lease, offset);
             handed.push(Handout { offset, lease, attempt: entry.attempts, deadline, job: entry.job.clone() });
         }
@@ -487,11 +500,21 @@ impl PartitionQueue {
 
     pub fn stats(&self, now: i64) -> PartitionStats {
         let due = self.timed.range(..=(now, i64::MAX)).count();
+        let retrying = self
+            .timed
+            .range((now, i64::MAX)..)
+            .filter(|(_, offset)| self.entries.get(offset).is_some_and(|entry| entry.attempts > 0))
+            .count();
+        // A job due but not yet moved to the ready set has been ready since it was due.
+        let oldest_due = self.timed.first().map(|&(at, _)| at).filter(|at| *at <= now);
+        let oldest_ready = self.ready_by_age.first().map(|&(since, _)| since);
         PartitionStats {
             ready: self.ready.len() + due,
             delayed: self.timed.len() - due,
+            retrying,
             in_flight: self.leases.len(),
             held: self.entries.len(),
+            oldest_ready_since: [oldest_due, oldest_ready].into_iter().flatten().min(),
         }
     }
 }
@@ -682,9 +705,10 @@ mod tests {
         /// Every dequeue hands out what a brute force picks: among the ready jobs
         /// (on a FIFO queue, the first unfinished of each key) the highest level —
         /// its own, plus one for every `aging` it waited ready, at most the top —
-        /// then the lowest offset.
+        /// then the lowest offset; and after every step the counts by state and the
+        /// oldest ready job's age are the model's.
         #[test]
-        fn dequeues_follow_priorities_with_aging(
+        fn dequeues_follow_priorities_with_aging_and_stats_match_the_model(
             steps in priority_steps(),
             fifo in any::<bool>(),
             levels in 1..5u8,
@@ -693,6 +717,7 @@ mod tests {
             let policy = QueuePolicy { fifo, priority_levels: levels, priority_aging_ms: aging, ..Default::default() };
             let mut queue = PartitionQueue::new(policy, 0, 0);
             let mut jobs: Vec<(Job, Modelled)> = Vec::new();
+            let mut tried: BTreeSet<usize> = BTreeSet::new();
             let mut now = 1_000i64;
             let top = levels - 1;
             for step in steps {
@@ -726,6 +751,7 @@ mod tests {
                         prop_assert_eq!(handed.first().map(|h| h.offset), want, "at {}", now);
                         if let Some(handout) = handed.first() {
                             jobs[handout.offset as usize].1 = Modelled::Out { lease: handout.lease };
+                            tried.insert(handout.offset as usize);
                         }
                     }
                     PriorityStep::Ack(i) | PriorityStep::Retry(i, _) => {
@@ -743,6 +769,23 @@ mod tests {
                     }
                     PriorityStep::Tick(ms) => now += ms,
                 }
+                // The counts and the oldest ready job's age, against the model.
+                let waiting = |offset: &usize, state: &Modelled| match state {
+                    Modelled::Waiting { at } => Some((*offset, *at)),
+                    _ => None,
+                };
+                let ready: Vec<i64> = jobs.iter().enumerate().filter_map(|(o, (_, s))| waiting(&o, s)).filter(|(_, at)| *at <= now).map(|(_, at)| at).collect();
+                let delayed: Vec<usize> = jobs.iter().enumerate().filter_map(|(o, (_, s))| waiting(&o, s)).filter(|(_, at)| *at > now).map(|(o, _)| o).collect();
+                let out = jobs.iter().filter(|(_, s)| matches!(s, Modelled::Out { .. })).count();
+                let want = PartitionStats {
+                    ready: ready.len(),
+                    delayed: delayed.len(),
+                    retrying: delayed.iter().filter(|o| tried.contains(o)).count(),
+                    in_flight: out,
+                    held: jobs.iter().filter(|(_, s)| *s != Modelled::Done).count(),
+                    oldest_ready_since: ready.iter().min().copied(),
+                };
+                prop_assert_eq!(queue.stats(now), want, "at {}", now);
             }
         }
     }
@@ -818,7 +861,9 @@ mod tests {
         let handout = queue.dequeue(1, 0, 10).remove(0);
         queue.ack(handout.lease).unwrap();
         assert!(queue.has_room(0));
-        assert_eq!(queue.stats(0), PartitionStats { ready: 1, delayed: 0, in_flight: 0, held: 1 });
+        let want =
+            PartitionStats { ready: 1, delayed: 0, retrying: 0, in_flight: 0, held: 1, oldest_ready_since: Some(0) };
+        assert_eq!(queue.stats(0), want);
     }
 
     #[test]
@@ -838,7 +883,9 @@ mod tests {
         queue.push(500, job(500, None, None), 0);
         let handed: Vec<i64> = queue.dequeue(10, 0, 10).iter().map(|h| h.offset).collect();
         assert_eq!(handed, vec![500], "the ready job runs at once");
-        assert_eq!(queue.stats(0), PartitionStats { ready: 0, delayed: 500, in_flight: 1, held: 501 });
+        let want =
+            PartitionStats { ready: 0, delayed: 500, retrying: 0, in_flight: 1, held: 501, oldest_ready_since: None };
+        assert_eq!(queue.stats(0), want);
         assert_eq!(queue.commit_offset(), 0, "the delayed jobs are unfinished");
         // When they come due they count as ready, and pause fetching.
         assert!(!queue.has_room(60_000));

@@ -292,6 +292,9 @@ pub fn spawn_reporter(
             broker.metrics.depth.with_label_values(&[name]).set(stats.depth);
             broker.metrics.in_flight.with_label_values(&[name]).set(stats.in_flight as i64);
             broker.metrics.delayed.with_label_values(&[name]).set(stats.delayed as i64);
+            broker.metrics.retrying.with_label_values(&[name]).set(stats.retrying as i64);
+            let oldest = stats.oldest_ready_age_ms.unwrap_or(0) as f64 / 1e3;
+            broker.metrics.oldest_ready_age.with_label_values(&[name]).set(oldest);
         }
     })?;
     Ok(thread)

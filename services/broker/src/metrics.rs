@@ -1,6 +1,6 @@
 //! The broker's Prometheus metrics, declared once; every family is labelled by queue.
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 use tally_shared::telemetry::register;
 
 #[derive(Clone)]
@@ -13,6 +13,8 @@ pub struct Metrics {
     pub depth: IntGaugeVec,
     pub in_flight: IntGaugeVec,
     pub delayed: IntGaugeVec,
+    pub retrying: IntGaugeVec,
+    pub oldest_ready_age: GaugeVec,
     pub consumer_lag: IntGaugeVec,
     pub dequeue_seconds: HistogramVec,
 }
@@ -34,6 +36,22 @@ impl Metrics {
             depth: gauge("tally_broker_depth_jobs", "Jobs waiting (in memory and not yet fetched)"),
             in_flight: gauge("tally_broker_in_flight_jobs", "Jobs leased to workers"),
             delayed: gauge("tally_broker_delayed_jobs", "Jobs waiting for run_at or a retry"),
+            retrying: gauge(
+                "tally_broker_retrying_jobs",
+                "Jobs waiting for a retry after a failed attempt: when it grows, look at the workers' errors",
+            ),
+            oldest_ready_age: register(
+                registry,
+                GaugeVec::new(
+                    Opts::new(
+                        "tally_jobs_oldest_ready_age_seconds",
+                        "Age of the oldest job ready and not yet handed out, of the partitions this broker owns \
+                         (0: none waits): when it grows, workers fall behind — add workers or concurrency",
+                    ),
+                    &["queue"],
+                )
+                .expect("valid metric"),
+            ),
             consumer_lag: gauge("tally_broker_consumer_lag_records", "Queue records not yet fetched"),
             dequeue_seconds: register(
                 registry,

@@ -357,12 +357,22 @@ impl Broker {
             let mut info = PartitionInfo { partition, owner: owners.get(&partition).cloned(), ..Default::default() };
             if let Some(buffer) = served.get(&partition) {
                 let s = lock(buffer, BUFFER).stats(now);
-                info = PartitionInfo { ready: s.ready, delayed: s.delayed, in_flight: s.in_flight, ..info };
+                let oldest_ready_age_ms = s.oldest_ready_since.map(|since| (now - since).max(0));
+                info = PartitionInfo {
+                    ready: s.ready,
+                    delayed: s.delayed,
+                    retrying: s.retrying,
+                    in_flight: s.in_flight,
+                    oldest_ready_age_ms,
+                    ..info
+                };
                 info.owned_here = true;
                 info.lag = lag.get(&partition).copied().unwrap_or(0);
                 stats.depth += (info.ready + info.delayed) as i64 + info.lag;
                 stats.in_flight += info.in_flight;
                 stats.delayed += info.delayed;
+                stats.retrying += info.retrying;
+                stats.oldest_ready_age_ms = stats.oldest_ready_age_ms.max(oldest_ready_age_ms);
             }
             stats.partitions.push(info);
         }

@@ -94,21 +94,24 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
                 None => serde_json::from_value(body["queues"].clone())?,
             };
             println!(
-                "{:<20} {:>8} {:>9} {:>8} {:>6} {:>8}  owners",
-                "queue", "depth", "in flight", "delayed", "dead", "rate/s"
+                "{:<20} {:>8} {:>9} {:>8} {:>8} {:>6} {:>8} {:>10}  owners",
+                "queue", "depth", "in flight", "delayed", "retrying", "dead", "rate/s", "oldest"
             );
             for s in stats {
                 let mut owners: Vec<&str> = s.partitions.iter().filter_map(|p| p.owner.as_deref()).collect();
                 owners.sort();
                 owners.dedup();
+                let oldest = s.oldest_ready_age_ms.map_or("-".to_string(), |ms| format!("{:.1} s", ms as f64 / 1e3));
                 println!(
-                    "{:<20} {:>8} {:>9} {:>8} {:>6} {:>8.1}  {}",
+                    "{:<20} {:>8} {:>9} {:>8} {:>8} {:>6} {:>8.1} {:>10}  {}",
                     s.queue,
                     s.depth,
                     s.in_flight,
                     s.delayed,
+                    s.retrying,
                     s.dead,
                     s.rate,
+                    oldest,
                     owners.join(", ")
                 );
             }

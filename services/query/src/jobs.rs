@@ -92,9 +92,13 @@ struct QueueView {
     depth: i64,
     ready: usize,
     delayed: usize,
+    /// Of the delayed, those waiting for a retry.
+    retrying: usize,
     in_flight: usize,
     /// Records not yet fetched by the owners (consumer lag).
     lag: i64,
+    /// How long the longest-waiting ready job has waited, over the owners.
+    oldest_ready_age_ms: Option<i64>,
     /// Dead jobs not requeued or discarded yet.
     dead: Option<usize>,
     /// Dequeues per second over all brokers, recently.
@@ -140,8 +144,10 @@ fn merge(answers: Vec<Vec<QueueStats>>) -> Vec<QueueView> {
                 depth: (ready + delayed) as i64 + lag,
                 ready,
                 delayed,
+                retrying: owned().map(|p| p.retrying).sum(),
                 in_flight: owned().map(|p| p.in_flight).sum(),
                 lag,
+                oldest_ready_age_ms: owned().filter_map(|p| p.oldest_ready_age_ms).max(),
                 dead: None,
                 rate,
                 rate_limit_per_sec: stats.rate_limit_per_sec,
@@ -300,7 +306,18 @@ mod tests {
     use super::*;
 
     fn partition(partition: i32, owner: &str, owned_here: bool, ready: usize) -> PartitionInfo {
-        PartitionInfo { partition, owner: Some(owner.into()), owned_here, ready, delayed: 1, in_flight: 2, lag: 3 }
+        let oldest_ready_age_ms = (ready > 0).then_some(ready as i64 * 100);
+        PartitionInfo {
+            partition,
+            owner: Some(owner.into()),
+            owned_here,
+            ready,
+            delayed: 1,
+            retrying: 1,
+            in_flight: 2,
+            lag: 3,
+            oldest_ready_age_ms,
+        }
     }
 
     #[test]
@@ -321,8 +338,10 @@ mod tests {
                 depth: 10 + 20 + 2 + 6,
                 ready: 30,
                 delayed: 2,
+                retrying: 2,
                 in_flight: 4,
                 lag: 6,
+                oldest_ready_age_ms: Some(2_000),
                 dead: None,
                 rate: 3.5,
                 rate_limit_per_sec: None,
