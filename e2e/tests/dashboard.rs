@@ -484,13 +484,18 @@ async fn jobs_console_shows_queues_and_requeues_and_discards_dead_jobs_with_the_
             .unwrap();
         let queue =
             overview["queues"].as_array().unwrap().iter().find(|q| q["queue"] == "mail").cloned().unwrap_or_default();
-        let fields = ["depth", "ready", "delayed", "in_flight", "dead", "lag"];
+        // Nothing is ready by now: no oldest age, shown as "–" (a number would
+        // differ between the API's moment and the page's).
+        let fields = ["depth", "ready", "delayed", "retrying", "in_flight", "dead", "lag", "oldest_ready_age_ms"];
         let want: Vec<Option<i64>> = fields.iter().map(|f| queue[*f].as_i64()).collect();
         let mut got = Vec::new();
         for field in fields {
             got.push(shown(&browser.text(&format!("tr[data-queue='mail'] td[data-field='{field}']")).await));
         }
-        (got == want && want[4] == Some(3)).then_some(()).ok_or(format!("shown {got:?}, API {want:?}"))
+        let oldest = browser.text("tr[data-queue='mail'] td[data-field='oldest_ready_age_ms']").await;
+        (got == want && want[5] == Some(3) && oldest == "–")
+            .then_some(())
+            .ok_or(format!("shown {got:?} ({oldest}), API {want:?}"))
     })
     .await;
     let owners = browser.texts("#brokers tr[data-broker] td").await;
