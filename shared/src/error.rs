@@ -21,7 +21,12 @@ pub enum Error {
     /// changed): a restore falls back to an older one.
     #[error("snapshots: {0}")]
     SnapshotUnusable(String),
+    /// RocksDB's own error, kept whole: [`Error::is_corruption`] reads its kind.
     #[error("rocksdb: {0}")]
+    Rocks(#[from] rocksdb::Error),
+    /// A store that is not as tally keeps it (a column family missing, a flush that
+    /// left data behind).
+    #[error("store: {0}")]
     Store(String),
     #[error("outbox relay: {0}")]
     Relay(String),
@@ -37,6 +42,16 @@ impl Error {
     /// Stored bytes that are not what they should be: never read as a default.
     pub fn corrupt(message: impl Into<String>) -> Self {
         Self::Core(tally_core::Error::Format(message.into()))
+    }
+
+    /// Whether it says stored data is corrupt or of another format (not a passing
+    /// I/O or Kafka trouble): what met it must stop, never read around it.
+    pub fn is_corruption(&self) -> bool {
+        match self {
+            Error::Rocks(err) => err.kind() == rocksdb::ErrorKind::Corruption,
+            Error::Core(tally_core::Error::Format(_)) => true,
+            _ => false,
+        }
     }
 }
 

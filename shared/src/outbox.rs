@@ -44,7 +44,7 @@ pub fn outbox_partition(key: &[u8]) -> Option<u32> {
 pub(crate) fn read_outbox(db: &rocksdb::DB, cf: &rocksdb::ColumnFamily) -> Result<Vec<OutboxEntry>> {
     let mut entries = Vec::new();
     for item in db.iterator_cf(cf, rocksdb::IteratorMode::Start) {
-        let (key, payload) = item.map_err(|err| Error::Store(err.to_string()))?;
+        let (key, payload) = item?;
         let partition =
             outbox_partition(&key).ok_or_else(|| Error::corrupt(format!("outbox key {key:?}: malformed")))?;
         entries.push(OutboxEntry { key: key.to_vec(), partition, payload: payload.to_vec() });
@@ -58,7 +58,7 @@ pub(crate) fn delete_outbox(db: &rocksdb::DB, cf: &rocksdb::ColumnFamily, entrie
     for entry in entries {
         batch.delete_cf(cf, &entry.key);
     }
-    db.write(batch).map_err(|err| Error::Store(err.to_string()))
+    Ok(db.write(batch)?)
 }
 
 /// Counts failed deliveries of the current round.

@@ -17,7 +17,7 @@ use tally_core::wire::{Source, Stamp};
 /// Checks the key layout version of the store in `db`, writing the current one into
 /// a new store. A store of another version (or of none, yet holding progress) fails.
 pub fn check_store_format(db: &DB) -> Result<()> {
-    let rocks = |err: rocksdb::Error| Error::Store(err.to_string());
+    let rocks = Error::Rocks;
     match db.get(STORE_FORMAT_KEY).map_err(rocks)? {
         Some(version) if version == [STORE_V1] => Ok(()),
         Some(version) => Err(Error::corrupt(format!(
@@ -49,7 +49,7 @@ pub struct Progress {
 impl Progress {
     /// Reads the progress from the default column family of `db`.
     pub fn load(db: &DB) -> Result<Self> {
-        let rocks = |err: rocksdb::Error| Error::Store(err.to_string());
+        let rocks = Error::Rocks;
         let mut progress = Progress::default();
         if let Some(bytes) = db.get(KEY_NEXT_OFFSET).map_err(rocks)? {
             progress.next_offset = Some(decode_i64_value(&bytes, "next offset")?);

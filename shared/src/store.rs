@@ -45,7 +45,7 @@ pub struct Store {
 const KEY_TOPIC_ID: &[u8] = b"topic_id";
 
 fn rocks(err: rocksdb::Error) -> Error {
-    Error::Store(err.to_string())
+    Error::Rocks(err)
 }
 
 impl Store {
@@ -243,6 +243,47 @@ mod tests {
     use tally_core::wire::{Source, Stamp};
 
     use super::*;
+
+    /// A store whose files were damaged says so as corruption (the shard stops),
+    /// not as a passing error.
+    #[test]
+    fn damaged_files_are_corruption() {
+        let dir = tempfile::tempdir().unwrap();
+        let families = || vec![ColumnFamilyDescriptor::new("state", Options::default())];
+        {
+            let store = Store::open(dir.path(), Options::default(), families(), Durability::InputLog).unwrap();
+            let mut batch = WriteBatch::default();
+            for i in 0..1_000u32 {
+                batch.put_cf(store.cf("state").unwrap(), i.to_be_bytes(), [7u8; 100]);
+            }
+            store.commit(batch, Progress { next_offset: Some(1), ..Default::default() }).unwrap();
+            store.persist().unwrap();
+        }
+        // Every table file's middle overwritten.
+        let mut damaged = 0;
+        for entry in std::fs::read_dir(dir.path()).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "sst") {
+                let mut bytes = std::fs::read(&path).unwrap();
+                let middle = bytes.len() / 3;
+                bytes[middle..middle + 64].fill(0xAB);
+                std::fs::write(&path, bytes).unwrap();
+                damaged += 1;
+            }
+        }
+        assert!(damaged > 0, "no table file written");
+        let err = match Store::open(dir.path(), Options::default(), families(), Durability::InputLog) {
+            Err(err) => err,
+            Ok(store) => {
+                let cf = store.cf("state").unwrap();
+                let read: Result<Vec<_>> =
+                    store.db().iterator_cf(cf, rocksdb::IteratorMode::Start).map(|item| Ok(item?)).collect();
+                read.expect_err("a damaged table read whole")
+            }
+        };
+        assert!(err.is_corruption(), "{err}");
+        assert!(!Error::Store("a column family missing".into()).is_corruption());
+    }
 
     #[test]
     fn state_commits_with_its_progress_and_a_skip_moves_only_forward() {

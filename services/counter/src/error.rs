@@ -25,7 +25,7 @@ impl Error {
         match self {
             Error::Rocks(err) => err.kind() == rocksdb::ErrorKind::Corruption,
             Error::Core(tally_core::Error::Format(_)) => true,
-            Error::Shared(tally_shared::Error::Core(tally_core::Error::Format(_))) => true,
+            Error::Shared(err) => err.is_corruption(),
             _ => false,
         }
     }
