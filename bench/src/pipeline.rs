@@ -1119,6 +1119,10 @@ pub async fn read(config: TallyConfig, args: ReadBenchArgs) -> anyhow::Result<()
         rig.watched("batch", load(port, batch_conns, secs, entities, batch_read, "batches of 100, ingesting")).await?;
     let (after, after_at) = (rig.scrape(counter_admin, APPLIED).await?, Instant::now());
     let read = (rig.scrape(rig.ports.ingester_admin, READ).await? - read_before) * per_message as f64;
+    let resting = (
+        rig.scrape(rig.ports.ingester_admin, "tally_ingester_fetch_resting").await? == 1.0,
+        rig.scrape(counter_admin, "tally_counter_fetch_resting").await? == 1.0,
+    );
     let sent = steady.stop().await?;
     rig.finish().await?;
 
@@ -1126,8 +1130,10 @@ pub async fn read(config: TallyConfig, args: ReadBenchArgs) -> anyhow::Result<()
     let applied_single = (between - before) / (between_at - before_at).as_secs_f64();
     let applied_batch = (after - between) / (after_at - between_at).as_secs_f64();
     println!(
-        "while ingesting: {sent} increments sent in all; the ingester read {read:.0} in the two phases (≈ {:.0}/s)",
-        read / (after_at - before_at).as_secs_f64()
+        "while ingesting: {sent} increments sent in all; the ingester read {read:.0} in the two phases (≈ {:.0}/s); at their end the ingester {} and the counter {}",
+        read / (after_at - before_at).as_secs_f64(),
+        if resting.0 { "rested" } else { "fetched" },
+        if resting.1 { "rested" } else { "fetched" }
     );
     for ((latencies, cost), label, applied) in [
         (idle_single, "single read, idle", None),
