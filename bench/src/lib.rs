@@ -18,7 +18,6 @@ pub mod restore;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tally_shared::config::TallyConfig;
 
@@ -112,20 +111,7 @@ pub fn check_command_line(args: &[String]) -> Result<(), String> {
 }
 
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let result = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")
-        .and_then(|runtime| runtime.block_on(dispatch(cli)));
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            eprintln!("tally-bench: {err:#}");
-            ExitCode::FAILURE
-        }
-    }
+    tally_shared::service::command_main("tally-bench", dispatch(Cli::parse()))
 }
 
 async fn dispatch(cli: Cli) -> anyhow::Result<()> {

@@ -114,6 +114,25 @@ fn parse_args(name: &str) -> Result<Option<PathBuf>, ExitCode> {
     Ok(path)
 }
 
+/// A command line's `main` (`tally`, `tally-bench`): runs `work` on a two-thread
+/// runtime and exits 1 with `name: error` (its causes too) when it fails.
+pub fn command_main<E: std::fmt::Display>(name: &str, work: impl Future<Output = Result<(), E>>) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("{name}: starting the async runtime: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(work) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("{name}: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// The `host:port` other services reach a listener bound at `bound` on: the
 /// configured advertised host, else the bound IP (loopback for a wildcard bind).
 pub fn advertised_addr(bound: std::net::SocketAddr, advertise_host: Option<&str>) -> String {

@@ -170,20 +170,7 @@ pub fn check_command_line(args: &[String]) -> Result<(), String> {
 }
 
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let result = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")
-        .and_then(|runtime| runtime.block_on(dispatch(cli)));
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            eprintln!("tally: {err:#}");
-            ExitCode::FAILURE
-        }
-    }
+    tally_shared::service::command_main("tally", dispatch(Cli::parse()))
 }
 
 async fn dispatch(cli: Cli) -> anyhow::Result<()> {
