@@ -115,7 +115,8 @@ impl SteadyLoad {
         let task = tokio::spawn(async move {
             use futures::{FutureExt, StreamExt};
             let mut draw = Entities::new(entities, 9);
-            let mut pending = futures::stream::FuturesUnordered::new();
+            let mut pending: futures::stream::FuturesUnordered<rdkafka::producer::DeliveryFuture> =
+                futures::stream::FuturesUnordered::new();
             let (mut owed, mut last, mut sent) = (0.0f64, Instant::now(), 0u64);
             let mut tick = tokio::time::interval(Duration::from_millis(1));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
@@ -127,8 +128,26 @@ impl SteadyLoad {
                 while owed >= 1.0 {
                     owed -= 1.0;
                     let (key, payload) = draw.message(per_message);
-                    let record = FutureRecord::to(&topic).key(&key).payload(&payload);
-                    pending.push(producer.send_result(record).map_err(|(err, _)| anyhow::anyhow!("producing: {err}"))?);
+                    let mut record = FutureRecord::to(&topic).key(&key).payload(&payload);
+                    // A full producer queue: wait for a delivery, then send again.
+                    let delivery = loop {
+                        match producer.send_result(record) {
+                            Ok(delivery) => break delivery,
+                            Err((
+                                rdkafka::error::KafkaError::MessageProduction(
+                                    rdkafka::types::RDKafkaErrorCode::QueueFull,
+                                ),
+                                back,
+                            )) => {
+                                record = back;
+                                if let Some(delivered) = pending.next().await {
+                                    delivered?.map_err(|(err, _)| anyhow::anyhow!("producing the load: {err}"))?;
+                                }
+                            }
+                            Err((err, _)) => anyhow::bail!("producing the load: {err}"),
+                        }
+                    };
+                    pending.push(delivery);
                     sent += per_message as u64;
                 }
                 while let Some(Some(delivered)) = pending.next().now_or_never() {

@@ -149,8 +149,8 @@ impl ClaimTable {
     /// send an operator's action to an owner that lost the shard.
     pub fn read_once(kafka: &KafkaConfig, topic: &str, timeout: Duration) -> Result<Self> {
         let table = Self::default();
-        for (offset, payload) in crate::kafka::read_to_end(kafka, topic, timeout)?.into_iter().enumerate() {
-            table.record_readable(offset as i64, &payload)?;
+        for (offset, payload) in crate::kafka::read_to_end_at(kafka, topic, timeout)? {
+            table.record_readable(offset, &payload)?;
         }
         Ok(table)
     }

@@ -701,11 +701,15 @@ impl TallyConfig {
         check_shard_record_format(config.ingester.shard_record_format)?;
         config.ingester.limits(&config.counting)?;
         config.auth.check()?;
-        // A relative declarations file sits next to the config that names it.
+        // A relative declarations file sits next to the config that names it (or,
+        // named by the environment alone, in the working directory); kept absolute,
+        // so a config written for a service elsewhere names the same file.
         let mut config = config;
-        if let (Some(declarations), Some(dir)) = (&config.broker.declarations, path.and_then(Path::parent)) {
+        if let Some(declarations) = &config.broker.declarations {
             if declarations.is_relative() {
-                config.broker.declarations = Some(dir.join(declarations));
+                let beside =
+                    path.and_then(Path::parent).map_or_else(|| declarations.clone(), |dir| dir.join(declarations));
+                config.broker.declarations = Some(std::path::absolute(&beside)?);
             }
         }
         Ok(config)

@@ -75,10 +75,18 @@ pub fn write_config(config: &TallyConfig, path: &Path) -> Result<()> {
     let text = toml::to_string(&value).map_err(|err| Error::Config(format!("writing {}: {err}", path.display())))?;
     let write = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let partial = path.with_extension(format!("toml.{}.{write}", std::process::id()));
-    let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&partial)?;
-    file.write_all(text.as_bytes())?;
-    std::fs::rename(&partial, path)?;
-    Ok(())
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&partial)
+        .and_then(|mut file| file.write_all(text.as_bytes()))
+        .and_then(|()| std::fs::rename(&partial, path));
+    if written.is_err() {
+        // Nothing half-written stays behind to be taken for a config.
+        std::fs::remove_file(&partial).ok();
+    }
+    Ok(written?)
 }
 
 /// Unset options (TOML has no null) are left out.
@@ -136,35 +144,31 @@ pub async fn supervise(service: Service, dir: PathBuf, shutdown: CancellationTok
         let spawned = service
             .command(&dir)
             .and_then(|command| Ok(tokio::process::Command::from(command).kill_on_drop(true).spawn()?));
-        let mut child = match spawned {
-            Ok(child) => child,
-            Err(err) => {
-                eprintln!("tally: cannot start {name} ({}): {err}", service.binary.display());
-                return;
-            }
-        };
         let started = Instant::now();
-        tokio::select! {
-            status = child.wait() => {
-                if shutdown.is_cancelled() {
+        let ended = match spawned {
+            // Not started (its config not written, its binary missing): said, and
+            // tried again like a service that died.
+            Err(err) => format!("could not start ({}): {err}", service.binary.display()),
+            Ok(mut child) => tokio::select! {
+                status = child.wait() => status.map(|s| format!("exited ({s})")).unwrap_or_else(|e| format!("exited ({e})")),
+                _ = shutdown.cancelled() => {
+                    stop(name, &mut child, STOP_GRACE).await;
                     return;
                 }
-                if started.elapsed() > Duration::from_secs(60) {
-                    backoff = Duration::from_secs(1);
-                }
-                let status = status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
-                eprintln!("tally: {name} exited ({status}); restarting in {}s", backoff.as_secs());
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    _ = shutdown.cancelled() => return,
-                }
-                backoff = (backoff * 2).min(Duration::from_secs(30));
-            }
-            _ = shutdown.cancelled() => {
-                stop(name, &mut child, STOP_GRACE).await;
-                return;
-            }
+            },
+        };
+        if shutdown.is_cancelled() {
+            return;
         }
+        if started.elapsed() > Duration::from_secs(60) {
+            backoff = Duration::from_secs(1);
+        }
+        eprintln!("tally: {name} {ended}; restarting in {}s", backoff.as_secs());
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = shutdown.cancelled() => return,
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(30));
     }
 }
 
@@ -193,5 +197,26 @@ mod tests {
         assert_eq!(json(&loaded), json(&config));
         use std::os::unix::fs::PermissionsExt;
         assert_eq!(std::fs::metadata(&path).expect("metadata").permissions().mode() & 0o777, 0o600);
+    }
+
+    /// A declarations file named relative to the user's config is the same file for a
+    /// service whose config is written elsewhere.
+    #[test]
+    fn a_relative_declarations_file_stays_the_users() {
+        // The user's config named relative to the working directory (`tally up -c conf/tally.toml`).
+        let dir = tempfile::tempdir_in(".").expect("temp dir");
+        let cwd = std::env::current_dir().expect("working directory");
+        let user = dir.path().strip_prefix(&cwd).unwrap_or(dir.path()).join("conf");
+        assert!(user.is_relative());
+        std::fs::create_dir_all(&user).expect("conf dir");
+        std::fs::write(user.join("tally.toml"), "[broker]\ndeclarations = \"queues.toml\"\n").expect("written");
+        let loaded = TallyConfig::load_with_env(Some(&user.join("tally.toml")), Vec::new()).expect("loads");
+        assert_eq!(loaded.broker.declarations.as_deref(), Some(cwd.join(&user).join("queues.toml").as_path()));
+        let run = dir.path().join("run");
+        std::fs::create_dir_all(&run).expect("run dir");
+        write_config(&loaded, &run.join("tally-broker.toml")).expect("written");
+        let service = TallyConfig::load_with_env(Some(&run.join("tally-broker.toml")), Vec::new()).expect("loads");
+        assert_eq!(service.broker.declarations, loaded.broker.declarations);
+        assert_eq!(std::fs::read_dir(&run).expect("run dir").count(), 1, "nothing but the config left");
     }
 }

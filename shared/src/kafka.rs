@@ -284,6 +284,11 @@ pub fn cached_high_watermark<C: ConsumerContext>(
 /// Every record of `topic` up to its end when called (all partitions, from the
 /// beginning): for tools that list a topic, like `tally jobs dead`.
 pub fn read_to_end(kafka: &KafkaConfig, topic: &str, timeout: Duration) -> Result<Vec<Vec<u8>>> {
+    Ok(read_to_end_at(kafka, topic, timeout)?.into_iter().map(|(_, payload)| payload).collect())
+}
+
+/// [`read_to_end`] with each record's offset (a compacted topic has gaps).
+pub fn read_to_end_at(kafka: &KafkaConfig, topic: &str, timeout: Duration) -> Result<Vec<(i64, Vec<u8>)>> {
     use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
     use rdkafka::Message;
     let mut config = client_config(kafka)?;
@@ -311,7 +316,7 @@ pub fn read_to_end(kafka: &KafkaConfig, topic: &str, timeout: Duration) -> Resul
         }
         match consumer.poll(Duration::from_millis(200)) {
             Some(Ok(message)) => {
-                records.push(message.payload().unwrap_or_default().to_vec());
+                records.push((message.offset(), message.payload().unwrap_or_default().to_vec()));
                 if remaining.get(&message.partition()).is_some_and(|high| message.offset() + 1 >= *high) {
                     remaining.remove(&message.partition());
                 }

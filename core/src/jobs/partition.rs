@@ -222,7 +222,21 @@ impl PartitionQueue {
     /// New settings of the queue (a changed declaration): they apply from now on;
     /// jobs held stay, and a FIFO gate turned on holds back keys already running.
     pub fn set_policy(&mut self, policy: QueuePolicy) {
+        let refile = (policy.priority_levels, policy.priority_aging_ms)
+            != (self.policy.priority_levels, self.policy.priority_aging_ms);
         self.policy = policy;
+        if refile {
+            // Every ready job starts over at its own level under the new levels, its
+            // rises due from when it became ready (the next `promote` catches up).
+            let ready: Vec<(i64, i64)> = self.ready_by_age.iter().copied().collect();
+            self.ready.clear();
+            self.ready_heads.clear();
+            self.aging.clear();
+            self.ready_by_age.clear();
+            for (since, offset) in ready {
+                self.make_ready(offset, since);
+            }
+        }
     }
 
     /// Whether another job fits at `now` (see the module doc).
@@ -373,7 +387,9 @@ impl PartitionQueue {
             let Some(entry) = self.entries.get_mut(&offset) else { continue };
             entry.attempts += 1;
             entry.state = State::Leased { lease, deadline };
-            entry.rises_at = None;
+            if let Some(at) = entry.rises_at.take() {
+                self.aging.remove(&(at, offset));
+            }
             self.ready_by_age.remove(&(entry.ready_since, offset));
             self.leases.insert(lease, offset);
             handed.push(Handout { offset, lease, attempt: entry.attempts, deadline, job: entry.job.clone() });
@@ -714,7 +730,7 @@ mod tests {
             levels in 1..5u8,
             aging in prop_oneof![Just(0i64), 50i64..400],
         ) {
-            let policy = QueuePolicy { fifo, priority_levels: levels, priority_aging_ms: aging, ..Default::default() };
+            let policy = QueuePolicy { fifo, priority_levels: levels, priority_aging_ms: aging, max_attempts: u32::MAX, ..Default::default() };
             let mut queue = PartitionQueue::new(policy, 0, 0);
             let mut jobs: Vec<(Job, Modelled)> = Vec::new();
             let mut tried: BTreeSet<usize> = BTreeSet::new();
@@ -786,8 +802,35 @@ mod tests {
                     oldest_ready_since: ready.iter().min().copied(),
                 };
                 prop_assert_eq!(queue.stats(now), want, "at {}", now);
+                // Only ready jobs are indexed by age and wait to rise.
+                prop_assert_eq!(queue.ready_by_age.len(), queue.ready.len());
+                prop_assert!(queue.aging.len() <= queue.ready.len(), "{} rises for {} ready jobs", queue.aging.len(), queue.ready.len());
             }
         }
+    }
+
+    /// New levels or aging apply to the jobs already ready, as if they had been
+    /// declared when those became ready.
+    #[test]
+    fn changed_levels_and_aging_refile_the_ready_jobs() {
+        let mut queue = PartitionQueue::new(QueuePolicy::default(), 0, 0);
+        for offset in 0..3 {
+            queue.push(offset, job(offset as usize, None, None), 0);
+        }
+        let mut high = job(3, None, None);
+        high.priority = Some(2);
+        queue.push(3, high, 0);
+        let ranked = QueuePolicy { priority_levels: 3, priority_aging_ms: 0, ..Default::default() };
+        queue.set_policy(ranked.clone());
+        assert_eq!(queue.dequeue(1, 10, 100).remove(0).offset, 3, "the high job, ranked once levels exist");
+        let mut late = job(4, None, None);
+        late.priority = Some(2);
+        queue.push(4, late, 2_000);
+        // Aging turned on: the low jobs ready since 0 have risen twice by 2 000.
+        queue.set_policy(QueuePolicy { priority_aging_ms: 1_000, ..ranked });
+        let order: Vec<i64> = queue.dequeue(4, 2_000, 100).iter().map(|h| h.offset).collect();
+        assert_eq!(order, vec![0, 1, 2, 4]);
+        assert!(queue.aging.is_empty() && queue.ready.is_empty());
     }
 
     #[test]

@@ -46,7 +46,9 @@ impl Metrics {
                     Opts::new(
                         "tally_jobs_oldest_ready_age_seconds",
                         "Age of the oldest job ready and not yet handed out, of the partitions this broker owns \
-                         (0: none waits): when it grows, workers fall behind — add workers or concurrency",
+                         (0: none waits; on a FIFO queue, jobs held behind their key count too, and a rate \
+                         limit holds jobs back by design): when it grows, workers fall behind — add workers \
+                         or concurrency",
                     ),
                     &["queue"],
                 )
