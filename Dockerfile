@@ -21,9 +21,8 @@ COPY . .
 # RocksDB is compiled from source (optimized, no assertions; 9-13 min more on 2 cores)
 # rather than linked against Debian's library, which is built with its assertions on
 # and runs the counter's hot paths at about half the speed (BENCHMARKS.md).
-# The shipped binaries only: the benchmarks (`tally-bench`) and the test kit stay out.
-RUN ROCKSDB_COMPILE=1 cargo build --release --bins -p tally-cli -p tally-ingester -p tally-counter -p tally-graph \
-      -p tally-query -p tally-broker -p tally-worker -p tally-example-rollups-consumer \
+# The shipped binaries only: the benchmarks (`tally-bench`) stay out.
+RUN ROCKSDB_COMPILE=1 cargo build --release --workspace --bins --exclude tally-bench \
  && mkdir /out \
  && cp target/release/tally target/release/tally-ingester target/release/tally-counter \
        target/release/tally-graph target/release/tally-query target/release/tally-broker \

@@ -22,7 +22,7 @@ use tally_shared::config::TallyConfig;
 use tally_shared::kafka::producer_config;
 use tally_shared::lock::lock;
 
-use crate::pipeline::{bar, Connection, Entities, Latencies, Rig};
+use crate::pipeline::{bar, Connection, Entities, Latencies, Pace, Rig};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct FreshnessBenchArgs {
@@ -145,16 +145,14 @@ async fn measure(
     let mut draw = Entities::new(args.entities, 100 + seed);
     let per_message = args.per_message as usize;
     let mut pending = futures::stream::FuturesUnordered::new();
-    let (mut owed, mut next_probe, mut tick) = (0.0f64, start, tokio::time::interval(Duration::from_millis(1)));
+    let (mut pace, mut next_probe, mut tick) =
+        (Pace::new(rate, per_message), start, tokio::time::interval(Duration::from_millis(1)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-    let (mut last, mut sent_load) = (start, 0u64);
+    let mut sent_load = 0u64;
     while Instant::now() < end {
         tick.tick().await;
         let now = Instant::now();
-        owed += rate as f64 / per_message as f64 * (now - last).as_secs_f64();
-        last = now;
-        while owed >= 1.0 {
-            owed -= 1.0;
+        for _ in 0..pace.due() {
             let (key, payload) = draw.message(per_message);
             let record = FutureRecord::to(topic).key(&key).payload(&payload);
             pending

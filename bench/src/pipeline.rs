@@ -94,6 +94,33 @@ fn batch_rate(args: &ReadBenchArgs) -> Option<u32> {
     args.batch_rate.or(args.rate.map(|rate| (rate / 10).max(1)))
 }
 
+/// Paces a load of `rate` increments/s in messages of `per_message`: how many
+/// messages are due at each look.
+pub(crate) struct Pace {
+    per_second: f64,
+    owed: f64,
+    last: Instant,
+}
+
+impl Pace {
+    pub(crate) fn new(rate: u64, per_message: usize) -> Self {
+        Self { per_second: rate as f64 / per_message.max(1) as f64, owed: 0.0, last: Instant::now() }
+    }
+
+    /// The messages due since the last look.
+    pub(crate) fn due(&mut self) -> u64 {
+        self.due_at(Instant::now())
+    }
+
+    fn due_at(&mut self, now: Instant) -> u64 {
+        self.owed += self.per_second * (now - self.last).as_secs_f64();
+        self.last = now;
+        let due = self.owed.floor();
+        self.owed -= due;
+        due as u64
+    }
+}
+
 /// A steady offered load: `rate` increments/s on the increments topic, in messages
 /// of `per_message`, produced on a task of its own until [`SteadyLoad::stop`].
 struct SteadyLoad {
@@ -117,16 +144,12 @@ impl SteadyLoad {
             let mut draw = Entities::new(entities, 9);
             let mut pending: futures::stream::FuturesUnordered<rdkafka::producer::DeliveryFuture> =
                 futures::stream::FuturesUnordered::new();
-            let (mut owed, mut last, mut sent) = (0.0f64, Instant::now(), 0u64);
+            let (mut pace, mut sent) = (Pace::new(rate, per_message), 0u64);
             let mut tick = tokio::time::interval(Duration::from_millis(1));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
             while !stopped.is_cancelled() {
                 tick.tick().await;
-                let now = Instant::now();
-                owed += rate as f64 / per_message as f64 * (now - last).as_secs_f64();
-                last = now;
-                while owed >= 1.0 {
-                    owed -= 1.0;
+                for _ in 0..pace.due() {
                     let (key, payload) = draw.message(per_message);
                     let mut record = FutureRecord::to(&topic).key(&key).payload(&payload);
                     // A full producer queue: wait for a delivery, then send again.
@@ -1174,6 +1197,17 @@ pub async fn read(config: TallyConfig, args: ReadBenchArgs) -> anyhow::Result<()
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A pace hands out exactly the messages of its rate, fractions carried over.
+    #[test]
+    fn a_pace_owes_what_its_rate_says() {
+        let mut pace = Pace::new(1_000, 4); // 250 messages a second
+        let start = pace.last;
+        let dues: Vec<u64> =
+            [1, 2, 4, 1_000].iter().map(|ms| pace.due_at(start + Duration::from_millis(*ms))).collect();
+        assert_eq!(dues, vec![0, 0, 1, 249], "quarters carried until whole");
+        assert_eq!(pace.due_at(start + Duration::from_millis(3_000)), 500, "750 in 3 s in all");
+    }
 
     /// Each case after the first gets an empty broker: the one before is stopped and
     /// its data deleted, and the config points at the new one, which knows none of

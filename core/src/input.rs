@@ -241,7 +241,13 @@ fn deserialize_object<'a, T: Deserialize<'a>>(text: &'a str) -> Result<T, String
     if first_significant_byte(text.as_bytes()) != Some(b'{') {
         return Err("element: expected a JSON object".into());
     }
-    // Most elements are valid: parse without tracking the path, and only for one
+    parse_naming_the_field(text, "element")
+}
+
+/// Parses `text` as a `T`; a refusal names the field at fault (`priority: invalid
+/// value…`), or `what` when the fault is the whole (`job: missing field…`).
+pub(crate) fn parse_naming_the_field<'a, T: Deserialize<'a>>(text: &'a str, what: &str) -> Result<T, String> {
+    // Most input is valid: parse without tracking the path, and only for input
     // that fails again with it, to name the field (the same parser accepts the same).
     if let Ok(parsed) = serde_json::from_str(text) {
         return Ok(parsed);
@@ -251,12 +257,12 @@ fn deserialize_object<'a, T: Deserialize<'a>>(text: &'a str) -> Result<T, String
         let path = err.path().to_string();
         let inner = err.into_inner();
         if path == "." || path.is_empty() {
-            format!("element: {inner}")
+            format!("{what}: {inner}")
         } else {
             format!("{path}: {inner}")
         }
     })?;
-    deserializer.end().map_err(|err| format!("element: {err}"))?;
+    deserializer.end().map_err(|err| format!("{what}: {err}"))?;
     Ok(parsed)
 }
 

@@ -51,7 +51,8 @@ impl PartialEq for Job {
 impl Job {
     /// Parses and checks an enqueued job; the error is the reason for the dead-letter topic.
     pub fn parse(bytes: &[u8]) -> Result<Job, String> {
-        let job: Job = serde_json::from_slice(bytes).map_err(|err| format!("job: {err}"))?;
+        let text = std::str::from_utf8(bytes).map_err(|err| format!("job: not UTF-8 ({err})"))?;
+        let job: Job = crate::input::parse_naming_the_field(text, "job")?;
         check_id(&job.id)?;
         if let Some(key) = &job.key {
             if key.is_empty() || key.len() > 256 {
@@ -190,6 +191,12 @@ mod tests {
         assert!(Job::parse(br#"{"id":"j","payload":1,"colour":2}"#).unwrap_err().contains("unknown field"));
         assert!(Job::parse(br#"{"id":"j","payload":1,"run_at":-1}"#).is_err());
         assert!(Job::parse(b"not json").is_err());
+        let level = |text: &str| Job::parse(format!(r#"{{"id":"j","payload":1,"priority":{text}}}"#).as_bytes());
+        assert_eq!(level("2").unwrap().priority, Some(2));
+        assert!(level("256").unwrap_err().contains("priority"), "past a byte");
+        assert!(level("-1").unwrap_err().contains("priority"));
+        assert!(level(r#""high""#).unwrap_err().contains("priority"));
+        assert!(Job::parse(b"\xff").unwrap_err().starts_with("job: not UTF-8"));
     }
 
     fn dead(payload_bytes: usize, error_bytes: usize) -> DeadJob {
