@@ -51,6 +51,10 @@ pub struct DequeuedJob {
     /// The level it was enqueued at (on a queue with priority levels).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<u8>,
+    /// The key its queue's concurrency limits count it under (its own, or its
+    /// payload's `limits.key_field`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency_key: Option<String>,
     /// When the lease ends unless extended (ms since the epoch).
     pub lease_deadline: i64,
 }
@@ -110,6 +114,22 @@ pub struct PartitionInfo {
     /// How long its longest-waiting ready job has waited (none ready: none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub oldest_ready_age_ms: Option<i64>,
+    /// On a limited queue: its share of the queue's `limits.total`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots: Option<usize>,
+    /// On a limited queue just taken over: nothing is handed out before this time
+    /// (ms since the epoch), when the previous owner's leases have all ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_until: Option<i64>,
+}
+
+/// A concurrency key's jobs in flight, against its limit.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyInFlight {
+    pub key: String,
+    pub in_flight: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -132,5 +152,15 @@ pub struct QueueStats {
     pub rate: f64,
     pub rate_limit_per_sec: Option<u32>,
     pub fifo: bool,
+    /// The queue's concurrency limits (empty: none).
+    #[serde(default, skip_serializing_if = "super::limits::Limits::is_empty")]
+    pub limits: super::limits::Limits,
+    /// The concurrency keys with the most jobs in flight (at most
+    /// [`TOP_KEYS`], most first) of the partitions answered for.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub top_keys: Vec<KeyInFlight>,
     pub partitions: Vec<PartitionInfo>,
 }
+
+/// How many concurrency keys the stats list.
+pub const TOP_KEYS: usize = 10;

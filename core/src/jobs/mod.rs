@@ -9,6 +9,7 @@
 //! tests can drive them through any history.
 
 pub mod api;
+pub mod limits;
 pub mod partition;
 pub mod schedule;
 
@@ -36,6 +37,10 @@ pub struct Job {
     /// out before any lower one of its partition ([`partition`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<u8>,
+    /// Its concurrency key on a queue that limits jobs in flight per key
+    /// ([`limits`]); the queue's `limits.key_field` of the payload when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency_key: Option<String>,
 }
 
 impl PartialEq for Job {
@@ -45,6 +50,7 @@ impl PartialEq for Job {
             && self.run_at == other.run_at
             && self.key == other.key
             && self.priority == other.priority
+            && self.concurrency_key == other.concurrency_key
     }
 }
 
@@ -54,10 +60,11 @@ impl Job {
         let text = std::str::from_utf8(bytes).map_err(|err| format!("job: not UTF-8 ({err})"))?;
         let job: Job = crate::input::parse_naming_the_field(text, "job")?;
         check_id(&job.id)?;
-        if let Some(key) = &job.key {
-            if key.is_empty() || key.len() > 256 {
-                return Err("key: must be 1-256 bytes".into());
-            }
+        if job.key.as_ref().is_some_and(|key| key.is_empty() || key.len() > 256) {
+            return Err("key: must be 1-256 bytes".into());
+        }
+        if job.concurrency_key.as_ref().is_some_and(|key| key.is_empty() || key.len() > limits::MAX_KEY_BYTES) {
+            return Err(format!("concurrency_key: must be 1-{} bytes", limits::MAX_KEY_BYTES));
         }
         if job.run_at.is_some_and(|at| at < 0) {
             return Err("run_at: must be milliseconds since the epoch (>= 0)".into());
@@ -214,6 +221,7 @@ mod tests {
                 run_at: None,
                 key: None,
                 priority: None,
+                concurrency_key: None,
             },
             truncated: Truncated::new(),
         }
