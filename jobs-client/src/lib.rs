@@ -25,6 +25,10 @@ use tally_core::jobs::api::{
 pub enum Error {
     #[error("worker: {0}")]
     Worker(String),
+    /// The broker no longer holds the lease (expired, or its partition moved): the
+    /// job may already run elsewhere.
+    #[error("worker: the lease is no longer held")]
+    LeaseLost,
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -66,7 +70,8 @@ pub enum Outcome {
 pub struct WorkerCounts {
     pub acked: AtomicU64,
     pub nacked: AtomicU64,
-    /// Acks or nacks the broker refused (the lease had expired or moved).
+    /// Acks or nacks the broker refused (the lease had expired or moved), and jobs
+    /// stopped because their lease could not be kept.
     pub lost_leases: AtomicU64,
 }
 
@@ -100,6 +105,9 @@ impl BrokerClient {
         }
         let response = request.send().await.map_err(http_error)?;
         let status = response.status();
+        if status == reqwest::StatusCode::CONFLICT {
+            return Err(Error::LeaseLost);
+        }
         if !status.is_success() {
             let text = response.text().await.unwrap_or_default();
             return Err(Error::Worker(format!("{url}: {status} {text}")));
@@ -305,20 +313,45 @@ async fn run_one<H, F>(
     H: Fn(DequeuedJob) -> F,
     F: Future<Output = Outcome>,
 {
-    let lease = job.lease.clone();
-    let lease_ms = (job.lease_deadline - now_ms()).max(1_000);
+    let (lease, id) = (job.lease.clone(), job.id.clone());
+    let left_ms = job.lease_deadline - now_ms();
+    let lease_ms = left_ms.max(1_000);
+    // The job stops when its lease ends unless extended (a little early, for the
+    // clocks): past it the broker hands the job out again, and on a limited queue
+    // its slot is given to another.
+    let margin = |ms: i64| Duration::from_millis((ms - ms / 20).max(0) as u64);
+    let mut deadline = Instant::now() + margin(left_ms);
     let work = handler(job);
     tokio::pin!(work);
     // Extend at half the lease while the handler runs.
     let outcome = loop {
+        let next = (Instant::now() + Duration::from_millis(lease_ms as u64 / 2)).min(deadline);
         tokio::select! {
-            outcome = &mut work => break outcome,
-            _ = tokio::time::sleep(Duration::from_millis(lease_ms as u64 / 2)) => {
-                if let Err(err) = client.extend(base, &lease, lease_ms).await {
-                    tracing::warn!(error = %err, "extending a lease");
-                }
-            }
+            outcome = &mut work => break Some(outcome),
+            _ = tokio::time::sleep_until(next.into()) => {}
         }
+        if Instant::now() >= deadline {
+            break None;
+        }
+        let sent = Instant::now();
+        let extend = tokio::time::timeout_at(deadline.into(), client.extend(base, &lease, lease_ms));
+        tokio::pin!(extend);
+        let extended = tokio::select! {
+            outcome = &mut work => break Some(outcome),
+            extended = &mut extend => extended,
+        };
+        match extended {
+            Ok(Ok(())) => deadline = sent + margin(lease_ms),
+            Ok(Err(Error::LeaseLost)) => break None,
+            Ok(Err(err)) => tracing::warn!(error = %err, "extending a lease"),
+            Err(_) => break None,
+        }
+    };
+    let Some(outcome) = outcome else {
+        // Dropping the handler stops it (a command is killed).
+        counts.lost_leases.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(job = %id, "the job's lease could not be kept; the job was stopped and will run again");
+        return;
     };
     let settled = match &outcome {
         Outcome::Ack => {

@@ -95,6 +95,10 @@ pub struct QueueDecl {
     /// higher jobs delays a lower one but never starves it (0: never rises).
     #[serde(default = "default_priority_aging_ms", skip_serializing_if = "is_default_priority_aging_ms")]
     pub priority_aging_ms: i64,
+    /// Jobs in flight per concurrency key and in total (`[queue.limits]`; none by
+    /// default).
+    #[serde(default, skip_serializing_if = "tally_core::jobs::limits::Limits::is_empty")]
+    pub limits: tally_core::jobs::limits::Limits,
 }
 
 fn default_priority_levels() -> u8 {
@@ -191,6 +195,7 @@ impl QueueDecl {
             max_bytes: self.buffer_bytes.max(1),
             priority_levels: self.priority_levels.max(1),
             priority_aging_ms: self.priority_aging_ms.max(0),
+            limits: self.limits.clone(),
         }
     }
 }
@@ -236,6 +241,10 @@ impl Declarations {
                     queue.name
                 )));
             }
+            queue
+                .limits
+                .check(queue.partitions)
+                .map_err(|err| Error::Topics(format!("queue {}: {err}", queue.name)))?;
             let most = tally_core::jobs::partition::QueuePolicy::MAX_PRIORITY_LEVELS;
             if !(1..=most).contains(&queue.priority_levels) || queue.priority_aging_ms < 0 {
                 return Err(Error::Topics(format!(

@@ -6,6 +6,13 @@
 //! taken after a short settling delay (so its previous owner has let go) from the
 //! committed offset — everything below it is finished, everything above runs again
 //! if it was not (at-least-once).
+//!
+//! On a queue with concurrency limits a partition taken is held (hands out nothing)
+//! until the leases its previous owner may have handed out have ended: until the
+//! horizon a broker writes in the commit's metadata when it lets a partition go
+//! ([`Release`]), else — its owner died, or nobody committed — for the queue's
+//! `max_lease_ms` plus the membership timeout. A job of a limited key fetched in
+//! another partition than its key's is forwarded there (written, then finished).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -17,6 +24,7 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Message};
 use tally_core::assignment::owner;
+use tally_core::jobs::limits::{partition_of, Limits};
 use tally_core::jobs::partition::PartitionQueue;
 use tally_core::jobs::Job;
 use tally_core::wire::DeadLetter;
@@ -55,6 +63,7 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
     let dead_letter_topic = TopicNames::new(&config.kafka.topic_prefix).dead_letter();
     let mut by_topic: HashMap<String, Arc<QueueRuntime>> = HashMap::new();
     let settle = Duration::from_millis(config.broker.heartbeat_ms * 2);
+    let member_timeout_ms = config.broker.member_timeout_ms as i64;
     let reporter = spawn_reporter(&config, broker.clone(), shutdown.clone())?;
 
     let mut pending: HashMap<Key, Instant> = HashMap::new();
@@ -80,7 +89,8 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                     }
                 }
                 *lock(&queue.owners, OWNERS) = owners;
-                reconcile(&consumer, &broker, queue, &desired, &mut pending, &mut paused, settle)?;
+                let mut taking = Taking { pending: &mut pending, paused: &mut paused, settle, member_timeout_ms };
+                reconcile(&consumer, &broker, queue, &desired, &mut taking)?;
             }
         }
         if let Some(polled) = consumer.poll(Duration::from_millis(20)) {
@@ -101,9 +111,15 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                     let parsed = Job::parse(payload)
                         .and_then(|job| check_delay(job, enqueued_at, max_delay_ms))
                         .and_then(|job| policy.check(&job).map(|()| job));
+                    let home = parsed.as_ref().ok().and_then(|job| home_partition(&policy.limits, job, queue));
                     let (full, rejected) = {
                         let mut buffer = lock(&buffer, BUFFER);
                         let rejected = match parsed {
+                            Ok(_) if home.is_some_and(|home| home != partition) => {
+                                // Held until its copy is written in its key's partition.
+                                buffer.reject(message.offset());
+                                None
+                            }
                             Ok(job) => {
                                 buffer.push(message.offset(), job, now);
                                 None
@@ -119,10 +135,12 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                     };
                     // Sent with no lock held: a full producer queue waits here, and
                     // delivery callbacks never wait for this thread.
+                    let letter = Letter { queue: queue.name.clone(), partition, offset: message.offset() };
                     if let Some(reason) = rejected {
-                        let letter = Letter { queue: queue.name.clone(), partition, offset: message.offset() };
                         let budget = broker.record_budget;
                         dead_letter(&letters, &dead_letter_topic, &queue.topic, &message, &reason, letter, budget);
+                    } else if let Some(home) = home.filter(|home| *home != partition) {
+                        forward(&letters, &queue.topic, home, &message, letter);
                     }
                     queue.changed.notify_waiters();
                     if full && paused.insert((queue.name.clone(), partition)) {
@@ -138,10 +156,10 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
         resume_drained(&consumer, &broker, &mut paused)?;
         if last_commit.elapsed() >= COMMIT_EVERY {
             last_commit = Instant::now();
-            commit(&consumer, &broker, CommitMode::Async);
+            commit(&consumer, &broker, CommitMode::Async, false);
         }
     }
-    commit(&consumer, &broker, CommitMode::Sync);
+    commit(&consumer, &broker, CommitMode::Sync, true);
     if let Err(err) = letters.flush(Duration::from_secs(5)) {
         // Their records stay unfinished, the committed watermarks below them.
         tracing::warn!(error = %err, "dead letters not flushed at shutdown");
@@ -152,29 +170,50 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
     Ok(())
 }
 
+/// The partition a job of a per-key limited queue lives in: its key's (none: any).
+fn home_partition(limits: &Limits, job: &Job, queue: &QueueRuntime) -> Option<i32> {
+    if !limits.per_key_limited() {
+        return None;
+    }
+    let key = limits.key_of(job).ok().flatten()?;
+    Some(partition_of(&key, queue.decl().partitions))
+}
+
+/// How the partitions this broker takes are taken.
+struct Taking<'a> {
+    pending: &'a mut HashMap<Key, Instant>,
+    paused: &'a mut HashSet<Key>,
+    settle: Duration,
+    member_timeout_ms: i64,
+}
+
 /// Serves what this broker should own, and stops serving what it should not.
 fn reconcile(
     consumer: &BaseConsumer,
     broker: &Broker,
     queue: &QueueRuntime,
     desired: &[i32],
-    pending: &mut HashMap<Key, Instant>,
-    paused: &mut HashSet<Key>,
-    settle: Duration,
+    taking: &mut Taking<'_>,
 ) -> Result<()> {
     let served: Vec<i32> = lock(&queue.partitions, PARTITIONS).keys().copied().collect();
     let mut changed = false;
     for partition in served.iter().filter(|p| !desired.contains(p)) {
         let removed = lock(&queue.partitions, PARTITIONS).remove(partition);
         if let Some(buffer) = removed {
-            let offset = lock(&buffer, BUFFER).commit_offset();
+            let (offset, horizon) = {
+                let mut buffer = lock(&buffer, BUFFER);
+                (buffer.commit_offset(), buffer.retire())
+            };
             let mut tpl = TopicPartitionList::new();
             tpl.add_partition_offset(&queue.topic, *partition, Offset::Offset(offset))?;
+            if let Some(mut entry) = tpl.find_partition(&queue.topic, *partition) {
+                entry.set_metadata(Release { leases_until: horizon.unwrap_or(0) }.encode());
+            }
             if let Err(err) = consumer.commit(&tpl, CommitMode::Sync) {
                 tracing::warn!(error = %err, "committing a released partition");
             }
             consumer.incremental_unassign(&tpl)?;
-            paused.remove(&(queue.name.clone(), *partition));
+            taking.paused.remove(&(queue.name.clone(), *partition));
             tracing::info!(queue = %queue.name, partition, offset, "released partition");
             changed = true;
         }
@@ -182,9 +221,9 @@ fn reconcile(
     let mut acquire = Vec::new();
     for &partition in desired.iter().filter(|p| !served.contains(p)) {
         let key = (queue.name.clone(), partition);
-        let since = *pending.entry(key.clone()).or_insert_with(Instant::now);
-        if since.elapsed() >= settle {
-            pending.remove(&key);
+        let since = *taking.pending.entry(key.clone()).or_insert_with(Instant::now);
+        if since.elapsed() >= taking.settle {
+            taking.pending.remove(&key);
             acquire.push(partition);
         }
     }
@@ -192,8 +231,26 @@ fn reconcile(
         // One round trip for all the committed offsets, then one assignment.
         let starts = committed_offsets(consumer, &queue.topic, &acquire)?;
         let mut tpl = TopicPartitionList::new();
-        for (partition, start) in acquire.into_iter().zip(starts) {
-            let buffer = PartitionQueue::new(queue.decl().policy(), start, broker.next_tenure());
+        let (policy, max_lease_ms) = {
+            let decl = queue.decl();
+            (decl.policy(), decl.max_lease_ms)
+        };
+        for (partition, (start, release)) in acquire.into_iter().zip(starts) {
+            let mut buffer = PartitionQueue::new(policy.clone(), start, broker.next_tenure());
+            buffer.set_slots(queue.slots(partition));
+            let now = now_ms();
+            if !policy.limits.is_empty() {
+                // The previous owner's leases count against the limits until they end.
+                let until = match release {
+                    Some(release) => release.leases_until,
+                    None => now.saturating_add(max_lease_ms).saturating_add(taking.member_timeout_ms),
+                };
+                buffer.hold_until(until);
+                if until > now {
+                    tracing::info!(queue = %queue.name, partition, hold_ms = until - now, released = release.is_some(),
+                        "holding a limited partition until its previous owner's leases have ended");
+                }
+            }
             lock(&queue.partitions, PARTITIONS).insert(partition, Arc::new(Mutex::new(buffer)));
             tpl.add_partition_offset(&queue.topic, partition, Offset::Offset(start))?;
             tracing::info!(queue = %queue.name, partition, start, "serving partition");
@@ -201,7 +258,7 @@ fn reconcile(
         consumer.incremental_assign(&tpl)?;
         changed = true;
     }
-    pending.retain(|(name, partition), _| name != &queue.name || desired.contains(partition));
+    taking.pending.retain(|(name, partition), _| name != &queue.name || desired.contains(partition));
     if changed {
         let owned = lock(&queue.partitions, PARTITIONS).len();
         queue.set_rate_share(owned);
@@ -209,8 +266,30 @@ fn reconcile(
     Ok(())
 }
 
-/// Where each partition resumes: its committed offset, else its first record.
-fn committed_offsets(consumer: &BaseConsumer, topic: &str, partitions: &[i32]) -> Result<Vec<i64>> {
+/// What a broker that lets a partition go writes in the commit's metadata: when
+/// the last lease it handed out ends (it extends none after). A commit without it
+/// (a broker that died, or one still serving) tells nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Release {
+    /// Ms since the epoch; 0 when nothing was in flight.
+    pub leases_until: i64,
+}
+
+impl Release {
+    const PREFIX: &'static str = "tally-release/v1 leases_until=";
+
+    pub fn encode(&self) -> String {
+        format!("{}{}", Self::PREFIX, self.leases_until)
+    }
+
+    pub fn decode(metadata: &str) -> Option<Self> {
+        Some(Self { leases_until: metadata.strip_prefix(Self::PREFIX)?.parse().ok()? })
+    }
+}
+
+/// Where each partition resumes — its committed offset, else its first record —
+/// and the release its previous owner wrote with that commit, if it let go.
+fn committed_offsets(consumer: &BaseConsumer, topic: &str, partitions: &[i32]) -> Result<Vec<(i64, Option<Release>)>> {
     let mut tpl = TopicPartitionList::new();
     for &partition in partitions {
         tpl.add_partition(topic, partition);
@@ -218,9 +297,11 @@ fn committed_offsets(consumer: &BaseConsumer, topic: &str, partitions: &[i32]) -
     let committed = consumer.committed_offsets(tpl, Duration::from_secs(10))?;
     let mut starts = Vec::with_capacity(partitions.len());
     for &partition in partitions {
-        match committed.find_partition(topic, partition).map(|e| e.offset()) {
-            Some(Offset::Offset(offset)) => starts.push(offset),
-            _ => starts.push(consumer.fetch_watermarks(topic, partition, Duration::from_secs(10))?.0),
+        let entry = committed.find_partition(topic, partition);
+        let release = entry.as_ref().and_then(|entry| Release::decode(entry.metadata()));
+        match entry.map(|e| e.offset()) {
+            Some(Offset::Offset(offset)) => starts.push((offset, release)),
+            _ => starts.push((consumer.fetch_watermarks(topic, partition, Duration::from_secs(10))?.0, None)),
         }
     }
     Ok(starts)
@@ -245,15 +326,23 @@ fn resume_drained(consumer: &BaseConsumer, broker: &Broker, paused: &mut HashSet
     Ok(())
 }
 
-/// Commits every served partition's watermark.
-fn commit(consumer: &BaseConsumer, broker: &Broker, mode: CommitMode) {
+/// Commits every served partition's watermark; `releasing` (at shutdown, when no
+/// lease is extended any more) with each partition's [`Release`].
+fn commit(consumer: &BaseConsumer, broker: &Broker, mode: CommitMode, releasing: bool) {
     let mut tpl = TopicPartitionList::new();
     for queue in broker.queues() {
         let partitions = lock(&queue.partitions, PARTITIONS);
         for (partition, buffer) in partitions.iter() {
-            let offset = lock(buffer, BUFFER).commit_offset();
+            let (offset, horizon) = {
+                let mut buffer = lock(buffer, BUFFER);
+                let horizon = if releasing { buffer.retire() } else { None };
+                (buffer.commit_offset(), horizon)
+            };
             if let Err(err) = tpl.add_partition_offset(&queue.topic, *partition, Offset::Offset(offset)) {
                 tracing::warn!(error = %err, queue = %queue.name, partition, offset, "not committing a watermark");
+            }
+            if let Some(mut entry) = tpl.find_partition(&queue.topic, *partition).filter(|_| releasing) {
+                entry.set_metadata(Release { leases_until: horizon.unwrap_or(0) }.encode());
             }
         }
     }
@@ -293,6 +382,8 @@ pub fn spawn_reporter(
             broker.metrics.in_flight.with_label_values(&[name]).set(stats.in_flight as i64);
             broker.metrics.delayed.with_label_values(&[name]).set(stats.delayed as i64);
             broker.metrics.retrying.with_label_values(&[name]).set(stats.retrying as i64);
+            let held = stats.partitions.iter().filter(|p| p.held_until.is_some()).count();
+            broker.metrics.held_partitions.with_label_values(&[name]).set(held as i64);
             let oldest = stats.oldest_ready_age_ms.unwrap_or(0) as f64 / 1e3;
             broker.metrics.oldest_ready_age.with_label_values(&[name]).set(oldest);
         }
@@ -357,10 +448,49 @@ impl ProducerContext for LetterContext {
         if let Err((err, _)) = result {
             // The record stays unfinished and its partition's watermark below it.
             tracing::error!(error = %err, queue = %letter.queue, partition = letter.partition, offset = letter.offset,
-                "a dead letter was not written; the partition's offset stays below it");
+                "a dead letter (or a job forwarded to its key's partition) was not written; the partition's offset stays below it");
             return;
         }
         lock(&self.written, WRITTEN).push(*letter);
+    }
+}
+
+/// Writes a job fetched outside its key's partition to `home`, as it was; the
+/// record fetched here is finished once the copy is written ([`LetterContext`]).
+fn forward(
+    producer: &ThreadedProducer<LetterContext>,
+    topic: &str,
+    home: i32,
+    message: &rdkafka::message::BorrowedMessage<'_>,
+    letter: Letter,
+) {
+    let payload = message.payload().unwrap_or_default();
+    let mut record = BaseRecord::with_opaque_to(topic, Box::new(letter)).partition(home).payload(payload);
+    if let Some(key) = message.key() {
+        record = record.key(key);
+    }
+    send_retrying(producer, record, "a job forwarded to its key's partition");
+}
+
+/// Sends a record whose delivery finishes a held offset, waiting while the
+/// producer's queue is full; a record it cannot send leaves the offset held.
+fn send_retrying(
+    producer: &ThreadedProducer<LetterContext>,
+    mut record: BaseRecord<'_, [u8], [u8], Box<Letter>>,
+    what: &str,
+) {
+    loop {
+        match producer.send(record) {
+            Ok(()) => return,
+            Err((err, returned)) if matches!(err.rdkafka_error_code(), Some(RDKafkaErrorCode::QueueFull)) => {
+                record = returned;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err((err, _)) => {
+                tracing::error!(error = %err, "cannot send {what}; the partition's offset stays below it");
+                return;
+            }
+        }
     }
 }
 
@@ -384,18 +514,6 @@ fn dead_letter(
         }
     };
     let key = format!("{source_topic}/{}/{}", message.partition(), message.offset());
-    let mut record = BaseRecord::with_opaque_to(topic, Box::new(letter)).key(&key).payload(&payload);
-    loop {
-        match producer.send(record) {
-            Ok(()) => return,
-            Err((err, returned)) if matches!(err.rdkafka_error_code(), Some(RDKafkaErrorCode::QueueFull)) => {
-                record = returned;
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            Err((err, _)) => {
-                tracing::error!(error = %err, "cannot send a dead letter; the partition's offset stays below it");
-                return;
-            }
-        }
-    }
+    let record = BaseRecord::with_opaque_to(topic, Box::new(letter)).key(key.as_bytes()).payload(&payload[..]);
+    send_retrying(producer, record, "a dead letter");
 }

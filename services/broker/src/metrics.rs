@@ -10,6 +10,8 @@ pub struct Metrics {
     pub nacked: IntCounterVec,
     pub expired: IntCounterVec,
     pub dead: IntCounterVec,
+    pub dropped: IntCounterVec,
+    pub held_partitions: IntGaugeVec,
     pub depth: IntGaugeVec,
     pub in_flight: IntGaugeVec,
     pub delayed: IntGaugeVec,
@@ -33,6 +35,16 @@ impl Metrics {
             nacked: counter("tally_broker_nacked_total", "Attempts nacked by workers"),
             expired: counter("tally_broker_lease_expired_total", "Leases that expired"),
             dead: counter("tally_broker_dead_total", "Jobs sent to the dead topic"),
+            dropped: counter(
+                "tally_broker_dropped_total",
+                "Jobs dropped at their concurrency key's limit (limits.at_limit = \"drop_newest\"), written to \
+                 the dead topic: when it grows, producers enqueue faster than a key may run",
+            ),
+            held_partitions: gauge(
+                "tally_broker_held_partitions",
+                "Partitions of a limited queue taken over and waiting out their previous owner's leases (they \
+                 hand out nothing): a hold lasts at most max_lease_ms plus member_timeout_ms",
+            ),
             depth: gauge("tally_broker_depth_jobs", "Jobs waiting (in memory and not yet fetched)"),
             in_flight: gauge("tally_broker_in_flight_jobs", "Jobs leased to workers"),
             delayed: gauge("tally_broker_delayed_jobs", "Jobs waiting for run_at or a retry"),

@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use tally_core::jobs::api::{DequeuedJob, PartitionInfo, QueueStats};
+use tally_core::jobs::api::{DequeuedJob, KeyInFlight, PartitionInfo, QueueStats, TOP_KEYS};
+use tally_core::jobs::limits::share;
 use tally_core::jobs::partition::{Failure, LeaseError, PartitionQueue};
 use tally_core::jobs::DeadJob;
 use tally_shared::kafka::{now_ms, TopicNames};
@@ -103,6 +104,25 @@ impl QueueRuntime {
     fn partition(&self, partition: i32) -> Option<Arc<Mutex<PartitionQueue>>> {
         lock(&self.partitions, PARTITIONS).get(&partition).cloned()
     }
+
+    /// Partition `partition`'s share of the queue's `limits.total` (none: no total).
+    pub fn slots(&self, partition: i32) -> Option<usize> {
+        let decl = self.decl();
+        let total = decl.limits.total?;
+        let slots = share(total, decl.partitions, partition);
+        if slots == 0 {
+            tracing::error!(queue = %self.name, partition, total, partitions = decl.partitions,
+                "the queue's limits.total is below its partitions: this partition runs nothing; raise the total");
+        }
+        Some(slots)
+    }
+
+    /// Whether its jobs need notifying waiters when one finishes (a FIFO key or a
+    /// limit may let another out).
+    fn gated(&self) -> bool {
+        let decl = self.decl();
+        decl.fifo || !decl.limits.is_empty()
+    }
 }
 
 /// A broker's share of a queue's rate limit, in dequeues per second: the limit in
@@ -159,8 +179,11 @@ impl Broker {
                 let policy = decl.policy();
                 *write(&queue.decl, DECL) = decl;
                 // Partitions held now take the new buffer settings at once.
-                for (_, buffer) in queue.served() {
-                    lock(&buffer, BUFFER).set_policy(policy.clone());
+                for (partition, buffer) in queue.served() {
+                    let slots = queue.slots(partition);
+                    let mut buffer = lock(&buffer, BUFFER);
+                    buffer.set_policy(policy.clone());
+                    buffer.set_slots(slots);
                 }
                 let owned = lock(&queue.partitions, PARTITIONS).len();
                 queue.set_rate_share(owned);
@@ -215,6 +238,7 @@ impl Broker {
                     lease: self.leases.issue(*partition, handout.lease),
                     key: handout.job.key,
                     priority: handout.job.priority,
+                    concurrency_key: handout.ckey,
                     lease_deadline: handout.deadline,
                 });
             }
@@ -240,7 +264,7 @@ impl Broker {
             }
         }
         self.metrics.acked.with_label_values(&[&queue.name]).inc_by(acked);
-        if acked > 0 && queue.decl().fifo {
+        if acked > 0 && queue.gated() {
             queue.changed.notify_waiters();
         }
         unknown
@@ -270,12 +294,20 @@ impl Broker {
         buffer.extend(lease, lease_ms, now_ms())
     }
 
-    /// Fails the expired leases of every served partition.
+    /// Fails the expired leases of every served partition, and sends the jobs
+    /// dropped at their key's limit to the dead topic.
     pub fn expire_leases(self: &Arc<Self>) {
         let now = now_ms();
         for queue in self.queues() {
             for (partition, buffer) in queue.served() {
-                let failures = lock(&buffer, BUFFER).expire(now);
+                let (failures, dropped) = {
+                    let mut buffer = lock(&buffer, BUFFER);
+                    (buffer.expire(now), buffer.take_dropped())
+                };
+                for failure in dropped {
+                    self.metrics.dropped.with_label_values(&[&queue.name]).inc();
+                    self.handle_failure(&queue, partition, failure);
+                }
                 for failure in failures {
                     if let Failure::Retry { offset, .. } = &failure {
                         tracing::info!(queue = %queue.name, partition, offset, "lease expired; the job will run again");
@@ -351,12 +383,23 @@ impl Broker {
             rate: self.rate(queue, now),
             rate_limit_per_sec: decl.rate_limit_per_sec,
             fifo: decl.fifo,
+            limits: decl.limits.clone(),
             ..Default::default()
         };
+        let mut keys: Vec<KeyInFlight> = Vec::new();
         for partition in 0..decl.partitions {
             let mut info = PartitionInfo { partition, owner: owners.get(&partition).cloned(), ..Default::default() };
             if let Some(buffer) = served.get(&partition) {
-                let s = lock(buffer, BUFFER).stats(now);
+                let (s, slots, held_until) = {
+                    let buffer = lock(buffer, BUFFER);
+                    let limit = |key: &str| decl.limits.limit_of(key);
+                    keys.extend(buffer.keys_in_flight().map(|(key, in_flight)| KeyInFlight {
+                        key: key.to_string(),
+                        in_flight,
+                        limit: limit(key),
+                    }));
+                    (buffer.stats(now), buffer.slots(), buffer.held_until(now))
+                };
                 let oldest_ready_age_ms = s.oldest_ready_since.map(|since| (now - since).max(0));
                 info = PartitionInfo {
                     ready: s.ready,
@@ -364,6 +407,8 @@ impl Broker {
                     retrying: s.retrying,
                     in_flight: s.in_flight,
                     oldest_ready_age_ms,
+                    slots,
+                    held_until,
                     ..info
                 };
                 info.owned_here = true;
@@ -376,6 +421,9 @@ impl Broker {
             }
             stats.partitions.push(info);
         }
+        keys.sort_unstable_by(|a, b| b.in_flight.cmp(&a.in_flight).then_with(|| a.key.cmp(&b.key)));
+        keys.truncate(TOP_KEYS);
+        stats.top_keys = keys;
         stats
     }
 

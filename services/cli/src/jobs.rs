@@ -27,6 +27,10 @@ pub enum JobsCommand {
         /// Priority level, 0 (the default, lowest) to the queue's `priority_levels - 1`.
         #[arg(long)]
         priority: Option<u8>,
+        /// Concurrency key: on a queue with `[queue.limits]`, at most its limit of
+        /// jobs of one key run at once.
+        #[arg(long)]
+        concurrency_key: Option<String>,
     },
     /// Depth, in flight, delayed, dead, rate and owners of every queue (or one).
     Stats {
@@ -47,7 +51,7 @@ pub enum JobsCommand {
 pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<()> {
     let names = TopicNames::new(&config.kafka.topic_prefix);
     match command {
-        JobsCommand::Enqueue { queue, payload, id, run_at, key, priority } => {
+        JobsCommand::Enqueue { queue, payload, id, run_at, key, priority, concurrency_key } => {
             let payload: serde_json::Value = serde_json::from_str(&payload).context("the payload must be JSON")?;
             let id = id.unwrap_or_else(|| format!("job-{:016x}", rand::random::<u64>()));
             let mut job = serde_json::json!({"id": id, "payload": payload});
@@ -60,6 +64,9 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
             if let Some(level) = priority {
                 job["priority"] = level.into();
             }
+            if let Some(key) = &concurrency_key {
+                job["concurrency_key"] = key.clone().into();
+            }
             let bytes = serde_json::to_vec(&job)?;
             let parsed = Job::parse(&bytes).map_err(anyhow::Error::msg)?;
             // A queue declared here is checked as its brokers check it (one declared
@@ -68,7 +75,9 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
             if let Some(declared) = declarations.queue(&queue) {
                 declared.policy().check(&parsed).map_err(|reason| anyhow::anyhow!("queue {queue}: {reason}"))?;
             }
-            send(config, &names.jobs(&queue), key.as_deref().unwrap_or(&id), &bytes).await?;
+            // Jobs of one key land together (a broker forwards one that does not).
+            let record_key = concurrency_key.as_deref().or(key.as_deref()).unwrap_or(&id);
+            send(config, &names.jobs(&queue), record_key, &bytes).await?;
             println!("enqueued {id} on {queue}");
             Ok(())
         }
@@ -97,14 +106,14 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
                 "{:<20} {:>8} {:>9} {:>8} {:>8} {:>6} {:>8} {:>10}  owners",
                 "queue", "depth", "in flight", "delayed", "retrying", "dead", "rate/s", "oldest"
             );
-            for s in stats {
+            for s in &stats {
                 let mut owners: Vec<&str> = s.partitions.iter().filter_map(|p| p.owner.as_deref()).collect();
                 owners.sort();
                 owners.dedup();
                 let oldest = s.oldest_ready_age_ms.map_or("-".to_string(), |ms| format!("{:.1} s", ms as f64 / 1e3));
                 println!(
                     "{:<20} {:>8} {:>9} {:>8} {:>8} {:>6} {:>8.1} {:>10}  {}",
-                    s.queue,
+                    &s.queue,
                     s.depth,
                     s.in_flight,
                     s.delayed,
@@ -114,6 +123,9 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
                     oldest,
                     owners.join(", ")
                 );
+            }
+            for s in stats.iter().filter(|s| !s.limits.is_empty()) {
+                println!("{}", limits_line(s));
             }
             println!("(counts are the answering broker's partitions; ask each owner for the rest)");
             Ok(())
@@ -155,4 +167,33 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
 
 async fn send(config: &TallyConfig, topic: &str, key: &str, payload: &[u8]) -> anyhow::Result<()> {
     crate::produce_one(config, topic, key, payload).await.map(|_| ())
+}
+
+/// A limited queue's limits and its busiest keys, in one line.
+fn limits_line(stats: &QueueStats) -> String {
+    let limits = &stats.limits;
+    let mut parts = Vec::new();
+    if let Some(per_key) = limits.per_key {
+        parts.push(format!("per key {per_key}"));
+    }
+    for o in &limits.overrides {
+        parts.push(format!("{} {}", o.pattern, o.per_key));
+    }
+    if let Some(total) = limits.total {
+        let in_flight: usize = stats.in_flight;
+        parts.push(format!("total {in_flight}/{total}"));
+    }
+    let keys: Vec<String> = stats
+        .top_keys
+        .iter()
+        .map(|k| format!("{} {}/{}", k.key, k.in_flight, k.limit.map_or("-".into(), |l| l.to_string())))
+        .collect();
+    let held = stats.partitions.iter().filter(|p| p.held_until.is_some()).count();
+    let held = if held > 0 { format!("; {held} partitions held after a take-over") } else { String::new() };
+    format!(
+        "{} limits: {}; busiest keys: {}{held}",
+        stats.queue,
+        parts.join(", "),
+        if keys.is_empty() { "none".into() } else { keys.join(", ") }
+    )
 }

@@ -22,7 +22,8 @@ use axum::response::{IntoResponse, Response};
 use futures::future::join_all;
 use serde::Serialize;
 use tally_core::assignment::Member;
-use tally_core::jobs::api::{PartitionInfo, QueueStats};
+use tally_core::jobs::api::{KeyInFlight, PartitionInfo, QueueStats, TOP_KEYS};
+use tally_core::jobs::limits::Limits;
 use tally_shared::kafka::now_ms;
 use tally_shared::lock::lock;
 use tally_shared::membership::Membership;
@@ -105,6 +106,12 @@ struct QueueView {
     rate: f64,
     rate_limit_per_sec: Option<u32>,
     fifo: bool,
+    /// Its concurrency limits (empty: none).
+    #[serde(skip_serializing_if = "Limits::is_empty")]
+    limits: Limits,
+    /// The concurrency keys with the most jobs in flight over every owner.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    top_keys: Vec<KeyInFlight>,
     partitions: Vec<PartitionInfo>,
 }
 
@@ -119,8 +126,14 @@ struct JobsOverview {
 /// owner reports it (as any broker does when no broker owns it), rates summed.
 fn merge(answers: Vec<Vec<QueueStats>>) -> Vec<QueueView> {
     let mut queues: BTreeMap<String, (QueueStats, f64)> = BTreeMap::new();
+    let mut keys: BTreeMap<String, BTreeMap<String, KeyInFlight>> = BTreeMap::new();
     for stats in answers.into_iter().flatten() {
         let rate = stats.rate;
+        // A key lives in one partition: its owner's count is the count.
+        let of_queue = keys.entry(stats.queue.clone()).or_default();
+        for key in &stats.top_keys {
+            of_queue.insert(key.key.clone(), key.clone());
+        }
         let (merged, rates) = queues.entry(stats.queue.clone()).or_insert_with(|| (stats.clone(), 0.0));
         *rates += rate;
         for partition in stats.partitions {
@@ -139,6 +152,9 @@ fn merge(answers: Vec<Vec<QueueStats>>) -> Vec<QueueView> {
             let owned = || partitions.iter().filter(|p| p.owned_here);
             let (ready, delayed) = (owned().map(|p| p.ready).sum(), owned().map(|p| p.delayed).sum::<usize>());
             let lag = owned().map(|p| p.lag).sum::<i64>();
+            let mut top_keys: Vec<KeyInFlight> = keys.remove(&stats.queue).unwrap_or_default().into_values().collect();
+            top_keys.sort_by(|a, b| b.in_flight.cmp(&a.in_flight).then_with(|| a.key.cmp(&b.key)));
+            top_keys.truncate(TOP_KEYS);
             QueueView {
                 queue: stats.queue,
                 depth: (ready + delayed) as i64 + lag,
@@ -152,6 +168,8 @@ fn merge(answers: Vec<Vec<QueueStats>>) -> Vec<QueueView> {
                 rate,
                 rate_limit_per_sec: stats.rate_limit_per_sec,
                 fifo: stats.fifo,
+                limits: stats.limits,
+                top_keys,
                 partitions,
             }
         })
@@ -317,6 +335,8 @@ mod tests {
             in_flight: 2,
             lag: 3,
             oldest_ready_age_ms,
+            slots: Some(5),
+            held_until: None,
         }
     }
 
@@ -328,8 +348,11 @@ mod tests {
             partitions,
             ..Default::default()
         };
-        let a = stats(1.5, vec![partition(0, "a", true, 10), partition(1, "b", false, 0)]);
-        let b = stats(2.0, vec![partition(0, "a", false, 0), partition(1, "b", true, 20)]);
+        let key = |key: &str, in_flight| KeyInFlight { key: key.into(), in_flight, limit: Some(2) };
+        let mut a = stats(1.5, vec![partition(0, "a", true, 10), partition(1, "b", false, 0)]);
+        a.top_keys = vec![key("t1", 2), key("t3", 1)];
+        let mut b = stats(2.0, vec![partition(0, "a", false, 0), partition(1, "b", true, 20)]);
+        b.top_keys = vec![key("t2", 2)];
         let merged = merge(vec![vec![a], vec![b]]);
         assert_eq!(
             merged,
@@ -346,6 +369,8 @@ mod tests {
                 rate: 3.5,
                 rate_limit_per_sec: None,
                 fifo: false,
+                limits: Limits::default(),
+                top_keys: vec![key("t1", 2), key("t2", 2), key("t3", 1)],
                 partitions: vec![partition(0, "a", true, 10), partition(1, "b", true, 20)],
             }]
         );

@@ -209,6 +209,7 @@ mod tests {
             lease: "0.1.x".into(),
             key: None,
             priority: None,
+            concurrency_key: None,
             lease_deadline: 0,
         }
     }

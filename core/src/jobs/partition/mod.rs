@@ -213,6 +213,8 @@ pub struct PartitionQueue {
     hold_until: i64,
     /// Jobs dropped at their key's limit, for the broker to write to the dead topic.
     dropped: Vec<Failure>,
+    /// Let go ([`PartitionQueue::retire`]): nothing is handed out or extended.
+    retired: bool,
 }
 
 /// What a held job costs in memory, roughly.
@@ -246,6 +248,7 @@ impl PartitionQueue {
             slots: None,
             hold_until: i64::MIN,
             dropped: Vec::new(),
+            retired: false,
         }
     }
 
@@ -268,6 +271,26 @@ impl PartitionQueue {
 
     pub fn slots(&self) -> Option<usize> {
         self.slots
+    }
+
+    /// Lets the partition go: from now on it hands out and extends nothing, so
+    /// the returned [`PartitionQueue::lease_horizon`] is when its last lease ends —
+    /// what a broker letting it go tells its next owner.
+    pub fn retire(&mut self) -> Option<i64> {
+        self.retired = true;
+        self.lease_horizon()
+    }
+
+    /// When the last lease handed out now ends unless extended (none in flight:
+    /// none).
+    pub fn lease_horizon(&self) -> Option<i64> {
+        self.leases
+            .values()
+            .filter_map(|offset| match self.entries.get(offset)?.state {
+                State::Leased { deadline, .. } => Some(deadline),
+                _ => None,
+            })
+            .max()
     }
 
     /// The jobs in flight of each concurrency key that has some.
@@ -530,7 +553,7 @@ impl PartitionQueue {
     pub fn dequeue(&mut self, max: usize, now: i64, lease_ms: i64) -> Vec<Handout> {
         self.promote(now);
         let mut handed = Vec::new();
-        if now < self.hold_until {
+        if now < self.hold_until || self.retired {
             return handed;
         }
         let room = self.slots.map_or(max, |slots| slots.saturating_sub(self.leases.len()).min(max));
@@ -628,6 +651,9 @@ impl PartitionQueue {
 
     /// Moves a lease's deadline to `now + lease_ms`.
     pub fn extend(&mut self, lease: u64, lease_ms: i64, now: i64) -> Result<i64, LeaseError> {
+        if self.retired {
+            return Err(LeaseError::Unknown);
+        }
         let offset = *self.leases.get(&lease).ok_or(LeaseError::Unknown)?;
         let entry = self.entries.get_mut(&offset).ok_or(LeaseError::Unknown)?;
         let deadline = now.saturating_add(lease_ms);
