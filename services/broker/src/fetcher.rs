@@ -8,11 +8,11 @@
 //! if it was not (at-least-once).
 //!
 //! On a queue with concurrency limits a partition taken is held (hands out nothing)
-//! until the leases its previous owner may have handed out have ended: until the
-//! horizon a broker writes in the commit's metadata when it lets a partition go
-//! ([`Release`]), else — its owner died, or nobody committed — for the queue's
-//! `max_lease_ms` plus the membership timeout. A job of a limited key fetched in
-//! another partition than its key's is forwarded there (written, then finished).
+//! until the leases its previous owner may have handed out have ended: for the
+//! queue's `max_lease_ms` plus the membership timeout (a broker that lets a
+//! partition go extends and hands out nothing more of it at once; one that died
+//! is noticed within the timeout). A job of a limited key fetched in another
+//! partition than its key's is forwarded there (written, then finished).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -200,15 +200,13 @@ fn reconcile(
     for partition in served.iter().filter(|p| !desired.contains(p)) {
         let removed = lock(&queue.partitions, PARTITIONS).remove(partition);
         if let Some(buffer) = removed {
-            let (offset, horizon) = {
+            let offset = {
                 let mut buffer = lock(&buffer, BUFFER);
-                (buffer.commit_offset(), buffer.retire())
+                buffer.retire();
+                buffer.commit_offset()
             };
             let mut tpl = TopicPartitionList::new();
             tpl.add_partition_offset(&queue.topic, *partition, Offset::Offset(offset))?;
-            if let Some(mut entry) = tpl.find_partition(&queue.topic, *partition) {
-                entry.set_metadata(Release { leases_until: horizon.unwrap_or(0) }.encode());
-            }
             if let Err(err) = consumer.commit(&tpl, CommitMode::Sync) {
                 tracing::warn!(error = %err, "committing a released partition");
             }
@@ -235,21 +233,15 @@ fn reconcile(
             let decl = queue.decl();
             (decl.policy(), decl.max_lease_ms)
         };
-        for (partition, (start, release)) in acquire.into_iter().zip(starts) {
+        for (partition, start) in acquire.into_iter().zip(starts) {
             let mut buffer = PartitionQueue::new(policy.clone(), start, broker.next_tenure());
             buffer.set_slots(queue.slots(partition));
-            let now = now_ms();
             if !policy.limits.is_empty() {
                 // The previous owner's leases count against the limits until they end.
-                let until = match release {
-                    Some(release) => release.leases_until,
-                    None => now.saturating_add(max_lease_ms).saturating_add(taking.member_timeout_ms),
-                };
-                buffer.hold_until(until);
-                if until > now {
-                    tracing::info!(queue = %queue.name, partition, hold_ms = until - now, released = release.is_some(),
-                        "holding a limited partition until its previous owner's leases have ended");
-                }
+                let hold_ms = max_lease_ms.saturating_add(taking.member_timeout_ms);
+                buffer.hold_until(now_ms().saturating_add(hold_ms));
+                tracing::info!(queue = %queue.name, partition, hold_ms,
+                    "holding a limited partition until its previous owner's leases have ended");
             }
             lock(&queue.partitions, PARTITIONS).insert(partition, Arc::new(Mutex::new(buffer)));
             tpl.add_partition_offset(&queue.topic, partition, Offset::Offset(start))?;
@@ -266,30 +258,8 @@ fn reconcile(
     Ok(())
 }
 
-/// What a broker that lets a partition go writes in the commit's metadata: when
-/// the last lease it handed out ends (it extends none after). A commit without it
-/// (a broker that died, or one still serving) tells nothing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Release {
-    /// Ms since the epoch; 0 when nothing was in flight.
-    pub leases_until: i64,
-}
-
-impl Release {
-    const PREFIX: &'static str = "tally-release/v1 leases_until=";
-
-    pub fn encode(&self) -> String {
-        format!("{}{}", Self::PREFIX, self.leases_until)
-    }
-
-    pub fn decode(metadata: &str) -> Option<Self> {
-        Some(Self { leases_until: metadata.strip_prefix(Self::PREFIX)?.parse().ok()? })
-    }
-}
-
-/// Where each partition resumes — its committed offset, else its first record —
-/// and the release its previous owner wrote with that commit, if it let go.
-fn committed_offsets(consumer: &BaseConsumer, topic: &str, partitions: &[i32]) -> Result<Vec<(i64, Option<Release>)>> {
+/// Where each partition resumes: its committed offset, else its first record.
+fn committed_offsets(consumer: &BaseConsumer, topic: &str, partitions: &[i32]) -> Result<Vec<i64>> {
     let mut tpl = TopicPartitionList::new();
     for &partition in partitions {
         tpl.add_partition(topic, partition);
@@ -297,11 +267,9 @@ fn committed_offsets(consumer: &BaseConsumer, topic: &str, partitions: &[i32]) -
     let committed = consumer.committed_offsets(tpl, Duration::from_secs(10))?;
     let mut starts = Vec::with_capacity(partitions.len());
     for &partition in partitions {
-        let entry = committed.find_partition(topic, partition);
-        let release = entry.as_ref().and_then(|entry| Release::decode(entry.metadata()));
-        match entry.map(|e| e.offset()) {
-            Some(Offset::Offset(offset)) => starts.push((offset, release)),
-            _ => starts.push((consumer.fetch_watermarks(topic, partition, Duration::from_secs(10))?.0, None)),
+        match committed.find_partition(topic, partition).map(|e| e.offset()) {
+            Some(Offset::Offset(offset)) => starts.push(offset),
+            _ => starts.push(consumer.fetch_watermarks(topic, partition, Duration::from_secs(10))?.0),
         }
     }
     Ok(starts)
@@ -326,23 +294,22 @@ fn resume_drained(consumer: &BaseConsumer, broker: &Broker, paused: &mut HashSet
     Ok(())
 }
 
-/// Commits every served partition's watermark; `releasing` (at shutdown, when no
-/// lease is extended any more) with each partition's [`Release`].
+/// Commits every served partition's watermark; `releasing` (at shutdown) lets
+/// each go first: it hands out and extends nothing more.
 fn commit(consumer: &BaseConsumer, broker: &Broker, mode: CommitMode, releasing: bool) {
     let mut tpl = TopicPartitionList::new();
     for queue in broker.queues() {
         let partitions = lock(&queue.partitions, PARTITIONS);
         for (partition, buffer) in partitions.iter() {
-            let (offset, horizon) = {
+            let offset = {
                 let mut buffer = lock(buffer, BUFFER);
-                let horizon = if releasing { buffer.retire() } else { None };
-                (buffer.commit_offset(), horizon)
+                if releasing {
+                    buffer.retire();
+                }
+                buffer.commit_offset()
             };
             if let Err(err) = tpl.add_partition_offset(&queue.topic, *partition, Offset::Offset(offset)) {
                 tracing::warn!(error = %err, queue = %queue.name, partition, offset, "not committing a watermark");
-            }
-            if let Some(mut entry) = tpl.find_partition(&queue.topic, *partition).filter(|_| releasing) {
-                entry.set_metadata(Release { leases_until: horizon.unwrap_or(0) }.encode());
             }
         }
     }

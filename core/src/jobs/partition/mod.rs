@@ -273,24 +273,10 @@ impl PartitionQueue {
         self.slots
     }
 
-    /// Lets the partition go: from now on it hands out and extends nothing, so
-    /// the returned [`PartitionQueue::lease_horizon`] is when its last lease ends —
-    /// what a broker letting it go tells its next owner.
-    pub fn retire(&mut self) -> Option<i64> {
+    /// Lets the partition go: from now on it hands out and extends nothing (its
+    /// leases end by their deadlines; the next owner waits them out).
+    pub fn retire(&mut self) {
         self.retired = true;
-        self.lease_horizon()
-    }
-
-    /// When the last lease handed out now ends unless extended (none in flight:
-    /// none).
-    pub fn lease_horizon(&self) -> Option<i64> {
-        self.leases
-            .values()
-            .filter_map(|offset| match self.entries.get(offset)?.state {
-                State::Leased { deadline, .. } => Some(deadline),
-                _ => None,
-            })
-            .max()
     }
 
     /// The jobs in flight of each concurrency key that has some.
