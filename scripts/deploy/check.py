@@ -160,6 +160,28 @@ def example_config() -> dict:
     return tomllib.loads((ROOT / "tally.example.toml").read_text())
 
 
+def limits_problems(limits: dict, partitions: int) -> list[str]:
+    """A queue's [queue.limits] as tally's loader checks it (core/src/jobs/limits.rs)."""
+    problems = []
+    unknown = set(limits) - {"per_key", "total", "key_field", "at_limit", "overrides"}
+    if unknown:
+        problems.append(f"limits: unknown keys {sorted(unknown)}")
+    overrides = limits.get("overrides", [])
+    per_keys = [limits.get("per_key", 1)] + [o.get("per_key") for o in overrides]
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in per_keys):
+        problems.append("limits: per_key must be an integer of at least 1")
+    if any(set(o) != {"pattern", "per_key"} or not 1 <= len(str(o["pattern"])) <= 256 for o in overrides):
+        problems.append("limits: an override is a pattern (1-256 bytes) and a per_key")
+    total = limits.get("total")
+    if total is not None and (not isinstance(total, int) or total < max(1, partitions)):
+        problems.append(f"limits: total must be at least the queue's partitions ({partitions})")
+    if limits.get("at_limit", "wait") not in ("wait", "drop_newest"):
+        problems.append("limits: at_limit must be wait or drop_newest")
+    if limits.get("at_limit") == "drop_newest" and "per_key" not in limits and not overrides:
+        problems.append("limits: drop_newest needs a per-key limit")
+    return problems
+
+
 def check_queue_file(report: Report, where: str, text: str) -> list[str]:
     """A declarations file as tally's loader takes it (shared/src/topics.rs); returns
     the queue names it declares."""
@@ -174,7 +196,7 @@ def check_queue_file(report: Report, where: str, text: str) -> list[str]:
     names = []
     for i, q in enumerate(data.get("queue", [])):
         name = q.get("name")
-        unknown = set(q) - ints - {"name", "fifo"}
+        unknown = set(q) - ints - {"name", "fifo", "limits"}
         problems = []
         if unknown:
             problems.append(f"unknown keys {sorted(unknown)}")
@@ -196,6 +218,7 @@ def check_queue_file(report: Report, where: str, text: str) -> list[str]:
                 problems.append("rate_limit_per_sec must be at least 1")
             if not 1 <= q.get("priority_levels", 1) <= 10 or q.get("priority_aging_ms", 60000) < 0:
                 problems.append("priority_levels must be 1 to 10, priority_aging_ms not negative")
+            problems += limits_problems(q.get("limits", {}), q["partitions"])
         report.check(f"{where}: queue {i} ({name}) is a valid declaration", not problems, "; ".join(problems))
         names.append(name)
     report.check(f"{where}: queue names are distinct", len(names) == len(set(names)), f"{names}")

@@ -294,6 +294,27 @@ queues.toml: |
   {{ $key }} = {{ index $q $key | int64 }}
   {{- end }}
   {{- end }}
+  {{- if hasKey $q "limits" }}
+  {{- $l := $q.limits }}
+
+  [queue.limits]
+  {{- range $key := list "per_key" "total" }}
+  {{- if hasKey $l $key }}
+  {{ $key }} = {{ index $l $key | int64 }}
+  {{- end }}
+  {{- end }}
+  {{- range $key := list "key_field" "at_limit" }}
+  {{- if hasKey $l $key }}
+  {{ $key }} = {{ index $l $key | toString | toJson }}
+  {{- end }}
+  {{- end }}
+  {{- range $l.overrides }}
+
+  [[queue.limits.overrides]]
+  pattern = {{ .pattern | toString | toJson }}
+  per_key = {{ .per_key | int64 }}
+  {{- end }}
+  {{- end }}
   {{- end }}
 {{- end -}}
 
