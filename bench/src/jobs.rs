@@ -11,6 +11,9 @@
 //!    baseline), and at the top level of a queue with two priority levels behind a
 //!    `backlog` of low jobs its broker holds (a buffer that size: priorities order
 //!    what a broker holds).
+//! 6. Limits: `keyed` jobs on `keys` concurrency keys drained by the same workers
+//!    from a queue with a per-key limit of 1 and from the same queue unlimited
+//!    (the baseline), each once its broker holds them all.
 //!
 //! Uses the configured Kafka, or starts a local one when none is configured.
 
@@ -44,6 +47,12 @@ pub struct JobsBenchArgs {
     /// Jobs produced one at a time and timed until handed out, per queue.
     #[arg(long, default_value_t = 200)]
     pub pickups: usize,
+    /// Jobs of the limits phase, per queue.
+    #[arg(long, default_value_t = 50_000)]
+    pub keyed: usize,
+    /// Concurrency keys of the limits phase.
+    #[arg(long, default_value_t = 10_000)]
+    pub keys: usize,
 }
 
 pub(crate) fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -58,10 +67,15 @@ pub async fn run(mut config: TallyConfig, args: JobsBenchArgs) -> anyhow::Result
     let queue = "bench";
     let declarations = format!(
         "{}\n[[queue]]\nname = \"{queue}\"\npartitions = 1\nbuffer = {}\nlease_ms = 60000\n\
-         [[queue]]\nname = \"{RANKED}\"\npartitions = 1\nbuffer = {}\nlease_ms = 60000\npriority_levels = 2\n",
+         [[queue]]\nname = \"{RANKED}\"\npartitions = 1\nbuffer = {}\nlease_ms = 60000\npriority_levels = 2\n\
+         [[queue]]\nname = \"{UNLIMITED}\"\npartitions = 1\nbuffer = {}\nlease_ms = 1000\nmax_lease_ms = 1000\n\
+         [[queue]]\nname = \"{LIMITED}\"\npartitions = 1\nbuffer = {}\nlease_ms = 1000\nmax_lease_ms = 1000\n\
+         [queue.limits]\nper_key = 1\n",
         topics::BUILTIN,
         args.jobs,
-        args.backlog + args.pickups
+        args.backlog + args.pickups,
+        args.keyed,
+        args.keyed,
     );
     let declarations_path = scratch.path().join("topics.toml");
     std::fs::write(&declarations_path, &declarations)?;
@@ -133,30 +147,7 @@ pub async fn run(mut config: TallyConfig, args: JobsBenchArgs) -> anyhow::Result
     trips.sort();
 
     let remaining = args.jobs - args.round_trips.min(args.jobs);
-    let acked = Arc::new(AtomicU64::new(0));
-    let counter = acked.clone();
-    let handler = move |_job| {
-        counter.fetch_add(1, Ordering::Relaxed);
-        async { Outcome::Ack }
-    };
-    let options = WorkerOptions {
-        brokers: vec![base.clone()],
-        queue: queue.into(),
-        concurrency: args.concurrency,
-        lease_ms: None,
-        auth_token: None,
-    };
-    let stop_workers = CancellationToken::new();
-    let started = Instant::now();
-    let workers = tokio::spawn(worker::run(options, handler, stop_workers.clone()));
-    while (acked.load(Ordering::Relaxed) as usize) < remaining && started.elapsed() < Duration::from_secs(600) {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let through_broker = acked.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
-    stop_workers.cancel();
-    if let Err(err) = workers.await {
-        eprintln!("jobs bench: the workers ended badly: {err}");
-    }
+    let through_broker = drain(&base, queue, args.concurrency, remaining).await?;
 
     // Pickups: on the drained queue, then at the top level behind the backlog.
     let empty = pickups(&producer, &client, &base, &topic, None, args.pickups).await?;
@@ -169,6 +160,17 @@ pub async fn run(mut config: TallyConfig, args: JobsBenchArgs) -> anyhow::Result
     let ranked = BrokerClient::new(RANKED, None)?;
     wait_until_held(&ranked, &base, args.backlog).await?;
     let behind = pickups(&producer, &ranked, &base, &names.jobs(RANKED), Some(1), args.pickups).await?;
+
+    // Limits: the same keyed load, limited and not.
+    let keys = args.keys.max(1);
+    let keyed = |i: usize| format!(r#"{{"id":"k{i}","payload":{{}},"concurrency_key":"key{}"}}"#, i % keys);
+    let mut keyed_rates = Vec::new();
+    for name in [UNLIMITED, LIMITED] {
+        produce_all(&producer, &names.jobs(name), (0..args.keyed).map(keyed)).await?;
+        let client = BrokerClient::new(name, None)?;
+        wait_until_held(&client, &base, args.keyed).await?;
+        keyed_rates.push(drain(&base, name, args.concurrency, args.keyed).await?);
+    }
     shutdown.cancel();
     if let Err(err) = running.await {
         eprintln!("jobs bench: the broker ended badly: {err}");
@@ -207,7 +209,48 @@ pub async fn run(mut config: TallyConfig, args: JobsBenchArgs) -> anyhow::Result
         millis(percentile(&behind, 0.99)),
         percentile(&behind, 0.99).as_secs_f64() / percentile(&empty, 0.99).as_secs_f64().max(1e-9)
     );
+    println!("{} jobs on {keys} keys, {} workers:", args.keyed, args.concurrency);
+    println!("  unlimited                    : {:>10.0} jobs/s", keyed_rates[0]);
+    println!(
+        "  at most 1 in flight per key  : {:>10.0} jobs/s  ({:.2}x unlimited)",
+        keyed_rates[1],
+        keyed_rates[1] / keyed_rates[0].max(1e-9)
+    );
     Ok(())
+}
+
+/// Queues of the limits phase: the same load with a per-key limit and without.
+const UNLIMITED: &str = "keyed";
+const LIMITED: &str = "keyed-limited";
+
+/// Drains `count` jobs of `queue` with the worker library at `concurrency` (each
+/// acked at once): jobs per second.
+async fn drain(base: &str, queue: &str, concurrency: usize, count: usize) -> anyhow::Result<f64> {
+    let acked = Arc::new(AtomicU64::new(0));
+    let counter = acked.clone();
+    let handler = move |_job| {
+        counter.fetch_add(1, Ordering::Relaxed);
+        async { Outcome::Ack }
+    };
+    let options = WorkerOptions {
+        brokers: vec![base.to_string()],
+        queue: queue.into(),
+        concurrency,
+        lease_ms: None,
+        auth_token: None,
+    };
+    let stop_workers = CancellationToken::new();
+    let started = Instant::now();
+    let workers = tokio::spawn(worker::run(options, handler, stop_workers.clone()));
+    while (acked.load(Ordering::Relaxed) as usize) < count && started.elapsed() < Duration::from_secs(600) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let rate = acked.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
+    stop_workers.cancel();
+    if let Err(err) = workers.await {
+        eprintln!("jobs bench: the workers ended badly: {err}");
+    }
+    Ok(rate)
 }
 
 /// The queue with priority levels of the pickup phase.
@@ -235,12 +278,15 @@ async fn produce_all(
     Ok(())
 }
 
-/// Waits until the broker holds at least `jobs` ready jobs of `client`'s queue.
+/// Waits until the broker holds at least `jobs` ready jobs of `client`'s queue,
+/// and no partition of it is held after its take-over.
 async fn wait_until_held(client: &BrokerClient, base: &str, jobs: usize) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(300);
     loop {
         let stats = client.stats(base).await.ok();
-        if stats.as_ref().map_or(0, |s| s.partitions.iter().map(|p| p.ready).sum::<usize>()) >= jobs {
+        let partitions = stats.as_ref().map(|s| s.partitions.as_slice()).unwrap_or_default();
+        let free = partitions.iter().all(|p| p.held_until.is_none());
+        if free && partitions.iter().map(|p| p.ready).sum::<usize>() >= jobs {
             return Ok(());
         }
         anyhow::ensure!(Instant::now() < deadline, "the broker never held {jobs} jobs");

@@ -201,11 +201,13 @@ pub struct PartitionQueue {
     timed_bytes: usize,
     /// Jobs in flight per concurrency key (a key with none is absent).
     running: HashMap<String, u32>,
-    /// The ready jobs of each concurrency key, in `ready` or `parked`.
-    ready_of_key: HashMap<String, BTreeSet<ReadyKey>>,
-    /// Ready jobs whose key is at its limit: filed in `ready` again when one of the
-    /// key's jobs in flight ends.
-    parked: BTreeSet<ReadyKey>,
+    /// Ready jobs of each concurrency key at its limit, met by a dequeue or filed
+    /// while it was: filed in `ready` again when one of the key's jobs in flight
+    /// ends. Parking is lazy — a job is parked only when a dequeue meets it — so
+    /// a key's other jobs cost nothing while they are not next.
+    parked: HashMap<String, BTreeSet<ReadyKey>>,
+    /// How many jobs are parked.
+    parked_len: usize,
     /// Most jobs of this partition in flight at once: its share of the queue's
     /// `limits.total`.
     slots: Option<usize>,
@@ -243,8 +245,8 @@ impl PartitionQueue {
             held_bytes: 0,
             timed_bytes: 0,
             running: HashMap::new(),
-            ready_of_key: HashMap::new(),
-            parked: BTreeSet::new(),
+            parked: HashMap::new(),
+            parked_len: 0,
             slots: None,
             hold_until: i64::MIN,
             dropped: Vec::new(),
@@ -309,7 +311,7 @@ impl PartitionQueue {
             self.ready.clear();
             self.ready_heads.clear();
             self.parked.clear();
-            self.ready_of_key.clear();
+            self.parked_len = 0;
             self.aging.clear();
             self.ready_by_age.clear();
             for (since, offset) in ready {
@@ -395,12 +397,11 @@ impl PartitionQueue {
     /// one), or parks it while its key is at its limit.
     fn file(&mut self, ready: ReadyKey) {
         let offset = ready.1;
-        if let Some(key) = self.entries.get(&offset).and_then(|entry| entry.ckey.as_deref()) {
-            self.ready_of_key.entry(key.to_string()).or_default().insert(ready);
-            if self.at_limit(key) {
-                self.parked.insert(ready);
-                return;
-            }
+        let key = self.entries.get(&offset).and_then(|entry| entry.ckey.as_deref());
+        if let Some(key) = key.filter(|key| self.at_limit(key)) {
+            let key = key.to_string();
+            self.park(key, ready);
+            return;
         }
         self.ready.insert(ready);
         if self.is_head(offset) {
@@ -408,31 +409,34 @@ impl PartitionQueue {
         }
     }
 
-    /// Takes a ready job out of wherever it is filed; whether it was.
-    fn unfile(&mut self, ready: ReadyKey) -> bool {
-        let filed = self.ready.remove(&ready) | self.parked.remove(&ready);
-        self.ready_heads.remove(&ready);
-        if let Some(key) = self.entries.get(&ready.1).and_then(|entry| entry.ckey.as_deref()) {
-            if let Some(of_key) = self.ready_of_key.get_mut(key) {
-                of_key.remove(&ready);
-                if of_key.is_empty() {
-                    self.ready_of_key.remove(key);
-                }
-            }
+    fn park(&mut self, key: String, ready: ReadyKey) {
+        if self.parked.entry(key).or_default().insert(ready) {
+            self.parked_len += 1;
         }
-        filed
     }
 
-    /// A job of `key` was handed out: the key's other ready jobs park at its limit.
-    fn start_running(&mut self, key: &str) {
-        *self.running.entry(key.to_string()).or_default() += 1;
-        if !self.at_limit(key) {
-            return;
+    /// Takes a ready job out of wherever it is filed; whether it was.
+    fn unfile(&mut self, ready: ReadyKey) -> bool {
+        self.ready_heads.remove(&ready);
+        if self.ready.remove(&ready) {
+            return true;
         }
-        for ready in self.ready_of_key.get(key).into_iter().flatten() {
-            if self.ready.remove(ready) {
-                self.ready_heads.remove(ready);
-                self.parked.insert(*ready);
+        let Some(key) = self.entries.get(&ready.1).and_then(|entry| entry.ckey.as_deref()) else { return false };
+        let Some(of_key) = self.parked.get_mut(key) else { return false };
+        let parked = of_key.remove(&ready);
+        if of_key.is_empty() {
+            self.parked.remove(key);
+        }
+        self.parked_len -= usize::from(parked);
+        parked
+    }
+
+    /// A job of `key` was handed out.
+    fn start_running(&mut self, key: &str) {
+        match self.running.get_mut(key) {
+            Some(n) => *n += 1,
+            None => {
+                self.running.insert(key.to_string(), 1);
             }
         }
     }
@@ -440,21 +444,19 @@ impl PartitionQueue {
     /// A lease of the job at `offset` ended (acked, failed or expired): its key's
     /// parked jobs are filed again when it falls below its limit.
     fn stop_running(&mut self, offset: i64) {
-        let Some(key) = self.entries.get(&offset).and_then(|entry| entry.ckey.clone()) else { return };
-        let was_at_limit = self.at_limit(&key);
-        match self.running.get_mut(&key) {
+        let Some(key) = self.entries.get(&offset).and_then(|entry| entry.ckey.as_deref()) else { return };
+        match self.running.get_mut(key) {
             Some(n) if *n > 1 => *n -= 1,
             _ => {
-                self.running.remove(&key);
+                self.running.remove(key);
             }
         }
-        if !was_at_limit || self.at_limit(&key) {
+        if !self.parked.contains_key(key) || self.at_limit(key) {
             return;
         }
-        let parked: Vec<ReadyKey> =
-            self.ready_of_key.get(&key).into_iter().flatten().filter(|r| self.parked.contains(r)).copied().collect();
+        let parked = self.parked.remove(key).unwrap_or_default();
+        self.parked_len -= parked.len();
         for ready in parked {
-            self.parked.remove(&ready);
             self.ready.insert(ready);
             if self.is_head(ready.1) {
                 self.ready_heads.insert(ready);
@@ -549,6 +551,13 @@ impl PartitionQueue {
             let Some(&key) = source.first() else { break };
             let offset = key.1;
             self.unfile(key);
+            let ckey = self.entries.get(&offset).and_then(|entry| entry.ckey.as_deref());
+            if let Some(ckey) = ckey.filter(|ckey| self.at_limit(ckey)) {
+                // Its key is at its limit: it waits apart until one of the key's ends.
+                let ckey = ckey.to_string();
+                self.park(ckey, key);
+                continue;
+            }
             let lease = self.next_lease;
             self.next_lease += 1;
             let deadline = now.saturating_add(lease_ms);
@@ -702,7 +711,7 @@ impl PartitionQueue {
         let oldest_due = self.timed.first().map(|&(at, _)| at).filter(|at| *at <= now);
         let oldest_ready = self.ready_by_age.first().map(|&(since, _)| since);
         PartitionStats {
-            ready: self.ready.len() + self.parked.len() + due,
+            ready: self.ready.len() + self.parked_len + due,
             delayed: self.timed.len() - due,
             retrying,
             in_flight: self.leases.len(),
