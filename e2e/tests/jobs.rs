@@ -72,7 +72,14 @@ async fn work_until<H, F>(
     F: std::future::Future<Output = Outcome> + Send + 'static,
 {
     let shutdown = CancellationToken::new();
-    let options = WorkerOptions { brokers, queue: queue.into(), concurrency, lease_ms: None, auth_token: None };
+    let options = WorkerOptions {
+        brokers,
+        queue: queue.into(),
+        concurrency,
+        lease_ms: None,
+        auth_token: None,
+        stop_grace_ms: 1_000,
+    };
     let running = tokio::spawn(worker::run(options, handler, shutdown.clone()));
     let deadline = Instant::now() + timeout;
     while !done() && Instant::now() < deadline {
@@ -295,6 +302,7 @@ async fn a_broker_killed_mid_run_loses_no_job() {
         concurrency: 16,
         lease_ms: None,
         auth_token: None,
+        stop_grace_ms: 1_000,
     };
     let running = tokio::spawn(worker::run(options, handler, shutdown.clone()));
     let deadline = Instant::now() + Duration::from_secs(60);

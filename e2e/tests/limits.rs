@@ -182,6 +182,7 @@ async fn limits_hold_through_broker_kills_and_every_job_is_done() {
             concurrency: 16,
             lease_ms: None,
             auth_token: None,
+            stop_grace_ms: 1_000,
         };
         workers.push(tokio::spawn(worker::run(options, handler.clone(), shutdown.clone())));
     }

@@ -49,6 +49,10 @@ pub struct WorkerOptions {
     /// Lease asked for each job; the queue's default when `None`.
     pub lease_ms: Option<i64>,
     pub auth_token: Option<String>,
+    /// How long a cancelled job's handler has to stop after it is told (its stop
+    /// token is cancelled) before it is dropped — a command is sent SIGTERM, then
+    /// killed. Never past the job's lease.
+    pub stop_grace_ms: u64,
 }
 
 /// What a handler says about a job.
@@ -173,10 +177,11 @@ impl BrokerClient {
         Ok(())
     }
 
-    pub async fn extend(&self, base: &str, lease: &str, lease_ms: i64) -> Result<()> {
-        let _: serde_json::Value =
+    /// Extends a lease; whether its job was cancelled (stop it, then nack).
+    pub async fn extend(&self, base: &str, lease: &str, lease_ms: i64) -> Result<bool> {
+        let answer: serde_json::Value =
             self.post(base, "extend", &ExtendRequest { lease: lease.to_string(), lease_ms }).await?;
-        Ok(())
+        Ok(answer["cancelled"].as_bool().unwrap_or(false))
     }
 }
 
@@ -231,9 +236,27 @@ impl Acker {
 }
 
 /// Runs `handler` on the queue's jobs until `shutdown`; jobs in hand finish first.
+/// A cancelled job's handler is dropped when it is told ([`run_stoppable`] lets it
+/// stop first).
 pub async fn run<H, F>(options: WorkerOptions, handler: H, shutdown: CancellationToken) -> Result<Arc<WorkerCounts>>
 where
     H: Fn(DequeuedJob) -> F + Send + Sync + 'static,
+    F: Future<Output = Outcome> + Send + 'static,
+{
+    let options = WorkerOptions { stop_grace_ms: 0, ..options };
+    run_stoppable(options, move |job, _stop| handler(job), shutdown).await
+}
+
+/// [`run`] with a handler that is given a stop token: it is cancelled when the
+/// job is cancelled, and the handler has `stop_grace_ms` (within the lease) to
+/// return before it is dropped.
+pub async fn run_stoppable<H, F>(
+    options: WorkerOptions,
+    handler: H,
+    shutdown: CancellationToken,
+) -> Result<Arc<WorkerCounts>>
+where
+    H: Fn(DequeuedJob, CancellationToken) -> F + Send + Sync + 'static,
     F: Future<Output = Outcome> + Send + 'static,
 {
     let client = BrokerClient::new(&options.queue, options.auth_token.clone())?;
@@ -288,8 +311,9 @@ where
             let acker =
                 ackers.entry(base.clone()).or_insert_with(|| Acker::spawn(client.clone(), base.clone())).clone();
             let (client, handler, counts, base) = (client.clone(), handler.clone(), counts.clone(), base.clone());
+            let grace = Duration::from_millis(options.stop_grace_ms);
             tokio::spawn(async move {
-                run_one(&client, &acker, &base, job, handler.as_ref(), &counts).await;
+                run_one(&client, &acker, (&base, grace), job, handler.as_ref(), &counts).await;
                 drop(permit);
             });
         }
@@ -305,12 +329,12 @@ where
 async fn run_one<H, F>(
     client: &BrokerClient,
     acker: &Acker,
-    base: &str,
+    (base, grace): (&str, Duration),
     job: DequeuedJob,
     handler: &H,
     counts: &WorkerCounts,
 ) where
-    H: Fn(DequeuedJob) -> F,
+    H: Fn(DequeuedJob, CancellationToken) -> F,
     F: Future<Output = Outcome>,
 {
     let (lease, id) = (job.lease.clone(), job.id.clone());
@@ -321,7 +345,8 @@ async fn run_one<H, F>(
     // its slot is given to another.
     let margin = |ms: i64| Duration::from_millis((ms - ms / 20).max(0) as u64);
     let mut deadline = Instant::now() + margin(left_ms);
-    let work = handler(job);
+    let stop = CancellationToken::new();
+    let work = handler(job, stop.clone());
     tokio::pin!(work);
     // Extend at half the lease while the handler runs.
     let outcome = loop {
@@ -341,7 +366,15 @@ async fn run_one<H, F>(
             extended = &mut extend => extended,
         };
         match extended {
-            Ok(Ok(())) => deadline = sent + margin(lease_ms),
+            Ok(Ok(false)) => deadline = sent + margin(lease_ms),
+            Ok(Ok(true)) => {
+                // Cancelled: told to stop, then dropped after the grace (within the lease).
+                deadline = sent + margin(lease_ms);
+                stop.cancel();
+                let until = (Instant::now() + grace).min(deadline);
+                tokio::time::timeout_at(until.into(), &mut work).await.ok();
+                break Some(Outcome::Retry { in_ms: None, error: "cancelled".into() });
+            }
             Ok(Err(Error::LeaseLost)) => break None,
             Ok(Err(err)) => tracing::warn!(error = %err, "extending a lease"),
             Err(_) => break None,

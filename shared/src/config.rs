@@ -90,6 +90,9 @@ pub struct WorkerConfig {
     /// The worker's environment variables the command sees (when set): it runs
     /// with a cleared environment, so the worker's tokens never reach it.
     pub command_env: Vec<String>,
+    /// A cancelled job's command gets SIGTERM, then SIGKILL after this long (never
+    /// past its lease).
+    pub stop_grace_ms: u64,
     /// Prometheus metrics and health endpoints.
     pub admin_listen: String,
 }
@@ -104,6 +107,7 @@ impl Default for WorkerConfig {
             webhook_url: None,
             command: None,
             command_env: vec!["PATH".into(), "HOME".into(), "LANG".into()],
+            stop_grace_ms: 10_000,
             admin_listen: "127.0.0.1:9106".into(),
         }
     }

@@ -80,6 +80,11 @@ impl TopicNames {
         self.name("dead-jobs-resolved")
     }
 
+    /// Operators' cancellations of jobs, compacted: every broker follows it.
+    pub fn jobs_cancelled(&self) -> String {
+        self.name("jobs-cancelled")
+    }
+
     /// Internal: the queue declarations running brokers follow (compacted).
     pub fn queues(&self) -> String {
         self.name("queues")

@@ -88,6 +88,21 @@ pub struct NackRequest {
     pub error: Option<String>,
 }
 
+/// `POST /v1/queues/{queue}/cancel` (and `/held/cancel`, one broker's part).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CancelRequest {
+    pub id: String,
+}
+
+/// One broker's answer to `/held/cancel`: what the job was doing there (none: not
+/// held there), and how many records of its partitions it has not fetched yet.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct HeldCancel {
+    pub state: Option<super::partition::Cancelled>,
+    pub unfetched: i64,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ExtendRequest {
@@ -148,6 +163,9 @@ pub struct QueueStats {
     pub oldest_ready_age_ms: Option<i64>,
     /// Jobs sent to the dead topic by this broker since it started.
     pub dead: u64,
+    /// Of those, the jobs cancelled by an operator.
+    #[serde(default)]
+    pub cancelled: u64,
     /// Dequeues per second handed out by this broker, recently.
     pub rate: f64,
     pub rate_limit_per_sec: Option<u32>,

@@ -73,6 +73,35 @@ impl Job {
     }
 }
 
+/// An operator's cancellation of a job, on the compacted `tally.jobs-cancelled`
+/// keyed by [`JobCancel::key`]: every broker follows it, so a job cancelled
+/// before it is fetched never runs either.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobCancel {
+    /// Format version ([`crate::format::JSON_V1`]).
+    pub v: u32,
+    pub queue: String,
+    pub id: String,
+    pub at_ms: i64,
+}
+
+impl JobCancel {
+    pub fn new(queue: &str, id: &str, at_ms: i64) -> Self {
+        Self { v: crate::format::JSON_V1, queue: queue.to_string(), id: id.to_string(), at_ms }
+    }
+
+    /// The record key: one cancellation per job survives compaction.
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.queue, self.id)
+    }
+
+    /// Decodes a cancellation of the current format.
+    pub fn decode(bytes: &[u8]) -> crate::Result<Self> {
+        crate::format::decode_json(bytes, "job cancellation", |cancel: &Self| cancel.v)
+    }
+}
+
 /// A record of `tally.jobs.<queue>.dead`: the job and why it gave up.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct DeadJob {

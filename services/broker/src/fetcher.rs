@@ -121,7 +121,12 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                                 None
                             }
                             Ok(job) => {
+                                let cancelled = broker.is_cancelled(&queue.name, &job.id).then(|| job.id.clone());
                                 buffer.push(message.offset(), job, now);
+                                if let Some(id) = cancelled {
+                                    // Ends as cancelled, never handed out.
+                                    buffer.cancel(&id);
+                                }
                                 None
                             }
                             Err(reason) => {

@@ -28,10 +28,13 @@ pub struct ApiState {
     pub broker: Arc<Broker>,
     pub auth: AuthConfig,
     pub dead: Arc<tally_shared::dead_jobs::DeadJobs>,
+    pub names: tally_shared::kafka::TopicNames,
+    /// For asking the other owners of a queue's partitions (cancellations).
+    pub http: reqwest::Client,
 }
 
 /// Stats for workers, operators and tally-query (the cluster token); dequeue, ack,
-/// nack and extend for workers; dead jobs for operators.
+/// nack and extend for workers; dead jobs and cancellations for operators.
 pub fn router(state: ApiState) -> Router {
     let auth = &state.auth;
     let stats = Router::new().route("/v1/queues", get(list)).route("/v1/queues/{queue}", get(stats));
@@ -43,7 +46,9 @@ pub fn router(state: ApiState) -> Router {
     let dead = Router::new()
         .route("/v1/queues/{queue}/dead", get(crate::dead::list))
         .route("/v1/queues/{queue}/dead/requeue", post(crate::dead::requeue))
-        .route("/v1/queues/{queue}/dead/discard", post(crate::dead::discard));
+        .route("/v1/queues/{queue}/dead/discard", post(crate::dead::discard))
+        .route("/v1/queues/{queue}/cancel", post(crate::cancel::cancel))
+        .route("/v1/queues/{queue}/held/cancel", post(crate::cancel::held));
     require(stats, auth, &[Role::Worker, Role::Operator, Role::Cluster])
         .merge(require(work, auth, &[Role::Worker]))
         .merge(require(dead, auth, &[Role::Operator]))
@@ -202,7 +207,9 @@ async fn extend(
         return response;
     }
     match state.broker.extend(&queue, &request.lease, request.lease_ms) {
-        Ok(deadline) => Json(json!({"lease_deadline": deadline})).into_response(),
+        Ok(extended) => {
+            Json(json!({"lease_deadline": extended.deadline, "cancelled": extended.cancelled})).into_response()
+        }
         Err(_) => unknown_lease(),
     }
 }

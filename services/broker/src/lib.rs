@@ -9,9 +9,14 @@
 //!   dead jobs;
 //! - [`declarations`]: follows the declarations topic, so queues declared or
 //!   changed while it runs are served without a restart;
+//! - [`cancels`]: follows operators' cancellations, so a cancelled job never runs
+//!   on any broker;
 //! - [`lease`]: lease tokens no worker can forge (an HMAC under a per-process key);
-//! - [`http`]: the worker API; [`metrics`]: what it exports.
+//! - [`http`]: the worker API; [`cancel`]: cancelling a job; [`metrics`]: what it
+//!   exports.
 
+pub mod cancel;
+pub mod cancels;
 pub mod dead;
 pub mod declarations;
 pub mod error;
@@ -89,6 +94,14 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     )?;
     wait_for_topic(&config.kafka, &names.queues(), Duration::from_secs(60)).await?;
     let declared = declarations::follow(&config.kafka, broker.clone(), names.clone(), shutdown.clone())?;
+    // Every cancellation is known before the first job is fetched.
+    wait_for_topic(&config.kafka, &names.jobs_cancelled(), Duration::from_secs(60)).await?;
+    let cancels = {
+        let (kafka, broker, names, shutdown) = (config.kafka.clone(), broker.clone(), names.clone(), shutdown.clone());
+        tokio::task::spawn_blocking(move || cancels::load_and_follow(&kafka, broker, &names, shutdown))
+            .await
+            .map_err(|err| Error::Broker(err.to_string()))??
+    };
 
     let expiry_broker = broker.clone();
     let expiry_shutdown = shutdown.clone();
@@ -101,10 +114,17 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     });
 
     let dead = Arc::new(tally_shared::dead_jobs::DeadJobs::new(&config.kafka, names.clone())?);
-    let api = http::router(http::ApiState { broker: broker.clone(), auth: config.auth.clone(), dead });
+    let http_client = reqwest::Client::builder().build().map_err(|err| Error::Broker(err.to_string()))?;
+    let api = http::router(http::ApiState {
+        broker: broker.clone(),
+        auth: config.auth.clone(),
+        dead,
+        names: names.clone(),
+        http: http_client,
+    });
     tally_shared::http::spawn_serve("worker API", listener, api, shutdown.clone());
     let timeout_ms = config.broker.member_timeout_ms;
-    let watched = [heartbeat, follower, declared];
+    let watched = [heartbeat, follower, declared, cancels];
     let watchdog = watch(watched, membership.clone(), instance, timeout_ms, readiness.clone(), shutdown.clone());
 
     let setup = fetcher::FetcherSetup { config, broker, membership };
@@ -123,18 +143,18 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
 }
 
 /// Readiness from the broker's real state — it sees its own heartbeat among the
-/// live members, and its heartbeat, membership and declarations threads run — and
+/// live members, and its heartbeat, membership, declarations and cancels threads run — and
 /// a stop of the whole broker (with the thread's name) when one of those threads
 /// ends before shutdown, a panic included. Joins them at shutdown.
 fn watch(
-    threads: [std::thread::JoinHandle<()>; 3],
+    threads: [std::thread::JoinHandle<()>; 4],
     membership: Arc<Membership>,
     instance: String,
     timeout_ms: u64,
     readiness: Readiness,
     shutdown: CancellationToken,
 ) -> tokio::task::JoinHandle<Option<&'static str>> {
-    const NAMES: [&str; 3] = ["heartbeat", "membership", "declarations"];
+    const NAMES: [&str; 4] = ["heartbeat", "membership", "declarations", "cancels"];
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         let died = loop {

@@ -11,6 +11,7 @@ pub struct Metrics {
     pub expired: IntCounterVec,
     pub dead: IntCounterVec,
     pub dropped: IntCounterVec,
+    pub cancelled: IntCounterVec,
     pub held_partitions: IntGaugeVec,
     pub depth: IntGaugeVec,
     pub in_flight: IntGaugeVec,
@@ -39,6 +40,10 @@ impl Metrics {
                 "tally_broker_dropped_total",
                 "Jobs dropped at their concurrency key's limit (limits.at_limit = \"drop_newest\"), written to \
                  the dead topic: when it grows, producers enqueue faster than a key may run",
+            ),
+            cancelled: counter(
+                "tally_broker_cancelled_total",
+                "Jobs cancelled by an operator and written to the dead topic (never retried)",
             ),
             held_partitions: gauge(
                 "tally_broker_held_partitions",

@@ -1,7 +1,7 @@
 //! The broker's queues and the partitions it serves: dequeue, ack, nack, extend,
 //! lease expiry and dead jobs, over the pure [`PartitionQueue`] of each partition.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
@@ -11,7 +11,7 @@ use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use tally_core::jobs::api::{DequeuedJob, KeyInFlight, PartitionInfo, QueueStats, TOP_KEYS};
 use tally_core::jobs::limits::share;
-use tally_core::jobs::partition::{Failure, LeaseError, PartitionQueue};
+use tally_core::jobs::partition::{Cancelled, Extended, Failure, LeaseError, PartitionQueue, CANCELLED};
 use tally_core::jobs::DeadJob;
 use tally_shared::kafka::{now_ms, TopicNames};
 use tally_shared::lock::{lock, read, write};
@@ -30,6 +30,7 @@ const RATE_WINDOW: &str = "a queue's rate window";
 pub const LAG: &str = "a queue's lag";
 pub const OWNERS: &str = "a queue's partition owners";
 const QUEUES: &str = "the broker's queues";
+const CANCELS: &str = "the cancelled jobs";
 
 /// One queue on this broker.
 pub struct QueueRuntime {
@@ -46,6 +47,8 @@ pub struct QueueRuntime {
     limiter: Mutex<Option<Arc<DefaultDirectRateLimiter>>>,
     cursor: AtomicUsize,
     pub dead: AtomicU64,
+    /// Of the dead, those cancelled.
+    pub cancelled: AtomicU64,
     /// Jobs handed out, for the rate in the stats.
     handed: AtomicU64,
     rate_window: Mutex<(i64, u64, f64)>,
@@ -67,6 +70,7 @@ impl QueueRuntime {
             limiter: Mutex::new(None),
             cursor: AtomicUsize::new(0),
             dead: AtomicU64::new(0),
+            cancelled: AtomicU64::new(0),
             handed: AtomicU64::new(0),
             rate_window: Mutex::new((now_ms(), 0, 0.0)),
             lag: Mutex::new(HashMap::new()),
@@ -146,6 +150,8 @@ pub struct Broker {
     /// Tenures handed out so far: each partition taken gets the next one, so its
     /// lease numbers never repeat those of an earlier tenure in this process.
     pub tenures: AtomicU32,
+    /// The ids of the cancelled jobs of each queue ([`crate::cancels`]).
+    cancelled: RwLock<HashMap<String, HashSet<String>>>,
 }
 
 impl Broker {
@@ -163,6 +169,7 @@ impl Broker {
             dead_producer,
             record_budget,
             tenures: AtomicU32::new(0),
+            cancelled: RwLock::new(HashMap::new()),
         })
     }
 
@@ -286,8 +293,30 @@ impl Broker {
         Ok(())
     }
 
-    /// Extends a lease; returns the new deadline.
-    pub fn extend(&self, queue: &QueueRuntime, token: &str, lease_ms: i64) -> Result<i64, LeaseError> {
+    /// Remembers that job `id` of `queue` is cancelled, and cancels it in the
+    /// partitions served here: what it was doing here (none: not held here).
+    pub fn cancel_held(&self, queue: &str, id: &str) -> Option<Cancelled> {
+        write(&self.cancelled, CANCELS).entry(queue.to_string()).or_default().insert(id.to_string());
+        let runtime = self.queue(queue)?;
+        let state = runtime.served().into_iter().find_map(|(_, buffer)| lock(&buffer, BUFFER).cancel(id));
+        if state.is_some() {
+            tracing::info!(queue, job = id, ?state, "job cancelled");
+        }
+        state
+    }
+
+    /// Whether job `id` of `queue` was cancelled.
+    pub fn is_cancelled(&self, queue: &str, id: &str) -> bool {
+        read(&self.cancelled, CANCELS).get(queue).is_some_and(|ids| ids.contains(id))
+    }
+
+    /// Records not fetched yet of the partitions of `queue` served here.
+    pub fn unfetched(&self, queue: &QueueRuntime) -> i64 {
+        lock(&queue.lag, LAG).values().sum()
+    }
+
+    /// Extends a lease; returns the new deadline, and whether its job was cancelled.
+    pub fn extend(&self, queue: &QueueRuntime, token: &str, lease_ms: i64) -> Result<Extended, LeaseError> {
         let (partition, lease) = self.leases.check(token).ok_or(LeaseError::Unknown)?;
         let buffer = queue.partition(partition).ok_or(LeaseError::Unknown)?;
         let mut buffer = lock(&buffer, BUFFER);
@@ -302,10 +331,12 @@ impl Broker {
             for (partition, buffer) in queue.served() {
                 let (failures, dropped) = {
                     let mut buffer = lock(&buffer, BUFFER);
-                    (buffer.expire(now), buffer.take_dropped())
+                    (buffer.expire(now), buffer.take_ended())
                 };
                 for failure in dropped {
-                    self.metrics.dropped.with_label_values(&[&queue.name]).inc();
+                    if !matches!(&failure, Failure::Dead { error, .. } if error == CANCELLED) {
+                        self.metrics.dropped.with_label_values(&[&queue.name]).inc();
+                    }
                     self.handle_failure(&queue, partition, failure);
                 }
                 for failure in failures {
@@ -344,7 +375,7 @@ impl Broker {
     /// Writes a dead job to the dead topic (retrying until it is acknowledged), then
     /// finishes it so the watermark can pass it.
     async fn publish_dead(&self, queue: &QueueRuntime, partition: i32, dead: DeadJob) {
-        let (id, offset) = (dead.job.id.clone(), dead.offset);
+        let (id, offset, cancelled) = (dead.job.id.clone(), dead.offset, dead.error == CANCELLED);
         let payload = match dead.encode(self.record_budget) {
             Ok(payload) => payload,
             Err(err) => {
@@ -368,6 +399,10 @@ impl Broker {
         }
         queue.dead.fetch_add(1, Ordering::Relaxed);
         self.metrics.dead.with_label_values(&[&queue.name]).inc();
+        if cancelled {
+            queue.cancelled.fetch_add(1, Ordering::Relaxed);
+            self.metrics.cancelled.with_label_values(&[&queue.name]).inc();
+        }
     }
 
     /// The stats of a queue as this broker sees it.
@@ -380,6 +415,7 @@ impl Broker {
         let mut stats = QueueStats {
             queue: queue.name.clone(),
             dead: queue.dead.load(Ordering::Relaxed),
+            cancelled: queue.cancelled.load(Ordering::Relaxed),
             rate: self.rate(queue, now),
             rate_limit_per_sec: decl.rate_limit_per_sec,
             fifo: decl.fifo,

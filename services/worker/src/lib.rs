@@ -66,8 +66,10 @@ impl Handler {
         }
     }
 
-    /// Runs one job.
-    pub async fn run(&self, job: &DequeuedJob) -> Outcome {
+    /// Runs one job; `stop` (the job was cancelled) sends a command SIGTERM — the
+    /// worker library kills it after `worker.stop_grace_ms` — and abandons a
+    /// webhook call.
+    pub async fn run(&self, job: &DequeuedJob, stop: CancellationToken) -> Outcome {
         match self {
             Handler::Webhook { client, url } => {
                 let request = client
@@ -76,7 +78,11 @@ impl Handler {
                     .header("x-tally-job-id", &job.id)
                     .header("x-tally-attempt", job.attempt.to_string())
                     .body(job.payload.get().to_string());
-                match request.send().await {
+                let sent = tokio::select! {
+                    sent = request.send() => sent,
+                    _ = stop.cancelled() => return Outcome::Retry { in_ms: None, error: "cancelled".into() },
+                };
+                match sent {
                     Ok(response) if response.status().is_success() => Outcome::Ack,
                     Ok(response) => {
                         Outcome::Retry { in_ms: None, error: format!("webhook answered {}", response.status()) }
@@ -84,22 +90,29 @@ impl Handler {
                     Err(err) => Outcome::Retry { in_ms: None, error: format!("webhook: {err}") },
                 }
             }
-            Handler::Command { program, env } => run_command(program, env, job).await,
+            Handler::Command { program, env } => run_command(program, env, job, stop).await,
         }
     }
 }
 
-async fn run_command(program: &[String], env: &[(String, String)], job: &DequeuedJob) -> Outcome {
+async fn run_command(
+    program: &[String],
+    env: &[(String, String)],
+    job: &DequeuedJob,
+    stop: CancellationToken,
+) -> Outcome {
     let mut command = tokio::process::Command::new(&program[0]);
     // The job runs at the kernel's default CPU slice, not this request thread's short
     // one, which a child inherits (`tally_shared::sched`).
-    // SAFETY: between fork and exec the closure makes two system calls and allocates
-    // nothing.
+    // The command leads its own process group, so a stop reaches what it started.
+    // SAFETY: between fork and exec the closure makes three system calls and
+    // allocates nothing.
     unsafe {
         command.pre_exec(|| {
             // Nothing may log here (it would allocate); a child that keeps the
             // short slice still runs.
             tally_shared::sched::set_slice(Duration::ZERO).ok();
+            libc::setpgid(0, 0);
             Ok(())
         });
     }
@@ -124,7 +137,19 @@ async fn run_command(program: &[String], env: &[(String, String)], job: &Dequeue
             tracing::debug!(job = %job.id, error = %err, "the payload was not all written to the command's stdin");
         }
     }
-    match child.wait_with_output().await {
+    let mut group = ProcessGroup(child.id().and_then(|pid| libc::pid_t::try_from(pid).ok()));
+    let output = child.wait_with_output();
+    tokio::pin!(output);
+    let finished = tokio::select! {
+        finished = &mut output => finished,
+        _ = stop.cancelled() => {
+            // Asked to stop: SIGTERM now; the library drops this (SIGKILL) after the grace.
+            group.signal(libc::SIGTERM);
+            output.await
+        }
+    };
+    group.0 = None;
+    match finished {
         Ok(output) if output.status.success() => Outcome::Ack,
         Ok(output) => {
             let stderr = String::from_utf8_lossy(&output.stderr);
@@ -132,6 +157,26 @@ async fn run_command(program: &[String], env: &[(String, String)], job: &Dequeue
             Outcome::Retry { in_ms: None, error: format!("{} ({})", error, output.status) }
         }
         Err(err) => Outcome::Retry { in_ms: None, error: err.to_string() },
+    }
+}
+
+/// A running command's process group: killed whole when its handler is dropped
+/// before the command ended (a stop past its grace, a lost lease).
+struct ProcessGroup(Option<libc::pid_t>);
+
+impl ProcessGroup {
+    fn signal(&self, signal: libc::c_int) {
+        if let Some(leader) = self.0 {
+            // SAFETY: kill(2) of the group our own unreaped child leads (the child is
+            // reaped only when its output is read, after which `0` is cleared).
+            unsafe { libc::kill(-leader, signal) };
+        }
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        self.signal(libc::SIGKILL);
     }
 }
 
@@ -154,13 +199,14 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         concurrency: config.worker.concurrency,
         lease_ms: (config.worker.lease_ms > 0).then_some(config.worker.lease_ms),
         auth_token: config.auth.worker_token.clone(),
+        stop_grace_ms: config.worker.stop_grace_ms,
     };
     tracing::info!(queue = %options.queue, brokers = ?options.brokers, concurrency = options.concurrency, admin = %admin, "tally-worker starting");
     let probe = tokio::spawn(track_readiness(options.clone(), readiness.clone(), shutdown.clone()));
-    let job_handler = move |job: DequeuedJob| {
+    let job_handler = move |job: DequeuedJob, stop: CancellationToken| {
         let (handler, outcomes) = (handler.clone(), outcomes.clone());
         async move {
-            let outcome = handler.run(&job).await;
+            let outcome = handler.run(&job, stop).await;
             let label = match &outcome {
                 Outcome::Ack => "ack",
                 Outcome::Retry { error, .. } => {
@@ -173,7 +219,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
             outcome
         }
     };
-    let result = worker::run(options, job_handler, shutdown.clone()).await;
+    let result = worker::run_stoppable(options, job_handler, shutdown.clone()).await;
     shutdown.cancel();
     if let Err(err) = probe.await {
         tracing::warn!(error = %err, "the readiness probe task failed");
@@ -234,7 +280,7 @@ mod tests {
             ..Default::default()
         };
         assert!(std::env::var("HOME").is_ok(), "the test needs a variable the command must not see");
-        assert_eq!(Handler::from_config(&config).unwrap().run(&job("1")).await, Outcome::Ack);
+        assert_eq!(Handler::from_config(&config).unwrap().run(&job("1"), CancellationToken::new()).await, Outcome::Ack);
         let seen = std::fs::read_to_string(&out).unwrap();
         // What the shell itself sets.
         let shells_own = ["PWD=", "OLDPWD=", "SHLVL=", "_="];
@@ -251,15 +297,15 @@ mod tests {
         let out = dir.path().join("seen");
         let ok =
             command(&["sh", "-c", &format!("cat > {}; echo $TALLY_JOB_ATTEMPT >> {}", out.display(), out.display())]);
-        assert_eq!(ok.run(&job(r#"{"to":"a@b"}"#)).await, Outcome::Ack);
+        assert_eq!(ok.run(&job(r#"{"to":"a@b"}"#), CancellationToken::new()).await, Outcome::Ack);
         assert_eq!(std::fs::read_to_string(&out).unwrap(), "{\"to\":\"a@b\"}2\n");
         let failing = command(&["sh", "-c", "echo nope >&2; exit 3"]);
-        match failing.run(&job("1")).await {
+        match failing.run(&job("1"), CancellationToken::new()).await {
             Outcome::Retry { error, .. } => assert!(error.contains("nope"), "{error}"),
             other => panic!("{other:?}"),
         }
         let missing = command(&["/no/such/program"]);
-        assert!(matches!(missing.run(&job("1")).await, Outcome::Retry { .. }));
+        assert!(matches!(missing.run(&job("1"), CancellationToken::new()).await, Outcome::Retry { .. }));
     }
 
     #[tokio::test]
@@ -274,12 +320,51 @@ mod tests {
         let out = dir.path().join("sched");
         let report = command(&["sh", "-c", &format!("grep '^se.slice ' /proc/self/sched > {}", out.display())]);
         tally_shared::sched::set_slice(tally_shared::sched::MIN_SLICE).unwrap();
-        let outcome = report.run(&job("1")).await;
+        let outcome = report.run(&job("1"), CancellationToken::new()).await;
         tally_shared::sched::set_slice(Duration::ZERO).unwrap();
         assert_eq!(outcome, Outcome::Ack);
         let line = std::fs::read_to_string(&out).unwrap();
         let reported = line.split(':').nth(1).map(|nanos| nanos.trim().parse::<u64>());
         assert_eq!(reported, Some(Ok(default.as_nanos() as u64)), "{line}");
+    }
+
+    /// A cancelled job's command gets SIGTERM (and can clean up); one that ignores
+    /// it is killed when the library drops it after the grace, with what it started.
+    #[tokio::test]
+    async fn a_stopped_command_gets_sigterm_then_dies_with_its_handler() {
+        let dir = tempfile::tempdir().unwrap();
+        let (out, pid) = (dir.path().join("term"), dir.path().join("pid"));
+        let trapping =
+            command(&["sh", "-c", &format!("trap 'echo cleaned > {}; exit 7' TERM; sleep 30 & wait", out.display())]);
+        let stop = CancellationToken::new();
+        let stopper = stop.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            stopper.cancel();
+        });
+        let started = std::time::Instant::now();
+        let outcome = trapping.run(&job("1"), stop).await;
+        assert!(started.elapsed() < Duration::from_secs(10), "it stopped at the signal: {:?}", started.elapsed());
+        assert!(matches!(&outcome, Outcome::Retry { error, .. } if error.contains("exit status: 7")), "{outcome:?}");
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), "cleaned\n");
+
+        let stubborn =
+            command(&["sh", "-c", &format!("trap '' TERM; sleep 30 2>/dev/null & echo $! > {}; wait", pid.display())]);
+        let stop = CancellationToken::new();
+        let stopper = stop.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            stopper.cancel();
+        });
+        let dropped = tokio::time::timeout(Duration::from_millis(1_000), stubborn.run(&job("1"), stop)).await;
+        assert!(dropped.is_err(), "a command that ignores SIGTERM runs on until dropped");
+        let pid: i32 = std::fs::read_to_string(&pid).unwrap().trim().parse().unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        // SAFETY: kill(2) with signal 0 only asks whether the process exists.
+        while unsafe { libc::kill(pid, 0) } == 0 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_ne!(unsafe { libc::kill(pid, 0) }, 0, "what the dropped command started was killed with it");
     }
 
     #[test]

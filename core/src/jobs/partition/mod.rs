@@ -120,6 +120,8 @@ struct Entry {
     ready_since: i64,
     /// Its concurrency key ([`Limits::key_of`]).
     ckey: Option<String>,
+    /// Cancelled while it ran: its attempt ends as cancelled, never retried.
+    cancelled: bool,
 }
 
 /// Where a ready job sits: higher levels first, then lower offsets.
@@ -136,6 +138,27 @@ pub struct Handout {
     pub job: Job,
     /// Its concurrency key ([`Limits::key_of`]).
     pub ckey: Option<String>,
+}
+
+/// The error a cancelled job ends with on the dead topic.
+pub const CANCELLED: &str = "cancelled by an operator";
+
+/// What a cancelled job was doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Cancelled {
+    /// Ready, delayed or parked: it never runs.
+    Waiting,
+    /// Leased: its worker stops it on its next extend.
+    Running,
+}
+
+/// A lease extended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extended {
+    pub deadline: i64,
+    /// Its job was cancelled: the worker should stop it.
+    pub cancelled: bool,
 }
 
 /// What became of a failed attempt.
@@ -213,8 +236,9 @@ pub struct PartitionQueue {
     slots: Option<usize>,
     /// Nothing is handed out before this time ([`PartitionQueue::hold_until`]).
     hold_until: i64,
-    /// Jobs dropped at their key's limit, for the broker to write to the dead topic.
-    dropped: Vec<Failure>,
+    /// Jobs ended without running (dropped at their key's limit, cancelled while
+    /// waiting), for the broker to write to the dead topic.
+    ended: Vec<Failure>,
     /// Let go ([`PartitionQueue::retire`]): nothing is handed out or extended.
     retired: bool,
 }
@@ -249,7 +273,7 @@ impl PartitionQueue {
             parked_len: 0,
             slots: None,
             hold_until: i64::MIN,
-            dropped: Vec::new(),
+            ended: Vec::new(),
             retired: false,
         }
     }
@@ -286,11 +310,48 @@ impl PartitionQueue {
         self.running.iter().map(|(key, n)| (key.as_str(), *n))
     }
 
-    /// The jobs dropped at their key's limit since the last call: each is
-    /// [`Failure::Dead`], to be written to the dead topic and finished
-    /// ([`PartitionQueue::finish_dead`]).
-    pub fn take_dropped(&mut self) -> Vec<Failure> {
-        std::mem::take(&mut self.dropped)
+    /// The jobs ended without running since the last call — dropped at their
+    /// key's limit, or cancelled while waiting: each is [`Failure::Dead`], to be
+    /// written to the dead topic and finished ([`PartitionQueue::finish_dead`]).
+    pub fn take_ended(&mut self) -> Vec<Failure> {
+        std::mem::take(&mut self.ended)
+    }
+
+    /// Cancels the job `id` if this partition holds it: one waiting (ready,
+    /// delayed, parked) ends at once as cancelled ([`PartitionQueue::take_ended`]);
+    /// one running is told on its next extend, and its attempt ends as cancelled
+    /// (a nack or an expiry never retries it). What it was; none when not held
+    /// (finished, dying, or not fetched).
+    pub fn cancel(&mut self, id: &str) -> Option<Cancelled> {
+        let (&offset, entry) = self.entries.iter_mut().find(|(_, entry)| entry.job.id == id)?;
+        match entry.state {
+            State::Dying => None,
+            State::Leased { .. } => {
+                entry.cancelled = true;
+                Some(Cancelled::Running)
+            }
+            State::Waiting => {
+                let (ready_at, since, rises_at) = (entry.ready_at, entry.ready_since, entry.rises_at.take());
+                entry.state = State::Dying;
+                let failure = Failure::Dead {
+                    offset,
+                    attempts: entry.attempts,
+                    error: CANCELLED.to_string(),
+                    job: entry.job.clone(),
+                };
+                if self.timed.remove(&(ready_at, offset)) {
+                    self.timed_bytes -= self.bytes_at(offset);
+                } else {
+                    self.unfile(self.ready_key(offset));
+                    self.ready_by_age.remove(&(since, offset));
+                    if let Some(at) = rises_at {
+                        self.aging.remove(&(at, offset));
+                    }
+                }
+                self.ended.push(failure);
+                Some(Cancelled::Waiting)
+            }
+        }
     }
 
     pub fn policy(&self) -> &QueuePolicy {
@@ -369,7 +430,7 @@ impl PartitionQueue {
                      (the queue's limits.at_limit = \"drop_newest\")"
                 );
                 let failure = Failure::Dead { offset, attempts: 0, error, job: entry.job.clone() };
-                self.dropped.push(failure);
+                self.ended.push(failure);
                 if let Some(entry) = self.entries.get_mut(&offset) {
                     entry.state = State::Dying;
                 }
@@ -518,7 +579,17 @@ impl PartitionQueue {
         }
         let ckey = self.policy.limits.key_of(&job).ok().flatten().map(std::borrow::Cow::into_owned);
         let state = State::Waiting;
-        let entry = Entry { job, attempts: 0, ready_at, state, level: 0, rises_at: None, ready_since: 0, ckey };
+        let entry = Entry {
+            job,
+            attempts: 0,
+            ready_at,
+            state,
+            level: 0,
+            rises_at: None,
+            ready_since: 0,
+            ckey,
+            cancelled: false,
+        };
         self.entries.insert(offset, entry);
         self.wait(offset, ready_at, now);
         self.next_offset = self.next_offset.max(offset + 1);
@@ -627,14 +698,10 @@ impl PartitionQueue {
         let Some(entry) = self.entries.get_mut(&offset) else {
             return Failure::Retry { offset, at: now };
         };
-        if entry.attempts >= policy.max_attempts {
+        if entry.attempts >= policy.max_attempts || entry.cancelled {
             entry.state = State::Dying;
-            return Failure::Dead {
-                offset,
-                attempts: entry.attempts,
-                error: error.to_string(),
-                job: entry.job.clone(),
-            };
+            let error = if entry.cancelled { CANCELLED.to_string() } else { error.to_string() };
+            return Failure::Dead { offset, attempts: entry.attempts, error, job: entry.job.clone() };
         }
         let wait = retry_in_ms.unwrap_or_else(|| policy.backoff.delay_ms(entry.attempts)).max(0);
         let at = now.saturating_add(wait);
@@ -644,8 +711,9 @@ impl PartitionQueue {
         Failure::Retry { offset, at }
     }
 
-    /// Moves a lease's deadline to `now + lease_ms`.
-    pub fn extend(&mut self, lease: u64, lease_ms: i64, now: i64) -> Result<i64, LeaseError> {
+    /// Moves a lease's deadline to `now + lease_ms`; says whether its job was
+    /// cancelled (its worker stops it, then nacks: it ends as cancelled).
+    pub fn extend(&mut self, lease: u64, lease_ms: i64, now: i64) -> Result<Extended, LeaseError> {
         if self.retired {
             return Err(LeaseError::Unknown);
         }
@@ -653,7 +721,7 @@ impl PartitionQueue {
         let entry = self.entries.get_mut(&offset).ok_or(LeaseError::Unknown)?;
         let deadline = now.saturating_add(lease_ms);
         entry.state = State::Leased { lease, deadline };
-        Ok(deadline)
+        Ok(Extended { deadline, cancelled: entry.cancelled })
     }
 
     /// Fails every lease past its deadline at `now` ("lease expired"). Looks at the

@@ -327,7 +327,7 @@ fn failures_back_off_then_go_dead_and_extend_keeps_a_lease() {
     let mut queue = PartitionQueue::new(policy, 0, 0);
     queue.push(0, job(0, None, None), 0);
     let first = queue.dequeue(10, 0, 50).remove(0);
-    assert_eq!(queue.extend(first.lease, 500, 40), Ok(540));
+    assert_eq!(queue.extend(first.lease, 500, 40).map(|e| e.deadline), Ok(540));
     assert!(queue.expire(100).is_empty(), "extended");
     assert_eq!(queue.nack(first.lease, None, "x", 100), Ok(Failure::Retry { offset: 0, at: 200 }));
     assert!(queue.dequeue(10, 150, 50).is_empty(), "backing off");
@@ -463,6 +463,7 @@ enum LimitStep {
     Hold(i64),
     Relimit(u32),
     FinishDead,
+    Cancel(usize),
 }
 
 fn limit_steps() -> impl Strategy<Value = Vec<LimitStep>> {
@@ -477,6 +478,7 @@ fn limit_steps() -> impl Strategy<Value = Vec<LimitStep>> {
         1 => (0i64..500).prop_map(LimitStep::Hold),
         1 => (1u32..4).prop_map(LimitStep::Relimit),
         1 => Just(LimitStep::FinishDead),
+        2 => (0usize..40).prop_map(LimitStep::Cancel),
     ];
     proptest::collection::vec(step, 0..200)
 }
@@ -490,15 +492,22 @@ enum Held {
     Done,
 }
 
+/// A job's place in the limits test: its state, and whether it was cancelled.
+fn was_cancelled(cancelled: &BTreeSet<usize>, offset: i64) -> bool {
+    cancelled.contains(&(offset as usize))
+}
+
 proptest! {
     /// Against a brute force: no dequeue hands out a job whose key is at its limit
     /// (an override's, else `per_key`, changed at any time), more than the
     /// partition's slots in flight, or anything while held; a dequeue that hands
     /// out fewer than asked leaves no job a worker could have had (none stays
     /// parked once its key has room); `drop_newest` drops only new jobs of a key at
-    /// its limit; and every job ends finished.
+    /// its limit; a job cancelled while waiting never runs, one cancelled while
+    /// running is told on its next extend and is never retried; and every job ends
+    /// finished.
     #[test]
-    fn limits_hold_and_never_strand_a_job(
+    fn limits_and_cancels_hold_and_never_strand_a_job(
         steps in limit_steps(),
         fifo in any::<bool>(),
         per_key in 1u32..3,
@@ -521,6 +530,7 @@ proptest! {
         let mut queue = PartitionQueue::new(policy(per_key), 0, 0);
         queue.set_slots(slots);
         let mut jobs: Vec<(Job, Held)> = Vec::new();
+        let mut cancelled: BTreeSet<usize> = BTreeSet::new();
         let (mut now, mut hold) = (1_000i64, i64::MIN);
         let out_of = |jobs: &[(Job, Held)], key: &str| {
             jobs.iter().filter(|(job, held)| matches!(held, Held::Out { .. }) && job.concurrency_key.as_deref() == Some(key)).count() as u32
@@ -535,7 +545,7 @@ proptest! {
                     new.priority = Some(level.min(levels - 1));
                     queue.push(id as i64, new.clone(), now);
                     jobs.push((new, Held::Waiting { at: delay.map_or(i64::MIN, |d| now + d), tried: false }));
-                    for dropped in queue.take_dropped() {
+                    for dropped in queue.take_ended() {
                         let Failure::Dead { offset, job, .. } = dropped else { panic!("a drop is dead") };
                         prop_assert_eq!(offset, id as i64, "only the job pushed becomes ready");
                         let key = job.concurrency_key.unwrap();
@@ -546,7 +556,7 @@ proptest! {
                 LimitStep::Dequeue(max) => {
                     let before: Vec<Held> = jobs.iter().map(|(_, held)| *held).collect();
                     let handed = queue.dequeue(max, now, 300);
-                    for dropped in queue.take_dropped() {
+                    for dropped in queue.take_ended() {
                         let Failure::Dead { offset, attempts, job, .. } = dropped else { panic!("a drop is dead") };
                         let key = job.concurrency_key.clone().unwrap();
                         prop_assert!(drop_newest && attempts == 0);
@@ -556,6 +566,7 @@ proptest! {
                     }
                     prop_assert!(handed.is_empty() || now >= hold, "handed out while held");
                     for handout in &handed {
+                        prop_assert!(!was_cancelled(&cancelled, handout.offset), "a cancelled job ran");
                         prop_assert!(slots.is_none_or(|slots| out_total(&jobs) < slots), "over the slots");
                         let (job, held) = &mut jobs[handout.offset as usize];
                         prop_assert!(matches!(held, Held::Waiting { at, .. } if *at <= now), "not ready: {:?}", held);
@@ -591,8 +602,14 @@ proptest! {
                     if let Some(&j) = out.get(i) {
                         let Held::Out { lease, .. } = jobs[j].1 else { unreachable!() };
                         jobs[j].1 = match queue.nack(lease, Some(ms), "boom", now).unwrap() {
-                            Failure::Retry { at, .. } => Held::Waiting { at, tried: true },
-                            Failure::Dead { .. } => Held::Dying,
+                            Failure::Retry { at, .. } => {
+                                prop_assert!(!cancelled.contains(&j), "a cancelled job is retried");
+                                Held::Waiting { at, tried: true }
+                            }
+                            Failure::Dead { error, .. } => {
+                                prop_assert_eq!(error == CANCELLED, cancelled.contains(&j));
+                                Held::Dying
+                            }
                         };
                     }
                 }
@@ -600,8 +617,14 @@ proptest! {
                     now += ms;
                     for failure in queue.expire(now) {
                         match failure {
-                            Failure::Retry { offset, at } => jobs[offset as usize].1 = Held::Waiting { at, tried: true },
-                            Failure::Dead { offset, .. } => jobs[offset as usize].1 = Held::Dying,
+                            Failure::Retry { offset, at } => {
+                                prop_assert!(!was_cancelled(&cancelled, offset), "a cancelled job is retried");
+                                jobs[offset as usize].1 = Held::Waiting { at, tried: true };
+                            }
+                            Failure::Dead { offset, error, .. } => {
+                                prop_assert!(!was_cancelled(&cancelled, offset) || error == CANCELLED);
+                                jobs[offset as usize].1 = Held::Dying;
+                            }
                         }
                     }
                     for (_, held) in &jobs {
@@ -616,13 +639,37 @@ proptest! {
                 LimitStep::Relimit(per_key) => {
                     limits = limits_of(per_key);
                     queue.set_policy(policy(per_key));
-                    for dropped in queue.take_dropped() {
+                    for dropped in queue.take_ended() {
                         let Failure::Dead { offset, .. } = dropped else { panic!("a drop is dead") };
                         let was_new = matches!(jobs[offset as usize].1, Held::Waiting { tried: false, .. });
                         prop_assert!(was_new, "dropped a retried job");
                         jobs[offset as usize].1 = Held::Dying;
                     }
                 }
+                LimitStep::Cancel(i) if i < jobs.len() => {
+                    let id = jobs[i].0.id.clone();
+                    let answer = queue.cancel(&id);
+                    let expected = match jobs[i].1 {
+                        Held::Waiting { .. } => Some(Cancelled::Waiting),
+                        Held::Out { lease, .. } => {
+                            let extended = queue.extend(lease, 300, now).unwrap();
+                            prop_assert!(extended.cancelled, "the worker is told");
+                            jobs[i].1 = Held::Out { lease, deadline: extended.deadline };
+                            Some(Cancelled::Running)
+                        }
+                        Held::Dying | Held::Done => None,
+                    };
+                    prop_assert_eq!(answer, expected);
+                    if answer.is_some() {
+                        cancelled.insert(i);
+                    }
+                    for ended in queue.take_ended() {
+                        let Failure::Dead { offset, error, .. } = ended else { panic!("an end is dead") };
+                        prop_assert_eq!((offset, error.as_str()), (i as i64, CANCELLED));
+                        jobs[i].1 = Held::Dying;
+                    }
+                }
+                LimitStep::Cancel(_) => {}
                 LimitStep::FinishDead => {
                     for (offset, (_, held)) in jobs.iter_mut().enumerate() {
                         if *held == Held::Dying {
@@ -639,7 +686,7 @@ proptest! {
         // Drain: every job ends finished.
         for _ in 0..200 {
             now += 500;
-            for dropped in queue.take_dropped() {
+            for dropped in queue.take_ended() {
                 let Failure::Dead { offset, .. } = dropped else { panic!("a drop is dead") };
                 jobs[offset as usize].1 = Held::Dying;
             }
@@ -666,7 +713,7 @@ fn a_retired_partition_hands_out_and_extends_nothing() {
         queue.push(offset, job(offset as usize, None, None), 0);
     }
     let first = queue.dequeue(1, 0, 1_000).remove(0);
-    assert_eq!(queue.extend(first.lease, 2_000, 20), Ok(2_020));
+    assert_eq!(queue.extend(first.lease, 2_000, 20).map(|e| e.deadline), Ok(2_020));
     queue.retire();
     assert_eq!(queue.dequeue(1, 30, 1_000), vec![]);
     assert_eq!(queue.extend(first.lease, 9_000, 30), Err(LeaseError::Unknown));

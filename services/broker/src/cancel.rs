@@ -1,0 +1,106 @@
+//! Cancelling a job (operators): `POST /v1/queues/{queue}/cancel {"id"}` writes the
+//! cancellation to `tally.jobs-cancelled` (so no broker ever runs the job, whenever
+//! it fetches it), then asks every owner of the queue's partitions to cancel it at
+//! once (`/held/cancel`, with the caller's own credentials): a waiting job ends as
+//! cancelled, a running one's worker is told on its next extend. A job no broker
+//! holds, on a queue with nothing left to fetch, is unknown: 404.
+
+use std::time::Duration;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use rdkafka::producer::FutureRecord;
+use serde_json::json;
+use tally_core::jobs::api::{CancelRequest, HeldCancel};
+use tally_core::jobs::JobCancel;
+use tally_core::validate::check_id;
+use tally_shared::kafka::now_ms;
+
+use crate::http::{body, error, find, ApiState};
+
+/// How long a cancel waits for each owner's answer.
+const OWNER_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub async fn cancel(
+    State(state): State<ApiState>,
+    Path(queue): Path<String>,
+    headers: HeaderMap,
+    request: Result<Json<CancelRequest>, JsonRejection>,
+) -> Response {
+    let (queue, request) = match (find(&state, &queue), body(request)) {
+        (Ok(queue), Ok(request)) => (queue, request),
+        (Err(response), _) | (_, Err(response)) => return response,
+    };
+    if let Err(reason) = check_id(&request.id) {
+        return error(StatusCode::BAD_REQUEST, "invalid_id", reason);
+    }
+    let record = JobCancel::new(&queue.name, &request.id, now_ms());
+    let Ok(payload) = serde_json::to_vec(&record) else {
+        return error(StatusCode::INTERNAL_SERVER_ERROR, "encoding", "cannot encode the cancellation");
+    };
+    let (topic, key) = (state.names.jobs_cancelled(), record.key());
+    let sent =
+        state.broker.dead_producer.send(FutureRecord::to(&topic).key(&key).payload(&payload), OWNER_TIMEOUT).await;
+    if let Err((err, _)) = sent {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "kafka_unavailable", format!("writing the cancellation: {err}"));
+    }
+    let owners: std::collections::BTreeSet<String> =
+        tally_shared::lock::lock(&queue.owners, crate::state::OWNERS).values().cloned().collect();
+    let mut states = Vec::new();
+    let mut unfetched = 0i64;
+    let mut unanswered = Vec::new();
+    for owner in owners {
+        let url = format!("http://{owner}/v1/queues/{}/held/cancel", queue.name);
+        let mut ask = state.http.post(&url).json(&request).timeout(OWNER_TIMEOUT);
+        if let Some(authorization) = headers.get(axum::http::header::AUTHORIZATION) {
+            ask = ask.header(axum::http::header::AUTHORIZATION, authorization);
+        }
+        let answer = match ask.send().await {
+            Ok(response) if response.status().is_success() => response.json::<HeldCancel>().await.ok(),
+            _ => None,
+        };
+        match answer {
+            Some(held) => {
+                states.extend(held.state);
+                unfetched += held.unfetched;
+            }
+            None => unanswered.push(owner),
+        }
+    }
+    if let Some(was) = states.first() {
+        return Json(json!({"queue": queue.name, "id": request.id, "cancelled": true, "was": was})).into_response();
+    }
+    if unfetched == 0 && unanswered.is_empty() {
+        let message = format!(
+            "no job {:?} waits or runs on queue {}: finished jobs cannot be cancelled (dead ones are requeued or \
+             discarded: `tally jobs dead {}`)",
+            request.id, queue.name, queue.name
+        );
+        return error(StatusCode::NOT_FOUND, "unknown_job", message);
+    }
+    // Not fetched yet (or an owner did not answer): it never runs once fetched.
+    let body = json!({"queue": queue.name, "id": request.id, "cancelled": true, "was": "not_fetched",
+        "unanswered": unanswered});
+    (StatusCode::ACCEPTED, Json(body)).into_response()
+}
+
+/// One broker's part: cancels the job in the partitions it serves.
+pub async fn held(
+    State(state): State<ApiState>,
+    Path(queue): Path<String>,
+    request: Result<Json<CancelRequest>, JsonRejection>,
+) -> Response {
+    let (queue, request) = match (find(&state, &queue), body(request)) {
+        (Ok(queue), Ok(request)) => (queue, request),
+        (Err(response), _) | (_, Err(response)) => return response,
+    };
+    if let Err(reason) = check_id(&request.id) {
+        return error(StatusCode::BAD_REQUEST, "invalid_id", reason);
+    }
+    let state_here = state.broker.cancel_held(&queue.name, &request.id);
+    state.broker.expire_leases();
+    Json(HeldCancel { state: state_here, unfetched: state.broker.unfetched(&queue) }).into_response()
+}
