@@ -76,7 +76,8 @@ pub async fn cancel(
     if unfetched == 0 && unanswered.is_empty() {
         let message = format!(
             "no job {:?} waits or runs on queue {}: finished jobs cannot be cancelled (dead ones are requeued or \
-             discarded: `tally jobs dead {}`)",
+             discarded: `tally jobs dead {}`); the cancellation is kept, so a job of this id enqueued later \
+             does not run",
             request.id, queue.name, queue.name
         );
         return error(StatusCode::NOT_FOUND, "unknown_job", message);

@@ -39,6 +39,15 @@ pub enum JobsCommand {
         #[arg(long)]
         broker: Option<String>,
     },
+    /// Cancel a job: waiting, it never runs; running, its worker stops it on its next
+    /// heartbeat. It is listed with the dead jobs as cancelled.
+    Cancel {
+        queue: String,
+        id: String,
+        /// A broker's worker API (default: from the config's broker.listen).
+        #[arg(long)]
+        broker: Option<String>,
+    },
     /// List the dead jobs of a queue not requeued or discarded yet; `--requeue`
     /// enqueues them again (and they leave the list).
     Dead {
@@ -128,6 +137,26 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
                 println!("{}", limits_line(s));
             }
             println!("(counts are the answering broker's partitions; ask each owner for the rest)");
+            Ok(())
+        }
+        JobsCommand::Cancel { queue, id, broker } => {
+            let base = broker.unwrap_or_else(|| format!("http://{}", config.broker.listen));
+            let url = format!("{base}/v1/queues/{queue}/cancel");
+            let mut request = reqwest::Client::new().post(&url).json(&serde_json::json!({ "id": id }));
+            if let Some(token) = &config.auth.operator_token {
+                request = request.bearer_auth(token);
+            }
+            let response = request.send().await.with_context(|| format!("POST {url}"))?;
+            let status = response.status();
+            let body: serde_json::Value = response.json().await?;
+            if !status.is_success() {
+                bail!("{}", body["error"]["message"].as_str().map_or_else(|| body.to_string(), str::to_string));
+            }
+            match body["was"].as_str() {
+                Some("running") => println!("cancelled {id} on {queue}: its worker stops it on its next heartbeat"),
+                Some("waiting") => println!("cancelled {id} on {queue}: it will not run"),
+                _ => println!("cancelled {id} on {queue}: not fetched yet, it will not run"),
+            }
             Ok(())
         }
         JobsCommand::Dead { queue, requeue } => {
