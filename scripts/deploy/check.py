@@ -192,7 +192,8 @@ def check_queue_file(report: Report, where: str, text: str) -> list[str]:
         return []
     report.check(f"{where}: queues file holds only [[topic]] and [[queue]]", set(data) <= {"topic", "queue"}, f"keys {sorted(data)}")
     ints = {"partitions", "max_attempts", "backoff_ms", "backoff_max_ms", "lease_ms", "buffer", "delayed_buffer",
-            "buffer_bytes", "retention_ms", "rate_limit_per_sec", "priority_levels", "priority_aging_ms"}
+            "buffer_bytes", "retention_ms", "rate_limit_per_sec", "priority_levels", "priority_aging_ms",
+            "unique_for_ms", "max_lease_ms", "max_retry_ms"}
     names = []
     for i, q in enumerate(data.get("queue", [])):
         name = q.get("name")

@@ -99,6 +99,15 @@ pub struct QueueDecl {
     /// default).
     #[serde(default, skip_serializing_if = "tally_core::jobs::limits::Limits::is_empty")]
     pub limits: tally_core::jobs::limits::Limits,
+    /// The longest window a unique job may hold its key (`unique_for_ms` of a job,
+    /// which defaults to this): a broker taking a partition replays this much of
+    /// its log. 0 (the default): unique jobs hold their key until they finish.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub unique_for_ms: i64,
+}
+
+fn is_zero(ms: &i64) -> bool {
+    *ms == 0
 }
 
 fn default_priority_levels() -> u8 {
@@ -196,6 +205,7 @@ impl QueueDecl {
             priority_levels: self.priority_levels.max(1),
             priority_aging_ms: self.priority_aging_ms.max(0),
             limits: self.limits.clone(),
+            unique_for_ms: self.unique_for_ms,
         }
     }
 }
@@ -245,6 +255,14 @@ impl Declarations {
                 .limits
                 .check(queue.partitions)
                 .map_err(|err| Error::Topics(format!("queue {}: {err}", queue.name)))?;
+            if !(0..=queue.max_delay_ms()).contains(&queue.unique_for_ms) {
+                return Err(Error::Topics(format!(
+                    "queue {}: unique_for_ms must be 0 (until a job finishes) to {} (the queue's retention less a \
+                     margin: a take-over replays that much of the log)",
+                    queue.name,
+                    queue.max_delay_ms()
+                )));
+            }
             let most = tally_core::jobs::partition::QueuePolicy::MAX_PRIORITY_LEVELS;
             if !(1..=most).contains(&queue.priority_levels) || queue.priority_aging_ms < 0 {
                 return Err(Error::Topics(format!(

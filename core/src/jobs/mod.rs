@@ -12,6 +12,7 @@ pub mod api;
 pub mod limits;
 pub mod partition;
 pub mod schedule;
+pub mod unique;
 
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -41,6 +42,14 @@ pub struct Job {
     /// ([`limits`]); the queue's `limits.key_field` of the payload when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub concurrency_key: Option<String>,
+    /// Accepted once: a later job of this key is a duplicate while this one holds
+    /// it ([`unique`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unique_key: Option<String>,
+    /// How long the key is held after the enqueue (at most the queue's
+    /// `unique_for_ms`, its default); 0: until the job finishes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unique_for_ms: Option<i64>,
 }
 
 impl PartialEq for Job {
@@ -51,6 +60,8 @@ impl PartialEq for Job {
             && self.key == other.key
             && self.priority == other.priority
             && self.concurrency_key == other.concurrency_key
+            && self.unique_key == other.unique_key
+            && self.unique_for_ms == other.unique_for_ms
     }
 }
 
@@ -65,6 +76,15 @@ impl Job {
         }
         if job.concurrency_key.as_ref().is_some_and(|key| key.is_empty() || key.len() > limits::MAX_KEY_BYTES) {
             return Err(format!("concurrency_key: must be 1-{} bytes", limits::MAX_KEY_BYTES));
+        }
+        if job.unique_key.as_ref().is_some_and(|key| key.is_empty() || key.len() > limits::MAX_KEY_BYTES) {
+            return Err(format!("unique_key: must be 1-{} bytes", limits::MAX_KEY_BYTES));
+        }
+        if job.unique_for_ms.is_some_and(|ms| ms < 0) {
+            return Err("unique_for_ms: must not be negative (0: until the job finishes)".into());
+        }
+        if job.unique_for_ms.is_some() && job.unique_key.is_none() {
+            return Err("unique_for_ms: needs a unique_key".into());
         }
         if job.run_at.is_some_and(|at| at < 0) {
             return Err("run_at: must be milliseconds since the epoch (>= 0)".into());
@@ -251,6 +271,8 @@ mod tests {
                 key: None,
                 priority: None,
                 concurrency_key: None,
+                unique_key: None,
+                unique_for_ms: None,
             },
             truncated: Truncated::new(),
         }

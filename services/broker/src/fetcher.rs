@@ -24,7 +24,6 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Message};
 use tally_core::assignment::owner;
-use tally_core::jobs::limits::{partition_of, Limits};
 use tally_core::jobs::partition::PartitionQueue;
 use tally_core::jobs::Job;
 use tally_core::wire::DeadLetter;
@@ -89,7 +88,13 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                     }
                 }
                 *lock(&queue.owners, OWNERS) = owners;
-                let mut taking = Taking { pending: &mut pending, paused: &mut paused, settle, member_timeout_ms };
+                let mut taking = Taking {
+                    pending: &mut pending,
+                    paused: &mut paused,
+                    settle,
+                    member_timeout_ms,
+                    kafka: &config.kafka,
+                };
                 reconcile(&consumer, &broker, queue, &desired, &mut taking)?;
             }
         }
@@ -108,10 +113,21 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                         let decl = queue.decl();
                         (decl.max_delay_ms(), decl.policy())
                     };
-                    let parsed = Job::parse(payload)
+                    let mut parsed = Job::parse(payload)
                         .and_then(|job| check_delay(job, enqueued_at, max_delay_ms))
                         .and_then(|job| policy.check(&job).map(|()| job));
-                    let home = parsed.as_ref().ok().and_then(|job| home_partition(&policy.limits, job, queue));
+                    let partitions = queue.decl().partitions;
+                    let home = match parsed
+                        .as_ref()
+                        .map(|job| crate::placement::home_partition(&policy.limits, job, partitions))
+                    {
+                        Ok(Ok(home)) => home,
+                        Ok(Err(reason)) => {
+                            parsed = Err(reason);
+                            None
+                        }
+                        Err(_) => None,
+                    };
                     let (full, rejected) = {
                         let mut buffer = lock(&buffer, BUFFER);
                         let rejected = match parsed {
@@ -120,15 +136,21 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                                 buffer.reject(message.offset());
                                 None
                             }
-                            Ok(job) => {
-                                let cancelled = broker.is_cancelled(&queue.name, &job.id).then(|| job.id.clone());
-                                buffer.push(message.offset(), job, now);
-                                if let Some(id) = cancelled {
-                                    // Ends as cancelled, never handed out.
-                                    buffer.cancel(&id);
+                            Ok(job) => match buffer.admit_unique(message.offset(), &job, enqueued_at) {
+                                Ok(()) => {
+                                    let cancelled = broker.is_cancelled(&queue.name, &job.id).then(|| job.id.clone());
+                                    buffer.push(message.offset(), job, now);
+                                    if let Some(id) = cancelled {
+                                        // Ends as cancelled, never handed out.
+                                        buffer.cancel(&id);
+                                    }
+                                    None
                                 }
-                                None
-                            }
+                                Err(duplicate) => {
+                                    buffer.reject(message.offset());
+                                    Some(duplicate)
+                                }
+                            },
                             Err(reason) => {
                                 // Held until the dead letter is acknowledged
                                 // (`LetterContext`): the watermark never passes it before.
@@ -175,21 +197,13 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
     Ok(())
 }
 
-/// The partition a job of a per-key limited queue lives in: its key's (none: any).
-fn home_partition(limits: &Limits, job: &Job, queue: &QueueRuntime) -> Option<i32> {
-    if !limits.per_key_limited() {
-        return None;
-    }
-    let key = limits.key_of(job).ok().flatten()?;
-    Some(partition_of(&key, queue.decl().partitions))
-}
-
 /// How the partitions this broker takes are taken.
 struct Taking<'a> {
     pending: &'a mut HashMap<Key, Instant>,
     paused: &'a mut HashSet<Key>,
     settle: Duration,
     member_timeout_ms: i64,
+    kafka: &'a tally_shared::config::KafkaConfig,
 }
 
 /// Serves what this broker should own, and stops serving what it should not.
@@ -241,6 +255,10 @@ fn reconcile(
         for (partition, start) in acquire.into_iter().zip(starts) {
             let mut buffer = PartitionQueue::new(policy.clone(), start, broker.next_tenure());
             buffer.set_slots(queue.slots(partition));
+            if policy.unique_for_ms > 0 {
+                let replayed = crate::placement::replay_unique(taking.kafka, queue, partition, start, &mut buffer)?;
+                tracing::info!(queue = %queue.name, partition, replayed, "replayed the unique keys held before the committed offset");
+            }
             if !policy.limits.is_empty() {
                 // The previous owner's leases count against the limits until they end.
                 let hold_ms = max_lease_ms.saturating_add(taking.member_timeout_ms);
@@ -366,7 +384,7 @@ pub fn spawn_reporter(
 /// Refuses a job delayed further than its topic keeps it (`max_delay_ms`): it would
 /// be lost to retention before it runs (or when a broker restarts from a committed
 /// offset below it).
-fn check_delay(job: Job, enqueued_at: i64, max_delay_ms: i64) -> std::result::Result<Job, String> {
+pub(crate) fn check_delay(job: Job, enqueued_at: i64, max_delay_ms: i64) -> std::result::Result<Job, String> {
     match job.run_at {
         Some(at) if at.saturating_sub(enqueued_at) > max_delay_ms => Err(format!(
             "run_at: {} ms after the job was enqueued, more than the {max_delay_ms} ms this queue's topic keeps \

@@ -49,6 +49,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/queues/{queue}/dead/discard", post(crate::dead::discard))
         .route("/v1/queues/{queue}/cancel", post(crate::cancel::cancel))
         .route("/v1/queues/{queue}/held/cancel", post(crate::cancel::held));
+    let stats = stats.route("/v1/queues/{queue}/unique/{key}", get(unique));
     require(stats, auth, &[Role::Worker, Role::Operator, Role::Cluster])
         .merge(require(work, auth, &[Role::Worker]))
         .merge(require(dead, auth, &[Role::Operator]))
@@ -83,6 +84,21 @@ async fn stats(State(state): State<ApiState>, Path(queue): Path<String>) -> Resp
     match find(&state, &queue) {
         Ok(queue) => Json(state.broker.stats(&queue)).into_response(),
         Err(response) => response,
+    }
+}
+
+/// Whether a unique key is held in the partition this broker serves for it:
+/// `{"partition", "held_until"}` (none: free; `i64::MAX`: until a job finishes),
+/// 404 `not_owner` when another broker serves it.
+async fn unique(State(state): State<ApiState>, Path((queue, key)): Path<(String, String)>) -> Response {
+    let queue = match find(&state, &queue) {
+        Ok(queue) => queue,
+        Err(response) => return response,
+    };
+    let partition = tally_core::jobs::limits::partition_of(&key, queue.decl().partitions);
+    match state.broker.unique_held_until(&queue, partition, &key) {
+        Some(held_until) => Json(json!({"partition": partition, "held_until": held_until})).into_response(),
+        None => error(StatusCode::NOT_FOUND, "not_owner", format!("partition {partition} is not served here")),
     }
 }
 

@@ -9,6 +9,8 @@
 //!   dead jobs;
 //! - [`declarations`]: follows the declarations topic, so queues declared or
 //!   changed while it runs are served without a restart;
+//! - [`placement`]: which partition a keyed job lives in, and the unique keys a
+//!   take-over replays;
 //! - [`cancels`]: follows operators' cancellations, so a cancelled job never runs
 //!   on any broker;
 //! - [`lease`]: lease tokens no worker can forge (an HMAC under a per-process key);
@@ -24,6 +26,7 @@ pub mod fetcher;
 pub mod http;
 pub mod lease;
 pub mod metrics;
+pub mod placement;
 pub mod state;
 
 use std::sync::Arc;

@@ -310,6 +310,14 @@ impl Broker {
         read(&self.cancelled, CANCELS).get(queue).is_some_and(|ids| ids.contains(id))
     }
 
+    /// Until when `key` is held in `partition` of `queue` (the inner none: free),
+    /// when this broker serves the partition.
+    pub fn unique_held_until(&self, queue: &QueueRuntime, partition: i32, key: &str) -> Option<Option<i64>> {
+        let buffer = queue.partition(partition)?;
+        let held = lock(&buffer, BUFFER).unique_held_until(key, now_ms());
+        Some(held)
+    }
+
     /// Records not fetched yet of the partitions of `queue` served here.
     pub fn unfetched(&self, queue: &QueueRuntime) -> i64 {
         lock(&queue.lag, LAG).values().sum()

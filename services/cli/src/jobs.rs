@@ -31,6 +31,15 @@ pub enum JobsCommand {
         /// jobs of one key run at once.
         #[arg(long)]
         concurrency_key: Option<String>,
+        /// Unique key: a job of a key held by an earlier one is refused (by this
+        /// command when the brokers say it is held, else by the broker, to the
+        /// dead-letter topic as a duplicate).
+        #[arg(long)]
+        unique_key: Option<String>,
+        /// How long the unique key is held after the enqueue (default: the
+        /// queue's `unique_for_ms`; 0: until the job finishes).
+        #[arg(long, requires = "unique_key")]
+        unique_for_ms: Option<i64>,
     },
     /// Depth, in flight, delayed, dead, rate and owners of every queue (or one).
     Stats {
@@ -60,7 +69,17 @@ pub enum JobsCommand {
 pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<()> {
     let names = TopicNames::new(&config.kafka.topic_prefix);
     match command {
-        JobsCommand::Enqueue { queue, payload, id, run_at, key, priority, concurrency_key } => {
+        JobsCommand::Enqueue {
+            queue,
+            payload,
+            id,
+            run_at,
+            key,
+            priority,
+            concurrency_key,
+            unique_key,
+            unique_for_ms,
+        } => {
             let payload: serde_json::Value = serde_json::from_str(&payload).context("the payload must be JSON")?;
             let id = id.unwrap_or_else(|| format!("job-{:016x}", rand::random::<u64>()));
             let mut job = serde_json::json!({"id": id, "payload": payload});
@@ -76,6 +95,19 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
             if let Some(key) = &concurrency_key {
                 job["concurrency_key"] = key.clone().into();
             }
+            if let Some(key) = &unique_key {
+                job["unique_key"] = key.clone().into();
+                if let Some(held_until) = unique_held(config, &queue, key).await {
+                    let until = match held_until {
+                        i64::MAX => "until the job holding it finishes".to_string(),
+                        ms => format!("until {ms} ms since the epoch"),
+                    };
+                    bail!("refused: unique_key {key:?} is held {until} on queue {queue}; the job was not enqueued");
+                }
+            }
+            if let Some(ms) = unique_for_ms {
+                job["unique_for_ms"] = ms.into();
+            }
             let bytes = serde_json::to_vec(&job)?;
             let parsed = Job::parse(&bytes).map_err(anyhow::Error::msg)?;
             // A queue declared here is checked as its brokers check it (one declared
@@ -85,7 +117,7 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
                 declared.policy().check(&parsed).map_err(|reason| anyhow::anyhow!("queue {queue}: {reason}"))?;
             }
             // Jobs of one key land together (a broker forwards one that does not).
-            let record_key = concurrency_key.as_deref().or(key.as_deref()).unwrap_or(&id);
+            let record_key = unique_key.as_deref().or(concurrency_key.as_deref()).or(key.as_deref()).unwrap_or(&id);
             send(config, &names.jobs(&queue), record_key, &bytes).await?;
             println!("enqueued {id} on {queue}");
             Ok(())
@@ -225,4 +257,26 @@ fn limits_line(stats: &QueueStats) -> String {
         parts.join(", "),
         if keys.is_empty() { "none".into() } else { keys.join(", ") }
     )
+}
+
+/// Asks the broker serving `key`'s partition whether the unique key is held (until
+/// when); none when it is free or no broker could say (the broker decides then).
+async fn unique_held(config: &TallyConfig, queue: &str, key: &str) -> Option<i64> {
+    let client = reqwest::Client::builder().timeout(std::time::Duration::from_secs(5)).build().ok()?;
+    let token = config.auth.operator_token.as_ref().or(config.auth.worker_token.as_ref());
+    let get = |url: String| {
+        let request = client.get(url);
+        match token {
+            Some(token) => request.bearer_auth(token),
+            None => request,
+        }
+    };
+    let stats: QueueStats =
+        get(format!("http://{}/v1/queues/{queue}", config.broker.listen)).send().await.ok()?.json().await.ok()?;
+    let partition = tally_core::jobs::limits::partition_of(key, stats.partitions.len() as i32);
+    let owner = stats.partitions.iter().find(|p| p.partition == partition)?.owner.clone()?;
+    let encoded = percent_encoding::utf8_percent_encode(key, percent_encoding::NON_ALPHANUMERIC);
+    let answer: serde_json::Value =
+        get(format!("http://{owner}/v1/queues/{queue}/unique/{encoded}")).send().await.ok()?.json().await.ok()?;
+    answer["held_until"].as_i64()
 }

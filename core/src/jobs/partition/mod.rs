@@ -34,6 +34,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::limits::{AtLimit, Limits};
 use super::schedule::RetrySchedule;
+use super::unique::UniqueKeys;
 use super::Job;
 
 /// The settings of a queue that the buffer applies.
@@ -55,6 +56,9 @@ pub struct QueuePolicy {
     pub priority_aging_ms: i64,
     /// Jobs in flight per concurrency key and in total ([`super::limits`]).
     pub limits: Limits,
+    /// The longest window a unique job may hold its key for, and the default of
+    /// one that names none (0: until it finishes) ([`super::unique`]).
+    pub unique_for_ms: i64,
 }
 
 impl QueuePolicy {
@@ -68,8 +72,19 @@ impl QueuePolicy {
                 "priority: {level} is past the queue's levels (0 to {})",
                 self.priority_levels.saturating_sub(1)
             )),
-            _ => self.limits.key_of(job).map(|_| ()),
+            _ => match job.unique_for_ms {
+                Some(ms) if ms > self.unique_for_ms => Err(format!(
+                    "unique_for_ms: {ms} is past the queue's unique_for_ms ({}), the longest window it replays",
+                    self.unique_for_ms
+                )),
+                _ => self.limits.key_of(job).map(|_| ()),
+            },
         }
+    }
+
+    /// How long a unique job holds its key (0: until it finishes).
+    pub fn unique_window(&self, job: &Job) -> i64 {
+        job.unique_for_ms.unwrap_or(self.unique_for_ms)
     }
 
     /// The level `job` starts at when it becomes ready.
@@ -90,6 +105,7 @@ impl Default for QueuePolicy {
             priority_levels: 1,
             priority_aging_ms: 0,
             limits: Limits::default(),
+            unique_for_ms: 0,
         }
     }
 }
@@ -241,6 +257,8 @@ pub struct PartitionQueue {
     ended: Vec<Failure>,
     /// Let go ([`PartitionQueue::retire`]): nothing is handed out or extended.
     retired: bool,
+    /// The unique keys held ([`super::unique`]).
+    unique: UniqueKeys,
 }
 
 /// What a held job costs in memory, roughly.
@@ -275,6 +293,30 @@ impl PartitionQueue {
             hold_until: i64::MIN,
             ended: Vec::new(),
             retired: false,
+            unique: UniqueKeys::default(),
+        }
+    }
+
+    /// Decides whether the job at `offset`, enqueued at `at`, is a duplicate
+    /// (the reason) before it is pushed; a job without a unique key is never one.
+    pub fn admit_unique(&mut self, offset: i64, job: &Job, at: i64) -> Result<(), String> {
+        let Some(key) = &job.unique_key else { return Ok(()) };
+        self.unique.admit(key, offset, at, self.policy.unique_window(job))
+    }
+
+    /// Until when `key` is held for a job enqueued at `at` (`i64::MAX`: until a
+    /// job finishes); none: free.
+    pub fn unique_held_until(&self, key: &str, at: i64) -> Option<i64> {
+        self.unique.held_until(key, at)
+    }
+
+    /// Replays a finished job below the committed offset (a take-over): it holds
+    /// its key for its window, as it did when it was enqueued.
+    pub fn replay_unique(&mut self, offset: i64, job: &Job, at: i64) {
+        if let Some(key) = &job.unique_key {
+            if self.unique.admit(key, offset, at, self.policy.unique_window(job)).is_ok() {
+                self.unique.finish(key, offset);
+            }
         }
     }
 
@@ -668,6 +710,9 @@ impl PartitionQueue {
     fn remove(&mut self, offset: i64) {
         let Some(entry) = self.entries.remove(&offset) else { return };
         self.held_bytes -= job_bytes(&entry.job);
+        if let Some(key) = &entry.job.unique_key {
+            self.unique.finish(key, offset);
+        }
         self.ready_heads.remove(&(std::cmp::Reverse(entry.level), offset));
         let Some(key) = entry.job.key else { return };
         let Some(offsets) = self.by_key.get_mut(&key) else { return };

@@ -12,6 +12,8 @@ fn job(id: usize, key: Option<u8>, run_at: Option<i64>) -> Job {
         key: key.map(|k| format!("k{k}")),
         priority: None,
         concurrency_key: None,
+        unique_key: None,
+        unique_for_ms: None,
     }
 }
 

@@ -1,0 +1,120 @@
+//! Where a job lives, and what a broker taking a partition replays of it.
+//!
+//! A job of a unique key, or of a concurrency key on a per-key limited queue,
+//! lives in its key's partition ([`tally_core::jobs::limits::partition_of`]): the
+//! fetcher forwards one fetched elsewhere. A broker taking a partition of a queue
+//! whose unique jobs hold their keys for a window replays the log's finished jobs
+//! of that window, so it decides duplicates as its predecessors did.
+
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rdkafka::Message;
+use tally_core::jobs::limits::{partition_of, Limits};
+use tally_core::jobs::partition::PartitionQueue;
+use tally_core::jobs::Job;
+use tally_shared::kafka::{client_config, now_ms};
+
+use crate::error::Result;
+use crate::fetcher::check_delay;
+use crate::state::QueueRuntime;
+
+/// The partition a job lives in: its unique key's, or its concurrency key's on a
+/// per-key limited queue (none: any); an error when the two differ.
+pub fn home_partition(limits: &Limits, job: &Job, partitions: i32) -> std::result::Result<Option<i32>, String> {
+    let unique = job.unique_key.as_deref().map(|key| partition_of(key, partitions));
+    let limited = match limits.per_key_limited() {
+        true => limits.key_of(job).ok().flatten().map(|key| partition_of(&key, partitions)),
+        false => None,
+    };
+    match (unique, limited) {
+        (Some(unique), Some(limited)) if unique != limited => Err(format!(
+            "unique_key and concurrency key live in different partitions ({unique} and {limited}): every job of a \
+             key lives in its key's partition; give the job one of them, or the same key for both"
+        )),
+        (unique, limited) => Ok(unique.or(limited)),
+    }
+}
+
+/// Replays the finished jobs of a partition whose unique keys may still be held
+/// by their window — from `unique_for_ms` before the first unfinished job (or
+/// now) up to the committed offset `start` — into `buffer`: the decisions the
+/// previous owners made, made again. How many jobs it read.
+pub fn replay_unique(
+    kafka: &tally_shared::config::KafkaConfig,
+    queue: &QueueRuntime,
+    partition: i32,
+    start: i64,
+    buffer: &mut PartitionQueue,
+) -> Result<usize> {
+    let timeout = Duration::from_secs(30);
+    let mut config = client_config(kafka)?;
+    config.set("group.id", "tally-reader").set("enable.auto.commit", "false");
+    let consumer: BaseConsumer = config.create()?;
+    let (low, high) = consumer.fetch_watermarks(&queue.topic, partition, timeout)?;
+    let policy = buffer.policy().clone();
+    let partitions = queue.decl().partitions;
+    // The first unfinished job's time (or now): a window that ended before it is
+    // over for every job still to come.
+    let mut first_unfinished = now_ms();
+    if start < high {
+        if let Some((_, at, _)) = read_range(&consumer, &queue.topic, partition, start, start + 1, timeout)?.first() {
+            first_unfinished = first_unfinished.min(*at);
+        }
+    }
+    let from_time = first_unfinished.saturating_sub(policy.unique_for_ms);
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(&queue.topic, partition, Offset::Offset(from_time))?;
+    let found = consumer.offsets_for_times(tpl, timeout)?;
+    let from = match found.find_partition(&queue.topic, partition).map(|e| e.offset()) {
+        Some(Offset::Offset(offset)) => offset.max(low),
+        _ => start,
+    };
+    let records = read_range(&consumer, &queue.topic, partition, from, start.min(high), timeout)?;
+    let max_delay_ms = queue.decl().max_delay_ms();
+    for (offset, at, payload) in &records {
+        // Admitted as the fetch admits jobs: parsed, in time, allowed, at home.
+        let Ok(job) = Job::parse(payload).and_then(|job| check_delay(job, *at, max_delay_ms)) else { continue };
+        let home = home_partition(&policy.limits, &job, partitions);
+        if policy.check(&job).is_ok() && (home == Ok(None) || home == Ok(Some(partition))) {
+            buffer.replay_unique(*offset, &job, *at);
+        }
+    }
+    Ok(records.len())
+}
+
+/// The records of `[from, until)` of one partition: offset, enqueue time, payload.
+fn read_range(
+    consumer: &BaseConsumer,
+    topic: &str,
+    partition: i32,
+    from: i64,
+    until: i64,
+    timeout: Duration,
+) -> Result<Vec<(i64, i64, Vec<u8>)>> {
+    let mut records = Vec::new();
+    if from >= until {
+        return Ok(records);
+    }
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, partition, Offset::Offset(from))?;
+    consumer.assign(&tpl)?;
+    let deadline = Instant::now() + timeout;
+    while records.last().is_none_or(|(offset, _, _)| offset + 1 < until) {
+        if Instant::now() >= deadline {
+            let what = format!("{topic}/{partition}: could not read {from}..{until} in {timeout:?}");
+            return Err(crate::Error::Broker(what));
+        }
+        match consumer.poll(Duration::from_millis(200)) {
+            Some(Ok(message)) if message.offset() < until => {
+                let at = message.timestamp().to_millis().filter(|ts| *ts >= 0).unwrap_or_else(now_ms);
+                records.push((message.offset(), at, message.payload().unwrap_or_default().to_vec()));
+            }
+            Some(Ok(_)) => break,
+            Some(Err(err)) => tracing::warn!(topic, partition, error = %err, "replaying unique keys"),
+            None => {}
+        }
+    }
+    Ok(records)
+}
