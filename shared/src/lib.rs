@@ -47,6 +47,7 @@ pub mod progress;
 pub mod read_link;
 pub mod rest;
 pub mod sched;
+pub mod schedules;
 pub mod service;
 pub mod shutdown;
 pub mod snapshot;

@@ -104,6 +104,10 @@ pub struct QueueDecl {
     /// its log. 0 (the default): unique jobs hold their key until they finish.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub unique_for_ms: i64,
+    /// Jobs enqueued on a cron schedule (`[[queue.schedule]]`), one per tick
+    /// whatever the number of brokers.
+    #[serde(rename = "schedule", default, skip_serializing_if = "Vec::is_empty")]
+    pub schedules: Vec<crate::schedules::ScheduleDecl>,
 }
 
 fn is_zero(ms: &i64) -> bool {
@@ -220,6 +224,38 @@ pub struct Declarations {
     pub queues: Vec<QueueDecl>,
 }
 
+/// A queue's schedules: each valid, their names distinct, and the queue holding
+/// a tick's unique key long enough for a failover (`unique_for_ms`).
+fn check_schedules(queue: &QueueDecl) -> Result<()> {
+    let fail = |why: String| Err(Error::Topics(format!("queue {}: {why}", queue.name)));
+    if queue.schedules.is_empty() {
+        return Ok(());
+    }
+    if queue.schedules.len() > crate::schedules::MAX_SCHEDULES {
+        return fail(format!("at most {} schedules", crate::schedules::MAX_SCHEDULES));
+    }
+    if queue.unique_for_ms < 60_000 {
+        return fail(
+            "schedules need unique_for_ms of at least 60000: a tick's job holds its tick for that long, so no \
+             broker enqueues it twice (and a missed tick is caught up only while its last run is that recent)"
+                .into(),
+        );
+    }
+    let mut names = std::collections::BTreeSet::new();
+    for decl in &queue.schedules {
+        if let Err(why) = crate::schedules::Schedule::new(decl.clone()) {
+            return fail(why);
+        }
+        if !names.insert(&decl.name) {
+            return fail(format!("schedule {:?} is declared twice", decl.name));
+        }
+        if decl.priority.is_some_and(|level| level >= queue.priority_levels.max(1)) {
+            return fail(format!("schedule {}: priority is past the queue's priority_levels", decl.name));
+        }
+    }
+    Ok(())
+}
+
 impl Declarations {
     /// Parses one file of declarations as it is (no built-in ones added).
     pub fn parse(text: &str) -> Result<Self> {
@@ -255,6 +291,7 @@ impl Declarations {
                 .limits
                 .check(queue.partitions)
                 .map_err(|err| Error::Topics(format!("queue {}: {err}", queue.name)))?;
+            check_schedules(queue)?;
             if !(0..=queue.max_delay_ms()).contains(&queue.unique_for_ms) {
                 return Err(Error::Topics(format!(
                     "queue {}: unique_for_ms must be 0 (until a job finishes) to {} (the queue's retention less a \

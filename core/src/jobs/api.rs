@@ -57,6 +57,12 @@ pub struct DequeuedJob {
     pub concurrency_key: Option<String>,
     /// When the lease ends unless extended (ms since the epoch).
     pub lease_deadline: i64,
+    /// Where the job is in its queue's topic: the same for every attempt, so a
+    /// worker can tell a rerun (same place) from another job of the same id.
+    #[serde(default)]
+    pub partition: i32,
+    #[serde(default)]
+    pub offset: i64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -177,7 +183,22 @@ pub struct QueueStats {
     /// [`TOP_KEYS`], most first) of the partitions answered for.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub top_keys: Vec<KeyInFlight>,
+    /// The queue's schedules and their next runs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub schedules: Vec<ScheduleInfo>,
     pub partitions: Vec<PartitionInfo>,
+}
+
+/// A schedule of a queue, and when it fires next.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScheduleInfo {
+    pub name: String,
+    pub cron: String,
+    pub time_zone: String,
+    /// `once` or `skip`: what an outage's missed ticks become.
+    pub missed: String,
+    /// The next tick (ms since the epoch; none: never again).
+    pub next_at: Option<i64>,
 }
 
 /// How many concurrency keys the stats list.

@@ -9,6 +9,7 @@
 //! tests can drive them through any history.
 
 pub mod api;
+pub mod cron;
 pub mod limits;
 pub mod partition;
 pub mod schedule;
@@ -50,6 +51,31 @@ pub struct Job {
     /// `unique_for_ms`, its default); 0: until the job finishes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unique_for_ms: Option<i64>,
+    /// A tick of a queue's schedule, enqueued by a broker: unique by schedule and
+    /// time, and every tick of a schedule lives in the schedule's partition.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tick: Option<Tick>,
+}
+
+/// Which schedule enqueued a job, for which time.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tick {
+    pub schedule: String,
+    /// The time it fires for (ms since the epoch).
+    pub at: i64,
+}
+
+impl Tick {
+    /// The unique key of the tick's job.
+    pub fn unique_key(&self) -> String {
+        format!("schedule/{}/{}", self.schedule, self.at)
+    }
+
+    /// What decides the partition of every tick of `schedule`.
+    pub fn partition_key(schedule: &str) -> String {
+        format!("schedule/{schedule}")
+    }
 }
 
 impl PartialEq for Job {
@@ -62,10 +88,20 @@ impl PartialEq for Job {
             && self.concurrency_key == other.concurrency_key
             && self.unique_key == other.unique_key
             && self.unique_for_ms == other.unique_for_ms
+            && self.tick == other.tick
     }
 }
 
 impl Job {
+    /// The key that makes it unique: its own, or its tick's.
+    pub fn unique_key(&self) -> Option<std::borrow::Cow<'_, str>> {
+        match (&self.unique_key, &self.tick) {
+            (Some(key), _) => Some(std::borrow::Cow::Borrowed(key)),
+            (None, Some(tick)) => Some(std::borrow::Cow::Owned(tick.unique_key())),
+            (None, None) => None,
+        }
+    }
+
     /// Parses and checks an enqueued job; the error is the reason for the dead-letter topic.
     pub fn parse(bytes: &[u8]) -> Result<Job, String> {
         let text = std::str::from_utf8(bytes).map_err(|err| format!("job: not UTF-8 ({err})"))?;
@@ -85,6 +121,12 @@ impl Job {
         }
         if job.unique_for_ms.is_some() && job.unique_key.is_none() {
             return Err("unique_for_ms: needs a unique_key".into());
+        }
+        if let Some(tick) = &job.tick {
+            check_id(&tick.schedule).map_err(|why| format!("tick.schedule: {why}"))?;
+            if job.unique_key.is_some() {
+                return Err("tick: a schedule's job is unique by its tick; it takes no unique_key".into());
+            }
         }
         if job.run_at.is_some_and(|at| at < 0) {
             return Err("run_at: must be milliseconds since the epoch (>= 0)".into());
@@ -273,6 +315,7 @@ mod tests {
                 concurrency_key: None,
                 unique_key: None,
                 unique_for_ms: None,
+                tick: None,
             },
             truncated: Truncated::new(),
         }

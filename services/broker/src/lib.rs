@@ -11,6 +11,7 @@
 //!   changed while it runs are served without a restart;
 //! - [`placement`]: which partition a keyed job lives in, and the unique keys a
 //!   take-over replays;
+//! - [`scheduler`]: enqueues the ticks of the queues' schedules, one job each;
 //! - [`cancels`]: follows operators' cancellations, so a cancelled job never runs
 //!   on any broker;
 //! - [`lease`]: lease tokens no worker can forge (an HMAC under a per-process key);
@@ -27,6 +28,7 @@ pub mod http;
 pub mod lease;
 pub mod metrics;
 pub mod placement;
+pub mod scheduler;
 pub mod state;
 
 use std::sync::Arc;
@@ -106,6 +108,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
             .map_err(|err| Error::Broker(err.to_string()))??
     };
 
+    tokio::spawn(scheduler::run(broker.clone(), shutdown.clone()));
     let expiry_broker = broker.clone();
     let expiry_shutdown = shutdown.clone();
     tokio::spawn(async move {

@@ -23,7 +23,11 @@ use crate::state::QueueRuntime;
 /// The partition a job lives in: its unique key's, or its concurrency key's on a
 /// per-key limited queue (none: any); an error when the two differ.
 pub fn home_partition(limits: &Limits, job: &Job, partitions: i32) -> std::result::Result<Option<i32>, String> {
-    let unique = job.unique_key.as_deref().map(|key| partition_of(key, partitions));
+    let unique = match (&job.tick, &job.unique_key) {
+        (Some(tick), _) => Some(partition_of(&tally_core::jobs::Tick::partition_key(&tick.schedule), partitions)),
+        (None, Some(key)) => Some(partition_of(key, partitions)),
+        (None, None) => None,
+    };
     let limited = match limits.per_key_limited() {
         true => limits.key_of(job).ok().flatten().map(|key| partition_of(&key, partitions)),
         false => None,

@@ -105,7 +105,8 @@ impl QueueRuntime {
         lock(&self.partitions, PARTITIONS).iter().map(|(k, v)| (*k, v.clone())).collect()
     }
 
-    fn partition(&self, partition: i32) -> Option<Arc<Mutex<PartitionQueue>>> {
+    /// The buffer of `partition` when this broker serves it.
+    pub fn partition(&self, partition: i32) -> Option<Arc<Mutex<PartitionQueue>>> {
         lock(&self.partitions, PARTITIONS).get(&partition).cloned()
     }
 
@@ -127,6 +128,26 @@ impl QueueRuntime {
         let decl = self.decl();
         decl.fifo || !decl.limits.is_empty()
     }
+}
+
+/// A queue's schedules as the stats show them, with their next runs.
+fn schedule_infos(
+    schedules: &[tally_shared::schedules::ScheduleDecl],
+    now: i64,
+) -> Vec<tally_core::jobs::api::ScheduleInfo> {
+    schedules
+        .iter()
+        .map(|decl| tally_core::jobs::api::ScheduleInfo {
+            name: decl.name.clone(),
+            cron: decl.cron.clone(),
+            time_zone: decl.time_zone.clone(),
+            missed: match decl.missed {
+                tally_shared::schedules::Missed::Once => "once".into(),
+                tally_shared::schedules::Missed::Skip => "skip".into(),
+            },
+            next_at: tally_shared::schedules::Schedule::new(decl.clone()).ok().and_then(|s| s.next_after(now)),
+        })
+        .collect()
 }
 
 /// A broker's share of a queue's rate limit, in dequeues per second: the limit in
@@ -246,6 +267,8 @@ impl Broker {
                     key: handout.job.key,
                     priority: handout.job.priority,
                     concurrency_key: handout.ckey,
+                    partition: *partition,
+                    offset: handout.offset,
                     lease_deadline: handout.deadline,
                 });
             }
@@ -428,6 +451,7 @@ impl Broker {
             rate_limit_per_sec: decl.rate_limit_per_sec,
             fifo: decl.fifo,
             limits: decl.limits.clone(),
+            schedules: schedule_infos(&decl.schedules, now),
             ..Default::default()
         };
         let mut keys: Vec<KeyInFlight> = Vec::new();

@@ -57,6 +57,13 @@ pub enum JobsCommand {
         #[arg(long)]
         broker: Option<String>,
     },
+    /// The declared schedules of every queue (or one) and their next runs.
+    Schedules {
+        queue: Option<String>,
+        /// How many next runs to list per schedule.
+        #[arg(long, default_value_t = 3)]
+        next: usize,
+    },
     /// List the dead jobs of a queue not requeued or discarded yet; `--requeue`
     /// enqueues them again (and they leave the list).
     Dead {
@@ -188,6 +195,31 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
                 Some("running") => println!("cancelled {id} on {queue}: its worker stops it on its next heartbeat"),
                 Some("waiting") => println!("cancelled {id} on {queue}: it will not run"),
                 _ => println!("cancelled {id} on {queue}: not fetched yet, it will not run"),
+            }
+            Ok(())
+        }
+        JobsCommand::Schedules { queue, next } => {
+            let declarations = Declarations::load(config.broker.declarations.as_deref())?;
+            let now = tally_shared::kafka::now_ms();
+            let mut listed = 0;
+            for declared in declarations.queues.iter().filter(|q| queue.as_ref().is_none_or(|name| &q.name == name)) {
+                for decl in &declared.schedules {
+                    let schedule = tally_shared::schedules::Schedule::new(decl.clone()).map_err(anyhow::Error::msg)?;
+                    let runs: Vec<String> =
+                        schedule.ticks(now, i64::MAX, next).into_iter().map(|at| schedule.describe(at)).collect();
+                    println!(
+                        "{} {} {:?} ({}): next {}",
+                        declared.name,
+                        decl.name,
+                        decl.cron,
+                        decl.time_zone,
+                        runs.join(", ")
+                    );
+                    listed += 1;
+                }
+            }
+            if listed == 0 {
+                println!("no schedules declared (add [[queue.schedule]] entries to the declarations file)");
             }
             Ok(())
         }

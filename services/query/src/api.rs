@@ -45,7 +45,8 @@ pub fn router(state: Arc<ApiState>) -> Router {
         // The jobs console's data, from the brokers with their token passed on.
         .route("/v1/jobs", get(crate::jobs::overview))
         .route("/v1/jobs/{queue}/dead", get(crate::jobs::dead))
-        .route("/v1/jobs/{queue}/dead/{action}", post(crate::jobs::decide));
+        .route("/v1/jobs/{queue}/dead/{action}", post(crate::jobs::decide))
+        .route("/v1/jobs/{queue}/cancel", post(crate::jobs::cancel));
     let v1 = tally_shared::auth::require(v1, &state.auth, &[tally_shared::auth::Role::Reader]);
     Router::new()
         .merge(crate::dashboard::router())

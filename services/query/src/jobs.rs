@@ -22,7 +22,7 @@ use axum::response::{IntoResponse, Response};
 use futures::future::join_all;
 use serde::Serialize;
 use tally_core::assignment::Member;
-use tally_core::jobs::api::{KeyInFlight, PartitionInfo, QueueStats, TOP_KEYS};
+use tally_core::jobs::api::{KeyInFlight, PartitionInfo, QueueStats, ScheduleInfo, TOP_KEYS};
 use tally_core::jobs::limits::Limits;
 use tally_shared::kafka::now_ms;
 use tally_shared::lock::lock;
@@ -112,6 +112,11 @@ struct QueueView {
     /// The concurrency keys with the most jobs in flight over every owner.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     top_keys: Vec<KeyInFlight>,
+    /// Its schedules and their next runs.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    schedules: Vec<ScheduleInfo>,
+    /// Jobs cancelled by operators, over every broker since it started.
+    cancelled: u64,
     partitions: Vec<PartitionInfo>,
 }
 
@@ -126,9 +131,11 @@ struct JobsOverview {
 /// owner reports it (as any broker does when no broker owns it), rates summed.
 fn merge(answers: Vec<Vec<QueueStats>>) -> Vec<QueueView> {
     let mut queues: BTreeMap<String, (QueueStats, f64)> = BTreeMap::new();
+    let mut cancelled: BTreeMap<String, u64> = BTreeMap::new();
     let mut keys: BTreeMap<String, BTreeMap<String, KeyInFlight>> = BTreeMap::new();
     for stats in answers.into_iter().flatten() {
         let rate = stats.rate;
+        *cancelled.entry(stats.queue.clone()).or_default() += stats.cancelled;
         // A key lives in one partition: its owner's count is the count.
         let of_queue = keys.entry(stats.queue.clone()).or_default();
         for key in &stats.top_keys {
@@ -155,6 +162,7 @@ fn merge(answers: Vec<Vec<QueueStats>>) -> Vec<QueueView> {
             let mut top_keys: Vec<KeyInFlight> = keys.remove(&stats.queue).unwrap_or_default().into_values().collect();
             top_keys.sort_by(|a, b| b.in_flight.cmp(&a.in_flight).then_with(|| a.key.cmp(&b.key)));
             top_keys.truncate(TOP_KEYS);
+            let cancelled = cancelled.get(&stats.queue).copied().unwrap_or(0);
             QueueView {
                 queue: stats.queue,
                 depth: (ready + delayed) as i64 + lag,
@@ -170,6 +178,8 @@ fn merge(answers: Vec<Vec<QueueStats>>) -> Vec<QueueView> {
                 fifo: stats.fifo,
                 limits: stats.limits,
                 top_keys,
+                schedules: stats.schedules,
+                cancelled,
                 partitions,
             }
         })
@@ -285,6 +295,18 @@ pub async fn dead(
     pass_on(&state, Method::GET, &target, &headers, Bytes::new()).await
 }
 
+/// `POST /v1/jobs/{queue}/cancel`: passed to a live broker as it came (body and
+/// `Authorization`: the operators' token).
+pub async fn cancel(
+    State(state): State<Arc<ApiState>>,
+    Path(queue): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let target = format!("/v1/queues/{}/cancel", encode(&queue));
+    pass_on(&state, Method::POST, &target, &headers, body).await
+}
+
 /// `POST /v1/jobs/{queue}/dead/requeue|discard`: passed to a live broker as it
 /// came (body and `Authorization`).
 pub async fn decide(
@@ -371,6 +393,8 @@ mod tests {
                 fifo: false,
                 limits: Limits::default(),
                 top_keys: vec![key("t1", 2), key("t2", 2), key("t3", 1)],
+                schedules: Vec::new(),
+                cancelled: 0,
                 partitions: vec![partition(0, "a", true, 10), partition(1, "b", true, 20)],
             }]
         );

@@ -257,6 +257,8 @@ mod tests {
             priority: None,
             concurrency_key: None,
             lease_deadline: 0,
+            partition: 0,
+            offset: 0,
         }
     }
 

@@ -259,6 +259,8 @@ pub struct PartitionQueue {
     retired: bool,
     /// The unique keys held ([`super::unique`]).
     unique: UniqueKeys,
+    /// The latest tick accepted of each schedule whose ticks live here.
+    latest_ticks: HashMap<String, i64>,
 }
 
 /// What a held job costs in memory, roughly.
@@ -294,14 +296,29 @@ impl PartitionQueue {
             ended: Vec::new(),
             retired: false,
             unique: UniqueKeys::default(),
+            latest_ticks: HashMap::new(),
         }
     }
 
     /// Decides whether the job at `offset`, enqueued at `at`, is a duplicate
     /// (the reason) before it is pushed; a job without a unique key is never one.
     pub fn admit_unique(&mut self, offset: i64, job: &Job, at: i64) -> Result<(), String> {
-        let Some(key) = &job.unique_key else { return Ok(()) };
-        self.unique.admit(key, offset, at, self.policy.unique_window(job))
+        let Some(key) = job.unique_key() else { return Ok(()) };
+        self.unique.admit(&key, offset, at, self.policy.unique_window(job))?;
+        self.saw_tick(job);
+        Ok(())
+    }
+
+    /// The latest tick of `schedule` accepted here (fetched, or replayed).
+    pub fn latest_tick(&self, schedule: &str) -> Option<i64> {
+        self.latest_ticks.get(schedule).copied()
+    }
+
+    fn saw_tick(&mut self, job: &Job) {
+        if let Some(tick) = &job.tick {
+            let latest = self.latest_ticks.entry(tick.schedule.clone()).or_insert(tick.at);
+            *latest = (*latest).max(tick.at);
+        }
     }
 
     /// Until when `key` is held for a job enqueued at `at` (`i64::MAX`: until a
@@ -313,9 +330,10 @@ impl PartitionQueue {
     /// Replays a finished job below the committed offset (a take-over): it holds
     /// its key for its window, as it did when it was enqueued.
     pub fn replay_unique(&mut self, offset: i64, job: &Job, at: i64) {
-        if let Some(key) = &job.unique_key {
-            if self.unique.admit(key, offset, at, self.policy.unique_window(job)).is_ok() {
-                self.unique.finish(key, offset);
+        if let Some(key) = job.unique_key() {
+            if self.unique.admit(&key, offset, at, self.policy.unique_window(job)).is_ok() {
+                self.unique.finish(&key, offset);
+                self.saw_tick(job);
             }
         }
     }
@@ -710,8 +728,8 @@ impl PartitionQueue {
     fn remove(&mut self, offset: i64) {
         let Some(entry) = self.entries.remove(&offset) else { return };
         self.held_bytes -= job_bytes(&entry.job);
-        if let Some(key) = &entry.job.unique_key {
-            self.unique.finish(key, offset);
+        if let Some(key) = entry.job.unique_key() {
+            self.unique.finish(&key, offset);
         }
         self.ready_heads.remove(&(std::cmp::Reverse(entry.level), offset));
         let Some(key) = entry.job.key else { return };
