@@ -4,7 +4,9 @@
 //! points, hover read-out and window totals equal the read API's answers, a
 //! neighbour link re-plots, the explain view equals `contributors`; the jobs console
 //! asks for the brokers' token, shows the merged queue stats and the dead jobs, and
-//! requeues (the job runs again) and discards them. Screenshots are saved under
+//! requeues (the job runs again) and discards them; its queue card shows a limited
+//! queue's limits, busiest keys and schedules as the API has them and cancels a
+//! running job. Screenshots are saved under
 //! `target/tmp/screenshots/` (the README's tour shows copies).
 
 use std::path::PathBuf;
@@ -564,6 +566,106 @@ async fn jobs_console_shows_queues_and_requeues_and_discards_dead_jobs_with_the_
             && !ids.contains(&requeued.as_str()))
         .then_some(())
         .ok_or(format!("{listing} / {rows:?}"))
+    })
+    .await;
+    browser.close().await;
+}
+
+const LIMITED: &str = r#"
+[[queue]]
+name = "reports"
+partitions = 2
+lease_ms = 5000
+max_lease_ms = 5000
+unique_for_ms = 600000
+
+[queue.limits]
+per_key = 1
+total = 4
+key_field = "tenant"
+
+[[queue.schedule]]
+name = "nightly"
+cron = "0 30 2 * * *"
+time_zone = "Europe/Paris"
+"#;
+
+/// The jobs console's queue card: limits and the busiest keys as the API has
+/// them, a schedule's next run equal to the API's, and a running job cancelled
+/// from the page — its worker is told at its next extend, and it ends dead as
+/// cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_console_shows_limits_and_schedules_and_cancels_a_running_job() {
+    let mut sandbox = Sandbox::start().await;
+    sandbox.spawn("tally-query");
+    let declarations = sandbox.declare(LIMITED).await;
+    let broker = sandbox.spawn_broker("broker-a", &declarations);
+    let job = json!({"id": "report-1", "payload": {"tenant": "acme"}}).to_string().into_bytes();
+    sandbox.produce_to(&sandbox.names.jobs("reports"), &[(Some("report-1".into()), job)]).await;
+    let http = reqwest::Client::new();
+    let call = |action: &'static str, body: Value| {
+        let (http, broker) = (http.clone(), broker.clone());
+        async move {
+            let response = http.post(format!("{broker}/v1/queues/reports/{action}")).json(&body).send().await.unwrap();
+            response.json::<Value>().await.unwrap()
+        }
+    };
+    // Taken partitions of a limited queue wait out max_lease_ms first.
+    let mut running = None;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while running.is_none() {
+        assert!(Instant::now() < deadline, "the job was never handed out:\n{}", sandbox.log("broker-a"));
+        running = call("dequeue", json!({"max": 1, "wait_ms": 1000})).await["jobs"]
+            .as_array()
+            .and_then(|j| j.first().cloned());
+    }
+    let running = running.unwrap();
+    assert_eq!(running["concurrency_key"], "acme");
+
+    let browser = Browser::start().await;
+    browser.open(&format!("{}/jobs?queue=reports", sandbox.query_url)).await;
+    let overview = || async {
+        let body: Value =
+            http.get(format!("{}/v1/jobs", sandbox.query_url)).send().await.unwrap().json().await.unwrap();
+        body["queues"].as_array().unwrap().iter().find(|q| q["queue"] == "reports").cloned().unwrap_or_default()
+    };
+    let lease = json!({"lease": running["lease"], "lease_ms": 5000});
+    eventually("the queue card equals the API", || async {
+        // The worker keeps its lease while the page is read.
+        assert_eq!(call("extend", lease.clone()).await["cancelled"], false);
+        let queue = overview().await;
+        let limits = browser.text("#limits").await;
+        let key = browser.texts("#keys tr[data-key='acme'] td").await;
+        let next = browser.attr("#schedules tr[data-schedule='nightly'] td[data-next-at]", "data-next-at").await;
+        let want_key = queue["top_keys"][0].clone();
+        let ok = limits == "Limits: at most 1 in flight per key (key: payload.tenant) · at most 4 in flight in all"
+            && key == vec!["acme".to_string(), want_key["in_flight"].to_string(), want_key["limit"].to_string()]
+            && want_key == json!({"key": "acme", "in_flight": 1, "limit": 1})
+            && Some(next.as_str()) == queue["schedules"][0]["next_at"].as_i64().map(|at| at.to_string()).as_deref();
+        ok.then_some(()).ok_or(format!("{limits:?} {key:?} {next:?} / {}", queue))
+    })
+    .await;
+    browser.screenshot("jobs-queue.png").await;
+
+    browser.wait_for("#cancel-id").await.send_keys("report-1").await.unwrap();
+    browser.click("#cancel-job").await;
+    eventually("the console says it cancelled the running job", || async {
+        let said = browser.text("#message").await;
+        (said == "report-1: cancelled (it was running: its worker stops it at its next heartbeat).")
+            .then_some(())
+            .ok_or(said)
+    })
+    .await;
+    let extended = call("extend", lease.clone()).await;
+    assert_eq!(extended["cancelled"], true, "{extended}");
+    let nacked = call("nack", json!({"lease": running["lease"], "error": "stopped"})).await;
+    assert_eq!(nacked, json!({"nacked": true}));
+    eventually("the cancelled job listed dead, as cancelled", || async {
+        let row = browser.texts("tr[data-dead-id='report-1'] td").await;
+        let queue = overview().await;
+        (row.get(2).map(String::as_str) == Some("cancelled by an operator") && queue["cancelled"] == 1)
+            .then_some(())
+            .ok_or(format!("{row:?} / cancelled {}", queue["cancelled"]))
     })
     .await;
     browser.close().await;
