@@ -36,6 +36,9 @@ missed = "skip"
 
 const BROKERS: [&str; 3] = ["broker-a", "broker-b", "broker-c"];
 
+/// Each tick's runs, by their place in the topic (partition, offset).
+type Places = BTreeMap<i64, BTreeSet<(i32, i64)>>;
+
 /// The broker serving the schedule's partition, by its name.
 async fn enqueuer(urls: &BTreeMap<&'static str, String>) -> Option<&'static str> {
     let partition = partition_of(&Tick::partition_key("every-second"), 4);
@@ -64,7 +67,7 @@ async fn a_schedule_runs_one_job_per_tick_through_two_kills_of_its_broker() {
     );
 
     // Where each tick's job ran: its place in the topic (a rerun has the same).
-    let ran: Arc<Mutex<BTreeMap<i64, BTreeSet<(i32, i64)>>>> = Arc::default();
+    let ran: Arc<Mutex<Places>> = Arc::default();
     let handler = {
         let ran = ran.clone();
         move |job: DequeuedJob| {

@@ -5,6 +5,8 @@
 //! cancelled, a running one's worker is told on its next extend. A job no broker
 //! holds, on a queue with nothing left to fetch, is unknown: 404.
 
+#![allow(clippy::result_large_err)] // handlers return ready responses as errors
+
 use std::time::Duration;
 
 use axum::extract::rejection::JsonRejection;
@@ -30,13 +32,10 @@ pub async fn cancel(
     headers: HeaderMap,
     request: Result<Json<CancelRequest>, JsonRejection>,
 ) -> Response {
-    let (queue, request) = match (find(&state, &queue), body(request)) {
-        (Ok(queue), Ok(request)) => (queue, request),
-        (Err(response), _) | (_, Err(response)) => return response,
+    let (queue, request) = match checked(&state, &queue, request) {
+        Ok(checked) => checked,
+        Err(response) => return response,
     };
-    if let Err(reason) = check_id(&request.id) {
-        return error(StatusCode::BAD_REQUEST, "invalid_id", reason);
-    }
     let record = JobCancel::new(&queue.name, &request.id, now_ms());
     let Ok(payload) = serde_json::to_vec(&record) else {
         return error(StatusCode::INTERNAL_SERVER_ERROR, "encoding", "cannot encode the cancellation");
@@ -94,14 +93,22 @@ pub async fn held(
     Path(queue): Path<String>,
     request: Result<Json<CancelRequest>, JsonRejection>,
 ) -> Response {
-    let (queue, request) = match (find(&state, &queue), body(request)) {
-        (Ok(queue), Ok(request)) => (queue, request),
-        (Err(response), _) | (_, Err(response)) => return response,
+    let (queue, request) = match checked(&state, &queue, request) {
+        Ok(checked) => checked,
+        Err(response) => return response,
     };
-    if let Err(reason) = check_id(&request.id) {
-        return error(StatusCode::BAD_REQUEST, "invalid_id", reason);
-    }
     let state_here = state.broker.cancel_held(&queue.name, &request.id);
     state.broker.expire_leases();
     Json(HeldCancel { state: state_here, unfetched: state.broker.unfetched(&queue) }).into_response()
+}
+
+/// The queue named and a cancel request naming a valid job id, or the 4xx answer.
+fn checked(
+    state: &ApiState,
+    queue: &str,
+    request: Result<Json<CancelRequest>, JsonRejection>,
+) -> Result<(std::sync::Arc<crate::state::QueueRuntime>, CancelRequest), Response> {
+    let (queue, request) = (find(state, queue)?, body(request)?);
+    check_id(&request.id).map_err(|reason| error(StatusCode::BAD_REQUEST, "invalid_id", reason))?;
+    Ok((queue, request))
 }

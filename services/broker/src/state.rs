@@ -393,7 +393,7 @@ impl Broker {
                     offset,
                     attempts,
                     error,
-                    job,
+                    job: *job,
                     truncated: Default::default(),
                 };
                 let broker = self.clone();

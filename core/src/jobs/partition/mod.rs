@@ -184,7 +184,7 @@ pub enum Failure {
     Retry { offset: i64, at: i64 },
     /// Out of attempts: publish it to the dead topic, then call
     /// [`PartitionQueue::finish_dead`].
-    Dead { offset: i64, attempts: u32, error: String, job: Job },
+    Dead { offset: i64, attempts: u32, error: String, job: Box<Job> },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -397,7 +397,7 @@ impl PartitionQueue {
                     offset,
                     attempts: entry.attempts,
                     error: CANCELLED.to_string(),
-                    job: entry.job.clone(),
+                    job: Box::new(entry.job.clone()),
                 };
                 if self.timed.remove(&(ready_at, offset)) {
                     self.timed_bytes -= self.bytes_at(offset);
@@ -489,7 +489,7 @@ impl PartitionQueue {
                     "dropped: its concurrency key {key:?} had {limit} jobs in flight, its limit \
                      (the queue's limits.at_limit = \"drop_newest\")"
                 );
-                let failure = Failure::Dead { offset, attempts: 0, error, job: entry.job.clone() };
+                let failure = Failure::Dead { offset, attempts: 0, error, job: Box::new(entry.job.clone()) };
                 self.ended.push(failure);
                 if let Some(entry) = self.entries.get_mut(&offset) {
                     entry.state = State::Dying;
@@ -764,7 +764,7 @@ impl PartitionQueue {
         if entry.attempts >= policy.max_attempts || entry.cancelled {
             entry.state = State::Dying;
             let error = if entry.cancelled { CANCELLED.to_string() } else { error.to_string() };
-            return Failure::Dead { offset, attempts: entry.attempts, error, job: entry.job.clone() };
+            return Failure::Dead { offset, attempts: entry.attempts, error, job: Box::new(entry.job.clone()) };
         }
         let wait = retry_in_ms.unwrap_or_else(|| policy.backoff.delay_ms(entry.attempts)).max(0);
         let at = now.saturating_add(wait);
