@@ -175,10 +175,10 @@ def limits_problems(limits: dict, partitions: int) -> list[str]:
     total = limits.get("total")
     if total is not None and (not isinstance(total, int) or total < max(1, partitions)):
         problems.append(f"limits: total must be at least the queue's partitions ({partitions})")
-    if limits.get("at_limit", "wait") not in ("wait", "drop_newest"):
-        problems.append("limits: at_limit must be wait or drop_newest")
-    if limits.get("at_limit") == "drop_newest" and "per_key" not in limits and not overrides:
-        problems.append("limits: drop_newest needs a per-key limit")
+    if limits.get("at_limit", "wait") not in ("wait", "drop_newest", "cancel_in_progress"):
+        problems.append("limits: at_limit must be wait, drop_newest or cancel_in_progress")
+    if limits.get("at_limit", "wait") != "wait" and "per_key" not in limits and not overrides:
+        problems.append("limits: drop_newest and cancel_in_progress need a per-key limit")
     return problems
 
 

@@ -63,6 +63,9 @@ pub enum AtLimit {
     Wait,
     /// It is dropped: written to the dead topic as `dropped`, never run.
     DropNewest,
+    /// The jobs of its key in flight are cancelled (their workers are told on
+    /// their next extend; they end dead, never retried) and it runs in their place.
+    CancelInProgress,
 }
 
 impl AtLimit {
@@ -106,8 +109,11 @@ impl Limits {
             }
             _ => {}
         }
-        if self.at_limit == AtLimit::DropNewest && !self.per_key_limited() {
-            return Err("limits: at_limit = \"drop_newest\" needs a per-key limit (per_key or overrides)".into());
+        if self.at_limit != AtLimit::Wait && !self.per_key_limited() {
+            return Err(
+                "limits: at_limit = \"drop_newest\" or \"cancel_in_progress\" needs a per-key limit (per_key or overrides)"
+                    .into(),
+            );
         }
         Ok(())
     }
@@ -240,6 +246,8 @@ mod tests {
         assert!(check(Limits { total: Some(3), ..Default::default() }).contains("at least the queue's partitions (4)"));
         assert!(check(Limits { at_limit: AtLimit::DropNewest, total: Some(9), ..Default::default() })
             .contains("drop_newest"));
+        let cancelling = Limits { at_limit: AtLimit::CancelInProgress, total: Some(9), ..Default::default() };
+        assert!(check(cancelling).contains("needs a per-key limit"));
         let empty_pattern =
             Limits { overrides: vec![KeyOverride { pattern: String::new(), per_key: 1 }], ..Default::default() };
         assert!(check(empty_pattern).contains("pattern"));

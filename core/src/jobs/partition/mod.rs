@@ -136,8 +136,9 @@ struct Entry {
     ready_since: i64,
     /// Its concurrency key ([`Limits::key_of`]).
     ckey: Option<String>,
-    /// Cancelled while it ran: its attempt ends as cancelled, never retried.
-    cancelled: bool,
+    /// Cancelled while it ran (why: [`CANCELLED`], [`SUPERSEDED`]): its attempt
+    /// ends so, never retried.
+    cancelled: Option<&'static str>,
 }
 
 /// Where a ready job sits: higher levels first, then lower offsets.
@@ -158,6 +159,10 @@ pub struct Handout {
 
 /// The error a cancelled job ends with on the dead topic.
 pub const CANCELLED: &str = "cancelled by an operator";
+
+/// The error a running job cancelled by a newer job of its key ends with
+/// (`limits.at_limit = "cancel_in_progress"`).
+pub const SUPERSEDED: &str = "cancelled: a newer job of its concurrency key superseded it";
 
 /// What a cancelled job was doing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -387,7 +392,7 @@ impl PartitionQueue {
         match entry.state {
             State::Dying => None,
             State::Leased { .. } => {
-                entry.cancelled = true;
+                entry.cancelled = Some(CANCELLED);
                 Some(Cancelled::Running)
             }
             State::Waiting => {
@@ -497,6 +502,11 @@ impl PartitionQueue {
                 return;
             }
         }
+        if self.policy.limits.at_limit == AtLimit::CancelInProgress && entry.attempts == 0 {
+            if let Some(key) = entry.ckey.clone().filter(|key| self.at_limit(key)) {
+                self.supersede(&key);
+            }
+        }
         let Some(entry) = self.entries.get_mut(&offset) else { return };
         entry.level = self.policy.level_of(&entry.job);
         entry.rises_at = (aging > 0 && entry.level < top).then(|| since.saturating_add(aging));
@@ -507,6 +517,17 @@ impl PartitionQueue {
             self.aging.insert((at, offset));
         }
         self.file(key);
+    }
+
+    /// Cancels the jobs of `key` in flight: a newer one waits for their slots.
+    fn supersede(&mut self, key: &str) {
+        for offset in self.leases.values() {
+            if let Some(entry) = self.entries.get_mut(offset) {
+                if entry.ckey.as_deref() == Some(key) && entry.cancelled.is_none() {
+                    entry.cancelled = Some(SUPERSEDED);
+                }
+            }
+        }
     }
 
     /// Whether `key` has as many jobs in flight as its limit allows.
@@ -648,7 +669,7 @@ impl PartitionQueue {
             rises_at: None,
             ready_since: 0,
             ckey,
-            cancelled: false,
+            cancelled: None,
         };
         self.entries.insert(offset, entry);
         self.wait(offset, ready_at, now);
@@ -761,9 +782,9 @@ impl PartitionQueue {
         let Some(entry) = self.entries.get_mut(&offset) else {
             return Failure::Retry { offset, at: now };
         };
-        if entry.attempts >= policy.max_attempts || entry.cancelled {
+        if entry.attempts >= policy.max_attempts || entry.cancelled.is_some() {
             entry.state = State::Dying;
-            let error = if entry.cancelled { CANCELLED.to_string() } else { error.to_string() };
+            let error = entry.cancelled.unwrap_or(error).to_string();
             return Failure::Dead { offset, attempts: entry.attempts, error, job: Box::new(entry.job.clone()) };
         }
         let wait = retry_in_ms.unwrap_or_else(|| policy.backoff.delay_ms(entry.attempts)).max(0);
@@ -784,7 +805,7 @@ impl PartitionQueue {
         let entry = self.entries.get_mut(&offset).ok_or(LeaseError::Unknown)?;
         let deadline = now.saturating_add(lease_ms);
         entry.state = State::Leased { lease, deadline };
-        Ok(Extended { deadline, cancelled: entry.cancelled })
+        Ok(Extended { deadline, cancelled: entry.cancelled.is_some() })
     }
 
     /// Fails every lease past its deadline at `now` ("lease expired"). Looks at the

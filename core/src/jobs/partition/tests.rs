@@ -722,3 +722,26 @@ fn a_retired_partition_hands_out_and_extends_nothing() {
     assert_eq!(queue.extend(first.lease, 9_000, 30), Err(LeaseError::Unknown));
     assert_eq!(queue.stats(30).ready, 2, "the rest stay for the next owner");
 }
+
+#[test]
+fn a_new_job_of_a_busy_key_supersedes_the_running_one_when_declared() {
+    use crate::jobs::limits::Limits;
+    let run = |at_limit: AtLimit| {
+        let limits = Limits { per_key: Some(1), at_limit, ..Default::default() };
+        let mut queue = PartitionQueue::new(QueuePolicy { limits, ..Default::default() }, 0, 1);
+        let keyed = |offset: usize| Job { concurrency_key: Some("k".into()), ..job(offset, None, None) };
+        queue.push(0, keyed(0), 0);
+        let first = queue.dequeue(5, 0, 1_000).remove(0);
+        queue.push(1, keyed(1), 10);
+        let told = queue.extend(first.lease, 1_000, 20).map(|e| e.cancelled);
+        let waiting = queue.dequeue(5, 20, 1_000).len();
+        let ended = queue.nack(first.lease, None, "stopped", 30).map(|failure| match failure {
+            Failure::Dead { error, .. } => error,
+            Failure::Retry { .. } => "retried".to_string(),
+        });
+        let next: Vec<i64> = queue.dequeue(5, 40_000, 1_000).iter().map(|h| h.offset).collect();
+        (told, waiting, ended, next)
+    };
+    assert_eq!(run(AtLimit::CancelInProgress), (Ok(true), 0, Ok(SUPERSEDED.to_string()), vec![1]));
+    assert_eq!(run(AtLimit::Wait), (Ok(false), 0, Ok("retried".to_string()), vec![0]));
+}
