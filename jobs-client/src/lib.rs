@@ -346,38 +346,48 @@ async fn run_one<H, F>(
     let margin = |ms: i64| Duration::from_millis((ms - ms / 20).max(0) as u64);
     let mut deadline = Instant::now() + margin(left_ms);
     let stop = CancellationToken::new();
-    let work = handler(job, stop.clone());
-    tokio::pin!(work);
-    // Extend at half the lease while the handler runs.
-    let outcome = loop {
-        let next = (Instant::now() + Duration::from_millis(lease_ms as u64 / 2)).min(deadline);
-        tokio::select! {
-            outcome = &mut work => break Some(outcome),
-            _ = tokio::time::sleep_until(next.into()) => {}
-        }
-        if Instant::now() >= deadline {
-            break None;
-        }
-        let sent = Instant::now();
-        let extend = tokio::time::timeout_at(deadline.into(), client.extend(base, &lease, lease_ms));
-        tokio::pin!(extend);
-        let extended = tokio::select! {
-            outcome = &mut work => break Some(outcome),
-            extended = &mut extend => extended,
-        };
-        match extended {
-            Ok(Ok(false)) => deadline = sent + margin(lease_ms),
-            Ok(Ok(true)) => {
-                // Cancelled: told to stop, then dropped after the grace (within the lease).
-                deadline = sent + margin(lease_ms);
-                stop.cancel();
-                let until = (Instant::now() + grace).min(deadline);
-                tokio::time::timeout_at(until.into(), &mut work).await.ok();
-                break Some(Outcome::Retry { in_ms: None, error: "cancelled".into() });
+    // The handler lives in this block: whatever ends it, it is gone (a command
+    // killed) before the job is acked or nacked.
+    let outcome = {
+        let work = handler(job, stop.clone());
+        tokio::pin!(work);
+        // Extend at half the lease while the handler runs; after a failed extend, again
+        // within a second.
+        let mut every = Duration::from_millis(lease_ms as u64 / 2);
+        loop {
+            let next = (Instant::now() + every).min(deadline);
+            tokio::select! {
+                outcome = &mut work => break Some(outcome),
+                _ = tokio::time::sleep_until(next.into()) => {}
             }
-            Ok(Err(Error::LeaseLost)) => break None,
-            Ok(Err(err)) => tracing::warn!(error = %err, "extending a lease"),
-            Err(_) => break None,
+            if Instant::now() >= deadline {
+                break None;
+            }
+            let sent = Instant::now();
+            let extend = tokio::time::timeout_at(deadline.into(), client.extend(base, &lease, lease_ms));
+            tokio::pin!(extend);
+            let extended = tokio::select! {
+                outcome = &mut work => break Some(outcome),
+                extended = &mut extend => extended,
+            };
+            every = Duration::from_millis(lease_ms as u64 / 2);
+            match extended {
+                Ok(Ok(false)) => deadline = sent + margin(lease_ms),
+                Ok(Ok(true)) => {
+                    // Cancelled: told to stop, then dropped after the grace (within the lease).
+                    deadline = sent + margin(lease_ms);
+                    stop.cancel();
+                    let until = (Instant::now() + grace).min(deadline);
+                    tokio::time::timeout_at(until.into(), &mut work).await.ok();
+                    break Some(Outcome::Retry { in_ms: None, error: "cancelled".into() });
+                }
+                Ok(Err(Error::LeaseLost)) => break None,
+                Ok(Err(err)) => {
+                    tracing::warn!(error = %err, "extending a lease; trying again");
+                    every = every.min(Duration::from_secs(1));
+                }
+                Err(_) => break None,
+            }
         }
     };
     let Some(outcome) = outcome else {

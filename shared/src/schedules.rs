@@ -9,8 +9,8 @@ use tally_core::jobs::{Job, Tick};
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ScheduleDecl {
-    /// `[a-zA-Z0-9._:-]{1,128}`, unique within the queue: a tick's job id is
-    /// `<name>-<ms>`.
+    /// A job id's characters, at most [`MAX_NAME_BYTES`], unique within the
+    /// queue: a tick's job id is `<name>-<ms>`.
     pub name: String,
     /// Six fields with seconds: `sec min hour day-of-month month day-of-week`.
     pub cron: String,
@@ -51,6 +51,9 @@ fn is_utc(zone: &String) -> bool {
     zone == "UTC"
 }
 
+/// The longest schedule name (its ticks' job ids add `-` and up to 20 digits).
+pub const MAX_NAME_BYTES: usize = 100;
+
 /// The most schedules a queue may declare.
 pub const MAX_SCHEDULES: usize = 100;
 
@@ -67,6 +70,10 @@ impl Schedule {
     pub fn new(decl: ScheduleDecl) -> Result<Self, String> {
         let name = decl.name.clone();
         tally_core::validate::check_id(&name).map_err(|why| format!("schedule {name:?}: name: {why}"))?;
+        if name.len() > MAX_NAME_BYTES {
+            // A tick's job id is `<name>-<ms>`, within a job id's bound.
+            return Err(format!("schedule {name:?}: name: at most {MAX_NAME_BYTES} bytes"));
+        }
         let cron = Cron::parse(&decl.cron).map_err(|why| format!("schedule {name}: {why}"))?;
         let zone = jiff::tz::TimeZone::get(&decl.time_zone).map_err(|_| {
             format!(

@@ -117,8 +117,9 @@ impl Cron {
             days: field("day-of-month", days, 1, 31)?,
             months: field("month", months, 1, 12)?,
             weekdays: weekday_bits,
-            days_restricted: days != "*",
-            weekdays_restricted: weekdays != "*",
+            // As Vixie cron: a field that starts with `*` (`*/2` too) restricts nothing.
+            days_restricted: !days.starts_with('*'),
+            weekdays_restricted: !weekdays.starts_with('*'),
         })
     }
 

@@ -14,7 +14,9 @@ use std::collections::{BTreeSet, HashMap};
 /// Who holds a key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Hold {
-    /// Held by its window until this time (enqueue time + window; ms).
+    /// Held by windows until this time: the latest end (enqueue time + window; ms)
+    /// of the key's accepted jobs — kept when a job without a window takes the
+    /// key, so a record enqueued earlier than it, arriving later, still meets them.
     until: i64,
     /// Held until it finishes by the job at this offset (a job without a window).
     job: Option<i64>,
@@ -48,21 +50,27 @@ impl UniqueKeys {
                 ));
             }
         }
+        let before = self.held.get(key).map_or(i64::MIN, |hold| hold.until);
         let hold = if window_ms > 0 {
-            let until = at.saturating_add(window_ms);
+            let until = before.max(at.saturating_add(window_ms));
             self.ends.insert((until, key.to_string()));
             Hold { until, job: None }
         } else {
-            Hold { until: i64::MIN, job: Some(offset) }
+            Hold { until: before, job: Some(offset) }
         };
         self.held.insert(key.to_string(), hold);
         Ok(())
     }
 
-    /// The job at `offset` of `key` finished: a key it holds until then is free.
+    /// The job at `offset` of `key` finished: a key it holds until then is free
+    /// (its windows still hold it).
     pub fn finish(&mut self, key: &str, offset: i64) {
-        if self.held.get(key).is_some_and(|hold| hold.job == Some(offset)) {
-            self.held.remove(key);
+        let Some(hold) = self.held.get_mut(key) else { return };
+        if hold.job == Some(offset) {
+            hold.job = None;
+            if hold.until <= self.latest.saturating_sub(PRUNE_SLACK_MS) {
+                self.held.remove(key);
+            }
         }
     }
 

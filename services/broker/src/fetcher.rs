@@ -128,9 +128,12 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                         }
                         Err(_) => None,
                     };
-                    let (full, rejected) = {
+                    let (full, rejected, refetched) = {
                         let mut buffer = lock(&buffer, BUFFER);
+                        // A re-fetched offset was decided when first fetched.
+                        let refetched = message.offset() < buffer.fetched_until();
                         let rejected = match parsed {
+                            _ if refetched => None,
                             Ok(_) if home.is_some_and(|home| home != partition) => {
                                 // Held until its copy is written in its key's partition.
                                 buffer.reject(message.offset());
@@ -158,7 +161,7 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                                 Some(reason)
                             }
                         };
-                        (!buffer.has_room(now), rejected)
+                        (!buffer.has_room(now), rejected.filter(|_| !refetched), refetched)
                     };
                     // Sent with no lock held: a full producer queue waits here, and
                     // delivery callbacks never wait for this thread.
@@ -166,7 +169,7 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                     if let Some(reason) = rejected {
                         let budget = broker.record_budget;
                         dead_letter(&letters, &dead_letter_topic, &queue.topic, &message, &reason, letter, budget);
-                    } else if let Some(home) = home.filter(|home| *home != partition) {
+                    } else if let Some(home) = home.filter(|home| *home != partition && !refetched) {
                         forward(&letters, &queue.topic, home, &message, letter);
                     }
                     queue.changed.notify_waiters();
@@ -256,8 +259,16 @@ fn reconcile(
             let mut buffer = PartitionQueue::new(policy.clone(), start, broker.next_tenure());
             buffer.set_slots(queue.slots(partition));
             if policy.unique_for_ms > 0 {
-                let replayed = crate::placement::replay_unique(taking.kafka, queue, partition, start, &mut buffer)?;
-                tracing::info!(queue = %queue.name, partition, replayed, "replayed the unique keys held before the committed offset");
+                match crate::placement::replay_unique(taking.kafka, queue, partition, start, &mut buffer) {
+                    Ok(replayed) => tracing::info!(queue = %queue.name, partition, replayed,
+                        "replayed the unique keys held before the committed offset"),
+                    Err(err) => {
+                        // Not served until its keys are known: taken again next round.
+                        tracing::error!(queue = %queue.name, partition, error = %err,
+                            "replaying the unique keys failed; the partition waits");
+                        continue;
+                    }
+                }
             }
             if !policy.limits.is_empty() {
                 // The previous owner's leases count against the limits until they end.

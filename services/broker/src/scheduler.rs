@@ -6,9 +6,11 @@
 //! for the queue's `unique_for_ms`: a tick written twice — by an owner that died
 //! after writing it and by the next, or by two brokers while a partition moves —
 //! runs once, the second write being a duplicate. The owner starts after the
-//! latest tick the partition holds (replayed at take-over, then fetched) and
-//! acts only once its fetch has caught up; ticks more than [`GRACE_MS`] late
-//! (an outage) are missed: the latest is enqueued once, or none, as declared.
+//! latest tick the partition holds (replayed at take-over, then fetched) — or a
+//! minute back when it holds none — and acts only once its fetch has reached the
+//! end of the topic as it was when the broker took the partition; ticks more
+//! than [`GRACE_MS`] late (an outage) are missed: the latest is enqueued once, or
+//! none, as declared.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -35,8 +37,13 @@ const MOST_PER_ROUND: usize = 1_000;
 /// What this broker knows of one schedule it enqueues.
 struct Enqueuing {
     schedule: Schedule,
-    /// Where it started when the partition held no tick of it: no catching up.
+    /// Where it started when the partition held no tick of it: a minute back,
+    /// so a failover's ticks are enqueued, never further.
     origin: i64,
+    /// The partition's fetch position to reach before the first tick is written
+    /// (the end of the topic when this broker first saw it serve the partition):
+    /// the ticks written before are known by then.
+    catch_up: Option<i64>,
     /// Ticks written by this broker and not yet seen fetched.
     written: BTreeSet<i64>,
     /// Ticks up to here were sorted into on time and missed.
@@ -80,11 +87,14 @@ async fn enqueue_due(
         known.remove(&key);
         return;
     };
-    if lock(&queue.lag, LAG).get(&partition) != Some(&0) {
-        return;
-    }
+    let Some(lag) = lock(&queue.lag, LAG).get(&partition).copied() else { return };
     let now = now_ms();
-    let latest = lock(&buffer, BUFFER).latest_tick(&decl.name);
+    let (latest, fetched) = {
+        let buffer = lock(&buffer, BUFFER);
+        (buffer.latest_tick(&decl.name), buffer.fetched_until())
+    };
+    // A tick "from the future" (a producer's record) does not stop the schedule.
+    let latest = latest.filter(|at| *at <= now + GRACE_MS);
     let stale = known.get(&key).is_some_and(|known| known.schedule.decl != decl);
     if stale {
         known.remove(&key);
@@ -94,7 +104,8 @@ async fn enqueue_due(
         std::collections::hash_map::Entry::Vacant(entry) => match Schedule::new(decl) {
             Ok(schedule) => entry.insert(Enqueuing {
                 schedule,
-                origin: now,
+                origin: now - GRACE_MS,
+                catch_up: None,
                 written: BTreeSet::new(),
                 sorted_until: i64::MIN,
                 missed: None,
@@ -105,6 +116,10 @@ async fn enqueue_due(
             }
         },
     };
+    let target = *enqueuing.catch_up.get_or_insert(fetched + lag);
+    if fetched < target {
+        return;
+    }
     let from = latest.unwrap_or(enqueuing.origin);
     enqueuing.written.retain(|at| latest.is_none_or(|latest| *at > latest));
     // Ticks that became late since the last round: the latest of them is missed.

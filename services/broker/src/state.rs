@@ -321,7 +321,8 @@ impl Broker {
     pub fn cancel_held(&self, queue: &str, id: &str) -> Option<Cancelled> {
         write(&self.cancelled, CANCELS).entry(queue.to_string()).or_default().insert(id.to_string());
         let runtime = self.queue(queue)?;
-        let state = runtime.served().into_iter().find_map(|(_, buffer)| lock(&buffer, BUFFER).cancel(id));
+        // Every partition: copies of one id may sit in several.
+        let state = runtime.served().into_iter().filter_map(|(_, buffer)| lock(&buffer, BUFFER).cancel(id)).max();
         if state.is_some() {
             tracing::info!(queue, job = id, ?state, "job cancelled");
         }

@@ -131,13 +131,19 @@ async fn run_command(
         Ok(child) => child,
         Err(err) => return Outcome::Retry { in_ms: None, error: format!("starting {}: {err}", program[0]) },
     };
+    // From here, a dropped handler kills the command's whole group.
+    let mut group = ProcessGroup(child.id().and_then(|pid| libc::pid_t::try_from(pid).ok()));
     if let Some(mut stdin) = child.stdin.take() {
-        if let Err(err) = stdin.write_all(job.payload.get().as_bytes()).await {
+        let written = tokio::select! {
+            written = stdin.write_all(job.payload.get().as_bytes()) => written,
+            // Stopped before it read its payload: it gets SIGTERM below.
+            _ = stop.cancelled() => Ok(()),
+        };
+        if let Err(err) = written {
             // A command that does not read its stdin closes it early: its exit says how it went.
             tracing::debug!(job = %job.id, error = %err, "the payload was not all written to the command's stdin");
         }
     }
-    let mut group = ProcessGroup(child.id().and_then(|pid| libc::pid_t::try_from(pid).ok()));
     let output = child.wait_with_output();
     tokio::pin!(output);
     let finished = tokio::select! {
@@ -167,8 +173,9 @@ struct ProcessGroup(Option<libc::pid_t>);
 impl ProcessGroup {
     fn signal(&self, signal: libc::c_int) {
         if let Some(leader) = self.0 {
-            // SAFETY: kill(2) of the group our own unreaped child leads (the child is
-            // reaped only when its output is read, after which `0` is cleared).
+            // SAFETY: kill(2) takes no pointers. The group is the one our child made
+            // for itself (setpgid before exec); its id is not reused while any of its
+            // processes lives, and `0` is cleared once the command has ended.
             unsafe { libc::kill(-leader, signal) };
         }
     }

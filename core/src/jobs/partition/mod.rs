@@ -164,8 +164,8 @@ pub const CANCELLED: &str = "cancelled by an operator";
 /// (`limits.at_limit = "cancel_in_progress"`).
 pub const SUPERSEDED: &str = "cancelled: a newer job of its concurrency key superseded it";
 
-/// What a cancelled job was doing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// What a cancelled job was doing (ordered: running is the more telling).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Cancelled {
     /// Ready, delayed or parked: it never runs.
@@ -388,7 +388,14 @@ impl PartitionQueue {
     /// (a nack or an expiry never retries it). What it was; none when not held
     /// (finished, dying, or not fetched).
     pub fn cancel(&mut self, id: &str) -> Option<Cancelled> {
-        let (&offset, entry) = self.entries.iter_mut().find(|(_, entry)| entry.job.id == id)?;
+        // Every copy held (a producer's retry, a job forwarded twice), running first.
+        let offsets: Vec<i64> =
+            self.entries.iter().filter(|(_, entry)| entry.job.id == id).map(|(offset, _)| *offset).collect();
+        offsets.into_iter().filter_map(|offset| self.cancel_at(offset)).max()
+    }
+
+    fn cancel_at(&mut self, offset: i64) -> Option<Cancelled> {
+        let entry = self.entries.get_mut(&offset)?;
         match entry.state {
             State::Dying => None,
             State::Leased { .. } => {
