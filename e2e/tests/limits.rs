@@ -106,7 +106,7 @@ fn the_observer_sees_overlaps_when_there_are_some() {
 
 /// Per-key limit 1 (3 for `wide-*` keys) and a total of 20 over 10 000 jobs on 1 000
 /// keys, produced anywhere (the brokers forward each to its key's partition), with
-/// three brokers of which one is killed -9 and started again three times (a few
+/// three brokers of which one (not the first) is killed -9 and started again three times (a few
 /// jobs outlive the time a dead broker's partitions take to move, so its leases
 /// still run when they do), and workers that nack some jobs and abandon others:
 /// 0 moments over either limit, and every job done.
@@ -193,7 +193,9 @@ async fn limits_hold_through_broker_kills_and_every_job_is_done() {
         while progress() < target && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        let victim = BROKERS[rng.random_range(0..BROKERS.len())];
+        // Never the first: the workers found the brokers through the ones started
+        // first, and a restarted broker listens elsewhere.
+        let victim = BROKERS[rng.random_range(1..BROKERS.len())];
         sandbox.kill9(victim);
         tokio::time::sleep(Duration::from_millis(rng.random_range(200..1_500))).await;
         urls.push(sandbox.spawn_broker_with(victim, &declarations, quick));
