@@ -368,14 +368,16 @@ pub fn spawn_reporter(
                 .iter()
                 .map(|(k, b)| (*k, lock(b, BUFFER).fetched_until()))
                 .collect();
-            let mut lag = HashMap::new();
+            let (mut lag, mut ends) = (HashMap::new(), HashMap::new());
             for (partition, fetched) in served {
                 if let Ok((_, high)) = client.fetch_watermarks(&queue.topic, partition, Duration::from_secs(2)) {
                     lag.insert(partition, (high - fetched).max(0));
+                    ends.insert(partition, high);
                 }
             }
             let total: i64 = lag.values().sum();
             *lock(&queue.lag, LAG) = lag;
+            *lock(&queue.ends, LAG) = ends;
             let name = &queue.name;
             let stats = broker.stats(&queue);
             broker.metrics.consumer_lag.with_label_values(&[name]).set(total);

@@ -87,7 +87,8 @@ async fn enqueue_due(
         known.remove(&key);
         return;
     };
-    let Some(lag) = lock(&queue.lag, LAG).get(&partition).copied() else { return };
+    // The topic's end as last measured (after this broker took the partition).
+    let Some(end) = lock(&queue.ends, LAG).get(&partition).copied() else { return };
     let now = now_ms();
     let (latest, fetched) = {
         let buffer = lock(&buffer, BUFFER);
@@ -116,7 +117,7 @@ async fn enqueue_due(
             }
         },
     };
-    let target = *enqueuing.catch_up.get_or_insert(fetched + lag);
+    let target = *enqueuing.catch_up.get_or_insert(end);
     if fetched < target {
         return;
     }

@@ -54,6 +54,9 @@ pub struct QueueRuntime {
     rate_window: Mutex<(i64, u64, f64)>,
     /// Records not yet fetched, per partition (from the fetcher).
     pub lag: Mutex<HashMap<i32, i64>>,
+    /// The end of each served partition's topic (its high watermark) when the lag
+    /// was last measured.
+    pub ends: Mutex<HashMap<i32, i64>>,
     /// Owner address of every partition, from the membership.
     pub owners: Mutex<BTreeMap<i32, String>>,
 }
@@ -74,6 +77,7 @@ impl QueueRuntime {
             handed: AtomicU64::new(0),
             rate_window: Mutex::new((now_ms(), 0, 0.0)),
             lag: Mutex::new(HashMap::new()),
+            ends: Mutex::new(HashMap::new()),
             owners: Mutex::new(BTreeMap::new()),
         }
     }
