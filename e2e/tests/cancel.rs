@@ -100,6 +100,13 @@ async fn cancelled_jobs_never_run_and_running_ones_stop_within_a_heartbeat() {
         assert!(Instant::now() < deadline, "the brokers never fetched everything");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // Garbage and oversized requests are refused, saying why.
+    let garbage = http.post(format!("{a}/v1/queues/cancels/cancel")).body("not json").send().await.unwrap();
+    let (status, body) = (garbage.status().as_u16(), garbage.json::<serde_json::Value>().await.unwrap());
+    assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid_body")), "{body}");
+    let oversized = cancel(&a, &"x".repeat(300)).await.unwrap();
+    let (status, body) = (oversized.status().as_u16(), oversized.json::<serde_json::Value>().await.unwrap());
+    assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid_id")), "{body}");
     let unknown = cancel(&a, "never-enqueued").await.unwrap();
     let status = unknown.status().as_u16();
     let body: serde_json::Value = unknown.json().await.unwrap();

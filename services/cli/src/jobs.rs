@@ -60,9 +60,9 @@ pub enum JobsCommand {
     /// The declared schedules of every queue (or one) and their next runs.
     Schedules {
         queue: Option<String>,
-        /// How many next runs to list per schedule.
-        #[arg(long, default_value_t = 3)]
-        next: usize,
+        /// How many next runs to list per schedule (1-100).
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=100))]
+        next: u16,
     },
     /// List the dead jobs of a queue not requeued or discarded yet; `--requeue`
     /// enqueues them again (and they leave the list).
@@ -205,8 +205,11 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
             for declared in declarations.queues.iter().filter(|q| queue.as_ref().is_none_or(|name| &q.name == name)) {
                 for decl in &declared.schedules {
                     let schedule = tally_shared::schedules::Schedule::new(decl.clone()).map_err(anyhow::Error::msg)?;
-                    let runs: Vec<String> =
-                        schedule.ticks(now, i64::MAX, next).into_iter().map(|at| schedule.describe(at)).collect();
+                    let runs: Vec<String> = schedule
+                        .ticks(now, i64::MAX, usize::from(next))
+                        .into_iter()
+                        .map(|at| schedule.describe(at))
+                        .collect();
                     println!(
                         "{} {} {:?} ({}): next {}",
                         declared.name,
