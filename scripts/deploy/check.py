@@ -182,6 +182,30 @@ def limits_problems(limits: dict, partitions: int) -> list[str]:
     return problems
 
 
+def unique_problems(queue: dict) -> list[str]:
+    """A queue's on_duplicate and schedules as tally's loader checks them (shared/src/topics.rs,
+    shared/src/schedules.rs; cron expressions are left to it)."""
+    problems = []
+    on_duplicate = queue.get("on_duplicate", "refuse")
+    if on_duplicate not in ("refuse", "replace", "debounce"):
+        problems.append("on_duplicate must be refuse, replace or debounce")
+    if (on_duplicate == "debounce") != (queue.get("debounce_ms", 0) > 0):
+        problems.append("debounce_ms (at least 1) goes with on_duplicate = debounce, and only with it")
+    schedules = queue.get("schedule", [])
+    if schedules and queue.get("unique_for_ms", 0) < 60000:
+        problems.append("schedules need unique_for_ms of at least 60000")
+    for s in schedules:
+        unknown = set(s) - {"name", "cron", "time_zone", "payload", "missed", "priority"}
+        if unknown or not {"name", "cron"} <= set(s):
+            problems.append(f"schedule {s.get('name')!r}: needs name and cron; unknown keys {sorted(unknown)}")
+        if s.get("missed", "once") not in ("once", "skip"):
+            problems.append(f"schedule {s.get('name')!r}: missed must be once or skip")
+    names = [s.get("name") for s in schedules]
+    if len(names) != len(set(names)):
+        problems.append(f"schedule names repeat: {names}")
+    return problems
+
+
 def check_queue_file(report: Report, where: str, text: str) -> list[str]:
     """A declarations file as tally's loader takes it (shared/src/topics.rs); returns
     the queue names it declares."""
@@ -193,11 +217,11 @@ def check_queue_file(report: Report, where: str, text: str) -> list[str]:
     report.check(f"{where}: queues file holds only [[topic]] and [[queue]]", set(data) <= {"topic", "queue"}, f"keys {sorted(data)}")
     ints = {"partitions", "max_attempts", "backoff_ms", "backoff_max_ms", "lease_ms", "buffer", "delayed_buffer",
             "buffer_bytes", "retention_ms", "rate_limit_per_sec", "priority_levels", "priority_aging_ms",
-            "unique_for_ms", "max_lease_ms", "max_retry_ms"}
+            "unique_for_ms", "max_lease_ms", "max_retry_ms", "debounce_ms"}
     names = []
     for i, q in enumerate(data.get("queue", [])):
         name = q.get("name")
-        unknown = set(q) - ints - {"name", "fifo", "limits"}
+        unknown = set(q) - ints - {"name", "fifo", "limits", "on_duplicate", "schedule"}
         problems = []
         if unknown:
             problems.append(f"unknown keys {sorted(unknown)}")
@@ -220,6 +244,7 @@ def check_queue_file(report: Report, where: str, text: str) -> list[str]:
             if not 1 <= q.get("priority_levels", 1) <= 10 or q.get("priority_aging_ms", 60000) < 0:
                 problems.append("priority_levels must be 1 to 10, priority_aging_ms not negative")
             problems += limits_problems(q.get("limits", {}), q["partitions"])
+            problems += unique_problems(q)
         report.check(f"{where}: queue {i} ({name}) is a valid declaration", not problems, "; ".join(problems))
         names.append(name)
     report.check(f"{where}: queue names are distinct", len(names) == len(set(names)), f"{names}")
@@ -774,6 +799,15 @@ def check_rendered(report, config_check, work: Path, case: str, values: dict, ob
             report.check(f"{case}: [broker] declarations is in a ConfigMap", Path(decl_path).name in data and Path(decl_path).parent == Path("/etc/tally"),
                          f"{decl_path} not among {sorted(data)}")
             declared |= set(check_queue_file(report, f"{case}: {Path(decl_path).name}", data.get(Path(decl_path).name, "")))
+            # Each queue as its values say, nested tables and schedule payloads included.
+            try:
+                rendered = {str(q.get("name")): q for q in tomllib.loads(data.get(Path(decl_path).name, "")).get("queue", [])}
+            except tomllib.TOMLDecodeError:
+                rendered = {}  # reported by check_queue_file
+            for queue in values.get("queues") or []:
+                want = {**queue, "name": str(queue["name"])}
+                report.check(f"{case}: queue {want['name']} renders as its values", rendered.get(want["name"]) == want,
+                             f"rendered {rendered.get(want['name'])}")
         report.check(f"{case}: the queues asked for are declared",
                      {str(q["name"]) for q in values.get("queues") or []} <= declared, f"declared {sorted(declared)}")
 

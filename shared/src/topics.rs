@@ -104,6 +104,16 @@ pub struct QueueDecl {
     /// its log. 0 (the default): unique jobs hold their key until they finish.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub unique_for_ms: i64,
+    /// What a job whose unique key is held does: `refuse` (the default: a
+    /// duplicate), `replace` (it takes the place of its key's waiting job) or
+    /// `debounce` (as `replace`, and it waits `debounce_ms` after its enqueue, so
+    /// a burst of a key runs once). A queue that replaces holds a key only while
+    /// its job waits: `unique_for_ms` is then its schedules' window alone.
+    #[serde(default, skip_serializing_if = "tally_core::jobs::unique::OnDuplicate::is_refuse")]
+    pub on_duplicate: tally_core::jobs::unique::OnDuplicate,
+    /// A debounced job's quiet period (`on_duplicate = "debounce"`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub debounce_ms: i64,
     /// Jobs enqueued on a cron schedule (`[[queue.schedule]]`), one per tick
     /// whatever the number of brokers.
     #[serde(rename = "schedule", default, skip_serializing_if = "Vec::is_empty")]
@@ -210,6 +220,8 @@ impl QueueDecl {
             priority_aging_ms: self.priority_aging_ms.max(0),
             limits: self.limits.clone(),
             unique_for_ms: self.unique_for_ms,
+            on_duplicate: self.on_duplicate,
+            debounce_ms: self.debounce_ms,
         }
     }
 }
@@ -252,6 +264,27 @@ fn check_schedules(queue: &QueueDecl) -> Result<()> {
         if decl.priority.is_some_and(|level| level >= queue.priority_levels.max(1)) {
             return fail(format!("schedule {}: priority is past the queue's priority_levels", decl.name));
         }
+    }
+    Ok(())
+}
+
+/// A debounced queue's quiet period: given, and within what the topic keeps.
+fn check_on_duplicate(queue: &QueueDecl) -> Result<()> {
+    use tally_core::jobs::unique::OnDuplicate;
+    let debounce = queue.on_duplicate == OnDuplicate::Debounce;
+    if debounce && !(1..=queue.max_delay_ms()).contains(&queue.debounce_ms) {
+        return Err(Error::Topics(format!(
+            "queue {}: on_duplicate = \"debounce\" needs debounce_ms, 1 to {} (the queue's retention less a margin)",
+            queue.name,
+            queue.max_delay_ms()
+        )));
+    }
+    if !debounce && queue.debounce_ms != 0 {
+        return Err(Error::Topics(format!(
+            "queue {}: debounce_ms is the quiet period of on_duplicate = \"debounce\"; declare that, or leave \
+             debounce_ms out",
+            queue.name
+        )));
     }
     Ok(())
 }
@@ -300,6 +333,7 @@ impl Declarations {
                     queue.max_delay_ms()
                 )));
             }
+            check_on_duplicate(queue)?;
             let most = tally_core::jobs::partition::QueuePolicy::MAX_PRIORITY_LEVELS;
             if !(1..=most).contains(&queue.priority_levels) || queue.priority_aging_ms < 0 {
                 return Err(Error::Topics(format!(
@@ -802,6 +836,28 @@ mod tests {
         for bad in ["priority_levels=0\n", "priority_levels=11\n", "priority_aging_ms=-1\n"] {
             let err = Declarations::parse(&queue(bad)).unwrap_err().to_string();
             assert!(err.contains("queue q: priority_levels must be 1 to 10"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn duplicates_are_refused_replaced_or_debounced_as_declared() {
+        use tally_core::jobs::unique::OnDuplicate;
+        let queue = |extra: &str| format!("[[queue]]\nname='q'\npartitions=1\n{extra}");
+        let policy = |extra: &str| Declarations::parse(&queue(extra)).unwrap().queue("q").unwrap().policy();
+        let of = |extra: &str| (policy(extra).on_duplicate, policy(extra).debounce_ms);
+        assert_eq!(of(""), (OnDuplicate::Refuse, 0));
+        assert_eq!(of("on_duplicate='replace'\n"), (OnDuplicate::Replace, 0));
+        assert_eq!(of("on_duplicate='debounce'\ndebounce_ms=5000\n"), (OnDuplicate::Debounce, 5_000));
+        for (bad, why) in [
+            ("on_duplicate='debounce'\n", "on_duplicate = \"debounce\" needs debounce_ms, 1 to"),
+            ("on_duplicate='debounce'\ndebounce_ms=-1\n", "needs debounce_ms"),
+            ("on_duplicate='debounce'\ndebounce_ms=999999999999\n", "needs debounce_ms"),
+            ("debounce_ms=5000\n", "debounce_ms is the quiet period of on_duplicate = \"debounce\""),
+            ("on_duplicate='replace'\ndebounce_ms=5000\n", "debounce_ms is the quiet period"),
+            ("on_duplicate='drop'\n", "found `drop`, expected `one of `refuse`, `replace`, `debounce``"),
+        ] {
+            let err = Declarations::parse(&queue(bad)).unwrap_err().to_string();
+            assert!(err.contains(why), "{bad}: {err}");
         }
     }
 

@@ -172,6 +172,10 @@ pub struct QueueStats {
     /// Of those, the jobs cancelled by an operator.
     #[serde(default)]
     pub cancelled: u64,
+    /// Jobs replaced by a newer one of their unique key (`on_duplicate =
+    /// "replace"` or `"debounce"`) by this broker since it started.
+    #[serde(default)]
+    pub replaced: u64,
     /// Dequeues per second handed out by this broker, recently.
     pub rate: f64,
     pub rate_limit_per_sec: Option<u32>,

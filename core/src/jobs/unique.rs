@@ -8,8 +8,42 @@
 //! and enqueue timestamps — so a broker that takes the partition over makes the
 //! same decisions: it replays the log from `unique_for_ms` before now up to the
 //! committed offset (everything there is finished), then goes on as any broker.
+//!
+//! A queue may declare instead that a newer job replaces the waiting one of its
+//! key, or debounces it ([`OnDuplicate`]).
 
 use std::collections::{BTreeSet, HashMap};
+
+use serde::{Deserialize, Serialize};
+
+/// What a job does whose unique key is held (a queue's `on_duplicate`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnDuplicate {
+    /// It is refused: a duplicate, for its key's window or until its job finishes.
+    #[default]
+    Refuse,
+    /// It takes the place of its key's waiting job ([`super::partition`]'s
+    /// `replace`).
+    Replace,
+    /// As `Replace`, and it waits the queue's `debounce_ms` after its enqueue.
+    Debounce,
+}
+
+impl OnDuplicate {
+    /// Its name in a declaration.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Refuse => "refuse",
+            Self::Replace => "replace",
+            Self::Debounce => "debounce",
+        }
+    }
+
+    pub fn is_refuse(&self) -> bool {
+        *self == Self::Refuse
+    }
+}
 
 /// Who holds a key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -289,10 +289,13 @@ queues.toml: |
   {{- if hasKey $q "fifo" }}
   fifo = {{ if $q.fifo }}true{{ else }}false{{ end }}
   {{- end }}
-  {{- range $key := list "rate_limit_per_sec" "max_attempts" "backoff_ms" "backoff_max_ms" "lease_ms" "max_lease_ms" "max_retry_ms" "buffer" "delayed_buffer" "buffer_bytes" "retention_ms" "priority_levels" "priority_aging_ms" "unique_for_ms" }}
+  {{- range $key := list "rate_limit_per_sec" "max_attempts" "backoff_ms" "backoff_max_ms" "lease_ms" "max_lease_ms" "max_retry_ms" "buffer" "delayed_buffer" "buffer_bytes" "retention_ms" "priority_levels" "priority_aging_ms" "unique_for_ms" "debounce_ms" }}
   {{- if hasKey $q $key }}
   {{ $key }} = {{ index $q $key | int64 }}
   {{- end }}
+  {{- end }}
+  {{- if hasKey $q "on_duplicate" }}
+  on_duplicate = {{ $q.on_duplicate | toString | toJson }}
   {{- end }}
   {{- if hasKey $q "limits" }}
   {{- $l := $q.limits }}
@@ -315,7 +318,39 @@ queues.toml: |
   per_key = {{ .per_key | int64 }}
   {{- end }}
   {{- end }}
+  {{- range $q.schedule }}
+  {{- $s := . }}
+
+  [[queue.schedule]]
+  name = {{ .name | toString | toJson }}
+  cron = {{ .cron | toString | toJson }}
+  {{- range $key := list "time_zone" "missed" }}
+  {{- if hasKey $s $key }}
+  {{ $key }} = {{ index $s $key | toString | toJson }}
   {{- end }}
+  {{- end }}
+  {{- if hasKey . "priority" }}
+  priority = {{ .priority | int64 }}
+  {{- end }}
+  {{- if hasKey . "payload" }}
+  payload = {{ include "tally.tomlValue" .payload }}
+  {{- end }}
+  {{- end }}
+  {{- end }}
+{{- end -}}
+
+{{/* A values tree as a TOML value: tables inline, numbers and strings as JSON writes
+them (valid TOML); the schema refuses null, which TOML has not. */}}
+{{- define "tally.tomlValue" -}}
+{{- if kindIs "map" . -}}
+{ {{- $first := true }}{{ range $key, $value := . }}{{ if not $first }}, {{ end }}{{ $first = false }}{{ $key | toJson }} = {{ include "tally.tomlValue" $value }}{{ end -}} }
+{{- else if kindIs "slice" . -}}
+[{{ range $i, $value := . }}{{ if $i }}, {{ end }}{{ include "tally.tomlValue" $value }}{{ end }}]
+{{- else if and (kindIs "float64" .) (eq (floor .) .) -}}
+{{ int64 . }}
+{{- else -}}
+{{ toJson . }}
+{{- end -}}
 {{- end -}}
 
 {{/* Both files: the topics hook's ConfigMap, a copy of the two above. */}}

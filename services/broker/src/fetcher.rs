@@ -139,8 +139,13 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                                 buffer.reject(message.offset());
                                 None
                             }
-                            Ok(job) => match buffer.admit_unique(message.offset(), &job, enqueued_at) {
-                                Ok(()) => {
+                            Ok(mut job) => match buffer.admit_unique(message.offset(), &mut job, enqueued_at) {
+                                Ok(replaced) => {
+                                    if let Some(offset) = replaced {
+                                        tracing::debug!(queue = %queue.name, partition, offset, by = message.offset(), "job replaced");
+                                        queue.replaced.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                        broker.metrics.replaced.with_label_values(&[&queue.name]).inc();
+                                    }
                                     let cancelled = broker.is_cancelled(&queue.name, &job.id).then(|| job.id.clone());
                                     buffer.push(message.offset(), job, now);
                                     if let Some(id) = cancelled {
@@ -469,6 +474,11 @@ fn forward(
 ) {
     let payload = message.payload().unwrap_or_default();
     let mut record = BaseRecord::with_opaque_to(topic, Box::new(letter)).partition(home).payload(payload);
+    // It keeps its enqueue time: windows, delays and which of a key's jobs is newer
+    // are the producer's.
+    if let Some(at) = message.timestamp().to_millis().filter(|at| *at >= 0) {
+        record = record.timestamp(at);
+    }
     if let Some(key) = message.key() {
         record = record.key(key);
     }

@@ -12,6 +12,7 @@ pub struct Metrics {
     pub dead: IntCounterVec,
     pub dropped: IntCounterVec,
     pub cancelled: IntCounterVec,
+    pub replaced: IntCounterVec,
     pub held_partitions: IntGaugeVec,
     pub depth: IntGaugeVec,
     pub in_flight: IntGaugeVec,
@@ -44,6 +45,11 @@ impl Metrics {
             cancelled: counter(
                 "tally_broker_cancelled_total",
                 "Jobs cancelled by an operator and written to the dead topic (never retried)",
+            ),
+            replaced: counter(
+                "tally_broker_replaced_total",
+                "Waiting jobs replaced by a newer job of their unique key (on_duplicate = \"replace\" or \
+                 \"debounce\"): finished without running",
             ),
             held_partitions: gauge(
                 "tally_broker_held_partitions",

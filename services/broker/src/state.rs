@@ -49,6 +49,8 @@ pub struct QueueRuntime {
     pub dead: AtomicU64,
     /// Of the dead, those cancelled.
     pub cancelled: AtomicU64,
+    /// Jobs replaced by a newer one of their unique key.
+    pub replaced: AtomicU64,
     /// Jobs handed out, for the rate in the stats.
     handed: AtomicU64,
     rate_window: Mutex<(i64, u64, f64)>,
@@ -74,6 +76,7 @@ impl QueueRuntime {
             cursor: AtomicUsize::new(0),
             dead: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
+            replaced: AtomicU64::new(0),
             handed: AtomicU64::new(0),
             rate_window: Mutex::new((now_ms(), 0, 0.0)),
             lag: Mutex::new(HashMap::new()),
@@ -452,6 +455,7 @@ impl Broker {
             queue: queue.name.clone(),
             dead: queue.dead.load(Ordering::Relaxed),
             cancelled: queue.cancelled.load(Ordering::Relaxed),
+            replaced: queue.replaced.load(Ordering::Relaxed),
             rate: self.rate(queue, now),
             rate_limit_per_sec: decl.rate_limit_per_sec,
             fifo: decl.fifo,

@@ -117,6 +117,9 @@ struct QueueView {
     schedules: Vec<ScheduleInfo>,
     /// Jobs cancelled by operators, over every broker since it started.
     cancelled: u64,
+    /// Jobs replaced by a newer one of their unique key, over every broker since
+    /// it started.
+    replaced: u64,
     partitions: Vec<PartitionInfo>,
 }
 
@@ -131,11 +134,12 @@ struct JobsOverview {
 /// owner reports it (as any broker does when no broker owns it), rates summed.
 fn merge(answers: Vec<Vec<QueueStats>>) -> Vec<QueueView> {
     let mut queues: BTreeMap<String, (QueueStats, f64)> = BTreeMap::new();
-    let mut cancelled: BTreeMap<String, u64> = BTreeMap::new();
+    let mut ended: BTreeMap<String, (u64, u64)> = BTreeMap::new();
     let mut keys: BTreeMap<String, BTreeMap<String, KeyInFlight>> = BTreeMap::new();
     for stats in answers.into_iter().flatten() {
         let rate = stats.rate;
-        *cancelled.entry(stats.queue.clone()).or_default() += stats.cancelled;
+        let (cancelled, replaced) = ended.entry(stats.queue.clone()).or_default();
+        (*cancelled, *replaced) = (*cancelled + stats.cancelled, *replaced + stats.replaced);
         // A key lives in one partition: its owner's count is the count.
         let of_queue = keys.entry(stats.queue.clone()).or_default();
         for key in &stats.top_keys {
@@ -162,7 +166,7 @@ fn merge(answers: Vec<Vec<QueueStats>>) -> Vec<QueueView> {
             let mut top_keys: Vec<KeyInFlight> = keys.remove(&stats.queue).unwrap_or_default().into_values().collect();
             top_keys.sort_by(|a, b| b.in_flight.cmp(&a.in_flight).then_with(|| a.key.cmp(&b.key)));
             top_keys.truncate(TOP_KEYS);
-            let cancelled = cancelled.get(&stats.queue).copied().unwrap_or(0);
+            let (cancelled, replaced) = ended.get(&stats.queue).copied().unwrap_or_default();
             QueueView {
                 queue: stats.queue,
                 depth: (ready + delayed) as i64 + lag,
@@ -180,6 +184,7 @@ fn merge(answers: Vec<Vec<QueueStats>>) -> Vec<QueueView> {
                 top_keys,
                 schedules: stats.schedules,
                 cancelled,
+                replaced,
                 partitions,
             }
         })
@@ -372,9 +377,9 @@ mod tests {
         };
         let key = |key: &str, in_flight| KeyInFlight { key: key.into(), in_flight, limit: Some(2) };
         let mut a = stats(1.5, vec![partition(0, "a", true, 10), partition(1, "b", false, 0)]);
-        a.top_keys = vec![key("t1", 2), key("t3", 1)];
+        (a.top_keys, a.cancelled, a.replaced) = (vec![key("t1", 2), key("t3", 1)], 1, 4);
         let mut b = stats(2.0, vec![partition(0, "a", false, 0), partition(1, "b", true, 20)]);
-        b.top_keys = vec![key("t2", 2)];
+        (b.top_keys, b.cancelled, b.replaced) = (vec![key("t2", 2)], 2, 3);
         let merged = merge(vec![vec![a], vec![b]]);
         assert_eq!(
             merged,
@@ -394,7 +399,8 @@ mod tests {
                 limits: Limits::default(),
                 top_keys: vec![key("t1", 2), key("t2", 2), key("t3", 1)],
                 schedules: Vec::new(),
-                cancelled: 0,
+                cancelled: 3,
+                replaced: 7,
                 partitions: vec![partition(0, "a", true, 10), partition(1, "b", true, 20)],
             }]
         );

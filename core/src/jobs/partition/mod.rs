@@ -34,7 +34,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::limits::{AtLimit, Limits};
 use super::schedule::RetrySchedule;
-use super::unique::UniqueKeys;
+use super::unique::{OnDuplicate, UniqueKeys};
 use super::Job;
 
 /// The settings of a queue that the buffer applies.
@@ -59,6 +59,12 @@ pub struct QueuePolicy {
     /// The longest window a unique job may hold its key for, and the default of
     /// one that names none (0: until it finishes) ([`super::unique`]).
     pub unique_for_ms: i64,
+    /// What a job whose unique key is held does: refused, or taking the place of
+    /// the key's waiting job ([`replace`]).
+    pub on_duplicate: OnDuplicate,
+    /// A debounced job waits this long after its enqueue time (`on_duplicate =
+    /// "debounce"`).
+    pub debounce_ms: i64,
 }
 
 impl QueuePolicy {
@@ -73,6 +79,11 @@ impl QueuePolicy {
                 self.priority_levels.saturating_sub(1)
             )),
             _ => match job.unique_for_ms {
+                Some(_) if self.on_duplicate != OnDuplicate::Refuse => Err(format!(
+                    "unique_for_ms: the queue's on_duplicate = \"{}\" holds a unique key while its job waits, \
+                     for no window; leave unique_for_ms out",
+                    self.on_duplicate.name()
+                )),
                 Some(ms) if ms > self.unique_for_ms => Err(format!(
                     "unique_for_ms: {ms} is past the queue's unique_for_ms ({}), the longest window it replays",
                     self.unique_for_ms
@@ -106,6 +117,8 @@ impl Default for QueuePolicy {
             priority_aging_ms: 0,
             limits: Limits::default(),
             unique_for_ms: 0,
+            on_duplicate: OnDuplicate::Refuse,
+            debounce_ms: 0,
         }
     }
 }
@@ -266,6 +279,11 @@ pub struct PartitionQueue {
     unique: UniqueKeys,
     /// The latest tick accepted of each schedule whose ticks live here.
     latest_ticks: HashMap<String, i64>,
+    /// On a queue that replaces or debounces: the latest job of each unique key
+    /// held, `(enqueue time, offset)` (replaced by a newer one while it waits).
+    waiting_unique: HashMap<String, (i64, i64)>,
+    /// Offsets admitted as already replaced: finished as they are pushed.
+    stale: BTreeSet<i64>,
 }
 
 /// What a held job costs in memory, roughly.
@@ -302,16 +320,26 @@ impl PartitionQueue {
             retired: false,
             unique: UniqueKeys::default(),
             latest_ticks: HashMap::new(),
+            waiting_unique: HashMap::new(),
+            stale: BTreeSet::new(),
         }
     }
 
     /// Decides whether the job at `offset`, enqueued at `at`, is a duplicate
     /// (the reason) before it is pushed; a job without a unique key is never one.
-    pub fn admit_unique(&mut self, offset: i64, job: &Job, at: i64) -> Result<(), String> {
-        let Some(key) = job.unique_key() else { return Ok(()) };
-        self.unique.admit(&key, offset, at, self.policy.unique_window(job))?;
-        self.saw_tick(job);
-        Ok(())
+    /// On a queue that replaces or debounces ([`OnDuplicate`]) no job is one: it
+    /// takes the place of its key's waiting job (the offset of the job it
+    /// replaced, which is finished), and a debounced one waits out its quiet
+    /// period from `at` ([`replace`]).
+    pub fn admit_unique(&mut self, offset: i64, job: &mut Job, at: i64) -> Result<Option<i64>, String> {
+        let Some(key) = job.unique_key() else { return Ok(None) };
+        if job.tick.is_some() || self.policy.on_duplicate == OnDuplicate::Refuse {
+            self.unique.admit(&key, offset, at, self.policy.unique_window(job))?;
+            self.saw_tick(job);
+            return Ok(None);
+        }
+        let key = key.into_owned();
+        Ok(self.replace_waiting(key, offset, job, at))
     }
 
     /// The latest tick of `schedule` accepted here (fetched, or replayed).
@@ -335,6 +363,9 @@ impl PartitionQueue {
     /// Replays a finished job below the committed offset (a take-over): it holds
     /// its key for its window, as it did when it was enqueued.
     pub fn replay_unique(&mut self, offset: i64, job: &Job, at: i64) {
+        if job.tick.is_none() && self.policy.on_duplicate != OnDuplicate::Refuse {
+            return; // its key was held only while it waited
+        }
         if let Some(key) = job.unique_key() {
             if self.unique.admit(&key, offset, at, self.policy.unique_window(job)).is_ok() {
                 self.unique.finish(&key, offset);
@@ -403,25 +434,34 @@ impl PartitionQueue {
                 Some(Cancelled::Running)
             }
             State::Waiting => {
-                let (ready_at, since, rises_at) = (entry.ready_at, entry.ready_since, entry.rises_at.take());
-                entry.state = State::Dying;
                 let failure = Failure::Dead {
                     offset,
                     attempts: entry.attempts,
                     error: CANCELLED.to_string(),
                     job: Box::new(entry.job.clone()),
                 };
-                if self.timed.remove(&(ready_at, offset)) {
-                    self.timed_bytes -= self.bytes_at(offset);
-                } else {
-                    self.unfile(self.ready_key(offset));
-                    self.ready_by_age.remove(&(since, offset));
-                    if let Some(at) = rises_at {
-                        self.aging.remove(&(at, offset));
-                    }
+                self.take_out_waiting(offset);
+                if let Some(entry) = self.entries.get_mut(&offset) {
+                    entry.state = State::Dying;
                 }
                 self.ended.push(failure);
                 Some(Cancelled::Waiting)
+            }
+        }
+    }
+
+    /// Takes a waiting job out of every index that files it (timed, ready, parked,
+    /// aging); it stays held.
+    fn take_out_waiting(&mut self, offset: i64) {
+        let Some(entry) = self.entries.get_mut(&offset) else { return };
+        let (ready_at, since, rises_at) = (entry.ready_at, entry.ready_since, entry.rises_at.take());
+        if self.timed.remove(&(ready_at, offset)) {
+            self.timed_bytes -= self.bytes_at(offset);
+        } else {
+            self.unfile(self.ready_key(offset));
+            self.ready_by_age.remove(&(since, offset));
+            if let Some(at) = rises_at {
+                self.aging.remove(&(at, offset));
             }
         }
     }
@@ -660,6 +700,11 @@ impl PartitionQueue {
         if offset < self.next_offset {
             return;
         }
+        if self.stale.remove(&offset) {
+            // Replaced as it was admitted: finished.
+            self.next_offset = offset + 1;
+            return;
+        }
         let ready_at = job.run_at.unwrap_or(i64::MIN);
         self.held_bytes += job_bytes(&job);
         if let Some(key) = &job.key {
@@ -758,6 +803,9 @@ impl PartitionQueue {
         self.held_bytes -= job_bytes(&entry.job);
         if let Some(key) = entry.job.unique_key() {
             self.unique.finish(&key, offset);
+            if self.waiting_unique.get(key.as_ref()).is_some_and(|&(_, latest)| latest == offset) {
+                self.waiting_unique.remove(key.as_ref());
+            }
         }
         self.ready_heads.remove(&(std::cmp::Reverse(entry.level), offset));
         let Some(key) = entry.job.key else { return };
@@ -880,5 +928,6 @@ impl PartitionQueue {
     }
 }
 
+mod replace;
 #[cfg(test)]
 mod tests;
