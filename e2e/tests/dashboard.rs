@@ -5,8 +5,8 @@
 //! neighbour link re-plots, the explain view equals `contributors`; the jobs console
 //! asks for the brokers' token, shows the merged queue stats and the dead jobs, and
 //! requeues (the job runs again) and discards them; its queue card shows a limited
-//! queue's limits, busiest keys and schedules as the API has them and cancels a
-//! running job. Screenshots are saved under
+//! queue's limits, busiest keys and schedules as the API has them, cancels a
+//! waiting job by its id and a running one from its row. Screenshots are saved under
 //! `target/tmp/screenshots/` (the README's tour shows copies).
 
 use std::path::PathBuf;
@@ -591,9 +591,9 @@ time_zone = "Europe/Paris"
 "#;
 
 /// The jobs console's queue card: limits and the busiest keys as the API has
-/// them, a schedule's next run equal to the API's, and a running job cancelled
-/// from the page — its worker is told at its next extend, and it ends dead as
-/// cancelled.
+/// them, a schedule's next run equal to the API's, a waiting job cancelled by its
+/// id, and the running job listed as the API lists it and cancelled from its row
+/// — its worker is told at its next extend, and both end dead as cancelled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_console_shows_limits_and_schedules_and_cancels_a_running_job() {
     let mut sandbox = Sandbox::start().await;
@@ -647,8 +647,48 @@ async fn jobs_console_shows_limits_and_schedules_and_cancels_a_running_job() {
     .await;
     browser.screenshot("jobs-queue.png").await;
 
-    browser.wait_for("#cancel-id").await.send_keys("report-1").await.unwrap();
+    // A second job of the busy key waits: cancelled by its id.
+    let waiting = json!({"id": "report-2", "payload": {"tenant": "acme"}}).to_string().into_bytes();
+    sandbox.produce_to(&sandbox.names.jobs("reports"), &[(Some("report-2".into()), waiting)]).await;
+    let api_running = || async {
+        let url = format!("{}/v1/jobs/reports/running", sandbox.query_url);
+        http.get(url).send().await.unwrap().json::<Value>().await.unwrap()
+    };
+    eventually("the second job waits behind its key's limit", || async {
+        assert_eq!(call("extend", lease.clone()).await["cancelled"], false);
+        let queue = overview().await;
+        (queue["ready"] == 1 && queue["in_flight"] == 1).then_some(()).ok_or(queue.to_string())
+    })
+    .await;
+    browser.wait_for("#cancel-id").await.send_keys("report-2").await.unwrap();
     browser.click("#cancel-job").await;
+    eventually("the console says it cancelled the waiting job", || async {
+        let said = browser.text("#message").await;
+        (said == "report-2: cancelled (it was waiting: it will not run).").then_some(()).ok_or(said)
+    })
+    .await;
+
+    // The running job is listed as the API lists it, and cancelled from its row.
+    eventually("the running job's row equals the API", || async {
+        assert_eq!(call("extend", lease.clone()).await["cancelled"], false);
+        let listing = api_running().await;
+        let row = browser.texts("tr[data-running-id='report-1'] td").await;
+        let job = &listing["running"][0];
+        let place = format!("partition {} · offset {}", job["partition"], job["offset"]);
+        let ok = listing["total"] == 1
+            && listing["unreachable"] == json!([])
+            && job["id"] == "report-1"
+            && job["cancelled"] == false
+            && row.len() == 5
+            && row[0].starts_with("report-1")
+            && row[0].ends_with(&place)
+            && row[1] == job["attempt"].to_string()
+            && Some(row[2].as_str()) == job["concurrency_key"].as_str()
+            && row[4] == "cancel";
+        ok.then_some(()).ok_or(format!("{row:?} / {listing}"))
+    })
+    .await;
+    browser.click("tr[data-running-id='report-1'] button.cancel").await;
     eventually("the console says it cancelled the running job", || async {
         let said = browser.text("#message").await;
         (said == "report-1: cancelled (it was running: its worker stops it at its next heartbeat).")
@@ -658,12 +698,22 @@ async fn jobs_console_shows_limits_and_schedules_and_cancels_a_running_job() {
     .await;
     let extended = call("extend", lease.clone()).await;
     assert_eq!(extended["cancelled"], true, "{extended}");
+    eventually("the row says the job is cancelled", || async {
+        let row = browser.texts("tr[data-running-id='report-1'] td").await;
+        let listed = api_running().await["running"][0]["cancelled"] == true;
+        (listed && row.get(4).map(String::as_str) == Some("cancelled: stops at its next heartbeat"))
+            .then_some(())
+            .ok_or(format!("{row:?}"))
+    })
+    .await;
     let nacked = call("nack", json!({"lease": running["lease"], "error": "stopped"})).await;
     assert_eq!(nacked, json!({"nacked": true}));
-    eventually("the cancelled job listed dead, as cancelled", || async {
+    eventually("the cancelled jobs listed dead, as cancelled", || async {
         let row = browser.texts("tr[data-dead-id='report-1'] td").await;
+        let waited = browser.texts("tr[data-dead-id='report-2'] td").await;
         let queue = overview().await;
-        (row.get(2).map(String::as_str) == Some("cancelled by an operator") && queue["cancelled"] == 1)
+        let cancelled = |row: &[String]| row.get(2).map(String::as_str) == Some("cancelled by an operator");
+        (cancelled(&row) && cancelled(&waited) && queue["cancelled"] == 2)
             .then_some(())
             .ok_or(format!("{row:?} / cancelled {}", queue["cancelled"]))
     })

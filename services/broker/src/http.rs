@@ -15,7 +15,7 @@ use axum::{Json, Router};
 use serde_json::json;
 use tally_core::jobs::api::{
     AckRequest, AckResponse, DequeueRequest, DequeueResponse, ExtendRequest, NackRequest, MAX_DEQUEUE, MAX_ERROR_BYTES,
-    MAX_WAIT_MS,
+    MAX_RUNNING_LISTED, MAX_WAIT_MS,
 };
 use tally_shared::auth::{require, AuthConfig, Role};
 use tally_shared::http::ApiError;
@@ -49,7 +49,8 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/queues/{queue}/dead/discard", post(crate::dead::discard))
         .route("/v1/queues/{queue}/cancel", post(crate::cancel::cancel))
         .route("/v1/queues/{queue}/held/cancel", post(crate::cancel::held));
-    let stats = stats.route("/v1/queues/{queue}/unique/{key}", get(unique));
+    let stats =
+        stats.route("/v1/queues/{queue}/unique/{key}", get(unique)).route("/v1/queues/{queue}/running", get(running));
     require(stats, auth, &[Role::Worker, Role::Operator, Role::Cluster])
         .merge(require(work, auth, &[Role::Worker]))
         .merge(require(dead, auth, &[Role::Operator]))
@@ -100,6 +101,33 @@ async fn unique(State(state): State<ApiState>, Path((queue, key)): Path<(String,
         Some(held_until) => Json(json!({"partition": partition, "held_until": held_until})).into_response(),
         None => error(StatusCode::NOT_FOUND, "not_owner", format!("partition {partition} is not served here")),
     }
+}
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RunningParams {
+    limit: Option<usize>,
+}
+
+/// `GET /v1/queues/{queue}/running?limit=…`: the jobs in flight of the partitions
+/// served here, the first `limit` (100 by default) by partition and offset.
+async fn running(
+    State(state): State<ApiState>,
+    Path(queue): Path<String>,
+    params: Result<axum::extract::Query<RunningParams>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let queue = match find(&state, &queue) {
+        Ok(queue) => queue,
+        Err(response) => return response,
+    };
+    let Ok(axum::extract::Query(params)) = params else {
+        return error(StatusCode::BAD_REQUEST, "invalid_parameter", "parameters: limit only");
+    };
+    let limit = params.limit.unwrap_or(100);
+    if !(1..=MAX_RUNNING_LISTED).contains(&limit) {
+        return error(StatusCode::BAD_REQUEST, "invalid_limit", format!("limit: must be 1-{MAX_RUNNING_LISTED}"));
+    }
+    Json(state.broker.running(&queue, limit)).into_response()
 }
 
 async fn dequeue(

@@ -444,6 +444,19 @@ impl Broker {
         }
     }
 
+    /// The jobs in flight of the partitions this broker serves: the first `limit`
+    /// by partition and offset, and how many there are.
+    pub fn running(&self, queue: &QueueRuntime, limit: usize) -> tally_core::jobs::api::RunningJobs {
+        let mut running = Vec::new();
+        let mut total = 0;
+        for (partition, buffer) in queue.served() {
+            let jobs = lock(&buffer, BUFFER).running(partition);
+            total += jobs.len();
+            running.extend(jobs.into_iter().take(limit.saturating_sub(running.len())));
+        }
+        tally_core::jobs::api::RunningJobs { running, total }
+    }
+
     /// The stats of a queue as this broker sees it.
     pub fn stats(&self, queue: &QueueRuntime) -> QueueStats {
         let now = now_ms();

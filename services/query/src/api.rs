@@ -46,7 +46,8 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/v1/jobs", get(crate::jobs::overview))
         .route("/v1/jobs/{queue}/dead", get(crate::jobs::dead))
         .route("/v1/jobs/{queue}/dead/{action}", post(crate::jobs::decide))
-        .route("/v1/jobs/{queue}/cancel", post(crate::jobs::cancel));
+        .route("/v1/jobs/{queue}/cancel", post(crate::jobs::cancel))
+        .route("/v1/jobs/{queue}/running", get(crate::jobs::running));
     let v1 = tally_shared::auth::require(v1, &state.auth, &[tally_shared::auth::Role::Reader]);
     Router::new()
         .merge(crate::dashboard::router())

@@ -22,7 +22,9 @@ use axum::response::{IntoResponse, Response};
 use futures::future::join_all;
 use serde::Serialize;
 use tally_core::assignment::Member;
-use tally_core::jobs::api::{KeyInFlight, PartitionInfo, QueueStats, ScheduleInfo, TOP_KEYS};
+use tally_core::jobs::api::{
+    KeyInFlight, PartitionInfo, QueueStats, RunningJob, RunningJobs, ScheduleInfo, MAX_RUNNING_LISTED, TOP_KEYS,
+};
 use tally_core::jobs::limits::Limits;
 use tally_shared::kafka::now_ms;
 use tally_shared::lock::lock;
@@ -285,6 +287,66 @@ pub async fn overview(State(state): State<Arc<ApiState>>, headers: HeaderMap) ->
     json_response(&JobsOverview { at_ms: now_ms(), brokers, queues })
 }
 
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunningParams {
+    limit: Option<usize>,
+}
+
+/// `GET /v1/jobs/{queue}/running?limit=…`: the jobs in flight over every live
+/// broker (each lists the partitions it serves), the first `limit` (100 by
+/// default) by partition and offset; brokers that did not answer are named.
+pub async fn running(
+    State(state): State<Arc<ApiState>>,
+    Path(queue): Path<String>,
+    params: Result<axum::extract::Query<RunningParams>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    let bad = |message: String| ApiError::new(StatusCode::BAD_REQUEST, "invalid_limit", message);
+    let axum::extract::Query(params) = params.map_err(|_| bad("parameters: limit only".into()))?;
+    let limit = params.limit.unwrap_or(100);
+    if !(1..=MAX_RUNNING_LISTED).contains(&limit) {
+        return Err(bad(format!("limit: must be 1-{MAX_RUNNING_LISTED}")));
+    }
+    let live = state.brokers.live();
+    if live.is_empty() {
+        return Err(no_broker());
+    }
+    let path = format!("/v1/queues/{}/running?limit={limit}", encode(&queue));
+    let own = HeaderMap::new();
+    let asked = join_all(
+        live.iter().map(|broker| ask(&state, &broker.addr, (Method::GET, &path, OVERVIEW_TIMEOUT), &own, Bytes::new())),
+    )
+    .await;
+    let (mut listings, mut unreachable) = (Vec::new(), Vec::new());
+    for (broker, answer) in live.iter().zip(asked) {
+        match answer {
+            Ok((status, body)) if status.is_success() => match serde_json::from_slice::<RunningJobs>(&body) {
+                Ok(listing) => listings.push(listing),
+                Err(err) => unreachable.push(format!("{}: an answer this build cannot read: {err}", broker.addr)),
+            },
+            // Every broker knows every declared queue: an unknown one is the caller's.
+            Ok((status, body)) if status == StatusCode::NOT_FOUND => return Ok(passed_on(status, body)),
+            Ok((status, body)) => {
+                unreachable.push(format!("{}: {status}: {}", broker.addr, String::from_utf8_lossy(&body)))
+            }
+            Err(err) => unreachable.push(err.message),
+        }
+    }
+    let mut merged = merge_running(listings, limit);
+    merged["unreachable"] = unreachable.into();
+    json_response(&merged)
+}
+
+/// Brokers' listings of the jobs in flight → the first `limit` by partition and
+/// offset, and the total.
+fn merge_running(listings: Vec<RunningJobs>, limit: usize) -> serde_json::Value {
+    let total: usize = listings.iter().map(|listing| listing.total).sum();
+    let mut running: Vec<RunningJob> = listings.into_iter().flat_map(|listing| listing.running).collect();
+    running.sort_by_key(|job| (job.partition, job.offset));
+    running.truncate(limit);
+    serde_json::json!({ "running": running, "total": total })
+}
+
 /// `GET /v1/jobs/{queue}/dead`: passed to a live broker as it came.
 pub async fn dead(
     State(state): State<Arc<ApiState>>,
@@ -365,6 +427,27 @@ mod tests {
             slots: Some(5),
             held_until: None,
         }
+    }
+
+    #[test]
+    fn running_jobs_of_every_broker_are_listed_by_partition_and_offset() {
+        let job = |partition: i32, offset: i64| RunningJob {
+            id: format!("j{partition}-{offset}"),
+            partition,
+            offset,
+            attempt: 1,
+            lease_deadline_ms: 1_000 + offset,
+            concurrency_key: None,
+            priority: None,
+            cancelled: partition == 2,
+        };
+        // Each broker lists its own partitions' first `limit`, with its total.
+        let a = RunningJobs { running: vec![job(2, 5), job(2, 9)], total: 4 };
+        let b = RunningJobs { running: vec![job(0, 7), job(1, 3)], total: 2 };
+        let merged = merge_running(vec![a, b], 3);
+        let want = serde_json::json!({ "running": [job(0, 7), job(1, 3), job(2, 5)], "total": 6 });
+        assert_eq!(merged, want);
+        assert_eq!(merged["running"][2]["cancelled"], true);
     }
 
     #[test]

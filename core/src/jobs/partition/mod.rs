@@ -406,6 +406,30 @@ impl PartitionQueue {
         self.running.iter().map(|(key, n)| (key.as_str(), *n))
     }
 
+    /// The jobs in flight, lowest offset first, as in `partition`.
+    pub fn running(&self, partition: i32) -> Vec<super::api::RunningJob> {
+        let mut running: Vec<super::api::RunningJob> = self
+            .leases
+            .values()
+            .filter_map(|&offset| {
+                let entry = self.entries.get(&offset)?;
+                let State::Leased { deadline, .. } = entry.state else { return None };
+                Some(super::api::RunningJob {
+                    id: entry.job.id.clone(),
+                    partition,
+                    offset,
+                    attempt: entry.attempts,
+                    lease_deadline_ms: deadline,
+                    concurrency_key: entry.ckey.clone(),
+                    priority: entry.job.priority,
+                    cancelled: entry.cancelled.is_some(),
+                })
+            })
+            .collect();
+        running.sort_unstable_by_key(|job| job.offset);
+        running
+    }
+
     /// The jobs ended without running since the last call — dropped at their
     /// key's limit, or cancelled while waiting: each is [`Failure::Dead`], to be
     /// written to the dead topic and finished ([`PartitionQueue::finish_dead`]).

@@ -127,6 +127,13 @@ proptest! {
                 }
             }
             check(&queue, &finished, &pushed)?;
+            // An operator's listing of the jobs in flight is the workers' leases.
+            let mut leased: Vec<(String, i32, i64, u32, i64, bool)> =
+                out.iter().map(|o| (o.job.id.clone(), 7, o.offset, o.attempt, o.deadline, false)).collect();
+            leased.sort_by_key(|job| job.2);
+            let listed: Vec<(String, i32, i64, u32, i64, bool)> = queue.running(7).into_iter()
+                .map(|r| (r.id, r.partition, r.offset, r.attempt, r.lease_deadline_ms, r.cancelled)).collect();
+            prop_assert_eq!(listed, leased);
         }
         // Drain: workers ack everything from now on; every job ends finished.
         for offset in dying.drain(..) {
