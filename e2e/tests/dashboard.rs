@@ -682,7 +682,7 @@ async fn jobs_console_shows_limits_and_schedules_and_cancels_a_running_job() {
             && row.len() == 5
             && row[0].starts_with("report-1")
             && row[0].ends_with(&place)
-            && row[1] == job["attempt"].to_string()
+            && row[1].parse::<u64>().ok() == job["attempt"].as_u64()
             && Some(row[2].as_str()) == job["concurrency_key"].as_str()
             && row[4] == "cancel";
         ok.then_some(()).ok_or(format!("{row:?} / {listing}"))
