@@ -1,7 +1,8 @@
 //! Cancelling jobs end to end: two real brokers, the worker library and the CLI.
 //! Waiting and delayed jobs cancelled never run; running ones stop within one
 //! heartbeat; a job cancelled before it is enqueued never runs either; every
-//! cancelled job ends on the dead topic as cancelled; an unknown job is refused.
+//! cancelled job ends on the dead topic as cancelled, and runs when requeued; an
+//! unknown job is refused.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -179,4 +180,51 @@ async fn cancelled_jobs_never_run_and_running_ones_stop_within_a_heartbeat() {
     expected.extend((0..WAITING).map(|i| format!("later{i}")));
     expected.insert("early".into());
     assert_eq!((ids, dead.len()), (expected, RUNNING + WAITING + 1));
+
+    // A cancelled job requeued runs (its cancellation is revoked first); the
+    // others stay cancelled.
+    let requeued: BTreeSet<String> =
+        dead.iter().map(|job| job.job.id.clone()).filter(|id| id == "early" || id.starts_with("later1")).collect();
+    let places: Vec<serde_json::Value> = dead
+        .iter()
+        .filter(|job| requeued.contains(&job.job.id))
+        .map(|job| serde_json::json!({"partition": job.partition, "offset": job.offset}))
+        .collect();
+    let response = http
+        .post(format!("{a}/v1/queues/cancels/dead/requeue"))
+        .json(&serde_json::json!({ "jobs": places }))
+        .send()
+        .await
+        .unwrap();
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["requeued"], requeued.len(), "{body}");
+    let ran: Arc<Mutex<BTreeSet<String>>> = Arc::default();
+    let handler = {
+        let ran = ran.clone();
+        move |job: DequeuedJob| {
+            let ran = ran.clone();
+            async move {
+                ran.lock().unwrap().insert(job.id);
+                Outcome::Ack
+            }
+        }
+    };
+    let shutdown = CancellationToken::new();
+    let options = WorkerOptions {
+        brokers: vec![a.clone(), b.clone()],
+        queue: "cancels".into(),
+        concurrency: 4,
+        lease_ms: None,
+        auth_token: None,
+        stop_grace_ms: 1_000,
+    };
+    let again = tokio::spawn(worker::run(options, handler, shutdown.clone()));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ran.lock().unwrap().len() < requeued.len() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    shutdown.cancel();
+    again.await.unwrap().expect("the worker stops cleanly");
+    assert_eq!(*ran.lock().unwrap(), requeued, "the requeued jobs ran, and only they");
 }

@@ -140,6 +140,12 @@ impl DeadJobs {
                     job.job.id
                 )));
             }
+            if job.error == tally_core::jobs::partition::CANCELLED {
+                // Written before the job, so a broker fetching it has read this first.
+                let revoke = tally_core::jobs::JobCancel::revoke(&job.queue, &job.job.id, now_ms());
+                let bytes = serde_json::to_vec(&revoke).map_err(|err| Error::Topics(err.to_string()))?;
+                self.send(&self.names.jobs_cancelled(), &revoke.key(), &bytes).await?;
+            }
             let bytes = serde_json::to_vec(&job.job).map_err(|err| Error::Topics(err.to_string()))?;
             let key = job.job.key.as_deref().unwrap_or(&job.job.id);
             self.send(&self.names.jobs(&job.queue), key, &bytes).await?;

@@ -137,7 +137,8 @@ impl Job {
 
 /// An operator's cancellation of a job, on the compacted `tally.jobs-cancelled`
 /// keyed by [`JobCancel::key`]: every broker follows it, so a job cancelled
-/// before it is fetched never runs either.
+/// before it is fetched never runs either. A revoked one (written when the
+/// cancelled job is requeued) cancels nothing.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct JobCancel {
@@ -146,11 +147,18 @@ pub struct JobCancel {
     pub queue: String,
     pub id: String,
     pub at_ms: i64,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub revoked: bool,
 }
 
 impl JobCancel {
     pub fn new(queue: &str, id: &str, at_ms: i64) -> Self {
-        Self { v: crate::format::JSON_V1, queue: queue.to_string(), id: id.to_string(), at_ms }
+        Self { v: crate::format::JSON_V1, queue: queue.to_string(), id: id.to_string(), at_ms, revoked: false }
+    }
+
+    /// Takes the cancellation of job `id` back: a job of this id runs again.
+    pub fn revoke(queue: &str, id: &str, at_ms: i64) -> Self {
+        Self { revoked: true, ..Self::new(queue, id, at_ms) }
     }
 
     /// The record key: one cancellation per job survives compaction.

@@ -1,10 +1,16 @@
 //! Operators' cancellations (`tally.jobs-cancelled`, compacted): read to its end
 //! before the broker fetches a job, then followed, so every broker knows every
 //! cancelled job — one it holds ends at once (or is told on its next extend), one
-//! it fetches later never runs.
+//! it fetches later never runs. A revoked cancellation (its job requeued) is
+//! forgotten; the fetcher reads up to the topic's end before it cancels a job it
+//! fetched ([`crate::state::Broker::cancels_read`]), so a requeued job, written
+//! after its revocation, is never cancelled again.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
 
 use tally_core::jobs::JobCancel;
 use tally_shared::config::KafkaConfig;
@@ -32,13 +38,36 @@ pub fn load_and_follow(
     Ok(tally_shared::follow::follow(kafka, "broker-cancels", "tally-broker-cancels", &topic, poll, shutdown, cancels)?)
 }
 
+/// How long a fetched job's cancellation waits for the cancellations written
+/// before it (its revocation, if it was requeued) to be read.
+const CATCH_UP: Duration = Duration::from_secs(2);
+
+/// Whether job `id` of `queue`, just fetched, is cancelled — with every
+/// cancellation written before it read first (a revoked one is forgotten). Only
+/// a job whose id is cancelled waits; when the topic's end cannot be had in time
+/// the job stays cancelled (it never runs by mistake).
+pub fn is_cancelled_when_fetched(consumer: &BaseConsumer, broker: &Broker, topic: &str, queue: &str, id: &str) -> bool {
+    if !broker.is_cancelled(queue, id) {
+        return false;
+    }
+    let deadline = Instant::now() + CATCH_UP;
+    if let Ok((_, end)) = consumer.fetch_watermarks(topic, 0, CATCH_UP) {
+        while broker.cancels_read.load(Ordering::Acquire) < end && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    broker.is_cancelled(queue, id)
+}
+
 struct Cancels {
     broker: Arc<Broker>,
 }
 
 impl Follow for Cancels {
     fn record(&mut self, offset: i64, payload: &[u8]) {
+        self.broker.cancels_read.fetch_max(offset + 1, Ordering::Release);
         match JobCancel::decode(payload) {
+            Ok(cancel) if cancel.revoked => self.broker.uncancel(&cancel.queue, &cancel.id),
             Ok(cancel) => {
                 self.broker.cancel_held(&cancel.queue, &cancel.id);
             }

@@ -60,6 +60,7 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
     let letters: ThreadedProducer<LetterContext> =
         unstamped_producer_config(&config.kafka)?.create_with_context(LetterContext::default())?;
     let dead_letter_topic = TopicNames::new(&config.kafka.topic_prefix).dead_letter();
+    let cancels_topic = TopicNames::new(&config.kafka.topic_prefix).jobs_cancelled();
     let mut by_topic: HashMap<String, Arc<QueueRuntime>> = HashMap::new();
     let settle = Duration::from_millis(config.broker.heartbeat_ms * 2);
     let member_timeout_ms = config.broker.member_timeout_ms as i64;
@@ -117,6 +118,10 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                         .and_then(|job| check_delay(job, enqueued_at, max_delay_ms))
                         .and_then(|job| policy.check(&job).map(|()| job));
                     let partitions = queue.decl().partitions;
+                    let cancelled = parsed.as_ref().is_ok_and(|job| {
+                        let topic = &cancels_topic;
+                        crate::cancels::is_cancelled_when_fetched(&consumer, &broker, topic, &queue.name, &job.id)
+                    });
                     let home = match parsed
                         .as_ref()
                         .map(|job| crate::placement::home_partition(&policy.limits, job, partitions))
@@ -146,7 +151,7 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                                         queue.replaced.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                                         broker.metrics.replaced.with_label_values(&[&queue.name]).inc();
                                     }
-                                    let cancelled = broker.is_cancelled(&queue.name, &job.id).then(|| job.id.clone());
+                                    let cancelled = cancelled.then(|| job.id.clone());
                                     buffer.push(message.offset(), job, now);
                                     if let Some(id) = cancelled {
                                         // Ends as cancelled, never handed out.

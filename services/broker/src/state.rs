@@ -180,6 +180,8 @@ pub struct Broker {
     pub tenures: AtomicU32,
     /// The ids of the cancelled jobs of each queue ([`crate::cancels`]).
     cancelled: RwLock<HashMap<String, HashSet<String>>>,
+    /// The offset after the last cancellation read ([`crate::cancels`]).
+    pub cancels_read: std::sync::atomic::AtomicI64,
 }
 
 impl Broker {
@@ -198,6 +200,7 @@ impl Broker {
             record_budget,
             tenures: AtomicU32::new(0),
             cancelled: RwLock::new(HashMap::new()),
+            cancels_read: std::sync::atomic::AtomicI64::new(0),
         })
     }
 
@@ -334,6 +337,13 @@ impl Broker {
             tracing::info!(queue, job = id, ?state, "job cancelled");
         }
         state
+    }
+
+    /// Forgets the cancellation of job `id` of `queue` (it was requeued).
+    pub fn uncancel(&self, queue: &str, id: &str) {
+        if let Some(ids) = write(&self.cancelled, CANCELS).get_mut(queue) {
+            ids.remove(id);
+        }
     }
 
     /// Whether job `id` of `queue` was cancelled.
