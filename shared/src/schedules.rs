@@ -65,6 +65,23 @@ pub struct Schedule {
     zone: jiff::tz::TimeZone,
 }
 
+impl ScheduleDecl {
+    /// The job its tick at `at` enqueues.
+    pub fn job(&self, at: i64) -> Job {
+        Job {
+            id: format!("{}-{at}", self.name),
+            payload: serde_json::value::to_raw_value(&self.payload).unwrap_or_else(|_| null()),
+            run_at: None,
+            key: None,
+            priority: self.priority,
+            concurrency_key: None,
+            unique_key: None,
+            unique_for_ms: None,
+            tick: Some(Tick { schedule: self.name.clone(), at }),
+        }
+    }
+}
+
 impl Schedule {
     /// Checks a declaration: the error says what to fix.
     pub fn new(decl: ScheduleDecl) -> Result<Self, String> {
@@ -127,17 +144,7 @@ impl Schedule {
 
     /// The job a tick enqueues.
     pub fn job(&self, at: i64) -> Job {
-        Job {
-            id: format!("{}-{at}", self.decl.name),
-            payload: serde_json::value::to_raw_value(&self.decl.payload).unwrap_or_else(|_| null()),
-            run_at: None,
-            key: None,
-            priority: self.decl.priority,
-            concurrency_key: None,
-            unique_key: None,
-            unique_for_ms: None,
-            tick: Some(Tick { schedule: self.decl.name.clone(), at }),
-        }
+        self.decl.job(at)
     }
 
     fn civil(&self, ms: i64) -> Option<Civil> {

@@ -21,16 +21,20 @@ use crate::fetcher::check_delay;
 use crate::state::QueueRuntime;
 
 /// The partition a job lives in: its unique key's, or its concurrency key's on a
-/// per-key limited queue (none: any); an error when the two differ.
+/// per-key limited queue (none: any); an error when the two differ. A schedule's
+/// tick lives with its concurrency key's jobs when it has one (every tick of a
+/// schedule has its payload, so its key), else in its schedule's partition.
 pub fn home_partition(limits: &Limits, job: &Job, partitions: i32) -> std::result::Result<Option<i32>, String> {
-    let unique = match (&job.tick, &job.unique_key) {
-        (Some(tick), _) => Some(partition_of(&tally_core::jobs::Tick::partition_key(&tick.schedule), partitions)),
-        (None, Some(key)) => Some(partition_of(key, partitions)),
-        (None, None) => None,
-    };
     let limited = match limits.per_key_limited() {
         true => limits.key_of(job).ok().flatten().map(|key| partition_of(&key, partitions)),
         false => None,
+    };
+    let unique = match (&job.tick, &job.unique_key) {
+        (Some(tick), _) => Some(
+            limited.unwrap_or_else(|| partition_of(&tally_core::jobs::Tick::partition_key(&tick.schedule), partitions)),
+        ),
+        (None, Some(key)) => Some(partition_of(key, partitions)),
+        (None, None) => None,
     };
     match (unique, limited) {
         (Some(unique), Some(limited)) if unique != limited => Err(format!(
@@ -38,6 +42,14 @@ pub fn home_partition(limits: &Limits, job: &Job, partitions: i32) -> std::resul
              key lives in its key's partition; give the job one of them, or the same key for both"
         )),
         (unique, limited) => Ok(unique.or(limited)),
+    }
+}
+
+/// The partition a schedule's ticks live in, and its owner alone enqueues them.
+pub fn schedule_partition(limits: &Limits, decl: &tally_shared::schedules::ScheduleDecl, partitions: i32) -> i32 {
+    match home_partition(limits, &decl.job(0), partitions) {
+        Ok(Some(partition)) => partition,
+        _ => partition_of(&tally_core::jobs::Tick::partition_key(&decl.name), partitions),
     }
 }
 
@@ -121,4 +133,39 @@ fn read_range(
         }
     }
     Ok(records)
+}
+
+#[cfg(test)]
+mod tests {
+    use tally_core::jobs::limits::Limits;
+    use tally_shared::schedules::ScheduleDecl;
+
+    use super::*;
+
+    fn schedule(payload: serde_json::Value) -> ScheduleDecl {
+        serde_json::from_value(serde_json::json!({ "name": "nightly", "cron": "0 0 2 * * *", "payload": payload }))
+            .unwrap()
+    }
+
+    #[test]
+    fn a_tick_lives_with_its_concurrency_key_on_a_limited_queue_else_with_its_schedule() {
+        let limited: Limits =
+            serde_json::from_value(serde_json::json!({ "per_key": 1, "key_field": "tenant" })).unwrap();
+        let partitions = 16;
+        let own = partition_of(&tally_core::jobs::Tick::partition_key("nightly"), partitions);
+        // Tenants whose partition is not the schedule's own.
+        let tenants: Vec<String> =
+            (0..50).map(|i| format!("t{i}")).filter(|t| partition_of(t, partitions) != own).take(3).collect();
+        for tenant in &tenants {
+            let decl = schedule(serde_json::json!({ "tenant": tenant }));
+            let want = partition_of(tenant, partitions);
+            assert_eq!(home_partition(&limited, &decl.job(7), partitions), Ok(Some(want)));
+            assert_eq!(schedule_partition(&limited, &decl, partitions), want);
+        }
+        let keyless = schedule(serde_json::json!({ "report": "daily" }));
+        assert_eq!(home_partition(&limited, &keyless.job(7), partitions), Ok(Some(own)));
+        assert_eq!(schedule_partition(&limited, &keyless, partitions), own);
+        let tenant = schedule(serde_json::json!({ "tenant": tenants[0] }));
+        assert_eq!(schedule_partition(&Limits::default(), &tenant, partitions), own, "no per-key limit");
+    }
 }

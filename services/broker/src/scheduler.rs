@@ -1,8 +1,9 @@
 //! Enqueues the ticks of every queue's schedules (`[[queue.schedule]]`).
 //!
-//! Every tick of a schedule lives in the schedule's partition
-//! ([`tally_core::jobs::Tick::partition_key`]), so the broker serving that
-//! partition alone enqueues them, into it. Each tick's job is unique by its tick
+//! Every tick of a schedule lives in one partition
+//! ([`crate::placement::schedule_partition`]: its concurrency key's on a per-key
+//! limited queue, else the schedule's own), so the broker serving that partition
+//! alone enqueues them, into it. Each tick's job is unique by its tick
 //! for the queue's `unique_for_ms`: a tick written twice — by an owner that died
 //! after writing it and by the next, or by two brokers while a partition moves —
 //! runs once, the second write being a duplicate. The owner starts after the
@@ -17,8 +18,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rdkafka::producer::FutureRecord;
-use tally_core::jobs::limits::partition_of;
-use tally_core::jobs::Tick;
 use tally_shared::kafka::now_ms;
 use tally_shared::lock::lock;
 use tally_shared::schedules::{Missed, Schedule, ScheduleDecl};
@@ -81,7 +80,10 @@ async fn enqueue_due(
     known: &mut HashMap<(String, String), Enqueuing>,
     key: (String, String),
 ) {
-    let partition = partition_of(&Tick::partition_key(&decl.name), queue.decl().partitions);
+    let partition = {
+        let queue = queue.decl();
+        crate::placement::schedule_partition(&queue.limits, &decl, queue.partitions)
+    };
     // Only the partition's owner, once its fetch has caught up.
     let Some(buffer) = queue.partition(partition) else {
         known.remove(&key);
