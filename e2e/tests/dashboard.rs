@@ -234,6 +234,23 @@ async fn counters_page_plots_totals_and_explains_what_the_api_answers() {
         "a legend entry per series"
     );
 
+    // The header's freshness says what `/v1/status` says: every shard serving, and
+    // caught up (an idle system lags at most a fetch wait and a look at the ends).
+    eventually("the freshness indicator equals /v1/status", || async {
+        let (_, status) = sandbox.get("/v1/status").await;
+        let shown = browser.text("#freshness").await;
+        let lag_ms: Option<i64> = browser.attr("#lag", "data-lag-ms").await.parse().ok();
+        let serving = format!("{}/{} shards serving", status["serving"], status["shards"].as_array().unwrap().len());
+        let fresh = |lag: Option<i64>| lag.is_some_and(|lag| (0..=1_500).contains(&lag));
+        let ok = shown.contains(&serving)
+            && shown.starts_with("fresh: up to ")
+            && fresh(lag_ms)
+            && fresh(status["lag_ms"].as_i64())
+            && status["serving"] == status["shards"].as_array().unwrap().len();
+        ok.then_some(()).ok_or(format!("{shown:?} {lag_ms:?} / {status}"))
+    })
+    .await;
+
     // Live refresh off from here: the checks below read elements it would redraw.
     browser.click("#live").await;
     tokio::time::sleep(Duration::from_millis(1_500)).await;

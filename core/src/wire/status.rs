@@ -17,6 +17,14 @@ pub struct ShardStatus {
     /// a second), and when.
     pub lag: Option<i64>,
     pub lag_at_ms: Option<i64>,
+    /// The next offset of the shard's log it applies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub applied: Option<i64>,
+    /// How much newer input it may be missing, in ms: 0 up to when it was last
+    /// seen caught up with its log, else the age of the newest input it applied
+    /// (none: not known yet).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lag_ms: Option<i64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

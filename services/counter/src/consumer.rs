@@ -208,6 +208,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         leave,
         late_budget: config.counter.batch_max_bytes,
         repositioned: false,
+        freshness_sampled: std::time::Instant::now(),
     };
     // Only this loop runs nicer: the helpers started above (the membership's
     // heartbeats among them), the Kafka clients and RocksDB's threads (started here
@@ -259,6 +260,8 @@ struct Counter {
     late_budget: usize,
     /// The last turn assigned shards anew ([`Processor::repositioned`]).
     repositioned: bool,
+    /// When the shards' freshness was last sampled for the histogram.
+    freshness_sampled: std::time::Instant,
 }
 
 impl Processor<CounterContext> for Counter {
@@ -331,6 +334,7 @@ impl Processor<CounterContext> for Counter {
         report_state(&self.shards, &self.readiness, &self.metrics, conflict, self.ownership.is_some());
         // After a batch or an idle poll, so the last offsets of a load go too.
         self.advisory.commit(consumer, &self.topic, self.next_offsets());
+        self.learn_ends(consumer);
         // Right after a batch that wrote totals for other shards; and with every
         // heartbeat, for what a store still held after a restart or a new assignment.
         if self.outbox_written > 0 || heartbeat {
@@ -365,6 +369,26 @@ impl Processor<CounterContext> for Counter {
 }
 
 impl Counter {
+    /// Each owned shard's log end as the consumer's last fetch said it
+    /// ([`crate::freshness`]), and once a second their lags in the histogram.
+    fn learn_ends(&mut self, consumer: &BaseConsumer<CounterContext>) {
+        let now = now_ms();
+        let sample = self.freshness_sampled.elapsed() >= std::time::Duration::from_secs(1);
+        if sample {
+            self.freshness_sampled = std::time::Instant::now();
+        }
+        for shard in self.shards.owned() {
+            let Some(store) = self.shards.get(shard) else { continue };
+            if let Some(end) = tally_shared::kafka::cached_high_watermark(consumer, &self.topic, shard as i32) {
+                store.freshness.learned_end(end, now);
+            }
+            if let Some(lag_ms) = store.freshness.as_of(now).lag_ms.filter(|_| sample) {
+                let seconds = lag_ms as f64 / 1000.0;
+                self.metrics.freshness_lag.with_label_values(&[&shard.to_string()]).observe(seconds);
+            }
+        }
+    }
+
     /// Takes and drops shards as ownership says: at once when the lease lapsed
     /// (every shard, then a new tenure); statically, every shard (those whose log
     /// end could not be read are tried again with each heartbeat).

@@ -25,6 +25,7 @@ pub mod context;
 pub mod direct;
 pub mod error;
 pub mod flushes;
+pub mod freshness;
 pub mod http;
 pub mod late;
 pub mod marks;

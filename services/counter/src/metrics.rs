@@ -28,6 +28,7 @@ pub struct Metrics {
     /// Records an operator skipped (`tally shards skip`), sent to the dead-letter topic.
     pub skipped_records: IntCounter,
     pub consumer_lag: IntGaugeVec,
+    pub freshness_lag: prometheus::HistogramVec,
     /// Shards restored from a snapshot instead of replaying their whole log.
     pub restored_shards: IntCounter,
     pub snapshots_taken: IntCounter,
@@ -159,6 +160,20 @@ impl Metrics {
                 registry,
                 IntGaugeVec::new(
                     Opts::new("tally_counter_consumer_lag_records", "Shard-topic records not yet applied"),
+                    &["shard"],
+                )
+                .expect("valid metric"),
+            ),
+            freshness_lag: register(
+                registry,
+                prometheus::HistogramVec::new(
+                    HistogramOpts::new(
+                        "tally_freshness_lag_seconds",
+                        "How much newer input a shard's counts may be missing, sampled every second per owned \
+                         shard: up to when it was last seen caught up with its log, else the age of the newest \
+                         input it applied",
+                    )
+                    .buckets(vec![0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0]),
                     &["shard"],
                 )
                 .expect("valid metric"),

@@ -20,6 +20,7 @@ use tally_shared::snapshot::SnapshotRequests;
 
 use tally_core::wire::{ShardState, ShardStatus};
 
+use crate::freshness::AsOf;
 use crate::store::ShardStore;
 
 /// The owned shards, shared by every thread of the counter.
@@ -75,6 +76,10 @@ impl Shards {
     /// last measured lag (`GET /internal/v1/status`, the dashboard's freshness).
     pub fn status(&self) -> Vec<ShardStatus> {
         let (serving, held) = (self.serving(), self.held());
+        // Before the lags: `owned` comes first in the lock order.
+        let now = now_ms();
+        let as_of: HashMap<u32, AsOf> =
+            held.iter().filter_map(|&shard| Some((shard, self.get(shard)?.freshness.as_of(now)))).collect();
         let lags = lock::read(&self.lags, LAGS);
         held.into_iter()
             .map(|shard| {
@@ -86,7 +91,15 @@ impl Shards {
                     ShardState::CatchingUp
                 };
                 let lag = lags.get(&shard).copied();
-                ShardStatus { shard, state, lag: lag.map(|l| l.0), lag_at_ms: lag.map(|l| l.1) }
+                let as_of = as_of.get(&shard);
+                ShardStatus {
+                    shard,
+                    state,
+                    lag: lag.map(|l| l.0),
+                    lag_at_ms: lag.map(|l| l.1),
+                    applied: as_of.map(|as_of| as_of.applied),
+                    lag_ms: as_of.and_then(|as_of| as_of.lag_ms),
+                }
             })
             .collect()
     }

@@ -1,7 +1,8 @@
 //! `GET /v1/status`: how fresh the counts are, for the dashboard's freshness
-//! indicator — which counter serves each shard, each shard's state and how many
-//! records of its log it has not applied yet (measured by the counter about once a
-//! second), and whether the graph is served.
+//! indicator — which counter serves each shard, each shard's state, how many
+//! records of its log it has not applied yet (measured by the counter every few
+//! seconds), how much newer input it may be missing in ms (`lag_ms`, the
+//! counter's `freshness`), and whether the graph is served.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -25,6 +26,10 @@ struct ShardView {
     counter: Option<String>,
     lag: Option<i64>,
     lag_at_ms: Option<i64>,
+    /// The next offset of its log it applies.
+    applied: Option<i64>,
+    /// How much newer input it may be missing, in ms (none: not known yet).
+    lag_ms: Option<i64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -35,6 +40,9 @@ struct Status {
     lag: Option<i64>,
     /// The oldest lag measurement summed in `lag`.
     lag_at_ms: Option<i64>,
+    /// The largest `lag_ms` of the serving shards; `None` while a serving shard's
+    /// is not known.
+    lag_ms: Option<i64>,
     serving: usize,
     shards: Vec<ShardView>,
     /// `tally-graph`'s read address, when it is served.
@@ -50,7 +58,15 @@ pub async fn status(State(state): State<Arc<ApiState>>) -> Result<Response, ApiE
         if let Some(addr) = &counter {
             by_counter.entry(addr.clone()).or_default().push(shard);
         }
-        shards.push(ShardView { shard, state: "unowned", counter, lag: None, lag_at_ms: None });
+        shards.push(ShardView {
+            shard,
+            state: "unowned",
+            counter,
+            lag: None,
+            lag_at_ms: None,
+            applied: None,
+            lag_ms: None,
+        });
     }
     let answers = join_all(by_counter.keys().map(|addr| async move {
         let response = fanout.client.get(format!("http://{addr}/internal/v1/status")).send().await;
@@ -74,6 +90,7 @@ pub async fn status(State(state): State<Arc<ApiState>>) -> Result<Response, ApiE
             };
             if let Some(held) = held {
                 (view.lag, view.lag_at_ms) = (held.lag, held.lag_at_ms);
+                (view.applied, view.lag_ms) = (held.applied, held.lag_ms);
             }
             tracing::trace!(addr, shard, state = view.state, "shard status");
         }
@@ -83,6 +100,11 @@ pub async fn status(State(state): State<Arc<ApiState>>) -> Result<Response, ApiE
         at_ms: now_ms(),
         lag: shards.iter().filter(|s| s.state == "serving").map(|s| s.lag).sum(),
         lag_at_ms: shards.iter().filter(|s| s.state == "serving").filter_map(|s| s.lag_at_ms).min(),
+        lag_ms: shards
+            .iter()
+            .filter(|s| s.state == "serving")
+            .map(|s| s.lag_ms)
+            .try_fold(0, |most, lag| lag.map(|lag| most.max(lag))),
         serving: shards.iter().filter(|s| s.state == "serving").count(),
         shards,
         graph,

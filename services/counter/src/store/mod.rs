@@ -136,6 +136,8 @@ pub struct ShardStore {
     last_persist: Mutex<Instant>,
     /// Every rollup deadline before this time is done ([`crate::store::rollup_book`]).
     pub(crate) deadlines_done_until: AtomicI64,
+    /// What it applied, and how fresh that is ([`crate::freshness`]).
+    pub freshness: crate::freshness::Freshness,
 }
 
 /// Sums counts. A malformed value or operand fails the merge (`None`): RocksDB then
@@ -240,6 +242,7 @@ impl ShardStore {
             None => i64::MIN,
         };
         let direct = Mutex::new(DirectCache::new(options.direct_cache_bytes));
+        let freshness = crate::freshness::Freshness::new(store.next_offset().unwrap_or(0));
         Ok(Self {
             shard,
             store,
@@ -252,6 +255,7 @@ impl ShardStore {
             rebuild_until: AtomicI64::new(rebuild_until),
             last_persist: Mutex::new(Instant::now()),
             deadlines_done_until: AtomicI64::new(i64::MIN),
+            freshness,
         })
     }
 

@@ -169,15 +169,23 @@ const tally = (() => {
       el("svg:polyline", { points, fill: "none", stroke: COLOURS[0], "stroke-width": 1.5 }));
   }
 
-  /// The freshness indicator: the counters' lag, how many shards serve, when.
+  /// Counts older than this are flagged stale.
+  const STALE_MS = 5000;
+
+  /// The freshness indicator: how much newer input the counts may miss, how many
+  /// shards serve, when.
   async function freshness(box) {
     try {
       const status = await api("/v1/status");
       const all = status.shards.length;
-      const known = status.lag !== null;
-      const level = status.serving < all ? "bad" : !known || status.lag > 1000 ? "warn" : "ok";
+      const known = status.lag_ms !== null && status.lag_ms !== undefined;
+      const stale = known && status.lag_ms > STALE_MS;
+      const level = status.serving < all ? "bad" : !known || stale ? "warn" : "ok";
+      const said = !known ? "freshness not known yet"
+        : stale ? `stale: up to ${(status.lag_ms / 1000).toFixed(1)} s behind`
+        : `fresh: up to ${fmt(status.lag_ms)} ms behind`;
       box.replaceChildren(el("span", { class: `dot ${level}` }),
-        el("span", { id: "lag", "data-lag": known ? status.lag : "" }, known ? `lag ${fmt(status.lag)} records` : "lag not measured yet"),
+        el("span", { id: "lag", "data-lag-ms": known ? status.lag_ms : "", "data-lag": status.lag ?? "" }, said),
         ` · ${status.serving}/${all} shards serving · updated ${time(status.at_ms)}`);
     } catch (err) {
       box.replaceChildren(el("span", { class: "dot bad" }), `status unavailable: ${err.message}`);
