@@ -19,9 +19,9 @@ use tally_core::keys::{decode_mark, decode_names, decode_stamp, encode_mark, enc
 use tally_core::records::Truncated;
 use tally_core::time::WindowSpec;
 use tally_core::wire::{
-    DeadLetter, GraphMessage, GraphUpdate, Heartbeat, Increment, Kind, ReadRequest, ReadResponse, Rollup,
-    RollupPosition, ShardAnswer, ShardMessage, ShardMessageRef, ShardOutcome, ShardOwner, ShardQueries, ShardQuery,
-    Source, Stamp, TotalDelta,
+    DeadLetter, FreshReadResponse, GraphMessage, GraphUpdate, Heartbeat, Increment, Kind, ReadRequest, ReadResponse,
+    Rollup, RollupPosition, ShardAnswer, ShardAsOf, ShardMessage, ShardMessageRef, ShardOutcome, ShardOwner,
+    ShardQueries, ShardQuery, Source, Stamp, TotalDelta,
 };
 
 fn golden_path(name: &str) -> PathBuf {
@@ -229,6 +229,20 @@ fn read_link_messages() {
     trailing.push(0);
     assert!(ReadResponse::decode(&trailing).is_err(), "trailing bytes are refused");
     assert!(ReadResponse::decode(&bytes[..bytes.len() - 1]).is_err(), "a truncated response is refused");
+
+    // Link version 2: the same outcomes and each one's freshness.
+    let as_of = vec![Some(ShardAsOf { applied: 1_234, lag_ms: Some(80) }), None, None, None];
+    let fresh = FreshReadResponse { shards: response.shards.clone(), as_of };
+    let bytes = golden("read-response-fresh.bin", &fresh.encode().unwrap());
+    assert_eq!(bytes[..2], [format::RECORD_MAGIC, format::RECORD_V1]);
+    assert_eq!(FreshReadResponse::decode(&bytes).unwrap(), fresh);
+    assert!(ReadResponse::decode(&bytes).is_err(), "a version-1 reader refuses it (it asks for version 1)");
+    assert_eq!(fresh.clone().without_freshness(), response);
+    // The JSON route's answer, read by a reader that knows no freshness, and the other way round.
+    let json = serde_json::to_string(&fresh).unwrap();
+    assert_eq!(serde_json::from_str::<ReadResponse>(&json).unwrap(), response);
+    let old = serde_json::to_string(&response).unwrap();
+    assert_eq!(serde_json::from_str::<FreshReadResponse>(&old).unwrap().as_of, Vec::new());
 }
 
 #[test]

@@ -422,6 +422,16 @@ impl Sandbox {
         self.children.get(name).map(Child::id)
     }
 
+    /// Sends `signal` to a running instance (`libc::SIGSTOP` pauses it,
+    /// `libc::SIGCONT` resumes it).
+    pub fn signal(&self, name: &str, signal: libc::c_int) {
+        let pid = self.pid(name).unwrap_or_else(|| panic!("{name} is not running"));
+        // SAFETY: kill(2) has no memory-safety preconditions.
+        unsafe {
+            libc::kill(pid as libc::pid_t, signal);
+        }
+    }
+
     /// The log a service wrote so far (for failure messages).
     pub fn log(&self, name: &str) -> String {
         std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))).unwrap_or_default()
@@ -595,8 +605,10 @@ impl Drop for Sandbox {
 
 fn terminate(child: &mut Child) {
     // SAFETY: kill(2) on our own child's pid has no memory-safety preconditions.
+    // A paused one (a test that failed while it held it stopped) resumes to stop.
     unsafe {
         libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+        libc::kill(child.id() as libc::pid_t, libc::SIGCONT);
     }
     child.wait().expect("reaping a stopped service");
 }

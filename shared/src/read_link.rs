@@ -1,8 +1,9 @@
 //! The read link: how tally-query asks a counter for counts. One long-lived TCP
 //! connection per counter, opened as an HTTP/1.1 upgrade on the counter's read port
 //! (`GET` [`PATH`], `Upgrade:` [`PROTOCOL`]; 101 Switching Protocols), then binary
-//! frames both ways: requests ([`tally_core::wire::ReadRequest`]) and answers
-//! ([`tally_core::wire::ReadResponse`]) in their versioned record format
+//! frames both ways: requests ([`tally_core::wire::ReadRequest`]) and answers —
+//! [`tally_core::wire::FreshReadResponse`] on a link opened as [`PROTOCOL_FRESH`],
+//! [`tally_core::wire::ReadResponse`] on one opened as [`PROTOCOL`] — in their versioned record format
 //! ([`tally_core::format`]), each frame tagged with the request's id so that many
 //! reads share the connection at once and answers may come back in any order.
 //!
@@ -23,6 +24,9 @@ pub const PATH: &str = "/internal/v1/read-link";
 /// The protocol named in the upgrade: the framing's version (the messages carry
 /// their own).
 pub const PROTOCOL: &str = "tally-read-link.v1";
+/// The protocol of a link whose answers say how fresh each shard was: what
+/// tally-query asks for (a counter that does not know it is read over JSON).
+pub const PROTOCOL_FRESH: &str = "tally-read-link.v2";
 /// Largest request frame a counter accepts (tally-query's requests are bounded by
 /// its 1 MiB request bodies); a longer length prefix means the stream is not a read
 /// link (or is corrupt), and the connection is closed.

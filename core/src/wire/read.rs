@@ -57,6 +57,44 @@ pub struct ReadResponse {
     pub shards: Vec<ShardOutcome>,
 }
 
+/// A read's outcomes with how fresh each shard answered from was: what read
+/// link version 2 carries back (version 1 carries [`ReadResponse`]), and the JSON
+/// read route's answer (`as_of` is ignored by a reader that does not know it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FreshReadResponse {
+    pub shards: Vec<ShardOutcome>,
+    /// For each outcome, in order: the freshness of the store its answers come
+    /// from (none: no answers).
+    #[serde(default)]
+    pub as_of: Vec<Option<ShardAsOf>>,
+}
+
+/// How fresh a shard's store was when a read was answered from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardAsOf {
+    /// The next offset of the shard's log it applies: everything below was in the
+    /// answer.
+    pub applied: i64,
+    /// How much newer input it may be missing, in ms (none: not known yet).
+    pub lag_ms: Option<i64>,
+}
+
+impl FreshReadResponse {
+    /// The binary form read link version 2 carries, as [`ReadRequest::encode`].
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        encode(self)
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        decode(bytes, "read response")
+    }
+
+    /// The outcomes alone, for read link version 1.
+    pub fn without_freshness(self) -> ReadResponse {
+        ReadResponse { shards: self.shards }
+    }
+}
+
 impl ReadRequest {
     /// The binary form the read link carries (`tally_shared::read_link`): the
     /// record header ([`crate::format`], version 1), then bincode.

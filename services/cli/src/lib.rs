@@ -148,6 +148,9 @@ struct QueryArgs {
     step: String,
     #[arg(long, default_value = "24h")]
     range: String,
+    /// Only data at most this old, else a 503 `too_stale` at once.
+    #[arg(long)]
+    max_staleness_ms: Option<i64>,
     /// tally-query's base URL (default: from the config's query.listen).
     #[arg(long)]
     url: Option<String>,
@@ -285,7 +288,7 @@ async fn query(config: &TallyConfig, args: QueryArgs) -> anyhow::Result<()> {
     let base = args.url.unwrap_or_else(|| format!("http://{}", config.query.listen));
     let entity = utf8_percent_encode(&args.entity, NON_ALPHANUMERIC);
     let metric = utf8_percent_encode(&args.metric, NON_ALPHANUMERIC);
-    let url = if args.series {
+    let mut url = if args.series {
         format!(
             "{base}/v1/counters/{entity}/{metric}/series?step={}&range={}&kind={}",
             args.step, args.range, args.kind
@@ -293,6 +296,9 @@ async fn query(config: &TallyConfig, args: QueryArgs) -> anyhow::Result<()> {
     } else {
         format!("{base}/v1/counters/{entity}/{metric}?window={}&kind={}", args.window, args.kind)
     };
+    if let Some(ms) = args.max_staleness_ms {
+        url.push_str(&format!("&max_staleness_ms={ms}"));
+    }
     get_and_print(config, &url).await
 }
 

@@ -97,11 +97,7 @@ fn apply_shard(
     let Some(store) = shards.get(shard).filter(|_| !shards.failures.is_failed(shard)) else { return (0, false) };
     let started = Instant::now();
     let report = match store.apply(records, now, mark_rollups) {
-        Ok(report) => {
-            let newest_input = records.iter().filter_map(|record| record.timestamp).max();
-            store.freshness.applied(store.next_offset().unwrap_or(0), newest_input);
-            report
-        }
+        Ok(report) => report,
         Err(err) => {
             let offset = store.next_offset();
             shards.failures.fail(shard, Failure { offset, reason: err.to_string(), record: None });

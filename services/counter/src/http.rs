@@ -21,7 +21,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use tally_core::time::WindowSpec;
-use tally_core::wire::{CounterStatus, ReadRequest, ReadResponse, ShardMetricsRequest, ShardOutcome, ShardQueries};
+use tally_core::wire::{
+    CounterStatus, FreshReadResponse, ReadRequest, ShardAsOf, ShardMetricsRequest, ShardOutcome, ShardQueries,
+};
 use tally_shared::auth::{AuthConfig, Role};
 use tally_shared::failures::{skip_router, Failure};
 use tally_shared::http::ApiError;
@@ -102,12 +104,14 @@ pub(crate) fn answers_inline(request: &ReadRequest) -> bool {
     queries.clone().count() <= INLINE_READS && queries.all(|q| matches!(q.spec, WindowSpec::All))
 }
 
-/// Answers every shard of `request`, each from one snapshot of its store.
-pub(crate) fn answer_read(state: &ReadState, request: ReadRequest) -> ReadResponse {
+/// Answers every shard of `request`, each from one snapshot of its store, with
+/// how fresh that store was.
+pub(crate) fn answer_read(state: &ReadState, request: ReadRequest) -> FreshReadResponse {
     let asked: usize = request.shards.iter().map(|shard| shard.queries.len()).sum();
     state.metrics.reads.inc_by(asked as u64);
     let now_ms = request.now_ms;
-    ReadResponse { shards: request.shards.into_iter().map(|shard| read_shard(state, shard, now_ms)).collect() }
+    let (shards, as_of) = request.shards.into_iter().map(|shard| read_shard(state, shard, now_ms)).unzip();
+    FreshReadResponse { shards, as_of }
 }
 
 /// `POST /internal/v2/read`: the read link's messages as JSON, for a tally-query
@@ -128,22 +132,30 @@ async fn read(State(state): State<ReadState>, body: axum::body::Bytes) -> Respon
     }
 }
 
-/// One shard's part of a read. Corrupt data it meets fails the shard.
-fn read_shard(state: &ReadState, ShardQueries { shard, queries }: ShardQueries, now_ms: i64) -> ShardOutcome {
+/// One shard's part of a read, and how fresh its store was: taken before the
+/// read, so the answer holds at least what it says. Corrupt data it meets fails
+/// the shard.
+fn read_shard(
+    state: &ReadState,
+    ShardQueries { shard, queries }: ShardQueries,
+    now_ms: i64,
+) -> (ShardOutcome, Option<ShardAsOf>) {
     let failures = &state.shards.failures;
     if let Some(failure) = failures.failure(shard) {
-        return ShardOutcome::Failed { message: failures.describe(shard, &failure) };
+        return (ShardOutcome::Failed { message: failures.describe(shard, &failure) }, None);
     }
-    let Some(store) = state.shards.served(shard) else { return ShardOutcome::NotOwner };
+    let Some(store) = state.shards.served(shard) else { return (ShardOutcome::NotOwner, None) };
+    let as_of = store.freshness.as_of(tally_shared::kafka::now_ms());
+    let as_of = ShardAsOf { applied: as_of.applied, lag_ms: as_of.lag_ms };
     match store.read(&queries, now_ms) {
-        Ok(answers) => ShardOutcome::Answers { answers },
+        Ok(answers) => (ShardOutcome::Answers { answers }, Some(as_of)),
         Err(err) if err.is_corruption() => {
             let failure = Failure { offset: None, reason: format!("a read met corrupt data: {err}"), record: None };
             let message = failures.describe(shard, &failure);
             failures.fail(shard, failure);
-            ShardOutcome::Failed { message }
+            (ShardOutcome::Failed { message }, None)
         }
-        Err(err) => ShardOutcome::Unavailable { message: format!("shard {shard}: {err}") },
+        Err(err) => (ShardOutcome::Unavailable { message: format!("shard {shard}: {err}") }, None),
     }
 }
 

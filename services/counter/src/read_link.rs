@@ -16,9 +16,9 @@ use axum::http::header::{CONNECTION, UPGRADE};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use hyper_util::rt::TokioIo;
-use tally_core::wire::{ReadRequest, ReadResponse, ShardOutcome};
+use tally_core::wire::{FreshReadResponse, ReadRequest, ShardOutcome};
 use tally_shared::http::ApiError;
-use tally_shared::read_link::{frame, read_frame, write_frames, MAX_REQUEST_BYTES, PROTOCOL};
+use tally_shared::read_link::{frame, read_frame, write_frames, MAX_REQUEST_BYTES, PROTOCOL, PROTOCOL_FRESH};
 use tokio::io::{AsyncRead, AsyncWrite, BufReader};
 use tokio::sync::mpsc;
 
@@ -28,22 +28,28 @@ use crate::http::{answer_read, answers_inline, ReadState};
 /// link. Without that upgrade: 400 `invalid_upgrade`.
 pub(crate) async fn open(State(state): State<ReadState>, mut request: Request) -> Response {
     let asked = request.headers().get(UPGRADE).and_then(|value| value.to_str().ok());
+    let protocol = match asked {
+        Some(PROTOCOL_FRESH) => PROTOCOL_FRESH,
+        Some(PROTOCOL) => PROTOCOL,
+        _ => "",
+    };
     // Without hyper's upgrade handle (an HTTP/1.0 request) there is nothing to switch.
-    if asked != Some(PROTOCOL) || request.extensions().get::<hyper::upgrade::OnUpgrade>().is_none() {
-        let message = format!("this path opens a read link: send `Upgrade: {PROTOCOL}`");
+    if protocol.is_empty() || request.extensions().get::<hyper::upgrade::OnUpgrade>().is_none() {
+        let message = format!("this path opens a read link: send `Upgrade: {PROTOCOL_FRESH}` (or {PROTOCOL})");
         return ApiError::new(StatusCode::BAD_REQUEST, "invalid_upgrade", message).into_response();
     }
     let upgrade = hyper::upgrade::on(&mut request);
+    let fresh = protocol == PROTOCOL_FRESH;
     tokio::spawn(async move {
         match upgrade.await {
-            Ok(upgraded) => serve(state, TokioIo::new(upgraded)).await,
+            Ok(upgraded) => serve(state, TokioIo::new(upgraded), fresh).await,
             Err(err) => tracing::debug!(error = %err, "a read link's upgrade failed"),
         }
     });
     Response::builder()
         .status(StatusCode::SWITCHING_PROTOCOLS)
         .header(CONNECTION, "upgrade")
-        .header(UPGRADE, PROTOCOL)
+        .header(UPGRADE, protocol)
         .body(Body::empty())
         .unwrap_or_else(|err| {
             ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", err.to_string()).into_response()
@@ -57,8 +63,9 @@ pub(crate) async fn open(State(state): State<ReadState>, mut request: Request) -
 /// holds them until its link breaks.)
 pub(crate) const MAX_IN_FLIGHT: usize = 256;
 
-/// Serves one link until the client closes it, it breaks, or the counter stops.
-pub(crate) async fn serve<IO: AsyncRead + AsyncWrite + Send + 'static>(state: ReadState, io: IO) {
+/// Serves one link until the client closes it, it breaks, or the counter stops;
+/// its answers say how fresh each shard was when `fresh` (link version 2).
+pub(crate) async fn serve<IO: AsyncRead + AsyncWrite + Send + 'static>(state: ReadState, io: IO, fresh: bool) {
     let in_flight = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
     let (reader, writer) = tokio::io::split(io);
     let (frames, queue) = mpsc::unbounded_channel();
@@ -86,7 +93,7 @@ pub(crate) async fn serve<IO: AsyncRead + AsyncWrite + Send + 'static>(state: Re
             }
         };
         if answers_inline(&request) {
-            send(&frames, id, &answer_read(&state, request));
+            send(&frames, id, answer_read(&state, request), fresh);
             continue;
         }
         let permit = tokio::select! {
@@ -100,7 +107,7 @@ pub(crate) async fn serve<IO: AsyncRead + AsyncWrite + Send + 'static>(state: Re
         let reading = tokio::task::spawn_blocking(move || answer_read(&state, request));
         tokio::spawn(async move {
             let response = reading.await.unwrap_or_else(|err| unavailable(shards, format!("the read failed: {err}")));
-            send(&frames, id, &response);
+            send(&frames, id, response, fresh);
             drop(permit);
         });
     }
@@ -112,20 +119,25 @@ pub(crate) async fn serve<IO: AsyncRead + AsyncWrite + Send + 'static>(state: Re
 }
 
 /// The answer for `shards` shards that could not be read.
-fn unavailable(shards: usize, message: String) -> ReadResponse {
-    ReadResponse { shards: vec![ShardOutcome::Unavailable { message }; shards] }
+fn unavailable(shards: usize, message: String) -> FreshReadResponse {
+    FreshReadResponse { shards: vec![ShardOutcome::Unavailable { message }; shards], as_of: vec![None; shards] }
 }
 
-/// Sends the answer to request `id`; one that cannot be framed (over 64 MiB) is
-/// answered as unavailable, so the read fails now rather than at its timeout.
-fn send(frames: &mpsc::UnboundedSender<Vec<u8>>, id: u64, response: &ReadResponse) {
-    let framed = |response: &ReadResponse| -> Result<Vec<u8>, String> {
-        let message = response.encode().map_err(|err| err.to_string())?;
-        frame(id, &message).map_err(|err| err.to_string())
+/// Sends the answer to request `id` (with the shards' freshness on a `fresh`
+/// link); one that cannot be framed (over 64 MiB) is answered as unavailable, so
+/// the read fails now rather than at its timeout.
+fn send(frames: &mpsc::UnboundedSender<Vec<u8>>, id: u64, response: FreshReadResponse, fresh: bool) {
+    let framed = |response: FreshReadResponse| -> Result<Vec<u8>, String> {
+        let message = match fresh {
+            true => response.encode(),
+            false => response.without_freshness().encode(),
+        };
+        frame(id, &message.map_err(|err| err.to_string())?).map_err(|err| err.to_string())
     };
+    let shards = response.shards.len();
     let bytes = framed(response).or_else(|err| {
         tracing::error!(error = %err, "a read-link answer could not be sent");
-        framed(&unavailable(response.shards.len(), format!("the answer could not be sent: {err}")))
+        framed(unavailable(shards, format!("the answer could not be sent: {err}")))
     });
     // A closed link (its writer gone) has no one to answer.
     if let Ok(bytes) = bytes {
@@ -140,7 +152,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use tally_core::time::WindowSpec;
-    use tally_core::wire::{Kind, ShardAnswer, ShardQueries, ShardQuery};
+    use tally_core::wire::{Kind, ReadResponse, ShardAnswer, ShardAsOf, ShardQueries, ShardQuery};
     use tally_shared::read_link::{MAX_FRAME_BYTES, PATH};
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
@@ -202,7 +214,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_link_answers_every_request_by_its_id_as_the_json_api_does() {
-        let (_dir, addr, _state) = counter().await;
+        let (_dir, addr, state) = counter().await;
         let (status, mut link) = upgrade(&addr, &link_head()).await;
         assert_eq!(status, "HTTP/1.1 101 Switching Protocols");
         // An all-time total (answered inline), a window (on the blocking pool) and a
@@ -269,6 +281,21 @@ mod tests {
         // A frame that is not a read request closes the link.
         link.get_mut().write_all(&frame(43, b"not a request").unwrap()).await.unwrap();
         assert_closed(&mut link).await;
+
+        // A link of version 2 answers alike, with how fresh the shard was: all of
+        // its log applied (one record), caught up when its end was last seen.
+        let store = state.shards.get(0).unwrap();
+        store.freshness.learned_end(1, tally_shared::kafka::now_ms());
+        let fresh_head = link_head().replace(PROTOCOL, PROTOCOL_FRESH);
+        let (status, mut link) = upgrade(&addr, &fresh_head).await;
+        assert_eq!(status, "HTTP/1.1 101 Switching Protocols");
+        link.get_mut().write_all(&frame(44, &requests[1].encode().unwrap()).unwrap()).await.unwrap();
+        assert_eq!(read_frame(&mut link, &mut message, MAX_FRAME_BYTES).await.unwrap(), Some(44));
+        let fresh = FreshReadResponse::decode(&message).unwrap();
+        assert_eq!(fresh.shards, want[&41].shards);
+        let as_of = fresh.as_of.iter().map(|as_of| as_of.map(|a| (a.applied, a.lag_ms.is_some_and(|lag| lag < 5_000))));
+        assert_eq!(as_of.collect::<Vec<_>>(), vec![Some((1, true))]);
+        let _: Option<ShardAsOf> = fresh.as_of[0];
     }
 
     /// More requests than a link may have in flight, sent at once: each is answered,
@@ -317,7 +344,7 @@ mod tests {
             let mut body = Vec::new();
             refused.read_to_end(&mut body).await.unwrap();
             let error: serde_json::Value = serde_json::from_slice(&body).unwrap();
-            let message = format!("this path opens a read link: send `Upgrade: {PROTOCOL}`");
+            let message = format!("this path opens a read link: send `Upgrade: {PROTOCOL_FRESH}` (or {PROTOCOL})");
             assert_eq!(error, serde_json::json!({"error": {"code": "invalid_upgrade", "message": message}}));
         }
 

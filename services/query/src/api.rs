@@ -19,7 +19,9 @@ use tally_core::wire::{GraphNeighboursRequest, Kind, ShardAnswer, ShardQuery};
 use tally_shared::http::page_token;
 
 use crate::error::ApiError;
+use crate::fanout::Answered;
 use crate::fanout::Fanout;
+use crate::freshness::{check_staleness, AsOf};
 use crate::metrics::Metrics;
 
 /// Largest request body accepted.
@@ -64,6 +66,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
 struct WindowParams {
     window: Option<String>,
     kind: Option<String>,
+    max_staleness_ms: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -72,6 +75,7 @@ struct SeriesParams {
     step: Option<String>,
     range: Option<String>,
     kind: Option<String>,
+    max_staleness_ms: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -85,6 +89,7 @@ struct MetricsParams {
 #[serde(deny_unknown_fields)]
 struct BatchBody {
     queries: Vec<BatchQuery>,
+    max_staleness_ms: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -159,6 +164,15 @@ enum WindowResult<'a> {
     Error {
         error: ErrorBody,
     },
+}
+
+/// An answer and how fresh the shards it read were (`as_of` first, in the
+/// alphabetical order of every answer's fields).
+#[derive(Debug, Serialize)]
+struct Fresh<T> {
+    as_of: Vec<AsOf>,
+    #[serde(flatten)]
+    answer: T,
 }
 
 /// A series as clients see it (fields in alphabetical order, as every answer's).
@@ -242,15 +256,16 @@ async fn counter(
     check_counter(&entity, &metric)?;
     let kind = parse_kind(params.kind.as_deref())?;
     let (spec, window) = parse_window(params.window.as_deref())?;
+    let staleness = check_staleness(params.max_staleness_ms)?;
     let query = ShardQuery { entity, metric, kind, spec };
     let timer = state.metrics.request_seconds.with_label_values(&["counter"]).start_timer();
-    let mut answers = state.fanout.read(vec![query.clone()], now_ms()).await?;
+    let Answered { mut answers, as_of } = state.fanout.read(vec![query.clone()], now_ms(), staleness).await?;
     timer.observe_duration();
     let answer = answers.pop().ok_or_else(|| ApiError::unavailable("no answer"))?;
     if let Some(err) = answer_error(&answer) {
         return Err(err);
     }
-    json_response(&window_result(&query, &window, answer))
+    json_response(&Fresh { as_of, answer: window_result(&query, &window, answer) })
 }
 
 async fn series(
@@ -266,19 +281,23 @@ async fn series(
         .map_err(|e| ApiError::bad_request("invalid_step", format!("step: {e}")))?;
     let range_ms = parse_duration(params.range.as_deref().unwrap_or("24h"))
         .map_err(|e| ApiError::bad_request("invalid_range", format!("range: {e}")))?;
+    let staleness = check_staleness(params.max_staleness_ms)?;
     let query = ShardQuery { entity, metric, kind, spec: WindowSpec::Series { step_ms, range_ms } };
     let timer = state.metrics.request_seconds.with_label_values(&["series"]).start_timer();
-    let mut answers = state.fanout.read(vec![query.clone()], now_ms()).await?;
+    let Answered { mut answers, as_of } = state.fanout.read(vec![query.clone()], now_ms(), staleness).await?;
     timer.observe_duration();
     match answers.pop() {
-        Some(ShardAnswer::Series { resolution, points }) => json_response(&Series {
-            entity: &query.entity,
-            kind: kind.as_str(),
-            metric: &query.metric,
-            points: points.into_iter().map(|(t, value)| Point { t, value }).collect(),
-            range: format_duration(range_ms),
-            resolution,
-            step: format_duration(step_ms),
+        Some(ShardAnswer::Series { resolution, points }) => json_response(&Fresh {
+            as_of,
+            answer: Series {
+                entity: &query.entity,
+                kind: kind.as_str(),
+                metric: &query.metric,
+                points: points.into_iter().map(|(t, value)| Point { t, value }).collect(),
+                range: format_duration(range_ms),
+                resolution,
+                step: format_duration(step_ms),
+            },
         }),
         Some(answer) => Err(answer_error(&answer).unwrap_or_else(|| ApiError::unavailable("unexpected answer"))),
         None => Err(ApiError::unavailable("no answer")),
@@ -306,8 +325,9 @@ async fn batch(
         queries.push(ShardQuery { entity: q.entity, metric: q.metric, kind, spec });
         windows.push(window);
     }
+    let staleness = check_staleness(body.max_staleness_ms)?;
     let timer = state.metrics.request_seconds.with_label_values(&["batch"]).start_timer();
-    let answers = state.fanout.read(queries.clone(), now_ms()).await?;
+    let Answered { answers, as_of } = state.fanout.read(queries.clone(), now_ms(), staleness).await?;
     timer.observe_duration();
     let results = queries
         .iter()
@@ -315,7 +335,7 @@ async fn batch(
         .zip(answers)
         .map(|((query, window), answer)| window_result(query, window, answer))
         .collect();
-    json_response(&BatchResults { results })
+    json_response(&Fresh { as_of, answer: BatchResults { results } })
 }
 
 async fn entity_metrics(

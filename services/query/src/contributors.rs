@@ -28,6 +28,7 @@ use tally_shared::http::page_token;
 
 use crate::api::{answer_error, check_counter, json_response, now_ms, parse_window, path_error, query_error, ApiState};
 use crate::error::ApiError;
+use crate::freshness::{check_staleness, AsOf};
 
 /// The most ancestors a contributors listing reads (as many as tally-graph walks).
 pub const MAX_ANCESTORS: usize = tally_core::wire::GraphAncestorsRequest::MAX_LIMIT;
@@ -40,6 +41,7 @@ pub struct ContributorsParams {
     window: Option<String>,
     limit: Option<usize>,
     page_token: Option<String>,
+    max_staleness_ms: Option<i64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -50,6 +52,8 @@ struct Contributor<'a> {
 
 #[derive(Debug, Serialize)]
 struct Contributors<'a> {
+    /// How fresh each shard read was (the oldest answer of a shard read twice).
+    as_of: Vec<AsOf>,
     entity: &'a str,
     metric: &'a str,
     window: &'a str,
@@ -129,6 +133,7 @@ pub async fn contributors(
         None | Some("") => Position { now_ms: now_ms(), after: None },
         Some(token) => decode_position(token, now_ms())?,
     };
+    let staleness = check_staleness(params.max_staleness_ms)?;
     let timer = state.metrics.request_seconds.with_label_values(&["contributors"]).start_timer();
     let graph = state.fanout.ancestors(&entity, MAX_ANCESTORS).await?;
     if graph.more {
@@ -144,8 +149,13 @@ pub async fn contributors(
     let mut queries = vec![query(&entity, Kind::Total), query(&entity, Kind::Direct)];
     queries.extend(graph.entities.iter().map(|ancestor| query(ancestor, Kind::Direct)));
     let mut answers = Vec::with_capacity(queries.len());
+    let mut as_of: std::collections::BTreeMap<u32, AsOf> = std::collections::BTreeMap::new();
     for chunk in queries.chunks(READ_CHUNK) {
-        answers.extend(state.fanout.read(chunk.to_vec(), position.now_ms).await?);
+        let answered = state.fanout.read(chunk.to_vec(), position.now_ms, staleness).await?;
+        answers.extend(answered.answers);
+        for fresh in answered.as_of {
+            as_of.entry(fresh.shard).or_insert(fresh);
+        }
     }
     timer.observe_duration();
     if let Some(err) = answers.iter().find_map(answer_error) {
@@ -181,6 +191,7 @@ pub async fn contributors(
         encode_position(&Position { now_ms: position.now_ms, after: last })
     });
     json_response(&Contributors {
+        as_of: as_of.into_values().collect(),
         entity: &entity,
         metric: &metric,
         window: &window,

@@ -13,11 +13,12 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tally_core::sharding::shard_of;
 use tally_core::wire::{
-    GraphAncestorsRequest, GraphNeighboursRequest, GraphNeighboursResponse, ReadRequest, ReadResponse, ShardAnswer,
-    ShardMetricsRequest, ShardMetricsResponse, ShardOutcome, ShardOwner, ShardQueries, ShardQuery,
+    FreshReadResponse, GraphAncestorsRequest, GraphNeighboursRequest, GraphNeighboursResponse, ReadRequest,
+    ShardAnswer, ShardMetricsRequest, ShardMetricsResponse, ShardOutcome, ShardOwner, ShardQueries, ShardQuery,
 };
 
 use crate::error::ApiError;
+use crate::freshness::{too_stale, AsOf, Seen};
 use crate::read_link::{LinkError, Links};
 use tally_shared::claims::{Claim, ClaimTable};
 
@@ -32,6 +33,16 @@ pub struct Fanout {
     pub shards: u32,
     /// How long to wait for an owner to (re)appear.
     pub owner_wait: Duration,
+    /// Each shard's freshness when it last answered ([`crate::freshness`]).
+    pub seen: Seen,
+}
+
+/// A read's answers, in the order asked, and how fresh each shard read was.
+#[derive(Debug)]
+pub struct Answered {
+    pub answers: Vec<ShardAnswer>,
+    /// By shard.
+    pub as_of: Vec<AsOf>,
 }
 
 impl Fanout {
@@ -39,10 +50,43 @@ impl Fanout {
         shard_of(entity, self.shards)
     }
 
+    /// Answers `queries` as [`Fanout::read_all`] does; with `max_staleness_ms`,
+    /// only data at most that old, waiting at most that long (see
+    /// [`crate::freshness`]).
+    pub async fn read(
+        &self,
+        queries: Vec<ShardQuery>,
+        now_ms: i64,
+        max_staleness_ms: Option<i64>,
+    ) -> Result<Answered, ApiError> {
+        let Some(bound) = max_staleness_ms else { return self.read_all(queries, now_ms).await };
+        let shards: std::collections::BTreeSet<u32> = queries.iter().map(|q| self.shard_of(&q.entity)).collect();
+        let clock = tally_shared::kafka::now_ms();
+        for &shard in &shards {
+            let silent = self.seen.stale_and_silent(shard, bound, clock);
+            if let Some(staleness) = silent.filter(|staleness| *staleness > bound) {
+                return Err(too_stale(shard, Some(staleness), bound, "its owner has not answered since"));
+            }
+        }
+        let within = Duration::from_millis(bound.max(1) as u64);
+        let answered = match tokio::time::timeout(within, self.read_all(queries, now_ms)).await {
+            Ok(answered) => answered?,
+            Err(_) => {
+                self.seen.unanswered(shards.iter().copied(), tally_shared::kafka::now_ms());
+                let shard = shards.first().copied().unwrap_or_default();
+                return Err(too_stale(shard, None, bound, "no answer within max_staleness_ms"));
+            }
+        };
+        if let Some(stale) = answered.as_of.iter().find(|as_of| as_of.lag_ms.is_none_or(|lag| lag > bound)) {
+            return Err(too_stale(stale.shard, stale.lag_ms, bound, "as its owner says"));
+        }
+        Ok(answered)
+    }
+
     /// Answers `queries` in order: one request per counter that owns any of their
     /// shards (each shard read once, from one snapshot); shards whose owner moved or
     /// did not answer are asked again of the owner of a newer claim.
-    pub async fn read(&self, queries: Vec<ShardQuery>, now_ms: i64) -> Result<Vec<ShardAnswer>, ApiError> {
+    pub async fn read_all(&self, queries: Vec<ShardQuery>, now_ms: i64) -> Result<Answered, ApiError> {
         let total = queries.len();
         let mut pending: BTreeMap<u32, (Vec<usize>, Vec<ShardQuery>)> = BTreeMap::new();
         for (index, query) in queries.into_iter().enumerate() {
@@ -51,6 +95,7 @@ impl Fanout {
             slot.1.push(query);
         }
         let mut answers: Vec<Option<ShardAnswer>> = vec![None; total];
+        let mut as_of: BTreeMap<u32, AsOf> = BTreeMap::new();
         // The claim version each shard was last asked under.
         let mut tried: HashMap<u32, u64> = HashMap::new();
         for _ in 0..ATTEMPTS {
@@ -98,10 +143,14 @@ impl Fanout {
                 if response.shards.len() != shards.len() {
                     return Err(ApiError::unavailable(format!("{addr} answered for fewer shards than asked")));
                 }
-                for (shard, outcome) in shards.into_iter().zip(response.shards) {
+                let freshness = response.as_of.into_iter().chain(std::iter::repeat(None));
+                for ((shard, outcome), fresh) in shards.into_iter().zip(response.shards).zip(freshness) {
                     match outcome {
                         ShardOutcome::Answers { answers: shard_answers } => {
                             let Some((indexes, asked)) = pending.remove(&shard) else { continue };
+                            let fresh = AsOf::of(shard, fresh);
+                            self.seen.answered(&fresh, tally_shared::kafka::now_ms());
+                            as_of.insert(shard, fresh);
                             if shard_answers.len() != asked.len() {
                                 return Err(ApiError::unavailable(format!(
                                     "shard {shard} answered {} of {} queries",
@@ -126,10 +175,11 @@ impl Fanout {
         if let Some(shard) = pending.keys().next() {
             return Err(ApiError::unavailable(format!("{} is unavailable; retry shortly", owner_name(*shard))));
         }
-        answers
+        let answers = answers
             .into_iter()
             .map(|a| a.ok_or_else(|| ApiError::unavailable("a shard answered fewer queries than asked")))
-            .collect()
+            .collect::<Result<_, _>>()?;
+        Ok(Answered { answers, as_of: as_of.into_values().collect() })
     }
 
     /// The current claim of `shard` when it is newer than version `than` (any, when
@@ -202,7 +252,7 @@ impl Fanout {
     /// Asks the counter at `addr` over its read link, or over HTTP when the link is
     /// turned off or the counter does not open links: its answer; its refusal as the
     /// client's error; or why it could not be reached.
-    async fn ask(&self, addr: &str, request: &ReadRequest) -> Result<Result<ReadResponse, ApiError>, String> {
+    async fn ask(&self, addr: &str, request: &ReadRequest) -> Result<Result<FreshReadResponse, ApiError>, String> {
         let mut within = None;
         if let Some(links) = &self.links {
             let started = std::time::Instant::now();
@@ -291,8 +341,11 @@ mod tests {
         (addr, asked)
     }
 
-    fn answer(request: &ReadRequest) -> ReadResponse {
-        ReadResponse { shards: vec![ShardOutcome::Failed { message: format!("read at {}", request.now_ms) }] }
+    fn answer(request: &ReadRequest) -> FreshReadResponse {
+        FreshReadResponse {
+            shards: vec![ShardOutcome::Failed { message: format!("read at {}", request.now_ms) }],
+            as_of: vec![None],
+        }
     }
 
     fn fanout(links: Option<Links>) -> Fanout {
@@ -301,6 +354,7 @@ mod tests {
             client: reqwest::Client::new(),
             links,
             shards: 4,
+            seen: Default::default(),
             owner_wait: Duration::from_millis(100),
         }
     }

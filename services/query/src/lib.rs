@@ -12,6 +12,7 @@ pub mod contributors;
 pub mod dashboard;
 pub mod error;
 pub mod fanout;
+pub mod freshness;
 pub mod jobs;
 pub mod metrics;
 pub mod owners;
@@ -84,6 +85,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
                 .then(|| read_link::Links::new(CALL_TIMEOUT).authorized(config.auth.bearer(Role::Cluster))),
             shards,
             owner_wait: Duration::from_millis(config.query.owner_wait_ms),
+            seen: Default::default(),
         },
         metrics,
         auth: config.auth.clone(),

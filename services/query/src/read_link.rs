@@ -20,9 +20,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use tally_core::wire::{ReadRequest, ReadResponse};
+use tally_core::wire::{FreshReadResponse, ReadRequest};
 use tally_shared::lock::lock;
-use tally_shared::read_link::{frame, read_frame, write_frames, MAX_FRAME_BYTES, PATH, PROTOCOL};
+use tally_shared::read_link::{frame, read_frame, write_frames, MAX_FRAME_BYTES, PATH, PROTOCOL_FRESH};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
@@ -48,7 +48,7 @@ pub enum LinkError {
     Failed(String),
 }
 
-type Waiting = oneshot::Sender<Result<ReadResponse, String>>;
+type Waiting = oneshot::Sender<Result<FreshReadResponse, String>>;
 
 /// The read links of one tally-query, by counter address.
 pub struct Links {
@@ -148,7 +148,7 @@ impl Links {
     }
 
     /// Asks the counter at `addr` `request` over its link.
-    pub async fn read(&self, addr: &str, request: &ReadRequest) -> Result<ReadResponse, LinkError> {
+    pub async fn read(&self, addr: &str, request: &ReadRequest) -> Result<FreshReadResponse, LinkError> {
         let message = request.encode().map_err(|err| LinkError::Failed(err.to_string()))?;
         let deadline = Instant::now() + self.timeout;
         let (link, reused) = self.link(addr, deadline).await?;
@@ -168,7 +168,7 @@ impl Links {
     }
 
     /// Sends `message` on `link` and waits for its answer until `deadline`.
-    async fn exchange(&self, link: &Link, message: &[u8], deadline: Instant) -> Result<ReadResponse, Unanswered> {
+    async fn exchange(&self, link: &Link, message: &[u8], deadline: Instant) -> Result<FreshReadResponse, Unanswered> {
         let (answer, answered) = oneshot::channel();
         let (id, answers_before) = {
             let mut state = lock(&link.state, LINK_STATE);
@@ -246,7 +246,7 @@ async fn open(addr: &str, authorization: Option<&str>) -> Result<Arc<Link>, Link
     let (reader, mut writer) = stream.into_split();
     let credential = authorization.map(|value| format!("authorization: {value}\r\n")).unwrap_or_default();
     let upgrade = format!(
-        "GET {PATH} HTTP/1.1\r\nhost: {addr}\r\nconnection: upgrade\r\nupgrade: {PROTOCOL}\r\n{credential}\r\n"
+        "GET {PATH} HTTP/1.1\r\nhost: {addr}\r\nconnection: upgrade\r\nupgrade: {PROTOCOL_FRESH}\r\n{credential}\r\n"
     );
     writer.write_all(upgrade.as_bytes()).await.map_err(failed)?;
     let mut reader = BufReader::with_capacity(64 << 10, reader);
@@ -319,7 +319,7 @@ async fn read_answers<R: AsyncRead + Unpin>(reader: &mut R, link: &Weak<Link>) -
             Ok(None) => return "the counter closed the read link".into(),
             Err(err) => return format!("the read link broke: {err}"),
         };
-        let answer = match ReadResponse::decode(&message) {
+        let answer = match FreshReadResponse::decode(&message) {
             Ok(answer) => answer,
             // Nothing on this link can be trusted after a frame that does not decode.
             Err(err) => return format!("a read-link answer did not decode: {err}"),
@@ -371,8 +371,11 @@ mod tests {
     }
 
     /// An answer that says which request it is for: its clock.
-    fn answer_to(request: &ReadRequest) -> ReadResponse {
-        ReadResponse { shards: vec![ShardOutcome::Unavailable { message: format!("answer to {}", request.now_ms) }] }
+    fn answer_to(request: &ReadRequest) -> FreshReadResponse {
+        FreshReadResponse {
+            shards: vec![ShardOutcome::Unavailable { message: format!("answer to {}", request.now_ms) }],
+            as_of: vec![None],
+        }
     }
 
     fn request(now_ms: i64) -> ReadRequest {
@@ -414,7 +417,7 @@ mod tests {
             _ => {}
         }
         let switching =
-            format!("HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: {PROTOCOL}\r\n\r\n");
+            format!("HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: {PROTOCOL_FRESH}\r\n\r\n");
         writer.write_all(switching.as_bytes()).await.unwrap();
         let mut message = Vec::new();
         let (mut held, mut answered) = (Vec::new(), 0);
@@ -529,7 +532,7 @@ mod tests {
     #[tokio::test]
     async fn garbage_or_an_oversized_answer_from_a_counter_fails_the_read_and_closes_the_link() {
         let garbage = b"not a read response".to_vec();
-        let undecodable = ReadResponse::decode(&garbage).unwrap_err();
+        let undecodable = FreshReadResponse::decode(&garbage).unwrap_err();
         let mut oversized = (MAX_FRAME_BYTES as u32 + 1).to_be_bytes().to_vec();
         oversized.extend_from_slice(&[0; 8]);
         let mut endless = b"HTTP/1.1 101 Switching Protocols\r\n".to_vec();

@@ -255,6 +255,10 @@ impl ShardStore {
         }
         // Also commits the progress past stale records.
         self.apply_counts(&run, &mut progress, now, mark_rollups, &mut report)?;
+        let next = progress.next_offset.unwrap_or(0);
+        let newest_input =
+            records.iter().filter(|record| record.offset < next).filter_map(|record| record.timestamp).max();
+        self.freshness.applied(next, newest_input);
         Ok(report)
     }
 

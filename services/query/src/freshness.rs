@@ -1,0 +1,137 @@
+//! How fresh an answer is, and reads bounded by staleness.
+//!
+//! Every read answers with `as_of`: for each shard it read, the next offset of
+//! the shard's log its store applies (everything below is in the answer), how
+//! much newer input it may be missing (`lag_ms`, the counter's
+//! `freshness`) and who served it. A read with `max_staleness_ms` answers at
+//! once when every shard it reads lags at most that much, else 503
+//! `too_stale`: it waits for the counters at most that long, and a shard whose
+//! read went unanswered less than that long ago, its data already that old, is
+//! refused at once (a paused counter never holds a dashboard; one read per bound
+//! asks again, to learn it is back).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use axum::http::StatusCode;
+use serde::Serialize;
+use tally_core::wire::ShardAsOf;
+use tally_shared::lock::lock;
+
+use crate::error::ApiError;
+
+/// What [`Seen`]'s lock guards ([`tally_shared::lock`]).
+const SEEN: &str = "the shards' last freshness";
+
+/// The most a read may ask to wait for fresh enough data.
+pub const MAX_STALENESS_MS: i64 = 3_600_000;
+
+/// How fresh one shard of an answer was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct AsOf {
+    /// The next offset of the shard's log it applies (none: its counter did not
+    /// say, an older release).
+    pub applied: Option<i64>,
+    /// How much newer input it may be missing, in ms (none: not known).
+    pub lag_ms: Option<i64>,
+    /// `owner`: the counter that owns the shard.
+    pub served_by: &'static str,
+    pub shard: u32,
+}
+
+impl AsOf {
+    pub fn of(shard: u32, as_of: Option<ShardAsOf>) -> Self {
+        Self { applied: as_of.map(|a| a.applied), lag_ms: as_of.and_then(|a| a.lag_ms), served_by: "owner", shard }
+    }
+}
+
+/// Each shard's freshness when it last answered, and whether a read of it went
+/// unanswered since.
+#[derive(Debug, Default)]
+pub struct Seen {
+    shards: Mutex<HashMap<u32, Last>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Last {
+    lag_ms: Option<i64>,
+    at_ms: i64,
+    /// When a read of it last went unanswered, since it answered.
+    unanswered_at: Option<i64>,
+}
+
+impl Seen {
+    pub fn answered(&self, as_of: &AsOf, now_ms: i64) {
+        let last = Last { lag_ms: as_of.lag_ms, at_ms: now_ms, unanswered_at: None };
+        lock(&self.shards, SEEN).insert(as_of.shard, last);
+    }
+
+    /// A read of `shards` got no answer in time, at `now_ms`.
+    pub fn unanswered(&self, shards: impl IntoIterator<Item = u32>, now_ms: i64) {
+        let mut seen = lock(&self.shards, SEEN);
+        for shard in shards {
+            if let Some(last) = seen.get_mut(&shard) {
+                last.unanswered_at = Some(now_ms);
+            }
+        }
+    }
+
+    /// How stale `shard`'s data is at least, when a read of it went unanswered
+    /// less than `within` ms ago: its lag when it last answered, and the time since
+    /// (none: it answers, its lag was not known, or it is time to ask again).
+    pub fn stale_and_silent(&self, shard: u32, within: i64, now_ms: i64) -> Option<i64> {
+        let last = *lock(&self.shards, SEEN).get(&shard)?;
+        last.unanswered_at.filter(|at| now_ms - at < within)?;
+        Some(last.lag_ms? + (now_ms - last.at_ms).max(0))
+    }
+}
+
+/// The answer to a read whose data is staler than `bound` ms.
+pub fn too_stale(shard: u32, staleness_ms: Option<i64>, bound: i64, why: &str) -> ApiError {
+    let how = staleness_ms.map_or_else(|| "of unknown age".to_string(), |ms| format!("{ms} ms behind"));
+    let message =
+        format!("shard {shard} is {how} ({why}), past max_staleness_ms = {bound}: retry, or allow more staleness");
+    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "too_stale", message)
+}
+
+/// A read's `max_staleness_ms`, checked.
+pub fn check_staleness(max_staleness_ms: Option<i64>) -> Result<Option<i64>, ApiError> {
+    match max_staleness_ms {
+        Some(ms) if !(0..=MAX_STALENESS_MS).contains(&ms) => Err(ApiError::bad_request(
+            "invalid_max_staleness",
+            format!("max_staleness_ms: must be 0 to {MAX_STALENESS_MS}"),
+        )),
+        bound => Ok(bound),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shard_is_stale_and_silent_only_after_a_read_went_unanswered() {
+        let seen = Seen::default();
+        let as_of = AsOf::of(3, Some(ShardAsOf { applied: 10, lag_ms: Some(40) }));
+        seen.answered(&as_of, 1_000);
+        assert_eq!(seen.stale_and_silent(3, 500, 1_500), None, "it answers");
+        seen.unanswered([3, 4], 1_400);
+        assert_eq!(seen.stale_and_silent(3, 500, 1_500), Some(540));
+        assert_eq!(seen.stale_and_silent(3, 500, 1_900), None, "a bound later, it is asked again");
+        assert_eq!(seen.stale_and_silent(4, 500, 1_500), None, "never seen");
+        seen.answered(&as_of, 1_600);
+        assert_eq!(seen.stale_and_silent(3, 500, 1_700), None, "it answered again");
+        seen.answered(&AsOf::of(3, Some(ShardAsOf { applied: 10, lag_ms: None })), 1_800);
+        seen.unanswered([3], 1_800);
+        assert_eq!(seen.stale_and_silent(3, 500, 1_900), None, "its lag was not known");
+    }
+
+    #[test]
+    fn staleness_bounds_are_checked() {
+        assert_eq!(check_staleness(None).unwrap(), None);
+        assert_eq!(check_staleness(Some(500)).unwrap(), Some(500));
+        for bad in [-1, MAX_STALENESS_MS + 1] {
+            assert_eq!(check_staleness(Some(bad)).unwrap_err().code, "invalid_max_staleness");
+        }
+    }
+}
