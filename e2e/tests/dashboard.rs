@@ -9,6 +9,7 @@
 //! waiting job by its id and a running one from its row. Screenshots are saved under
 //! `target/tmp/screenshots/` (the README's tour shows copies).
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -233,6 +234,27 @@ async fn counters_page_plots_totals_and_explains_what_the_api_answers() {
         vec!["user:7", "answer:1"],
         "a legend entry per series"
     );
+    // The chart says how fresh its series are: the shards the API read for them,
+    // each at the offset it applied, and fresh.
+    let path = |entity: &str| format!("/v1/counters/{}/views/series?step=1h&range=24h&kind=total", encode(entity));
+    eventually("the chart's freshness equals the API's as_of", || async {
+        let mut want: BTreeMap<u64, i64> = BTreeMap::new();
+        for entity in ["user:7", "answer:1"] {
+            for a in sandbox.get(&path(entity)).await.1["as_of"].as_array().cloned().unwrap_or_default() {
+                want.insert(a["shard"].as_u64().unwrap_or_default(), a["applied"].as_i64().unwrap_or_default());
+            }
+        }
+        let applied: Vec<(u64, i64)> =
+            serde_json::from_str(&browser.attr("#chart-title small.as-of", "data-applied").await).unwrap_or_default();
+        let lag: Option<i64> = browser.attr("#chart-title small.as-of", "data-lag-ms").await.parse().ok();
+        let shown = browser.text("#chart-title small.as-of").await;
+        let ok = applied == want.clone().into_iter().collect::<Vec<_>>()
+            && !want.is_empty()
+            && lag.is_some_and(|lag| (0..=1_500).contains(&lag))
+            && shown.starts_with("fresh: up to ");
+        ok.then_some(()).ok_or(format!("{applied:?} {lag:?} {shown:?} / {want:?}"))
+    })
+    .await;
 
     // The header's freshness says what `/v1/status` says: every shard serving, and
     // caught up (an idle system lags at most a fetch wait and a look at the ends).

@@ -172,6 +172,24 @@ const tally = (() => {
   /// Counts older than this are flagged stale.
   const STALE_MS = 5000;
 
+  /// How fresh the answers drawn are: the shards they read (each at the offset
+  /// applied) and the largest lag, flagged stale past STALE_MS.
+  function asOfNote(answers) {
+    const shards = new Map();
+    for (const a of answers.flatMap((answer) => answer.as_of || [])) {
+      const known = shards.get(a.shard);
+      if (!known || a.applied < known.applied) shards.set(a.shard, a);
+    }
+    const listed = [...shards.values()].sort((a, b) => a.shard - b.shard);
+    const lags = listed.map((a) => a.lag_ms);
+    const known = lags.length > 0 && lags.every((lag) => lag !== null && lag !== undefined);
+    const lag = known ? Math.max(...lags) : null;
+    const stale = known && lag > STALE_MS;
+    const text = !known ? "freshness not known" : stale ? `stale: up to ${(lag / 1000).toFixed(1)} s behind` : `fresh: up to ${fmt(lag)} ms behind`;
+    return el("small", { class: `as-of${stale || !known ? " stale" : ""}`, "data-lag-ms": known ? lag : "",
+      "data-applied": JSON.stringify(listed.map((a) => [a.shard, a.applied])) }, text);
+  }
+
   /// The freshness indicator: how much newer input the counts may miss, how many
   /// shards serve, when.
   async function freshness(box) {
@@ -192,5 +210,5 @@ const tally = (() => {
     }
   }
 
-  return { $, el, api, ApiError, askToken, enc, fmt, time, lineChart, sparkline, freshness, COLOURS };
+  return { $, el, api, ApiError, askToken, enc, fmt, time, lineChart, sparkline, freshness, asOfNote, COLOURS };
 })();
