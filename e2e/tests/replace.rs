@@ -1,6 +1,6 @@
 //! Replaced and debounced unique jobs end to end: 2 000 keys enqueued five times
-//! on a queue that replaces (each job due in 15 s) and on one that debounces
-//! (15 s quiet period), with a broker killed -9 and started again between the
+//! on a queue that replaces (each job due in 30 s) and on one that debounces
+//! (30 s quiet period), with a broker killed -9 and started again between the
 //! rounds. Each key runs its last job only, a debounced one no sooner than its
 //! quiet period after the last enqueue; a key whose job ran takes a new one; a
 //! job naming a window on such a queue is a dead letter saying why.
@@ -28,12 +28,12 @@ name = "debounced"
 partitions = 4
 lease_ms = 2000
 on_duplicate = "debounce"
-debounce_ms = 15000
+debounce_ms = 30000
 "#;
 
 const KEYS: usize = 2_000;
 const ROUNDS: usize = 5;
-const WAIT_MS: i64 = 15_000;
+const WAIT_MS: i64 = 30_000;
 
 /// Round `round` of every key; on `latest` each job is due at `run_at`.
 fn round(round: usize, run_at: Option<i64>) -> Vec<(Option<String>, Vec<u8>)> {

@@ -193,23 +193,7 @@ pub struct QueueStats {
     pub partitions: Vec<PartitionInfo>,
 }
 
-/// A job in flight, as an operator sees it (and may cancel it).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RunningJob {
-    pub id: String,
-    pub partition: i32,
-    pub offset: i64,
-    /// 1 for the first try.
-    pub attempt: u32,
-    /// When its lease ends unless its worker extends it (ms since the epoch).
-    pub lease_deadline_ms: i64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub concurrency_key: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub priority: Option<u8>,
-    /// Cancelled: its worker is told at its next extend.
-    pub cancelled: bool,
-}
+pub use super::partition::RunningJob;
 
 /// The jobs in flight of a queue: the first `limit` by partition and offset.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

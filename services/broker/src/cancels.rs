@@ -30,10 +30,13 @@ pub fn load_and_follow(
     shutdown: CancellationToken,
 ) -> Result<std::thread::JoinHandle<()>> {
     let topic = names.jobs_cancelled();
-    let mut cancels = Cancels { broker };
+    let mut cancels = Cancels { broker, loaded_until: 0 };
     for (offset, payload) in tally_shared::kafka::read_to_end_at(kafka, &topic, Duration::from_secs(30))? {
         cancels.record(offset, &payload);
     }
+    // The follower reads from the beginning again: what was loaded is not applied
+    // twice (a cancellation replayed after its revocation would hold again).
+    cancels.loaded_until = cancels.broker.cancels_read.load(Ordering::Acquire);
     let poll = Duration::from_millis(100);
     Ok(tally_shared::follow::follow(kafka, "broker-cancels", "tally-broker-cancels", &topic, poll, shutdown, cancels)?)
 }
@@ -61,11 +64,23 @@ pub fn is_cancelled_when_fetched(consumer: &BaseConsumer, broker: &Broker, topic
 
 struct Cancels {
     broker: Arc<Broker>,
+    /// Records below this offset were read before following.
+    loaded_until: i64,
 }
 
 impl Follow for Cancels {
     fn record(&mut self, offset: i64, payload: &[u8]) {
+        if offset < self.loaded_until {
+            return;
+        }
+        self.apply(offset, payload);
+        // Read only once applied: the fetcher waits for this.
         self.broker.cancels_read.fetch_max(offset + 1, Ordering::Release);
+    }
+}
+
+impl Cancels {
+    fn apply(&mut self, offset: i64, payload: &[u8]) {
         match JobCancel::decode(payload) {
             Ok(cancel) if cancel.revoked => self.broker.uncancel(&cancel.queue, &cancel.id),
             Ok(cancel) => {

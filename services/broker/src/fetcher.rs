@@ -118,10 +118,6 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                         .and_then(|job| check_delay(job, enqueued_at, max_delay_ms))
                         .and_then(|job| policy.check(&job).map(|()| job));
                     let partitions = queue.decl().partitions;
-                    let cancelled = parsed.as_ref().is_ok_and(|job| {
-                        let topic = &cancels_topic;
-                        crate::cancels::is_cancelled_when_fetched(&consumer, &broker, topic, &queue.name, &job.id)
-                    });
                     let home = match parsed
                         .as_ref()
                         .map(|job| crate::placement::home_partition(&policy.limits, job, partitions))
@@ -133,6 +129,18 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                         }
                         Err(_) => None,
                     };
+                    // Only for a job it will hold: one it forwards is judged at home.
+                    let cancelled = parsed.as_ref().is_ok_and(|job| {
+                        let topic = &cancels_topic;
+                        home.is_none_or(|home| home == partition)
+                            && crate::cancels::is_cancelled_when_fetched(
+                                &consumer,
+                                &broker,
+                                topic,
+                                &queue.name,
+                                &job.id,
+                            )
+                    });
                     let (full, rejected, refetched) = {
                         let mut buffer = lock(&buffer, BUFFER);
                         // A re-fetched offset was decided when first fetched.

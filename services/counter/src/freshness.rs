@@ -1,9 +1,9 @@
 //! How fresh a shard's store is: what it applied, the input time of the newest
-//! record it applied, and its log's end as last learned — from the consumer's
-//! fetches (librdkafka's cached high watermark, read after every turn of the
-//! loop: while the loop rests, its checks of the ends wake it within
-//! `rest::REST_CHECK` of a record arriving, so the cached end is no staler) and
-//! from the lag reporter.
+//! record it applied (no later than when it was applied), and its log's end as
+//! last learned from the consumer's fetches (librdkafka's cached high watermark,
+//! read after every turn of the loop: while the loop rests, its checks of the
+//! ends wake it within `rest::REST_CHECK` of a record arriving, so the cached end
+//! is no staler).
 //!
 //! The lag ([`lag_ms`]) is how much newer input the store may be missing: 0 up to
 //! when it was last seen caught up with its log, else the age of the newest

@@ -72,8 +72,9 @@ impl Fanout {
         let answered = match tokio::time::timeout(within, self.read_all(queries, now_ms)).await {
             Ok(answered) => answered?,
             Err(_) => {
-                self.seen.unanswered(shards.iter().copied(), tally_shared::kafka::now_ms());
-                let shard = shards.first().copied().unwrap_or_default();
+                // Only the shards that did not answer during this read.
+                let silent = self.seen.unanswered(shards.iter().copied(), clock, tally_shared::kafka::now_ms());
+                let shard = silent.first().or(shards.first()).copied().unwrap_or_default();
                 return Err(too_stale(shard, None, bound, "no answer within max_staleness_ms"));
             }
         };
@@ -118,20 +119,25 @@ impl Fanout {
                 tried.insert(shard, version);
                 by_owner.entry(addr).or_default().push(shard);
             }
-            let calls = by_owner.into_iter().map(|(addr, shards)| {
-                let request = ReadRequest {
-                    now_ms,
-                    shards: shards
-                        .iter()
-                        .map(|shard| ShardQueries { shard: *shard, queries: pending[shard].1.clone() })
-                        .collect(),
-                };
-                async move {
-                    let response = self.ask(&addr, &request).await;
-                    (addr, shards, response)
-                }
-            });
-            for (addr, shards, response) in join_all(calls).await {
+            // Each counter's answer is taken as it comes: one that answered is known
+            // fresh even when the read as a whole runs out of time.
+            let mut calls: futures::stream::FuturesUnordered<_> = by_owner
+                .into_iter()
+                .map(|(addr, shards)| {
+                    let request = ReadRequest {
+                        now_ms,
+                        shards: shards
+                            .iter()
+                            .map(|shard| ShardQueries { shard: *shard, queries: pending[shard].1.clone() })
+                            .collect(),
+                    };
+                    async move {
+                        let response = self.ask(&addr, &request).await;
+                        (addr, shards, response)
+                    }
+                })
+                .collect();
+            while let Some((addr, shards, response)) = futures::StreamExt::next(&mut calls).await {
                 let response = match response {
                     Ok(Ok(response)) => response,
                     Ok(Err(refused)) => return Err(refused),

@@ -66,14 +66,22 @@ impl Seen {
         lock(&self.shards, SEEN).insert(as_of.shard, last);
     }
 
-    /// A read of `shards` got no answer in time, at `now_ms`.
-    pub fn unanswered(&self, shards: impl IntoIterator<Item = u32>, now_ms: i64) {
+    /// A read of `shards` begun at `since_ms` ran out of time at `now_ms`: those
+    /// that did not answer since are marked, and returned.
+    pub fn unanswered(&self, shards: impl IntoIterator<Item = u32>, since_ms: i64, now_ms: i64) -> Vec<u32> {
         let mut seen = lock(&self.shards, SEEN);
+        let mut silent = Vec::new();
         for shard in shards {
-            if let Some(last) = seen.get_mut(&shard) {
-                last.unanswered_at = Some(now_ms);
+            match seen.get_mut(&shard) {
+                Some(last) if last.at_ms >= since_ms => {}
+                Some(last) => {
+                    last.unanswered_at = Some(now_ms);
+                    silent.push(shard);
+                }
+                None => silent.push(shard),
             }
         }
+        silent
     }
 
     /// How stale `shard`'s data is at least, when a read of it went unanswered
@@ -115,14 +123,15 @@ mod tests {
         let as_of = AsOf::of(3, Some(ShardAsOf { applied: 10, lag_ms: Some(40) }));
         seen.answered(&as_of, 1_000);
         assert_eq!(seen.stale_and_silent(3, 500, 1_500), None, "it answers");
-        seen.unanswered([3, 4], 1_400);
+        assert_eq!(seen.unanswered([3, 4], 1_100, 1_400), vec![3, 4]);
         assert_eq!(seen.stale_and_silent(3, 500, 1_500), Some(540));
         assert_eq!(seen.stale_and_silent(3, 500, 1_900), None, "a bound later, it is asked again");
         assert_eq!(seen.stale_and_silent(4, 500, 1_500), None, "never seen");
         seen.answered(&as_of, 1_600);
         assert_eq!(seen.stale_and_silent(3, 500, 1_700), None, "it answered again");
         seen.answered(&AsOf::of(3, Some(ShardAsOf { applied: 10, lag_ms: None })), 1_800);
-        seen.unanswered([3], 1_800);
+        assert_eq!(seen.unanswered([3], 1_700, 1_800), Vec::<u32>::new(), "it answered during the read");
+        seen.unanswered([3], 1_900, 1_800);
         assert_eq!(seen.stale_and_silent(3, 500, 1_900), None, "its lag was not known");
     }
 

@@ -324,8 +324,13 @@ pub async fn running(
                 Ok(listing) => listings.push(listing),
                 Err(err) => unreachable.push(format!("{}: an answer this build cannot read: {err}", broker.addr)),
             },
-            // Every broker knows every declared queue: an unknown one is the caller's.
-            Ok((status, body)) if status == StatusCode::NOT_FOUND => return Ok(passed_on(status, body)),
+            // Every broker knows every declared queue: an unknown one is the caller's (a
+            // 404 without that code is an older broker without the route).
+            Ok((status, body))
+                if status == StatusCode::NOT_FOUND && error_code(&body) == Some("unknown_queue".into()) =>
+            {
+                return Ok(passed_on(status, body))
+            }
             Ok((status, body)) => {
                 unreachable.push(format!("{}: {status}: {}", broker.addr, String::from_utf8_lossy(&body)))
             }
@@ -335,6 +340,12 @@ pub async fn running(
     let mut merged = merge_running(listings, limit);
     merged["unreachable"] = unreachable.into();
     json_response(&merged)
+}
+
+/// The `error.code` of a JSON error body.
+fn error_code(body: &[u8]) -> Option<String> {
+    let parsed: serde_json::Value = serde_json::from_slice(body).ok()?;
+    parsed["error"]["code"].as_str().map(str::to_string)
 }
 
 /// Brokers' listings of the jobs in flight → the first `limit` by partition and

@@ -104,7 +104,8 @@ pub async fn status(State(state): State<Arc<ApiState>>) -> Result<Response, ApiE
             .iter()
             .filter(|s| s.state == "serving")
             .map(|s| s.lag_ms)
-            .try_fold(0, |most, lag| lag.map(|lag| most.max(lag))),
+            .try_fold(None, |most: Option<i64>, lag| lag.map(|lag| Some(most.map_or(lag, |most| most.max(lag)))))
+            .flatten(),
         serving: shards.iter().filter(|s| s.state == "serving").count(),
         shards,
         graph,

@@ -177,6 +177,10 @@ pub const CANCELLED: &str = "cancelled by an operator";
 /// (`limits.at_limit = "cancel_in_progress"`).
 pub const SUPERSEDED: &str = "cancelled: a newer job of its concurrency key superseded it";
 
+/// The error a failed attempt ends with, not retried, when a newer job of its
+/// unique key waits (`on_duplicate = "replace"` or `"debounce"`).
+pub const REPLACED: &str = "replaced: a newer job of its unique key waits";
+
 /// What a cancelled job was doing (ordered: running is the more telling).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -185,6 +189,24 @@ pub enum Cancelled {
     Waiting,
     /// Leased: its worker stops it on its next extend.
     Running,
+}
+
+/// A job in flight, as an operator sees it (and may cancel it).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RunningJob {
+    pub id: String,
+    pub partition: i32,
+    pub offset: i64,
+    /// 1 for the first try.
+    pub attempt: u32,
+    /// When its lease ends unless its worker extends it (ms since the epoch).
+    pub lease_deadline_ms: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency_key: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<u8>,
+    /// Cancelled: its worker is told at its next extend.
+    pub cancelled: bool,
 }
 
 /// A lease extended.
@@ -407,14 +429,14 @@ impl PartitionQueue {
     }
 
     /// The jobs in flight, lowest offset first, as in `partition`.
-    pub fn running(&self, partition: i32) -> Vec<super::api::RunningJob> {
-        let mut running: Vec<super::api::RunningJob> = self
+    pub fn running(&self, partition: i32) -> Vec<RunningJob> {
+        let mut running: Vec<RunningJob> = self
             .leases
             .values()
             .filter_map(|&offset| {
                 let entry = self.entries.get(&offset)?;
                 let State::Leased { deadline, .. } = entry.state else { return None };
-                Some(super::api::RunningJob {
+                Some(RunningJob {
                     id: entry.job.id.clone(),
                     partition,
                     offset,
@@ -857,13 +879,14 @@ impl PartitionQueue {
     }
 
     fn fail(&mut self, offset: i64, retry_in_ms: Option<i64>, error: &str, now: i64) -> Failure {
+        let replaced = self.replaced_while_running(offset);
         let policy = &self.policy;
         let Some(entry) = self.entries.get_mut(&offset) else {
             return Failure::Retry { offset, at: now };
         };
-        if entry.attempts >= policy.max_attempts || entry.cancelled.is_some() {
+        if entry.attempts >= policy.max_attempts || entry.cancelled.is_some() || replaced {
             entry.state = State::Dying;
-            let error = entry.cancelled.unwrap_or(error).to_string();
+            let error = entry.cancelled.or(replaced.then_some(REPLACED)).unwrap_or(error).to_string();
             return Failure::Dead { offset, attempts: entry.attempts, error, job: Box::new(entry.job.clone()) };
         }
         let wait = retry_in_ms.unwrap_or_else(|| policy.backoff.delay_ms(entry.attempts)).max(0);

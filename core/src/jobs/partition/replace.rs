@@ -2,8 +2,9 @@
 //! held by its latest job while that job waits — ready, delayed, parked or waiting
 //! for a retry. A newer job of the key takes its place: the waiting one is
 //! finished without running. A job of a key whose latest job runs (or ended) is
-//! accepted and waits, so at most one job of a key waits and the newest payload
-//! is the one that runs. Debounced jobs also wait `debounce_ms` after their
+//! accepted and waits; should the running one fail, it is not retried
+//! ([`super::REPLACED`]): at most one job of a key waits, and the newest payload
+//! is the last to run. Debounced jobs also wait `debounce_ms` after their
 //! enqueue time, so a burst of a key runs once, its last job after the burst's
 //! quiet period.
 //!
@@ -22,6 +23,17 @@ use crate::jobs::unique::OnDuplicate;
 use crate::jobs::Job;
 
 impl PartitionQueue {
+    /// Whether the job at `offset`, running, has a newer job of its unique key
+    /// waiting: a failed attempt of it then ends, never retried.
+    pub(super) fn replaced_while_running(&self, offset: i64) -> bool {
+        let Some(entry) = self.entries.get(&offset) else { return false };
+        if self.policy.on_duplicate == OnDuplicate::Refuse || entry.job.tick.is_some() {
+            return false;
+        }
+        let Some(key) = entry.job.unique_key() else { return false };
+        self.waiting_unique.get(key.as_ref()).is_some_and(|&(_, latest)| latest != offset)
+    }
+
     /// Admits the job at `offset` of unique `key`, enqueued at `at`: the offset of
     /// the job it replaced — its key's waiting job, or itself when its key's
     /// latest job held was enqueued after it (a forwarded job can arrive after a
@@ -115,9 +127,10 @@ mod tests {
         /// Against a model of every job enqueued, their enqueue times out of order:
         /// a job replaces exactly its key's latest job held when that one waits
         /// and is older (never one running or ended), and is replaced itself when
-        /// that one is newer; a replaced job is never handed out, a debounced one
-        /// never before its quiet period ends, and every job not replaced runs and
-        /// finishes.
+        /// that one is newer; a running job that fails while a newer one of its
+        /// key waits is not retried; a replaced job is never handed out (again), a
+        /// debounced one never before its quiet period ends, and every job not
+        /// replaced runs and finishes.
         #[test]
         fn the_latest_job_of_a_key_replaces_its_waiting_one(steps in steps(), debounce in any::<bool>()) {
             let on_duplicate = if debounce { OnDuplicate::Debounce } else { OnDuplicate::Replace };
@@ -182,8 +195,18 @@ mod tests {
                     Step::Nack(i) if i < out.len() => {
                         let handout = out.remove(i);
                         let failure = queue.nack(handout.lease, None, "failed", now);
-                        prop_assert!(matches!(failure, Ok(Failure::Retry { .. })), "{:?}", failure);
-                        model[handout.offset as usize].3 = Model::Waiting;
+                        let key = model[handout.offset as usize].0;
+                        let newer_waits = latest.get(&key).is_some_and(|&j| j != handout.offset as usize);
+                        if newer_waits {
+                            // Not retried: the newer job of its key runs instead.
+                            let replaced = matches!(&failure, Ok(Failure::Dead { error, .. }) if error == super::super::REPLACED);
+                            prop_assert!(replaced, "{:?}", failure);
+                            queue.finish_dead(handout.offset);
+                            model[handout.offset as usize].3 = Model::Replaced;
+                        } else {
+                            prop_assert!(matches!(failure, Ok(Failure::Retry { .. })), "{:?}", failure);
+                            model[handout.offset as usize].3 = Model::Waiting;
+                        }
                     }
                     Step::Tick(ms) => now += ms,
                     Step::Ack(_) | Step::Nack(_) => {}

@@ -256,8 +256,9 @@ impl ShardStore {
         // Also commits the progress past stale records.
         self.apply_counts(&run, &mut progress, now, mark_rollups, &mut report)?;
         let next = progress.next_offset.unwrap_or(0);
-        let newest_input =
-            records.iter().filter(|record| record.offset < next).filter_map(|record| record.timestamp).max();
+        // A producer's clock ahead of ours says nothing newer than now.
+        let times = records.iter().filter(|record| record.offset < next).filter_map(|record| record.timestamp);
+        let newest_input = times.map(|at| at.min(now)).max();
         self.freshness.applied(next, newest_input);
         Ok(report)
     }
