@@ -1,6 +1,7 @@
 //! Concurrency limits end to end: real brokers killed with -9 and started again,
 //! workers that nack and crash, and an outside observer that records when each job
-//! runs — never more than a key's limit, nor the queue's total, at any moment.
+//! runs — never more than a key's limit, nor the queue's total, at any moment; and
+//! a queue that drops a busy key's new jobs instead (`at_limit = "drop_newest"`).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -217,4 +218,97 @@ async fn limits_hold_through_broker_kills_and_every_job_is_done() {
     let logs = logs();
     let holds = logs.lines().filter(|line| line.contains("holding a limited partition")).count();
     assert!(holds >= 3, "each kill moves partitions, which are held: {holds} holds");
+}
+
+const DROPPING: &str = r#"
+[[queue]]
+name = "dropping"
+partitions = 2
+lease_ms = 2000
+max_lease_ms = 3000
+
+[queue.limits]
+per_key = 1
+key_field = "tenant"
+at_limit = "drop_newest"
+"#;
+
+/// `at_limit = "drop_newest"` on a real broker: while a tenant's job runs, its new
+/// jobs go to the dead topic as dropped, never run; other tenants' jobs and the
+/// tenant's next job once it is free run; the broker counts what it dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_jobs_of_a_busy_key_are_dropped_when_declared() {
+    let mut sandbox = Sandbox::start().await;
+    let declarations = sandbox.declare(DROPPING).await;
+    let mut admin = String::new();
+    let broker = sandbox.spawn_broker_with("broker-a", &declarations, |config| {
+        admin = config.broker.admin_listen.clone();
+    });
+    let topic = sandbox.names.jobs("dropping");
+    let job = |id: &str, tenant: &str| {
+        let body = serde_json::json!({"id": id, "payload": {"tenant": tenant}});
+        (Some(id.to_string()), body.to_string().into_bytes())
+    };
+    let ran: Arc<Mutex<Vec<String>>> = Arc::default();
+    let release = Arc::new(tokio::sync::Notify::new());
+    let handler = {
+        let (ran, release) = (ran.clone(), release.clone());
+        move |job: DequeuedJob| {
+            let (ran, release) = (ran.clone(), release.clone());
+            async move {
+                ran.lock().unwrap().push(job.id.clone());
+                if job.id == "slow" {
+                    release.notified().await;
+                }
+                Outcome::Ack
+            }
+        }
+    };
+    let shutdown = CancellationToken::new();
+    let options = WorkerOptions {
+        brokers: vec![broker],
+        queue: "dropping".into(),
+        concurrency: 4,
+        lease_ms: None,
+        auth_token: None,
+        stop_grace_ms: 1_000,
+    };
+    let workers = tokio::spawn(worker::run(options, handler, shutdown.clone()));
+    // Taken partitions of a limited queue wait out max_lease_ms first.
+    sandbox.produce_to(&topic, &[job("slow", "acme")]).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !ran.lock().unwrap().contains(&"slow".to_string()) {
+        assert!(Instant::now() < deadline, "the slow job never ran:\n{}", sandbox.log("broker-a"));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let dropped: Vec<String> = (0..5).map(|i| format!("acme-{i}")).collect();
+    let mut records: Vec<_> = dropped.iter().map(|id| job(id, "acme")).collect();
+    records.push(job("other", "globex"));
+    sandbox.produce_to(&topic, &records).await;
+    let dead = sandbox.read_topic(&sandbox.names.dead_jobs("dropping"), dropped.len(), Duration::from_secs(30));
+    let mut letters: Vec<(String, String)> = dead
+        .iter()
+        .map(|bytes| {
+            let dead = tally_core::jobs::DeadJob::decode(bytes).unwrap();
+            (dead.job.id, dead.error)
+        })
+        .collect();
+    letters.sort();
+    let why = "dropped: its concurrency key \"acme\" had 1 jobs in flight, its limit (the queue's limits.at_limit = \"drop_newest\")";
+    assert_eq!(letters, dropped.iter().map(|id| (id.clone(), why.to_string())).collect::<Vec<_>>());
+    // Free again, the tenant's next job runs.
+    release.notify_one();
+    sandbox.produce_to(&topic, &[job("after", "acme")]).await;
+    while ran.lock().unwrap().len() < 3 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let metrics = reqwest::get(format!("http://{admin}/metrics")).await.unwrap().text().await.unwrap();
+    let counted: Vec<&str> = metrics.lines().filter(|line| line.starts_with("tally_broker_dropped_total{")).collect();
+    shutdown.cancel();
+    workers.await.unwrap().expect("the workers stop cleanly");
+    let mut ran = ran.lock().unwrap().clone();
+    ran.sort();
+    assert_eq!(ran, vec!["after", "other", "slow"], "only the jobs not dropped ran");
+    assert_eq!(counted, vec!["tally_broker_dropped_total{queue=\"dropping\"} 5"]);
 }
