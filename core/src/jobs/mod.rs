@@ -52,7 +52,8 @@ pub struct Job {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unique_for_ms: Option<i64>,
     /// A tick of a queue's schedule, enqueued by a broker: unique by schedule and
-    /// time, and every tick of a schedule lives in the schedule's partition.
+    /// time; every tick of a schedule lives in one partition (the broker's
+    /// `placement::schedule_partition`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tick: Option<Tick>,
 }
@@ -72,7 +73,8 @@ impl Tick {
         format!("schedule/{}/{}", self.schedule, self.at)
     }
 
-    /// What decides the partition of every tick of `schedule`.
+    /// What decides the partition of every tick of `schedule` (unless its payload
+    /// names a concurrency key on a per-key limited queue).
     pub fn partition_key(schedule: &str) -> String {
         format!("schedule/{schedule}")
     }

@@ -25,7 +25,8 @@ pub struct Freshness {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct State {
-    /// The next offset of the shard's log to apply.
+    /// The next offset of the shard's log to apply: the store's own, copied here
+    /// after each batch so a read takes no lock a commit holds.
     applied: i64,
     /// The input time of the newest record applied since the store was opened.
     newest_input_ms: Option<i64>,
