@@ -424,12 +424,8 @@ impl Sandbox {
 
     /// Sends `signal` to a running instance (`libc::SIGSTOP` pauses it,
     /// `libc::SIGCONT` resumes it).
-    pub fn signal(&self, name: &str, signal: libc::c_int) {
-        let pid = self.pid(name).unwrap_or_else(|| panic!("{name} is not running"));
-        // SAFETY: kill(2) has no memory-safety preconditions.
-        unsafe {
-            libc::kill(pid as libc::pid_t, signal);
-        }
+    pub fn signal(&self, name: &str, sig: libc::c_int) {
+        signal(self.pid(name).unwrap_or_else(|| panic!("{name} is not running")), sig);
     }
 
     /// The log a service wrote so far (for failure messages).
@@ -603,13 +599,19 @@ impl Drop for Sandbox {
     }
 }
 
-fn terminate(child: &mut Child) {
-    // SAFETY: kill(2) on our own child's pid has no memory-safety preconditions.
-    // A paused one (a test that failed while it held it stopped) resumes to stop.
+/// Sends `sig` to process `pid` (`libc::SIGSTOP` pauses it, `libc::SIGCONT`
+/// resumes it, `libc::SIGKILL` kills it).
+pub fn signal(pid: u32, sig: libc::c_int) {
+    // SAFETY: kill(2) has no memory-safety preconditions.
     unsafe {
-        libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
-        libc::kill(child.id() as libc::pid_t, libc::SIGCONT);
+        libc::kill(pid as libc::pid_t, sig);
     }
+}
+
+fn terminate(child: &mut Child) {
+    // A paused one (a test that failed while it held it stopped) resumes to stop.
+    signal(child.id(), libc::SIGTERM);
+    signal(child.id(), libc::SIGCONT);
     child.wait().expect("reaping a stopped service");
 }
 

@@ -19,7 +19,7 @@ use serde_json::json;
 use tally_core::sharding::shard_of;
 use tally_core::wire::Increment;
 use tally_e2e::workload::{Record, Workload};
-use tally_e2e::{check, Sandbox};
+use tally_e2e::{check, signal, Sandbox};
 use tally_shared::config::TallyConfig;
 
 const ROUNDS: usize = 20;
@@ -50,13 +50,6 @@ fn children(parent: u32, comm: &str, key: fn(&TallyConfig) -> String) -> BTreeMa
         }
     }
     found
-}
-
-fn signal(pid: u32, signal: libc::c_int) {
-    // SAFETY: kill(2) has no memory-safety preconditions.
-    unsafe {
-        libc::kill(pid as libc::pid_t, signal);
-    }
 }
 
 /// Probe entities, at least one on every shard, that only ever grow.

@@ -21,7 +21,7 @@ use tally_core::model::Model;
 use tally_core::time::bucket_start;
 use tally_core::wire::{Increment, ROLLUP_POSITION_HEADER};
 use tally_e2e::workload::Record;
-use tally_e2e::{check, Sandbox};
+use tally_e2e::{check, signal, Sandbox};
 use tally_shared::config::ResolutionConfig;
 
 const ENTITIES: usize = 12;
@@ -43,13 +43,6 @@ fn counters(parent: u32) -> Vec<u32> {
         }
     }
     found
-}
-
-fn signal(pid: u32, signal: libc::c_int) {
-    // SAFETY: kill(2) has no memory-safety preconditions.
-    unsafe {
-        libc::kill(pid as libc::pid_t, signal);
-    }
 }
 
 /// What was produced: the model of every bucket (`entity/views/resolution/bucket`
