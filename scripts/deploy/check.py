@@ -182,30 +182,6 @@ def limits_problems(limits: dict, partitions: int) -> list[str]:
     return problems
 
 
-def unique_problems(queue: dict) -> list[str]:
-    """A queue's on_duplicate and schedules as tally's loader checks them (shared/src/topics.rs,
-    shared/src/schedules.rs; cron expressions are left to it)."""
-    problems = []
-    on_duplicate = queue.get("on_duplicate", "refuse")
-    if on_duplicate not in ("refuse", "replace", "debounce"):
-        problems.append("on_duplicate must be refuse, replace or debounce")
-    if (on_duplicate == "debounce") != (queue.get("debounce_ms", 0) > 0):
-        problems.append("debounce_ms (at least 1) goes with on_duplicate = debounce, and only with it")
-    schedules = queue.get("schedule", [])
-    if schedules and queue.get("unique_for_ms", 0) < 60000:
-        problems.append("schedules need unique_for_ms of at least 60000")
-    for s in schedules:
-        unknown = set(s) - {"name", "cron", "time_zone", "payload", "missed", "priority"}
-        if unknown or not {"name", "cron"} <= set(s):
-            problems.append(f"schedule {s.get('name')!r}: needs name and cron; unknown keys {sorted(unknown)}")
-        if s.get("missed", "once") not in ("once", "skip"):
-            problems.append(f"schedule {s.get('name')!r}: missed must be once or skip")
-    names = [s.get("name") for s in schedules]
-    if len(names) != len(set(names)):
-        problems.append(f"schedule names repeat: {names}")
-    return problems
-
-
 def check_queue_file(report: Report, where: str, text: str) -> list[str]:
     """A declarations file as tally's loader takes it (shared/src/topics.rs); returns
     the queue names it declares."""
@@ -221,6 +197,7 @@ def check_queue_file(report: Report, where: str, text: str) -> list[str]:
     names = []
     for i, q in enumerate(data.get("queue", [])):
         name = q.get("name")
+        # The values of these are checked by tally's own loader (`tally config check`).
         unknown = set(q) - ints - {"name", "fifo", "limits", "on_duplicate", "schedule"}
         problems = []
         if unknown:
@@ -244,7 +221,6 @@ def check_queue_file(report: Report, where: str, text: str) -> list[str]:
             if not 1 <= q.get("priority_levels", 1) <= 10 or q.get("priority_aging_ms", 60000) < 0:
                 problems.append("priority_levels must be 1 to 10, priority_aging_ms not negative")
             problems += limits_problems(q.get("limits", {}), q["partitions"])
-            problems += unique_problems(q)
         report.check(f"{where}: queue {i} ({name}) is a valid declaration", not problems, "; ".join(problems))
         names.append(name)
     report.check(f"{where}: queue names are distinct", len(names) == len(set(names)), f"{names}")
