@@ -108,6 +108,17 @@ async fn cancelled_jobs_never_run_and_running_ones_stop_within_a_heartbeat() {
     let oversized = cancel(&a, &"x".repeat(300)).await.unwrap();
     let (status, body) = (oversized.status().as_u16(), oversized.json::<serde_json::Value>().await.unwrap());
     assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid_id")), "{body}");
+    // The running-jobs listing takes a bounded limit, and nothing else.
+    for (query, code) in [
+        ("limit=0", "invalid_limit"),
+        ("limit=1001", "invalid_limit"),
+        ("limit=ten", "invalid_parameter"),
+        ("colour=red", "invalid_parameter"),
+    ] {
+        let listing = http.get(format!("{a}/v1/queues/cancels/running?{query}")).send().await.unwrap();
+        let (status, body) = (listing.status().as_u16(), listing.json::<serde_json::Value>().await.unwrap());
+        assert_eq!((status, body["error"]["code"].as_str()), (400, Some(code)), "{query}: {body}");
+    }
     let unknown = cancel(&a, "never-enqueued").await.unwrap();
     let status = unknown.status().as_u16();
     let body: serde_json::Value = unknown.json().await.unwrap();

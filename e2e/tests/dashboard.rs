@@ -669,6 +669,18 @@ async fn jobs_console_shows_limits_and_schedules_and_cancels_a_running_job() {
         body["queues"].as_array().unwrap().iter().find(|q| q["queue"] == "reports").cloned().unwrap_or_default()
     };
     let lease = json!({"lease": running["lease"], "lease_ms": 5000});
+    // The merged running-jobs listing takes a bounded limit, and nothing else.
+    let bad = [
+        ("limit=0", "invalid_limit"),
+        ("limit=1001", "invalid_limit"),
+        ("limit=ten", "invalid_parameter"),
+        ("colour=red", "invalid_parameter"),
+    ];
+    for (query, code) in bad {
+        let answer = http.get(format!("{}/v1/jobs/reports/running?{query}", sandbox.query_url)).send().await.unwrap();
+        let (status, body) = (answer.status().as_u16(), answer.json::<Value>().await.unwrap());
+        assert_eq!((status, body["error"]["code"].as_str()), (400, Some(code)), "{query}: {body}");
+    }
     eventually("the queue card equals the API", || async {
         // The worker keeps its lease while the page is read.
         assert_eq!(call("extend", lease.clone()).await["cancelled"], false);

@@ -256,6 +256,14 @@ async fn every_internal_and_operator_route_answers_only_its_roles_token() {
         ),
         route("dead jobs", Method::GET, format!("{broker}/v1/queues/guarded/dead"), None, &[Operator], (200, None)),
         route(
+            "running jobs",
+            Method::GET,
+            format!("{broker}/v1/queues/guarded/running"),
+            None,
+            &[Worker, Operator, Cluster],
+            (200, None),
+        ),
+        route(
             "dead discard",
             Method::POST,
             format!("{broker}/v1/queues/guarded/dead/discard"),
@@ -265,6 +273,14 @@ async fn every_internal_and_operator_route_answers_only_its_roles_token() {
         ),
         route("read", Method::GET, format!("{query}/v1/counters/p/m?window=all"), None, &[Reader], (200, None)),
         route("status", Method::GET, format!("{query}/v1/status"), None, &[Reader], (200, None)),
+        route(
+            "running jobs, merged",
+            Method::GET,
+            format!("{query}/v1/jobs/guarded/running"),
+            None,
+            &[Reader],
+            (200, None),
+        ),
     ];
 
     // Without a token, or with another role's, every route answers 401.

@@ -301,11 +301,12 @@ pub async fn running(
     Path(queue): Path<String>,
     params: Result<axum::extract::Query<RunningParams>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
-    let bad = |message: String| ApiError::new(StatusCode::BAD_REQUEST, "invalid_limit", message);
-    let axum::extract::Query(params) = params.map_err(|_| bad("parameters: limit only".into()))?;
+    let axum::extract::Query(params) =
+        params.map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "invalid_parameter", "parameters: limit only"))?;
     let limit = params.limit.unwrap_or(100);
     if !(1..=MAX_RUNNING_LISTED).contains(&limit) {
-        return Err(bad(format!("limit: must be 1-{MAX_RUNNING_LISTED}")));
+        let message = format!("limit: must be 1-{MAX_RUNNING_LISTED}");
+        return Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid_limit", message));
     }
     let live = state.brokers.live();
     if live.is_empty() {
