@@ -1,6 +1,7 @@
 //! Positions: where a message's content comes from ([`Source`]: an input stream and
 //! partition) and where each element sits in it ([`Stamp`]). Every receiver keeps a
-//! high-water stamp per source; the stores keep them with their state.
+//! high-water stamp per source; the stores keep them with their state. [`token`]:
+//! the positions writers are handed and readers wait for.
 
 use serde::{Deserialize, Serialize};
 
@@ -32,3 +33,5 @@ pub struct Stamp {
     pub offset: i64,
     pub index: u32,
 }
+
+pub mod token;

@@ -187,6 +187,23 @@ fn graph_update_records() {
     assert_eq!(GraphMessage::decode(&bytes).unwrap(), updates);
 }
 
+/// The router's marks: how far it has routed each input partition, to every shard
+/// and to the graph (what write tokens wait for).
+#[test]
+fn mark_records() {
+    let marks = vec![
+        (Source { stream: Source::INCREMENTS, partition: 0 }, Stamp::through(41)),
+        (Source { stream: Source::INCREMENTS, partition: 2 }, Stamp::through(7)),
+    ];
+    let shard = ShardMessage::Marks { marks: marks.clone() };
+    let bytes = golden("shard-marks.bin", &shard.encode().unwrap());
+    assert_eq!(ShardMessage::decode(&bytes).unwrap(), shard);
+    let graph =
+        GraphMessage::Marks { marks: vec![(Source { stream: Source::GRAPH, partition: 1 }, Stamp::through(3))] };
+    let bytes = golden("graph-marks.bin", &graph.encode().unwrap());
+    assert_eq!(GraphMessage::decode(&bytes).unwrap(), graph);
+}
+
 /// The read link's messages (tally-query ↔ counter): a query of an older release
 /// must still be understood by a newer counter, and the other way round.
 #[test]

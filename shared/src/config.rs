@@ -381,6 +381,11 @@ pub struct IngesterConfig {
     /// later ones go to the dead-letter topic, as do those older than the longest
     /// retention of `[counting] resolutions`.
     pub max_future_ms: i64,
+    /// At most this often (ms) it tells every shard and the graph how far it has
+    /// routed each input partition (a small record each): what reads with a write
+    /// token (`after=`) wait for. 0 turns it off — only while counters or the graph
+    /// run a release that does not read such records (README: "Upgrading").
+    pub marks_every_ms: u64,
 }
 
 impl IngesterConfig {
@@ -421,6 +426,7 @@ impl Default for IngesterConfig {
             shard_record_format: tally_core::format::RECORD_V4,
             max_abs_delta: tally_core::input::Limits::DEFAULT_MAX_ABS_DELTA,
             max_future_ms: tally_core::input::Limits::DEFAULT_MAX_FUTURE_MS,
+            marks_every_ms: 50,
         }
     }
 }

@@ -7,11 +7,12 @@
 //! pruned here too. How commits survive a crash is the store's [`Durability`].
 
 use std::path::Path;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use rocksdb::{ColumnFamily, ColumnFamilyDescriptor, Options, WriteBatch, WriteOptions, DB};
 
-use crate::outbox::{delete_outbox, read_outbox, OutboxEntry};
+use crate::outbox::{delete_outbox, read_outbox, OutboxEntry, Relay};
 use crate::progress::{check_store_format, Progress};
 use crate::{Error, Result};
 
@@ -39,6 +40,9 @@ pub struct Store {
     /// a time commits (the one applying this store's batch).
     progress: Mutex<Progress>,
     durability: Durability,
+    /// Everything the outbox held because of records before this offset is
+    /// acknowledged ([`Store::relay_outbox`]).
+    relayed: AtomicI64,
 }
 
 /// The key, in the default column family, of the id of the topic the store applied.
@@ -66,7 +70,7 @@ impl Store {
         let db = DB::open_cf_descriptors(&options, path, families).map_err(rocks)?;
         check_store_format(&db)?;
         let progress = Progress::load(&db)?;
-        Ok(Self { db, progress: Mutex::new(progress), durability })
+        Ok(Self { db, progress: Mutex::new(progress), durability, relayed: AtomicI64::new(0) })
     }
 
     /// For reads — gets, iterators, snapshots. State is written only by
@@ -235,6 +239,38 @@ impl Store {
     /// Drops relayed entries from the outbox in `cf`.
     pub fn delete_outbox(&self, cf: &str, entries: &[OutboxEntry]) -> Result<()> {
         delete_outbox(&self.db, self.cf(cf)?, entries)
+    }
+
+    /// Sends the outbox in `cf` through `relay` (keyed `key`), waits for the
+    /// broker's acknowledgements and drops what it sent; returns how many. What
+    /// fails stays for the next round.
+    pub fn relay_outbox(&self, cf: &str, relay: &Relay, key: &str) -> Result<u64> {
+        // Read before the outbox: the outbox then holds everything of the records
+        // before it (a commit writes entries and progress together).
+        let applied = self.next_offset().unwrap_or(0);
+        let entries = self.outbox(cf)?;
+        if !entries.is_empty() {
+            relay.send_all(key, &entries)?;
+            self.delete_outbox(cf, &entries)?;
+        }
+        self.relayed.fetch_max(applied, Ordering::Relaxed);
+        Ok(entries.len() as u64)
+    }
+
+    /// How far it applied, relayed what that sent on (its outbox in `cf`), and took
+    /// each of `sources`, from one committed state.
+    pub fn positions(&self, cf: &str, sources: &[tally_core::wire::Source]) -> Result<tally_core::wire::Positions> {
+        let progress = self.progress();
+        let applied = progress.next_offset.unwrap_or(0);
+        // Read after the progress: an outbox found empty holds nothing of what it
+        // says was applied, so all of that is relayed.
+        let empty = match self.db.iterator_cf(self.cf(cf)?, rocksdb::IteratorMode::Start).next() {
+            None => true,
+            Some(item) => item.map(|_| false).map_err(rocks)?,
+        };
+        let relayed = if empty { applied } else { self.relayed.load(Ordering::Relaxed).min(applied) };
+        let high_water = sources.iter().map(|source| progress.high_water.get(source).copied()).collect();
+        Ok(tally_core::wire::Positions { applied, relayed, high_water })
     }
 }
 

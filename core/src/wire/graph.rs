@@ -58,6 +58,9 @@ pub fn split_desc_change(change: DescChange, budget: usize) -> Vec<DescChange> {
 pub enum GraphMessage {
     /// Graph updates from one source, in source order.
     Updates { source: Source, entries: Vec<(Stamp, GraphUpdate)> },
+    /// From the router: each source's stamp up to which it has routed everything
+    /// ([`Stamp::through`] a record); the graph's high-water marks move there.
+    Marks { marks: Vec<(Source, Stamp)> },
 }
 
 impl GraphMessage {

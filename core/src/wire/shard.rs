@@ -134,6 +134,10 @@ pub enum ShardMessage {
     DescChanges { source: Source, entries: Vec<(Stamp, DescChange)> },
     /// From another shard: changes to totals of counters this shard owns.
     Totals { source: Source, entries: Vec<(Stamp, TotalDelta)> },
+    /// From the router: each source's stamp up to which it has routed everything
+    /// ([`Stamp::through`] a record), with or without entries for this shard; the
+    /// receiver's high-water marks move there (what write tokens wait for).
+    Marks { marks: Vec<(Source, Stamp)> },
 }
 
 /// The borrowed view of a [`ShardMessage`] the counter decodes: strings point into
@@ -154,6 +158,9 @@ pub enum ShardMessageRef<'a> {
         source: Source,
         #[serde(borrow)]
         entries: Vec<(Stamp, TotalDeltaRef<'a>)>,
+    },
+    Marks {
+        marks: Vec<(Source, Stamp)>,
     },
 }
 

@@ -37,3 +37,61 @@ pub enum ShardState {
     /// Stopped by a failure until an operator acts.
     Failed,
 }
+
+/// `POST /internal/v1/positions` on a counter (its `shards`) or on the graph (no
+/// shards): how far each has applied its log, relayed what that sent on, and taken
+/// each of `sources` — what a read with a write token waits for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PositionsRequest {
+    #[serde(default)]
+    pub shards: Vec<u32>,
+    pub sources: Vec<crate::position::Source>,
+}
+
+impl PositionsRequest {
+    /// The most shards one request names.
+    pub const MAX_SHARDS: usize = 4096;
+    /// The most sources one request names (a read takes at most as many tokens).
+    pub const MAX_SOURCES: usize = 64;
+
+    /// Refuses a request past the bounds, saying which.
+    pub fn check(&self) -> Result<(), String> {
+        if self.shards.len() > Self::MAX_SHARDS {
+            return Err(format!("{} shards: at most {} in one request", self.shards.len(), Self::MAX_SHARDS));
+        }
+        if self.sources.len() > Self::MAX_SOURCES {
+            return Err(format!("{} sources: at most {} in one request", self.sources.len(), Self::MAX_SOURCES));
+        }
+        Ok(())
+    }
+}
+
+/// The answer to a [`PositionsRequest`]: one per shard asked (one for the graph).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PositionsResponse {
+    pub positions: Vec<StorePositions>,
+}
+
+/// Where one store stands, or why it cannot say.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StorePositions {
+    Served(Positions),
+    /// Not served here (not owned, or still catching up): ask its owner.
+    NotOwner,
+    Failed {
+        message: String,
+    },
+}
+
+/// One store's positions, all from one committed state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Positions {
+    /// The next offset of its log to apply.
+    pub applied: i64,
+    /// Everything it sent on (its outbox) because of records before this offset is
+    /// acknowledged by the broker.
+    pub relayed: i64,
+    /// Its high-water stamp of each source asked, in the order asked.
+    pub high_water: Vec<Option<crate::position::Stamp>>,
+}

@@ -9,7 +9,9 @@
 //! again; a failed shard answers `failed` (`shard_failed` to clients). The metrics
 //! listing asks about one shard: 409 `not_owner`, 503 `shard_failed`.
 //! `GET /internal/v1/status` lists the shards held and their lag (the dashboard's
-//! freshness). `POST /internal/v1/shards/{shard}/skip` is `tally shards skip`
+//! freshness); `POST /internal/v1/positions` how far each asked shard applied, relayed
+//! and took each input partition (what reads with a write token wait for).
+//! `POST /internal/v1/shards/{shard}/skip` is `tally shards skip`
 //! ([`tally_shared::failures`]), `POST /internal/v1/snapshots` is `tally snapshot`
 //! ([`snapshot_router`]).
 
@@ -22,7 +24,8 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use tally_core::time::WindowSpec;
 use tally_core::wire::{
-    CounterStatus, FreshReadResponse, ReadRequest, ShardAsOf, ShardMetricsRequest, ShardOutcome, ShardQueries,
+    CounterStatus, FreshReadResponse, PositionsRequest, PositionsResponse, ReadRequest, ShardAsOf, ShardMetricsRequest,
+    ShardOutcome, ShardQueries, StorePositions,
 };
 use tally_shared::auth::{AuthConfig, Role};
 use tally_shared::failures::{skip_router, Failure};
@@ -51,7 +54,8 @@ pub fn router(state: ReadState, auth: &AuthConfig) -> Router {
         .route("/internal/v2/read", post(read))
         .route(tally_shared::read_link::PATH, get(crate::read_link::open))
         .route("/internal/v1/metrics", post(metrics))
-        .route("/internal/v1/status", get(status));
+        .route("/internal/v1/status", get(status))
+        .route("/internal/v1/positions", post(positions));
     tally_shared::auth::require(internal, auth, &[Role::Cluster])
         .with_state(state.clone())
         .merge(skip_router(state.shards.failures.clone(), auth))
@@ -170,4 +174,30 @@ async fn metrics(State(state): State<ReadState>, Json(request): Json<ShardMetric
 
 async fn status(State(state): State<ReadState>) -> Json<CounterStatus> {
     Json(CounterStatus { shards: state.shards.status() })
+}
+
+/// Where each asked shard stands ([`PositionsRequest`]): served shards only, so a
+/// waiting reader never counts on a store that does not answer reads.
+async fn positions(State(state): State<ReadState>, Json(request): Json<PositionsRequest>) -> Response {
+    if let Err(message) = request.check() {
+        return ApiError::bad_request("invalid_body", message).into_response();
+    }
+    let answer = move || {
+        let failures = &state.shards.failures;
+        let positions = request.shards.iter().map(|&shard| {
+            if let Some(failure) = failures.failure(shard) {
+                return StorePositions::Failed { message: failures.describe(shard, &failure) };
+            }
+            match state.shards.served(shard).map(|store| store.positions(&request.sources)) {
+                None => StorePositions::NotOwner,
+                Some(Ok(positions)) => StorePositions::Served(positions),
+                Some(Err(err)) => StorePositions::Failed { message: format!("shard {shard}: {err}") },
+            }
+        });
+        PositionsResponse { positions: positions.collect() }
+    };
+    match tokio::task::spawn_blocking(answer).await {
+        Ok(response) => Json(response).into_response(),
+        Err(err) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", err.to_string()).into_response(),
+    }
 }

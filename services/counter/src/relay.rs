@@ -16,14 +16,7 @@ pub fn relay_outboxes(relay: &Relay, shards: &Shards, metrics: &Metrics) -> Resu
     let mut first_error = None;
     for shard in shards.owned() {
         let Some(store) = shards.get(shard) else { continue };
-        let sent = store.outbox().and_then(|entries| {
-            if !entries.is_empty() {
-                relay.send_all(&shard.to_string(), &entries)?;
-                store.delete_outbox(&entries)?;
-            }
-            Ok(entries.len() as u64)
-        });
-        match sent {
+        match store.relay_outbox(relay) {
             Ok(count) => relayed += count,
             Err(err) => {
                 tracing::warn!(shard, error = %err, "relaying a shard's outbox; it is sent again next time");

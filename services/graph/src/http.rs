@@ -1,6 +1,8 @@
 //! The internal graph API `tally-query` calls: one page of an entity's direct
 //! neighbours in the current graph, sorted, after the last name of the previous page;
 //! and an entity's ancestors (everything that reaches it, bounded), for `contributors`.
+//! `POST /internal/v1/positions`: how far the graph applied, relayed and took each
+//! input partition (what reads with a write token wait for).
 //! A failed graph answers 503 `shard_failed`; `POST /internal/v1/shards/0/skip` is
 //! `tally shards skip graph`, `POST /internal/v1/snapshots` (merged in by `run`) is
 //! `tally snapshot`.
@@ -12,7 +14,10 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use tally_core::wire::{GraphAncestorsRequest, GraphNeighboursRequest, GraphNeighboursResponse};
+use tally_core::wire::{
+    GraphAncestorsRequest, GraphNeighboursRequest, GraphNeighboursResponse, PositionsRequest, PositionsResponse,
+    StorePositions,
+};
 use tally_shared::auth::{AuthConfig, Role};
 use tally_shared::failures::{skip_router, FailureBoard};
 use tally_shared::http::ApiError;
@@ -24,7 +29,8 @@ use crate::store::{GraphStore, GRAPH};
 pub fn router(store: Arc<GraphStore>, failures: Arc<FailureBoard>, auth: &AuthConfig) -> Router {
     let internal = Router::new()
         .route("/internal/v1/graph", post(neighbours))
-        .route("/internal/v1/graph/ancestors", post(ancestors));
+        .route("/internal/v1/graph/ancestors", post(ancestors))
+        .route("/internal/v1/positions", post(positions));
     tally_shared::auth::require(internal, auth, &[Role::Cluster])
         .with_state((store, failures.clone()))
         .merge(skip_router(failures, auth))
@@ -88,4 +94,22 @@ async fn neighbours(State(state): State<GraphState>, Json(request): Json<GraphNe
         GraphNeighboursResponse { entities, more }
     })
     .await
+}
+
+/// Where the graph stands ([`PositionsRequest`], its shards ignored): one answer.
+async fn positions(State((store, failures)): State<GraphState>, Json(request): Json<PositionsRequest>) -> Response {
+    if let Err(message) = request.check() {
+        return ApiError::bad_request("invalid_body", message).into_response();
+    }
+    let answer = move || match failures.failure(0) {
+        Some(failure) => StorePositions::Failed { message: failures.describe(0, &failure) },
+        None => match store.positions(&request.sources) {
+            Ok(positions) => StorePositions::Served(positions),
+            Err(err) => StorePositions::Failed { message: format!("the graph: {err}") },
+        },
+    };
+    match tokio::task::spawn_blocking(answer).await {
+        Ok(answer) => Json(PositionsResponse { positions: vec![answer] }).into_response(),
+        Err(err) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", err.to_string()).into_response(),
+    }
 }

@@ -277,17 +277,13 @@ const PARTITION: u32 = 0;
 /// Sends what the outbox holds (descendant changes to the shards, then dead
 /// letters); on failure it stays for the next round. Whether the outbox got through.
 fn relay_outbox(store: &GraphStore, (relay, letters): (&Relay, &Relay), metrics: &Metrics) -> bool {
-    let sent = store.outbox().and_then(|entries| {
-        if !entries.is_empty() {
-            relay.send_all("graph", &entries)?;
-            store.delete_outbox(&entries)?;
-        }
+    let sent = store.relay_outbox(relay).and_then(|count| {
         let refused = store.letters()?;
         if !refused.is_empty() {
             letters.send_all("graph", &refused)?;
             store.delete_letters(&refused)?;
         }
-        Ok(entries.len() as u64)
+        Ok(count)
     });
     match sent {
         Ok(count) => {

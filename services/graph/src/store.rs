@@ -154,8 +154,16 @@ impl GraphStore {
                 report.gap = Some((next, record.offset));
                 break;
             }
-            let GraphMessage::Updates { source, entries } = match GraphMessage::decode(record.payload) {
-                Ok(message) => message,
+            let (source, entries) = match GraphMessage::decode(record.payload) {
+                Ok(GraphMessage::Updates { source, entries }) => (source, entries),
+                // How far the router has routed: what write tokens wait for.
+                Ok(GraphMessage::Marks { marks }) => {
+                    progress.next_offset = Some(record.offset + 1);
+                    for (source, stamp) in marks {
+                        progress.advance(source, stamp);
+                    }
+                    continue;
+                }
                 Err(err) => {
                     // Stop here: what came before commits, the offset stays at it.
                     report.undecodable = Some((record.offset, err.to_string()));
@@ -308,6 +316,17 @@ impl GraphStore {
     /// Drops relayed outbox entries.
     pub fn delete_outbox(&self, entries: &[OutboxEntry]) -> Result<()> {
         Ok(self.store.delete_outbox(CF_OUTBOX, entries)?)
+    }
+
+    /// Relays the outbox to the shards ([`Store::relay_outbox`]); returns how many
+    /// entries went.
+    pub fn relay_outbox(&self, relay: &tally_shared::outbox::Relay) -> Result<u64> {
+        Ok(self.store.relay_outbox(CF_OUTBOX, relay, "graph")?)
+    }
+
+    /// How far it applied, relayed and took each of `sources` ([`Store::positions`]).
+    pub fn positions(&self, sources: &[Source]) -> Result<tally_core::wire::Positions> {
+        Ok(self.store.positions(CF_OUTBOX, sources)?)
     }
 
     /// The dead letters not yet relayed, in order (each for partition 0).

@@ -12,13 +12,18 @@
 //! The loop is pipelined on one plain thread: while the producer's threads deliver a
 //! batch, the next is consumed and routed; the idempotent, gapless producer keeps
 //! every shard partition's records in the order they were sent.
+//!
+//! Every shard and the graph are told how far each input partition is routed
+//! ([`marks`]): what reads with a write token wait for.
 
 pub mod error;
 pub mod gather;
 pub mod in_flight;
+pub mod marks;
 pub mod metrics;
 pub mod route;
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -41,6 +46,7 @@ use tokio_util::sync::CancellationToken;
 pub use error::{Error, Result};
 use gather::{BatchEnds, Closed, Gather};
 use in_flight::{InFlight, InputPartition};
+use marks::PendingMarks;
 use route::{Outgoing, Router};
 
 /// How long a stopping ingester still waits for what it sent to be acknowledged.
@@ -124,7 +130,9 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let router = Router::new(names.clone(), shards, config.kafka.record_budget())
         .writing_shard_records_in(config.ingester.shard_record_format)?
         .limiting(config.ingester.limits(&config.counting)?);
+    let marks = PendingMarks::new(&names, shards as u32, config.ingester.marks_every_ms);
     let pipeline = Pipeline {
+        marks: RefCell::new(marks),
         consumer,
         producer,
         acknowledged,
@@ -191,6 +199,8 @@ struct Pipeline {
     readiness: Readiness,
     positions: Arc<Mutex<HashMap<InputPartition, i64>>>,
     gather: Gather,
+    /// How far each input partition is routed, not yet told ([`marks`]).
+    marks: RefCell<PendingMarks>,
 }
 
 impl Pipeline {
@@ -224,8 +234,12 @@ impl Pipeline {
                     break Err(err);
                 }
                 self.metrics.batch_records.observe(batch.len() as f64);
+                self.marks.borrow_mut().routed(&ends.0);
                 batch.clear();
                 ends.clear();
+            }
+            if let Err(err) = self.send_marks(&mut in_flight) {
+                break Err(err);
             }
             // Wait for the oldest batches while too many are out.
             let mut failed = None;
@@ -318,6 +332,16 @@ impl Pipeline {
             self.produce(out, drained, seq, in_flight)?;
         }
         Ok(())
+    }
+
+    /// Sends the marks that are due ([`marks`]), after every output routed before.
+    fn send_marks(&self, in_flight: &mut InFlight) -> Result<()> {
+        let due = self.marks.borrow_mut().due(Instant::now())?;
+        if due.is_empty() {
+            return Ok(());
+        }
+        let seq = in_flight.open(Vec::new(), due.len());
+        due.iter().try_for_each(|out| self.produce(out, false, seq, in_flight))
     }
 
     fn produce(&self, out: &Outgoing, drained: bool, seq: u64, in_flight: &mut InFlight) -> Result<()> {

@@ -530,7 +530,9 @@ mod tests {
         assert_eq!((letter.topic.as_str(), letter.offset, letter.index), ("tally.graph", 4, Some(1)));
         let updates: Vec<&Outgoing> = out.iter().filter(|o| o.topic == "tally.graph-updates").collect();
         assert_eq!(updates.len(), 1);
-        let GraphMessage::Updates { source, entries } = GraphMessage::decode(&updates[0].payload).unwrap();
+        let GraphMessage::Updates { source, entries } = GraphMessage::decode(&updates[0].payload).unwrap() else {
+            panic!("graph updates expected")
+        };
         assert_eq!(source, Source { stream: Source::GRAPH, partition: 2 });
         let stamps: Vec<(i64, u32)> = entries.iter().map(|(s, _)| (s.offset, s.index)).collect();
         assert_eq!(stamps, vec![(4, 0), (5, 0)]);
@@ -568,7 +570,9 @@ mod tests {
         assert_eq!(letters[0].truncated.get("payload"), Some(&800_000));
         let mut stamps = Vec::new();
         for o in out.iter().filter(|o| o.topic == "tally.graph-updates") {
-            let GraphMessage::Updates { entries, .. } = GraphMessage::decode(&o.payload).unwrap();
+            let GraphMessage::Updates { entries, .. } = GraphMessage::decode(&o.payload).unwrap() else {
+                panic!("graph updates expected")
+            };
             stamps.extend(entries.iter().map(|(stamp, _)| stamp.index));
         }
         assert_eq!(stamps, (0..2_000).collect::<Vec<u32>>(), "every update once, in order, over several records");

@@ -339,6 +339,12 @@ impl ShardStore {
                         coalescer.add_bucket(delta.entity, delta.metric, delta.width_ms, delta.bucket, counts);
                     }
                 }
+                // How far the router has routed: what write tokens wait for.
+                ShardMessageRef::Marks { marks } => {
+                    for (source, stamp) in marks {
+                        progress.advance(*source, *stamp);
+                    }
+                }
                 ShardMessageRef::DescChanges { .. } => {}
             }
             // A record's totals go out once all of its sections are in.

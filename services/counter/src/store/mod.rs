@@ -289,6 +289,16 @@ impl ShardStore {
         Ok(self.store.delete_outbox(CF_OUTBOX, entries)?)
     }
 
+    /// Relays the outbox ([`Store::relay_outbox`]); returns how many entries went.
+    pub fn relay_outbox(&self, relay: &tally_shared::outbox::Relay) -> Result<u64> {
+        Ok(self.store.relay_outbox(CF_OUTBOX, relay, &self.shard.to_string())?)
+    }
+
+    /// How far it applied, relayed and took each of `sources` ([`Store::positions`]).
+    pub fn positions(&self, sources: &[tally_core::wire::Source]) -> Result<tally_core::wire::Positions> {
+        Ok(self.store.positions(CF_OUTBOX, sources)?)
+    }
+
     /// The count keys known to be marked for rollups (second in the lock order); held
     /// by a batch from its first look-up until it committed.
     pub(crate) fn marked(&self) -> MutexGuard<'_, MarkedKeys> {
