@@ -3,6 +3,7 @@
 use anyhow::{bail, Context};
 use tally_core::jobs::api::QueueStats;
 use tally_core::jobs::{DeadJobAction, Job};
+use tally_core::position::token::{TokenTopic, WriteToken};
 use tally_shared::config::TallyConfig;
 use tally_shared::dead_jobs::DeadJobs;
 use tally_shared::kafka::TopicNames;
@@ -125,8 +126,9 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
             }
             // Jobs of one key land together (a broker forwards one that does not).
             let record_key = unique_key.as_deref().or(concurrency_key.as_deref()).or(key.as_deref()).unwrap_or(&id);
-            send(config, &names.jobs(&queue), record_key, &bytes).await?;
-            println!("enqueued {id} on {queue}");
+            let (partition, offset) = crate::produce_one(config, &names.jobs(&queue), record_key, &bytes).await?;
+            let token = WriteToken { topic: TokenTopic::Jobs(queue.clone()), partition: partition as u32, offset };
+            println!("enqueued {id} on {queue}\ntoken {}", token.encode());
             Ok(())
         }
         JobsCommand::Stats { queue, broker } => {
@@ -259,10 +261,6 @@ pub async fn run(config: &TallyConfig, command: JobsCommand) -> anyhow::Result<(
             Ok(())
         }
     }
-}
-
-async fn send(config: &TallyConfig, topic: &str, key: &str, payload: &[u8]) -> anyhow::Result<()> {
-    crate::produce_one(config, topic, key, payload).await.map(|_| ())
 }
 
 /// A limited queue's limits and its busiest keys, in one line.

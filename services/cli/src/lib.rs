@@ -15,6 +15,7 @@ use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 use percent_encoding::{utf8_percent_encode, NON_ALPHANUMERIC};
 use rdkafka::producer::{FutureProducer, FutureRecord};
+use tally_core::position::token::{TokenTopic, WriteToken};
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{producer_config, TopicNames};
 use tally_shared::topics::{self, Action, Declarations};
@@ -40,6 +41,9 @@ enum Command {
     },
     /// Produce test input.
     Produce {
+        /// Print only the write token (for `tally query --after`, `after=`).
+        #[arg(long)]
+        print_token: bool,
         #[command(subcommand)]
         command: ProduceCommand,
     },
@@ -151,6 +155,13 @@ struct QueryArgs {
     /// Only data at most this old, else a 503 `too_stale` at once.
     #[arg(long)]
     max_staleness_ms: Option<i64>,
+    /// Only once the read holds these writes (tokens `tally produce` printed;
+    /// repeat or separate with commas), else a 504 `not_fresh_enough`.
+    #[arg(long, value_delimiter = ',')]
+    after: Vec<String>,
+    /// How long to wait for `--after` (default 10 000).
+    #[arg(long)]
+    max_wait_ms: Option<i64>,
     /// tally-query's base URL (default: from the config's query.listen).
     #[arg(long)]
     url: Option<String>,
@@ -184,7 +195,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Up(args) => up::run(config, args).await,
         Command::Topics { command: TopicsCommand::Apply { file } } => topics_apply(&config, file).await,
-        Command::Produce { command: ProduceCommand::Increment { entity, metric, delta, ts, id } } => {
+        Command::Produce { print_token, command: ProduceCommand::Increment { entity, metric, delta, ts, id } } => {
             let mut body = serde_json::json!({"entity": entity, "metric": metric, "delta": delta});
             if let Some(ts) = ts {
                 body["ts"] = ts.into();
@@ -192,22 +203,17 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
             if let Some(id) = id {
                 body["id"] = id.into();
             }
-            produce(
-                &config,
-                &TopicNames::new(&config.kafka.topic_prefix).increments(),
-                &entity,
-                &serde_json::to_vec(&body)?,
-            )
-            .await
+            let topic = TopicNames::new(&config.kafka.topic_prefix).increments();
+            produce(&config, (&topic, TokenTopic::Increments), &entity, &serde_json::to_vec(&body)?, print_token).await
         }
-        Command::Produce { command: ProduceCommand::Edge { op, from, to, id } } => {
+        Command::Produce { print_token, command: ProduceCommand::Edge { op, from, to, id } } => {
             let mut body = serde_json::json!({"op": format!("{op}_edge"), "from": from, "to": to});
             if let Some(id) = id {
                 body["id"] = id.into();
             }
             // Keyed by `from`: one entity's graph updates stay in order.
-            produce(&config, &TopicNames::new(&config.kafka.topic_prefix).graph(), &from, &serde_json::to_vec(&body)?)
-                .await
+            let topic = TopicNames::new(&config.kafka.topic_prefix).graph();
+            produce(&config, (&topic, TokenTopic::Graph), &from, &serde_json::to_vec(&body)?, print_token).await
         }
         Command::Graph(args) => graph(&config, args).await,
         Command::Config { command: ConfigCommand::Check } => config_check(cli.config.as_deref()),
@@ -257,9 +263,21 @@ fn config_check(path: Option<&std::path::Path>) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn produce(config: &TallyConfig, topic: &str, key: &str, payload: &[u8]) -> anyhow::Result<()> {
+/// Produces one record and prints where it went with its write token (the token
+/// alone with `print_token`).
+async fn produce(
+    config: &TallyConfig,
+    (topic, role): (&str, TokenTopic),
+    key: &str,
+    payload: &[u8],
+    print_token: bool,
+) -> anyhow::Result<()> {
     let (partition, offset) = produce_one(config, topic, key, payload).await?;
-    println!("produced to {topic} partition {partition} offset {offset}");
+    let token = WriteToken { topic: role, partition: partition as u32, offset }.encode();
+    match print_token {
+        true => println!("{token}"),
+        false => println!("produced to {topic} partition {partition} offset {offset}\ntoken {token}"),
+    }
     Ok(())
 }
 
@@ -298,6 +316,12 @@ async fn query(config: &TallyConfig, args: QueryArgs) -> anyhow::Result<()> {
     };
     if let Some(ms) = args.max_staleness_ms {
         url.push_str(&format!("&max_staleness_ms={ms}"));
+    }
+    if !args.after.is_empty() {
+        url.push_str(&format!("&after={}", utf8_percent_encode(&args.after.join(","), NON_ALPHANUMERIC)));
+    }
+    if let Some(ms) = args.max_wait_ms {
+        url.push_str(&format!("&max_wait_ms={ms}"));
     }
     get_and_print(config, &url).await
 }

@@ -67,6 +67,8 @@ struct WindowParams {
     window: Option<String>,
     kind: Option<String>,
     max_staleness_ms: Option<i64>,
+    after: Option<String>,
+    max_wait_ms: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -76,6 +78,8 @@ struct SeriesParams {
     range: Option<String>,
     kind: Option<String>,
     max_staleness_ms: Option<i64>,
+    after: Option<String>,
+    max_wait_ms: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -90,6 +94,26 @@ struct MetricsParams {
 struct BatchBody {
     queries: Vec<BatchQuery>,
     max_staleness_ms: Option<i64>,
+    /// Write tokens, as a list or comma-separated like the query parameter.
+    after: Option<After>,
+    max_wait_ms: Option<i64>,
+}
+
+/// `after` in a body: one string of comma-separated tokens, or a list of them.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum After {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl After {
+    fn joined(self) -> String {
+        match self {
+            After::One(tokens) => tokens,
+            After::Many(tokens) => tokens.join(","),
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -257,9 +281,11 @@ async fn counter(
     let kind = parse_kind(params.kind.as_deref())?;
     let (spec, window) = parse_window(params.window.as_deref())?;
     let staleness = check_staleness(params.max_staleness_ms)?;
+    let after = crate::after::parse(params.after.as_deref(), params.max_wait_ms)?;
     let query = ShardQuery { entity, metric, kind, spec };
     let timer = state.metrics.request_seconds.with_label_values(&["counter"]).start_timer();
-    let Answered { mut answers, as_of } = state.fanout.read(vec![query.clone()], now_ms(), staleness).await?;
+    let Answered { mut answers, as_of } =
+        state.fanout.read(vec![query.clone()], now_ms(), staleness, after.as_ref()).await?;
     timer.observe_duration();
     let answer = answers.pop().ok_or_else(|| ApiError::unavailable("no answer"))?;
     if let Some(err) = answer_error(&answer) {
@@ -282,9 +308,11 @@ async fn series(
     let range_ms = parse_duration(params.range.as_deref().unwrap_or("24h"))
         .map_err(|e| ApiError::bad_request("invalid_range", format!("range: {e}")))?;
     let staleness = check_staleness(params.max_staleness_ms)?;
+    let after = crate::after::parse(params.after.as_deref(), params.max_wait_ms)?;
     let query = ShardQuery { entity, metric, kind, spec: WindowSpec::Series { step_ms, range_ms } };
     let timer = state.metrics.request_seconds.with_label_values(&["series"]).start_timer();
-    let Answered { mut answers, as_of } = state.fanout.read(vec![query.clone()], now_ms(), staleness).await?;
+    let Answered { mut answers, as_of } =
+        state.fanout.read(vec![query.clone()], now_ms(), staleness, after.as_ref()).await?;
     timer.observe_duration();
     match answers.pop() {
         Some(ShardAnswer::Series { resolution, points }) => json_response(&Fresh {
@@ -326,8 +354,9 @@ async fn batch(
         windows.push(window);
     }
     let staleness = check_staleness(body.max_staleness_ms)?;
+    let after = crate::after::parse(body.after.map(After::joined).as_deref(), body.max_wait_ms)?;
     let timer = state.metrics.request_seconds.with_label_values(&["batch"]).start_timer();
-    let Answered { answers, as_of } = state.fanout.read(queries.clone(), now_ms(), staleness).await?;
+    let Answered { answers, as_of } = state.fanout.read(queries.clone(), now_ms(), staleness, after.as_ref()).await?;
     timer.observe_duration();
     let results = queries
         .iter()

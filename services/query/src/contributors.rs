@@ -42,6 +42,8 @@ pub struct ContributorsParams {
     limit: Option<usize>,
     page_token: Option<String>,
     max_staleness_ms: Option<i64>,
+    after: Option<String>,
+    max_wait_ms: Option<i64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -134,7 +136,18 @@ pub async fn contributors(
         Some(token) => decode_position(token, now_ms())?,
     };
     let staleness = check_staleness(params.max_staleness_ms)?;
+    let after = crate::after::parse(params.after.as_deref(), params.max_wait_ms)?;
     let timer = state.metrics.request_seconds.with_label_values(&["contributors"]).start_timer();
+    // With write tokens, the ancestors and every direct count read hold them: the
+    // wait of a total read is one for every shard and the graph.
+    let mut reached = match &after {
+        Some(after) => {
+            let mut touches = crate::after::Touches::default();
+            touches.add(state.fanout.shard_of(&entity), Kind::Total);
+            state.fanout.wait_after(after, &touches).await?
+        }
+        None => Default::default(),
+    };
     let graph = state.fanout.ancestors(&entity, MAX_ANCESTORS).await?;
     if graph.more {
         return Err(ApiError::new(
@@ -151,9 +164,12 @@ pub async fn contributors(
     let mut answers = Vec::with_capacity(queries.len());
     let mut as_of: std::collections::BTreeMap<u32, AsOf> = std::collections::BTreeMap::new();
     for chunk in queries.chunks(READ_CHUNK) {
-        let answered = state.fanout.read(chunk.to_vec(), position.now_ms, staleness).await?;
+        let answered = state.fanout.read(chunk.to_vec(), position.now_ms, staleness, None).await?;
         answers.extend(answered.answers);
-        for fresh in answered.as_of {
+        for mut fresh in answered.as_of {
+            if let Some(through) = reached.remove(&fresh.shard) {
+                fresh.through = through;
+            }
             as_of.entry(fresh.shard).or_insert(fresh);
         }
     }

@@ -17,6 +17,7 @@ use tally_core::wire::{
     ShardAnswer, ShardMetricsRequest, ShardMetricsResponse, ShardOutcome, ShardOwner, ShardQueries, ShardQuery,
 };
 
+use crate::after::{After, LogEnds, Touches};
 use crate::error::ApiError;
 use crate::freshness::{too_stale, AsOf, Seen};
 use crate::read_link::{LinkError, Links};
@@ -35,6 +36,9 @@ pub struct Fanout {
     pub owner_wait: Duration,
     /// Each shard's freshness when it last answered ([`crate::freshness`]).
     pub seen: Seen,
+    /// The shard topic's ends, for reads with write tokens ([`crate::after`]; `None`:
+    /// such reads that need them are unavailable).
+    pub ends: Option<LogEnds>,
 }
 
 /// A read's answers, in the order asked, and how fresh each shard read was.
@@ -50,10 +54,31 @@ impl Fanout {
         shard_of(entity, self.shards)
     }
 
-    /// Answers `queries` as [`Fanout::read_all`] does; with `max_staleness_ms`,
-    /// only data at most that old, waiting at most that long (see
-    /// [`crate::freshness`]).
+    /// Answers `queries` as [`Fanout::read_all`] does; with `after`, only once
+    /// every shard they touch holds those writes ([`crate::after`]), its `as_of`
+    /// saying how far; with `max_staleness_ms`, only data at most that old, waiting
+    /// at most that long (see [`crate::freshness`]).
     pub async fn read(
+        &self,
+        queries: Vec<ShardQuery>,
+        now_ms: i64,
+        max_staleness_ms: Option<i64>,
+        after: Option<&After>,
+    ) -> Result<Answered, ApiError> {
+        let Some(after) = after else { return self.read_fresh(queries, now_ms, max_staleness_ms).await };
+        let mut touches = Touches::default();
+        for query in &queries {
+            touches.add(self.shard_of(&query.entity), query.kind);
+        }
+        let mut reached = self.wait_after(after, &touches).await?;
+        let mut answered = self.read_fresh(queries, now_ms, max_staleness_ms).await?;
+        for as_of in &mut answered.as_of {
+            as_of.through = reached.remove(&as_of.shard).unwrap_or_default();
+        }
+        Ok(answered)
+    }
+
+    async fn read_fresh(
         &self,
         queries: Vec<ShardQuery>,
         now_ms: i64,
@@ -276,7 +301,7 @@ impl Fanout {
     /// the client's timeout): its answer; its refusal as the client's error
     /// (`not_owner` for a 409, `shard_failed` with the owner's words); or why it
     /// could not be reached.
-    async fn post<Req: Serialize, Resp: DeserializeOwned>(
+    pub(crate) async fn post<Req: Serialize, Resp: DeserializeOwned>(
         &self,
         addr: &str,
         path: &str,
@@ -362,6 +387,7 @@ mod tests {
             shards: 4,
             seen: Default::default(),
             owner_wait: Duration::from_millis(100),
+            ends: None,
         }
     }
 

@@ -27,7 +27,7 @@ const SEEN: &str = "the shards' last freshness";
 pub const MAX_STALENESS_MS: i64 = 3_600_000;
 
 /// How fresh one shard of an answer was.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct AsOf {
     /// The next offset of the shard's log it applies (none: its counter did not
     /// say, an older release).
@@ -37,11 +37,16 @@ pub struct AsOf {
     /// `owner`: the counter that owns the shard.
     pub served_by: &'static str,
     pub shard: u32,
+    /// For a read with write tokens (`after=`): per input partition they name, the
+    /// token of the last record the answer holds ([`crate::after`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub through: Vec<String>,
 }
 
 impl AsOf {
     pub fn of(shard: u32, as_of: Option<ShardAsOf>) -> Self {
-        Self { applied: as_of.map(|a| a.applied), lag_ms: as_of.and_then(|a| a.lag_ms), served_by: "owner", shard }
+        let (applied, lag_ms) = (as_of.map(|a| a.applied), as_of.and_then(|a| a.lag_ms));
+        Self { applied, lag_ms, served_by: "owner", shard, through: Vec::new() }
     }
 }
 

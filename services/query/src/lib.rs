@@ -7,6 +7,7 @@
 //! ([`status`]) and the jobs console's, asked of the dequeue brokers it finds on
 //! their membership topic ([`jobs`]).
 
+pub mod after;
 pub mod api;
 pub mod contributors;
 pub mod dashboard;
@@ -86,6 +87,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
             shards,
             owner_wait: Duration::from_millis(config.query.owner_wait_ms),
             seen: Default::default(),
+            ends: Some(after::LogEnds::new(&config.kafka, names.shards())?),
         },
         metrics,
         auth: config.auth.clone(),

@@ -664,7 +664,7 @@ impl ShardStore {
 mod tests {
     use tally_core::graph::DescChange;
     use tally_core::keys::ALL_TIME_WIDTH;
-    use tally_core::wire::Increment;
+    use tally_core::wire::{Increment, Positions};
 
     use tally_shared::outbox::OutboxEntry;
 
@@ -989,6 +989,58 @@ mod tests {
             .collect();
         receiver.apply(&replayed, NOW, false).unwrap();
         assert_eq!(counts(&receiver, remote_entity), Counts { direct: 0, total: 5 });
+    }
+
+    /// The router's marks move a source's high water past records that sent this
+    /// shard nothing; positions say what was applied, and relayed once the outbox
+    /// holds nothing of it.
+    #[test]
+    fn marks_and_relays_show_in_the_positions() {
+        let two = StoreOptions { shards: 2, ..options() };
+        let (remote_entity, local_shard) = ("far", 1 - shard_of("far", 2));
+        let dir = tempfile::tempdir().unwrap();
+        let store = ShardStore::open(local_shard, dir.path(), two).unwrap();
+        let source = Source { stream: Source::INCREMENTS, partition: 0 };
+        let other = Source { stream: Source::INCREMENTS, partition: 1 };
+        let gain = desc_change(0, "o", &[remote_entity], &[]);
+        let inc = message(0, &[(4, 0, "o", 4, None)]);
+        let marks = ShardMessage::Marks { marks: vec![(source, Stamp::through(9)), (other, Stamp::through(2))] }
+            .encode()
+            .unwrap();
+        let stale_mark = ShardMessage::Marks { marks: vec![(source, Stamp::through(6))] }.encode().unwrap();
+        let records = [
+            ShardRecord { offset: 0, payload: &gain, timestamp: None },
+            ShardRecord { offset: 1, payload: &inc, timestamp: None },
+        ];
+        store.apply(&records, NOW, false).unwrap();
+        let at = store.positions(&[source, other]).unwrap();
+        assert_eq!(
+            at,
+            Positions { applied: 2, relayed: 0, high_water: vec![Some(Stamp { offset: 4, index: 0 }), None] }
+        );
+        let marked = [
+            ShardRecord { offset: 2, payload: &marks, timestamp: None },
+            ShardRecord { offset: 3, payload: &stale_mark, timestamp: None },
+        ];
+        store.apply(&marked, NOW, false).unwrap();
+        let want = vec![Some(Stamp::through(9)), Some(Stamp::through(2))];
+        assert_eq!(
+            store.positions(&[source, other]).unwrap(),
+            Positions { applied: 4, relayed: 0, high_water: want.clone() }
+        );
+        // A replayed increment below the mark is dropped; the marks survive a restart.
+        let replayed = message(0, &[(5, 0, "o", 1, None)]);
+        let report =
+            store.apply(&[ShardRecord { offset: 4, payload: &replayed, timestamp: None }], NOW, false).unwrap();
+        assert_eq!((report.increments, report.redelivered), (0, 1));
+        store.delete_outbox(&store.outbox().unwrap()).unwrap();
+        assert_eq!(
+            store.positions(&[source, other]).unwrap(),
+            Positions { applied: 5, relayed: 5, high_water: want.clone() }
+        );
+        drop(store);
+        let store = ShardStore::open(local_shard, dir.path(), StoreOptions { shards: 2, ..options() }).unwrap();
+        assert_eq!(store.positions(&[source, other]).unwrap().high_water, want);
     }
 
     /// A shard moves: its log is applied again minutes later (a restore after the
