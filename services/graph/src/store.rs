@@ -372,7 +372,7 @@ fn dedupe_key(from: &str, id: &str) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
-    use tally_core::wire::ShardMessageRef;
+    use tally_core::wire::{Positions, ShardMessageRef};
 
     use super::*;
 
@@ -446,6 +446,30 @@ mod tests {
         assert!(at_once.len() >= 4);
         assert_eq!(emitted(&[&records[..1], &records[1..3], &records[3..]]), at_once);
         assert_eq!(emitted(&[&records[..3], &records[3..]]), at_once);
+    }
+
+    /// The router's marks move the graph's high water over records it had no
+    /// updates in; positions say what it applied, and relayed once the outbox
+    /// holds nothing of it.
+    #[test]
+    fn marks_and_relays_show_in_the_positions() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = GraphStore::open(dir.path(), options()).unwrap();
+        let source = Source { stream: Source::GRAPH, partition: 0 };
+        let edge = record(3, &[(true, "a", "b", None)]);
+        let marks = GraphMessage::Marks { marks: vec![(source, Stamp::through(8))] }.encode().unwrap();
+        let replayed = record(5, &[(true, "x", "y", None)]);
+        let log = [
+            UpdateRecord { offset: 0, payload: &edge, timestamp: None },
+            UpdateRecord { offset: 1, payload: &marks, timestamp: None },
+            UpdateRecord { offset: 2, payload: &replayed, timestamp: None },
+        ];
+        let report = store.apply(&log, NOW).unwrap();
+        assert_eq!((report.updates, report.redelivered), (1, 1), "an update below the mark is a replay");
+        let marked = Positions { applied: 3, relayed: 0, high_water: vec![Some(Stamp::through(8))] };
+        assert_eq!(store.positions(&[source]).unwrap(), marked);
+        store.delete_outbox(&store.outbox().unwrap()).unwrap();
+        assert_eq!(store.positions(&[source]).unwrap(), Positions { relayed: 3, ..marked });
     }
 
     #[test]
