@@ -599,6 +599,35 @@ impl Drop for Sandbox {
     }
 }
 
+/// The children of `parent` whose command is `comm`, by what `key` reads from the
+/// config `tally up` started each with (a counter's instance name).
+pub fn children(parent: u32, comm: &str, key: fn(&TallyConfig) -> String) -> std::collections::BTreeMap<String, u32> {
+    let mut found = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        // pid (comm) state ppid …
+        let Some((head, rest)) = stat.rsplit_once(") ") else { continue };
+        let name = head.split_once(" (").map_or("", |(_, name)| name);
+        let ppid: u32 = rest.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
+        if ppid != parent || name != comm {
+            continue;
+        }
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let config = environ
+            .split(|b| *b == 0)
+            .filter_map(|var| std::str::from_utf8(var).ok())
+            .find_map(|var| var.strip_prefix("TALLY_CONFIG="))
+            .and_then(|path| {
+                tally_shared::config::TallyConfig::load_with_env(Some(std::path::Path::new(path)), Vec::new()).ok()
+            });
+        if let Some(config) = config {
+            found.insert(key(&config), pid);
+        }
+    }
+    found
+}
+
 /// Sends `sig` to process `pid` (`libc::SIGSTOP` pauses it, `libc::SIGCONT`
 /// resumes it, `libc::SIGKILL` kills it).
 pub fn signal(pid: u32, sig: libc::c_int) {

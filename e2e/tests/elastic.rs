@@ -19,38 +19,10 @@ use serde_json::json;
 use tally_core::sharding::shard_of;
 use tally_core::wire::Increment;
 use tally_e2e::workload::{Record, Workload};
-use tally_e2e::{check, signal, Sandbox};
-use tally_shared::config::TallyConfig;
+use tally_e2e::{check, children, signal, Sandbox};
 
 const ROUNDS: usize = 20;
 const SHARDS: u32 = 8;
-
-/// The children of `parent` whose command is `comm`, by what `key` reads from the
-/// config `tally up` started each with (a counter's instance name).
-fn children(parent: u32, comm: &str, key: fn(&TallyConfig) -> String) -> BTreeMap<String, u32> {
-    let mut found = BTreeMap::new();
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-        // pid (comm) state ppid …
-        let Some((head, rest)) = stat.rsplit_once(") ") else { continue };
-        let name = head.split_once(" (").map_or("", |(_, name)| name);
-        let ppid: u32 = rest.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
-        if ppid != parent || name != comm {
-            continue;
-        }
-        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-        let config = environ
-            .split(|b| *b == 0)
-            .filter_map(|var| std::str::from_utf8(var).ok())
-            .find_map(|var| var.strip_prefix("TALLY_CONFIG="))
-            .and_then(|path| TallyConfig::load_with_env(Some(std::path::Path::new(path)), Vec::new()).ok());
-        if let Some(config) = config {
-            found.insert(key(&config), pid);
-        }
-    }
-    found
-}
 
 /// Probe entities, at least one on every shard, that only ever grow.
 fn probes() -> Vec<String> {

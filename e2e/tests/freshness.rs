@@ -3,11 +3,14 @@
 //! end once idle — and its lag), single reads, batches, series and contributors
 //! alike; a read bounded by `max_staleness_ms` answers while the counter keeps
 //! up, and once the counter is paused it answers 503 `too_stale` — the first
-//! within its bound, the next at once.
+//! within its bound, the next at once; a read with the token of a write made
+//! meanwhile answers 504 `not_fresh_enough` after its `max_wait_ms`, and once the
+//! counter is back, the write's count, its `as_of` saying it holds the token.
 
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use tally_core::position::token::WriteToken;
 use tally_e2e::Sandbox;
 
 const SERVICES: [&str; 4] = ["tally-ingester", "tally-counter", "tally-graph", "tally-query"];
@@ -114,8 +117,37 @@ async fn reads_say_how_fresh_they_are_and_refuse_stale_data_at_once() {
     assert!(next < Duration::from_millis(200), "the next stale read took {next:?}: {body}");
     println!("a stale read refused in {first:?}, the next in {next:?}");
 
-    // Resumed, it answers fresh again.
+    // A write while it is paused: a read with its token waits at most max_wait_ms and
+    // answers 504 with how far it got.
+    let (ok, token) = sandbox.cli(&["produce", "--print-token", "increment", "user:2", "views"]);
+    let token = token.trim().to_string();
+    assert!(ok && WriteToken::decode(&token).is_ok(), "{token}");
+    let after = format!("/v1/counters/user:2/views?after={token}&max_wait_ms=200");
+    let started = Instant::now();
+    let (status, body) = sandbox.get(&after).await;
+    let waited = started.elapsed();
+    assert_eq!((status, body["error"]["code"].as_str()), (504, Some("not_fresh_enough")), "{body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("after 2") && message.contains(&format!("shard {}", shard_of("user:2"))), "{message}");
+    assert!(waited >= Duration::from_millis(200) && waited < Duration::from_millis(1_500), "{waited:?}");
+
+    // Resumed, it answers fresh again, the write included once the token is held.
     sandbox.signal("tally-counter", libc::SIGCONT);
+    let (status, body) = sandbox.get(&after.replace("max_wait_ms=200", "max_wait_ms=30000")).await;
+    let written = WriteToken::decode(&token).unwrap();
+    let through: Vec<WriteToken> = body["as_of"][0]["through"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|t| WriteToken::decode(t.as_str()?).ok())
+        .collect();
+    assert_eq!((status, &body["value"]), (200, &json!(4)), "{body}");
+    assert!(
+        through
+            .iter()
+            .any(|t| t.topic == written.topic && t.partition == written.partition && t.offset >= written.offset),
+        "{body}"
+    );
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let (status, body) = sandbox.get(bounded).await;

@@ -24,6 +24,27 @@ pub enum TokenTopic {
     Jobs(String),
 }
 
+impl TokenTopic {
+    /// The topic of an input stream's records (`None`: a stream no producer
+    /// writes).
+    pub fn of_stream(stream: u8) -> Option<Self> {
+        match stream {
+            Source::INCREMENTS => Some(TokenTopic::Increments),
+            Source::GRAPH => Some(TokenTopic::Graph),
+            _ => None,
+        }
+    }
+
+    /// How answers and errors name it.
+    pub fn name(&self) -> &str {
+        match self {
+            TokenTopic::Increments => "increments",
+            TokenTopic::Graph => "graph",
+            TokenTopic::Jobs(queue) => queue,
+        }
+    }
+}
+
 /// A written record's position.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WriteToken {
@@ -103,11 +124,7 @@ impl WriteToken {
     /// The token of the last record of `source` a receiver holding `high_water`
     /// has whole (`None`: none yet).
     pub fn reached(source: Source, high_water: Stamp) -> Option<Self> {
-        let topic = match source.stream {
-            Source::INCREMENTS => TokenTopic::Increments,
-            Source::GRAPH => TokenTopic::Graph,
-            _ => return None,
-        };
+        let topic = TokenTopic::of_stream(source.stream)?;
         let offset = if high_water.index == u32::MAX { high_water.offset } else { high_water.offset - 1 };
         (offset >= 0).then_some(Self { topic, partition: source.partition, offset })
     }

@@ -46,6 +46,12 @@ pub struct PositionsRequest {
     #[serde(default)]
     pub shards: Vec<u32>,
     pub sources: Vec<crate::position::Source>,
+    /// What the asker last saw of each shard, in order (`applied`, `relayed`): the
+    /// answer waits up to `wait_ms` for one of them to move (a long poll).
+    #[serde(default)]
+    pub seen: Vec<Option<(i64, i64)>>,
+    #[serde(default)]
+    pub wait_ms: u64,
 }
 
 impl PositionsRequest {
@@ -53,6 +59,8 @@ impl PositionsRequest {
     pub const MAX_SHARDS: usize = 4096;
     /// The most sources one request names (a read takes at most as many tokens).
     pub const MAX_SOURCES: usize = 64;
+    /// The longest a request may wait for a change.
+    pub const MAX_WAIT_MS: u64 = 1_000;
 
     /// Refuses a request past the bounds, saying which.
     pub fn check(&self) -> Result<(), String> {
@@ -61,6 +69,9 @@ impl PositionsRequest {
         }
         if self.sources.len() > Self::MAX_SOURCES {
             return Err(format!("{} sources: at most {} in one request", self.sources.len(), Self::MAX_SOURCES));
+        }
+        if self.seen.len() > self.shards.len() || self.wait_ms > Self::MAX_WAIT_MS {
+            return Err(format!("seen: at most one per shard; wait_ms: at most {}", Self::MAX_WAIT_MS));
         }
         Ok(())
     }
@@ -84,7 +95,8 @@ pub enum StorePositions {
     },
 }
 
-/// One store's positions, all from one committed state.
+/// One store's positions: `applied` and `high_water` from one committed state,
+/// `relayed` read after it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Positions {
     /// The next offset of its log to apply.

@@ -343,6 +343,7 @@ impl Processor<CounterContext> for Counter {
                 tracing::warn!(error = %err, "relaying the outbox");
             }
         }
+        self.shards.changed.notify_waiters();
         if heartbeat {
             if let Some((name, _)) = self.threads.iter().find(|(_, thread)| thread.is_finished()) {
                 if !self.shutdown.is_cancelled() {

@@ -182,22 +182,42 @@ async fn positions(State(state): State<ReadState>, Json(request): Json<Positions
     if let Err(message) = request.check() {
         return ApiError::bad_request("invalid_body", message).into_response();
     }
-    let answer = move || {
-        let failures = &state.shards.failures;
-        let positions = request.shards.iter().map(|&shard| {
-            if let Some(failure) = failures.failure(shard) {
-                return StorePositions::Failed { message: failures.describe(shard, &failure) };
+    let request = Arc::new(request);
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(request.wait_ms);
+    loop {
+        // Armed before the look, so a change during it wakes the wait.
+        let changed = state.shards.changed.notified();
+        let (asked, shards) = (request.clone(), state.shards.clone());
+        let response = match tokio::task::spawn_blocking(move || look(&shards, &asked)).await {
+            Ok(response) => response,
+            Err(err) => {
+                return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", err.to_string()).into_response()
             }
-            match state.shards.served(shard).map(|store| store.positions(&request.sources)) {
-                None => StorePositions::NotOwner,
-                Some(Ok(positions)) => StorePositions::Served(positions),
-                Some(Err(err)) => StorePositions::Failed { message: format!("shard {shard}: {err}") },
-            }
-        });
-        PositionsResponse { positions: positions.collect() }
-    };
-    match tokio::task::spawn_blocking(answer).await {
-        Ok(response) => Json(response).into_response(),
-        Err(err) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", err.to_string()).into_response(),
+        };
+        let moved = response.positions.iter().zip(request.seen.iter().chain(std::iter::repeat(&None))).any(
+            |(now, seen)| match (now, seen) {
+                (StorePositions::Served(now), Some(seen)) => (now.applied, now.relayed) != *seen,
+                _ => true,
+            },
+        );
+        if moved || tokio::time::timeout_at(deadline, changed).await.is_err() {
+            return Json(response).into_response();
+        }
     }
+}
+
+/// Where each of `request`'s shards stands now.
+fn look(shards: &Shards, request: &PositionsRequest) -> PositionsResponse {
+    let failures = &shards.failures;
+    let positions = request.shards.iter().map(|&shard| {
+        if let Some(failure) = failures.failure(shard) {
+            return StorePositions::Failed { message: failures.describe(shard, &failure) };
+        }
+        match shards.served(shard).map(|store| store.positions(&request.sources)) {
+            None => StorePositions::NotOwner,
+            Some(Ok(positions)) => StorePositions::Served(positions),
+            Some(Err(err)) => StorePositions::Failed { message: format!("shard {shard}: {err}") },
+        }
+    });
+    PositionsResponse { positions: positions.collect() }
 }

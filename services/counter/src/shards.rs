@@ -42,6 +42,9 @@ pub struct Shards {
     epoch: AtomicU64,
     /// Each owned shard's last measured lag: (records behind the log's end, when).
     lags: RwLock<HashMap<u32, (i64, i64)>>,
+    /// Woken after every turn of the loop (batches applied, outboxes relayed,
+    /// shards taken): readers waiting for positions look again.
+    pub changed: tokio::sync::Notify,
 }
 
 /// What the two locks guard, for [`lock::poisoned`].
@@ -64,6 +67,7 @@ impl Shards {
             lease,
             epoch: AtomicU64::new(0),
             lags: RwLock::default(),
+            changed: tokio::sync::Notify::new(),
         }
     }
 

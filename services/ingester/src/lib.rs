@@ -23,7 +23,7 @@ pub mod marks;
 pub mod metrics;
 pub mod route;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -133,6 +133,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let marks = PendingMarks::new(&names, shards as u32, config.ingester.marks_every_ms);
     let pipeline = Pipeline {
         marks: RefCell::new(marks),
+        last_drained: Cell::new(false),
         consumer,
         producer,
         acknowledged,
@@ -201,6 +202,9 @@ struct Pipeline {
     gather: Gather,
     /// How far each input partition is routed, not yet told ([`marks`]).
     marks: RefCell<PendingMarks>,
+    /// Whether the last batch sent was `drained` (its marks say so too: a receiver
+    /// then closes its batch at once).
+    last_drained: Cell<bool>,
 }
 
 impl Pipeline {
@@ -327,6 +331,7 @@ impl Pipeline {
             Closed::Lingered => ends.fetched_to_the_end(&self.consumer, &self.inputs),
             Closed::Full | Closed::Empty => false,
         };
+        self.last_drained.set(drained);
         let seq = in_flight.open(ends.0.clone(), outgoing.len());
         for out in &outgoing {
             self.produce(out, drained, seq, in_flight)?;
@@ -341,7 +346,7 @@ impl Pipeline {
             return Ok(());
         }
         let seq = in_flight.open(Vec::new(), due.len());
-        due.iter().try_for_each(|out| self.produce(out, false, seq, in_flight))
+        due.iter().try_for_each(|out| self.produce(out, self.last_drained.get(), seq, in_flight))
     }
 
     fn produce(&self, out: &Outgoing, drained: bool, seq: u64, in_flight: &mut InFlight) -> Result<()> {
@@ -349,12 +354,14 @@ impl Pipeline {
         if let Some(partition) = out.partition {
             record = record.partition(partition);
         }
-        if let Some(time) = out.timestamp {
-            // The input's time travels in a header; the record's Kafka timestamp is
-            // now, so the shard topic's retention counts from routing.
-            let value = tally_core::format::record_time_value(time);
-            let header = Header { key: RECORD_TIME_HEADER, value: Some(&value[..]) };
-            let mut headers = OwnedHeaders::new_with_capacity(2).insert(header);
+        // The input's time travels in a header; the record's Kafka timestamp is now,
+        // so the shard topic's retention counts from routing.
+        let time = out.timestamp.map(tally_core::format::record_time_value);
+        if time.is_some() || drained {
+            let mut headers = OwnedHeaders::new_with_capacity(2);
+            if let Some(value) = &time {
+                headers = headers.insert(Header { key: RECORD_TIME_HEADER, value: Some(&value[..]) });
+            }
             if drained {
                 headers = headers.insert(Header { key: INPUT_DRAINED_HEADER, value: Some(&[][..]) });
             }

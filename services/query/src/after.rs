@@ -39,8 +39,13 @@ pub const MAX_TOKENS: usize = 64;
 pub const MAX_WAIT_MS: i64 = 60_000;
 /// How long a read with tokens waits when it does not say.
 pub const DEFAULT_WAIT_MS: i64 = 10_000;
-/// The longest pause between two looks at the stores.
+/// The longest pause between two looks at a store that does not answer.
 const MAX_POLL: Duration = Duration::from_millis(20);
+/// How long a counter holds a look that has seen everything asked, for a change.
+const LONG_POLL_MS: u64 = 500;
+/// The longest one look at a store may take: a paused owner is asked again, or its
+/// successor, soon.
+const LOOK_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// The writes a read must include.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,8 +58,8 @@ pub struct After {
 /// A read's `after` and `max_wait_ms`, checked (`None`: read at once).
 pub fn parse(after: Option<&str>, max_wait_ms: Option<i64>) -> Result<Option<After>, ApiError> {
     let max_wait_ms = match max_wait_ms {
-        Some(ms) if !(0..=MAX_WAIT_MS).contains(&ms) => {
-            return Err(ApiError::bad_request("invalid_max_wait", format!("max_wait_ms: must be 0 to {MAX_WAIT_MS}")))
+        Some(ms) if !(1..=MAX_WAIT_MS).contains(&ms) => {
+            return Err(ApiError::bad_request("invalid_max_wait", format!("max_wait_ms: must be 1 to {MAX_WAIT_MS}")))
         }
         Some(_) if after.is_none() => {
             return Err(ApiError::bad_request("invalid_max_wait", "max_wait_ms: only with after=<token>"))
@@ -100,34 +105,60 @@ impl Touches {
 /// read's tokens that its answer holds, as a token.
 pub type Reached = HashMap<u32, Vec<String>>;
 
-/// The ends of the shard topic's partitions, read from the broker.
+/// The ends of the shard topic's partitions, read from the broker: every
+/// partition in one request, one request at a time, shared by every read that
+/// asked for ends no earlier than it began (many waiting reads cost the broker one
+/// look, not one each).
 pub struct LogEnds {
     consumer: Arc<BaseConsumer>,
     topic: String,
+    partitions: u32,
+    /// The last look: when it began, and what it found.
+    last: tokio::sync::Mutex<Option<(Instant, BTreeMap<u32, i64>)>>,
 }
 
 impl LogEnds {
-    pub fn new(kafka: &tally_shared::config::KafkaConfig, topic: String) -> crate::Result<Self> {
+    pub fn new(kafka: &tally_shared::config::KafkaConfig, topic: String, partitions: u32) -> crate::Result<Self> {
         let mut config = tally_shared::kafka::consumer_config(kafka)?;
         // Never joins the group: it only asks for ends.
         config.set("group.id", "tally-query-ends").set("enable.auto.commit", "false");
-        Ok(Self { consumer: Arc::new(config.create()?), topic })
+        Ok(Self { consumer: Arc::new(config.create()?), topic, partitions, last: Default::default() })
     }
 
-    /// Each of `partitions`' end (the next offset to be written) now.
-    async fn ends(&self, partitions: Vec<u32>) -> Result<BTreeMap<u32, i64>, ApiError> {
-        let (consumer, topic) = (self.consumer.clone(), self.topic.clone());
-        let asked = tokio::task::spawn_blocking(move || {
-            partitions
-                .into_iter()
-                .map(|p| Ok((p, consumer.fetch_watermarks(&topic, p as i32, Duration::from_secs(2))?.1)))
-                .collect::<Result<BTreeMap<u32, i64>, rdkafka::error::KafkaError>>()
-        });
-        match asked.await {
-            Ok(Ok(ends)) => Ok(ends),
-            Ok(Err(err)) => Err(ApiError::unavailable(format!("reading the shard topic's ends: {err}"))),
-            Err(err) => Err(ApiError::unavailable(format!("reading the shard topic's ends: {err}"))),
+    /// Every partition's end (the next offset to be written) as read by a look
+    /// that began at `since` or later.
+    async fn ends_since(&self, since: Instant) -> Result<BTreeMap<u32, i64>, ApiError> {
+        let mut last = self.last.lock().await;
+        if let Some((_, ends)) = last.as_ref().filter(|(began, _)| *began >= since) {
+            return Ok(ends.clone());
         }
+        let began = Instant::now();
+        let (consumer, topic, partitions) = (self.consumer.clone(), self.topic.clone(), self.partitions);
+        let asked = tokio::task::spawn_blocking(move || {
+            let mut latest = rdkafka::TopicPartitionList::new();
+            for partition in 0..partitions {
+                // As a timestamp, `End` (-1) asks for the end.
+                latest
+                    .add_partition_offset(&topic, partition as i32, rdkafka::Offset::End)
+                    .map_err(|err| err.to_string())?;
+            }
+            let found = consumer.offsets_for_times(latest, Duration::from_secs(2)).map_err(|err| err.to_string())?;
+            let mut ends = BTreeMap::new();
+            for element in found.elements() {
+                match element.offset() {
+                    rdkafka::Offset::Offset(end) => drop(ends.insert(element.partition() as u32, end)),
+                    other => return Err(format!("partition {}: the broker answered {other:?}", element.partition())),
+                }
+            }
+            Ok(ends)
+        });
+        let ends = match asked.await {
+            Ok(Ok(ends)) => ends,
+            Ok(Err(err)) => return Err(ApiError::unavailable(format!("reading the shard topic's ends: {err}"))),
+            Err(err) => return Err(ApiError::unavailable(format!("reading the shard topic's ends: {err}"))),
+        };
+        *last = Some((began, ends.clone()));
+        Ok(ends)
     }
 }
 
@@ -138,7 +169,11 @@ impl Fanout {
     /// Waits until every shard `touches` names holds the writes of `after`, at most
     /// its `max_wait`: how far each read shard got, or 504 `not_fresh_enough`.
     pub async fn wait_after(&self, after: &After, touches: &Touches) -> Result<Reached, ApiError> {
-        let mut waiting = String::from("nothing answered yet");
+        if after.sources.is_empty() {
+            // Only jobs' tokens: nothing a counter holds.
+            return Ok(Reached::new());
+        }
+        let mut waiting = String::new();
         let started = Instant::now();
         match tokio::time::timeout(after.max_wait, self.wait_stages(after, touches, &mut waiting)).await {
             Ok(reached) => reached,
@@ -159,7 +194,10 @@ impl Fanout {
         let graph: Vec<(usize, WriteToken)> = token_of(&after.sources, Source::GRAPH);
         let read: Vec<u32> = touches.direct.union(&touches.total).copied().collect();
         let mut graph_reached = Vec::new();
-        if !touches.total.is_empty() && (!increments.is_empty() || !graph.is_empty()) {
+        // What every shard held of the increments when it was seen holding them: what
+        // the totals it relayed hold at least.
+        let mut relayed_floor = None;
+        if !touches.total.is_empty() {
             let all: Vec<u32> = (0..self.shards).collect();
             let mut log_ends = BTreeMap::new();
             if !graph.is_empty() {
@@ -169,15 +207,16 @@ impl Fanout {
                 let applied = at.applied;
                 let relayed = |_: u32, p: &Positions| relayed_past("the graph", applied, p);
                 self.poll_graph(&sources, &relayed, waiting).await?;
-                log_ends = self.log_ends(all.clone(), waiting).await?;
+                log_ends = self.log_ends(waiting).await?;
             }
             let held = |shard: u32, p: &Positions| {
                 uncovered(&format!("shard {shard}"), &increments, p).or_else(|| applied_to(shard, &log_ends, p))
             };
             let at = self.poll(&all, &sources, &held, waiting).await?;
+            relayed_floor = Some(floor(&sources, at.values(), &increments));
             let relayed = |shard: u32, p: &Positions| relayed_past(&format!("shard {shard}"), at[&shard].applied, p);
             self.poll(&all, &sources, &relayed, waiting).await?;
-            let ends = self.log_ends(touches.total.iter().copied().collect(), waiting).await?;
+            let ends = self.log_ends(waiting).await?;
             let applied = |shard: u32, p: &Positions| applied_to(shard, &ends, p);
             self.poll(&touches.total.iter().copied().collect::<Vec<_>>(), &sources, &applied, waiting).await?;
         }
@@ -186,7 +225,10 @@ impl Fanout {
         Ok(at
             .into_iter()
             .map(|(shard, p)| {
-                let mut tokens = reached_tokens(&sources, &p.high_water, &increments);
+                let mut tokens = match (&relayed_floor, touches.total.contains(&shard)) {
+                    (Some(floor), true) => floor.clone(),
+                    _ => reached_tokens(&sources, &p.high_water, &increments),
+                };
                 tokens.extend(graph_reached.iter().cloned());
                 (shard, tokens)
             })
@@ -203,29 +245,36 @@ impl Fanout {
         waiting: &mut String,
     ) -> Result<BTreeMap<u32, Positions>, ApiError> {
         let mut met = BTreeMap::new();
+        // What each shard last said: a look that saw them all again waits at its
+        // owner for a change (a long poll) instead of asking again and again.
+        let mut seen: HashMap<u32, (i64, i64)> = HashMap::new();
         let mut pause = Duration::from_millis(1);
         loop {
             let pending: Vec<u32> = shards.iter().copied().filter(|shard| !met.contains_key(shard)).collect();
             if pending.is_empty() {
                 return Ok(met);
             }
-            let found = self.positions(&pending, sources).await?;
-            if found.len() < pending.len() {
+            *waiting = format!("the owner of shard {} has not said where it stands", pending[0]);
+            let found = self.positions(&pending, sources, &seen).await?;
+            let all_answered = found.len() == pending.len();
+            if !all_answered {
                 let answered: BTreeSet<u32> = found.iter().map(|(shard, _)| *shard).collect();
                 if let Some(shard) = pending.iter().find(|shard| !answered.contains(shard)) {
                     *waiting = format!("shard {shard} has no owner serving it");
                 }
             }
             for (shard, positions) in found {
+                seen.insert(shard, (positions.applied, positions.relayed));
                 match done(shard, &positions) {
                     None => drop(met.insert(shard, positions)),
                     Some(why) => *waiting = why,
                 }
             }
-            if met.len() < shards.len() {
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(MAX_POLL);
-            }
+            // A shard nobody serves is asked again after a pause; the owners of the
+            // others answered as soon as something moved.
+            let rest = if all_answered { Duration::from_millis(1) } else { pause };
+            tokio::time::sleep(rest).await;
+            pause = (pause * 2).min(MAX_POLL);
         }
     }
 
@@ -238,6 +287,7 @@ impl Fanout {
     ) -> Result<Positions, ApiError> {
         let mut pause = Duration::from_millis(1);
         loop {
+            *waiting = "the graph has not said where it stands".into();
             match self.graph_positions(sources).await? {
                 Some(positions) => match done(ShardOwner::GRAPH, &positions) {
                     None => return Ok(positions),
@@ -250,15 +300,29 @@ impl Fanout {
         }
     }
 
-    async fn log_ends(&self, partitions: Vec<u32>, waiting: &mut String) -> Result<BTreeMap<u32, i64>, ApiError> {
-        *waiting = "reading the shard topic's ends".into();
+    /// The shard topic's ends, read after now (asked again while the broker fails
+    /// to say, within the read's wait).
+    async fn log_ends(&self, waiting: &mut String) -> Result<BTreeMap<u32, i64>, ApiError> {
         let ends = self.ends.as_ref().ok_or_else(|| ApiError::unavailable("the shard topic's ends are not known"))?;
-        ends.ends(partitions).await
+        let since = Instant::now();
+        *waiting = "reading the shard topic's ends".into();
+        loop {
+            match ends.ends_since(since).await {
+                Ok(ends) => return Ok(ends),
+                Err(err) => *waiting = err.message,
+            }
+            tokio::time::sleep(MAX_POLL).await;
+        }
     }
 
     /// The positions of those of `shards` their owners serve now (one call per
     /// owner, in parallel); an owner that does not answer leaves its shards out.
-    async fn positions(&self, shards: &[u32], sources: &[Source]) -> Result<Vec<(u32, Positions)>, ApiError> {
+    async fn positions(
+        &self,
+        shards: &[u32],
+        sources: &[Source],
+        seen: &HashMap<u32, (i64, i64)>,
+    ) -> Result<Vec<(u32, Positions)>, ApiError> {
         let mut by_owner: HashMap<String, Vec<u32>> = HashMap::new();
         for &shard in shards {
             if let Some(addr) = self.owners.get(shard).and_then(|claim| claim.addr) {
@@ -266,8 +330,12 @@ impl Fanout {
             }
         }
         let calls = by_owner.into_iter().map(|(addr, shards)| async move {
-            let request = PositionsRequest { shards: shards.clone(), sources: sources.to_vec() };
-            let answer = self.post::<_, PositionsResponse>(&addr, "/internal/v1/positions", &request, None).await;
+            let seen: Vec<Option<(i64, i64)>> = shards.iter().map(|shard| seen.get(shard).copied()).collect();
+            // Held at the owner only when it has nothing new to say of any of them.
+            let wait_ms = if seen.iter().all(Option::is_some) { LONG_POLL_MS } else { 0 };
+            let request = PositionsRequest { shards: shards.clone(), sources: sources.to_vec(), seen, wait_ms };
+            let answer =
+                self.post::<_, PositionsResponse>(&addr, "/internal/v1/positions", &request, Some(LOOK_TIMEOUT)).await;
             (shards, answer)
         });
         let mut found = Vec::new();
@@ -292,8 +360,8 @@ impl Fanout {
     /// The graph's positions, when an owner serves it and answers.
     async fn graph_positions(&self, sources: &[Source]) -> Result<Option<Positions>, ApiError> {
         let Some(addr) = self.owners.get(ShardOwner::GRAPH).and_then(|claim| claim.addr) else { return Ok(None) };
-        let request = PositionsRequest { shards: Vec::new(), sources: sources.to_vec() };
-        match self.post::<_, PositionsResponse>(&addr, "/internal/v1/positions", &request, None).await {
+        let request = PositionsRequest { shards: Vec::new(), sources: sources.to_vec(), seen: Vec::new(), wait_ms: 0 };
+        match self.post::<_, PositionsResponse>(&addr, "/internal/v1/positions", &request, Some(LOOK_TIMEOUT)).await {
             Ok(Ok(mut response)) => match response.positions.pop() {
                 Some(StorePositions::Served(positions)) => Ok(Some(positions)),
                 Some(StorePositions::Failed { message }) => Err(ApiError::shard_failed(message)),
@@ -311,9 +379,9 @@ fn token_of(sources: &BTreeMap<Source, i64>, stream: u8) -> Vec<(usize, WriteTok
         .iter()
         .enumerate()
         .filter(|(_, (source, _))| source.stream == stream)
-        .map(|(index, (source, offset))| {
-            let topic = if stream == Source::GRAPH { TokenTopic::Graph } else { TokenTopic::Increments };
-            (index, WriteToken { topic, partition: source.partition, offset: *offset })
+        .filter_map(|(index, (source, offset))| {
+            let topic = TokenTopic::of_stream(stream)?;
+            Some((index, WriteToken { topic, partition: source.partition, offset: *offset }))
         })
         .collect()
 }
@@ -323,7 +391,7 @@ fn uncovered(who: &str, tokens: &[(usize, WriteToken)], positions: &Positions) -
     tokens.iter().find_map(|(index, token)| {
         let high_water = positions.high_water.get(*index).copied().flatten();
         (!token.covered_by(high_water)).then(|| {
-            let topic = if token.topic == TokenTopic::Graph { "graph" } else { "increments" };
+            let topic = token.topic.name();
             let holds = high_water
                 .and_then(|stamp| WriteToken::reached(token.source()?, stamp))
                 .map_or("nothing".to_string(), |reached| format!("up to offset {}", reached.offset));
@@ -344,6 +412,25 @@ fn applied_to(shard: u32, ends: &BTreeMap<u32, i64>, positions: &Positions) -> O
     let end = *ends.get(&shard)?;
     (positions.applied < end)
         .then(|| format!("shard {shard} applied its log to offset {}, not yet {end}", positions.applied))
+}
+
+/// The tokens of the last records of `tokens`' sources that every one of `stores`
+/// holds (the lowest of their high-water stamps).
+fn floor<'a>(
+    sources: &[Source],
+    stores: impl Iterator<Item = &'a Positions>,
+    tokens: &[(usize, WriteToken)],
+) -> Vec<String> {
+    let mut lowest: Vec<Option<tally_core::wire::Stamp>> = vec![None; sources.len()];
+    let mut first = true;
+    for positions in stores {
+        for (index, _) in tokens {
+            let stamp = positions.high_water.get(*index).copied().flatten();
+            lowest[*index] = if first { stamp } else { lowest[*index].min(stamp) };
+        }
+        first = false;
+    }
+    reached_tokens(sources, &lowest, tokens)
 }
 
 /// The tokens of the last records of `tokens`' sources `high_water` holds.
@@ -398,8 +485,8 @@ mod tests {
             (Some("nope!"), None, "invalid_token", "not a tally write token"),
             (Some(""), None, "invalid_token", "must be 1 to"),
             (Some(&many), None, "invalid_token", "at most 64 tokens"),
-            (Some(&good), Some(-1), "invalid_max_wait", "must be 0 to 60000"),
-            (Some(&good), Some(MAX_WAIT_MS + 1), "invalid_max_wait", "must be 0 to 60000"),
+            (Some(&good), Some(0), "invalid_max_wait", "must be 1 to 60000"),
+            (Some(&good), Some(MAX_WAIT_MS + 1), "invalid_max_wait", "must be 1 to 60000"),
             (None, Some(100), "invalid_max_wait", "only with after"),
         ];
         for (after, wait, code, why) in cases {

@@ -95,23 +95,25 @@ struct BatchBody {
     queries: Vec<BatchQuery>,
     max_staleness_ms: Option<i64>,
     /// Write tokens, as a list or comma-separated like the query parameter.
-    after: Option<After>,
+    after: Option<Tokens>,
     max_wait_ms: Option<i64>,
 }
 
 /// `after` in a body: one string of comma-separated tokens, or a list of them.
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
-enum After {
+enum Tokens {
     One(String),
     Many(Vec<String>),
 }
 
-impl After {
-    fn joined(self) -> String {
+impl Tokens {
+    /// As the query parameter takes them (`None`: an empty list).
+    fn joined(self) -> Option<String> {
         match self {
-            After::One(tokens) => tokens,
-            After::Many(tokens) => tokens.join(","),
+            Tokens::One(tokens) => Some(tokens),
+            Tokens::Many(tokens) if tokens.is_empty() => None,
+            Tokens::Many(tokens) => Some(tokens.join(",")),
         }
     }
 }
@@ -354,7 +356,7 @@ async fn batch(
         windows.push(window);
     }
     let staleness = check_staleness(body.max_staleness_ms)?;
-    let after = crate::after::parse(body.after.map(After::joined).as_deref(), body.max_wait_ms)?;
+    let after = crate::after::parse(body.after.and_then(Tokens::joined).as_deref(), body.max_wait_ms)?;
     let timer = state.metrics.request_seconds.with_label_values(&["batch"]).start_timer();
     let Answered { answers, as_of } = state.fanout.read(queries.clone(), now_ms(), staleness, after.as_ref()).await?;
     timer.observe_duration();

@@ -87,7 +87,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
             shards,
             owner_wait: Duration::from_millis(config.query.owner_wait_ms),
             seen: Default::default(),
-            ends: Some(after::LogEnds::new(&config.kafka, names.shards())?),
+            ends: Some(after::LogEnds::new(&config.kafka, names.shards(), shards)?),
         },
         metrics,
         auth: config.auth.clone(),

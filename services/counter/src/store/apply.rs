@@ -205,6 +205,9 @@ impl ShardStore {
         // reached; the decoded run borrows its names from there.
         let unpacked: Vec<OnceCell<Vec<u8>>> = records.iter().map(|_| OnceCell::new()).collect();
         let mut run: Vec<Decoded<'_>> = Vec::new();
+        // The input time of the newest record applied that held more than marks
+        // (a mark's time is when it was routed, not an input's).
+        let mut newest_input: Option<i64> = None;
         for (record, unpacked) in records.iter().zip(&unpacked) {
             if progress.next_offset.is_some_and(|next| record.offset < next) {
                 report.stale_records += 1;
@@ -231,6 +234,9 @@ impl ShardStore {
                     break;
                 }
             };
+            if messages.iter().any(|(_, message)| !matches!(message, ShardMessageRef::Marks { .. })) {
+                newest_input = newest_input.max(record.timestamp.map(|at| at.min(now)));
+            }
             for (record_time, message) in messages {
                 let ShardMessageRef::DescChanges { source, entries } = message else {
                     run.push((record.offset, record_time, message));
@@ -255,11 +261,8 @@ impl ShardStore {
         }
         // Also commits the progress past stale records.
         self.apply_counts(&run, &mut progress, now, mark_rollups, &mut report)?;
-        let next = progress.next_offset.unwrap_or(0);
-        // A producer's clock ahead of ours says nothing newer than now.
-        let times = records.iter().filter(|record| record.offset < next).filter_map(|record| record.timestamp);
-        let newest_input = times.map(|at| at.min(now)).max();
-        self.freshness.applied(next, newest_input);
+        // A producer's clock ahead of ours says nothing newer than now (above).
+        self.freshness.applied(progress.next_offset.unwrap_or(0), newest_input);
         Ok(report)
     }
 
@@ -1019,10 +1022,12 @@ mod tests {
             Positions { applied: 2, relayed: 0, high_water: vec![Some(Stamp { offset: 4, index: 0 }), None] }
         );
         let marked = [
-            ShardRecord { offset: 2, payload: &marks, timestamp: None },
-            ShardRecord { offset: 3, payload: &stale_mark, timestamp: None },
+            ShardRecord { offset: 2, payload: &marks, timestamp: Some(NOW - 5) },
+            ShardRecord { offset: 3, payload: &stale_mark, timestamp: Some(NOW - 5) },
         ];
         store.apply(&marked, NOW, false).unwrap();
+        // A mark's time is its routing's, not an input's: it says nothing of the lag.
+        assert_eq!(store.freshness.as_of(NOW).lag_ms, None);
         let want = vec![Some(Stamp::through(9)), Some(Stamp::through(2))];
         assert_eq!(
             store.positions(&[source, other]).unwrap(),
