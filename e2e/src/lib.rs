@@ -253,6 +253,25 @@ impl Sandbox {
         self.spawn_configured(name, binary, &config, args, env);
     }
 
+    /// Runs `tally up --counters N` as `tally-up`, its data (counters', graph's,
+    /// snapshots) under the sandbox's `up`, its ports free, `env` on top; its pid.
+    pub fn spawn_up(&mut self, counters: u32, env: &[(&str, String)]) -> u32 {
+        let up_dir = self.path("up");
+        let free = || format!("127.0.0.1:{}", free_port().unwrap());
+        let mut all = vec![
+            ("TALLY__COUNTER__ADMIN_LISTEN", "127.0.0.1:0".to_string()),
+            ("TALLY__BROKER__LISTEN", free()),
+            ("TALLY__BROKER__ADMIN_LISTEN", free()),
+            ("TALLY__COUNTER__DATA_DIR", format!("{up_dir}/counter")),
+            ("TALLY__GRAPH__DATA_DIR", format!("{up_dir}/graph")),
+            ("TALLY__SNAPSHOTS__DIR", format!("{up_dir}/snapshots")),
+        ];
+        all.extend(env.iter().cloned());
+        let counters = counters.to_string();
+        self.spawn_command("tally-up", "tally", &["up", "--counters", &counters, "--data-dir", &up_dir], &all);
+        self.pid("tally-up").expect("tally up runs")
+    }
+
     /// Starts `binary` as the instance `name` with its own `config` (environment
     /// overrides `env` on top, as an operator's would be).
     fn spawn_configured(

@@ -95,19 +95,8 @@ async fn watch_probes(
 async fn three_counters_under_kill9_and_pauses_count_exactly_and_never_read_stale() {
     let mut sandbox = Sandbox::start().await;
     let up_dir = sandbox.path("up");
-    let free = || format!("127.0.0.1:{}", tally_shared::local_broker::free_port().unwrap());
-    let env = [
-        ("TALLY__COUNTER__ADMIN_LISTEN", "127.0.0.1:0".to_string()),
-        ("TALLY__BROKER__LISTEN", free()),
-        ("TALLY__BROKER__ADMIN_LISTEN", free()),
-        // Defaults but for the snapshots, taken every 2 s here.
-        ("TALLY__SNAPSHOTS__INTERVAL_MS", "2000".to_string()),
-        ("TALLY__COUNTER__DATA_DIR", format!("{up_dir}/counter")),
-        ("TALLY__GRAPH__DATA_DIR", format!("{up_dir}/graph")),
-        ("TALLY__SNAPSHOTS__DIR", format!("{up_dir}/snapshots")),
-    ];
-    sandbox.spawn_command("tally-up", "tally", &["up", "--counters", "3", "--data-dir", &up_dir], &env);
-    let up = sandbox.pid("tally-up").unwrap();
+    // Defaults but for the snapshots, taken every 2 s here.
+    let up = sandbox.spawn_up(3, &[("TALLY__SNAPSHOTS__INTERVAL_MS", "2000".to_string())]);
     let counters = || children(up, "tally-counter", |config| config.counter.instance.clone());
     let deadline = Instant::now() + Duration::from_secs(60);
     while counters().len() < 3 {

@@ -132,7 +132,6 @@ fn check_rollups(sandbox: &Sandbox, consumed: &BTreeMap<String, Option<i128>>, p
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_counter_paused_mid_rollup_past_its_lease_never_sets_a_bucket_back() {
     let mut sandbox = Sandbox::start().await;
-    let up_dir = sandbox.path("up");
     // The user's own file: the sandbox's Kafka and ports, and buckets that expire soon.
     let config = sandbox.path("tally.toml");
     let mut own = sandbox.config.clone();
@@ -140,18 +139,7 @@ async fn a_counter_paused_mid_rollup_past_its_lease_never_sets_a_bucket_back() {
     own.counting.resolutions =
         vec![resolution("1s", format!("{}s", SHORT_RETENTION_MS / 1_000)), resolution("1m", "6h".into())];
     tally_shared::harness::write_config(&own, std::path::Path::new(&config)).unwrap();
-    let free = || format!("127.0.0.1:{}", tally_shared::local_broker::free_port().unwrap());
-    let env = [
-        ("TALLY_CONFIG", config),
-        ("TALLY__COUNTER__ADMIN_LISTEN", "127.0.0.1:0".to_string()),
-        ("TALLY__BROKER__LISTEN", free()),
-        ("TALLY__BROKER__ADMIN_LISTEN", free()),
-        ("TALLY__COUNTER__DATA_DIR", format!("{up_dir}/counter")),
-        ("TALLY__GRAPH__DATA_DIR", format!("{up_dir}/graph")),
-        ("TALLY__SNAPSHOTS__DIR", format!("{up_dir}/snapshots")),
-    ];
-    sandbox.spawn_command("tally-up", "tally", &["up", "--counters", "2", "--data-dir", &up_dir], &env);
-    let up = sandbox.pid("tally-up").unwrap();
+    let up = sandbox.spawn_up(2, &[("TALLY_CONFIG", config)]);
     let deadline = Instant::now() + Duration::from_secs(60);
     while counters(up).len() < 2 {
         assert!(Instant::now() < deadline, "two counters never ran:\n{}", sandbox.log("tally-up"));

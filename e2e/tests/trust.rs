@@ -151,6 +151,22 @@ async fn every_internal_and_operator_route_answers_only_its_roles_token() {
         ),
         route("counter status", Method::GET, format!("{counter}/internal/v1/status"), None, &[Cluster], (200, None)),
         route(
+            "counter positions",
+            Method::POST,
+            format!("{counter}/internal/v1/positions"),
+            Some(json!({"shards": [shard], "sources": [{"stream": 1, "partition": 0}]})),
+            &[Cluster],
+            (200, None),
+        ),
+        route(
+            "counter positions past the bound",
+            Method::POST,
+            format!("{counter}/internal/v1/positions"),
+            Some(json!({"shards": [shard], "sources": [], "wait_ms": 1_001})),
+            &[Cluster],
+            (400, Some("invalid_body")),
+        ),
+        route(
             "counter shard skip",
             Method::POST,
             format!("{counter}/internal/v1/shards/{shard}/skip"),
@@ -189,6 +205,14 @@ async fn every_internal_and_operator_route_answers_only_its_roles_token() {
             Some(json!({"entity": "p", "limit": 100_001})),
             &[Cluster],
             (400, Some("invalid_limit")),
+        ),
+        route(
+            "graph positions",
+            Method::POST,
+            format!("{graph}/internal/v1/positions"),
+            Some(json!({"sources": [{"stream": 2, "partition": 0}]})),
+            &[Cluster],
+            (200, None),
         ),
         route(
             "graph skip",

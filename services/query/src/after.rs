@@ -41,6 +41,9 @@ pub const MAX_WAIT_MS: i64 = 60_000;
 pub const DEFAULT_WAIT_MS: i64 = 10_000;
 /// The longest pause between two looks at a store that does not answer.
 const MAX_POLL: Duration = Duration::from_millis(20);
+/// The least time between two looks at the shard topic's ends (the broker's cost
+/// of one grows with its log).
+const LOOK_SPACING: Duration = Duration::from_millis(20);
 /// How long a counter holds a look that has seen everything asked, for a change.
 const LONG_POLL_MS: u64 = 500;
 /// The longest one look at a store may take: a paused owner is asked again, or its
@@ -132,6 +135,10 @@ impl LogEnds {
         if let Some((_, ends)) = last.as_ref().filter(|(began, _)| *began >= since) {
             return Ok(ends.clone());
         }
+        // Looks at least `LOOK_SPACING` apart: readers arriving meanwhile share the next.
+        if let Some((began, _)) = last.as_ref() {
+            tokio::time::sleep(LOOK_SPACING.saturating_sub(began.elapsed())).await;
+        }
         let began = Instant::now();
         let (consumer, topic, partitions) = (self.consumer.clone(), self.topic.clone(), self.partitions);
         let asked = tokio::task::spawn_blocking(move || {
@@ -175,17 +182,28 @@ impl Fanout {
         }
         let mut waiting = String::new();
         let started = Instant::now();
-        match tokio::time::timeout(after.max_wait, self.wait_stages(after, touches, &mut waiting)).await {
-            Ok(reached) => reached,
-            Err(_) => Err(ApiError::new(
+        let waited = tokio::time::timeout(after.max_wait, self.wait_stages(after, touches, &mut waiting)).await;
+        let outcome = match &waited {
+            Ok(Ok(_)) => "held",
+            Ok(Err(_)) => "refused",
+            Err(_) => "not_fresh_enough",
+        };
+        self.token_waits.with_label_values(&[outcome]).observe(started.elapsed().as_secs_f64());
+        waited.unwrap_or_else(|_| {
+            tracing::info!(
+                waited_ms = started.elapsed().as_millis() as u64,
+                waiting,
+                "a read's write tokens were not held in time"
+            );
+            Err(ApiError::new(
                 StatusCode::GATEWAY_TIMEOUT,
                 "not_fresh_enough",
                 format!(
                     "not every shard held the writes after {} ms (max_wait_ms): {waiting}; retry, or wait longer",
                     started.elapsed().as_millis()
                 ),
-            )),
-        }
+            ))
+        })
     }
 
     async fn wait_stages(&self, after: &After, touches: &Touches, waiting: &mut String) -> Result<Reached, ApiError> {

@@ -39,6 +39,8 @@ pub struct Fanout {
     /// The shard topic's ends, for reads with write tokens ([`crate::after`]; `None`:
     /// such reads that need them are unavailable).
     pub ends: Option<LogEnds>,
+    /// `tally_query_token_wait_seconds`.
+    pub token_waits: prometheus::HistogramVec,
 }
 
 /// A read's answers, in the order asked, and how fresh each shard read was.
@@ -388,6 +390,7 @@ mod tests {
             seen: Default::default(),
             owner_wait: Duration::from_millis(100),
             ends: None,
+            token_waits: crate::metrics::Metrics::new(&prometheus::Registry::new()).token_wait_seconds,
         }
     }
 

@@ -88,6 +88,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
             owner_wait: Duration::from_millis(config.query.owner_wait_ms),
             seen: Default::default(),
             ends: Some(after::LogEnds::new(&config.kafka, names.shards(), shards)?),
+            token_waits: metrics.token_wait_seconds.clone(),
         },
         metrics,
         auth: config.auth.clone(),

@@ -7,6 +7,9 @@ use tally_shared::telemetry::register;
 pub struct Metrics {
     /// Latency per endpoint (`counter`, `series`, `batch`).
     pub request_seconds: HistogramVec,
+    /// How long reads with write tokens waited for them, by `outcome`: `held`,
+    /// `not_fresh_enough` (504) or `refused` (another error).
+    pub token_wait_seconds: HistogramVec,
 }
 
 impl Metrics {
@@ -18,6 +21,18 @@ impl Metrics {
                 HistogramVec::new(
                     HistogramOpts::new("tally_query_request_seconds", "Read latency per endpoint").buckets(buckets),
                     &["endpoint"],
+                )
+                .expect("valid metric"),
+            ),
+            token_wait_seconds: register(
+                registry,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "tally_query_token_wait_seconds",
+                        "How long reads waited for their write tokens",
+                    )
+                    .buckets(vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0]),
+                    &["outcome"],
                 )
                 .expect("valid metric"),
             ),
