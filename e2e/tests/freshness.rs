@@ -122,7 +122,7 @@ async fn reads_say_how_fresh_they_are_and_refuse_stale_data_at_once() {
     let (ok, token) = sandbox.cli(&["produce", "--print-token", "increment", "user:2", "views"]);
     let token = token.trim().to_string();
     assert!(ok && WriteToken::decode(&token).is_ok(), "{token}");
-    let after = format!("/v1/counters/user:2/views?after={token}&max_wait_ms=200");
+    let after = format!("/v1/counters/user:2/views?kind=direct&after={token}&max_wait_ms=200");
     let started = Instant::now();
     let (status, body) = sandbox.get(&after).await;
     let waited = started.elapsed();
