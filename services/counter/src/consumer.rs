@@ -200,6 +200,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         topic: shard_topic.clone(),
         serving: Vec::new(),
         outbox_written: 0,
+        moved: false,
         advisory: AdvisoryCommits::default(),
         threads,
         ownership,
@@ -246,6 +247,9 @@ struct Counter {
     serving: Vec<u32>,
     /// Outbox messages written since the last relay.
     outbox_written: u64,
+    /// Whether a store moved since readers waiting for positions were last woken
+    /// (a batch applied, an outbox relayed, shards taken or served).
+    moved: bool,
     /// The group's offsets, committed now and then for lag tooling.
     advisory: AdvisoryCommits,
     /// Watched: one that ends before shutdown (a panic) stops the counter.
@@ -302,6 +306,7 @@ impl Processor<CounterContext> for Counter {
         *carried = late.into_carried();
         self.helpers.done();
         self.outbox_written += written;
+        self.moved = true;
         failed
     }
 
@@ -323,6 +328,7 @@ impl Processor<CounterContext> for Counter {
             self.metrics.owned_shards.set(self.shards.owned().len() as i64);
         }
         let announced = self.shards.announced();
+        self.moved |= reassigned || announced != self.serving;
         if reassigned || announced != self.serving {
             // A new assignment, a rebuilt shard that caught up, one that failed or
             // recovered: announced now, not at the next heartbeat.
@@ -339,11 +345,14 @@ impl Processor<CounterContext> for Counter {
         // heartbeat, for what a store still held after a restart or a new assignment.
         if self.outbox_written > 0 || heartbeat {
             self.outbox_written = 0;
+            self.moved = true;
             if let Err(err) = relay_outboxes(&self.relay, &self.shards, &self.metrics) {
                 tracing::warn!(error = %err, "relaying the outbox");
             }
         }
-        self.shards.changed.notify_waiters();
+        if std::mem::take(&mut self.moved) {
+            self.shards.changed.notify_waiters();
+        }
         if heartbeat {
             if let Some((name, _)) = self.threads.iter().find(|(_, thread)| thread.is_finished()) {
                 if !self.shutdown.is_cancelled() {

@@ -42,8 +42,9 @@ pub struct Shards {
     epoch: AtomicU64,
     /// Each owned shard's last measured lag: (records behind the log's end, when).
     lags: RwLock<HashMap<u32, (i64, i64)>>,
-    /// Woken after every turn of the loop (batches applied, outboxes relayed,
-    /// shards taken): readers waiting for positions look again.
+    /// Woken after a turn of the loop in which a store moved (a batch applied, an
+    /// outbox relayed, shards taken or served): readers waiting for positions look
+    /// again.
     pub changed: tokio::sync::Notify,
 }
 

@@ -308,12 +308,14 @@ impl GraphStore {
         })
     }
 
-    /// The outbox in send order.
+    /// The outbox in send order; relayed by [`GraphStore::relay_outbox`] alone.
+    #[cfg(test)]
     pub fn outbox(&self) -> Result<Vec<OutboxEntry>> {
         Ok(self.store.outbox(CF_OUTBOX)?)
     }
 
     /// Drops relayed outbox entries.
+    #[cfg(test)]
     pub fn delete_outbox(&self, entries: &[OutboxEntry]) -> Result<()> {
         Ok(self.store.delete_outbox(CF_OUTBOX, entries)?)
     }

@@ -24,7 +24,7 @@ pub mod metrics;
 pub mod route;
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -134,6 +134,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let pipeline = Pipeline {
         marks: RefCell::new(marks),
         last_drained: Cell::new(false),
+        marked_taken: RefCell::default(),
         consumer,
         producer,
         acknowledged,
@@ -202,6 +203,8 @@ struct Pipeline {
     gather: Gather,
     /// How far each input partition is routed, not yet told ([`marks`]).
     marks: RefCell<PendingMarks>,
+    /// The input partitions marked through their committed offset since taken.
+    marked_taken: RefCell<HashSet<InputPartition>>,
     /// Whether the last batch sent was `drained` (its marks say so too: a receiver
     /// then closes its batch at once).
     last_drained: Cell<bool>,
@@ -261,6 +264,9 @@ impl Pipeline {
         // What was sent is delivered and committed before stopping; a failure or a
         // Kafka that does not answer leaves it to be replayed on the next start.
         if result.is_ok() {
+            if let Err(err) = self.send_pending_marks(&mut in_flight) {
+                tracing::warn!(error = %err, "sending the last marks; the next start marks its partitions");
+            }
             let deadline = Instant::now() + SHUTDOWN_GRACE;
             while !in_flight.is_empty() && Instant::now() < deadline {
                 self.settle(&mut in_flight, Some(Duration::from_millis(50)))?;
@@ -312,6 +318,34 @@ impl Pipeline {
             }
         }
         positions.retain(|key, _| holds(key));
+        drop(positions);
+        self.mark_taken(&assigned);
+    }
+
+    /// Marks each input partition newly held through its group's committed offset
+    /// ([`marks`]): a record below it never needs to wait for input after it.
+    fn mark_taken(&self, assigned: &TopicPartitionList) {
+        let mut marked = self.marked_taken.borrow_mut();
+        let held: HashSet<InputPartition> = assigned
+            .elements()
+            .iter()
+            .filter_map(|e| Some((self.inputs.iter().position(|name| name == e.topic())?, e.partition())))
+            .collect();
+        marked.retain(|at| held.contains(at));
+        if held.iter().all(|at| marked.contains(at)) {
+            return;
+        }
+        let Ok(committed) = self.consumer.committed(Duration::from_secs(1)) else { return };
+        let mut ends = Vec::new();
+        for element in committed.elements() {
+            let Some(input) = self.inputs.iter().position(|name| name == element.topic()) else { continue };
+            let at = (input, element.partition());
+            if let (false, Offset::Offset(next)) = (marked.contains(&at), element.offset()) {
+                ends.push((at, next));
+            }
+            marked.insert(at);
+        }
+        self.marks.borrow_mut().routed(&ends);
     }
 
     /// Routes a batch and hands its output to the producer. A batch that closed
@@ -342,6 +376,16 @@ impl Pipeline {
     /// Sends the marks that are due ([`marks`]), after every output routed before.
     fn send_marks(&self, in_flight: &mut InFlight) -> Result<()> {
         let due = self.marks.borrow_mut().due(Instant::now())?;
+        self.send_mark_records(due, in_flight)
+    }
+
+    /// Sends every pending mark, due or not.
+    fn send_pending_marks(&self, in_flight: &mut InFlight) -> Result<()> {
+        let pending = self.marks.borrow_mut().pending()?;
+        self.send_mark_records(pending, in_flight)
+    }
+
+    fn send_mark_records(&self, due: Vec<Outgoing>, in_flight: &mut InFlight) -> Result<()> {
         if due.is_empty() {
             return Ok(());
         }

@@ -6,7 +6,10 @@
 //! A mark goes after the outputs of the batches it covers, on the same gapless
 //! producer, so it never overtakes them; marks are sent at most every
 //! `ingester.marks_every_ms` (a round is one small record per shard) and whenever
-//! some are due while the input is idle, so the last batch before a pause is marked.
+//! some are due while the input is idle, so the last batch before a pause is marked;
+//! a stopping ingester sends what is pending. An ingester that takes a partition
+//! marks it through its group's committed offset: every record below was routed and
+//! acknowledged before, so before anything this one sends.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -52,7 +55,8 @@ impl PendingMarks {
         if self.every.is_none() {
             return;
         }
-        for &((input, partition), next) in ends {
+        // A partition read from its start has nothing to mark yet.
+        for &((input, partition), next) in ends.iter().filter(|(_, next)| *next > 0) {
             let stream = if input == INCREMENTS_INPUT { Source::INCREMENTS } else { Source::GRAPH };
             let through = self.routed.entry(Source { stream, partition: partition as u32 }).or_insert(next - 1);
             *through = (*through).max(next - 1);
@@ -62,7 +66,20 @@ impl PendingMarks {
     /// The mark records due at `now`, if any (then none are pending).
     pub fn due(&mut self, now: Instant) -> Result<Vec<Outgoing>> {
         let Some(every) = self.every else { return Ok(Vec::new()) };
-        if self.routed.is_empty() || self.last_sent.is_some_and(|at| now.duration_since(at) < every) {
+        if self.last_sent.is_some_and(|at| now.duration_since(at) < every) {
+            return Ok(Vec::new());
+        }
+        self.take(now)
+    }
+
+    /// Every pending mark record, due or not (a stopping ingester's last).
+    pub fn pending(&mut self) -> Result<Vec<Outgoing>> {
+        self.take(Instant::now())
+    }
+
+    /// The pending mark records, sent at `now`.
+    fn take(&mut self, now: Instant) -> Result<Vec<Outgoing>> {
+        if self.every.is_none() || self.routed.is_empty() {
             return Ok(Vec::new());
         }
         self.last_sent = Some(now);
@@ -111,7 +128,7 @@ mod tests {
         let start = Instant::now();
         assert!(marks.due(start).unwrap().is_empty(), "nothing routed");
         marks.routed(&[((0, 1), 10), ((1, 0), 4)]);
-        marks.routed(&[((0, 1), 8), ((0, 0), 3)]);
+        marks.routed(&[((0, 1), 8), ((0, 0), 3), ((0, 5), 0)]);
         let out = marks.due(start).unwrap();
         let increments = vec![
             (Source { stream: Source::INCREMENTS, partition: 0 }, Stamp::through(2)),
@@ -142,6 +159,21 @@ mod tests {
                 marks: vec![(Source { stream: Source::INCREMENTS, partition: 1 }, Stamp::through(11))]
             }
         );
+    }
+
+    #[test]
+    fn pending_marks_go_whether_due_or_not() {
+        let mut marks = PendingMarks::new(&TopicNames::new(""), 2, 60_000);
+        marks.routed(&[((0, 1), 10)]);
+        assert_eq!(marks.due(Instant::now()).unwrap().len(), 2);
+        marks.routed(&[((0, 1), 11)]);
+        assert!(marks.due(Instant::now()).unwrap().is_empty(), "not due for a minute");
+        let last = marks.pending().unwrap();
+        let want = ShardMessage::Marks {
+            marks: vec![(Source { stream: Source::INCREMENTS, partition: 1 }, Stamp::through(10))],
+        };
+        assert_eq!(last.iter().map(decode_shard).collect::<Vec<_>>(), vec![want.clone(), want]);
+        assert!(marks.pending().unwrap().is_empty());
     }
 
     #[test]

@@ -399,6 +399,7 @@ async fn entity_metrics(
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct GraphParams {
     direction: Option<String>,
     limit: Option<usize>,

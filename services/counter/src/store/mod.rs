@@ -34,7 +34,6 @@ use tally_core::keys::{decode_count_key, Counts, ALL_TIME_WIDTH};
 use tally_core::time::Resolutions;
 use tally_shared::dedupe::DedupeWindow;
 use tally_shared::lock;
-use tally_shared::outbox::OutboxEntry;
 use tally_shared::progress::Progress;
 use tally_shared::store::{Durability, Store};
 
@@ -279,13 +278,16 @@ impl ShardStore {
         lock::lock(&self.operands, "a shard's operand tally")
     }
 
-    /// The outbox in send order (by source offset, then target shard).
-    pub fn outbox(&self) -> Result<Vec<OutboxEntry>> {
+    /// The outbox in send order (by source offset, then target shard); relayed
+    /// by [`ShardStore::relay_outbox`] alone.
+    #[cfg(test)]
+    pub fn outbox(&self) -> Result<Vec<tally_shared::outbox::OutboxEntry>> {
         Ok(self.store.outbox(CF_OUTBOX)?)
     }
 
     /// Drops relayed outbox entries.
-    pub fn delete_outbox(&self, entries: &[OutboxEntry]) -> Result<()> {
+    #[cfg(test)]
+    pub fn delete_outbox(&self, entries: &[tally_shared::outbox::OutboxEntry]) -> Result<()> {
         Ok(self.store.delete_outbox(CF_OUTBOX, entries)?)
     }
 
