@@ -73,6 +73,36 @@ pub fn balanced<'a>(members: &'a [Member], queue: &str, count: u32) -> Vec<Optio
     owners
 }
 
+/// Each partition's standbys among `members`, up to `replicas` of them, in order:
+/// the first is the member [`balanced`] gives the partition once its owner is
+/// gone, the second the one it gives once the owner and the first are gone, and
+/// so on. So standbys are spread by the same balanced assignment, never on the
+/// owner, and when one member leaves each of its partitions goes to its first
+/// standby. Every member computes the same answer from the same members.
+pub fn standbys<'a>(members: &'a [Member], queue: &str, count: u32, replicas: usize) -> Vec<Vec<&'a Member>> {
+    let owners = balanced(members, queue, count);
+    let mut chains: Vec<Vec<&Member>> = owners.iter().map(|owner| owner.iter().copied().collect()).collect();
+    for _ in 0..replicas.min(members.len().saturating_sub(1)) {
+        // Partitions whose chains exclude the same members share one assignment.
+        let mut by_excluded: BTreeMap<Vec<&str>, Vec<usize>> = BTreeMap::new();
+        for (partition, chain) in chains.iter().enumerate() {
+            let mut excluded: Vec<&str> = chain.iter().map(|m| m.instance.as_str()).collect();
+            excluded.sort_unstable();
+            by_excluded.entry(excluded).or_default().push(partition);
+        }
+        for (excluded, partitions) in by_excluded {
+            let rest: Vec<Member> =
+                members.iter().filter(|m| !excluded.contains(&m.instance.as_str())).cloned().collect();
+            let next = balanced(&rest, queue, count);
+            for partition in partitions {
+                let found = next[partition].and_then(|m| members.iter().find(|member| member.instance == m.instance));
+                chains[partition].extend(found);
+            }
+        }
+    }
+    chains.into_iter().map(|chain| chain.into_iter().skip(1).collect()).collect()
+}
+
 /// Every partition of every queue (`queue` → partition count) `instance` owns.
 pub fn owned_by(members: &[Member], queues: &BTreeMap<String, i32>, instance: &str) -> Vec<(String, i32)> {
     queues
@@ -134,6 +164,37 @@ mod tests {
                 // does not divide evenly shift: up to about half the members' (a scan
                 // of 40 sets of pod names, 2-8 members, 1-64 shards: at most n/2).
                 prop_assert!(moved <= count as usize / n + n / 2, "{} moved besides the leaver's", moved);
+            }
+        }
+    }
+
+    proptest! {
+        /// Standbys: as many as asked (or as there are other members), all distinct
+        /// and never the owner; when the owner leaves, the partition goes to its first
+        /// standby.
+        #[test]
+        fn standbys_are_where_owners_go(n in 1usize..8, gone in 0usize..8, count in 1u32..40, replicas in 0usize..3) {
+            let all = members(n);
+            let owners = balanced(&all, "s", count);
+            let chains = standbys(&all, "s", count, replicas);
+            prop_assert_eq!(chains.len(), count as usize);
+            for (p, chain) in chains.iter().enumerate() {
+                prop_assert_eq!(chain.len(), replicas.min(n - 1));
+                let mut names: Vec<&str> = chain.iter().map(|m| m.instance.as_str()).collect();
+                names.push(owners[p].unwrap().instance.as_str());
+                names.sort_unstable();
+                names.dedup();
+                prop_assert_eq!(names.len(), chain.len() + 1, "partition {}: {:?}", p, chain);
+            }
+            if n > 1 && replicas > 0 {
+                let gone = &all[gone % n];
+                let rest: Vec<Member> = all.iter().filter(|m| *m != gone).cloned().collect();
+                let after = balanced(&rest, "s", count);
+                for p in 0..count as usize {
+                    if owners[p] == Some(gone) {
+                        prop_assert_eq!(after[p].map(|m| &m.instance), Some(&chains[p][0].instance));
+                    }
+                }
             }
         }
     }
