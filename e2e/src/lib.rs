@@ -2,6 +2,7 @@
 //! its own topic prefix, the real service binaries as child processes, and helpers
 //! to produce input, kill and restart services, read topics and call the HTTP API.
 
+pub mod probes;
 pub mod s3;
 pub mod tls;
 pub mod workload;

@@ -8,7 +8,6 @@
 //! is read continuously, and a value below one already read would be a stale
 //! owner's answer.
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -16,80 +15,13 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
-use tally_core::sharding::shard_of;
 use tally_core::wire::Increment;
+use tally_e2e::probes::{probes, watch_probes};
 use tally_e2e::workload::{Record, Workload};
 use tally_e2e::{check, children, signal, Sandbox};
 
 const ROUNDS: usize = 20;
 const SHARDS: u32 = 8;
-
-/// Probe entities, at least one on every shard, that only ever grow.
-fn probes() -> Vec<String> {
-    let mut probes: Vec<String> = Vec::new();
-    let mut covered = std::collections::BTreeSet::new();
-    for k in 0.. {
-        let probe = format!("probe:{k}");
-        if covered.insert(shard_of(&probe, SHARDS)) {
-            probes.push(probe);
-        }
-        if covered.len() == SHARDS as usize {
-            break;
-        }
-    }
-    probes
-}
-
-/// Reads the probes' direct all-time counts until `stop`; every answer must be at
-/// least the value read before and at most what was produced. Returns the
-/// violations and how many reads answered.
-async fn watch_probes(
-    sandbox_url: String,
-    probes: Vec<String>,
-    produced: Arc<Mutex<i64>>,
-    stop: Arc<AtomicBool>,
-) -> (Vec<String>, usize) {
-    let client = reqwest::Client::new();
-    let queries: Vec<_> =
-        probes.iter().map(|p| json!({"entity": p, "metric": "hits", "window": "all", "kind": "direct"})).collect();
-    let mut seen: BTreeMap<String, i64> = BTreeMap::new();
-    let mut violations = Vec::new();
-    let mut answered = 0;
-    while !stop.load(Ordering::SeqCst) {
-        let response = client
-            .post(format!("{sandbox_url}/v1/query"))
-            .json(&json!({ "queries": queries }))
-            .timeout(Duration::from_secs(10))
-            .send()
-            .await;
-        if let Some(response) = response.ok().filter(|r| r.status() == 200) {
-            let body: serde_json::Value = response.json().await.unwrap_or_default();
-            // Counted before it is produced: read after the answer, it bounds it.
-            let ceiling = *produced.lock().unwrap();
-            let results = body["results"].as_array().cloned().unwrap_or_default();
-            if results.len() != probes.len() {
-                violations.push(format!("{} results for {} probes: {body}", results.len(), probes.len()));
-            }
-            answered += 1;
-            for (probe, result) in probes.iter().zip(results) {
-                let Some(value) = result["value"].as_i64() else {
-                    violations.push(format!("{probe}: no value in {result}"));
-                    continue;
-                };
-                let before = seen.entry(probe.clone()).or_insert(0);
-                if value < *before {
-                    violations.push(format!("{probe}: read {value} after {before} (a stale owner)"));
-                }
-                if value > ceiling {
-                    violations.push(format!("{probe}: read {value}, only {ceiling} produced"));
-                }
-                *before = (*before).max(value);
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(40)).await;
-    }
-    (violations, answered)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_counters_under_kill9_and_pauses_count_exactly_and_never_read_stale() {
@@ -105,7 +37,7 @@ async fn three_counters_under_kill9_and_pauses_count_exactly_and_never_read_stal
     }
 
     let workload = Workload::generate_mixed(90, 1_200, tally_shared::kafka::now_ms(), 0.2);
-    let probes = probes();
+    let probes = probes(SHARDS);
     let mut model = workload.model.clone();
     let produced = Arc::new(Mutex::new(0i64));
     let stop = Arc::new(AtomicBool::new(false));

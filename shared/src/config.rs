@@ -512,7 +512,15 @@ pub struct CounterConfig {
     /// A counter silent this long is gone and its shards move; a paused one stops
     /// serving a quarter of this before (its lease).
     pub member_timeout_ms: u64,
+    /// Standbys per shard (at most [`MAX_STANDBY_REPLICAS`]): other counters that
+    /// apply its log into their own stores, never read, so that when its owner goes
+    /// the first of them serves it without a restore (as many as there are other
+    /// counters; 0: none, a new owner restores and replays).
+    pub standby_replicas: u32,
 }
+
+/// The most standbys a shard may have.
+pub const MAX_STANDBY_REPLICAS: u32 = 4;
 
 impl CounterConfig {
     /// [`CounterConfig::fetch_wait_ms`].
@@ -589,6 +597,7 @@ impl Default for CounterConfig {
             instance: String::new(),
             heartbeat_ms: 500,
             member_timeout_ms: 5_000,
+            standby_replicas: 0,
         }
     }
 }
@@ -697,6 +706,9 @@ impl TallyConfig {
         }
         if config.counter.apply_threads == 0 {
             return Err(Error::Config("counter.apply_threads: must be at least 1".into()));
+        }
+        if config.counter.standby_replicas > MAX_STANDBY_REPLICAS {
+            return Err(Error::Config(format!("counter.standby_replicas: 0 to {MAX_STANDBY_REPLICAS}")));
         }
         if config.snapshots.orphan_grace_ms < 60_000 {
             return Err(Error::Config(format!(
@@ -911,6 +923,16 @@ mod tests {
         }
         let refused = threads(&[("TALLY__COUNTER__APPLY_THREADS", "0")]).unwrap_err().to_string();
         assert_eq!(refused, "config: counter.apply_threads: must be at least 1");
+    }
+
+    #[test]
+    fn standbys_are_none_unless_configured_and_bounded() {
+        let standbys =
+            |pairs: &[(&str, &str)]| TallyConfig::load_with_env(None, env(pairs)).map(|c| c.counter.standby_replicas);
+        assert_eq!(standbys(&[]).unwrap(), 0);
+        assert_eq!(standbys(&[("TALLY__COUNTER__STANDBY_REPLICAS", "1")]).unwrap(), 1);
+        let refused = standbys(&[("TALLY__COUNTER__STANDBY_REPLICAS", "5")]).unwrap_err().to_string();
+        assert_eq!(refused, "config: counter.standby_replicas: 0 to 4");
     }
 
     #[test]

@@ -22,18 +22,29 @@ pub trait Follow: Send + 'static {
     fn idle(&mut self, _client: &BaseConsumer) {}
 }
 
+/// How long a follower's fetch may wait at the broker for records when its lag is
+/// how long a failover takes (membership, shard claims): a broker that holds every
+/// fetch for the whole wait (the local one) delays a takeover by up to that much at
+/// each hop.
+pub const FAILOVER_FETCH_WAIT: Duration = Duration::from_millis(100);
+/// librdkafka's default, for followers nothing waits on (declarations, cancels).
+pub const BACKGROUND_FETCH_WAIT: Duration = Duration::from_millis(500);
+
 /// Reads partition 0 of `topic` from its beginning on a thread named `name` (its
-/// consumer group, which commits nothing, is `group`) until `shutdown`.
+/// consumer group, which commits nothing, is `group`; its fetches wait up to
+/// `fetch_wait` at the broker, unless `kafka.client` says) until `shutdown`.
+#[allow(clippy::too_many_arguments)]
 pub fn follow(
     kafka: &KafkaConfig,
     name: &str,
     group: &str,
     topic: &str,
     poll: Duration,
+    fetch_wait: Duration,
     shutdown: CancellationToken,
     mut handler: impl Follow,
 ) -> Result<JoinHandle<()>> {
-    let consumer = follower(kafka, group, topic)?;
+    let consumer = follower(kafka, group, topic, fetch_wait)?;
     let topic = topic.to_string();
     let thread = std::thread::Builder::new().name(name.into()).spawn(move || {
         while !shutdown.is_cancelled() {

@@ -245,10 +245,13 @@ pub async fn wait_for_topic(kafka: &KafkaConfig, topic: &str, timeout: Duration)
 
 /// A consumer of a one-partition internal topic from its beginning, assigned (no
 /// group membership): how services follow heartbeats, owners and declarations.
-pub fn follower(kafka: &KafkaConfig, group: &str, topic: &str) -> Result<BaseConsumer> {
+pub fn follower(kafka: &KafkaConfig, group: &str, topic: &str, fetch_wait: Duration) -> Result<BaseConsumer> {
     use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
     let mut config = client_config(kafka)?;
     config.set("group.id", group).set("enable.auto.commit", "false");
+    if !kafka.client.contains_key("fetch.wait.max.ms") {
+        config.set("fetch.wait.max.ms", fetch_wait.as_millis().to_string());
+    }
     let consumer: BaseConsumer = config.create()?;
     let mut assignment = TopicPartitionList::new();
     assignment.add_partition_offset(topic, 0, Offset::Beginning)?;

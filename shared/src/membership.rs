@@ -239,7 +239,8 @@ pub fn follow(
     shutdown: CancellationToken,
 ) -> Result<std::thread::JoinHandle<()>> {
     let group = format!("tally-{name}");
-    crate::follow::follow(kafka, name, &group, topic, Duration::from_millis(50), shutdown, Read(membership))
+    let (poll, wait) = (Duration::from_millis(50), crate::follow::FAILOVER_FETCH_WAIT);
+    crate::follow::follow(kafka, name, &group, topic, poll, wait, shutdown, Read(membership))
 }
 
 struct Read(Arc<Membership>);

@@ -36,6 +36,9 @@ pub enum ShardState {
     CatchingUp,
     /// Stopped by a failure until an operator acts.
     Failed,
+    /// Applying the log of a shard another counter owns, to take over without a
+    /// restore: never answering reads.
+    Standby,
 }
 
 /// `POST /internal/v1/positions` on a counter (its `shards`) or on the graph (no

@@ -233,6 +233,7 @@ tally.toml: |
   admin_listen = "0.0.0.0:9102"
   read_listen = "0.0.0.0:7000"
   data_dir = "/var/lib/tally/counter"
+  standby_replicas = {{ .Values.counter.standbyReplicas | default 0 | int64 }}
 
   [snapshots]
   {{- $snap := .Values.snapshots }}

@@ -38,7 +38,16 @@ pub fn load_and_follow(
     // twice (a cancellation replayed after its revocation would hold again).
     cancels.loaded_until = cancels.broker.cancels_read.load(Ordering::Acquire);
     let poll = Duration::from_millis(100);
-    Ok(tally_shared::follow::follow(kafka, "broker-cancels", "tally-broker-cancels", &topic, poll, shutdown, cancels)?)
+    Ok(tally_shared::follow::follow(
+        kafka,
+        "broker-cancels",
+        "tally-broker-cancels",
+        &topic,
+        poll,
+        tally_shared::follow::BACKGROUND_FETCH_WAIT,
+        shutdown,
+        cancels,
+    )?)
 }
 
 /// How long a fetched job's cancellation waits for the cancellations written

@@ -29,7 +29,16 @@ pub fn follow(
     let declared = Declared { broker, names, waiting: BTreeMap::new(), last_try: Instant::now() };
     let poll = Duration::from_millis(200);
     let group = "tally-broker-declarations";
-    Ok(tally_shared::follow::follow(kafka, "broker-declarations", group, &topic, poll, shutdown, declared)?)
+    Ok(tally_shared::follow::follow(
+        kafka,
+        "broker-declarations",
+        group,
+        &topic,
+        poll,
+        tally_shared::follow::BACKGROUND_FETCH_WAIT,
+        shutdown,
+        declared,
+    )?)
 }
 
 struct Declared {

@@ -10,6 +10,7 @@
 //! `--counters N` runs N counter processes that share the shards through the
 //! counters' membership (`counter-0` … with data in `counter-0/` …); one counter
 //! owns every shard statically on the local broker (on another Kafka, as configured).
+//! `--standbys K` gives each shard K standbys among them.
 
 use std::path::{Path, PathBuf};
 
@@ -30,11 +31,22 @@ pub struct UpArgs {
     /// to the others within seconds).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub counters: u32,
+    /// Standbys per shard (`counter.standby_replicas`): other counters keep a copy
+    /// applied, so a killed or paused owner's shards are served again without a
+    /// restore. Needs `--counters` 2 or more.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=4))]
+    pub standbys: Option<u32>,
 }
 
 const SERVICES: [&str; 4] = ["tally-ingester", "tally-graph", "tally-query", "tally-broker"];
 
 pub async fn run(mut config: TallyConfig, args: UpArgs) -> anyhow::Result<()> {
+    if let Some(standbys) = args.standbys {
+        config.counter.standby_replicas = standbys;
+    }
+    if config.counter.standby_replicas > 0 && args.counters < 2 {
+        anyhow::bail!("standbys need other counters to live on: run with --counters 2 or more");
+    }
     let shutdown = tally_shared::shutdown::on_signals();
     std::fs::create_dir_all(&args.data_dir).with_context(|| format!("creating {}", args.data_dir.display()))?;
     let data_dir = std::fs::canonicalize(&args.data_dir)?;

@@ -192,7 +192,7 @@ mod tests {
             })
             .collect();
         let shards = Shards::default();
-        shards.replace(stores, BTreeMap::new());
+        shards.replace(stores, Default::default(), BTreeMap::new());
         let mut returned = apply_batch(batch, late, &shards, &Metrics::new(&Registry::new()), true, (threads, |_| 0));
         returned.1.sort();
         let states = (0..SHARDS)

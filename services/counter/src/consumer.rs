@@ -44,7 +44,7 @@ use crate::metrics::Metrics;
 use crate::ownership::{Change, Ownership, Watched};
 use crate::relay::relay_outboxes;
 use crate::rollups::Rollups;
-use crate::shards::Shards;
+use crate::shards::{Roles, Shards};
 use crate::snapshots::{ShardSnapshots, SNAPSHOT_CHECK};
 use crate::store::{ShardStore, StoreOptions};
 
@@ -110,7 +110,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     let leave = CancellationToken::new();
     let ownership = match config.counter.static_assignment {
         true => {
-            let all: Vec<u32> = (0..shard_count).collect();
+            let all = Roles { owned: (0..shard_count).collect(), standby: Vec::new() };
             consumer.context().assign(&consumer, &all)?;
             None
         }
@@ -280,8 +280,8 @@ impl Processor<CounterContext> for Counter {
     }
 
     fn next_offsets(&self) -> Vec<(u32, i64)> {
-        let owned = self.shards.owned().into_iter();
-        owned.filter_map(|shard| Some((shard, self.shards.get(shard)?.next_offset()?))).collect()
+        let held = self.shards.stores().into_iter();
+        held.filter_map(|shard| Some((shard, self.shards.get(shard)?.next_offset()?))).collect()
     }
 
     fn apply(
@@ -387,12 +387,13 @@ impl Counter {
         if sample {
             self.freshness_sampled = std::time::Instant::now();
         }
-        for shard in self.shards.owned() {
+        let standbys = self.shards.standbys();
+        for shard in self.shards.stores() {
             let Some(store) = self.shards.get(shard) else { continue };
             if let Some(end) = tally_shared::kafka::cached_high_watermark(consumer, &self.topic, shard as i32) {
                 store.freshness.learned_end(end, now);
             }
-            if let Some(lag_ms) = store.freshness.as_of(now).lag_ms.filter(|_| sample) {
+            if let Some(lag_ms) = store.freshness.as_of(now).lag_ms.filter(|_| sample && !standbys.contains(&shard)) {
                 let seconds = lag_ms as f64 / 1000.0;
                 self.metrics.freshness_lag.with_label_values(&[&shard.to_string()]).observe(seconds);
             }
@@ -406,12 +407,16 @@ impl Counter {
         let context = consumer.context();
         let held = self.shards.held();
         let Some(ownership) = self.ownership.as_mut() else {
-            if heartbeat && held.len() < self.shard_count as usize {
-                context.assign(consumer, &(0..self.shard_count).collect::<Vec<_>>())?;
+            if heartbeat && held.owned.len() < self.shard_count as usize {
+                let every = Roles { owned: (0..self.shard_count).collect(), standby: Vec::new() };
+                context.assign(consumer, &every)?;
             }
             return Ok(());
         };
-        match ownership.change(consumer, &held, now_ms()) {
+        let serving = self.shards.serving();
+        let catching_up =
+            held.owned.iter().any(|shard| !serving.contains(shard) && !self.shards.failures.is_failed(*shard));
+        match ownership.change(consumer, &held, catching_up, now_ms()) {
             None => Ok(()),
             Some(Change::Own(wanted)) => {
                 tracing::info!(from = ?held, to = ?wanted, "ownership changed");
@@ -422,7 +427,7 @@ impl Counter {
                     shards = ?held,
                     "this counter's lease lapsed (paused, or cut off from Kafka, too long): dropping every shard, joining again"
                 );
-                context.assign(consumer, &[])?;
+                context.assign(consumer, &Roles::default())?;
                 // What it queued of the lapsed tenure is not sent: the shards' new
                 // owners publish newer values (a record already on the wire carries
                 // its older position, and consumers keep the newest).
@@ -449,7 +454,7 @@ impl Counter {
         if let Err(err) = relay_outboxes(&self.relay, &self.shards, &self.metrics) {
             tracing::warn!(error = %err, "relaying the outbox before stopping; the next owner sends it");
         }
-        for shard in self.shards.owned() {
+        for shard in self.shards.stores() {
             if let Some(Err(err)) = self.shards.get(shard).map(|store| store.persist()) {
                 tracing::warn!(shard, error = %err, "flushing the store before stopping; the next start replays the log");
             }

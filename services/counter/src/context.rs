@@ -4,7 +4,7 @@
 //! store's topic id checked, and its partition positioned at the store's next
 //! offset; the group's committed offsets are only advisory.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -20,7 +20,7 @@ use tally_shared::store_name::StoreName;
 
 use crate::error::Result;
 use crate::metrics::Metrics;
-use crate::shards::Shards;
+use crate::shards::{Roles, Shards};
 use crate::store::{ShardStore, StoreOptions};
 
 /// The context of the shard consumer ([`crate::consumer`]).
@@ -94,22 +94,36 @@ impl CounterContext {
         Ok(())
     }
 
-    /// Takes exactly the shards `wanted`: opens their stores, positions each at its
-    /// store's next offset, assigns them and publishes the new ownership. A store
-    /// that does not open (corrupt, or of another format) fails its shard, not the
-    /// process; a shard whose log end cannot be read now is left out (ownership
-    /// asks again).
-    pub(crate) fn assign(&self, consumer: &BaseConsumer<Self>, wanted: &[u32]) -> Result<()> {
+    /// Holds exactly the shards `wanted` (owned and standby): opens their stores,
+    /// positions each at its store's next offset, assigns them and publishes the
+    /// new ownership. A store that does not open (corrupt, or of another format)
+    /// fails its shard, not the process; a shard whose log end cannot be read now is
+    /// left out (ownership asks again).
+    pub(crate) fn assign(&self, consumer: &BaseConsumer<Self>, roles: &Roles) -> Result<()> {
         // Served in the assignment before (a shard that failed to open or to be
-        // checked was not: it is gated like a new one when it comes back).
+        // checked was not, nor a standby: it is gated like a new one when owned).
         let before = self.shards.owned();
+        let mut wanted: Vec<u32> = roles.owned.iter().chain(&roles.standby).copied().collect();
+        wanted.sort_unstable();
+        let wanted = &wanted;
         let committed = committed_offsets(consumer, &self.topic, wanted);
         let topic_id = tally_shared::topic_id::current(consumer.client(), &self.topic);
         let mut stores = HashMap::new();
         let mut failures = BTreeMap::new();
         let mut assigned = TopicPartitionList::new();
+        let standby_before = self.shards.standbys();
         for &shard in wanted {
             let partition = shard as i32;
+            // Owned before and still, or a standby before and still (or owned before
+            // and a standby now): the store goes on from where it is, unchecked again.
+            // A standby becoming the owner is checked and caught up like a new shard.
+            let kept = before.contains(&shard) || (standby_before.contains(&shard) && roles.standby.contains(&shard));
+            if let Some(store) = self.shards.get(shard).filter(|_| kept) {
+                let offset = store.next_offset().map_or(Offset::Beginning, Offset::Offset);
+                assigned.add_partition_offset(&self.topic, partition, offset)?;
+                stores.insert(shard, store);
+                continue;
+            }
             let (start, end) = match consumer.fetch_watermarks(&self.topic, partition, Duration::from_secs(10)) {
                 Ok(watermarks) => watermarks,
                 Err(err) => {
@@ -174,8 +188,10 @@ impl CounterContext {
         // librdkafka keeps a partition paused across assignments; a shard that
         // failed before comes back unpaused (and fails again if its record does).
         consumer.resume(&assigned)?;
-        tracing::info!(shards = ?stores.keys().collect::<std::collections::BTreeSet<_>>(), "shards assigned");
-        self.shards.replace(stores, failures);
+        let standby: BTreeSet<u32> = roles.standby.iter().copied().collect();
+        let owned: BTreeSet<&u32> = stores.keys().filter(|shard| !standby.contains(shard)).collect();
+        tracing::info!(shards = ?owned, standbys = ?standby, "shards assigned");
+        self.shards.replace(stores, standby, failures);
         Ok(())
     }
 }

@@ -49,7 +49,7 @@ pub fn due_for_persist(last_persists: &[Instant], now: Instant, heartbeat: Durat
 /// fails is logged and counted: its commits stay in memory and a crash replays them
 /// from the log.
 fn flush_due_stores(shards: &Shards, metrics: &Metrics, now: Instant, heartbeat: Duration) -> usize {
-    let stores: Vec<_> = shards.owned().into_iter().filter_map(|shard| shards.get(shard)).collect();
+    let stores: Vec<_> = shards.stores().into_iter().filter_map(|shard| shards.get(shard)).collect();
     let last_persists: Vec<Instant> = stores.iter().map(|store| store.last_persist()).collect();
     let mut flushed = 0;
     for index in due_for_persist(&last_persists, now, heartbeat) {
@@ -123,7 +123,7 @@ mod tests {
             })
             .collect();
         let shards = Arc::new(Shards::default());
-        shards.replace(stores, BTreeMap::new());
+        shards.replace(stores, Default::default(), BTreeMap::new());
         shards
     }
 
@@ -139,7 +139,7 @@ mod tests {
         let round = |at: Instant| flush_due_stores(&shards, &metrics, at, heartbeat);
         assert_eq!(round(opened + PERSIST_EVERY / 2), 0, "none due yet");
         let waiting =
-            |shards: &Shards| shards.owned().iter().filter(|&&s| unflushed(&shards.get(s).unwrap()) > 0).count();
+            |shards: &Shards| shards.stores().iter().filter(|&&s| unflushed(&shards.get(s).unwrap()) > 0).count();
         assert_eq!(waiting(&shards), 12);
         // Twelve stores, six rounds per interval: two a round.
         assert_eq!(round(opened + PERSIST_EVERY + heartbeat), 2);
@@ -162,13 +162,13 @@ mod tests {
         let thread =
             spawn_with_clock(shards.clone(), metrics, Duration::from_millis(10), shutdown.clone(), ahead).unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
-        let all_flushed = || shards.owned().iter().all(|&shard| unflushed(&shards.get(shard).unwrap()) == 0);
+        let all_flushed = || shards.stores().iter().all(|&shard| unflushed(&shards.get(shard).unwrap()) == 0);
         while !all_flushed() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
         shutdown.cancel();
         thread.join().unwrap();
-        let left: Vec<u64> = shards.owned().iter().map(|&shard| unflushed(&shards.get(shard).unwrap())).collect();
+        let left: Vec<u64> = shards.stores().iter().map(|&shard| unflushed(&shards.get(shard).unwrap())).collect();
         assert_eq!(left, vec![0, 0, 0], "entries left in each store's memtable");
     }
 

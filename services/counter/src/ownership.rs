@@ -13,6 +13,10 @@
 //!   and then its lease has ended (the module docs of `membership` say why). So
 //!   the log end the new owner catches up with before serving holds everything the
 //!   previous owner ever served: reads never go back in time across a move.
+//! - Standbys (`counter.standby_replicas`) are held at once: they serve nothing,
+//!   so they need no fencing. A shard to be taken is held as a standby while the
+//!   fencing checks run, so it is built meanwhile; one held as a standby already
+//!   (its owner went) is taken without waiting for [`SETTLE`].
 //! - A counter that sees another one use its name (two processes, one name) logs
 //!   it and names it in readiness; their newest heartbeats alternate, so neither
 //!   settles on an assignment until one is gone: give each counter its own name.
@@ -22,15 +26,16 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
-use tally_core::assignment::{balanced, Member};
+use tally_core::assignment::{balanced, standbys, Member};
 use tally_shared::claims::ClaimTable;
 use tally_shared::config::TallyConfig;
-use tally_shared::follow::follow;
+use tally_shared::follow::{follow, FAILOVER_FETCH_WAIT};
 use tally_shared::kafka::TopicNames;
 use tally_shared::membership::{self, Lease, Membership};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::Result;
+use crate::shards::Roles;
 
 /// Helper threads by name, watched by the consumer: one that ends before shutdown
 /// (a panic) stops the counter.
@@ -52,8 +57,12 @@ pub struct Ownership {
     pub shard_topic: String,
     pub shard_count: u32,
     pub timeout_ms: u64,
+    /// Standbys per shard.
+    pub standby_replicas: usize,
     /// The assignment last computed, and since when it is the same.
-    pending: Option<(Vec<u32>, i64)>,
+    pending: Option<(Roles, i64)>,
+    /// The live members this counter's roles were last computed for, and those.
+    computed: Option<(Vec<Member>, Roles)>,
     /// The name conflict last reported, not to repeat it every turn.
     conflict: Option<String>,
     /// When the topics' ends were last read for taking shards.
@@ -79,8 +88,8 @@ const TAKE_CHECK_PATIENCE_MS: i64 = 5_000;
 /// What the counter should do with its shards.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Change {
-    /// Own exactly these shards from now on.
-    Own(Vec<u32>),
+    /// Own exactly these shards, and hold these standbys, from now on.
+    Own(Roles),
     /// The lease lapsed: drop every shard, then start a new tenure.
     Lapsed,
 }
@@ -109,7 +118,16 @@ impl Ownership {
         let members = membership::follow(kafka, "counter-membership", &topic, membership.clone(), shutdown.clone())?;
         let (poll, group) = (Duration::from_millis(50), "tally-counter-claims");
         let read_claims = ClaimTable::follower(claims.clone());
-        let claimed = follow(kafka, "counter-claims", group, &claims_topic, poll, shutdown.clone(), read_claims)?;
+        let claimed = follow(
+            kafka,
+            "counter-claims",
+            group,
+            &claims_topic,
+            poll,
+            FAILOVER_FETCH_WAIT,
+            shutdown.clone(),
+            read_claims,
+        )?;
         let ownership = Self {
             membership,
             claims,
@@ -120,7 +138,9 @@ impl Ownership {
             shard_topic: names.shards(),
             shard_count,
             timeout_ms: config.counter.member_timeout_ms,
+            standby_replicas: config.counter.standby_replicas as usize,
             pending: None,
+            computed: None,
             conflict: None,
             last_take_check: 0,
             take_check: None,
@@ -129,11 +149,14 @@ impl Ownership {
         Ok((ownership, vec![("heartbeat", beats), ("membership", members), ("claims", claimed)]))
     }
 
-    /// The change to make now to the shards `owned`, if any.
+    /// The change to make now to the shards `held`, if any; `catching_up` while an
+    /// owned shard is not served yet (new standbys wait for it: opening one may
+    /// restore a snapshot in the loop that shard needs).
     pub fn change<C: ConsumerContext>(
         &mut self,
         consumer: &BaseConsumer<C>,
-        owned: &[u32],
+        held: &Roles,
+        catching_up: bool,
         now: i64,
     ) -> Option<Change> {
         if self.lease.lapsed(now) {
@@ -141,7 +164,7 @@ impl Ownership {
             return Some(Change::Lapsed);
         }
         let live = self.membership.live(now, self.timeout_ms);
-        let wanted: Vec<u32> = match live.iter().find(|m| m.instance == self.me.instance) {
+        let wanted: Roles = match live.iter().find(|m| m.instance == self.me.instance) {
             // Not seen yet (just started, or a new tenure): nothing to decide.
             None => return None,
             // The last heartbeats of a previous process of this name (restarted
@@ -160,7 +183,7 @@ impl Ownership {
                     );
                     self.conflict = Some(seen.addr.clone());
                 }
-                Vec::new()
+                Roles::default()
             }
             Some(_) => self.assigned(&live),
         };
@@ -171,11 +194,20 @@ impl Ownership {
                 return None;
             }
         };
-        if wanted == owned || now - since < SETTLE.as_millis() as i64 {
+        // A standby taking over its shard (its owner went) does not wait to settle.
+        let taking = || wanted.owned.iter().filter(|shard| !held.owned.contains(shard));
+        let promotions_only = taking().next().is_some() && taking().all(|shard| held.standby.contains(shard));
+        if wanted == *held || (now - since < SETTLE.as_millis() as i64 && !promotions_only) {
             return None;
         }
-        let kept: Vec<u32> = wanted.iter().copied().filter(|shard| owned.contains(shard)).collect();
-        if kept.len() == wanted.len() {
+        let kept: Vec<u32> = wanted.owned.iter().copied().filter(|shard| held.owned.contains(shard)).collect();
+        if kept.len() == wanted.owned.len() {
+            let opening =
+                wanted.standby.iter().any(|shard| !held.standby.contains(shard) && !held.owned.contains(shard));
+            if opening && catching_up {
+                // Dropping shards waits too: nothing is lost by holding a store longer.
+                return None;
+            }
             return Some(Change::Own(wanted));
         }
         // Taking shards. First the ends of the membership and the claims are read
@@ -183,8 +215,9 @@ impl Ownership {
         // read that far, liveness *as of then* decides — every heartbeat
         // acknowledged before then is in that view, so a member it finds gone had
         // its lease end a margin before — and a shard is taken only if no counter
-        // alive then claims it.
-        let drop_only = (kept.len() < owned.len()).then_some(Change::Own(kept));
+        // alive then claims it. Meanwhile the shards to take are held as standbys.
+        let meanwhile = self.holding(kept, &wanted, held, promotions_only);
+        let unchanged = (meanwhile != *held).then_some(Change::Own(meanwhile));
         let check = match self.take_check {
             Some(check) if now - check.at < TAKE_CHECK_PATIENCE_MS => check,
             _ => {
@@ -192,30 +225,45 @@ impl Ownership {
                     self.last_take_check = now;
                     self.take_check = self.read_ends(consumer, now);
                 }
-                return drop_only;
+                return unchanged;
             }
         };
         let members_read = self.membership.caught_up(check.members_end);
         if !members_read || self.claims.read_to() < check.claims_end {
-            return drop_only;
+            return unchanged;
         }
         self.take_check = None;
         let live = self.membership.live(check.at, self.timeout_ms);
         if !live.iter().any(|m| m.instance == self.me.instance) || self.assigned(&live) != wanted {
             self.pending = None;
-            return drop_only;
+            return unchanged;
         }
         let others: Vec<&str> =
             live.iter().filter(|m| m.instance != self.me.instance).map(|m| m.addr.as_str()).collect();
         let taken: Vec<u32> = wanted
+            .owned
             .iter()
             .copied()
             .filter(|shard| {
-                owned.contains(shard)
+                held.owned.contains(shard)
                     || self.claims.claimed_by(*shard).is_none_or(|addr| !others.contains(&addr.as_str()))
             })
             .collect();
-        (taken != owned).then_some(Change::Own(taken))
+        let roles = self.holding(taken, &wanted, held, promotions_only);
+        (roles != *held).then_some(Change::Own(roles))
+    }
+
+    /// `owned`, and as standbys `wanted`'s and the shards it owns not yet in
+    /// `owned`. But while standbys take over (`promoting`), no store is opened: only
+    /// standbys `held` already stay, and new ones come with the next change.
+    fn holding(&self, owned: Vec<u32>, wanted: &Roles, held: &Roles, promoting: bool) -> Roles {
+        let waiting = wanted.owned.iter().copied().filter(|shard| !owned.contains(shard));
+        let mut standby: Vec<u32> = wanted.standby.iter().copied().chain(waiting).collect();
+        if promoting {
+            standby.retain(|shard| held.standby.contains(shard));
+        }
+        standby.sort_unstable();
+        Roles { owned, standby }
     }
 
     /// The name conflict, if one was seen and the other counter is still alive.
@@ -225,13 +273,24 @@ impl Ownership {
         })
     }
 
-    /// The shards balanced rendezvous hashing gives this counter among `live`.
-    fn assigned(&mut self, live: &[Member]) -> Vec<u32> {
+    /// The shards balanced rendezvous hashing gives this counter among `live`, and
+    /// those it is a standby of (computed again only when `live` changes).
+    fn assigned(&mut self, live: &[Member]) -> Roles {
         self.conflict = None;
+        if let Some((members, roles)) = &self.computed {
+            if members == live {
+                return roles.clone();
+            }
+        }
+        let me = |member: &&Member| member.instance == self.me.instance;
         let owners = balanced(live, &self.shard_topic, self.shard_count);
-        (0..self.shard_count)
-            .filter(|&shard| owners[shard as usize].is_some_and(|m| m.instance == self.me.instance))
-            .collect()
+        let chains = standbys(live, &self.shard_topic, self.shard_count, self.standby_replicas);
+        let roles = Roles {
+            owned: (0..self.shard_count).filter(|&shard| owners[shard as usize].as_ref().is_some_and(me)).collect(),
+            standby: (0..self.shard_count).filter(|&shard| chains[shard as usize].iter().any(me)).collect(),
+        };
+        self.computed = Some((live.to_vec(), roles.clone()));
+        roles
     }
 
     /// The ends of the membership and the claims as of `now`.
@@ -259,7 +318,7 @@ mod tests {
             membership.record(Heartbeat::new(name.into(), format!("{name}:1"), 1_000, false));
         }
         let live = membership.live(2_000, 5_000);
-        let mut all = Vec::new();
+        let (mut all, mut standbys) = (Vec::new(), Vec::new());
         for name in ["a", "b", "c"] {
             let me = Member { instance: name.into(), addr: format!("{name}:1") };
             let mut ownership = Ownership {
@@ -272,17 +331,23 @@ mod tests {
                 shard_topic: "s".into(),
                 shard_count: 8,
                 timeout_ms: 5_000,
+                standby_replicas: 1,
                 pending: None,
+                computed: None,
                 conflict: None,
                 last_take_check: 0,
                 take_check: None,
                 started_ms: 0,
             };
-            let shards = ownership.assigned(&live);
-            assert!((2..=3).contains(&shards.len()), "{name} owns {shards:?} of 8");
-            all.extend(shards);
+            let roles = ownership.assigned(&live);
+            assert!((2..=3).contains(&roles.owned.len()), "{name} owns {roles:?} of 8");
+            assert!(roles.standby.iter().all(|shard| !roles.owned.contains(shard)), "{name}: {roles:?}");
+            all.extend(roles.owned);
+            standbys.extend(roles.standby);
         }
         all.sort();
         assert_eq!(all, (0..8).collect::<Vec<_>>());
+        standbys.sort();
+        assert_eq!(standbys, (0..8).collect::<Vec<_>>(), "one standby each");
     }
 }

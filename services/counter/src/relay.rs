@@ -14,7 +14,7 @@ use crate::shards::Shards;
 pub fn relay_outboxes(relay: &Relay, shards: &Shards, metrics: &Metrics) -> Result<u64> {
     let mut relayed = 0;
     let mut first_error = None;
-    for shard in shards.owned() {
+    for shard in shards.stores() {
         let Some(store) = shards.get(shard) else { continue };
         match store.relay_outbox(relay) {
             Ok(count) => relayed += count,

@@ -3,12 +3,18 @@
 //! have caught up: a shard rebuilt from the log is not announced, read or rolled
 //! up before it holds everything the log held when it was assigned).
 //!
+//! A counter also holds **standbys** (`counter.standby_replicas`): stores of shards
+//! other counters own, applied from the log like owned ones (and relaying their
+//! outboxes: the stamps make the copies harmless) but never read, announced,
+//! rolled up or snapshotted. When the owner goes, the first standby takes the
+//! shard without a restore: it only catches up with the log's end.
+//!
 //! A shard that failed — a record it cannot decode, a corrupt value, a broken
 //! invariant — stays owned but stops: it applies nothing more, its reads answer
 //! `shard_failed`, readiness names it, and the other shards go on. An operator moves
 //! past a failed record with `tally shards skip` ([`tally_shared::failures`]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
@@ -25,11 +31,11 @@ use crate::store::ShardStore;
 
 /// The owned shards, shared by every thread of the counter.
 ///
-/// **Lock order.** `owned` before `lags`; the failure board's lock is taken after
-/// `owned` (read) or alone, never the other way round. No shard store's lock is
-/// taken while `owned` is held for writing ([`ShardStore`] has its own order).
+/// **Lock order.** `stores` before `lags`; the failure board's lock is taken after
+/// `stores` (read) or alone, never the other way round. No shard store's lock is
+/// taken while `stores` is held for writing ([`ShardStore`] has its own order).
 pub struct Shards {
-    owned: RwLock<HashMap<u32, Arc<ShardStore>>>,
+    stores: RwLock<Held>,
     /// Operators' requests to snapshot every serving shard now.
     pub snapshot_requests: Arc<SnapshotRequests>,
     /// Failed shards and the skips operators asked for.
@@ -48,8 +54,15 @@ pub struct Shards {
     pub changed: tokio::sync::Notify,
 }
 
+/// Every held store, owned or standby, and which of them are standbys.
+#[derive(Default)]
+struct Held {
+    stores: HashMap<u32, Arc<ShardStore>>,
+    standby: BTreeSet<u32>,
+}
+
 /// What the two locks guard, for [`lock::poisoned`].
-const OWNED: &str = "the counter's owned shards";
+const STORES: &str = "the counter's shard stores";
 const LAGS: &str = "the counter's shard lags";
 
 impl Default for Shards {
@@ -62,7 +75,7 @@ impl Default for Shards {
 impl Shards {
     pub fn new(lease: Arc<Lease>) -> Self {
         Self {
-            owned: RwLock::default(),
+            stores: RwLock::default(),
             snapshot_requests: Arc::default(),
             failures: Arc::new(FailureBoard::new(|shard| format!("shard {shard}"))),
             lease,
@@ -80,8 +93,9 @@ impl Shards {
     /// What this counter holds and how fresh it is: every held shard's state and
     /// last measured lag (`GET /internal/v1/status`, the dashboard's freshness).
     pub fn status(&self) -> Vec<ShardStatus> {
-        let (serving, held) = (self.serving(), self.held());
-        // Before the lags: `owned` comes first in the lock order.
+        let (serving, held, standbys) = (self.serving(), self.held(), self.standbys());
+        let held: BTreeSet<u32> = held.owned.into_iter().chain(standbys.iter().copied()).collect();
+        // Before the lags: `stores` comes first in the lock order.
         let now = now_ms();
         let as_of: HashMap<u32, AsOf> =
             held.iter().filter_map(|&shard| Some((shard, self.get(shard)?.freshness.as_of(now)))).collect();
@@ -90,6 +104,8 @@ impl Shards {
             .map(|shard| {
                 let state = if self.failures.is_failed(shard) {
                     ShardState::Failed
+                } else if standbys.contains(&shard) {
+                    ShardState::Standby
                 } else if serving.contains(&shard) {
                     ShardState::Serving
                 } else {
@@ -109,19 +125,37 @@ impl Shards {
             .collect()
     }
 
+    /// The store of a held shard, owned or standby.
     pub fn get(&self, shard: u32) -> Option<Arc<ShardStore>> {
-        lock::read(&self.owned, OWNED).get(&shard).cloned()
+        lock::read(&self.stores, STORES).stores.get(&shard).cloned()
     }
 
-    pub fn owned(&self) -> Vec<u32> {
-        let mut shards: Vec<u32> = lock::read(&self.owned, OWNED).keys().copied().collect();
+    /// Every shard whose store is held, owned or standby: what the consumer applies,
+    /// relays and flushes.
+    pub fn stores(&self) -> Vec<u32> {
+        let mut shards: Vec<u32> = lock::read(&self.stores, STORES).stores.keys().copied().collect();
         shards.sort_unstable();
         shards
     }
 
+    /// The shards owned (with a store): the held ones that are no standbys.
+    pub fn owned(&self) -> Vec<u32> {
+        let held = lock::read(&self.stores, STORES);
+        let mut shards: Vec<u32> = held.stores.keys().copied().filter(|shard| !held.standby.contains(shard)).collect();
+        shards.sort_unstable();
+        shards
+    }
+
+    /// The shards held as standbys (whether their store opened or failed).
+    pub fn standbys(&self) -> BTreeSet<u32> {
+        lock::read(&self.stores, STORES).standby.clone()
+    }
+
     /// The store of `shard` if it is served now: see [`Shards::serving`].
     pub fn served(&self, shard: u32) -> Option<Arc<ShardStore>> {
-        self.get(shard).filter(|store| store.serving() && self.lease.valid(now_ms()))
+        let held = lock::read(&self.stores, STORES);
+        let store = held.stores.get(&shard).filter(|_| !held.standby.contains(&shard))?;
+        (store.serving() && self.lease.valid(now_ms())).then(|| store.clone())
     }
 
     /// The owned shards that have not failed and whose store has caught up with
@@ -131,9 +165,11 @@ impl Shards {
         if !self.lease.valid(now_ms()) {
             return Vec::new();
         }
-        let mut shards: Vec<u32> = lock::read(&self.owned, OWNED)
-            .iter()
-            .filter(|(shard, store)| store.serving() && !self.failures.is_failed(**shard))
+        let held = lock::read(&self.stores, STORES);
+        let mut shards: Vec<u32> = (held.stores.iter())
+            .filter(|(shard, store)| {
+                store.serving() && !held.standby.contains(shard) && !self.failures.is_failed(**shard)
+            })
             .map(|(shard, _)| *shard)
             .collect();
         shards.sort_unstable();
@@ -141,23 +177,26 @@ impl Shards {
     }
 
     /// The shards last assigned: the owned ones and those that failed (also those
-    /// that failed to open) — what ownership compares with what it wants.
-    pub fn held(&self) -> Vec<u32> {
-        let mut shards = self.owned();
-        shards.extend(self.failures.failed());
-        shards.sort_unstable();
-        shards.dedup();
-        shards
+    /// that failed to open), and the standbys — what ownership compares with what
+    /// it wants.
+    pub fn held(&self) -> Roles {
+        let standby = self.standbys();
+        let mut owned = self.owned();
+        owned.extend(self.failures.failed().into_iter().filter(|shard| !standby.contains(shard)));
+        owned.sort_unstable();
+        owned.dedup();
+        Roles { owned, standby: standby.into_iter().collect() }
     }
 
     /// The shards announced as this process's: the serving ones and the failed
-    /// ones (whose reads must reach this process to learn they failed).
+    /// owned ones (whose reads must reach this process to learn they failed).
     pub fn announced(&self) -> Vec<u32> {
         if !self.lease.valid(now_ms()) {
             return Vec::new();
         }
+        let standbys = self.standbys();
         let mut shards = self.serving();
-        shards.extend(self.failures.failed());
+        shards.extend(self.failures.failed().into_iter().filter(|shard| !standbys.contains(shard)));
         shards.sort_unstable();
         shards.dedup();
         shards
@@ -167,18 +206,32 @@ impl Shards {
         self.epoch.load(Ordering::SeqCst)
     }
 
-    /// A new assignment: `stores` are owned, `failures` those that failed to open.
-    /// Failures of before are forgotten: a record that failed fails again.
-    pub(crate) fn replace(&self, stores: HashMap<u32, Arc<ShardStore>>, failures: BTreeMap<u32, Failure>) {
+    /// A new assignment: `stores` are held (those in `standby` as standbys, the
+    /// others owned), `failures` those that failed to open. Failures of before are
+    /// forgotten: a record that failed fails again.
+    pub(crate) fn replace(
+        &self,
+        stores: HashMap<u32, Arc<ShardStore>>,
+        standby: BTreeSet<u32>,
+        failures: BTreeMap<u32, Failure>,
+    ) {
         {
             // A lag measured in an earlier tenure says nothing of a shard taken again.
-            let mut owned = lock::write(&self.owned, OWNED);
-            lock::write(&self.lags, LAGS).retain(|shard, _| owned.contains_key(shard) && stores.contains_key(shard));
-            *owned = stores;
+            let mut held = lock::write(&self.stores, STORES);
+            lock::write(&self.lags, LAGS)
+                .retain(|shard, _| held.stores.contains_key(shard) && stores.contains_key(shard));
+            *held = Held { stores, standby };
         }
         self.failures.reset(failures);
         self.epoch.fetch_add(1, Ordering::SeqCst);
     }
+}
+
+/// The shards a counter owns and those it holds as standbys (sorted, disjoint).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Roles {
+    pub owned: Vec<u32>,
+    pub standby: Vec<u32>,
 }
 
 /// Shards owning shard 0 only: a store in `dir` that applied `events` (entity,
@@ -207,6 +260,6 @@ pub(crate) fn one_shard_with(
     let record = crate::store::apply::ShardRecord { offset: 0, payload: &payload, timestamp: None };
     store.apply(&[record], now, rollups).unwrap();
     let shards = Arc::new(Shards::default());
-    shards.replace(HashMap::from([(0, Arc::new(store))]), BTreeMap::new());
+    shards.replace(HashMap::from([(0, Arc::new(store))]), BTreeSet::new(), BTreeMap::new());
     shards
 }

@@ -55,6 +55,7 @@ pub fn follow(
         &group,
         topic,
         Duration::from_millis(200),
+        tally_shared::follow::FAILOVER_FETCH_WAIT,
         shutdown,
         ClaimTable::follower(owners),
     )?)

@@ -85,8 +85,9 @@ pub async fn status(State(state): State<Arc<ApiState>>) -> Result<Response, ApiE
                 Some(ShardState::CatchingUp) => "catching_up",
                 Some(ShardState::Failed) => "failed",
                 None if answer.is_none() => "unreachable",
-                // Claimed by a counter that let go of it since: the claim is stale.
-                None => "unowned",
+                // Claimed by a counter that let go of it since (or keeps it as a
+                // standby now): the claim is stale.
+                None | Some(ShardState::Standby) => "unowned",
             };
             if let Some(held) = held {
                 (view.lag, view.lag_at_ms) = (held.lag, held.lag_at_ms);
