@@ -7,6 +7,7 @@ pub mod counter_apply;
 pub mod counter_graph;
 pub mod cpu;
 pub mod differential;
+pub mod failover;
 pub mod freshness;
 pub mod hierarchy;
 pub mod jobs;
@@ -43,6 +44,9 @@ enum Command {
     Read(pipeline::ReadBenchArgs),
     /// How soon a read shows an increment after it was sent, idle and under steady loads.
     Freshness(freshness::FreshnessBenchArgs),
+    /// Three counters under a steady load, one killed with -9: time until every shard it
+    /// owned answers a fresh read again, with a standby per shard and without.
+    Failover(failover::FailoverBenchArgs),
     /// A dequeue broker: dequeue latency, dequeue → ack round trips and jobs/s vs the raw consume rate.
     Jobs(jobs::JobsBenchArgs),
     /// What hierarchy costs: an edge add with many ancestors, increments with three levels of ancestors.
@@ -132,6 +136,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Ingest(args) => pipeline::ingest(config, args).await,
         Command::Read(args) => pipeline::read(config, args).await,
         Command::Freshness(args) => freshness::run(config, args).await,
+        Command::Failover(args) => failover::run(config, args).await,
         Command::Jobs(args) => jobs::run(config, args).await,
         Command::Parse { messages, per_message, rounds } => {
             println!("parse bench: {messages} messages of {per_message} increments (Zipf entities), {rounds} rounds each way, one thread");

@@ -350,7 +350,7 @@ impl Rig {
     }
 
     /// The current case's data directory (the counter's stores, its snapshots).
-    fn data_dir(&self) -> PathBuf {
+    pub(crate) fn data_dir(&self) -> PathBuf {
         self.scratch.path().join(&self.config.kafka.topic_prefix)
     }
 
@@ -384,11 +384,42 @@ impl Rig {
         self.spawn_with(name, |_| {})
     }
 
+    /// [`Rig::run`] of another instance of a counter, named `name`, its config
+    /// changed by `change`.
+    pub(crate) async fn run_counter(
+        &mut self,
+        name: &'static str,
+        admin_port: u16,
+        change: impl FnOnce(&mut TallyConfig),
+    ) -> anyhow::Result<()> {
+        self.spawn_as(name, "tally-counter", change)?;
+        self.ready(name, admin_port).await
+    }
+
+    /// `kill -9` of a started service (it stays dead).
+    pub(crate) async fn kill(&mut self, name: &str) -> anyhow::Result<()> {
+        while let Some(at) = self.children.iter().position(|(n, _)| *n == name) {
+            let (_, mut child) = self.children.remove(at);
+            child.kill().await.with_context(|| format!("killing {name}"))?;
+        }
+        Ok(())
+    }
+
     /// [`Rig::spawn`] with the service's config changed by `change`.
     fn spawn_with(&mut self, name: &'static str, change: impl FnOnce(&mut TallyConfig)) -> anyhow::Result<()> {
+        self.spawn_as(name, name, change)
+    }
+
+    /// [`Rig::spawn_with`] of `binary` as the instance `name`.
+    fn spawn_as(
+        &mut self,
+        name: &'static str,
+        binary: &str,
+        change: impl FnOnce(&mut TallyConfig),
+    ) -> anyhow::Result<()> {
         let mut config = self.service_config();
         change(&mut config);
-        let service = harness::Service::sibling(name, config)?;
+        let service = harness::Service { name: name.to_string(), ..harness::Service::sibling(binary, config)? };
         let child = Command::from(service.command(self.scratch.path())?)
             .kill_on_drop(true)
             .spawn()
@@ -430,8 +461,13 @@ impl Rig {
         Ok(())
     }
 
-    async fn stop_all(&mut self) -> anyhow::Result<()> {
+    /// Stops the ingester and tally-query, then the counters (any name).
+    pub(crate) async fn stop_all(&mut self) -> anyhow::Result<()> {
         for name in ["tally-ingester", "tally-query", "tally-counter"] {
+            self.stop(name).await?;
+        }
+        while let Some((name, _)) = self.children.first() {
+            let name = *name;
             self.stop(name).await?;
         }
         Ok(())

@@ -63,6 +63,39 @@ async fn owners(sandbox: &Sandbox, within: Duration) -> BTreeMap<u32, String> {
     }
 }
 
+/// A probe's direct all-time count read through tally-query with `params`, and
+/// who served it.
+async fn direct(sandbox: &Sandbox, probe: &str, params: &str) -> Result<(i64, String), String> {
+    let (status, body) = sandbox.get(&format!("/v1/counters/{}/hits?kind=direct{params}", encode(probe))).await;
+    match (status, body["value"].as_i64(), body["as_of"][0]["served_by"].as_str()) {
+        (200, Some(value), Some(by)) => Ok((value, by.to_string())),
+        _ => Err(format!("{probe}: {status} {body}")),
+    }
+}
+
+/// Reads `probe` allowing 5 s of staleness every 20 ms until its owner answers
+/// again: how many answers a standby gave. Each holds at least `before` (read
+/// before the kill: the standby had caught up) and at most what was produced.
+async fn stale_reads(sandbox: &Sandbox, probe: &str, before: i64, produced: &Mutex<i64>) -> Result<usize, String> {
+    let (mut by_standby, deadline) = (0, Instant::now() + FRESH_AGAIN_WITHIN);
+    while Instant::now() < deadline {
+        if let Ok((value, by)) = direct(sandbox, probe, "&max_staleness_ms=5000").await {
+            let ceiling = *produced.lock().unwrap();
+            if value < before || value > ceiling {
+                return Err(format!(
+                    "{probe} read {value} from the {by}: {before} before the kill, {ceiling} produced"
+                ));
+            }
+            match by.as_str() {
+                "standby" => by_standby += 1,
+                _ => return Ok(by_standby),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(by_standby)
+}
+
 /// What the counters logged of ownership, for a failure's message.
 fn takeovers(sandbox: &Sandbox) -> String {
     let said = ["ownership changed", "shards assigned", "announcing", "lease", "restored"];
@@ -205,6 +238,8 @@ async fn a_dead_owners_shards_are_served_by_their_standbys_within_seconds() {
         let lost: Vec<u32> = owners.iter().filter(|(_, owner)| **owner == addr).map(|(shard, _)| *shard).collect();
         let standbys = standbys(&owners).await;
         send(&sandbox, &mut model).await;
+        let probe = probes.iter().find(|probe| shard_of(probe, SHARDS) == lost[0]).expect("a probe per shard");
+        let before = direct(&sandbox, probe, "").await.expect("the probe read").0;
         sandbox.kill9(victim);
         let killed = Instant::now();
         victims.push(victim);
@@ -212,7 +247,8 @@ async fn a_dead_owners_shards_are_served_by_their_standbys_within_seconds() {
         let probing = futures::future::join_all(
             lost.iter().map(|shard| fresh_again(&sandbox, &producer, &fresh[shard], &written[shard], killed)),
         );
-        let (_, times) = tokio::join!(sending, probing);
+        let stale = stale_reads(&sandbox, probe, before, &produced);
+        let (_, times, stale) = tokio::join!(sending, probing, stale);
         let times: Vec<Duration> = times.into_iter().collect::<Result<_, _>>().unwrap_or_else(|err| panic!("{err}"));
         let slowest = times.iter().max().copied().unwrap_or_default();
         figures.push(format!("round {round}: {victim} owned {lost:?}; fresh again after {times:?}"));
@@ -221,6 +257,10 @@ async fn a_dead_owners_shards_are_served_by_their_standbys_within_seconds() {
             "{victim}'s shards {lost:?} were fresh again only after {times:?}:\n{}",
             takeovers(&sandbox)
         );
+        // Meanwhile reads allowing 5 s of staleness were answered by the standby.
+        let stale = stale.unwrap_or_else(|err| panic!("{err}"));
+        figures.push(format!("  reads allowing staleness answered by the standby {stale} times meanwhile"));
+        assert!(stale > 0, "no read allowing staleness was answered by a standby while {victim}'s shards moved");
         // Each was taken by the counter that held it as a standby.
         let after = crate::owners(&sandbox, Duration::from_secs(60)).await;
         let (took, held): (Vec<_>, Vec<_>) = lost.iter().map(|shard| (after.get(shard), standbys.get(shard))).unzip();

@@ -134,6 +134,14 @@ async fn every_internal_and_operator_route_answers_only_its_roles_token() {
             (200, None),
         ),
         route(
+            "counter standby read",
+            Method::POST,
+            format!("{counter}/internal/v1/standby-read"),
+            Some(json!({"now_ms": ts, "shards": []})),
+            &[Cluster],
+            (200, None),
+        ),
+        route(
             "counter read link",
             Method::GET,
             format!("{counter}{}", tally_shared::read_link::PATH),

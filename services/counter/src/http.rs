@@ -11,6 +11,9 @@
 //! `GET /internal/v1/status` lists the shards held and their lag (the dashboard's
 //! freshness); `POST /internal/v1/positions` how far each asked shard applied, relayed
 //! and took each input partition (what reads with a write token wait for).
+//! `POST /internal/v1/standby-read` is `/internal/v2/read` of the shards this
+//! counter holds as standbys (caught up once, lease valid): what tally-query falls
+//! back on for a read that allows staleness while an owner is silent.
 //! `POST /internal/v1/shards/{shard}/skip` is `tally shards skip`
 //! ([`tally_shared::failures`]), `POST /internal/v1/snapshots` is `tally snapshot`
 //! ([`snapshot_router`]).
@@ -52,6 +55,7 @@ pub struct ReadState {
 pub fn router(state: ReadState, auth: &AuthConfig) -> Router {
     let internal = Router::new()
         .route("/internal/v2/read", post(read))
+        .route("/internal/v1/standby-read", post(standby_read))
         .route(tally_shared::read_link::PATH, get(crate::read_link::open))
         .route("/internal/v1/metrics", post(metrics))
         .route("/internal/v1/status", get(status))
@@ -108,19 +112,37 @@ pub(crate) fn answers_inline(request: &ReadRequest) -> bool {
     queries.clone().count() <= INLINE_READS && queries.all(|q| matches!(q.spec, WindowSpec::All))
 }
 
+/// Which stores a read may answer from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Served {
+    /// Owned shards this counter serves.
+    Owned,
+    /// Shards this counter holds as standbys.
+    Standby,
+}
+
 /// Answers every shard of `request`, each from one snapshot of its store, with
 /// how fresh that store was.
-pub(crate) fn answer_read(state: &ReadState, request: ReadRequest) -> FreshReadResponse {
+pub(crate) fn answer_read(state: &ReadState, request: ReadRequest, from: Served) -> FreshReadResponse {
     let asked: usize = request.shards.iter().map(|shard| shard.queries.len()).sum();
     state.metrics.reads.inc_by(asked as u64);
     let now_ms = request.now_ms;
-    let (shards, as_of) = request.shards.into_iter().map(|shard| read_shard(state, shard, now_ms)).unzip();
+    let (shards, as_of) = request.shards.into_iter().map(|shard| read_shard(state, shard, now_ms, from)).unzip();
     FreshReadResponse { shards, as_of }
 }
 
 /// `POST /internal/v2/read`: the read link's messages as JSON, for a tally-query
 /// that does not use the link ([`crate::read_link`]).
 async fn read(State(state): State<ReadState>, body: axum::body::Bytes) -> Response {
+    read_from(state, body, Served::Owned).await
+}
+
+/// `POST /internal/v1/standby-read`: a read of standbys' stores.
+async fn standby_read(State(state): State<ReadState>, body: axum::body::Bytes) -> Response {
+    read_from(state, body, Served::Standby).await
+}
+
+async fn read_from(state: ReadState, body: axum::body::Bytes, from: Served) -> Response {
     // Parsed here rather than by axum's `Json` extractor, which tracks the path of
     // every field for its error messages (a fifth of this handler's time).
     let request: ReadRequest = match serde_json::from_slice(&body) {
@@ -128,9 +150,9 @@ async fn read(State(state): State<ReadState>, body: axum::body::Bytes) -> Respon
         Err(err) => return ApiError::new(StatusCode::BAD_REQUEST, "invalid_body", err.to_string()).into_response(),
     };
     if answers_inline(&request) {
-        return Json(answer_read(&state, request)).into_response();
+        return Json(answer_read(&state, request, from)).into_response();
     }
-    match tokio::task::spawn_blocking(move || answer_read(&state, request)).await {
+    match tokio::task::spawn_blocking(move || answer_read(&state, request, from)).await {
         Ok(response) => Json(response).into_response(),
         Err(err) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", err.to_string()).into_response(),
     }
@@ -143,12 +165,17 @@ fn read_shard(
     state: &ReadState,
     ShardQueries { shard, queries }: ShardQueries,
     now_ms: i64,
+    from: Served,
 ) -> (ShardOutcome, Option<ShardAsOf>) {
     let failures = &state.shards.failures;
     if let Some(failure) = failures.failure(shard) {
         return (ShardOutcome::Failed { message: failures.describe(shard, &failure) }, None);
     }
-    let Some(store) = state.shards.served(shard) else { return (ShardOutcome::NotOwner, None) };
+    let store = match from {
+        Served::Owned => state.shards.served(shard),
+        Served::Standby => state.shards.standby_served(shard),
+    };
+    let Some(store) = store else { return (ShardOutcome::NotOwner, None) };
     let as_of = store.freshness.as_of(tally_shared::kafka::now_ms());
     let as_of = ShardAsOf { applied: as_of.applied, lag_ms: as_of.lag_ms };
     match store.read(&queries, now_ms) {

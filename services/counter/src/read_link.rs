@@ -22,7 +22,7 @@ use tally_shared::read_link::{frame, read_frame, write_frames, MAX_REQUEST_BYTES
 use tokio::io::{AsyncRead, AsyncWrite, BufReader};
 use tokio::sync::mpsc;
 
-use crate::http::{answer_read, answers_inline, ReadState};
+use crate::http::{answer_read, answers_inline, ReadState, Served};
 
 /// `GET /internal/v1/read-link` with `Upgrade: tally-read-link.v1`: 101, then the
 /// link. Without that upgrade: 400 `invalid_upgrade`.
@@ -93,7 +93,7 @@ pub(crate) async fn serve<IO: AsyncRead + AsyncWrite + Send + 'static>(state: Re
             }
         };
         if answers_inline(&request) {
-            send(&frames, id, answer_read(&state, request), fresh);
+            send(&frames, id, answer_read(&state, request, Served::Owned), fresh);
             continue;
         }
         let permit = tokio::select! {
@@ -104,7 +104,7 @@ pub(crate) async fn serve<IO: AsyncRead + AsyncWrite + Send + 'static>(state: Re
             },
         };
         let (state, frames, shards) = (state.clone(), frames.clone(), request.shards.len());
-        let reading = tokio::task::spawn_blocking(move || answer_read(&state, request));
+        let reading = tokio::task::spawn_blocking(move || answer_read(&state, request, Served::Owned));
         tokio::spawn(async move {
             let response = reading.await.unwrap_or_else(|err| unavailable(shards, format!("the read failed: {err}")));
             send(&frames, id, response, fresh);

@@ -158,6 +158,15 @@ impl Shards {
         (store.serving() && self.lease.valid(now_ms())).then(|| store.clone())
     }
 
+    /// The store of `shard` if it is held as a standby that caught up with the log
+    /// once, while the lease holds: what a read allowing staleness may fall back on
+    /// while the owner is silent (its answer may be older than the owner's).
+    pub fn standby_served(&self, shard: u32) -> Option<Arc<ShardStore>> {
+        let held = lock::read(&self.stores, STORES);
+        let store = held.stores.get(&shard).filter(|_| held.standby.contains(&shard))?;
+        (store.serving() && self.lease.valid(now_ms())).then(|| store.clone())
+    }
+
     /// The owned shards that have not failed and whose store has caught up with
     /// the log (see [`ShardStore::serving`]), while the lease holds: the ones read
     /// and rolled up.

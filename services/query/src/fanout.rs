@@ -24,6 +24,14 @@ use crate::read_link::{LinkError, Links};
 use tally_shared::claims::{Claim, ClaimTable};
 
 const ATTEMPTS: usize = 4;
+/// How long a read that allows staleness waits for the owners before it asks the
+/// standbys too (a quarter of its bound when that is less).
+const HEDGE_MS: i64 = 200;
+
+/// The first shard of `answered` staler than `bound` (or of unknown staleness).
+fn fresh_within(answered: &Answered, bound: i64) -> Option<&AsOf> {
+    answered.as_of.iter().find(|as_of| as_of.lag_ms.is_none_or(|lag| lag > bound))
+}
 
 pub struct Fanout {
     pub owners: Arc<ClaimTable>,
@@ -41,6 +49,8 @@ pub struct Fanout {
     pub ends: Option<LogEnds>,
     /// `tally_query_token_wait_seconds`.
     pub token_waits: prometheus::HistogramVec,
+    /// Where the shards' standbys are ([`crate::standbys`]).
+    pub standbys: Arc<crate::standbys::Standbys>,
 }
 
 /// A read's answers, in the order asked, and how fresh each shard read was.
@@ -67,45 +77,90 @@ impl Fanout {
         max_staleness_ms: Option<i64>,
         after: Option<&After>,
     ) -> Result<Answered, ApiError> {
-        let Some(after) = after else { return self.read_fresh(queries, now_ms, max_staleness_ms).await };
+        let Some(after) = after else { return self.read_fresh(queries, now_ms, max_staleness_ms, true).await };
         let mut touches = Touches::default();
         for query in &queries {
             touches.add(self.shard_of(&query.entity), query.kind);
         }
         let mut reached = self.wait_after(after, &touches).await?;
-        let mut answered = self.read_fresh(queries, now_ms, max_staleness_ms).await?;
+        // Never from a standby: it may be behind what its owner served.
+        let mut answered = self.read_fresh(queries, now_ms, max_staleness_ms, false).await?;
         for as_of in &mut answered.as_of {
             as_of.through = reached.remove(&as_of.shard).unwrap_or_default();
         }
         Ok(answered)
     }
 
+    /// [`Fanout::read_all`] bounded by `max_staleness_ms`; falling back on the
+    /// shards' standbys while their owners are silent, when `from_standbys`.
     async fn read_fresh(
         &self,
         queries: Vec<ShardQuery>,
         now_ms: i64,
         max_staleness_ms: Option<i64>,
+        from_standbys: bool,
     ) -> Result<Answered, ApiError> {
         let Some(bound) = max_staleness_ms else { return self.read_all(queries, now_ms).await };
         let shards: std::collections::BTreeSet<u32> = queries.iter().map(|q| self.shard_of(&q.entity)).collect();
         let clock = tally_shared::kafka::now_ms();
+        let within = Duration::from_millis(bound.max(1) as u64);
+        // Standbys answer only when the owners do not, after a hedge (at once for an
+        // owner known silent): a standby may be behind its owner.
+        let standbys = from_standbys && self.standbys_for(&queries);
+        let mut hedge = Duration::from_millis((bound / 4).clamp(1, HEDGE_MS) as u64);
         for &shard in &shards {
             let silent = self.seen.stale_and_silent(shard, bound, clock);
             if let Some(staleness) = silent.filter(|staleness| *staleness > bound) {
-                return Err(too_stale(shard, Some(staleness), bound, "its owner has not answered since"));
+                if !standbys {
+                    return Err(too_stale(shard, Some(staleness), bound, "its owner has not answered since"));
+                }
+                hedge = Duration::ZERO;
             }
         }
-        let within = Duration::from_millis(bound.max(1) as u64);
-        let answered = match tokio::time::timeout(within, self.read_all(queries, now_ms)).await {
-            Ok(answered) => answered?,
-            Err(_) => {
-                // Only the shards that did not answer during this read.
-                let silent = self.seen.unanswered(shards.iter().copied(), clock, tally_shared::kafka::now_ms());
-                let shard = silent.first().or(shards.first()).copied().unwrap_or_default();
-                return Err(too_stale(shard, None, bound, "no answer within max_staleness_ms"));
+        let fallback = async {
+            tokio::time::sleep(hedge).await;
+            match tokio::time::timeout(within, self.read_standbys(&queries, now_ms)).await {
+                Ok(Ok(answered)) => Some(answered),
+                _ => None,
             }
         };
-        if let Some(stale) = answered.as_of.iter().find(|as_of| as_of.lag_ms.is_none_or(|lag| lag > bound)) {
+        let owners = tokio::time::timeout(within, self.read_all(queries.clone(), now_ms));
+        tokio::pin!(fallback, owners);
+        let mut fallback_done = !standbys;
+        let owners_said = loop {
+            tokio::select! {
+                biased;
+                said = &mut owners => break said,
+                answered = &mut fallback, if !fallback_done => {
+                    fallback_done = true;
+                    if let Some(answered) = answered.filter(|answered| fresh_within(answered, bound).is_none()) {
+                        return Ok(answered);
+                    }
+                }
+            }
+        };
+        let answered = match owners_said {
+            Ok(Ok(answered)) => answered,
+            said => {
+                // The owners failed or ran out of time: what the standbys say, if it is
+                // fresh enough.
+                if !fallback_done {
+                    if let Some(answered) = fallback.await.filter(|answered| fresh_within(answered, bound).is_none()) {
+                        return Ok(answered);
+                    }
+                }
+                match said {
+                    Ok(Err(err)) => return Err(err),
+                    _ => {
+                        // Only the shards that did not answer during this read.
+                        let silent = self.seen.unanswered(shards.iter().copied(), clock, tally_shared::kafka::now_ms());
+                        let shard = silent.first().or(shards.first()).copied().unwrap_or_default();
+                        return Err(too_stale(shard, None, bound, "no answer within max_staleness_ms"));
+                    }
+                }
+            }
+        };
+        if let Some(stale) = fresh_within(&answered, bound) {
             return Err(too_stale(stale.shard, stale.lag_ms, bound, "as its owner says"));
         }
         Ok(answered)
@@ -391,6 +446,7 @@ mod tests {
             owner_wait: Duration::from_millis(100),
             ends: None,
             token_waits: crate::metrics::Metrics::new(&prometheus::Registry::new()).token_wait_seconds,
+            standbys: Arc::default(),
         }
     }
 

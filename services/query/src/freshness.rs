@@ -34,7 +34,8 @@ pub struct AsOf {
     pub applied: Option<i64>,
     /// How much newer input it may be missing, in ms (none: not known).
     pub lag_ms: Option<i64>,
-    /// `owner`: the counter that owns the shard.
+    /// `owner`: the counter that owns the shard; `standby`: one holding it as a
+    /// standby, while the owner was silent (a read that allows staleness).
     pub served_by: &'static str,
     pub shard: u32,
     /// For a read with write tokens (`after=`): per input partition they name, the

@@ -18,6 +18,7 @@ pub mod jobs;
 pub mod metrics;
 pub mod owners;
 pub mod read_link;
+pub mod standbys;
 pub mod status;
 
 use std::sync::Arc;
@@ -75,6 +76,8 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         shutdown.clone(),
     )?;
     let brokers = jobs::Brokers::new(membership, config.broker.member_timeout_ms);
+    let standbys = Arc::new(standbys::Standbys::default());
+    standbys.clone().refresh(owners.clone(), client.clone(), shards, shutdown.clone());
     let state = Arc::new(api::ApiState {
         brokers,
         fanout: fanout::Fanout {
@@ -89,6 +92,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
             seen: Default::default(),
             ends: Some(after::LogEnds::new(&config.kafka, names.shards(), shards)?),
             token_waits: metrics.token_wait_seconds.clone(),
+            standbys,
         },
         metrics,
         auth: config.auth.clone(),
