@@ -55,8 +55,12 @@ async fn garbage_on_the_shard_topic_stops_only_its_shard_until_an_operator_skips
     let (_, garbage_offset) = consumer.fetch_watermarks(&shard_topic, failed as i32, Duration::from_secs(10)).unwrap();
     let garbage = b"\x00\x01 not a tally record".to_vec();
     let producer: rdkafka::producer::FutureProducer = client_config(&sandbox.kafka).unwrap().create().unwrap();
-    let record =
-        rdkafka::producer::FutureRecord::<(), [u8]>::to(&shard_topic).partition(failed as i32).payload(&garbage);
+    // Stamped two minutes ago: the shard's consumer lag in seconds says so.
+    let garbage_at = tally_shared::kafka::now_ms() - 120_000;
+    let record = rdkafka::producer::FutureRecord::<(), [u8]>::to(&shard_topic)
+        .partition(failed as i32)
+        .payload(&garbage)
+        .timestamp(garbage_at);
     producer.send(record, Duration::from_secs(10)).await.map_err(|(err, _)| err).unwrap();
     increment_all(&sandbox, &mut model, &entities, 10).await;
 
@@ -76,6 +80,31 @@ async fn garbage_on_the_shard_topic_stops_only_its_shard_until_an_operator_skips
         sandbox.post("/v1/query", &json!({"queries": [{"entity": &stopped[0], "metric": "views"}]})).await;
     assert_eq!((status, body["error"]["code"].as_str()), (503, Some("shard_failed")), "{body}");
     assert_eq!(sandbox.metric("tally-counter", "tally_counter_failed_shards").await, vec![(String::new(), 1.0)]);
+    // Its lag in seconds is the age of the record it stopped at; the others have none.
+    let group = &sandbox.config.counter.group_id;
+    let lags = |age: f64| -> Vec<(String, f64)> {
+        (0..SHARDS)
+            .map(|shard| {
+                let lag = if shard == failed { age } else { 0.0 };
+                (format!("{{group=\"{group}\",shard=\"{shard}\"}}"), lag)
+            })
+            .collect()
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut measured = sandbox.metric("tally-counter", "tally_counter_consumer_lag_seconds").await;
+        measured.sort_by(|a, b| a.0.cmp(&b.0));
+        let age = (tally_shared::kafka::now_ms() - garbage_at) as f64 / 1000.0;
+        // Measured at most a reporting period (1 s) and a look ago.
+        let near = |(series, lag): &(String, f64), (want, expected): &(String, f64)| {
+            series == want && (*lag - expected).abs() <= if *expected > 0.0 { 3.0 } else { 0.0 }
+        };
+        if measured.len() == SHARDS as usize && measured.iter().zip(lags(age).iter()).all(|(m, w)| near(m, w)) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "lag in seconds {measured:?}, not about {:?}", lags(age));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 
     // The operator must name the failed record; another offset is refused.
     let (ok, output) =

@@ -74,14 +74,15 @@ async fn direct(sandbox: &Sandbox, probe: &str, params: &str) -> Result<(i64, St
 }
 
 /// Reads `probe` allowing 5 s of staleness every 20 ms until its owner answers
-/// again: how many answers a standby gave. Each holds at least `before` (read
-/// before the kill: the standby had caught up) and at most what was produced.
+/// again: how many answers a standby gave. Each holds at most what was produced,
+/// and at least `before` (read of the owner before the kill) but the last round of
+/// probes, which the standby may not have applied yet.
 async fn stale_reads(sandbox: &Sandbox, probe: &str, before: i64, produced: &Mutex<i64>) -> Result<usize, String> {
     let (mut by_standby, deadline) = (0, Instant::now() + FRESH_AGAIN_WITHIN);
     while Instant::now() < deadline {
         if let Ok((value, by)) = direct(sandbox, probe, "&max_staleness_ms=5000").await {
             let ceiling = *produced.lock().unwrap();
-            if value < before || value > ceiling {
+            if value < before - 1 || value > ceiling {
                 return Err(format!(
                     "{probe} read {value} from the {by}: {before} before the kill, {ceiling} produced"
                 ));
@@ -107,10 +108,11 @@ fn takeovers(sandbox: &Sandbox) -> String {
     lines.join("\n")
 }
 
-/// Which counter (by read address) holds each shard as a standby, asked of every
-/// counter that serves some (`/internal/v1/status`).
-async fn standbys(owners: &BTreeMap<u32, String>) -> BTreeMap<u32, String> {
-    let mut held = BTreeMap::new();
+/// Which counters (by read address) hold each shard as a standby, asked of every
+/// counter that serves some (`/internal/v1/status`): usually one, two while a
+/// counter taking a shard holds it as a standby meanwhile.
+async fn standbys(owners: &BTreeMap<u32, String>) -> BTreeMap<u32, Vec<String>> {
+    let mut held: BTreeMap<u32, Vec<String>> = BTreeMap::new();
     let counters: std::collections::BTreeSet<&String> = owners.values().collect();
     for addr in counters {
         let status: CounterStatus = reqwest::get(format!("http://{addr}/internal/v1/status"))
@@ -121,7 +123,7 @@ async fn standbys(owners: &BTreeMap<u32, String>) -> BTreeMap<u32, String> {
             .await
             .unwrap();
         for shard in status.shards.iter().filter(|s| s.state == ShardState::Standby) {
-            assert!(held.insert(shard.shard, addr.clone()).is_none(), "shard {} has two standbys", shard.shard);
+            held.entry(shard.shard).or_default().push(addr.clone());
         }
     }
     held
@@ -263,8 +265,14 @@ async fn a_dead_owners_shards_are_served_by_their_standbys_within_seconds() {
         assert!(stale > 0, "no read allowing staleness was answered by a standby while {victim}'s shards moved");
         // Each was taken by the counter that held it as a standby.
         let after = crate::owners(&sandbox, Duration::from_secs(60)).await;
-        let (took, held): (Vec<_>, Vec<_>) = lost.iter().map(|shard| (after.get(shard), standbys.get(shard))).unzip();
-        assert_eq!(took, held, "the new owners of {lost:?}, and their standbys before {victim} died");
+        let not_standbys: Vec<String> = (lost.iter())
+            .filter(|shard| !after.get(shard).is_some_and(|took| standbys.get(shard).is_some_and(|h| h.contains(took))))
+            .map(|shard| format!("{shard}: {:?} after, standbys {:?}", after.get(shard), standbys.get(shard)))
+            .collect();
+        assert!(
+            not_standbys.is_empty(),
+            "taken by other than their standbys (shard, new owner, standbys): {not_standbys:?}"
+        );
         send(&sandbox, &mut model).await;
         // The node comes back (its shards, or others, move to it again).
         spawn_counter(&mut sandbox, victim, &reads[victim]);

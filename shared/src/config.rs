@@ -513,7 +513,8 @@ pub struct CounterConfig {
     /// serving a quarter of this before (its lease).
     pub member_timeout_ms: u64,
     /// Standbys per shard (at most [`MAX_STANDBY_REPLICAS`]): other counters that
-    /// apply its log into their own stores, never read, so that when its owner goes
+    /// apply its log into their own stores (read only by reads allowing staleness
+    /// while the owner is silent), so that when its owner goes
     /// the first of them serves it without a restore (as many as there are other
     /// counters; 0: none, a new owner restores and replays).
     pub standby_replicas: u32,

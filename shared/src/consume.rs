@@ -14,8 +14,6 @@ use rdkafka::Message;
 use tally_core::format::{parse_record_time, INPUT_DRAINED_HEADER, RECORD_TIME_HEADER};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::KafkaConfig;
-use crate::kafka::client_config;
 use crate::rest::{Rest, REST_AFTER, REST_CHECK};
 use crate::Result;
 
@@ -366,36 +364,6 @@ pub fn resume_at<C: ConsumerContext>(
     Ok(())
 }
 
-/// Reports, every `period` on a thread and client of its own, the lag of each
-/// partition `positions()` names — its high watermark minus the next offset the
-/// store will apply — through `report(partition, lag)`, and `ahead(partition, next
-/// offset, reason)` when the store is past the log's end ([`ahead_of_log`];
-/// positions are read before the log's end, so a store that moved on meanwhile is
-/// never taken for one ahead).
-#[allow(clippy::too_many_arguments)]
-pub fn spawn_lag_reporter(
-    kafka: &KafkaConfig,
-    name: &str,
-    topic: String,
-    period: Duration,
-    shutdown: CancellationToken,
-    positions: impl Fn() -> Vec<(u32, i64)> + Send + 'static,
-    report: impl Fn(u32, i64) + Send + 'static,
-    ahead: impl Fn(u32, i64, String) + Send + 'static,
-) -> Result<std::thread::JoinHandle<()>> {
-    let client: BaseConsumer = client_config(kafka)?.create()?;
-    Ok(crate::shutdown::every(name, period, shutdown, move || {
-        for (partition, next) in positions() {
-            if let Ok((_, high)) = client.fetch_watermarks(&topic, partition as i32, Duration::from_secs(1)) {
-                if let Some((offset, reason)) = ahead_of_log(Some(next), high) {
-                    ahead(partition, offset, reason);
-                }
-                report(partition, (high - next).max(0));
-            }
-        }
-    })?)
-}
-
 /// A stateful log processor's own part of the loop [`drive`] runs: applying its
 /// batches and its periodic work. Everything else — polling bounded batches,
 /// dropping the records of failed partitions, pausing them, carrying out operators'
@@ -520,7 +488,9 @@ mod tests {
     use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 
     use super::*;
+    use crate::config::KafkaConfig;
     use crate::failures::FailureBoard;
+    use crate::kafka::client_config;
     use crate::outbox::Relay;
 
     /// The first offsets go at once; later ones once they moved and a second has

@@ -39,6 +39,7 @@ pub mod harness;
 pub mod http;
 pub mod idle;
 pub mod kafka;
+pub mod lag;
 pub mod local_broker;
 pub mod lock;
 pub mod membership;

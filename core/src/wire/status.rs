@@ -37,7 +37,7 @@ pub enum ShardState {
     /// Stopped by a failure until an operator acts.
     Failed,
     /// Applying the log of a shard another counter owns, to take over without a
-    /// restore: never answering reads.
+    /// restore: answering only reads that allow staleness while the owner is silent.
     Standby,
 }
 

@@ -26,10 +26,11 @@ use std::time::Duration;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
-use tally_shared::consume::{drive, spawn_lag_reporter, AdvisoryCommits, BatchLimits, LoopSetup, Polled, Processor};
+use tally_shared::consume::{drive, AdvisoryCommits, BatchLimits, LoopSetup, Polled, Processor};
 use tally_shared::failures::Failure;
 use tally_shared::idle::HelperGauge;
 use tally_shared::kafka::{now_ms, TopicNames};
+use tally_shared::lag::{spawn_lag_reporter, Lag};
 use tally_shared::outbox::Relay;
 use tally_shared::snapshot::SnapshotStore;
 use tally_shared::store::Durability;
@@ -136,6 +137,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
     let lag_shards = shards.clone();
     let lag_shards_reported = shards.clone();
     let lag_metrics = metrics.clone();
+    let lag_group = config.counter.group_id.clone();
     let lag_failures = shards.failures.clone();
     let lag_reporter = spawn_lag_reporter(
         &config.kafka,
@@ -144,12 +146,16 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         HEARTBEAT,
         shutdown.clone(),
         move || {
-            let owned = lag_shards.owned().into_iter();
-            owned.filter_map(|shard| Some((shard, lag_shards.get(shard)?.next_offset().unwrap_or(0)))).collect()
+            let held = lag_shards.stores().into_iter();
+            held.filter_map(|shard| Some((shard, lag_shards.get(shard)?.next_offset().unwrap_or(0)))).collect()
         },
-        move |shard, lag| {
-            lag_metrics.consumer_lag.with_label_values(&[&shard.to_string()]).set(lag);
-            lag_shards_reported.record_lag(shard, lag);
+        move |shard, lag: Lag| {
+            let shard_label = shard.to_string();
+            lag_metrics.consumer_lag.with_label_values(&[&shard_label]).set(lag.records);
+            if let Some(seconds) = lag.seconds {
+                lag_metrics.consumer_lag_seconds.with_label_values(&[&lag_group, &shard_label]).set(seconds);
+            }
+            lag_shards_reported.record_lag(shard, lag.records);
         },
         // A shard topic deleted and recreated under the counter: the shard stops.
         move |shard, offset, reason| {
@@ -478,8 +484,14 @@ impl Counter {
 /// lease holds and every shard it owns is served (none, when the others hold
 /// them all, is fine).
 fn report_state(shards: &Shards, readiness: &Readiness, metrics: &Metrics, conflict: Option<String>, member: bool) {
-    let mut failures = shards.failures.descriptions();
-    metrics.failed_shards.set(failures.len() as i64);
+    // A failed standby is counted, not a reason to stop taking reads.
+    let board = &shards.failures;
+    let (failed, standbys) = (board.failed(), shards.standbys());
+    metrics.failed_shards.set(failed.len() as i64);
+    let mut failures: Vec<String> = (failed.into_iter())
+        .filter(|shard| !standbys.contains(shard))
+        .filter_map(|shard| Some(board.describe(shard, &board.failure(shard)?)))
+        .collect();
     failures.extend(conflict);
     readiness.set_failures(failures);
     let serving = shards.serving();

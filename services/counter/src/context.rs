@@ -119,6 +119,10 @@ impl CounterContext {
             // A standby becoming the owner is checked and caught up like a new shard.
             let kept = before.contains(&shard) || (standby_before.contains(&shard) && roles.standby.contains(&shard));
             if let Some(store) = self.shards.get(shard).filter(|_| kept) {
+                // A failure stays until an operator's skip: nothing checked it again.
+                if let Some(failure) = self.shards.failures.failure(shard) {
+                    failures.insert(shard, failure);
+                }
                 let offset = store.next_offset().map_or(Offset::Beginning, Offset::Offset);
                 assigned.add_partition_offset(&self.topic, partition, offset)?;
                 stores.insert(shard, store);
@@ -188,7 +192,10 @@ impl CounterContext {
         // librdkafka keeps a partition paused across assignments; a shard that
         // failed before comes back unpaused (and fails again if its record does).
         consumer.resume(&assigned)?;
-        let standby: BTreeSet<u32> = roles.standby.iter().copied().collect();
+        // A standby left out (its log's end unread) is not held: ownership asks again.
+        let standby: BTreeSet<u32> = (roles.standby.iter().copied())
+            .filter(|shard| stores.contains_key(shard) || failures.contains_key(shard))
+            .collect();
         let owned: BTreeSet<&u32> = stores.keys().filter(|shard| !standby.contains(shard)).collect();
         tracing::info!(shards = ?owned, standbys = ?standby, "shards assigned");
         self.shards.replace(stores, standby, failures);

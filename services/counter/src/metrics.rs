@@ -28,6 +28,7 @@ pub struct Metrics {
     /// Records an operator skipped (`tally shards skip`), sent to the dead-letter topic.
     pub skipped_records: IntCounter,
     pub consumer_lag: IntGaugeVec,
+    pub consumer_lag_seconds: prometheus::GaugeVec,
     pub freshness_lag: prometheus::HistogramVec,
     /// Shards restored from a snapshot instead of replaying their whole log.
     pub restored_shards: IntCounter,
@@ -161,6 +162,17 @@ impl Metrics {
                 IntGaugeVec::new(
                     Opts::new("tally_counter_consumer_lag_records", "Shard-topic records not yet applied"),
                     &["shard"],
+                )
+                .expect("valid metric"),
+            ),
+            consumer_lag_seconds: register(
+                registry,
+                prometheus::GaugeVec::new(
+                    Opts::new(
+                        "tally_counter_consumer_lag_seconds",
+                        "How old the oldest shard-topic record not yet applied is (0: none), per consumer group and shard",
+                    ),
+                    &["group", "shard"],
                 )
                 .expect("valid metric"),
             ),

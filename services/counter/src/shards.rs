@@ -5,8 +5,9 @@
 //!
 //! A counter also holds **standbys** (`counter.standby_replicas`): stores of shards
 //! other counters own, applied from the log like owned ones (and relaying their
-//! outboxes: the stamps make the copies harmless) but never read, announced,
-//! rolled up or snapshotted. When the owner goes, the first standby takes the
+//! outboxes: the stamps make the copies harmless) but never announced, rolled up
+//! or snapshotted, and read only by reads that allow staleness while the owner is
+//! silent ([`Shards::standby_served`]). When the owner goes, the first standby takes the
 //! shard without a restore: it only catches up with the log's end.
 //!
 //! A shard that failed — a record it cannot decode, a corrupt value, a broken

@@ -11,6 +11,7 @@ pub struct Metrics {
     pub outbox_relayed: IntCounter,
     pub edges: IntGauge,
     pub consumer_lag: IntGauge,
+    pub consumer_lag_seconds: prometheus::GaugeVec,
     /// 1 while the graph-updates partition is stopped by a failure.
     pub failed: IntGauge,
     /// Restores of the graph's store from a snapshot.
@@ -68,6 +69,17 @@ impl Metrics {
                 registry,
                 IntGauge::new("tally_graph_consumer_lag_records", "Graph-update records not yet applied")
                     .expect("valid metric"),
+            ),
+            consumer_lag_seconds: register(
+                registry,
+                prometheus::GaugeVec::new(
+                    prometheus::Opts::new(
+                        "tally_graph_consumer_lag_seconds",
+                        "How old the oldest graph-update record not yet applied is (0: none), per consumer group and partition",
+                    ),
+                    &["group", "partition"],
+                )
+                .expect("valid metric"),
             ),
         }
     }

@@ -20,10 +20,11 @@ use tally_core::wire::ShardOwner;
 use tally_shared::announce::{Announcer, HEARTBEAT};
 use tally_shared::config::TallyConfig;
 use tally_shared::consume::{
-    ahead_of_log, committed_offsets, drive, pause, spawn_lag_reporter, unreplayable, AdvisoryCommits, BatchLimits,
-    LogCheck, LoopSetup, Polled, Processor,
+    ahead_of_log, committed_offsets, drive, pause, unreplayable, AdvisoryCommits, BatchLimits, LogCheck, LoopSetup,
+    Polled, Processor,
 };
 use tally_shared::kafka::{now_ms, TopicNames};
+use tally_shared::lag::{spawn_lag_reporter, Lag};
 use tally_shared::outbox::Relay;
 use tally_shared::snapshot::{SnapshotRequests, SnapshotStore, Snapshotter};
 use tally_shared::store_name::StoreName;
@@ -61,10 +62,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
     let mut consumer_config = tally_shared::kafka::consumer_config(&config.kafka)?;
     // A store offset the log no longer holds restarts at the earliest record: the
     // gap fails the graph rather than jumping to the end.
-    consumer_config
-        .set("group.id", "tally-graph")
-        .set("enable.auto.commit", "false")
-        .set("auto.offset.reset", "earliest");
+    consumer_config.set("group.id", GROUP).set("enable.auto.commit", "false").set("auto.offset.reset", "earliest");
     let consumer: BaseConsumer = consumer_config.create()?;
     let start = store.next_offset().map_or(Offset::Beginning, Offset::Offset);
     let mut assignment = TopicPartitionList::new();
@@ -98,7 +96,12 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
         HEARTBEAT,
         shutdown.clone(),
         move || vec![(PARTITION, lag_store.next_offset().unwrap_or(0))],
-        move |_, lag| lag_metrics.consumer_lag.set(lag),
+        move |partition, lag: Lag| {
+            lag_metrics.consumer_lag.set(lag.records);
+            if let Some(seconds) = lag.seconds {
+                lag_metrics.consumer_lag_seconds.with_label_values(&[GROUP, &partition.to_string()]).set(seconds);
+            }
+        },
         // graph-updates deleted and recreated under the graph: it stops.
         move |partition, offset, reason| {
             if !lag_failures.is_failed(partition) {
@@ -273,6 +276,8 @@ impl Processor<DefaultConsumerContext> for GraphProcessor {
 
 /// The graph-updates topic's one partition.
 const PARTITION: u32 = 0;
+/// The graph's consumer group (its offsets committed for lag tools only).
+const GROUP: &str = "tally-graph";
 
 /// Sends what the outbox holds (descendant changes to the shards, then dead
 /// letters); on failure it stays for the next round. Whether the outbox got through.

@@ -108,9 +108,9 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let positions: Arc<Mutex<HashMap<InputPartition, i64>>> = Arc::default();
     let mut reporters = Vec::new();
     for (index, input) in inputs.iter().enumerate() {
-        let (read, lag) = (positions.clone(), metrics.consumer_lag.clone());
-        let topic = input.clone();
-        reporters.push(tally_shared::consume::spawn_lag_reporter(
+        let (read, lag) = (positions.clone(), metrics.clone());
+        let (topic, group) = (input.clone(), config.ingester.group_id.clone());
+        reporters.push(tally_shared::lag::spawn_lag_reporter(
             &config.kafka,
             "ingester-lag",
             input.clone(),
@@ -120,7 +120,13 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
                 let read = lock(&read, POSITIONS);
                 read.iter().filter(|((input, _), _)| *input == index).map(|((_, p), next)| (*p as u32, *next)).collect()
             },
-            move |partition, records| lag.with_label_values(&[&topic, &partition.to_string()]).set(records),
+            move |partition, measured: tally_shared::lag::Lag| {
+                let partition = partition.to_string();
+                lag.consumer_lag.with_label_values(&[&topic, &partition]).set(measured.records);
+                if let Some(seconds) = measured.seconds {
+                    lag.consumer_lag_seconds.with_label_values(&[&group, &topic, &partition]).set(seconds);
+                }
+            },
             // The ingester keeps no state of its input: a recreated input topic is
             // its consumer group's to reset, not a store to stop.
             |_, _, _| {},
@@ -139,6 +145,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         producer,
         acknowledged,
         inputs,
+        group: config.ingester.group_id.clone(),
         router,
         metrics,
         readiness: readiness.clone(),
@@ -196,6 +203,8 @@ struct Pipeline {
     producer: ThreadedProducer<Acks>,
     acknowledged: Receiver<Ack>,
     inputs: [String; 2],
+    /// The consumer group (a label of the lag metrics).
+    group: String,
     router: Router,
     metrics: metrics::Metrics,
     readiness: Readiness,
@@ -310,12 +319,13 @@ impl Pipeline {
             |(input, partition): &InputPartition| assigned.find_partition(&self.inputs[*input], *partition).is_some();
         let mut positions = lock(&self.positions, POSITIONS);
         for (input, partition) in positions.keys().filter(|key| !holds(key)) {
-            if let Err(err) =
-                self.metrics.consumer_lag.remove_label_values(&[&self.inputs[*input], &partition.to_string()])
-            {
+            let (topic, partition) = (&self.inputs[*input], partition.to_string());
+            if let Err(err) = self.metrics.consumer_lag.remove_label_values(&[topic, &partition]) {
                 // Only when it was never set.
-                tracing::debug!(error = %err, input = %self.inputs[*input], partition, "no lag to stop reporting");
+                tracing::debug!(error = %err, input = %topic, partition, "no lag to stop reporting");
             }
+            // Set only once a look found a record's time.
+            self.metrics.consumer_lag_seconds.remove_label_values(&[&self.group, topic, &partition]).ok();
         }
         positions.retain(|key, _| holds(key));
         drop(positions);

@@ -14,6 +14,7 @@ pub struct Metrics {
     pub dead_letters: IntCounter,
     pub batch_records: Histogram,
     pub consumer_lag: IntGaugeVec,
+    pub consumer_lag_seconds: prometheus::GaugeVec,
     /// 1 while the input consumer rests ([`tally_shared::rest`]).
     pub fetch_resting: IntGauge,
 }
@@ -68,6 +69,17 @@ impl Metrics {
                 IntGauge::new(
                     "tally_ingester_fetch_resting",
                     "1 while the input consumer rests: its inputs had nothing new for 5 s, no fetches until a look at their ends finds records",
+                )
+                .expect("valid metric"),
+            ),
+            consumer_lag_seconds: register(
+                registry,
+                prometheus::GaugeVec::new(
+                    Opts::new(
+                        "tally_ingester_consumer_lag_seconds",
+                        "How old the oldest input record not yet consumed is (0: none), per consumer group, topic and partition",
+                    ),
+                    &["group", "topic", "partition"],
                 )
                 .expect("valid metric"),
             ),

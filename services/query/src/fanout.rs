@@ -141,9 +141,11 @@ impl Fanout {
         };
         let answered = match owners_said {
             Ok(Ok(answered)) => answered,
+            // A refusal (a failed shard, a bad query) stands: only silence falls back.
+            Ok(Err(err)) if err.code != "shard_unavailable" => return Err(err),
             said => {
-                // The owners failed or ran out of time: what the standbys say, if it is
-                // fresh enough.
+                // The owners are silent or ran out of time: what the standbys say, if
+                // it is fresh enough.
                 if !fallback_done {
                     if let Some(answered) = fallback.await.filter(|answered| fresh_within(answered, bound).is_none()) {
                         return Ok(answered);
