@@ -4,8 +4,8 @@
 //! after the kill, one increment is written to an entity of each shard it owned and
 //! read back through tally-query with the write's token until the answer holds it:
 //! that shard is fresh again. A kill's figure is its slowest shard's; the counter
-//! then comes back and the next kill waits until every shard is served and standbys
-//! were placed anew. One case per `--standbys` value (1 and 0: with a standby per
+//! then comes back and the next kill waits until every shard is served and has a
+//! standby again. One case per `--standbys` value (1 and 0: with a standby per
 //! shard, which only catches up, and without, where the new owner restores a
 //! snapshot, if any, and replays the log after it), each on topics of its own.
 //!
@@ -155,10 +155,21 @@ async fn case(
     let progress = crate::pipeline::bar(args.kills, &format!("kills, {standbys} standbys"));
     let outcome: anyhow::Result<()> = async {
         for _ in 0..args.kills {
-            // Every shard served, and standbys placed anew after the last move.
-            served(&client, &query, GIVE_UP).await?;
-            tokio::time::sleep(Duration::from_secs(3)).await;
-            let owners = served(&client, &query, GIVE_UP).await?;
+            // Every shard served and with a standby again, on two looks a settle apart
+            // (standbys are placed anew a second after a move).
+            let deadline = Instant::now() + GIVE_UP;
+            let mut looks = 0;
+            let owners = loop {
+                let owners = served(&client, &query, GIVE_UP).await?;
+                let ports = counters.iter().map(|(_, read, _)| *read);
+                let placed = standbys == 0 || standbys_placed(&client, ports).await >= shards as usize;
+                looks = if placed { looks + 1 } else { 0 };
+                if looks == 2 {
+                    break owners;
+                }
+                anyhow::ensure!(Instant::now() < deadline, "not every shard got a standby within {GIVE_UP:?}");
+                tokio::time::sleep(Duration::from_millis(1_500)).await;
+            };
             let (victim, read_port, _) = *counters
                 .iter()
                 .max_by_key(|(_, read, _)| owners.values().filter(|addr| addr.ends_with(&format!(":{read}"))).count())
@@ -177,7 +188,9 @@ async fn case(
             times.sort();
             first.extend(times.first().copied());
             all.extend(times.last().copied());
-            println!("  {standbys} standbys: {victim} killed, owning {lost:?}: fresh again after {times:?}");
+            progress.suspend(|| {
+                println!("  {standbys} standbys: {victim} killed, owning {lost:?}: fresh again after {times:?}")
+            });
             let counter = counters.iter().find(|(name, _, _)| *name == victim).copied().context("the victim")?;
             start_counter(rig, counter, standbys, args).await?;
             progress.inc(1);
@@ -236,6 +249,20 @@ async fn served(client: &reqwest::Client, query: &str, within: Duration) -> anyh
         anyhow::ensure!(Instant::now() < deadline, "not every shard served within {within:?}: {status}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// How many shards the counters reading on `ports` hold as standbys (a counter
+/// that does not answer counts none).
+async fn standbys_placed(client: &reqwest::Client, ports: impl Iterator<Item = u16>) -> usize {
+    let mut held = std::collections::BTreeSet::new();
+    for port in ports {
+        let status = client.get(format!("http://127.0.0.1:{port}/internal/v1/status")).send().await;
+        let Ok(status) = status else { continue };
+        let Ok(status) = status.json::<tally_core::wire::CounterStatus>().await else { continue };
+        let standby = status.shards.iter().filter(|s| s.state == tally_core::wire::ShardState::Standby);
+        held.extend(standby.map(|s| s.shard));
+    }
+    held.len()
 }
 
 /// An entity on each shard, written and read back after each kill.

@@ -95,7 +95,7 @@ async fn garbage_on_the_shard_topic_stops_only_its_shard_until_an_operator_skips
         let mut measured = sandbox.metric("tally-counter", "tally_counter_consumer_lag_seconds").await;
         measured.sort_by(|a, b| a.0.cmp(&b.0));
         let age = (tally_shared::kafka::now_ms() - garbage_at) as f64 / 1000.0;
-        // Measured at most a reporting period (1 s) and a look ago.
+        // Read back right after a report: within a look's time of the age then.
         let near = |(series, lag): &(String, f64), (want, expected): &(String, f64)| {
             series == want && (*lag - expected).abs() <= if *expected > 0.0 { 3.0 } else { 0.0 }
         };

@@ -23,7 +23,9 @@ use crate::Result;
 pub struct Lag {
     pub records: i64,
     /// Now minus the timestamp of the oldest record not yet processed (0 when there
-    /// is none); none when it could not be read this time.
+    /// is none); none when it could not be read this time (a reporter keeps what it
+    /// said last). Records stamped with their event time (an input whose producers
+    /// set it) make this the age of that event.
     pub seconds: Option<f64>,
 }
 
@@ -96,7 +98,7 @@ impl Peek {
     }
 
     /// The timestamp of the record at each (partition, offset), as far as a look of
-    /// at most [`PEEK_WAIT`] finds them (a record gone meanwhile: the next one's).
+    /// at most [`PEEK_WAIT`] finds them (none for a record gone meanwhile).
     fn timestamps(&self, at: &[(u32, i64)]) -> HashMap<u32, i64> {
         let mut found = HashMap::new();
         if at.is_empty() {

@@ -149,7 +149,12 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             let held = lag_shards.stores().into_iter();
             held.filter_map(|shard| Some((shard, lag_shards.get(shard)?.next_offset().unwrap_or(0)))).collect()
         },
+        // Owned shards only (a standby's store is watched for a recreated topic, not
+        // reported): a shard moved away meanwhile is not set again.
         move |shard, lag: Lag| {
+            if lag_shards_reported.standbys().contains(&shard) || lag_shards_reported.get(shard).is_none() {
+                return;
+            }
             let shard_label = shard.to_string();
             lag_metrics.consumer_lag.with_label_values(&[&shard_label]).set(lag.records);
             if let Some(seconds) = lag.seconds {
@@ -195,6 +200,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         resting: metrics.fetch_resting.clone(),
     };
     let mut counter = Counter {
+        group: config.counter.group_id.clone(),
         epoch: shards.epoch(),
         helpers: HelperGauge::new(config.counter.apply_threads.saturating_sub(1)),
         shards: shards.clone(),
@@ -263,6 +269,8 @@ struct Counter {
     /// Which shards to own (`None`: every shard, statically).
     ownership: Option<Ownership>,
     shard_count: u32,
+    /// The consumer group (a label of the lag in seconds).
+    group: String,
     shutdown: CancellationToken,
     /// Tells the heartbeat to say this counter leaves ([`Counter::stop`]).
     leave: CancellationToken,
@@ -331,7 +339,14 @@ impl Processor<CounterContext> for Counter {
         if reassigned {
             self.repositioned = true;
             self.epoch = self.shards.epoch();
-            self.metrics.owned_shards.set(self.shards.owned().len() as i64);
+            let owned = self.shards.owned();
+            self.metrics.owned_shards.set(owned.len() as i64);
+            // The lag of shards not owned here any more is another counter's to say.
+            for shard in (0..self.shard_count).filter(|shard| !owned.contains(shard)) {
+                let shard = shard.to_string();
+                self.metrics.consumer_lag.remove_label_values(&[&shard]).ok();
+                self.metrics.consumer_lag_seconds.remove_label_values(&[&self.group, &shard]).ok();
+            }
         }
         let announced = self.shards.announced();
         self.moved |= reassigned || announced != self.serving;

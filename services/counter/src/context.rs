@@ -190,7 +190,8 @@ impl CounterContext {
         }
         consumer.assign(&assigned)?;
         // librdkafka keeps a partition paused across assignments; a shard that
-        // failed before comes back unpaused (and fails again if its record does).
+        // failed before comes back unpaused: taken anew, it fails again if its record
+        // does; kept, it kept its failure and the loop pauses it again.
         consumer.resume(&assigned)?;
         // A standby left out (its log's end unread) is not held: ownership asks again.
         let standby: BTreeSet<u32> = (roles.standby.iter().copied())

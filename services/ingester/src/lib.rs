@@ -108,7 +108,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let positions: Arc<Mutex<HashMap<InputPartition, i64>>> = Arc::default();
     let mut reporters = Vec::new();
     for (index, input) in inputs.iter().enumerate() {
-        let (read, lag) = (positions.clone(), metrics.clone());
+        let (read, held, lag) = (positions.clone(), positions.clone(), metrics.clone());
         let (topic, group) = (input.clone(), config.ingester.group_id.clone());
         reporters.push(tally_shared::lag::spawn_lag_reporter(
             &config.kafka,
@@ -121,6 +121,10 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
                 read.iter().filter(|((input, _), _)| *input == index).map(|((_, p), next)| (*p as u32, *next)).collect()
             },
             move |partition, measured: tally_shared::lag::Lag| {
+                // A partition revoked meanwhile is not set again.
+                if !lock(&held, POSITIONS).contains_key(&(index, partition as i32)) {
+                    return;
+                }
                 let partition = partition.to_string();
                 lag.consumer_lag.with_label_values(&[&topic, &partition]).set(measured.records);
                 if let Some(seconds) = measured.seconds {
