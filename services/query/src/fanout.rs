@@ -29,7 +29,7 @@ const ATTEMPTS: usize = 4;
 const HEDGE_MS: i64 = 200;
 
 /// The first shard of `answered` staler than `bound` (or of unknown staleness).
-fn fresh_within(answered: &Answered, bound: i64) -> Option<&AsOf> {
+fn stale_beyond(answered: &Answered, bound: i64) -> Option<&AsOf> {
     answered.as_of.iter().find(|as_of| as_of.lag_ms.is_none_or(|lag| lag > bound))
 }
 
@@ -133,7 +133,7 @@ impl Fanout {
                 said = &mut owners => break said,
                 answered = &mut fallback, if !fallback_done => {
                     fallback_done = true;
-                    if let Some(answered) = answered.filter(|answered| fresh_within(answered, bound).is_none()) {
+                    if let Some(answered) = answered.filter(|answered| stale_beyond(answered, bound).is_none()) {
                         return Ok(answered);
                     }
                 }
@@ -147,7 +147,7 @@ impl Fanout {
                 // The owners are silent or ran out of time: what the standbys say, if
                 // it is fresh enough.
                 if !fallback_done {
-                    if let Some(answered) = fallback.await.filter(|answered| fresh_within(answered, bound).is_none()) {
+                    if let Some(answered) = fallback.await.filter(|answered| stale_beyond(answered, bound).is_none()) {
                         return Ok(answered);
                     }
                 }
@@ -162,7 +162,7 @@ impl Fanout {
                 }
             }
         };
-        if let Some(stale) = fresh_within(&answered, bound) {
+        if let Some(stale) = stale_beyond(&answered, bound) {
             return Err(too_stale(stale.shard, stale.lag_ms, bound, "as its owner says"));
         }
         Ok(answered)

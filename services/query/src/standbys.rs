@@ -129,7 +129,9 @@ impl Fanout {
             }
         }
         as_of.sort_by_key(|as_of| as_of.shard);
-        let answers = answers.into_iter().collect::<Option<Vec<_>>>().ok_or_else(|| no_standby(0))?;
+        // Every query's shard answered above, each with as many answers as asked.
+        let answers = answers.into_iter().collect::<Option<Vec<_>>>();
+        let answers = answers.ok_or_else(|| ApiError::unavailable("a standby left a query unanswered"))?;
         Ok(Answered { answers, as_of })
     }
 }
