@@ -10,6 +10,11 @@
 //! shard topic, the counter's batch and tally-query: everything a user waits for).
 //! Meanwhile a producer sends messages of `--per-message` Zipf-skewed increments at
 //! the phase's rate.
+//!
+//! The same reads check the answers' own account of their freshness: each read's
+//! `lag_ms` (the `as_of` of the probe's shard) against the lag the bench sees on its
+//! own clock at the moment it asked — the age of the oldest probe the answer does not
+//! hold yet, 0 when it holds every probe sent ([`LagCheck`]).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -23,6 +28,7 @@ use tally_shared::kafka::producer_config;
 use tally_shared::lock::lock;
 
 use crate::pipeline::{bar, Connection, Entities, Latencies, Pace, Rig};
+use tally_shared::kafka::fetch_wait;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct FreshnessBenchArgs {
@@ -67,6 +73,10 @@ pub async fn run(config: TallyConfig, args: FreshnessBenchArgs) -> anyhow::Resul
         args.entities,
         rig.config.kafka.bootstrap_servers,
     );
+    // The issue's bound on the answers' own lag: 50 ms plus one fetch wait of the
+    // data path (the ingester's hop, which a counter caught up with its shard log
+    // cannot see).
+    let tolerance = Duration::from_millis(50) + fetch_wait(&rig.config.kafka);
     let ports = rig.ports;
     rig.run("tally-counter", ports.counter_admin).await?;
     rig.run("tally-ingester", ports.ingester_admin).await?;
@@ -79,7 +89,8 @@ pub async fn run(config: TallyConfig, args: FreshnessBenchArgs) -> anyhow::Resul
     for (phase, &rate) in args.rates.iter().enumerate() {
         let applied_before = rig.scrape(ports.counter_admin, APPLIED).await?;
         let batches_before = rig.batches(ports.counter_admin).await?;
-        let (freshness, sent) = measure(&producer, &topic, ports.query, rate, phase as u64, &args).await?;
+        let (Watched { freshness, lags }, sent) =
+            measure(&producer, &topic, ports.query, rate, phase as u64, &args).await?;
         let applied = rig.scrape(ports.counter_admin, APPLIED).await? - applied_before;
         let batches = rig.batches(ports.counter_admin).await?.since(&batches_before);
         let load = if rate == 0 { "idle".to_string() } else { format!("{rate} increments/s") };
@@ -107,6 +118,7 @@ pub async fn run(config: TallyConfig, args: FreshnessBenchArgs) -> anyhow::Resul
             applied,
             batches.describe(applied),
         ));
+        lines.push(format!("{:<24} {}", "", lags.line(tolerance)));
     }
     rig.finish().await?;
     for line in lines {
@@ -117,8 +129,15 @@ pub async fn run(config: TallyConfig, args: FreshnessBenchArgs) -> anyhow::Resul
 
 const APPLIED: &str = "tally_counter_applied_increments_total";
 
+/// What a phase's watcher saw: each probe's freshness, and each read's lag as its
+/// answer said it against the bench's own clock.
+struct Watched {
+    freshness: Latencies,
+    lags: LagCheck,
+}
+
 /// One phase: the load at `rate` and a probe every `probe_every_ms` for `seconds`;
-/// then waits for the last probe to show. Returns the probes' freshness and the
+/// then waits for the last probe to show. Returns what the watcher saw and the
 /// increments sent (the load, the probes and the one that settled the phase).
 async fn measure(
     producer: &FutureProducer,
@@ -127,7 +146,7 @@ async fn measure(
     rate: u64,
     seed: u64,
     args: &FreshnessBenchArgs,
-) -> anyhow::Result<(Latencies, u64)> {
+) -> anyhow::Result<(Watched, u64)> {
     let label = if rate == 0 { "probes, idle".to_string() } else { format!("probes at {rate} increments/s") };
     let progress = bar(args.seconds, &label);
     let (base, reader) = settle(producer, topic, Connection::open(query_port)?).await?;
@@ -176,9 +195,9 @@ async fn measure(
     let probes = lock(&sent, SENT).len();
     expected.store(probes, Ordering::SeqCst);
     progress.finish_and_clear();
-    let mut seen = watcher.await??;
-    seen.sort();
-    Ok((Latencies(seen), sent_load + probes as u64 + 1))
+    let mut watched = watcher.await??;
+    watched.freshness.0.sort();
+    Ok((watched, sent_load + probes as u64 + 1))
 }
 
 /// Ends a phase's watcher if the phase ends before sending did (an error): a
@@ -216,7 +235,7 @@ async fn settle(producer: &FutureProducer, topic: &str, reader: Connection) -> a
 
 /// [`probe_total`] off the async runtime.
 async fn blocking_total(mut reader: Connection) -> anyhow::Result<(Connection, i64)> {
-    tokio::task::spawn_blocking(move || probe_total(&mut reader).map(|total| (reader, total))).await?
+    tokio::task::spawn_blocking(move || probe_total(&mut reader).map(|answer| (reader, answer.total))).await?
 }
 
 fn check_delivered(
@@ -232,24 +251,26 @@ fn check_delivered(
 /// Reads the probes' total every millisecond until every probe of this phase
 /// shows (`expected`, once sending ended; up to 120 s after the last was sent);
 /// each probe's freshness runs from its send time in `sent` to the first read that
-/// includes it.
+/// includes it, and each read's `lag_ms` is checked against the bench's clock.
 fn watch(
     mut reader: Connection,
     base: i64,
     sent: &Mutex<Vec<Instant>>,
     expected: &AtomicUsize,
-) -> anyhow::Result<Vec<Duration>> {
-    let mut freshness = Vec::new();
+) -> anyhow::Result<Watched> {
+    let (mut freshness, mut lags) = (Vec::new(), LagCheck::default());
     let mut last_send = Instant::now();
     while freshness.len() < expected.load(Ordering::SeqCst) {
-        let total = probe_total(&mut reader)?;
+        let asked_at = Instant::now();
+        let answer = probe_total(&mut reader)?;
         let read_at = Instant::now();
-        let shown = usize::try_from(total - base).context("the probes' total fell")?;
+        let shown = usize::try_from(answer.total - base).context("the probes' total fell")?;
         let times = lock(sent, SENT);
         anyhow::ensure!(shown <= times.len(), "{shown} probes show but {} were sent", times.len());
         while freshness.len() < shown {
             freshness.push(read_at - times[freshness.len()]);
         }
+        lags.add(answer.lag_ms, oldest_missing(&times, shown, asked_at));
         if let Some(&at) = times.last() {
             last_send = at;
         }
@@ -262,17 +283,87 @@ fn watch(
         drop(times);
         std::thread::sleep(Duration::from_millis(1));
     }
-    Ok(freshness)
+    Ok(Watched { freshness: Latencies(freshness), lags })
+}
+
+/// The lag an answer holding the first `shown` probes has on the bench's clock when
+/// it was asked for at `asked_at`: the age of the oldest probe sent before then that
+/// it does not hold, or nothing missing (0).
+fn oldest_missing(sent: &[Instant], shown: usize, asked_at: Instant) -> Duration {
+    sent.get(shown).map_or(Duration::ZERO, |&at| asked_at.saturating_duration_since(at))
+}
+
+/// The reads' `lag_ms` against the bench's own lag at the moment each was asked for
+/// ([`oldest_missing`]): the error (said minus seen), in ms, of every read.
+#[derive(Debug, Default)]
+struct LagCheck {
+    errors_ms: Vec<i64>,
+    /// Reads whose answer gave no lag (not known yet).
+    unknown: usize,
+}
+
+impl LagCheck {
+    fn add(&mut self, said_ms: Option<i64>, seen: Duration) {
+        match said_ms {
+            Some(said) => self.errors_ms.push(said - seen.as_millis() as i64),
+            None => self.unknown += 1,
+        }
+    }
+
+    /// The error at quantile `p` (0.0: the most under, 1.0: the most over).
+    fn at(&self, p: f64) -> Option<i64> {
+        let mut sorted = self.errors_ms.clone();
+        sorted.sort_unstable();
+        let last = sorted.len().checked_sub(1)?;
+        Some(sorted[((last as f64) * p).round() as usize])
+    }
+
+    /// The share of reads whose error is within `tolerance` either way.
+    fn within(&self, tolerance: Duration) -> f64 {
+        let bound = tolerance.as_millis() as i64;
+        let inside = self.errors_ms.iter().filter(|error| error.abs() <= bound).count();
+        100.0 * inside as f64 / self.errors_ms.len().max(1) as f64
+    }
+
+    fn line(&self, tolerance: Duration) -> String {
+        let ms = |p| self.at(p).map_or("-".into(), |error: i64| format!("{error:+}"));
+        format!(
+            "as_of lag_ms minus the bench's own lag: p1 {} ms  p50 {} ms  p99 {} ms  ({} reads; {:.1} % within ±{} ms; {} without a lag)",
+            ms(0.01),
+            ms(0.50),
+            ms(0.99),
+            self.errors_ms.len(),
+            self.within(tolerance),
+            tolerance.as_millis(),
+            self.unknown
+        )
+    }
+}
+
+/// What a read of the probes answered.
+#[derive(Debug, PartialEq)]
+struct ProbeAnswer {
+    /// The all-time total (0 before the first probe).
+    total: i64,
+    /// The `lag_ms` of the one shard it read (none: not known).
+    lag_ms: Option<i64>,
 }
 
 /// The probes' all-time total as tally-query answers it (0 before the first).
-fn probe_total(reader: &mut Connection) -> anyhow::Result<i64> {
+fn probe_total(reader: &mut Connection) -> anyhow::Result<ProbeAnswer> {
     let request = format!("GET /v1/counters/{PROBE}/views HTTP/1.1\r\nhost: bench\r\n\r\n");
     let mut body = Vec::new();
     let status = reader.exchange(request.as_bytes(), &mut body)?;
     anyhow::ensure!(status == 200, "reading the probes answered {status}: {}", String::from_utf8_lossy(&body));
     let answer: serde_json::Value = serde_json::from_slice(&body).context("reading the probes' answer")?;
-    answer["value"].as_i64().with_context(|| format!("no value in {answer}"))
+    probe_answer(&answer)
+}
+
+fn probe_answer(answer: &serde_json::Value) -> anyhow::Result<ProbeAnswer> {
+    let total = answer["value"].as_i64().with_context(|| format!("no value in {answer}"))?;
+    let shards = answer["as_of"].as_array().with_context(|| format!("no as_of in {answer}"))?;
+    anyhow::ensure!(shards.len() == 1, "a counter's read names one shard in its as_of: {answer}");
+    Ok(ProbeAnswer { total, lag_ms: shards[0]["lag_ms"].as_i64() })
 }
 
 #[cfg(test)]
@@ -284,7 +375,7 @@ mod tests {
         use std::io::{BufRead, Write};
         let (stream, _) = listener.accept().unwrap();
         let (mut writer, mut reader) = (stream.try_clone().unwrap(), std::io::BufReader::new(stream));
-        let body = format!(r#"{{"value":{total}}}"#);
+        let body = format!(r#"{{"value":{total},"as_of":[{{"shard":2,"applied":9,"lag_ms":0,"served_by":"owner"}}]}}"#);
         let mut line = String::new();
         loop {
             // One request: lines up to the blank one.
@@ -322,7 +413,16 @@ mod tests {
         drop(stop);
         let seen = watcher.join().unwrap().unwrap();
         assert!(failed.elapsed() < Duration::from_secs(1), "the watcher took {:?} to stop", failed.elapsed());
-        assert_eq!((seen, expected.load(Ordering::SeqCst)), (Vec::new(), 0), "a failed phase waits for no probe");
+        assert_eq!(
+            (seen.freshness.0, expected.load(Ordering::SeqCst)),
+            (Vec::new(), 0),
+            "a failed phase waits for no probe"
+        );
+        assert!(
+            seen.lags.errors_ms.iter().all(|error| *error == 0),
+            "no probe sent, none missing, lag 0: {:?}",
+            seen.lags
+        );
         // A phase that sent everything told the watcher how many probes to wait for.
         let expected = Arc::new(AtomicUsize::new(usize::MAX));
         let stop = StopWatching(expected.clone());
@@ -335,5 +435,43 @@ mod tests {
     fn a_probe_increments_the_entity_that_is_read_back() {
         let message: serde_json::Value = serde_json::from_str(PROBE_MESSAGE).unwrap();
         assert_eq!(message, serde_json::json!({"entity": PROBE, "metric": "views"}));
+    }
+
+    #[test]
+    fn the_bench_sees_the_age_of_the_oldest_probe_an_answer_misses() {
+        let start = Instant::now();
+        let sent: Vec<Instant> = (0..4).map(|i| start + Duration::from_millis(20 * i)).collect();
+        let asked_at = start + Duration::from_millis(100);
+        assert_eq!(oldest_missing(&sent, 4, asked_at), Duration::ZERO, "every probe held");
+        assert_eq!(oldest_missing(&sent, 2, asked_at), Duration::from_millis(60), "probe 2, sent at 40 ms, missing");
+        assert_eq!(oldest_missing(&sent, 0, asked_at), Duration::from_millis(100));
+        assert_eq!(oldest_missing(&sent, 3, start), Duration::ZERO, "a probe sent after the ask is not missed");
+    }
+
+    #[test]
+    fn a_lag_check_gives_the_errors_quantiles_and_the_share_within_the_bound() {
+        let mut check = LagCheck::default();
+        for (said, seen) in [(Some(10), 0), (Some(100), 150), (Some(0), 300), (None, 40), (Some(90), 80)] {
+            check.add(said, Duration::from_millis(seen));
+        }
+        assert_eq!(check.errors_ms, vec![10, -50, -300, 10]);
+        assert_eq!((check.at(0.0), check.at(0.5), check.at(1.0)), (Some(-300), Some(10), Some(10)));
+        assert_eq!(check.within(Duration::from_millis(150)), 75.0);
+        assert_eq!(
+            check.line(Duration::from_millis(150)),
+            "as_of lag_ms minus the bench's own lag: p1 -300 ms  p50 +10 ms  p99 +10 ms  (4 reads; 75.0 % within ±150 ms; 1 without a lag)"
+        );
+        assert_eq!(LagCheck::default().at(0.5), None, "no reads, no quantile");
+    }
+
+    #[test]
+    fn a_probe_answer_gives_the_total_and_its_shards_lag() {
+        let answer =
+            serde_json::json!({"value": 7, "as_of": [{"shard": 3, "applied": 12, "lag_ms": 40, "served_by": "owner"}]});
+        assert_eq!(probe_answer(&answer).unwrap(), ProbeAnswer { total: 7, lag_ms: Some(40) });
+        let unknown = serde_json::json!({"value": 0, "as_of": [{"shard": 3, "applied": 0, "lag_ms": null}]});
+        assert_eq!(probe_answer(&unknown).unwrap(), ProbeAnswer { total: 0, lag_ms: None });
+        let no_as_of = serde_json::json!({"value": 7});
+        assert_eq!(probe_answer(&no_as_of).unwrap_err().to_string(), r#"no as_of in {"value":7}"#);
     }
 }

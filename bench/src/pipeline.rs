@@ -19,6 +19,8 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::counter_apply::Zipf;
@@ -87,6 +89,12 @@ pub struct ReadBenchArgs {
     /// Messages of the warm-up backlog, whose apply rate is the capacity.
     #[arg(long, default_value_t = 20_000)]
     pub warm_messages: usize,
+    /// Publish rollups, as a default deployment does. Off unless asked: a rollup
+    /// record per changed bucket and second is most of what the local broker writes
+    /// under a load, and saturates it well below the offered rate (reads do not
+    /// depend on rollups).
+    #[arg(long)]
+    pub rollups: bool,
 }
 
 /// The batch phases' open-loop rate, if any.
@@ -126,6 +134,8 @@ impl Pace {
 struct SteadyLoad {
     stop: tokio_util::sync::CancellationToken,
     task: tokio::task::JoinHandle<anyhow::Result<u64>>,
+    /// Increments the broker acknowledged so far.
+    delivered: Arc<AtomicU64>,
 }
 
 impl SteadyLoad {
@@ -136,9 +146,11 @@ impl SteadyLoad {
         per_message: usize,
         entities: usize,
     ) -> anyhow::Result<Self> {
-        let producer: FutureProducer = producer_config(&config.kafka)?.create()?;
+        let producer: FutureProducer = producer_config(&config.kafka)?.set("linger.ms", "50").create()?;
         let stop = tokio_util::sync::CancellationToken::new();
         let stopped = stop.clone();
+        let delivered = Arc::new(AtomicU64::new(0));
+        let acknowledged = delivered.clone();
         let task = tokio::spawn(async move {
             use futures::{FutureExt, StreamExt};
             let mut draw = Entities::new(entities, 9);
@@ -165,6 +177,7 @@ impl SteadyLoad {
                                 record = back;
                                 if let Some(delivered) = pending.next().await {
                                     delivered?.map_err(|(err, _)| anyhow::anyhow!("producing the load: {err}"))?;
+                                    acknowledged.fetch_add(per_message as u64, Ordering::Relaxed);
                                 }
                             }
                             Err((err, _)) => anyhow::bail!("producing the load: {err}"),
@@ -175,6 +188,7 @@ impl SteadyLoad {
                 }
                 while let Some(Some(delivered)) = pending.next().now_or_never() {
                     delivered?.map_err(|(err, _)| anyhow::anyhow!("producing the load: {err}"))?;
+                    acknowledged.fetch_add(per_message as u64, Ordering::Relaxed);
                 }
             }
             while let Some(delivered) = pending.next().await {
@@ -182,7 +196,12 @@ impl SteadyLoad {
             }
             Ok(sent)
         });
-        Ok(Self { stop, task })
+        Ok(Self { stop, task, delivered })
+    }
+
+    /// Increments the broker acknowledged so far.
+    fn delivered(&self) -> u64 {
+        self.delivered.load(Ordering::Relaxed)
     }
 
     /// Stops producing; the increments sent.
@@ -1130,10 +1149,11 @@ pub async fn read(config: TallyConfig, args: ReadBenchArgs) -> anyhow::Result<()
         rig.finish().await?;
         bail!("tally-bench read sends no token: run it with auth.reader_token unset");
     }
+    rig.config.counter.rollups = args.rollups;
     let names = rig.fresh_topics().await?;
     let per_message = args.ingest_per_message as usize;
     println!(
-        "read bench: {} clients on keep-alive connections, {}, {} s per phase, {} entities (Zipf 1.1); while ingesting: a steady load of {}-increment messages; broker {}; CPU slice of request threads and clients: {}",
+        "read bench: {} clients on keep-alive connections, {}, {} s per phase, {} entities (Zipf 1.1); while ingesting: a steady load of {}-increment messages; rollups {}; broker {}; CPU slice of request threads and clients: {}",
         args.connections,
         match args.rate {
             Some(rate) => format!(
@@ -1145,6 +1165,7 @@ pub async fn read(config: TallyConfig, args: ReadBenchArgs) -> anyhow::Result<()
         args.seconds,
         args.entities,
         per_message,
+        if args.rollups { "published" } else { "off (--rollups to publish them)" },
         rig.config.kafka.bootstrap_servers,
         clients_slice(rig.config.runtime.latency_slice())
     );
@@ -1189,6 +1210,7 @@ pub async fn read(config: TallyConfig, args: ReadBenchArgs) -> anyhow::Result<()
     tokio::time::sleep(Duration::from_secs(3)).await;
     const READ: &str = "tally_ingester_input_records_total";
     let read_before = rig.scrape(rig.ports.ingester_admin, READ).await?;
+    let delivered_before = steady.delivered();
     let (before, before_at) = (rig.scrape(counter_admin, APPLIED).await?, Instant::now());
     let busy_single =
         rig.watched("counter", load(port, conns, secs, entities, single_read, "single reads, ingesting")).await?;
@@ -1197,6 +1219,7 @@ pub async fn read(config: TallyConfig, args: ReadBenchArgs) -> anyhow::Result<()
         rig.watched("batch", load(port, batch_conns, secs, entities, batch_read, "batches of 100, ingesting")).await?;
     let (after, after_at) = (rig.scrape(counter_admin, APPLIED).await?, Instant::now());
     let read = (rig.scrape(rig.ports.ingester_admin, READ).await? - read_before) * per_message as f64;
+    let delivered = steady.delivered() - delivered_before;
     let resting = (
         rig.scrape(rig.ports.ingester_admin, "tally_ingester_fetch_resting").await? == 1.0,
         rig.scrape(counter_admin, "tally_counter_fetch_resting").await? == 1.0,
@@ -1208,7 +1231,8 @@ pub async fn read(config: TallyConfig, args: ReadBenchArgs) -> anyhow::Result<()
     let applied_single = (between - before) / (between_at - before_at).as_secs_f64();
     let applied_batch = (after - between) / (after_at - between_at).as_secs_f64();
     println!(
-        "while ingesting: {sent} increments sent in all; the ingester read {read:.0} in the two phases (≈ {:.0}/s); at their end the ingester {} and the counter {}",
+        "while ingesting: {sent} increments sent in all; in the two phases the broker acknowledged {delivered} (≈ {:.0}/s) and the ingester read {read:.0} (≈ {:.0}/s); at their end the ingester {} and the counter {}",
+        delivered as f64 / (after_at - before_at).as_secs_f64(),
         read / (after_at - before_at).as_secs_f64(),
         if resting.0 { "rested" } else { "fetched" },
         if resting.1 { "rested" } else { "fetched" }
@@ -1221,7 +1245,7 @@ pub async fn read(config: TallyConfig, args: ReadBenchArgs) -> anyhow::Result<()
     ] {
         match applied {
             Some(applied) if applied < 0.9 * offered as f64 => println!(
-                "{label:<34} no figure: {applied:.0} increments/s applied of {offered} offered (under 90 %: not a while-ingesting phase)"
+                "{label:<34} no figure: {applied:.0} increments/s applied of {offered} offered (under 90 %: not a while-ingesting phase)\n{cost}"
             ),
             Some(applied) => println!("{}  [{applied:.0} of {offered} increments/s applied]\n{cost}", latencies.line(label, s)),
             None => println!("{}\n{cost}", latencies.line(label, s)),

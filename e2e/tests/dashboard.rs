@@ -2,7 +2,9 @@
 //! WebDriver (chromedriver, through the `fantoccini` client) against the real
 //! services on a real broker. The counters page renders from its URL, its chart's
 //! points, hover read-out and window totals equal the read API's answers, a
-//! neighbour link re-plots, the explain view equals `contributors`; the jobs console
+//! neighbour link re-plots, the explain view equals `contributors`, the chart's and
+//! the header's freshness equal the API's and `/v1/status` (stale while the counter
+//! is paused, fresh again after); the jobs console
 //! asks for the brokers' token, shows the merged queue stats and the dead jobs, and
 //! requeues (the job runs again) and discards them; its queue card shows a limited
 //! queue's limits, busiest keys and schedules as the API has them, cancels a
@@ -163,6 +165,25 @@ where
     }
 }
 
+/// The dashboard's stale mark: a lag past it (`STALE_MS` in tally.js).
+const STALE_MS: i64 = 5_000;
+
+/// The header's freshness says what `/v1/status` says: every shard serving, and
+/// caught up (an idle system lags at most a fetch wait and a look at the ends).
+async fn indicator_is_fresh(sandbox: &Sandbox, browser: &Browser) -> Result<(), String> {
+    let (_, status) = sandbox.get("/v1/status").await;
+    let shown = browser.text("#freshness").await;
+    let lag_ms: Option<i64> = browser.attr("#lag", "data-lag-ms").await.parse().ok();
+    let serving = format!("{}/{} shards serving", status["serving"], status["shards"].as_array().unwrap().len());
+    let fresh = |lag: Option<i64>| lag.is_some_and(|lag| (0..=1_500).contains(&lag));
+    let ok = shown.contains(&serving)
+        && shown.starts_with("fresh: up to ")
+        && fresh(lag_ms)
+        && fresh(status["lag_ms"].as_i64())
+        && status["serving"] == status["shards"].as_array().unwrap().len();
+    ok.then_some(()).ok_or(format!("{shown:?} {lag_ms:?} / {status}"))
+}
+
 fn increment(entity: &str, metric: &str, delta: i64, ts: i64) -> Record {
     let payload = json!({"entity": entity, "metric": metric, "delta": delta, "ts": ts});
     Record { graph: false, key: entity.into(), payload: payload.to_string().into_bytes(), timestamp: ts }
@@ -258,18 +279,30 @@ async fn counters_page_plots_totals_and_explains_what_the_api_answers() {
 
     // The header's freshness says what `/v1/status` says: every shard serving, and
     // caught up (an idle system lags at most a fetch wait and a look at the ends).
-    eventually("the freshness indicator equals /v1/status", || async {
+    eventually("the freshness indicator equals /v1/status", || indicator_is_fresh(&sandbox, &browser)).await;
+
+    // A silent counter: its shards unreachable, their staleness growing from their
+    // last answer, the header warns that the counts are stale, as `/v1/status` says;
+    // once it is back, fresh again.
+    sandbox.signal("tally-counter", libc::SIGSTOP);
+    eventually("a paused counter's shards show as stale, as /v1/status says", || async {
         let (_, status) = sandbox.get("/v1/status").await;
         let shown = browser.text("#freshness").await;
         let lag_ms: Option<i64> = browser.attr("#lag", "data-lag-ms").await.parse().ok();
-        let serving = format!("{}/{} shards serving", status["serving"], status["shards"].as_array().unwrap().len());
-        let fresh = |lag: Option<i64>| lag.is_some_and(|lag| (0..=1_500).contains(&lag));
-        let ok = shown.contains(&serving)
-            && shown.starts_with("fresh: up to ")
-            && fresh(lag_ms)
-            && fresh(status["lag_ms"].as_i64())
-            && status["serving"] == status["shards"].as_array().unwrap().len();
+        let all = status["shards"].as_array().map_or(0, Vec::len);
+        let stale = |lag: Option<i64>| lag.is_some_and(|lag| lag > STALE_MS);
+        let ok = shown.starts_with("stale: up to ")
+            && shown.contains(&format!(" 0/{all} shards serving"))
+            && stale(lag_ms)
+            && stale(status["lag_ms"].as_i64())
+            && status["serving"] == 0
+            && all > 0;
         ok.then_some(()).ok_or(format!("{shown:?} {lag_ms:?} / {status}"))
+    })
+    .await;
+    sandbox.signal("tally-counter", libc::SIGCONT);
+    eventually("the freshness indicator is fresh again once the counter is back", || {
+        indicator_is_fresh(&sandbox, &browser)
     })
     .await;
 

@@ -90,6 +90,13 @@ impl Seen {
         silent
     }
 
+    /// How stale `shard`'s data is at least at `now_ms`: its lag when it last
+    /// answered, and the time since (none: never seen, or its lag was not known).
+    pub fn since_answered(&self, shard: u32, now_ms: i64) -> Option<i64> {
+        let last = *lock(&self.shards, SEEN).get(&shard)?;
+        Some(last.lag_ms? + (now_ms - last.at_ms).max(0))
+    }
+
     /// How stale `shard`'s data is at least, when a read of it went unanswered
     /// less than `within` ms ago: its lag when it last answered, and the time since
     /// (none: it answers, its lag was not known, or it is time to ask again).
@@ -139,6 +146,17 @@ mod tests {
         assert_eq!(seen.unanswered([3], 1_700, 1_800), Vec::<u32>::new(), "it answered during the read");
         seen.unanswered([3], 1_900, 1_800);
         assert_eq!(seen.stale_and_silent(3, 500, 1_900), None, "its lag was not known");
+    }
+
+    #[test]
+    fn a_shards_staleness_grows_from_its_last_answer() {
+        let seen = Seen::default();
+        assert_eq!(seen.since_answered(3, 1_000), None, "never seen");
+        seen.answered(&AsOf::of(3, Some(ShardAsOf { applied: 10, lag_ms: Some(40) })), 1_000);
+        assert_eq!((seen.since_answered(3, 1_000), seen.since_answered(3, 7_000)), (Some(40), Some(6_040)));
+        assert_eq!(seen.since_answered(3, 900), Some(40), "a clock that stepped back adds nothing");
+        seen.answered(&AsOf::of(3, Some(ShardAsOf { applied: 11, lag_ms: None })), 8_000);
+        assert_eq!(seen.since_answered(3, 9_000), None, "its lag was not known");
     }
 
     #[test]

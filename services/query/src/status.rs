@@ -2,10 +2,14 @@
 //! indicator — which counter serves each shard, each shard's state, how many
 //! records of its log it has not applied yet (measured by the counter every few
 //! seconds), how much newer input it may be missing in ms (`lag_ms`, the
-//! counter's `freshness`), and whether the graph is served.
+//! counter's `freshness`), and whether the graph is served. A shard whose counter
+//! does not answer within [`STATUS_WITHIN`] is `unreachable`, its `lag_ms` what
+//! it was when it last answered plus the time since: the indicator turns stale
+//! while a counter is silent rather than saying nothing.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::State;
 use axum::response::Response;
@@ -16,6 +20,11 @@ use tally_shared::kafka::now_ms;
 
 use crate::api::{json_response, ApiState};
 use crate::error::ApiError;
+use crate::freshness::AsOf;
+
+/// How long the status waits for a counter's: past it, its shards are
+/// `unreachable` (a dashboard's indicator never waits for a silent counter).
+const STATUS_WITHIN: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Serialize)]
 struct ShardView {
@@ -28,8 +37,19 @@ struct ShardView {
     lag_at_ms: Option<i64>,
     /// The next offset of its log it applies.
     applied: Option<i64>,
-    /// How much newer input it may be missing, in ms (none: not known yet).
+    /// How much newer input it may be missing, in ms (none: not known yet); for
+    /// an `unreachable` shard, at least its lag when it last answered plus the
+    /// time since.
     lag_ms: Option<i64>,
+}
+
+/// The largest `lag_ms` of the serving shards (none while one's is not known)
+/// and of the unreachable ones whose is known.
+fn largest_lag(shards: &[ShardView]) -> Option<i64> {
+    let mut serving = shards.iter().filter(|s| s.state == "serving").map(|s| s.lag_ms);
+    let serving = serving.try_fold(None, |most: Option<i64>, lag| Some(most.max(Some(lag?))))?;
+    let silent = shards.iter().filter(|s| s.state == "unreachable").filter_map(|s| s.lag_ms).max();
+    serving.max(silent)
 }
 
 #[derive(Debug, Serialize)]
@@ -40,8 +60,8 @@ struct Status {
     lag: Option<i64>,
     /// The oldest lag measurement summed in `lag`.
     lag_at_ms: Option<i64>,
-    /// The largest `lag_ms` of the serving shards; `None` while a serving shard's
-    /// is not known.
+    /// The largest `lag_ms` of the serving and the unreachable shards; `None`
+    /// while a serving shard's is not known.
     lag_ms: Option<i64>,
     serving: usize,
     shards: Vec<ShardView>,
@@ -69,7 +89,8 @@ pub async fn status(State(state): State<Arc<ApiState>>) -> Result<Response, ApiE
         });
     }
     let answers = join_all(by_counter.keys().map(|addr| async move {
-        let response = fanout.client.get(format!("http://{addr}/internal/v1/status")).send().await;
+        let response =
+            fanout.client.get(format!("http://{addr}/internal/v1/status")).timeout(STATUS_WITHIN).send().await;
         match response {
             Ok(response) if response.status().is_success() => response.json::<CounterStatus>().await.ok(),
             _ => None,
@@ -92,6 +113,12 @@ pub async fn status(State(state): State<Arc<ApiState>>) -> Result<Response, ApiE
             if let Some(held) = held {
                 (view.lag, view.lag_at_ms) = (held.lag, held.lag_at_ms);
                 (view.applied, view.lag_ms) = (held.applied, held.lag_ms);
+                if held.state == ShardState::Serving {
+                    let as_of = AsOf { applied: held.applied, lag_ms: held.lag_ms, ..AsOf::of(shard, None) };
+                    fanout.seen.answered(&as_of, now_ms());
+                }
+            } else if answer.is_none() {
+                view.lag_ms = fanout.seen.since_answered(shard, now_ms());
             }
             tracing::trace!(addr, shard, state = view.state, "shard status");
         }
@@ -101,14 +128,32 @@ pub async fn status(State(state): State<Arc<ApiState>>) -> Result<Response, ApiE
         at_ms: now_ms(),
         lag: shards.iter().filter(|s| s.state == "serving").map(|s| s.lag).sum(),
         lag_at_ms: shards.iter().filter(|s| s.state == "serving").filter_map(|s| s.lag_at_ms).min(),
-        lag_ms: shards
-            .iter()
-            .filter(|s| s.state == "serving")
-            .map(|s| s.lag_ms)
-            .try_fold(None, |most: Option<i64>, lag| lag.map(|lag| Some(most.map_or(lag, |most| most.max(lag)))))
-            .flatten(),
+        lag_ms: largest_lag(&shards),
         serving: shards.iter().filter(|s| s.state == "serving").count(),
         shards,
         graph,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(shard: u32, state: &'static str, lag_ms: Option<i64>) -> ShardView {
+        ShardView { shard, state, counter: None, lag: None, lag_at_ms: None, applied: None, lag_ms }
+    }
+
+    #[test]
+    fn the_largest_lag_counts_silent_shards_and_waits_for_every_serving_ones() {
+        let serving = [view(0, "serving", Some(40)), view(1, "serving", Some(90))];
+        assert_eq!(largest_lag(&serving), Some(90));
+        let silent = [view(0, "serving", Some(40)), view(1, "unreachable", Some(6_040)), view(2, "unreachable", None)];
+        assert_eq!(largest_lag(&silent), Some(6_040), "a silent shard's staleness shows");
+        let unknown = [view(0, "serving", None), view(1, "unreachable", Some(6_040))];
+        assert_eq!(largest_lag(&unknown), None, "a serving shard's lag not known yet");
+        let elsewhere =
+            [view(0, "unowned", Some(10_000)), view(1, "failed", Some(10_000)), view(2, "catching_up", None)];
+        assert_eq!(largest_lag(&elsewhere), None, "only serving and silent shards count");
+        assert_eq!(largest_lag(&[view(0, "unreachable", Some(7_000))]), Some(7_000), "every counter silent");
+    }
 }
