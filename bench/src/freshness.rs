@@ -13,8 +13,9 @@
 //!
 //! The same reads check the answers' own account of their freshness: each read's
 //! `lag_ms` (the `as_of` of the probe's shard) against the lag the bench sees on its
-//! own clock at the moment it asked — the age of the oldest probe the answer does not
-//! hold yet, 0 when it holds every probe sent ([`LagCheck`]).
+//! own clock at the moment it asked — the age of the oldest probe the broker had
+//! acknowledged that the answer does not hold yet, 0 when it holds every one
+//! ([`LagCheck`]; a record still in the producer's queue is not input yet).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -47,10 +48,22 @@ pub struct FreshnessBenchArgs {
     /// Entities the load writes, with a Zipf skew.
     #[arg(long, default_value_t = 100_000)]
     pub entities: usize,
+    /// Publish rollups, as a default deployment does (off unless asked: on the
+    /// local broker their records are most of what is written under a load; see
+    /// `tally-bench read --rollups`).
+    #[arg(long)]
+    pub rollups: bool,
 }
 
 /// What the lock of the probes' send times guards ([`tally_shared::lock`]).
 const SENT: &str = "the probes' send times";
+
+/// When a probe was handed to the producer, and when the broker acknowledged it.
+#[derive(Debug, Clone, Copy)]
+struct Probe {
+    sent: Instant,
+    acked: Option<Instant>,
+}
 /// The probes' entity: no load increment touches it.
 const PROBE: &str = "bench-probe";
 /// A probe: one increment of [`PROBE`]'s `views`.
@@ -63,14 +76,16 @@ pub async fn run(config: TallyConfig, args: FreshnessBenchArgs) -> anyhow::Resul
         rig.finish().await?;
         bail!("tally-bench freshness sends no token: run it with auth.reader_token unset");
     }
+    rig.config.counter.rollups = args.rollups;
     let names = rig.fresh_topics().await?;
     println!(
-        "freshness bench: a probe increment every {} ms, read back through tally-query every millisecond; phases of {} s under steady loads of {} increments/s ({} per message, {} entities, Zipf 1.1); broker {}",
+        "freshness bench: a probe increment every {} ms, read back through tally-query every millisecond; phases of {} s under steady loads of {} increments/s ({} per message, {} entities, Zipf 1.1); rollups {}; broker {}",
         args.probe_every_ms,
         args.seconds,
         args.rates.iter().map(u64::to_string).collect::<Vec<_>>().join(", "),
         args.per_message,
         args.entities,
+        if args.rollups { "published" } else { "off (--rollups to publish them)" },
         rig.config.kafka.bootstrap_servers,
     );
     // The bound on the answers' own lag: 50 ms plus one fetch wait of the
@@ -150,7 +165,7 @@ async fn measure(
     let label = if rate == 0 { "probes, idle".to_string() } else { format!("probes at {rate} increments/s") };
     let progress = bar(args.seconds, &label);
     let (base, reader) = settle(producer, topic, Connection::open(query_port)?).await?;
-    let sent: Arc<Mutex<Vec<Instant>>> = Arc::default();
+    let sent: Arc<Mutex<Vec<Probe>>> = Arc::default();
     // How many probes the watcher waits for: all that were sent, once sending ended
     // (none, should sending fail: the guard stops the watcher with the phase).
     let expected = Arc::new(AtomicUsize::new(usize::MAX));
@@ -163,7 +178,8 @@ async fn measure(
     let (start, end) = (Instant::now(), Instant::now() + Duration::from_secs(args.seconds));
     let mut draw = Entities::new(args.entities, 100 + seed);
     let per_message = args.per_message as usize;
-    let mut pending = futures::stream::FuturesUnordered::new();
+    let (mut pending, mut probes_pending) =
+        (futures::stream::FuturesUnordered::new(), futures::stream::FuturesUnordered::new());
     let (mut pace, mut next_probe, mut tick) =
         (Pace::new(rate, per_message), start, tokio::time::interval(Duration::from_millis(1)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
@@ -180,14 +196,28 @@ async fn measure(
         }
         if now >= next_probe {
             next_probe += Duration::from_millis(args.probe_every_ms);
-            lock(&sent, SENT).push(Instant::now());
+            let probe = {
+                let mut probes = lock(&sent, SENT);
+                probes.push(Probe { sent: Instant::now(), acked: None });
+                probes.len() - 1
+            };
             let record = FutureRecord::to(topic).key(PROBE).payload(PROBE_MESSAGE);
-            pending.push(producer.send_result(record).map_err(|(err, _)| anyhow::anyhow!("producing a probe: {err}"))?);
+            let delivery =
+                producer.send_result(record).map_err(|(err, _)| anyhow::anyhow!("producing a probe: {err}"))?;
+            probes_pending.push(delivery.map(move |delivered| (probe, delivered)));
         }
         while let Some(Some(delivered)) = pending.next().now_or_never() {
             check_delivered(delivered)?;
         }
+        while let Some(Some((probe, delivered))) = probes_pending.next().now_or_never() {
+            check_delivered(delivered)?;
+            lock(&sent, SENT)[probe].acked = Some(Instant::now());
+        }
         progress.set_position(start.elapsed().as_secs());
+    }
+    while let Some((probe, delivered)) = probes_pending.next().await {
+        check_delivered(delivered)?;
+        lock(&sent, SENT)[probe].acked = Some(Instant::now());
     }
     while let Some(delivered) = pending.next().await {
         check_delivered(delivered)?;
@@ -255,7 +285,7 @@ fn check_delivered(
 fn watch(
     mut reader: Connection,
     base: i64,
-    sent: &Mutex<Vec<Instant>>,
+    sent: &Mutex<Vec<Probe>>,
     expected: &AtomicUsize,
 ) -> anyhow::Result<Watched> {
     let (mut freshness, mut lags) = (Vec::new(), LagCheck::default());
@@ -268,11 +298,11 @@ fn watch(
         let times = lock(sent, SENT);
         anyhow::ensure!(shown <= times.len(), "{shown} probes show but {} were sent", times.len());
         while freshness.len() < shown {
-            freshness.push(read_at - times[freshness.len()]);
+            freshness.push(read_at - times[freshness.len()].sent);
         }
         lags.add(answer.lag_ms, oldest_missing(&times, shown, asked_at));
-        if let Some(&at) = times.last() {
-            last_send = at;
+        if let Some(probe) = times.last() {
+            last_send = probe.sent;
         }
         anyhow::ensure!(
             last_send.elapsed() < Duration::from_secs(120),
@@ -287,10 +317,12 @@ fn watch(
 }
 
 /// The lag an answer holding the first `shown` probes has on the bench's clock when
-/// it was asked for at `asked_at`: the age of the oldest probe sent before then that
-/// it does not hold, or nothing missing (0).
-fn oldest_missing(sent: &[Instant], shown: usize, asked_at: Instant) -> Duration {
-    sent.get(shown).map_or(Duration::ZERO, |&at| asked_at.saturating_duration_since(at))
+/// it was asked for at `asked_at`: the age of the oldest probe the broker had
+/// acknowledged by then that it does not hold, or nothing missing (0). Probes go to
+/// one partition, in order: those an answer holds are the first ones.
+fn oldest_missing(probes: &[Probe], shown: usize, asked_at: Instant) -> Duration {
+    let acked = probes.get(shown).and_then(|probe| probe.acked).filter(|at| *at <= asked_at);
+    acked.map_or(Duration::ZERO, |at| asked_at - at)
 }
 
 /// The reads' `lag_ms` against the bench's own lag at the moment each was asked for
@@ -440,12 +472,16 @@ mod tests {
     #[test]
     fn the_bench_sees_the_age_of_the_oldest_probe_an_answer_misses() {
         let start = Instant::now();
-        let sent: Vec<Instant> = (0..4).map(|i| start + Duration::from_millis(20 * i)).collect();
-        let asked_at = start + Duration::from_millis(100);
-        assert_eq!(oldest_missing(&sent, 4, asked_at), Duration::ZERO, "every probe held");
-        assert_eq!(oldest_missing(&sent, 2, asked_at), Duration::from_millis(60), "probe 2, sent at 40 ms, missing");
-        assert_eq!(oldest_missing(&sent, 0, asked_at), Duration::from_millis(100));
-        assert_eq!(oldest_missing(&sent, 3, start), Duration::ZERO, "a probe sent after the ask is not missed");
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        // Probe i sent at 20·i ms, acknowledged 5 ms later; probe 3 not yet.
+        let mut probes: Vec<Probe> = (0..4).map(|i| Probe { sent: at(20 * i), acked: Some(at(20 * i + 5)) }).collect();
+        probes[3].acked = None;
+        let asked_at = at(100);
+        assert_eq!(oldest_missing(&probes, 4, asked_at), Duration::ZERO, "every probe held");
+        assert_eq!(oldest_missing(&probes, 2, asked_at), Duration::from_millis(55), "probe 2, acknowledged at 45 ms");
+        assert_eq!(oldest_missing(&probes, 0, asked_at), Duration::from_millis(95));
+        assert_eq!(oldest_missing(&probes, 3, asked_at), Duration::ZERO, "in the producer's queue: not input yet");
+        assert_eq!(oldest_missing(&probes, 2, at(44)), Duration::ZERO, "acknowledged after the ask");
     }
 
     #[test]
