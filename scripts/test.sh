@@ -10,8 +10,9 @@ cd "$(dirname "$0")/.."
 source scripts/common.sh
 # openssl and stunnel4: the TLS-only Kafka of the e2e tests; python3-venv: moto's S3
 # server (below); chromium and chromium-driver: the dashboard's browser tests
-# (headless, driven over WebDriver; screenshots land in target/tmp/screenshots/).
-install_native_packages openssl stunnel4 python3-venv chromium chromium-driver
+# (headless, driven over WebDriver; screenshots land in target/tmp/screenshots/);
+# prometheus: promtool, which checks and unit-tests the alerting rules.
+install_native_packages openssl stunnel4 python3-venv chromium chromium-driver prometheus
 
 # The e2e tests start Tansu themselves and would install it too; installing it here
 # first keeps parallel tests from racing to install it (same path and version as

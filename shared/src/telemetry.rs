@@ -13,7 +13,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
 use axum::Router;
-use prometheus::{Encoder, Registry, TextEncoder};
+use prometheus::{Encoder, IntGauge, Registry, TextEncoder};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;
@@ -77,6 +77,8 @@ impl Readiness {
 struct AdminState {
     registry: Registry,
     readiness: Readiness,
+    /// `tally_ready`, set from `readiness` at each scrape.
+    ready_gauge: IntGauge,
 }
 
 /// Binds the admin port and serves it until `shutdown`; returns the bound address.
@@ -95,14 +97,29 @@ pub async fn serve_admin(
 
 /// The admin routes, to merge into a service's own router when it has one port.
 pub fn admin_router(registry: Registry, readiness: Readiness) -> Router {
+    let ready_gauge = ready_gauge(&registry);
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready))
-        .with_state(AdminState { registry, readiness })
+        .with_state(AdminState { registry, readiness, ready_gauge })
+}
+
+/// `tally_ready`, registered in `registry`.
+fn ready_gauge(registry: &Registry) -> IntGauge {
+    register(
+        registry,
+        IntGauge::new(
+            "tally_ready",
+            "1 while the service is ready (/readyz answers 200), 0 while not: one not ready for minutes \
+             is stuck starting or stopped by a failure, which /readyz names",
+        )
+        .expect("valid metric"),
+    )
 }
 
 async fn metrics(State(state): State<AdminState>) -> (StatusCode, String) {
+    state.ready_gauge.set(i64::from(state.readiness.is_ready()));
     let mut buffer = Vec::new();
     if let Err(err) = TextEncoder::new().encode(&state.registry.gather(), &mut buffer) {
         return (StatusCode::INTERNAL_SERVER_ERROR, err.to_string());
@@ -128,4 +145,23 @@ pub fn register<M: prometheus::core::Collector + Clone + 'static>(registry: &Reg
         Err(err) => tracing::warn!(error = %err, "a metric not registered"),
     }
     metric
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn metrics_say_whether_the_service_is_ready() {
+        let (registry, readiness) = (Registry::new(), Readiness::default());
+        let ready_gauge = ready_gauge(&registry);
+        let state = AdminState { registry, readiness: readiness.clone(), ready_gauge };
+        let scrape = || async { metrics(State(state.clone())).await };
+        let line = |text: String| text.lines().find(|line| line.starts_with("tally_ready ")).map(str::to_string);
+        assert_eq!(line(scrape().await.1), Some("tally_ready 0".into()), "not ready at start");
+        readiness.set(true);
+        assert_eq!(line(scrape().await.1), Some("tally_ready 1".into()));
+        readiness.set_failures(vec!["shard 3: undecodable record at 1207".into()]);
+        assert_eq!(line(scrape().await.1), Some("tally_ready 0".into()), "a failure makes it not ready");
+    }
 }
