@@ -3,6 +3,7 @@
 //! to produce input, kill and restart services, read topics and call the HTTP API.
 
 pub mod probes;
+pub mod prometheus;
 pub mod s3;
 pub mod tls;
 pub mod workload;
@@ -555,6 +556,11 @@ impl Sandbox {
             assert!(tokio::time::Instant::now() < deadline, "{name} not ready after {timeout:?}:\n{}", self.log(name));
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// A running service's admin address (`/metrics`, `/healthz`, `/readyz`).
+    pub fn admin_addr(&self, name: &str) -> String {
+        self.admin.get(name).unwrap_or_else(|| panic!("{name} has no admin address")).clone()
     }
 
     /// The samples of one metric family on a service's `/metrics`: labels → value.

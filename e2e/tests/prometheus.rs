@@ -1,0 +1,118 @@
+//! The alerting rules in a real Prometheus (Debian's) scraping the real services: a
+//! shard failed on purpose (bytes no tally wrote on its shard topic, as in
+//! `fail_closed.rs`) fires `TallyShardFailed` within two evaluation intervals of the
+//! counter reporting it, with the counter's readiness scraped as 0, and the alert
+//! resolves once `tally shards skip` moved past the record; before the failure, no
+//! alert fires.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tally_core::sharding::shard_of;
+use tally_e2e::prometheus::{Alert, Prometheus};
+use tally_e2e::Sandbox;
+use tally_shared::kafka::client_config;
+
+const SHARDS: u32 = 8;
+/// Prometheus's scrape and evaluation interval here.
+const INTERVAL: Duration = Duration::from_secs(1);
+
+/// Waits until `done` holds for Prometheus's alerts; panics with them after `within`.
+async fn alerts_until(prometheus: &Prometheus, within: Duration, what: &str, done: impl Fn(&[Alert]) -> bool) {
+    let deadline = Instant::now() + within;
+    loop {
+        let alerts = prometheus.alerts().await;
+        if done(&alerts) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what} within {within:?}: {alerts:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn firing<'a>(alerts: &'a [Alert], name: &str) -> Vec<&'a Alert> {
+    alerts.iter().filter(|alert| alert.name == name && alert.state == "firing").collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_shard_fires_its_alert_in_prometheus_and_resolves_once_skipped() {
+    let mut sandbox = Sandbox::start().await;
+    for service in ["tally-ingester", "tally-counter", "tally-query"] {
+        sandbox.spawn(service);
+    }
+    sandbox.wait_ready("tally-counter", Duration::from_secs(60)).await;
+    let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/prometheus/tally-rules.yaml");
+    let targets: Vec<(&str, String)> = ["tally-ingester", "tally-counter", "tally-query"]
+        .into_iter()
+        .map(|name| (name, sandbox.admin_addr(name)))
+        .collect();
+    let prometheus = Prometheus::start(sandbox.dir.path(), &targets, &rules, INTERVAL).await;
+    let counter = sandbox.admin_addr("tally-counter");
+
+    // Every service scraped and ready, no alert firing.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let ready = prometheus.query("tally_ready").await;
+        let mut jobs: Vec<(String, f64)> =
+            ready.iter().map(|(labels, value)| (labels["job"].as_str().unwrap_or("").to_string(), *value)).collect();
+        jobs.sort_by(|a, b| a.0.cmp(&b.0));
+        let want =
+            vec![("tally-counter".to_string(), 1.0), ("tally-ingester".into(), 1.0), ("tally-query".into(), 1.0)];
+        if jobs == want {
+            break;
+        }
+        assert!(Instant::now() < deadline, "tally_ready as Prometheus scraped it: {jobs:?}, not {want:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let none: Vec<Alert> = prometheus.alerts().await.into_iter().filter(|alert| alert.state == "firing").collect();
+    assert_eq!(none, vec![], "nothing fires on a healthy deployment");
+
+    // A stray producer writes bytes no tally wrote to a shard.
+    let failed = shard_of("user:0", SHARDS);
+    let shard_topic = sandbox.names.shards();
+    let producer: rdkafka::producer::FutureProducer = client_config(&sandbox.kafka).unwrap().create().unwrap();
+    let garbage = b"\x00\x01 not a tally record".to_vec();
+    let record =
+        rdkafka::producer::FutureRecord::<(), [u8]>::to(&shard_topic).partition(failed as i32).payload(&garbage);
+    let garbage_offset = producer.send(record, Duration::from_secs(10)).await.map_err(|(err, _)| err).unwrap().offset;
+
+    // From the counter reporting the failure to the alert firing: two evaluations.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while sandbox.metric("tally-counter", "tally_counter_failed_shards").await != vec![(String::new(), 1.0)] {
+        assert!(Instant::now() < deadline, "the shard did not fail:\n{}", sandbox.log("tally-counter"));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let reported = Instant::now();
+    alerts_until(&prometheus, Duration::from_secs(30), "TallyShardFailed firing", |alerts| {
+        !firing(alerts, "TallyShardFailed").is_empty()
+    })
+    .await;
+    let took = reported.elapsed();
+    let alerts = prometheus.alerts().await;
+    let fired: Vec<&Alert> = firing(&alerts, "TallyShardFailed");
+    let want =
+        json!({"alertname": "TallyShardFailed", "severity": "critical", "job": "tally-counter", "instance": counter});
+    assert_eq!(fired.iter().map(|alert| alert.labels.clone()).collect::<Vec<_>>(), vec![want]);
+    println!("TallyShardFailed fired {took:?} after the counter reported the failure");
+    // Two evaluation intervals, and a scrape's worth of slack for a busy machine.
+    assert!(took <= INTERVAL * 3, "TallyShardFailed fired {took:?} after the failure was reported");
+    let scraped = prometheus.query("tally_ready{job=\"tally-counter\"}").await;
+    assert_eq!(scraped.iter().map(|(_, value)| *value).collect::<Vec<_>>(), vec![0.0], "the counter is not ready");
+
+    // The operator skips the record: the alert resolves.
+    let (ok, output) = sandbox.cli(&[
+        "shards",
+        "skip",
+        &failed.to_string(),
+        &garbage_offset.to_string(),
+        "--reason",
+        "a stray producer",
+    ]);
+    assert!(ok, "{output}\n{}", sandbox.log("tally-counter"));
+    alerts_until(&prometheus, Duration::from_secs(30), "TallyShardFailed resolved", |alerts| {
+        firing(alerts, "TallyShardFailed").is_empty() && alerts.iter().all(|alert| alert.name != "TallyShardFailed")
+    })
+    .await;
+    let still: Vec<Alert> = prometheus.alerts().await.into_iter().filter(|alert| alert.state == "firing").collect();
+    assert_eq!(still, vec![], "nothing fires once the shard counts again");
+}
