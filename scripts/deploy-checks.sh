@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The deployment checks: the Helm chart rendered and linted by the real Helm engine for
-# every values file in helm/tally/ci/ and validated against the Kubernetes and KEDA
+# every values file in helm/tally/ci/ and validated against the Kubernetes, KEDA and Prometheus Operator
 # schemas; the values files in helm/tally/tests/refused/ refused with their messages;
 # `docker compose config` on docker-compose.yml; the Dockerfile, compose file and chart
 # checked against each other and the code; and every container's config and environment
@@ -35,7 +35,7 @@ if [ "$(cat "$VENV/.installed" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$VENV/.installed"
 fi
 
-# Node: the KEDA CRD schema.
+# Node: the KEDA and Prometheus Operator CRD schemas.
 want="$(stamp "$DEPLOY/npm/package.json" "$DEPLOY/npm/package-lock.json")"
 if [ "$(cat "$NPM_DIR/.installed" 2>/dev/null)" != "$want" ]; then
   echo "==> installing the deployment check tools (npm) into $NPM_DIR"

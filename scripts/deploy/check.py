@@ -2,7 +2,7 @@
 
 Renders the Helm chart with the real Helm engine (helm-python-sdk) for every values file
 in helm/tally/ci/ and lints it; validates every rendered object (kubernetes-validate
---strict; KEDA objects against the KEDA CRD schema); renders every values file in
+--strict; KEDA and Prometheus Operator objects against their CRD schemas); renders every values file in
 helm/tally/tests/refused/ and requires the failure its `# expect:` line names; renders a
 queues-only upgrade and requires that no service's pod template changes; runs
 `docker compose config` on docker-compose.yml; checks the files against each other (the
@@ -459,7 +459,7 @@ def check_chart(report: Report, config_check: ConfigCheck, work: Path) -> None:
     report.section("Helm chart: a queues-only upgrade restarts no service")
     check_queues_only_upgrade(report, helm)
 
-    report.section("Helm chart: rendered objects against the Kubernetes and KEDA schemas")
+    report.section("Helm chart: rendered objects against the Kubernetes, KEDA and Prometheus Operator schemas")
     validate_objects(report, work, all_objects)
 
     report.section("Helm chart: values that must be refused")
@@ -916,9 +916,12 @@ def check_rendered(report, config_check, work: Path, case: str, values: dict, ob
             report.check(f"{case}: Service/{svc['metadata']['name']} port {port['port']} → {target} is a container port", found, "no such container port")
 
 
+CRD_GROUPS = ("keda.sh/", "monitoring.coreos.com/")
+
+
 def validate_objects(report: Report, work: Path, all_objects) -> None:
-    keda = [(case, obj) for case, _, obj in all_objects if obj["apiVersion"].startswith("keda.sh/")]
-    core = [(case, template, obj) for case, template, obj in all_objects if not obj["apiVersion"].startswith("keda.sh/")]
+    custom = [(case, obj) for case, _, obj in all_objects if obj["apiVersion"].startswith(CRD_GROUPS)]
+    core = [(case, template, obj) for case, template, obj in all_objects if not obj["apiVersion"].startswith(CRD_GROUPS)]
     files = []
     for i, (case, template, obj) in enumerate(core):
         path = work / "manifests" / f"{i:04d}-{case.removesuffix('.yaml')}-{obj['kind'].lower()}-{obj['metadata']['name']}.yaml"
@@ -931,14 +934,47 @@ def validate_objects(report: Report, work: Path, all_objects) -> None:
         lines = [l for l in (result.stdout + result.stderr).splitlines() if l.strip()]
         report.check(f"kubernetes-validate --strict -k {version}: {len(files)} objects", result.returncode == 0 and not lines,
                      "\n        " + "\n        ".join(lines[:30]))
-    if keda:
-        path = work / "keda.json"
-        path.write_text(json.dumps([obj for _, obj in keda]))
-        result = subprocess.run(["node", str(ROOT / "scripts" / "deploy" / "keda-validate.mjs"), str(NPM), str(path)], capture_output=True, text=True)
+    if custom:
+        path = work / "custom.json"
+        path.write_text(json.dumps([obj for _, obj in custom]))
+        result = subprocess.run(["node", str(ROOT / "scripts" / "deploy" / "crd-validate.mjs"), str(NPM), str(path)], capture_output=True, text=True)
         errors = [l for l in result.stdout.splitlines() if not l.startswith("ok ")] + [l for l in result.stderr.splitlines() if "ExperimentalWarning" not in l and l.strip()]
-        report.check(f"KEDA schema (@kubernetes-models/keda), strict: {len(keda)} ScaledObjects", result.returncode == 0 and not errors,
-                     "\n        " + "\n        ".join(errors[:30]))
-    report.check("the CI values render at least one KEDA ScaledObject", bool(keda), "no autoscaled worker in helm/tally/ci")
+        kinds = sorted({obj["kind"] for _, obj in custom})
+        report.check(f"CRD schemas (@kubernetes-models/keda, prometheus-operator), strict: {len(custom)} objects ({', '.join(kinds)})",
+                     result.returncode == 0 and not errors, "\n        " + "\n        ".join(errors[:30]))
+    report.check("the CI values render at least one KEDA ScaledObject", any(o["kind"] == "ScaledObject" for _, o in custom),
+                 "no autoscaled worker in helm/tally/ci")
+    check_monitoring(report, all_objects)
+
+
+def check_monitoring(report: Report, all_objects) -> None:
+    """The PrometheusRule holds deploy/prometheus/tally-rules.yaml's groups, checked by
+    promtool; the dashboard ConfigMaps hold deploy/grafana's files, each under its name."""
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "tally-rules.yaml").read_text())
+    dashboards = {p.name: p.read_text() for p in sorted((ROOT / "deploy" / "grafana").glob("*.json"))}
+    rendered = [(case, o) for case, _, o in all_objects if o["kind"] == "PrometheusRule"]
+    report.check("the CI values render a PrometheusRule", bool(rendered), "none enables monitoring.prometheusRule")
+    for case, rule in rendered:
+        report.check(f"{case}: PrometheusRule/{rule['metadata']['name']}: the groups of deploy/prometheus/tally-rules.yaml",
+                     rule["spec"] == {"groups": rules["groups"]}, "it differs")
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml") as file:
+            yaml.safe_dump(rule["spec"], file)
+            file.flush()
+            try:
+                result = subprocess.run(["promtool", "check", "rules", file.name], capture_output=True, text=True)
+                ok, why = result.returncode == 0, result.stdout + result.stderr
+            except FileNotFoundError:
+                ok, why = False, "no promtool: install Debian's prometheus package"
+        report.check(f"{case}: PrometheusRule/{rule['metadata']['name']}: promtool check rules", ok, why)
+    maps = {}
+    for case, _, o in all_objects:
+        if o["kind"] == "ConfigMap" and any(key.endswith(".json") for key in (o.get("data") or {})):
+            maps.setdefault(case, {}).update(o["data"])
+    report.check("the CI values render the Grafana dashboards", bool(maps), "none enables monitoring.grafanaDashboards")
+    for case, data in maps.items():
+        report.check(f"{case}: the dashboard ConfigMaps hold deploy/grafana's files",
+                     {k: v.rstrip("\n") for k, v in data.items()} == {k: v.rstrip("\n") for k, v in dashboards.items()},
+                     f"{sorted(data)} against {sorted(dashboards)}")
 
 
 # ----------------------------------------------------------------------- Docker, Compose

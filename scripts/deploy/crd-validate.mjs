@@ -1,8 +1,10 @@
-// Validates KEDA objects against the KEDA CRD schema of @kubernetes-models/keda, and
-// strictly: a field the CRD does not declare is an error too (the compiled validators
-// accept unknown fields; the package's type declarations list every declared one).
+// Validates custom resources against their CRD schemas — KEDA's
+// (@kubernetes-models/keda) and the Prometheus Operator's
+// (@kubernetes-models/prometheus-operator) — and strictly: a field the CRD does not
+// declare is an error too (the compiled validators accept unknown fields; the
+// packages' type declarations list every declared one).
 //
-//   node keda-validate.mjs <dir holding node_modules> <file of a JSON array of objects>
+//   node crd-validate.mjs <dir holding node_modules> <file of a JSON array of objects>
 //
 // Prints one line per object ("ok kind/name" or "ERROR kind/name: why") and exits 1
 // when any object is not valid.
@@ -11,14 +13,15 @@ import { join, dirname } from "node:path";
 import { pathToFileURL } from "node:url";
 
 const [npmDir, file] = process.argv.slice(2);
-const pkg = join(npmDir, "node_modules", "@kubernetes-models", "keda");
 const objects = JSON.parse(readFileSync(file, "utf8"));
 
-// The models this chart may render, by apiVersion and kind.
+// The models this chart may render, by apiVersion and kind: their package, and the
+// model's path in it.
 const models = {
-  "keda.sh/v1alpha1/ScaledObject": "keda.sh/v1alpha1/ScaledObject",
-  "keda.sh/v1alpha1/ScaledJob": "keda.sh/v1alpha1/ScaledJob",
-  "keda.sh/v1alpha1/TriggerAuthentication": "keda.sh/v1alpha1/TriggerAuthentication",
+  "keda.sh/v1alpha1/ScaledObject": ["keda", "keda.sh/v1alpha1/ScaledObject"],
+  "keda.sh/v1alpha1/ScaledJob": ["keda", "keda.sh/v1alpha1/ScaledJob"],
+  "keda.sh/v1alpha1/TriggerAuthentication": ["keda", "keda.sh/v1alpha1/TriggerAuthentication"],
+  "monitoring.coreos.com/v1/PrometheusRule": ["prometheus-operator", "monitoring.coreos.com/v1/PrometheusRule"],
 };
 
 // Declared fields of an interface in a .d.ts file: { field: typeText }, following the
@@ -67,12 +70,14 @@ function unknownFields(value, dtsPath, path, out) {
 let failed = 0;
 for (const object of objects) {
   const id = `${object.kind}/${object.metadata?.name}`;
-  const model = models[`${object.apiVersion}/${object.kind}`];
-  if (!model) {
-    console.log(`ERROR ${id}: no KEDA schema for ${object.apiVersion} ${object.kind}`);
+  const found = models[`${object.apiVersion}/${object.kind}`];
+  if (!found) {
+    console.log(`ERROR ${id}: no CRD schema for ${object.apiVersion} ${object.kind}`);
     failed++;
     continue;
   }
+  const [name, model] = found;
+  const pkg = join(npmDir, "node_modules", "@kubernetes-models", name);
   const modulePath = join(pkg, model + ".js");
   const Model = (await import(pathToFileURL(modulePath).href))[object.kind];
   const problems = [];
