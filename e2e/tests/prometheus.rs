@@ -3,7 +3,10 @@
 //! `fail_closed.rs`) fires `TallyShardFailed` within two evaluation intervals of the
 //! counter reporting it, with the counter's readiness scraped as 0, and the alert
 //! resolves once `tally shards skip` moved past the record; before the failure, no
-//! alert fires.
+//! alert fires. A paused counter (SIGSTOP: its own metrics go unscraped) fires
+//! `TallyShardStale` for every shard it owns, from tally-query's view of their
+//! staleness, and resolves once it runs again — with that rule's threshold and wait
+//! scaled from a minute and five to seconds (promtool's unit tests cover the real ones).
 
 use std::time::{Duration, Instant};
 
@@ -115,4 +118,84 @@ async fn a_failed_shard_fires_its_alert_in_prometheus_and_resolves_once_skipped(
     .await;
     let still: Vec<Alert> = prometheus.alerts().await.into_iter().filter(|alert| alert.state == "firing").collect();
     assert_eq!(still, vec![], "nothing fires once the shard counts again");
+}
+
+/// The rules file with `alert`'s threshold and `for` replaced (`> 60` and `for: 5m`):
+/// the rule as shipped, on a test's time scale.
+fn scaled(alert: &str, threshold: &str, wait: &str) -> String {
+    let rules = std::fs::read_to_string(rules_path()).unwrap();
+    let start = rules.find(&format!("- alert: {alert}\n")).unwrap_or_else(|| panic!("no {alert}"));
+    let end = rules[start + 1..].find("- alert: ").map_or(rules.len(), |at| start + 1 + at);
+    let block = &rules[start..end];
+    let changed = block.replace("> 60", &format!("> {threshold}")).replace("for: 5m", &format!("for: {wait}"));
+    assert!(changed.contains(&format!("> {threshold}")) && changed.contains(&format!("for: {wait}")), "{block}");
+    format!("{}{changed}{}", &rules[..start], &rules[end..])
+}
+
+fn rules_path() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/prometheus/tally-rules.yaml")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_counter_fires_the_stale_shard_alert_until_it_runs_again() {
+    let mut sandbox = Sandbox::start().await;
+    for service in ["tally-ingester", "tally-counter", "tally-query"] {
+        sandbox.spawn(service);
+    }
+    sandbox.wait_ready("tally-counter", Duration::from_secs(60)).await;
+    sandbox.wait_ready("tally-query", Duration::from_secs(60)).await;
+    let rules = sandbox.dir.path().join("rules.yaml");
+    std::fs::write(&rules, scaled("TallyShardStale", "3", "1s")).unwrap();
+    let targets: Vec<(&str, String)> = ["tally-ingester", "tally-counter", "tally-query"]
+        .into_iter()
+        .map(|name| (name, sandbox.admin_addr(name)))
+        .collect();
+    let prometheus = Prometheus::start(sandbox.dir.path(), &targets, &rules, INTERVAL).await;
+    let all: Vec<String> = (0..SHARDS).map(|shard| shard.to_string()).collect();
+
+    // Every shard's staleness scraped, and fresh.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let staleness = prometheus.query("tally_query_shard_staleness_seconds").await;
+        let mut fresh: Vec<String> = staleness
+            .iter()
+            .filter(|(_, seconds)| *seconds < 3.0)
+            .map(|(labels, _)| labels["shard"].as_str().unwrap_or("").to_string())
+            .collect();
+        fresh.sort_by_key(|shard| shard.parse::<u32>().unwrap_or(u32::MAX));
+        if fresh == all {
+            break;
+        }
+        assert!(Instant::now() < deadline, "every shard's staleness under 3 s: {staleness:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(firing(&prometheus.alerts().await, "TallyShardStale"), Vec::<&Alert>::new());
+
+    sandbox.signal("tally-counter", libc::SIGSTOP);
+    let paused = Instant::now();
+    let stale_shards = |alerts: &[Alert]| -> Vec<String> {
+        let mut shards: Vec<String> = firing(alerts, "TallyShardStale")
+            .iter()
+            .map(|alert| alert.labels["shard"].as_str().unwrap_or("").to_string())
+            .collect();
+        shards.sort_by_key(|shard| shard.parse::<u32>().unwrap_or(u32::MAX));
+        shards
+    };
+    alerts_until(&prometheus, Duration::from_secs(30), "TallyShardStale for every shard", |alerts| {
+        stale_shards(alerts) == all
+    })
+    .await;
+    println!("TallyShardStale fired for every shard {:?} after the counter paused", paused.elapsed());
+    let alerts = prometheus.alerts().await;
+    let want = |shard: &String| json!({"alertname": "TallyShardStale", "severity": "warning", "shard": shard});
+    let mut labels: Vec<serde_json::Value> =
+        firing(&alerts, "TallyShardStale").iter().map(|alert| alert.labels.clone()).collect();
+    labels.sort_by_key(|labels| labels["shard"].as_str().unwrap_or("").parse::<u32>().unwrap_or(u32::MAX));
+    assert_eq!(labels, all.iter().map(want).collect::<Vec<_>>());
+
+    sandbox.signal("tally-counter", libc::SIGCONT);
+    alerts_until(&prometheus, Duration::from_secs(30), "TallyShardStale resolved", |alerts| {
+        alerts.iter().all(|alert| alert.name != "TallyShardStale")
+    })
+    .await;
 }

@@ -43,7 +43,7 @@ pub struct Fanout {
     /// How long to wait for an owner to (re)appear.
     pub owner_wait: Duration,
     /// Each shard's freshness when it last answered ([`crate::freshness`]).
-    pub seen: Seen,
+    pub seen: Arc<Seen>,
     /// The shard topic's ends, for reads with write tokens ([`crate::after`]; `None`:
     /// such reads that need them are unavailable).
     pub ends: Option<LogEnds>,

@@ -77,7 +77,9 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     )?;
     let brokers = jobs::Brokers::new(membership, config.broker.member_timeout_ms);
     let standbys = Arc::new(standbys::Standbys::default());
-    standbys.clone().refresh(owners.clone(), client.clone(), shards, shutdown.clone());
+    let seen = Arc::new(freshness::Seen::default());
+    let watch = (seen.clone(), metrics.shard_staleness_seconds.clone());
+    standbys.clone().refresh(owners.clone(), client.clone(), shards, watch, shutdown.clone());
     let state = Arc::new(api::ApiState {
         brokers,
         fanout: fanout::Fanout {
@@ -89,7 +91,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
                 .then(|| read_link::Links::new(CALL_TIMEOUT).authorized(config.auth.bearer(Role::Cluster))),
             shards,
             owner_wait: Duration::from_millis(config.query.owner_wait_ms),
-            seen: Default::default(),
+            seen,
             ends: Some(after::LogEnds::new(&config.kafka, names.shards(), shards)?),
             token_waits: metrics.token_wait_seconds.clone(),
             standbys,

@@ -1,6 +1,6 @@
 //! The query service's Prometheus metrics, declared once.
 
-use prometheus::{HistogramOpts, HistogramVec, Registry};
+use prometheus::{GaugeVec, HistogramOpts, HistogramVec, Opts, Registry};
 use tally_shared::telemetry::register;
 
 #[derive(Clone)]
@@ -10,6 +10,8 @@ pub struct Metrics {
     /// How long reads with write tokens waited for them, by `outcome`: `held`,
     /// `not_fresh_enough` (504) or `refused` (another error).
     pub token_wait_seconds: HistogramVec,
+    /// Per shard, how stale its counts are as tally-query last heard ([`crate::standbys`]).
+    pub shard_staleness_seconds: GaugeVec,
 }
 
 impl Metrics {
@@ -33,6 +35,19 @@ impl Metrics {
                     )
                     .buckets(vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0]),
                     &["outcome"],
+                )
+                .expect("valid metric"),
+            ),
+            shard_staleness_seconds: register(
+                registry,
+                GaugeVec::new(
+                    Opts::new(
+                        "tally_query_shard_staleness_seconds",
+                        "How much newer input a shard's counts may be missing: its lag when its owner last told \
+                         tally-query (every second), plus the time since — it grows while the owner is silent \
+                         (paused, dead, partitioned): when it does, look at that counter's /readyz and lag",
+                    ),
+                    &["shard"],
                 )
                 .expect("valid metric"),
             ),

@@ -6,6 +6,11 @@
 //! counter that claims a shard, every [`REFRESH_EVERY`]) in the background, so a
 //! read never waits for it. A read with write tokens never gets here: a standby
 //! may be behind what the owner served.
+//!
+//! The same statuses tell how fresh each shard its owner serves is ([`Seen`]);
+//! after each round every shard's staleness (its lag as last told plus the time
+//! since) goes to `tally_query_shard_staleness_seconds`, which grows while an owner
+//! is silent.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
@@ -21,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::ApiError;
 use crate::fanout::{Answered, Fanout};
-use crate::freshness::AsOf;
+use crate::freshness::{AsOf, Seen};
 
 /// How often the standbys' places are asked anew.
 pub const REFRESH_EVERY: Duration = Duration::from_secs(1);
@@ -43,12 +48,14 @@ impl Standbys {
     }
 
     /// Asks every counter that claims a shard of `shards` for its status, every
-    /// [`REFRESH_EVERY`] until `shutdown`.
+    /// [`REFRESH_EVERY`] until `shutdown`; what owners say of the shards they serve
+    /// goes to `seen`, and each shard's staleness since to `staleness`.
     pub fn refresh(
         self: Arc<Self>,
         owners: Arc<ClaimTable>,
         client: reqwest::Client,
         shards: u32,
+        (seen, staleness): (Arc<Seen>, prometheus::GaugeVec),
         shutdown: CancellationToken,
     ) -> tokio::task::JoinHandle<()> {
         tokio::spawn(async move {
@@ -64,7 +71,21 @@ impl Standbys {
                         Some((addr.clone(), status.json::<CounterStatus>().await.ok()?))
                     }
                 });
-                let held: BTreeMap<u32, String> = (join_all(asked).await.into_iter().flatten())
+                let answers: Vec<(String, CounterStatus)> = join_all(asked).await.into_iter().flatten().collect();
+                let now = tally_shared::kafka::now_ms();
+                for (addr, status) in &answers {
+                    let owner = |shard: u32| owners.get(shard).and_then(|claim| claim.addr).as_ref() == Some(addr);
+                    for s in status.shards.iter().filter(|s| s.state == ShardState::Serving && owner(s.shard)) {
+                        seen.answered(&AsOf { applied: s.applied, lag_ms: s.lag_ms, ..AsOf::of(s.shard, None) }, now);
+                    }
+                }
+                for shard in 0..shards {
+                    if let Some(ms) = seen.since_answered(shard, now) {
+                        staleness.with_label_values(&[&shard.to_string()]).set(ms as f64 / 1_000.0);
+                    }
+                }
+                let held: BTreeMap<u32, String> = answers
+                    .into_iter()
                     .flat_map(|(addr, status)| {
                         let standby = status.shards.into_iter().filter(|s| s.state == ShardState::Standby);
                         standby.map(move |s| (s.shard, addr.clone())).collect::<Vec<_>>()
