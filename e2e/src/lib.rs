@@ -383,6 +383,12 @@ impl Sandbox {
         self.cli_with(args, &[])
     }
 
+    /// `tally shards skip <shard> <offset> --reason <reason>` (`shard`: a number or
+    /// `graph`); its success and output.
+    pub fn skip(&self, shard: &str, offset: i64, reason: &str) -> (bool, String) {
+        self.cli(&["shards", "skip", shard, &offset.to_string(), "--reason", reason])
+    }
+
     /// [`Self::cli`] with more environment.
     pub fn cli_with(&self, args: &[&str], env: &[(&str, String)]) -> (bool, String) {
         let output = self.command("tally").args(args).envs(env.iter().cloned()).output().expect("running tally");

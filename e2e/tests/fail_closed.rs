@@ -110,14 +110,7 @@ async fn garbage_on_the_shard_topic_stops_only_its_shard_until_an_operator_skips
     let (ok, output) =
         sandbox.cli(&["shards", "skip", &failed.to_string(), &(garbage_offset + 1).to_string(), "--reason", "x"]);
     assert!(!ok && output.contains(&format!("failed at offset {garbage_offset}")), "{output}");
-    let (ok, output) = sandbox.cli(&[
-        "shards",
-        "skip",
-        &failed.to_string(),
-        &garbage_offset.to_string(),
-        "--reason",
-        "a stray producer",
-    ]);
+    let (ok, output) = sandbox.skip(&failed.to_string(), garbage_offset, "a stray producer");
     assert!(ok, "{output}\n{}", sandbox.log("tally-counter"));
 
     // The record is in the dead-letter topic, and the shard counts again — exactly once.

@@ -103,14 +103,7 @@ async fn a_failed_shard_fires_its_alert_in_prometheus_and_resolves_once_skipped(
     assert_eq!(scraped.iter().map(|(_, value)| *value).collect::<Vec<_>>(), vec![0.0], "the counter is not ready");
 
     // The operator skips the record: the alert resolves.
-    let (ok, output) = sandbox.cli(&[
-        "shards",
-        "skip",
-        &failed.to_string(),
-        &garbage_offset.to_string(),
-        "--reason",
-        "a stray producer",
-    ]);
+    let (ok, output) = sandbox.skip(&failed.to_string(), garbage_offset, "a stray producer");
     assert!(ok, "{output}\n{}", sandbox.log("tally-counter"));
     alerts_until(&prometheus, Duration::from_secs(30), "TallyShardFailed resolved", |alerts| {
         firing(alerts, "TallyShardFailed").is_empty() && alerts.iter().all(|alert| alert.name != "TallyShardFailed")
