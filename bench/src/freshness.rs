@@ -88,9 +88,8 @@ pub async fn run(config: TallyConfig, args: FreshnessBenchArgs) -> anyhow::Resul
         if args.rollups { "published" } else { "off (--rollups to publish them)" },
         rig.config.kafka.bootstrap_servers,
     );
-    // The bound on the answers' own lag: 50 ms plus one fetch wait of the
-    // data path (the ingester's hop, which a counter caught up with its shard log
-    // cannot see).
+    // The bound on the answers' own lag: 50 ms plus one fetch wait of the data path
+    // (the ingester's hop, which a counter caught up with its shard log cannot see).
     let tolerance = Duration::from_millis(50) + fetch_wait(&rig.config.kafka);
     let ports = rig.ports;
     rig.run("tally-counter", ports.counter_admin).await?;

@@ -97,8 +97,8 @@ async fn a_failed_shard_fires_its_alert_in_prometheus_and_resolves_once_skipped(
         json!({"alertname": "TallyShardFailed", "severity": "critical", "job": "tally-counter", "instance": counter});
     assert_eq!(fired.iter().map(|alert| alert.labels.clone()).collect::<Vec<_>>(), vec![want]);
     println!("TallyShardFailed fired {took:?} after the counter reported the failure");
-    // Two evaluation intervals, and a scrape's worth of slack for a busy machine.
-    assert!(took <= INTERVAL * 3, "TallyShardFailed fired {took:?} after the failure was reported");
+    // A scrape and two evaluations (3 s), and a second of slack for a busy machine.
+    assert!(took <= INTERVAL * 4, "TallyShardFailed fired {took:?} after the failure was reported");
     let scraped = prometheus.query("tally_ready{job=\"tally-counter\"}").await;
     assert_eq!(scraped.iter().map(|(_, value)| *value).collect::<Vec<_>>(), vec![0.0], "the counter is not ready");
 
@@ -180,7 +180,7 @@ async fn a_paused_counter_fires_the_stale_shard_alert_until_it_runs_again() {
     .await;
     println!("TallyShardStale fired for every shard {:?} after the counter paused", paused.elapsed());
     let alerts = prometheus.alerts().await;
-    let want = |shard: &String| json!({"alertname": "TallyShardStale", "severity": "warning", "shard": shard});
+    let want = |shard: &String| json!({"alertname": "TallyShardStale", "severity": "warning", "job": "tally-query", "shard": shard});
     let mut labels: Vec<serde_json::Value> =
         firing(&alerts, "TallyShardStale").iter().map(|alert| alert.labels.clone()).collect();
     labels.sort_by_key(|labels| labels["shard"].as_str().unwrap_or("").parse::<u32>().unwrap_or(u32::MAX));

@@ -61,15 +61,27 @@ pub struct Seen {
 #[derive(Debug, Clone, Copy)]
 struct Last {
     lag_ms: Option<i64>,
+    /// When its lag was last told (a read's answer or its owner's status).
     at_ms: i64,
-    /// When a read of it last went unanswered, since it answered.
+    /// When a read of it was last answered.
+    read_at_ms: Option<i64>,
+    /// When a read of it last went unanswered, since one was answered.
     unanswered_at: Option<i64>,
 }
 
 impl Seen {
+    /// A read of the shard was answered, `as_of` this.
     pub fn answered(&self, as_of: &AsOf, now_ms: i64) {
-        let last = Last { lag_ms: as_of.lag_ms, at_ms: now_ms, unanswered_at: None };
+        let last = Last { lag_ms: as_of.lag_ms, at_ms: now_ms, read_at_ms: Some(now_ms), unanswered_at: None };
         lock(&self.shards, SEEN).insert(as_of.shard, last);
+    }
+
+    /// The shard's owner told its lag otherwise (its status): the staleness counts
+    /// from it, but whether reads of it go unanswered does not change.
+    pub fn reported(&self, shard: u32, lag_ms: Option<i64>, now_ms: i64) {
+        let mut shards = lock(&self.shards, SEEN);
+        let last = shards.entry(shard).or_insert(Last { lag_ms, at_ms: now_ms, read_at_ms: None, unanswered_at: None });
+        (last.lag_ms, last.at_ms) = (lag_ms, now_ms);
     }
 
     /// A read of `shards` begun at `since_ms` ran out of time at `now_ms`: those
@@ -79,7 +91,7 @@ impl Seen {
         let mut silent = Vec::new();
         for shard in shards {
             match seen.get_mut(&shard) {
-                Some(last) if last.at_ms >= since_ms => {}
+                Some(last) if last.read_at_ms.is_some_and(|at| at >= since_ms) => {}
                 Some(last) => {
                     last.unanswered_at = Some(now_ms);
                     silent.push(shard);
@@ -146,6 +158,21 @@ mod tests {
         assert_eq!(seen.unanswered([3], 1_700, 1_800), Vec::<u32>::new(), "it answered during the read");
         seen.unanswered([3], 1_900, 1_800);
         assert_eq!(seen.stale_and_silent(3, 500, 1_900), None, "its lag was not known");
+    }
+
+    #[test]
+    fn a_status_report_moves_the_staleness_but_not_the_reads_unanswered_marks() {
+        let seen = Seen::default();
+        seen.reported(3, Some(40), 1_000);
+        assert_eq!(seen.since_answered(3, 1_500), Some(540), "a report alone starts the clock");
+        assert_eq!(seen.unanswered([3], 900, 1_600), vec![3], "no read of it was ever answered");
+        // Its owner keeps reporting while reads of it go unanswered: they stay refused.
+        seen.reported(3, Some(10), 1_700);
+        assert_eq!(seen.stale_and_silent(3, 500, 1_800), Some(110), "still silent to reads");
+        assert_eq!(seen.unanswered([3], 1_650, 1_900), vec![3], "a report is not an answer to the read");
+        seen.answered(&AsOf::of(3, Some(ShardAsOf { applied: 10, lag_ms: Some(5) })), 2_000);
+        assert_eq!(seen.stale_and_silent(3, 500, 2_100), None, "a read was answered");
+        assert_eq!(seen.unanswered([3], 1_950, 2_100), Vec::<u32>::new());
     }
 
     #[test]

@@ -59,6 +59,11 @@ impl Standbys {
         shutdown: CancellationToken,
     ) -> tokio::task::JoinHandle<()> {
         tokio::spawn(async move {
+            // A shard never heard from is as stale as the time since tally-query started.
+            let started = tally_shared::kafka::now_ms();
+            for shard in 0..shards {
+                seen.reported(shard, Some(0), started);
+            }
             while !shutdown.is_cancelled() {
                 let mut counters: Vec<String> =
                     (0..shards).filter_map(|shard| owners.get(shard).and_then(|claim| claim.addr)).collect();
@@ -76,12 +81,15 @@ impl Standbys {
                 for (addr, status) in &answers {
                     let owner = |shard: u32| owners.get(shard).and_then(|claim| claim.addr).as_ref() == Some(addr);
                     for s in status.shards.iter().filter(|s| s.state == ShardState::Serving && owner(s.shard)) {
-                        seen.answered(&AsOf { applied: s.applied, lag_ms: s.lag_ms, ..AsOf::of(s.shard, None) }, now);
+                        seen.reported(s.shard, s.lag_ms, now);
                     }
                 }
                 for shard in 0..shards {
-                    if let Some(ms) = seen.since_answered(shard, now) {
-                        staleness.with_label_values(&[&shard.to_string()]).set(ms as f64 / 1_000.0);
+                    let label = shard.to_string();
+                    match seen.since_answered(shard, now) {
+                        Some(ms) => staleness.with_label_values(&[&label]).set(ms as f64 / 1_000.0),
+                        // Its owner does not know its lag yet (a new owner catching up).
+                        None => staleness.remove_label_values(&[&label]).unwrap_or_default(),
                     }
                 }
                 let held: BTreeMap<u32, String> = answers

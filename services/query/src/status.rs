@@ -20,7 +20,6 @@ use tally_shared::kafka::now_ms;
 
 use crate::api::{json_response, ApiState};
 use crate::error::ApiError;
-use crate::freshness::AsOf;
 
 /// How long the status waits for a counter's: past it, its shards are
 /// `unreachable` (a dashboard's indicator never waits for a silent counter).
@@ -114,8 +113,7 @@ pub async fn status(State(state): State<Arc<ApiState>>) -> Result<Response, ApiE
                 (view.lag, view.lag_at_ms) = (held.lag, held.lag_at_ms);
                 (view.applied, view.lag_ms) = (held.applied, held.lag_ms);
                 if held.state == ShardState::Serving {
-                    let as_of = AsOf { applied: held.applied, lag_ms: held.lag_ms, ..AsOf::of(shard, None) };
-                    fanout.seen.answered(&as_of, now_ms());
+                    fanout.seen.reported(shard, held.lag_ms, now_ms());
                 }
             } else if answer.is_none() {
                 view.lag_ms = fanout.seen.since_answered(shard, now_ms());
