@@ -37,19 +37,34 @@ fn firing<'a>(alerts: &'a [Alert], name: &str) -> Vec<&'a Alert> {
     alerts.iter().filter(|alert| alert.name == name && alert.state == "firing").collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failed_shard_fires_its_alert_in_prometheus_and_resolves_once_skipped() {
+/// Shard numbers as labels, in numeric order.
+fn in_shard_order(mut shards: Vec<String>) -> Vec<String> {
+    shards.sort_by_key(|shard| shard.parse::<u32>().unwrap_or(u32::MAX));
+    shards
+}
+
+const SERVICES: [&str; 3] = ["tally-ingester", "tally-counter", "tally-query"];
+
+/// A sandbox running [`SERVICES`], ready, and a Prometheus scraping them every
+/// [`INTERVAL`] that evaluates `rules` (a rule file's text) as often.
+async fn scraped(rules: &str) -> (Sandbox, Prometheus) {
     let mut sandbox = Sandbox::start().await;
-    for service in ["tally-ingester", "tally-counter", "tally-query"] {
+    for service in SERVICES {
         sandbox.spawn(service);
     }
-    sandbox.wait_ready("tally-counter", Duration::from_secs(60)).await;
-    let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/prometheus/tally-rules.yaml");
-    let targets: Vec<(&str, String)> = ["tally-ingester", "tally-counter", "tally-query"]
-        .into_iter()
-        .map(|name| (name, sandbox.admin_addr(name)))
-        .collect();
-    let prometheus = Prometheus::start(sandbox.dir.path(), &targets, &rules, INTERVAL).await;
+    for service in ["tally-counter", "tally-query"] {
+        sandbox.wait_ready(service, Duration::from_secs(60)).await;
+    }
+    let path = sandbox.dir.path().join("rules.yaml");
+    std::fs::write(&path, rules).unwrap();
+    let targets: Vec<(&str, String)> = SERVICES.into_iter().map(|name| (name, sandbox.admin_addr(name))).collect();
+    let prometheus = Prometheus::start(sandbox.dir.path(), &targets, &path, INTERVAL).await;
+    (sandbox, prometheus)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_shard_fires_its_alert_in_prometheus_and_resolves_once_skipped() {
+    let (sandbox, prometheus) = scraped(&std::fs::read_to_string(rules_path()).unwrap()).await;
     let counter = sandbox.admin_addr("tally-counter");
 
     // Every service scraped and ready, no alert firing.
@@ -131,32 +146,18 @@ fn rules_path() -> std::path::PathBuf {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_counter_fires_the_stale_shard_alert_until_it_runs_again() {
-    let mut sandbox = Sandbox::start().await;
-    for service in ["tally-ingester", "tally-counter", "tally-query"] {
-        sandbox.spawn(service);
-    }
-    sandbox.wait_ready("tally-counter", Duration::from_secs(60)).await;
-    sandbox.wait_ready("tally-query", Duration::from_secs(60)).await;
-    let rules = sandbox.dir.path().join("rules.yaml");
-    std::fs::write(&rules, scaled("TallyShardStale", "3", "1s")).unwrap();
-    let targets: Vec<(&str, String)> = ["tally-ingester", "tally-counter", "tally-query"]
-        .into_iter()
-        .map(|name| (name, sandbox.admin_addr(name)))
-        .collect();
-    let prometheus = Prometheus::start(sandbox.dir.path(), &targets, &rules, INTERVAL).await;
+    let (sandbox, prometheus) = scraped(&scaled("TallyShardStale", "3", "1s")).await;
     let all: Vec<String> = (0..SHARDS).map(|shard| shard.to_string()).collect();
 
     // Every shard's staleness scraped, and fresh.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let staleness = prometheus.query("tally_query_shard_staleness_seconds").await;
-        let mut fresh: Vec<String> = staleness
+        let fresh = staleness
             .iter()
             .filter(|(_, seconds)| *seconds < 3.0)
-            .map(|(labels, _)| labels["shard"].as_str().unwrap_or("").to_string())
-            .collect();
-        fresh.sort_by_key(|shard| shard.parse::<u32>().unwrap_or(u32::MAX));
-        if fresh == all {
+            .map(|(labels, _)| labels["shard"].as_str().unwrap_or("").to_string());
+        if in_shard_order(fresh.collect()) == all {
             break;
         }
         assert!(Instant::now() < deadline, "every shard's staleness under 3 s: {staleness:?}");
@@ -167,12 +168,8 @@ async fn a_paused_counter_fires_the_stale_shard_alert_until_it_runs_again() {
     sandbox.signal("tally-counter", libc::SIGSTOP);
     let paused = Instant::now();
     let stale_shards = |alerts: &[Alert]| -> Vec<String> {
-        let mut shards: Vec<String> = firing(alerts, "TallyShardStale")
-            .iter()
-            .map(|alert| alert.labels["shard"].as_str().unwrap_or("").to_string())
-            .collect();
-        shards.sort_by_key(|shard| shard.parse::<u32>().unwrap_or(u32::MAX));
-        shards
+        let firing = firing(alerts, "TallyShardStale");
+        in_shard_order(firing.iter().map(|alert| alert.labels["shard"].as_str().unwrap_or("").to_string()).collect())
     };
     alerts_until(&prometheus, Duration::from_secs(30), "TallyShardStale for every shard", |alerts| {
         stale_shards(alerts) == all

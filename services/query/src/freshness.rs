@@ -102,9 +102,10 @@ impl Seen {
         silent
     }
 
-    /// How stale `shard`'s data is at least at `now_ms`: its lag when it last
-    /// answered, and the time since (none: never seen, or its lag was not known).
-    pub fn since_answered(&self, shard: u32, now_ms: i64) -> Option<i64> {
+    /// How stale `shard`'s data is at least at `now_ms`: its lag when it was last
+    /// told (a read's answer or its owner's status), and the time since (none:
+    /// never told, or its lag was not known).
+    pub fn staleness(&self, shard: u32, now_ms: i64) -> Option<i64> {
         let last = *lock(&self.shards, SEEN).get(&shard)?;
         Some(last.lag_ms? + (now_ms - last.at_ms).max(0))
     }
@@ -164,7 +165,7 @@ mod tests {
     fn a_status_report_moves_the_staleness_but_not_the_reads_unanswered_marks() {
         let seen = Seen::default();
         seen.reported(3, Some(40), 1_000);
-        assert_eq!(seen.since_answered(3, 1_500), Some(540), "a report alone starts the clock");
+        assert_eq!(seen.staleness(3, 1_500), Some(540), "a report alone starts the clock");
         assert_eq!(seen.unanswered([3], 900, 1_600), vec![3], "no read of it was ever answered");
         // Its owner keeps reporting while reads of it go unanswered: they stay refused.
         seen.reported(3, Some(10), 1_700);
@@ -176,14 +177,14 @@ mod tests {
     }
 
     #[test]
-    fn a_shards_staleness_grows_from_its_last_answer() {
+    fn a_shards_staleness_grows_from_when_it_was_last_told() {
         let seen = Seen::default();
-        assert_eq!(seen.since_answered(3, 1_000), None, "never seen");
+        assert_eq!(seen.staleness(3, 1_000), None, "never seen");
         seen.answered(&AsOf::of(3, Some(ShardAsOf { applied: 10, lag_ms: Some(40) })), 1_000);
-        assert_eq!((seen.since_answered(3, 1_000), seen.since_answered(3, 7_000)), (Some(40), Some(6_040)));
-        assert_eq!(seen.since_answered(3, 900), Some(40), "a clock that stepped back adds nothing");
+        assert_eq!((seen.staleness(3, 1_000), seen.staleness(3, 7_000)), (Some(40), Some(6_040)));
+        assert_eq!(seen.staleness(3, 900), Some(40), "a clock that stepped back adds nothing");
         seen.answered(&AsOf::of(3, Some(ShardAsOf { applied: 11, lag_ms: None })), 8_000);
-        assert_eq!(seen.since_answered(3, 9_000), None, "its lag was not known");
+        assert_eq!(seen.staleness(3, 9_000), None, "its lag was not known");
     }
 
     #[test]

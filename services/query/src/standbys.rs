@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error::ApiError;
 use crate::fanout::{Answered, Fanout};
 use crate::freshness::{AsOf, Seen};
+use crate::status::counter_status;
 
 /// How often the standbys' places are asked anew.
 pub const REFRESH_EVERY: Duration = Duration::from_secs(1);
@@ -70,11 +71,8 @@ impl Standbys {
                 counters.sort();
                 counters.dedup();
                 let asked = counters.iter().map(|addr| {
-                    let status = client.get(format!("http://{addr}/internal/v1/status")).timeout(STATUS_TIMEOUT).send();
-                    async move {
-                        let status = status.await.and_then(reqwest::Response::error_for_status).ok()?;
-                        Some((addr.clone(), status.json::<CounterStatus>().await.ok()?))
-                    }
+                    let client = &client;
+                    async move { Some((addr.clone(), counter_status(client, addr, STATUS_TIMEOUT).await?)) }
                 });
                 let answers: Vec<(String, CounterStatus)> = join_all(asked).await.into_iter().flatten().collect();
                 let now = tally_shared::kafka::now_ms();
@@ -86,7 +84,7 @@ impl Standbys {
                 }
                 for shard in 0..shards {
                     let label = shard.to_string();
-                    match seen.since_answered(shard, now) {
+                    match seen.staleness(shard, now) {
                         Some(ms) => staleness.with_label_values(&[&label]).set(ms as f64 / 1_000.0),
                         // Its owner does not know its lag yet (a new owner catching up).
                         None => staleness.remove_label_values(&[&label]).unwrap_or_default(),

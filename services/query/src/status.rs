@@ -4,8 +4,9 @@
 //! seconds), how much newer input it may be missing in ms (`lag_ms`, the
 //! counter's `freshness`), and whether the graph is served. A shard whose counter
 //! does not answer within [`STATUS_WITHIN`] is `unreachable`, its `lag_ms` what
-//! it was when it last answered plus the time since: the indicator turns stale
-//! while a counter is silent rather than saying nothing.
+//! its owner last reported ([`crate::standbys`] asks every second) plus the time
+//! since: the indicator turns stale while a counter is silent rather than saying
+//! nothing.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -40,6 +41,13 @@ struct ShardView {
     /// an `unreachable` shard, at least its lag when it last answered plus the
     /// time since.
     lag_ms: Option<i64>,
+}
+
+/// A counter's status (`GET /internal/v1/status` at `addr`), if it answers within
+/// `within`.
+pub(crate) async fn counter_status(client: &reqwest::Client, addr: &str, within: Duration) -> Option<CounterStatus> {
+    let response = client.get(format!("http://{addr}/internal/v1/status")).timeout(within).send().await;
+    response.and_then(reqwest::Response::error_for_status).ok()?.json::<CounterStatus>().await.ok()
 }
 
 /// The largest `lag_ms` of the serving shards (none while one's is not known)
@@ -87,15 +95,7 @@ pub async fn status(State(state): State<Arc<ApiState>>) -> Result<Response, ApiE
             lag_ms: None,
         });
     }
-    let answers = join_all(by_counter.keys().map(|addr| async move {
-        let response =
-            fanout.client.get(format!("http://{addr}/internal/v1/status")).timeout(STATUS_WITHIN).send().await;
-        match response {
-            Ok(response) if response.status().is_success() => response.json::<CounterStatus>().await.ok(),
-            _ => None,
-        }
-    }))
-    .await;
+    let answers = join_all(by_counter.keys().map(|addr| counter_status(&fanout.client, addr, STATUS_WITHIN))).await;
     for ((addr, claimed), answer) in by_counter.iter().zip(answers) {
         for &shard in claimed {
             let view = &mut shards[shard as usize];
@@ -112,11 +112,8 @@ pub async fn status(State(state): State<Arc<ApiState>>) -> Result<Response, ApiE
             if let Some(held) = held {
                 (view.lag, view.lag_at_ms) = (held.lag, held.lag_at_ms);
                 (view.applied, view.lag_ms) = (held.applied, held.lag_ms);
-                if held.state == ShardState::Serving {
-                    fanout.seen.reported(shard, held.lag_ms, now_ms());
-                }
             } else if answer.is_none() {
-                view.lag_ms = fanout.seen.since_answered(shard, now_ms());
+                view.lag_ms = fanout.seen.staleness(shard, now_ms());
             }
             tracing::trace!(addr, shard, state = view.state, "shard status");
         }
