@@ -239,6 +239,7 @@ async fn drain(base: &str, queue: &str, concurrency: usize, count: usize) -> any
         lease_ms: None,
         auth_token: None,
         stop_grace_ms: 1_000,
+        spans: None,
     };
     let stop_workers = CancellationToken::new();
     let started = Instant::now();

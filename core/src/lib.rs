@@ -14,7 +14,8 @@
 //!   records of increments in the [`compact`] encoding),
 //!   [`keys`] (RocksDB keys and values), [`records`] (every record fits the broker);
 //! - [`rollups`]: what a consumer of the rollups topic keeps (the newest by position);
-//! - [`model`]: the brute-force model every test compares with.
+//! - [`model`]: the brute-force model every test compares with;
+//! - [`trace`]: the W3C trace context records carry and the spans services report.
 
 pub mod assignment;
 pub mod counting;
@@ -31,6 +32,7 @@ pub mod records;
 pub mod rollups;
 pub mod sharding;
 pub mod time;
+pub mod trace;
 pub mod validate;
 pub mod wire;
 

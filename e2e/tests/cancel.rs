@@ -77,6 +77,7 @@ async fn cancelled_jobs_never_run_and_running_ones_stop_within_a_heartbeat() {
         lease_ms: None,
         auth_token: None,
         stop_grace_ms: 1_000,
+        spans: None,
     };
     let running = tokio::spawn(worker::run_stoppable(options, handler, shutdown.clone()));
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -228,6 +229,7 @@ async fn cancelled_jobs_never_run_and_running_ones_stop_within_a_heartbeat() {
         lease_ms: None,
         auth_token: None,
         stop_grace_ms: 1_000,
+        spans: None,
     };
     let again = tokio::spawn(worker::run(options, handler, shutdown.clone()));
     let deadline = Instant::now() + Duration::from_secs(30);

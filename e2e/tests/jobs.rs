@@ -79,6 +79,7 @@ async fn work_until<H, F>(
         lease_ms: None,
         auth_token: None,
         stop_grace_ms: 1_000,
+        spans: None,
     };
     let running = tokio::spawn(worker::run(options, handler, shutdown.clone()));
     let deadline = Instant::now() + timeout;
@@ -303,6 +304,7 @@ async fn a_broker_killed_mid_run_loses_no_job() {
         lease_ms: None,
         auth_token: None,
         stop_grace_ms: 1_000,
+        spans: None,
     };
     let running = tokio::spawn(worker::run(options, handler, shutdown.clone()));
     let deadline = Instant::now() + Duration::from_secs(60);

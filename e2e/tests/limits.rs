@@ -184,6 +184,7 @@ async fn limits_hold_through_broker_kills_and_every_job_is_done() {
             lease_ms: None,
             auth_token: None,
             stop_grace_ms: 1_000,
+            spans: None,
         };
         workers.push(tokio::spawn(worker::run(options, handler.clone(), shutdown.clone())));
     }
@@ -272,6 +273,7 @@ async fn new_jobs_of_a_busy_key_are_dropped_when_declared() {
         lease_ms: None,
         auth_token: None,
         stop_grace_ms: 1_000,
+        spans: None,
     };
     let workers = tokio::spawn(worker::run(options, handler, shutdown.clone()));
     // Taken partitions of a limited queue wait out max_lease_ms first.

@@ -75,6 +75,7 @@ fn worker_of(
         lease_ms: None,
         auth_token: None,
         stop_grace_ms: 1_000,
+        spans: None,
     };
     tokio::spawn(worker::run(options, handler, shutdown.clone()))
 }

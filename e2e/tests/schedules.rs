@@ -88,6 +88,7 @@ async fn a_schedule_runs_one_job_per_tick_through_two_kills_of_its_broker() {
         lease_ms: None,
         auth_token: None,
         stop_grace_ms: 1_000,
+        spans: None,
     };
     let workers = tokio::spawn(worker::run(options, handler, shutdown.clone()));
     let started = Instant::now();

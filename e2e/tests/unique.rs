@@ -63,6 +63,7 @@ async fn each_unique_key_runs_one_job_through_retries_and_a_broker_kill() {
         lease_ms: None,
         auth_token: None,
         stop_grace_ms: 1_000,
+        spans: None,
     };
     let workers = tokio::spawn(worker::run(options, handler, shutdown.clone()));
 

@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tally_core::jobs::api::{
     AckRequest, DequeueRequest, DequeueResponse, DequeuedJob, ExtendRequest, NackRequest, QueueStats,
 };
+use tally_core::trace::{Span, SpanKind, SpanSink, TraceContext};
 
 /// What can go wrong talking to the brokers.
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +54,11 @@ pub struct WorkerOptions {
     /// token is cancelled) before it is dropped — a command is sent SIGTERM, then
     /// killed. Never past the job's lease.
     pub stop_grace_ms: u64,
+    /// Where the worker's spans go (`tally_shared::otel::sink()` in tally's
+    /// worker): for a job handed out with a trace context, a span of its run (a
+    /// child of the broker's) and of its ack or nack; the handler sees the run's
+    /// context as the job's `traceparent`. `None`: no spans.
+    pub spans: Option<SpanSink>,
 }
 
 /// What a handler says about a job.
@@ -312,8 +318,9 @@ where
                 ackers.entry(base.clone()).or_insert_with(|| Acker::spawn(client.clone(), base.clone())).clone();
             let (client, handler, counts, base) = (client.clone(), handler.clone(), counts.clone(), base.clone());
             let grace = Duration::from_millis(options.stop_grace_ms);
+            let spans = options.spans.clone();
             tokio::spawn(async move {
-                run_one(&client, &acker, (&base, grace), job, handler.as_ref(), &counts).await;
+                run_one(&client, &acker, (&base, grace, spans.as_ref()), job, handler.as_ref(), &counts).await;
                 drop(permit);
             });
         }
@@ -329,14 +336,18 @@ where
 async fn run_one<H, F>(
     client: &BrokerClient,
     acker: &Acker,
-    (base, grace): (&str, Duration),
-    job: DequeuedJob,
+    (base, grace, spans): (&str, Duration, Option<&SpanSink>),
+    mut job: DequeuedJob,
     handler: &H,
     counts: &WorkerCounts,
 ) where
     H: Fn(DequeuedJob, CancellationToken) -> F,
     F: Future<Output = Outcome>,
 {
+    let run_span = spans.and(run_span(&client.queue, &job));
+    if let Some(span) = &run_span {
+        job.traceparent = Some(span.context.header_value());
+    }
     let (lease, id) = (job.lease.clone(), job.id.clone());
     let left_ms = job.lease_deadline - now_ms();
     let lease_ms = left_ms.max(1_000);
@@ -394,8 +405,12 @@ async fn run_one<H, F>(
         // Dropping the handler stops it (a command is killed).
         counts.lost_leases.fetch_add(1, Ordering::Relaxed);
         tracing::info!(job = %id, "the job's lease could not be kept; the job was stopped and will run again");
+        if let (Some(sink), Some(span)) = (spans, run_span) {
+            sink.record(Span { error: Some("the lease could not be kept".into()), ..span }.end());
+        }
         return;
     };
+    let settle_span = run_span.as_ref().map(|run| settle_span(&client.queue, &run.context, &outcome));
     let settled = match &outcome {
         Outcome::Ack => {
             counts.acked.fetch_add(1, Ordering::Relaxed);
@@ -407,11 +422,47 @@ async fn run_one<H, F>(
         }),
         Outcome::Abandon => Ok(true),
     };
-    match settled {
-        Ok(true) => {}
-        Ok(false) | Err(_) => {
-            counts.lost_leases.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(lease, "the broker no longer holds this lease; the job will run again");
-        }
+    let lost = !matches!(settled, Ok(true));
+    if lost {
+        counts.lost_leases.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(lease, "the broker no longer holds this lease; the job will run again");
     }
+    if let (Some(sink), Some(run), Some(settle)) = (spans, run_span, settle_span) {
+        let lease_lost = lost.then(|| "the broker no longer held the lease: the job will run again".to_string());
+        sink.record(Span { error: lease_lost.clone(), ..settle }.end());
+        let error = match &outcome {
+            Outcome::Retry { error, .. } => Some(error.clone()),
+            _ => lease_lost,
+        };
+        sink.record(Span { error, ..run }.end());
+    }
+}
+
+/// The worker's span of a job's run, when the broker handed it out with a trace
+/// context: a child of the broker's span.
+fn run_span(queue: &str, job: &DequeuedJob) -> Option<Span> {
+    let parent = TraceContext::parse(job.traceparent.as_deref()?.as_bytes())?;
+    let span = Span::start(format!("process {queue}"), SpanKind::Consumer, Some(&parent))
+        .attribute("messaging.system", "kafka")
+        .attribute("messaging.operation.type", "process")
+        .attribute("messaging.destination.partition.id", job.partition.to_string())
+        .attribute("messaging.kafka.offset", job.offset)
+        .attribute("messaging.message.id", job.id.as_str())
+        .attribute("tally.queue", queue)
+        .attribute("tally.job.attempt", i64::from(job.attempt));
+    Some(span)
+}
+
+/// The span of telling the broker how a run went: a child of the run's.
+fn settle_span(queue: &str, run: &TraceContext, outcome: &Outcome) -> Span {
+    let action = match outcome {
+        Outcome::Ack => "ack",
+        Outcome::Retry { .. } => "nack",
+        Outcome::Abandon => "abandon",
+    };
+    Span::start(format!("{action} {queue}"), SpanKind::Client, Some(run))
+        .attribute("messaging.system", "kafka")
+        .attribute("messaging.operation.type", "settle")
+        .attribute("messaging.operation.name", action)
+        .attribute("tally.queue", queue)
 }

@@ -27,6 +27,7 @@ pub struct TallyConfig {
     pub kafka: KafkaConfig,
     pub counting: CountingConfig,
     pub log: LogConfig,
+    pub telemetry: TelemetryConfig,
     pub runtime: RuntimeConfig,
     pub ingester: IngesterConfig,
     pub counter: CounterConfig,
@@ -312,6 +313,16 @@ impl Default for LogConfig {
     fn default() -> Self {
         Self { format: LogFormat::Text, level: "info".into() }
     }
+}
+
+/// Traces ([`crate::otel`]).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    /// An OTLP/HTTP collector's base URL (`http://otel-collector:4318`): spans go to
+    /// its `/v1/traces` as protobuf. Unset (the default): no spans are made and no
+    /// exporter runs; trace contexts that records carry are still passed on.
+    pub otlp_endpoint: Option<String>,
 }
 
 /// The async runtime of each service binary.
@@ -722,6 +733,13 @@ impl TallyConfig {
             return Err(Error::Config("graph.max_descendants: must be at least 1".into()));
         }
         check_shard_record_format(config.ingester.shard_record_format)?;
+        if let Some(endpoint) = &config.telemetry.otlp_endpoint {
+            if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
+                return Err(Error::Config(format!(
+                    "telemetry.otlp_endpoint is {endpoint:?}: an http:// or https:// URL (OTLP/HTTP, port 4318 by convention)"
+                )));
+            }
+        }
         config.ingester.limits(&config.counting)?;
         config.auth.check()?;
         // A relative declarations file sits next to the config that names it (or,

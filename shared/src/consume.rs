@@ -115,6 +115,8 @@ pub struct Polled {
     pub payload: Vec<u8>,
     /// It says its ingester had read its input to the end ([`INPUT_DRAINED_HEADER`]).
     pub drained: bool,
+    /// The trace contexts it carries (its input records', [`crate::otel::contexts_of`]).
+    pub traces: Vec<tally_core::trace::TraceContext>,
 }
 
 impl Polled {
@@ -126,6 +128,7 @@ impl Polled {
             timestamp: record_time(message),
             payload: message.payload().unwrap_or_default().to_vec(),
             drained: says_input_drained(message),
+            traces: crate::otel::contexts_of(message.headers()),
         }
     }
 }

@@ -12,7 +12,8 @@
 //! who owns which partition without Kafka's group protocol), [`follow`] (following a
 //! control topic),
 //! [`config`] (figment: defaults → TOML → `TALLY__` env, unknown keys rejected),
-//! [`telemetry`] (tracing, Prometheus, `/metrics` `/healthz` `/readyz`),
+//! [`telemetry`] (tracing, Prometheus, `/metrics` `/healthz` `/readyz`), [`otel`] (trace
+//! contexts in record headers, spans exported over OTLP),
 //! [`shutdown`], [`service`], [`kafka`] (client settings, producers that never leave
 //! a gap, reading a topic to its end), [`topics`] (declarations and `tally topics
 //! apply`), [`progress`] (offsets and high-water stamps kept in a store),
@@ -43,6 +44,7 @@ pub mod lag;
 pub mod local_broker;
 pub mod lock;
 pub mod membership;
+pub mod otel;
 pub mod outbox;
 pub mod progress;
 pub mod read_link;

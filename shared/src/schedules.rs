@@ -78,6 +78,7 @@ impl ScheduleDecl {
             unique_key: None,
             unique_for_ms: None,
             tick: Some(Tick { schedule: self.name.clone(), at }),
+            trace: None,
         }
     }
 }

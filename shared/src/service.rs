@@ -32,6 +32,10 @@ where
         }
     };
     crate::telemetry::init_logging(&config.log);
+    if let Err(err) = crate::otel::install(&config.telemetry, name) {
+        eprintln!("{name}: {err}");
+        return ExitCode::FAILURE;
+    }
     tracing::info!(?allocator, "allocator: memory freed between batches");
     let runtime = match runtime(&config.runtime) {
         Ok(runtime) => runtime,
@@ -44,6 +48,7 @@ where
         let shutdown = crate::shutdown::on_signals();
         run(config, shutdown).await
     });
+    crate::otel::flush(std::time::Duration::from_secs(5));
     match result {
         Ok(()) => {
             tracing::info!(service = name, "stopped");

@@ -98,6 +98,9 @@ pub async fn serve_admin(
 /// The admin routes, to merge into a service's own router when it has one port.
 pub fn admin_router(registry: Registry, readiness: Readiness) -> Router {
     let ready_gauge = ready_gauge(&registry);
+    if let Some(spans) = crate::otel::spans_metric() {
+        register(&registry, spans);
+    }
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))

@@ -63,6 +63,11 @@ pub struct DequeuedJob {
     pub partition: i32,
     #[serde(default)]
     pub offset: i64,
+    /// The W3C `traceparent` of the broker's span of this handout, when its record
+    /// carried a trace context and the broker exports spans: a worker's span of the
+    /// job is its child.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -56,6 +56,17 @@ pub struct Job {
     /// `placement::schedule_partition`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tick: Option<Tick>,
+    /// The trace its record carried (not part of the job's JSON: a header).
+    #[serde(skip)]
+    pub trace: Option<JobTrace>,
+}
+
+/// The trace an enqueued job belongs to: its record's `traceparent` and when it was
+/// enqueued. A broker's span of each handout runs from then, a child of this context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JobTrace {
+    pub parent: crate::trace::TraceContext,
+    pub enqueued_at_ms: i64,
 }
 
 /// Which schedule enqueued a job, for which time.
@@ -326,6 +337,7 @@ mod tests {
                 unique_key: None,
                 unique_for_ms: None,
                 tick: None,
+                trace: None,
             },
             truncated: Truncated::new(),
         }

@@ -25,7 +25,7 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Message};
 use tally_core::assignment::owner;
 use tally_core::jobs::partition::PartitionQueue;
-use tally_core::jobs::Job;
+use tally_core::jobs::{Job, JobTrace};
 use tally_core::wire::DeadLetter;
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{client_config, now_ms, unstamped_producer_config, TopicNames};
@@ -114,7 +114,11 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                         let decl = queue.decl();
                         (decl.max_delay_ms(), decl.policy())
                     };
+                    let trace = tally_shared::otel::contexts_of(message.headers())
+                        .first()
+                        .map(|&parent| JobTrace { parent, enqueued_at_ms: enqueued_at });
                     let mut parsed = Job::parse(payload)
+                        .map(|job| Job { trace, ..job })
                         .and_then(|job| check_delay(job, enqueued_at, max_delay_ms))
                         .and_then(|job| policy.check(&job).map(|()| job));
                     let partitions = queue.decl().partitions;
@@ -494,6 +498,10 @@ fn forward(
     }
     if let Some(key) = message.key() {
         record = record.key(key);
+    }
+    // And its trace.
+    if let Some(headers) = message.headers().map(rdkafka::message::BorrowedHeaders::detach) {
+        record = record.headers(headers);
     }
     send_retrying(producer, record, "a job forwarded to its key's partition");
 }

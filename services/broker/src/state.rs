@@ -11,8 +11,9 @@ use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use tally_core::jobs::api::{DequeuedJob, KeyInFlight, PartitionInfo, QueueStats, TOP_KEYS};
 use tally_core::jobs::limits::share;
-use tally_core::jobs::partition::{Cancelled, Extended, Failure, LeaseError, PartitionQueue, CANCELLED};
+use tally_core::jobs::partition::{Cancelled, Extended, Failure, Handout, LeaseError, PartitionQueue, CANCELLED};
 use tally_core::jobs::DeadJob;
+use tally_core::trace::{Span, SpanKind};
 use tally_shared::kafka::{now_ms, TopicNames};
 use tally_shared::lock::{lock, read, write};
 use tally_shared::topics::QueueDecl;
@@ -269,6 +270,7 @@ impl Broker {
             let (partition, buffer) = &served[(start + i) % served.len()];
             let mut buffer = lock(buffer, BUFFER);
             for handout in buffer.dequeue(allowed - jobs.len(), now, lease_ms) {
+                let traceparent = handout_span(queue, *partition, &handout);
                 jobs.push(DequeuedJob {
                     id: handout.job.id,
                     payload: handout.job.payload,
@@ -280,6 +282,7 @@ impl Broker {
                     partition: *partition,
                     offset: handout.offset,
                     lease_deadline: handout.deadline,
+                    traceparent,
                 });
             }
         }
@@ -554,4 +557,26 @@ mod tests {
         }
         assert_eq!(rate_share(2, 1, 4), 0.5, "less than one a second is still a rate");
     }
+}
+
+/// The broker's span of a handout, when its job's record carried a trace context
+/// and spans are exported: from the job's enqueue to its handout, a child of the
+/// producer's context; its own context, for the worker's span to descend from.
+fn handout_span(queue: &QueueRuntime, partition: i32, handout: &Handout) -> Option<String> {
+    let trace = handout.job.trace.filter(|_| tally_shared::otel::enabled())?;
+    let mut span = Span::start(format!("deliver {}", queue.topic), SpanKind::Consumer, Some(&trace.parent))
+        .attribute("messaging.system", "kafka")
+        .attribute("messaging.operation.type", "receive")
+        .attribute("messaging.operation.name", "deliver")
+        .attribute("messaging.destination.name", queue.topic.as_str())
+        .attribute("messaging.destination.partition.id", partition.to_string())
+        .attribute("messaging.kafka.offset", handout.offset)
+        .attribute("messaging.message.id", handout.job.id.as_str())
+        .attribute("tally.queue", queue.name.as_str())
+        .attribute("tally.job.attempt", i64::from(handout.attempt));
+    span.start_unix_nanos = u64::try_from(trace.enqueued_at_ms).unwrap_or(0).saturating_mul(1_000_000);
+    let span = span.end();
+    let context = span.context.header_value();
+    tally_shared::otel::record(span);
+    Some(context)
 }

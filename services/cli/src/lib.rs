@@ -14,10 +14,13 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 use percent_encoding::{utf8_percent_encode, NON_ALPHANUMERIC};
+use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use tally_core::position::token::{TokenTopic, WriteToken};
+use tally_core::trace::{Span, SpanKind};
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{producer_config, TopicNames};
+use tally_shared::otel;
 use tally_shared::topics::{self, Action, Declarations};
 
 #[derive(Parser)]
@@ -282,24 +285,47 @@ async fn produce(
 }
 
 /// Produces one record and waits for its acknowledgement, at most 30 s (tally's
-/// producers never time out a record on their own: a command line has to).
+/// producers never time out a record on their own: a command line has to). With
+/// `telemetry.otlp_endpoint` set, the record starts a trace: its `traceparent`
+/// header is the context of the send's span, exported before this returns.
 pub(crate) async fn produce_one(
     config: &TallyConfig,
     topic: &str,
     key: &str,
     payload: &[u8],
 ) -> anyhow::Result<(i32, i64)> {
+    otel::install(&config.telemetry, "tally")?;
+    let span = otel::enabled().then(|| {
+        Span::start(format!("send {topic}"), SpanKind::Producer, None)
+            .attribute("messaging.system", "kafka")
+            .attribute("messaging.operation.type", "send")
+            .attribute("messaging.destination.name", topic)
+    });
     let producer: FutureProducer = producer_config(&config.kafka)?.create()?;
-    let record = FutureRecord::to(topic).key(key).payload(payload);
+    let mut record = FutureRecord::to(topic).key(key).payload(payload);
+    if let Some(span) = &span {
+        record = record.headers(otel::with_contexts(OwnedHeaders::new(), [&span.context]));
+    }
     let wait = Duration::from_secs(30);
-    match tokio::time::timeout(wait, producer.send(record, wait)).await {
+    let sent = match tokio::time::timeout(wait, producer.send(record, wait)).await {
         Ok(Ok(delivery)) => Ok((delivery.partition, delivery.offset)),
-        Ok(Err((err, _))) => bail!("producing to {topic}: {err}"),
-        Err(_) => bail!(
+        Ok(Err((err, _))) => Err(anyhow::anyhow!("producing to {topic}: {err}")),
+        Err(_) => Err(anyhow::anyhow!(
             "producing to {topic}: not acknowledged within {wait:?} (is Kafka at {} reachable?)",
             config.kafka.bootstrap_servers
-        ),
+        )),
+    };
+    if let Some(span) = span {
+        let span = match &sent {
+            Ok((partition, offset)) => span
+                .attribute("messaging.destination.partition.id", partition.to_string())
+                .attribute("messaging.kafka.offset", *offset),
+            Err(err) => Span { error: Some(err.to_string()), ..span },
+        };
+        otel::record(span.end());
+        tokio::task::spawn_blocking(|| otel::flush(Duration::from_secs(5))).await?;
     }
+    sent
 }
 
 async fn query(config: &TallyConfig, args: QueryArgs) -> anyhow::Result<()> {

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rdkafka::consumer::ConsumerContext;
+use tally_core::trace::{Span, SpanKind};
 use tally_shared::consume::Polled;
 use tally_shared::failures::Failure;
 use tally_shared::kafka::now_ms;
@@ -76,6 +77,33 @@ pub(crate) fn apply_batch<C: ConsumerContext>(
     }
     let written = applied.iter().map(|(written, _)| written).sum();
     (written, applied.into_iter().filter_map(|(_, failed)| failed).collect())
+}
+
+/// The span of applying a batch whose records carry trace contexts (their input
+/// records'): it links them, as OpenTelemetry's messaging conventions have a batch
+/// consumer do; an error when a shard failed in it.
+pub(crate) fn batch_span(topic: &str, group: &str, started: u64, batch: &[Polled], failed: &[u32]) -> Option<Span> {
+    let contexts = batch.iter().flat_map(|polled| polled.traces.iter().copied());
+    let mut span = Span::start(format!("process {topic}"), SpanKind::Consumer, None).link(contexts);
+    if span.links.is_empty() {
+        return None;
+    }
+    let mut shards: Vec<u32> = batch.iter().map(|polled| polled.partition as u32).collect();
+    shards.sort_unstable();
+    shards.dedup();
+    let shards = shards.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    span = span
+        .attribute("messaging.system", "kafka")
+        .attribute("messaging.operation.type", "process")
+        .attribute("messaging.destination.name", topic)
+        .attribute("messaging.consumer.group.name", group)
+        .attribute("messaging.batch.message_count", batch.len() as i64)
+        .attribute("tally.shards", shards);
+    span.start_unix_nanos = started;
+    if !failed.is_empty() {
+        span.error = Some(format!("shards {failed:?} failed (/readyz names why)"));
+    }
+    Some(span.end())
 }
 
 fn shard_record(polled: &Polled) -> ShardRecord<'_> {
@@ -160,7 +188,7 @@ mod tests {
             .collect();
         let source = Source { stream: Source::INCREMENTS, partition: shard };
         let payload = ShardMessage::Increments { source, entries }.encode().unwrap();
-        Polled { partition: shard as i32, offset, timestamp: Some(NOW), payload, drained: false }
+        Polled { partition: shard as i32, offset, timestamp: Some(NOW), payload, drained: false, traces: Vec::new() }
     }
 
     /// A shard's next offset and the all-time totals of some entities.

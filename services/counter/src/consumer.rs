@@ -37,7 +37,7 @@ use tally_shared::store::Durability;
 use tally_shared::telemetry::Readiness;
 use tokio_util::sync::CancellationToken;
 
-use crate::batch::apply_batch;
+use crate::batch::{apply_batch, batch_span};
 use crate::context::CounterContext;
 use crate::error::{Error, Result};
 use crate::late::LateRecords;
@@ -309,6 +309,7 @@ impl Processor<CounterContext> for Counter {
         let late =
             LateRecords::new(consumer, shards_in_batch, self.late_budget, tally_core::wire::packed::unpacked_len);
         let helpers = &mut self.helpers;
+        let started = tally_core::trace::now_unix_nanos();
         let (written, failed) = apply_batch(
             batch,
             Some(&late),
@@ -318,6 +319,11 @@ impl Processor<CounterContext> for Counter {
             (threads, |running| helpers.joining(running)),
         );
         *carried = late.into_carried();
+        if tally_shared::otel::enabled() {
+            if let Some(span) = batch_span(&self.topic, &self.group, started, batch, &failed) {
+                tally_shared::otel::record(span);
+            }
+        }
         self.helpers.done();
         self.outbox_written += written;
         self.moved = true;

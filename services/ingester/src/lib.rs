@@ -36,6 +36,7 @@ use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, T
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::ClientContext;
 use tally_core::format::{INPUT_DRAINED_HEADER, RECORD_TIME_HEADER};
+use tally_core::trace::{Span, SpanKind, TraceContext};
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{consumer_config, producer_config, wait_for_topic, TopicNames};
 use tally_shared::lock::lock;
@@ -372,7 +373,11 @@ impl Pipeline {
         closed: Closed,
         in_flight: &mut InFlight,
     ) -> Result<()> {
+        let started = tally_core::trace::now_unix_nanos();
         let outgoing = self.router.route(batch, &self.metrics)?;
+        if tally_shared::otel::enabled() {
+            self.record_route_span(started, batch.len(), &outgoing);
+        }
         lock(&self.positions, POSITIONS).extend(ends.0.iter().copied());
         let drained = match closed {
             Closed::ReadToTheEnd => true,
@@ -385,6 +390,25 @@ impl Pipeline {
             self.produce(out, drained, seq, in_flight)?;
         }
         Ok(())
+    }
+
+    /// The span of routing a batch with traced records: it links their contexts
+    /// (which travel on in the shard records' headers).
+    fn record_route_span(&self, started: u64, records: usize, outgoing: &[Outgoing]) {
+        let mut contexts: Vec<TraceContext> = outgoing.iter().flat_map(|out| out.traces.iter().copied()).collect();
+        if contexts.is_empty() {
+            return;
+        }
+        contexts.sort_unstable_by_key(|context| (context.trace_id, context.span_id));
+        contexts.dedup();
+        let mut span = Span::start(format!("route {}", self.inputs.join(",")), SpanKind::Consumer, None)
+            .attribute("messaging.system", "kafka")
+            .attribute("messaging.operation.type", "process")
+            .attribute("messaging.consumer.group.name", self.group.as_str())
+            .attribute("messaging.batch.message_count", records as i64)
+            .link(contexts);
+        span.start_unix_nanos = started;
+        tally_shared::otel::record(span.end());
     }
 
     /// Sends the marks that are due ([`marks`]), after every output routed before.
@@ -415,15 +439,15 @@ impl Pipeline {
         // The input's time travels in a header; the record's Kafka timestamp is now,
         // so the shard topic's retention counts from routing.
         let time = out.timestamp.map(tally_core::format::record_time_value);
-        if time.is_some() || drained {
-            let mut headers = OwnedHeaders::new_with_capacity(2);
+        if time.is_some() || drained || !out.traces.is_empty() {
+            let mut headers = OwnedHeaders::new_with_capacity(2 + out.traces.len());
             if let Some(value) = &time {
                 headers = headers.insert(Header { key: RECORD_TIME_HEADER, value: Some(&value[..]) });
             }
             if drained {
                 headers = headers.insert(Header { key: INPUT_DRAINED_HEADER, value: Some(&[][..]) });
             }
-            record = record.headers(headers);
+            record = record.headers(tally_shared::otel::with_contexts(headers, &out.traces));
         }
         loop {
             match self.producer.send(record) {

@@ -109,6 +109,7 @@ impl PendingMarks {
             key: b"marks".to_vec(),
             payload,
             timestamp: None,
+            traces: Vec::new(),
         }
     }
 }

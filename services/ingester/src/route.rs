@@ -13,6 +13,7 @@ use tally_core::format::{RECORD_V2, RECORD_V4};
 use tally_core::input::{parse_graph_updates, parse_increments, Limits, Rejection};
 use tally_core::records::split_by_size;
 use tally_core::sharding::shard_of;
+use tally_core::trace::{TraceContext, MAX_LINKS};
 use tally_core::wire::bundle::{BUNDLE_OVERHEAD, SECTION_OVERHEAD};
 use tally_core::wire::{
     DeadLetter, GraphMessage, GraphUpdate, IncrementCow, IncrementFields, ShardMessage, Source, Stamp,
@@ -32,6 +33,8 @@ pub struct InputRecord<'a> {
     /// The record's timestamp, when it has one.
     pub timestamp: Option<i64>,
     pub payload: &'a [u8],
+    /// The trace it belongs to (its first `traceparent` header).
+    pub trace: Option<TraceContext>,
 }
 
 impl<'a> From<&'a BorrowedMessage<'a>> for InputRecord<'a> {
@@ -42,7 +45,27 @@ impl<'a> From<&'a BorrowedMessage<'a>> for InputRecord<'a> {
             offset: message.offset(),
             timestamp: message.timestamp().to_millis(),
             payload: message.payload().unwrap_or_default(),
+            trace: tally_shared::otel::contexts_of(message.headers()).first().copied(),
         }
+    }
+}
+
+/// The trace contexts of a batch's input records, by the shards their increments
+/// went to: each shard record carries its own records' contexts on.
+#[derive(Default)]
+struct Traced(BTreeMap<usize, Vec<TraceContext>>);
+
+impl Traced {
+    fn note(&mut self, shard: usize, trace: TraceContext) {
+        let contexts = self.0.entry(shard).or_default();
+        // A record's increments come one after another.
+        if contexts.len() < MAX_LINKS && contexts.last() != Some(&trace) {
+            contexts.push(trace);
+        }
+    }
+
+    fn of(&self, shard: usize) -> Vec<TraceContext> {
+        self.0.get(&shard).cloned().unwrap_or_default()
     }
 }
 
@@ -60,6 +83,9 @@ pub struct Outgoing {
     /// `tally.record-time.v1` header; the Kafka timestamp is always the producer's
     /// (when it was routed).
     pub timestamp: Option<i64>,
+    /// The trace contexts of the input records whose increments a shard record
+    /// carries (at most [`MAX_LINKS`]), each sent as a `traceparent` header.
+    pub traces: Vec<TraceContext>,
 }
 
 /// What one batch held.
@@ -138,6 +164,7 @@ impl Router {
         let mut outgoing = Vec::new();
         let mut counts = RouteCounts::default();
         let mut unencodable: Option<tally_shared::Error> = None;
+        let mut traced = Traced::default();
         let graph_topic = self.names.graph();
         let bounds = self.limits.at(now_ms());
         for record in records {
@@ -176,6 +203,9 @@ impl Router {
                     counts.increments += 1;
                     let shard = shard_of(&increment.entity, self.shards) as usize;
                     row[shard].push((Stamp { offset: record.offset, index }, increment));
+                    if let Some(trace) = record.trace {
+                        traced.note(shard, trace);
+                    }
                 },
                 reject,
             );
@@ -183,10 +213,14 @@ impl Router {
         if let Some(err) = unencodable {
             return Err(err.into());
         }
+        let first_shard_record = outgoing.len();
         if self.shard_record_format == RECORD_V4 {
             self.bundle_shard_records(&per_partition, &increment_times, &mut outgoing)?;
         } else {
             self.shard_records(&per_partition, &increment_times, &mut outgoing)?;
+        }
+        for out in &mut outgoing[first_shard_record..] {
+            out.traces = out.partition.map(|shard| traced.of(shard as usize)).unwrap_or_default();
         }
         let updates_topic = self.names.graph_updates();
         for (partition, entries) in graph {
@@ -198,6 +232,7 @@ impl Router {
                     key: partition.to_string().into_bytes(),
                     payload: (GraphMessage::Updates { source, entries: chunk.to_vec() }).encode()?,
                     timestamp: last_time(&graph_times, partition, chunk),
+                    traces: Vec::new(),
                 });
             }
         }
@@ -249,6 +284,7 @@ impl Router {
             key: shard.to_string().into_bytes(),
             payload: ShardMessage::bundle(sections)?,
             timestamp: sections.iter().map(|(time, _)| *time).max(),
+            traces: Vec::new(),
         })
     }
 
@@ -276,6 +312,7 @@ impl Router {
                     key: partition.to_string().into_bytes(),
                     payload: ShardMessage::encode_increments(source, chunk, self.shard_record_format)?,
                     timestamp: last_time(record_times, partition, chunk),
+                    traces: Vec::new(),
                 });
             }
         }
@@ -294,7 +331,8 @@ impl Router {
             rejection.raw,
             self.record_budget,
         );
-        Ok(Outgoing { topic: self.names.dead_letter(), partition: None, key, payload: letter?, timestamp: None })
+        let (topic, traces) = (self.names.dead_letter(), Vec::new());
+        Ok(Outgoing { topic, partition: None, key, payload: letter?, timestamp: None, traces })
     }
 }
 
@@ -324,7 +362,8 @@ mod tests {
     }
 
     fn record(partition: i32, offset: i64, payload: &str) -> InputRecord<'_> {
-        InputRecord { topic: "tally.increments", partition, offset, timestamp: Some(5), payload: payload.as_bytes() }
+        let (timestamp, trace) = (Some(5), None);
+        InputRecord { topic: "tally.increments", partition, offset, timestamp, payload: payload.as_bytes(), trace }
     }
 
     /// Every routed increment of `out` as (shard, input partition, offset, index,
@@ -405,6 +444,7 @@ mod tests {
             offset,
             timestamp: Some(timestamp),
             payload: payload.as_bytes(),
+            trace: None,
         };
         let (a, b, c): (&'static str, &'static str, &'static str) =
             (Box::leak(a.into_boxed_str()), Box::leak(b.into_boxed_str()), Box::leak(c.into_boxed_str()));
@@ -500,12 +540,41 @@ mod tests {
             offset: 9,
             timestamp: Some(7_000),
             payload: br#"{"op":"add_edge","from":"a","to":"b"}"#,
+            trace: None,
         };
         for records in [[increments, graph], [graph, increments]] {
             let (out, _) = router.route_records(&records).unwrap();
             let times: Vec<(&str, Option<i64>)> = out.iter().map(|o| (o.topic.as_str(), o.timestamp)).collect();
             assert_eq!(times, vec![("tally.shards", Some(1_000)), ("tally.graph-updates", Some(7_000))]);
             assert_eq!(routed(&out, 4).iter().map(|entry| entry.6).collect::<Vec<_>>(), vec![1_000]);
+        }
+    }
+
+    /// A shard record carries on the trace contexts of the input records whose
+    /// increments it holds, and only theirs, in every record format.
+    #[test]
+    fn shard_records_carry_their_input_records_trace_contexts() {
+        let shards = 4;
+        let entity_of_shard =
+            |shard: u32| (0..).map(|i| format!("e{i}")).find(|e| shard_of(e, shards) == shard).unwrap();
+        let (zero, one) = (entity_of_shard(0), entity_of_shard(1));
+        let payloads = [
+            format!(r#"[{{"entity":"{zero}","metric":"v"}},{{"entity":"{zero}","metric":"w"}}]"#),
+            format!(r#"{{"entity":"{one}","metric":"v"}}"#),
+            format!(r#"{{"entity":"{zero}","metric":"v"}}"#),
+        ];
+        let (first, second) = (TraceContext::root(), TraceContext::root());
+        let records = [
+            InputRecord { trace: Some(first), ..record(0, 1, &payloads[0]) },
+            InputRecord { trace: Some(second), ..record(1, 2, &payloads[1]) },
+            record(0, 3, &payloads[2]),
+        ];
+        for format in [2, 4] {
+            let router = test_router(shards, 900_000).writing_shard_records_in(format).unwrap();
+            let (out, _) = router.route_records(&records).unwrap();
+            let traces: Vec<(Option<i32>, Vec<TraceContext>)> =
+                out.iter().map(|o| (o.partition, o.traces.clone())).collect();
+            assert_eq!(traces, vec![(Some(0), vec![first]), (Some(1), vec![second])], "format {format}");
         }
     }
 
@@ -518,6 +587,7 @@ mod tests {
             offset,
             timestamp: Some(5),
             payload: payload.as_bytes(),
+            trace: None,
         };
         let records = [
             graph(2, 4, r#"[{"op":"add_edge","from":"a","to":"b"},{"op":"add_edge","from":"a","to":"a"}]"#),
@@ -557,6 +627,7 @@ mod tests {
             offset: 3,
             timestamp: Some(5),
             payload: updates.as_bytes(),
+            trace: None,
         };
         let (out, counts) = router.route_records(&[record(0, 1, &garbage), graph]).unwrap();
         assert_eq!(counts, RouteCounts { increments: 0, graph_updates: 2_000, rejected: 1 });

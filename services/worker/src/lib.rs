@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use prometheus::{IntCounterVec, Opts, Registry};
 use tally_core::jobs::api::DequeuedJob;
+use tally_core::trace::TRACEPARENT;
 use tally_jobs_client::{self as worker, Outcome, WorkerOptions};
 use tally_shared::config::{TallyConfig, WorkerConfig};
 use tally_shared::telemetry::{register, serve_admin, Readiness};
@@ -78,6 +79,11 @@ impl Handler {
                     .header("x-tally-job-id", &job.id)
                     .header("x-tally-attempt", job.attempt.to_string())
                     .body(job.payload.get().to_string());
+                // The job's trace goes on to the webhook.
+                let request = match &job.traceparent {
+                    Some(context) => request.header(TRACEPARENT, context),
+                    None => request,
+                };
                 let sent = tokio::select! {
                     sent = request.send() => sent,
                     _ = stop.cancelled() => return Outcome::Retry { in_ms: None, error: "cancelled".into() },
@@ -122,6 +128,8 @@ async fn run_command(
         .envs(env.iter().map(|(name, value)| (name, value)))
         .env("TALLY_JOB_ID", &job.id)
         .env("TALLY_JOB_ATTEMPT", job.attempt.to_string())
+        // The job's trace, under the name OpenTelemetry's environment carrier uses.
+        .envs(job.traceparent.iter().map(|context| ("TRACEPARENT", context)))
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -207,6 +215,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         lease_ms: (config.worker.lease_ms > 0).then_some(config.worker.lease_ms),
         auth_token: config.auth.worker_token.clone(),
         stop_grace_ms: config.worker.stop_grace_ms,
+        spans: tally_shared::otel::sink(),
     };
     tracing::info!(queue = %options.queue, brokers = ?options.brokers, concurrency = options.concurrency, admin = %admin, "tally-worker starting");
     let probe = tokio::spawn(track_readiness(options.clone(), readiness.clone(), shutdown.clone()));
@@ -266,6 +275,7 @@ mod tests {
             lease_deadline: 0,
             partition: 0,
             offset: 0,
+            traceparent: None,
         }
     }
 

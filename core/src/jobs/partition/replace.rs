@@ -120,6 +120,7 @@ mod tests {
             unique_key: Some(format!("u{key}")),
             unique_for_ms: None,
             tick: None,
+            trace: None,
         }
     }
 

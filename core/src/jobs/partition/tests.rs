@@ -15,6 +15,7 @@ fn job(id: usize, key: Option<u8>, run_at: Option<i64>) -> Job {
         unique_key: None,
         unique_for_ms: None,
         tick: None,
+        trace: None,
     }
 }
 
