@@ -2,6 +2,7 @@
 //! its own topic prefix, the real service binaries as child processes, and helpers
 //! to produce input, kill and restart services, read topics and call the HTTP API.
 
+pub mod otlp;
 pub mod probes;
 pub mod prometheus;
 pub mod s3;
@@ -447,6 +448,18 @@ impl Sandbox {
     /// The process id of a running instance.
     pub fn pid(&self, name: &str) -> Option<u32> {
         self.children.get(name).map(Child::id)
+    }
+
+    /// The names of a running instance's threads (`/proc/<pid>/task/*/comm`), sorted.
+    pub fn thread_names(&self, name: &str) -> Vec<String> {
+        let pid = self.pid(name).unwrap_or_else(|| panic!("{name} is not running"));
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("the process's threads");
+        let mut names: Vec<String> = tasks
+            .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
+            .map(|comm| comm.trim_end().to_string())
+            .collect();
+        names.sort();
+        names
     }
 
     /// Sends `signal` to a running instance (`libc::SIGSTOP` pauses it,
