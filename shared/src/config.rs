@@ -1146,6 +1146,17 @@ mod tests {
     }
 
     #[test]
+    fn traces_are_off_unless_an_http_endpoint_is_named() {
+        assert_eq!(TallyConfig::load_with_env(None, env(&[])).unwrap().telemetry.otlp_endpoint, None);
+        let on = env(&[("TALLY__TELEMETRY__OTLP_ENDPOINT", "http://collector:4318")]);
+        let config = TallyConfig::load_with_env(None, on).unwrap();
+        assert_eq!(config.telemetry.otlp_endpoint.as_deref(), Some("http://collector:4318"));
+        let grpc = env(&[("TALLY__TELEMETRY__OTLP_ENDPOINT", "collector:4317")]);
+        let refused = TallyConfig::load_with_env(None, grpc).unwrap_err().to_string();
+        assert!(refused.contains("telemetry.otlp_endpoint is \"collector:4317\": an http:// or https:// URL"), "{refused}");
+    }
+
+    #[test]
     fn missing_file_is_an_error() {
         assert!(TallyConfig::load_with_env(Some(Path::new("/nonexistent/tally.toml")), env(&[])).is_err());
     }

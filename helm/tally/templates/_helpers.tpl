@@ -224,6 +224,11 @@ tally.toml: |
   [log]
   format = {{ .Values.log.format | toJson }}
   level = {{ .Values.log.level | toString | toJson }}
+  {{- with .Values.telemetry.otlpEndpoint }}
+
+  [telemetry]
+  otlp_endpoint = {{ . | toJson }}
+  {{- end }}
 
   [ingester]
   admin_listen = "0.0.0.0:9101"
