@@ -28,6 +28,21 @@ pub struct Rejection<'a> {
     pub raw: &'a [u8],
 }
 
+/// The fields a rejection can name, as the bounded label that counts rejections
+/// by reason (`tally_ingester_dead_letters_total{reason}`); `other` for any not listed.
+pub const REASON_FIELDS: [&str; 11] =
+    ["message", "element", "entity", "metric", "delta", "ts", "id", "op", "from", "to", "other"];
+
+impl Rejection<'_> {
+    /// The index in [`REASON_FIELDS`] of the field its reason names (the reason's
+    /// text up to its first `:`).
+    pub fn field(&self) -> usize {
+        let named = self.reason.split(':').next().unwrap_or_default();
+        let other = REASON_FIELDS.len() - 1;
+        REASON_FIELDS[..other].iter().position(|field| *field == named).unwrap_or(other)
+    }
+}
+
 /// The numbers an increment may carry. Anything outside is refused with a
 /// reason naming the setting, never wrapped, and never counted into buckets that
 /// can no longer hold it.
@@ -351,6 +366,33 @@ mod tests {
         let mut rejected = Vec::new();
         parse_graph_updates(payload.as_bytes(), |i, u| accepted.push((i, u)), |r| rejected.push((r.index, r.reason)));
         (accepted, rejected)
+    }
+
+    /// Each rejection counts under the field its reason names; a field not listed
+    /// under `other`.
+    #[test]
+    fn rejections_are_counted_by_the_field_they_name() {
+        let fields = |payload: &str, graph_updates: bool| {
+            let mut fields = Vec::new();
+            let mut note = |r: Rejection<'_>| fields.push(REASON_FIELDS[r.field()]);
+            match graph_updates {
+                true => parse_graph_updates(payload.as_bytes(), |_, _| {}, &mut note),
+                false => parse_increments(payload.as_bytes(), 1_000, &test_bounds(), |_, _| {}, &mut note),
+            }
+            fields
+        };
+        let increments = r#"[{"entity":"","metric":"v"},{"entity":"a","metric":"V!"},
+            {"entity":"a","metric":"v","delta":1e300},{"entity":"a","metric":"v","delta":9007199254740993},
+            {"entity":"a","metric":"v","ts":-1},{"entity":"a","metric":"v","id":""},
+            {"entity":"a","metric":"v","colour":"red"},7]"#;
+        // An unknown field is named by the producer: counted as `other`, never as its name.
+        assert_eq!(fields(increments, false), ["entity", "metric", "delta", "delta", "ts", "id", "other", "element"]);
+        assert_eq!(fields("[1,", false), ["message"]);
+        let graph_updates = r#"[{"op":"rename","from":"a","to":"b"},{"op":"add_edge","from":"","to":"b"},
+            {"op":"add_edge","from":"a","to":"a"}]"#;
+        assert_eq!(fields(graph_updates, true), ["op", "from", "to"]);
+        let unnamed = Rejection { index: None, reason: "segments.country: too long".into(), raw: b"" };
+        assert_eq!(REASON_FIELDS[unnamed.field()], "other");
     }
 
     #[test]

@@ -1153,7 +1153,10 @@ mod tests {
         assert_eq!(config.telemetry.otlp_endpoint.as_deref(), Some("http://collector:4318"));
         let grpc = env(&[("TALLY__TELEMETRY__OTLP_ENDPOINT", "collector:4317")]);
         let refused = TallyConfig::load_with_env(None, grpc).unwrap_err().to_string();
-        assert!(refused.contains("telemetry.otlp_endpoint is \"collector:4317\": an http:// or https:// URL"), "{refused}");
+        assert!(
+            refused.contains("telemetry.otlp_endpoint is \"collector:4317\": an http:// or https:// URL"),
+            "{refused}"
+        );
     }
 
     #[test]

@@ -11,7 +11,7 @@ pub struct Metrics {
     pub output_bytes: IntCounterVec,
     /// Valid elements routed on, by kind (`increment`, `graph_update`).
     pub accepted: IntCounterVec,
-    pub dead_letters: IntCounter,
+    pub dead_letters: IntCounterVec,
     pub batch_records: Histogram,
     pub consumer_lag: IntGaugeVec,
     pub consumer_lag_seconds: prometheus::GaugeVec,
@@ -21,6 +21,15 @@ pub struct Metrics {
 
 impl Metrics {
     pub fn new(registry: &Registry) -> Self {
+        let metrics = Self::register(registry);
+        // Every reason from 0, so the first letter of one is an increase an alert sees.
+        for field in tally_core::input::REASON_FIELDS {
+            metrics.dead_letters.with_label_values(&[field]);
+        }
+        metrics
+    }
+
+    fn register(registry: &Registry) -> Self {
         Self {
             input_records: register(
                 registry,
@@ -53,8 +62,17 @@ impl Metrics {
             ),
             dead_letters: register(
                 registry,
-                IntCounter::new("tally_ingester_dead_letters_total", "Rejected elements sent to the dead-letter topic")
-                    .expect("valid metric"),
+                IntCounterVec::new(
+                    Opts::new(
+                        "tally_ingester_dead_letters_total",
+                        "Rejected elements sent to the dead-letter topic, by the field their reason names (reason: \
+                         entity, metric, delta, ts, id, op, from, to; element or message for a malformed one; other \
+                         for a field tally does not know). Rising: a producer writes what tally refuses; each letter \
+                         on tally.dead-letter says exactly why: fix the producer (nothing of a refused element was counted)",
+                    ),
+                    &["reason"],
+                )
+                .expect("valid metric"),
             ),
             batch_records: register(
                 registry,

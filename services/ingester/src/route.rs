@@ -10,7 +10,7 @@ use rdkafka::message::BorrowedMessage;
 use rdkafka::Message;
 use rustc_hash::FxHashMap;
 use tally_core::format::{RECORD_V2, RECORD_V4};
-use tally_core::input::{parse_graph_updates, parse_increments, Limits, Rejection};
+use tally_core::input::{parse_graph_updates, parse_increments, Limits, Rejection, REASON_FIELDS};
 use tally_core::records::split_by_size;
 use tally_core::sharding::shard_of;
 use tally_core::trace::{TraceContext, MAX_LINKS};
@@ -93,8 +93,10 @@ pub struct Outgoing {
 pub struct RouteCounts {
     pub increments: u64,
     pub graph_updates: u64,
-    /// Elements (or whole messages) sent to the dead-letter topic.
+    /// Elements (or whole messages) sent to the dead-letter topic…
     pub rejected: u64,
+    /// …by the field their reason names ([`REASON_FIELDS`]).
+    pub rejected_by_field: [u64; REASON_FIELDS.len()],
 }
 
 pub struct Router {
@@ -148,7 +150,11 @@ impl Router {
         }
         metrics.accepted.with_label_values(&["increment"]).inc_by(counts.increments);
         metrics.accepted.with_label_values(&["graph_update"]).inc_by(counts.graph_updates);
-        metrics.dead_letters.inc_by(counts.rejected);
+        for (field, rejected) in REASON_FIELDS.iter().zip(counts.rejected_by_field) {
+            if rejected > 0 {
+                metrics.dead_letters.with_label_values(&[field]).inc_by(rejected);
+            }
+        }
         Ok(outgoing)
     }
 
@@ -171,6 +177,7 @@ impl Router {
             let record_time = record.timestamp.filter(|ts| *ts >= 0).unwrap_or_else(now_ms);
             let reject = |rejection: Rejection<'_>| {
                 counts.rejected += 1;
+                counts.rejected_by_field[rejection.field()] += 1;
                 match self.dead_letter(record, rejection) {
                     Ok(letter) => outgoing.push(letter),
                     Err(err) => unencodable = Some(err),
@@ -452,7 +459,7 @@ mod tests {
         let by_partition = test_router(8, 900_000).writing_shard_records_in(3).unwrap();
         let (old, _) = by_partition.route_records(&records).unwrap();
         let (out, counts) = test_router(8, 900_000).route_records(&records).unwrap();
-        assert_eq!(counts, RouteCounts { increments: 1_100, graph_updates: 0, rejected: 0 });
+        assert_eq!(counts, RouteCounts { increments: 1_100, graph_updates: 0, rejected: 0, ..counts });
         // One record per shard (all 8 get some), where format 3 sends one per
         // input partition and shard.
         let shards: Vec<i32> = out.iter().map(|o| o.partition.unwrap()).collect();
@@ -504,7 +511,10 @@ mod tests {
             record(1, 8, "not json"),
         ];
         let (out, counts) = router.route_records(&records).unwrap();
-        assert_eq!(counts, RouteCounts { increments: 3, graph_updates: 0, rejected: 2 });
+        let mut by_field = [0; REASON_FIELDS.len()];
+        by_field[3] = 1; // metric
+        by_field[0] = 1; // message
+        assert_eq!(counts, RouteCounts { increments: 3, graph_updates: 0, rejected: 2, rejected_by_field: by_field });
         let letters: Vec<DeadLetter> = out
             .iter()
             .filter(|o| o.topic == "tally.dead-letter")
@@ -594,7 +604,7 @@ mod tests {
             graph(2, 5, r#"{"op":"remove_edge","from":"a","to":"b","id":"g-1"}"#),
         ];
         let (out, counts) = router.route_records(&records).unwrap();
-        assert_eq!(counts, RouteCounts { increments: 0, graph_updates: 2, rejected: 1 });
+        assert_eq!(counts, RouteCounts { increments: 0, graph_updates: 2, rejected: 1, ..counts });
         let letter: DeadLetter =
             serde_json::from_slice(&out.iter().find(|o| o.topic == "tally.dead-letter").unwrap().payload).unwrap();
         assert_eq!((letter.topic.as_str(), letter.offset, letter.index), ("tally.graph", 4, Some(1)));
@@ -630,7 +640,7 @@ mod tests {
             trace: None,
         };
         let (out, counts) = router.route_records(&[record(0, 1, &garbage), graph]).unwrap();
-        assert_eq!(counts, RouteCounts { increments: 0, graph_updates: 2_000, rejected: 1 });
+        assert_eq!(counts, RouteCounts { increments: 0, graph_updates: 2_000, rejected: 1, ..counts });
         assert!(out.iter().all(|o| o.payload.len() <= 100_000), "every record fits the budget");
         let letters: Vec<DeadLetter> = out
             .iter()
