@@ -421,7 +421,12 @@ pub struct Snapshotter {
     orphan_grace_ms: i64,
     /// Unreadable manifests met since the last round (reported as failures).
     unreadable: u64,
-    last: HashMap<String, Option<(i64, Instant)>>,
+    /// Per name, its newest snapshot: its offset, when this snapshotter learned of
+    /// it (what `interval` counts from) and when it was taken (ms since the epoch).
+    last: HashMap<String, Option<(i64, Instant, i64)>>,
+    /// When each name was first looked at (ms since the epoch): the age of a store
+    /// never snapshot counts from then.
+    first_seen: HashMap<String, i64>,
 }
 
 impl Snapshotter {
@@ -439,6 +444,7 @@ impl Snapshotter {
             orphan_grace_ms: config.orphan_grace_ms.min(i64::MAX as u64) as i64,
             unreadable: 0,
             last: HashMap::new(),
+            first_seen: HashMap::new(),
         }
     }
 
@@ -485,6 +491,25 @@ impl Snapshotter {
         (taken, failed)
     }
 
+    /// How far `store`'s newest snapshot trails it, in seconds: 0 while that snapshot
+    /// holds everything the store applied (or it applied nothing), else the
+    /// snapshot's age (since the store was first looked at, when it has none).
+    /// Past twice `interval`, snapshots are failing or cannot keep up.
+    pub fn age_seconds(&self, name: &str, store: &Store) -> f64 {
+        let Some(next) = store.next_offset() else { return 0.0 };
+        let since = match self.last.get(name).copied().flatten() {
+            Some((offset, _, _)) if next <= offset => return 0.0,
+            Some((_, _, created_ms)) => created_ms,
+            None => self.first_seen.get(name).copied().unwrap_or_else(now_ms),
+        };
+        (now_ms() - since).max(0) as f64 / 1_000.0
+    }
+
+    /// `interval`, in seconds: what a store's snapshot age stays under.
+    pub fn interval_seconds(&self) -> f64 {
+        self.interval.as_secs_f64()
+    }
+
     /// Snapshots `store` as `name` now unless its newest snapshot is of its current
     /// offset already (an operator's `tally snapshot`); the snapshot of now, if it
     /// has applied anything.
@@ -498,13 +523,15 @@ impl Snapshotter {
 
     fn snapshot(&mut self, name: &str, store: &Store, now: bool) -> Result<Option<Manifest>> {
         let Some(next) = store.next_offset() else { return Ok(None) };
+        self.first_seen.entry(name.to_string()).or_insert_with(now_ms);
         if !self.last.contains_key(name) {
-            let newest = self.snapshots.latest(name)?.map(|m| (m.next_offset.unwrap_or(0), Instant::now()));
+            let newest =
+                self.snapshots.latest(name)?.map(|m| (m.next_offset.unwrap_or(0), Instant::now(), m.created_ms));
             self.last.insert(name.to_string(), newest);
         }
         let due = match self.last.get(name).copied().flatten() {
             None => true,
-            Some((offset, at)) => {
+            Some((offset, at, _)) => {
                 next - offset >= self.every_records || (next > offset && (now || at.elapsed() >= self.interval))
             }
         };
@@ -514,7 +541,8 @@ impl Snapshotter {
         std::fs::create_dir_all(&self.scratch)?;
         let manifest = self.snapshots.take(store, name, &self.scratch)?;
         tracing::info!(snapshot = %manifest.name, id = %manifest.id, next_offset = ?manifest.next_offset, bytes = manifest.bytes(), "snapshot stored");
-        self.last.insert(name.to_string(), Some((manifest.next_offset.unwrap_or(0), Instant::now())));
+        let newest = (manifest.next_offset.unwrap_or(0), Instant::now(), manifest.created_ms);
+        self.last.insert(name.to_string(), Some(newest));
         // Stored whatever pruning does; old snapshots go next time.
         match self.snapshots.prune(name, self.keep, self.orphan_grace_ms) {
             Ok(pruned) => {
@@ -553,6 +581,65 @@ impl Snapshotter {
             tracing::warn!(snapshot = %name, "no snapshot restores whole: rebuilding from the log");
         }
         Ok(None)
+    }
+}
+
+/// A service's snapshot gauges: the age of each store's newest snapshot
+/// ([`Snapshotter::age_seconds`]) and the interval, what the ages stay under while
+/// snapshots keep up (the alert compares the two).
+pub struct SnapshotAges {
+    age: prometheus::GaugeVec,
+    /// The label values set at the last report (a store no longer held is removed).
+    reported: std::collections::BTreeSet<Vec<String>>,
+}
+
+impl SnapshotAges {
+    /// Registers the gauges under `names` (the age's, the interval's); `labels` name
+    /// a store (`["shard"]`, or none for one store).
+    pub fn new(
+        registry: &prometheus::Registry,
+        (age, interval): (&str, &str),
+        labels: &[&str],
+        snapshotter: &Snapshotter,
+    ) -> Self {
+        use crate::telemetry::register;
+        let age = prometheus::GaugeVec::new(
+            prometheus::Opts::new(
+                age,
+                "How far the store's newest snapshot trails it: 0 while that snapshot holds everything applied, \
+                 else the snapshot's age (a restore would replay what came since). Above twice \
+                 snapshot_interval_seconds, snapshots fail or cannot keep up: see the snapshot failures and the \
+                 service's log",
+            ),
+            labels,
+        )
+        .expect("valid metric");
+        let interval = prometheus::Gauge::new(
+            interval,
+            "snapshots.interval_ms in seconds: a store that applied anything is snapshot at least this often",
+        )
+        .expect("valid metric");
+        register(registry, interval.clone()).set(snapshotter.interval_seconds());
+        Self { age: register(registry, age), reported: std::collections::BTreeSet::new() }
+    }
+
+    /// Sets each store's age: `(label values, snapshot name, store)`.
+    pub fn report<'a>(
+        &mut self,
+        snapshotter: &Snapshotter,
+        stores: impl IntoIterator<Item = (Vec<String>, &'a str, &'a Store)>,
+    ) {
+        let mut reported = std::collections::BTreeSet::new();
+        for (labels, name, store) in stores {
+            let values: Vec<&str> = labels.iter().map(String::as_str).collect();
+            self.age.with_label_values(&values).set(snapshotter.age_seconds(name, store));
+            reported.insert(labels);
+        }
+        for gone in self.reported.difference(&reported) {
+            let values: Vec<&str> = gone.iter().map(String::as_str).collect();
+            self.age.remove_label_values(&values).ok();
+        }
+        self.reported = reported;
     }
 }
 
@@ -777,5 +864,33 @@ mod tests {
         assert_eq!(incomplete.len(), 1, "the upload under way stays: {incomplete:?}");
         assert!(incomplete[0].starts_with(&format!("{name}/00000000000000000002-")));
         assert_eq!(listing.manifests, taken, "damaged snapshots stay listed (a restore passes them over)");
+    }
+
+    /// A store's snapshot age: 0 while nothing is applied past its newest snapshot,
+    /// else how long ago that snapshot was taken (from the manifest, also for one a
+    /// restarted snapshotter finds), or since the store was first looked at.
+    #[test]
+    fn a_snapshot_age_counts_only_while_the_store_is_ahead_of_its_snapshot() {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let snapshots = SnapshotStore::local(&dir.path().join("snapshots"), runtime.handle().clone()).unwrap();
+        let config = SnapshotsConfig { every_records: 1_000, interval_ms: 3_600_000, ..Default::default() };
+        let store = open(&dir.path().join("store"));
+        let name = "t.shards/shard-0001";
+        let mut snapshotter = Snapshotter::new(snapshots.clone(), &config, dir.path().join("scratch"));
+        assert_eq!(snapshotter.age_seconds(name, &store), 0.0, "nothing applied");
+        commit(&store, b"a", 10);
+        assert!(snapshotter.consider(name, &store).unwrap().is_some(), "the first is due at once");
+        assert_eq!(snapshotter.age_seconds(name, &store), 0.0, "the snapshot holds everything");
+        commit(&store, b"b", 20);
+        assert!(snapshotter.consider(name, &store).unwrap().is_none(), "not due for an hour");
+        std::thread::sleep(Duration::from_millis(50));
+        let age = snapshotter.age_seconds(name, &store);
+        assert!((0.05..60.0).contains(&age), "{age}");
+        // A snapshotter started later counts from the manifest's time.
+        let mut restarted = Snapshotter::new(snapshots, &config, dir.path().join("scratch"));
+        assert!(restarted.consider(name, &store).unwrap().is_none());
+        assert!(restarted.age_seconds(name, &store) >= age);
+        assert_eq!(snapshotter.interval_seconds(), 3_600.0);
     }
 }

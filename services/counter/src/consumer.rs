@@ -60,8 +60,9 @@ pub struct ConsumerSetup {
     pub shard_count: u32,
     /// Announced as the read address of owned shards.
     pub read_addr: String,
-    /// Where shard snapshots are kept (`None`: snapshots off).
-    pub snapshots: Option<SnapshotStore>,
+    /// Where shard snapshots are kept (`None`: snapshots off), and the registry
+    /// their gauges go in.
+    pub snapshots: Option<(SnapshotStore, prometheus::Registry)>,
     /// How the shard stores' commits survive a crash (from the config and the shard
     /// topic's retention: [`tally_shared::config::CounterConfig::durability`]).
     pub durability: Durability,
@@ -101,7 +102,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             direct_cache_bytes: config.counter.direct_cache_bytes,
             ..StoreOptions::default()
         },
-        snapshots: snapshots.clone(),
+        snapshots: snapshots.as_ref().map(|(store, _)| store.clone()),
         topic: shard_topic.clone(),
         metrics: metrics.clone(),
     };
@@ -170,8 +171,8 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         },
     )?;
     threads.push(("lag reporter", lag_reporter));
-    if let Some(snapshots) = snapshots {
-        let snapshotter = ShardSnapshots::new(snapshots, &config, shards.clone(), metrics.clone());
+    if let Some((snapshots, registry)) = snapshots {
+        let snapshotter = ShardSnapshots::new(snapshots, &config, (shards.clone(), metrics.clone(), &registry));
         let every =
             tally_shared::shutdown::every("counter-snapshots", SNAPSHOT_CHECK, shutdown.clone(), snapshotter.run());
         threads.push(("snapshots", every?));

@@ -90,7 +90,8 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let listener = TcpListener::bind(&config.counter.read_listen).await?;
     let bound = listener.local_addr()?;
     let read_addr = tally_shared::service::advertised_addr(bound, config.counter.advertise_host.as_deref());
-    let admin = serve_admin(&config.counter.admin_listen, registry, readiness.clone(), shutdown.clone()).await?;
+    let admin =
+        serve_admin(&config.counter.admin_listen, registry.clone(), readiness.clone(), shutdown.clone()).await?;
     tracing::info!(read_api = %read_addr, admin = %admin, data_dir = %config.counter.data_dir.display(), "tally-counter starting");
 
     let app = http::router(
@@ -105,10 +106,10 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     tally_shared::http::spawn_serve("read API", listener, app, shutdown.clone());
 
     let snapshots = match config.snapshots.enabled {
-        true => Some(tally_shared::snapshot::SnapshotStore::from_config(
-            &config.snapshots,
-            tokio::runtime::Handle::current(),
-        )?),
+        true => Some((
+            tally_shared::snapshot::SnapshotStore::from_config(&config.snapshots, tokio::runtime::Handle::current())?,
+            registry,
+        )),
         false => None,
     };
     let setup =

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::TopicNames;
-use tally_shared::snapshot::{SnapshotStore, Snapshotter};
+use tally_shared::snapshot::{SnapshotAges, SnapshotStore, Snapshotter};
 
 use crate::context::store_name;
 use crate::metrics::Metrics;
@@ -20,6 +20,7 @@ pub(crate) const SNAPSHOT_CHECK: Duration = Duration::from_secs(2);
 /// beside the consumer.
 pub(crate) struct ShardSnapshots {
     snapshotter: Snapshotter,
+    ages: SnapshotAges,
     shards: Arc<Shards>,
     metrics: Metrics,
     /// The shard topic (the snapshots' namespace).
@@ -27,10 +28,16 @@ pub(crate) struct ShardSnapshots {
 }
 
 impl ShardSnapshots {
-    pub(crate) fn new(snapshots: SnapshotStore, config: &TallyConfig, shards: Arc<Shards>, metrics: Metrics) -> Self {
+    pub(crate) fn new(
+        snapshots: SnapshotStore,
+        config: &TallyConfig,
+        (shards, metrics, registry): (Arc<Shards>, Metrics, &prometheus::Registry),
+    ) -> Self {
         let scratch = config.counter.data_dir.join(".checkpoints");
         let snapshotter = Snapshotter::new(snapshots, &config.snapshots, scratch);
-        Self { snapshotter, shards, metrics, topic: TopicNames::new(&config.kafka.topic_prefix).shards() }
+        let names = ("tally_counter_snapshot_age_seconds", "tally_counter_snapshot_interval_seconds");
+        let ages = SnapshotAges::new(registry, names, &["shard"], &snapshotter);
+        Self { snapshotter, ages, shards, metrics, topic: TopicNames::new(&config.kafka.topic_prefix).shards() }
     }
 
     pub(crate) fn run(mut self) -> impl FnMut() + Send + 'static {
@@ -43,6 +50,8 @@ impl ShardSnapshots {
             let (taken, failed) = self.snapshotter.round(&self.shards.snapshot_requests, &stores);
             self.metrics.snapshots_taken.inc_by(taken);
             self.metrics.snapshot_failures.inc_by(failed);
+            let ages = serving.iter().map(|(name, store)| (vec![store.shard.to_string()], name.as_str(), &store.store));
+            self.ages.report(&self.snapshotter, ages);
         }
     }
 }

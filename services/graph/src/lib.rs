@@ -34,7 +34,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let registry = Registry::new();
     let metrics = metrics::Metrics::new(&registry);
     let readiness = Readiness::default();
-    let admin = serve_admin(&config.graph.admin_listen, registry, readiness.clone(), shutdown.clone()).await?;
+    let admin = serve_admin(&config.graph.admin_listen, registry.clone(), readiness.clone(), shutdown.clone()).await?;
     let names = TopicNames::new(&config.kafka.topic_prefix);
     let shards = wait_for_topic(&config.kafka, &names.shards(), Duration::from_secs(60)).await?;
     wait_for_topic(&config.kafka, &names.graph_updates(), Duration::from_secs(60)).await?;
@@ -86,7 +86,8 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     tally_shared::http::spawn_serve("graph read API", listener, app, shutdown.clone());
 
     let snapshots = snapshots.zip(requests);
-    let setup = processor::ProcessorSetup { config, store, failures, metrics, readiness, read_addr, snapshots };
+    let setup =
+        processor::ProcessorSetup { config, store, failures, metrics, registry, readiness, read_addr, snapshots };
     let processor_shutdown = shutdown.clone();
     let result =
         tally_shared::sched::spawn_background("graph-apply", move || processor::run(setup, processor_shutdown))

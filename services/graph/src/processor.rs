@@ -26,7 +26,7 @@ use tally_shared::consume::{
 use tally_shared::kafka::{now_ms, TopicNames};
 use tally_shared::lag::{spawn_lag_reporter, Lag};
 use tally_shared::outbox::Relay;
-use tally_shared::snapshot::{SnapshotRequests, SnapshotStore, Snapshotter};
+use tally_shared::snapshot::{SnapshotAges, SnapshotRequests, SnapshotStore, Snapshotter};
 use tally_shared::store_name::StoreName;
 use tally_shared::telemetry::Readiness;
 use tokio_util::sync::CancellationToken;
@@ -47,6 +47,8 @@ pub struct ProcessorSetup {
     /// Where the graph's snapshots are kept, and operators' requests to take one
     /// now (`None`: snapshots off).
     pub snapshots: Option<(SnapshotStore, Arc<SnapshotRequests>)>,
+    /// Where the snapshot gauges go.
+    pub registry: prometheus::Registry,
 }
 
 /// The name of the graph's snapshots: under its log's name.
@@ -56,7 +58,7 @@ pub fn snapshot_name(names: &TopicNames) -> String {
 
 /// Runs until `shutdown`; the batch in hand is persisted and relayed first.
 pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
-    let ProcessorSetup { config, store, failures, metrics, readiness, read_addr, snapshots } = setup;
+    let ProcessorSetup { config, store, failures, metrics, registry, readiness, read_addr, snapshots } = setup;
     let names = TopicNames::new(&config.kafka.topic_prefix);
     let input = names.graph_updates();
     let mut consumer_config = tally_shared::kafka::consumer_config(&config.kafka)?;
@@ -144,6 +146,8 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
         // the upload runs beside the batches.
         let scratch = config.graph.data_dir.with_extension("checkpoints");
         let mut snapshotter = Snapshotter::new(snapshots, &config.snapshots, scratch);
+        let gauges = ("tally_graph_snapshot_age_seconds", "tally_graph_snapshot_interval_seconds");
+        let mut ages = SnapshotAges::new(&registry, gauges, &[], &snapshotter);
         let (name, snapshot_store, snapshot_metrics) =
             (snapshot_name(&names), store.clone(), processor.metrics.clone());
         let every =
@@ -152,6 +156,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
                 let (taken, failed) = snapshotter.round(&requests, &stores);
                 snapshot_metrics.snapshots_taken.inc_by(taken);
                 snapshot_metrics.snapshot_failures.inc_by(failed);
+                ages.report(&snapshotter, [(Vec::new(), name.as_str(), snapshot_store.store())]);
             })?;
         processor.threads.push(("snapshots", every));
     }
