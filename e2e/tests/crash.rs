@@ -359,4 +359,10 @@ async fn lose_the_counters_disk_and_come_back(recovery: Recovery) {
     let restored = sandbox.metric("tally-counter", "tally_counter_restored_shards_total").await;
     let by_itself = if recovery == Recovery::ByAnOperator { 0.0 } else { shards_with_data as f64 };
     assert_eq!(restored, vec![(String::new(), by_itself)], "{}", sandbox.log("tally-counter"));
+    let restores = sandbox.metric("tally-counter", "tally_counter_restore_seconds_count").await;
+    assert_eq!(restores, vec![(String::new(), by_itself)], "each restore timed");
+    // Every shard the tail reached waited to catch up with its log (restored or not).
+    let caught_up = sandbox.metric("tally-counter", "tally_counter_shard_catch_up_seconds_count").await;
+    let timed = caught_up.first().map_or(0.0, |(_, count)| *count);
+    assert!((1.0..=shards_with_data as f64).contains(&timed), "{caught_up:?} of {shards_with_data} shards");
 }

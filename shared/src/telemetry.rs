@@ -140,6 +140,14 @@ async fn ready(State(state): State<AdminState>) -> axum::response::Response {
     (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response()
 }
 
+/// A histogram of a long operation's duration in seconds (a restore, a rebuild:
+/// 0.1 s to an hour), registered in `registry`.
+pub fn long_duration_histogram(registry: &Registry, name: &str, help: &str) -> prometheus::Histogram {
+    let buckets = vec![0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3_600.0];
+    let opts = prometheus::HistogramOpts::new(name, help).buckets(buckets);
+    register(registry, prometheus::Histogram::with_opts(opts).expect("valid histogram options"))
+}
+
 /// Registers a metric, tolerating double registration (tests start a service twice
 /// in one process).
 pub fn register<M: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: M) -> M {

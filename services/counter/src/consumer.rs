@@ -517,6 +517,11 @@ fn report_state(shards: &Shards, readiness: &Readiness, metrics: &Metrics, confl
     failures.extend(conflict);
     readiness.set_failures(failures);
     let serving = shards.serving();
+    for store in shards.stores().into_iter().filter_map(|shard| shards.get(shard)) {
+        if let Some(took) = store.take_caught_up() {
+            metrics.catch_up_seconds.observe(took.as_secs_f64());
+        }
+    }
     let ready = match member {
         false => !serving.is_empty(),
         true => shards.lease.valid(now_ms()) && serving == shards.owned(),

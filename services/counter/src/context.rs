@@ -88,8 +88,10 @@ impl CounterContext {
     /// Restores the newest snapshot of `shard` into `path` (where no store is);
     /// whether there was one.
     fn restore(&self, snapshots: &SnapshotStore, shard: u32, path: &std::path::Path) -> Result<()> {
+        let started = std::time::Instant::now();
         if Snapshotter::restore_latest(snapshots, &store_name(&self.topic, shard).to_string(), path)?.is_some() {
             self.metrics.restored_shards.inc();
+            self.metrics.restore_seconds.observe(started.elapsed().as_secs_f64());
         }
         Ok(())
     }

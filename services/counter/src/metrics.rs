@@ -1,7 +1,7 @@
 //! The counter's Prometheus metrics, declared once.
 
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
-use tally_shared::telemetry::register;
+use tally_shared::telemetry::{long_duration_histogram, register};
 
 #[derive(Clone)]
 pub struct Metrics {
@@ -32,6 +32,11 @@ pub struct Metrics {
     pub freshness_lag: prometheus::HistogramVec,
     /// Shards restored from a snapshot instead of replaying their whole log.
     pub restored_shards: IntCounter,
+    /// How long each restore from a snapshot took.
+    pub restore_seconds: Histogram,
+    /// How long a shard taken (restored, rebuilt or kept from before) took to catch
+    /// up with its log and serve.
+    pub catch_up_seconds: Histogram,
     pub snapshots_taken: IntCounter,
     pub snapshot_failures: IntCounter,
     pub owned_shards: IntGauge,
@@ -139,6 +144,20 @@ impl Metrics {
                 registry,
                 IntCounter::new("tally_counter_restored_shards_total", "Shards restored from a snapshot")
                     .expect("valid metric"),
+            ),
+            restore_seconds: long_duration_histogram(
+                registry,
+                "tally_counter_restore_seconds",
+                "Time to restore a shard's store from its newest snapshot (download and checks). Long: the object \
+                 store is slow or far, or the stores are large; a shard is dark for this long when it moves without a \
+                 standby (counter.standby_replicas)",
+            ),
+            catch_up_seconds: long_duration_histogram(
+                registry,
+                "tally_counter_shard_catch_up_seconds",
+                "Time from taking a shard (restored, rebuilt from the log or kept from before) until it caught up with \
+                 its log and served. Long: snapshots trail far (a restore replays everything since) or the counter \
+                 applies slowly; standbys take over without it",
             ),
             lapsed_leases: register(
                 registry,

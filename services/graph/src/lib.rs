@@ -53,7 +53,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     };
     let snapshot_name = processor::snapshot_name(&names);
     let restore_from = snapshots.clone();
-    let restored_metric = metrics.restored.clone();
+    let (restored_metric, restore_seconds) = (metrics.restored.clone(), metrics.restore_seconds.clone());
     // On a thread at the kernel's default slice: RocksDB starts its background
     // threads here, and they inherit it.
     let store = Arc::new(
@@ -61,8 +61,10 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
             // A graph without a store (a new disk) restores the newest snapshot
             // and replays the log after it.
             if let Some(snapshots) = restore_from.filter(|_| !data_dir.exists()) {
+                let started = std::time::Instant::now();
                 if Snapshotter::restore_latest(&snapshots, &snapshot_name, &data_dir)?.is_some() {
                     restored_metric.inc();
+                    restore_seconds.observe(started.elapsed().as_secs_f64());
                 }
             }
             let opened = store::GraphStore::open(&data_dir, options)?;

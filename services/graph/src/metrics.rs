@@ -1,7 +1,7 @@
 //! The graph processor's Prometheus metrics, declared once.
 
-use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
-use tally_shared::telemetry::register;
+use prometheus::{Histogram, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use tally_shared::telemetry::{long_duration_histogram, register};
 
 #[derive(Clone)]
 pub struct Metrics {
@@ -14,8 +14,11 @@ pub struct Metrics {
     pub consumer_lag_seconds: prometheus::GaugeVec,
     /// 1 while the graph-updates partition is stopped by a failure.
     pub failed: IntGauge,
-    /// Restores of the graph's store from a snapshot.
+    /// Restores of the graph's store from a snapshot, and how long each took.
     pub restored: IntCounter,
+    pub restore_seconds: Histogram,
+    /// How long the graph took at start to catch up with the log it found.
+    pub catch_up_seconds: Histogram,
     pub snapshots_taken: IntCounter,
     pub snapshot_failures: IntCounter,
     pub skipped_records: IntCounter,
@@ -45,6 +48,18 @@ impl Metrics {
                 .expect("valid metric"),
             ),
             restored: counter("tally_graph_restored_total", "Restores of the graph's store from a snapshot"),
+            restore_seconds: long_duration_histogram(
+                registry,
+                "tally_graph_restore_seconds",
+                "Time to restore the graph's store from its newest snapshot. Long: the object store is slow or far, or \
+                 the graph is large; hierarchical totals wait for the graph meanwhile",
+            ),
+            catch_up_seconds: long_duration_histogram(
+                registry,
+                "tally_graph_catch_up_seconds",
+                "Time from start until the graph caught up with the log it found and served. Long: its snapshots trail \
+                 far (a restore replays everything since) or it applies slowly",
+            ),
             snapshots_taken: counter("tally_graph_snapshots_total", "Snapshots of the graph's store stored"),
             snapshot_failures: counter("tally_graph_snapshot_failures_total", "Snapshots that failed (tried again)"),
             skipped_records: counter(

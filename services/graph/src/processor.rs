@@ -136,6 +136,7 @@ pub fn run(setup: ProcessorSetup, shutdown: CancellationToken) -> Result<()> {
         relay: Relay::new(&config.kafka, names.shards())?,
         letters: letters.clone(),
         start_end,
+        catching_up_since: Some(std::time::Instant::now()),
         input: input.clone(),
         advisory: AdvisoryCommits::default(),
         threads: vec![("lag reporter", lag_reporter)],
@@ -187,8 +188,10 @@ struct GraphProcessor {
     relay: Relay,
     /// Sends the dead letters of refused updates.
     letters: Arc<Relay>,
-    /// The end of the log at start: not ready before it applied that much.
+    /// The end of the log at start: not ready before it applied that much…
     start_end: i64,
+    /// …and since when it waits for it (`None` once it caught up).
+    catching_up_since: Option<std::time::Instant>,
     /// The graph-updates topic.
     input: String,
     /// The group's offset, committed now and then for lag tooling.
@@ -263,6 +266,9 @@ impl Processor<DefaultConsumerContext> for GraphProcessor {
             let caught_up = self.store.next_offset().unwrap_or(0) >= self.start_end;
             if caught_up {
                 self.announcer.announce(&[ShardOwner::GRAPH], false, |_| None);
+                if let Some(since) = self.catching_up_since.take() {
+                    self.metrics.catch_up_seconds.observe(since.elapsed().as_secs_f64());
+                }
             }
             if let Some(next) = self.store.next_offset() {
                 self.advisory.commit(consumer, &self.input, vec![(PARTITION, next)]);

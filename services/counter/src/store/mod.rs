@@ -57,6 +57,17 @@ pub(crate) const CF_ROLLUPS: &str = "rollups";
 pub(crate) const CF_ROLLUP_DEADLINES: &str = "rollup_deadlines";
 /// The shard-topic offset a store built from scratch must reach before it serves.
 const KEY_REBUILD_UNTIL: &[u8] = b"rebuild_until";
+/// What [`ShardStore::catching_up`]'s lock guards.
+const CATCHING_UP: &str = "a shard store's catch-up time";
+
+/// Where a store is in catching up with its log.
+#[derive(Debug, Clone, Copy)]
+enum CatchingUp {
+    No,
+    Since(Instant),
+    /// Caught up, in this long: not reported yet.
+    Took(std::time::Duration),
+}
 /// Settings of a shard store.
 #[derive(Debug, Clone)]
 pub struct StoreOptions {
@@ -131,6 +142,9 @@ pub struct ShardStore {
     /// when it was assigned) before it serves: until then its totals are partial.
     /// `i64::MIN`: serving.
     rebuild_until: AtomicI64,
+    /// When this process began waiting for `rebuild_until`, then, once reached, how
+    /// long that took (until [`ShardStore::take_caught_up`] reports it).
+    catching_up: Mutex<CatchingUp>,
     /// When the store was last persisted (or opened).
     last_persist: Mutex<Instant>,
     /// Every rollup deadline before this time is done ([`crate::store::rollup_book`]).
@@ -252,6 +266,10 @@ impl ShardStore {
             direct,
             operands: Mutex::default(),
             rebuild_until: AtomicI64::new(rebuild_until),
+            catching_up: Mutex::new(match rebuild_until {
+                i64::MIN => CatchingUp::No,
+                _ => CatchingUp::Since(Instant::now()),
+            }),
             last_persist: Mutex::new(Instant::now()),
             deadlines_done_until: AtomicI64::new(i64::MIN),
             freshness,
@@ -374,8 +392,24 @@ impl ShardStore {
         if self.next_offset().is_none_or(|next| next < end) && end > 0 {
             self.store.put_meta(KEY_REBUILD_UNTIL, &tally_core::format::i64_value(end))?;
             self.rebuild_until.store(end, Ordering::Relaxed);
+            let mut catching_up = lock::lock(&self.catching_up, CATCHING_UP);
+            if !matches!(*catching_up, CatchingUp::Since(_)) {
+                *catching_up = CatchingUp::Since(Instant::now());
+            }
         }
         Ok(())
+    }
+
+    /// How long the store took to catch up with its log, once, after it did.
+    pub fn take_caught_up(&self) -> Option<std::time::Duration> {
+        let mut catching_up = lock::lock(&self.catching_up, CATCHING_UP);
+        match *catching_up {
+            CatchingUp::Took(took) => {
+                *catching_up = CatchingUp::No;
+                Some(took)
+            }
+            _ => None,
+        }
     }
 
     /// Whether the store holds everything the log held when it was assigned (or
@@ -389,7 +423,12 @@ impl ShardStore {
             // Caught up, and offsets only move forward: later calls need not take the
             // commit lock (every read asks). A wait set since then stays (the exchange
             // then fails, as it should).
-            self.rebuild_until.compare_exchange(until, i64::MIN, Ordering::Relaxed, Ordering::Relaxed).ok();
+            if self.rebuild_until.compare_exchange(until, i64::MIN, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+                let mut catching_up = lock::lock(&self.catching_up, CATCHING_UP);
+                if let CatchingUp::Since(since) = *catching_up {
+                    *catching_up = CatchingUp::Took(since.elapsed());
+                }
+            }
             return true;
         }
         false
@@ -439,13 +478,20 @@ mod tests {
         drop(store);
         let store = ShardStore::open(0, dir.path(), options()).unwrap();
         assert!(!store.serving(), "restarted mid-rebuild: still 2 of 3");
+        assert_eq!(store.take_caught_up(), None, "not caught up");
+        std::thread::sleep(std::time::Duration::from_millis(20));
         store.commit(WriteBatch::default(), Progress { next_offset: Some(3), ..Default::default() }).unwrap();
         assert!(store.serving());
         assert!(store.serving(), "still, once the wait is lifted");
+        // How long it took since this process began waiting, reported once.
+        let took = store.take_caught_up().expect("caught up");
+        assert!(took >= std::time::Duration::from_millis(20), "{took:?}");
+        assert_eq!(store.take_caught_up(), None);
         store.rebuild_until(5).unwrap();
         assert!(!store.serving(), "a later rebuild waits again");
         store.commit(WriteBatch::default(), Progress { next_offset: Some(5), ..Default::default() }).unwrap();
         assert!(store.serving());
+        assert!(store.take_caught_up().is_some(), "each rebuild's time");
         // A restored store (data of its own, older than the log) waits too.
         drop(store);
         let store = ShardStore::open(0, dir.path(), options()).unwrap();
