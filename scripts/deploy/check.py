@@ -193,7 +193,7 @@ def check_queue_file(report: Report, where: str, text: str) -> list[str]:
     report.check(f"{where}: queues file holds only [[topic]] and [[queue]]", set(data) <= {"topic", "queue"}, f"keys {sorted(data)}")
     ints = {"partitions", "max_attempts", "backoff_ms", "backoff_max_ms", "lease_ms", "buffer", "delayed_buffer",
             "buffer_bytes", "retention_ms", "rate_limit_per_sec", "priority_levels", "priority_aging_ms",
-            "unique_for_ms", "max_lease_ms", "max_retry_ms", "debounce_ms"}
+            "wait_slo_ms", "unique_for_ms", "max_lease_ms", "max_retry_ms", "debounce_ms"}
     names = []
     for i, q in enumerate(data.get("queue", [])):
         name = q.get("name")
@@ -220,6 +220,8 @@ def check_queue_file(report: Report, where: str, text: str) -> list[str]:
                 problems.append("rate_limit_per_sec must be at least 1")
             if not 1 <= q.get("priority_levels", 1) <= 10 or q.get("priority_aging_ms", 60000) < 0:
                 problems.append("priority_levels must be 1 to 10, priority_aging_ms not negative")
+            if q.get("wait_slo_ms", 300000) < 1:
+                problems.append("wait_slo_ms must be at least 1")
             problems += limits_problems(q.get("limits", {}), q["partitions"])
         report.check(f"{where}: queue {i} ({name}) is a valid declaration", not problems, "; ".join(problems))
         names.append(name)

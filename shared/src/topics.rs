@@ -95,6 +95,11 @@ pub struct QueueDecl {
     /// higher jobs delays a lower one but never starves it (0: never rises).
     #[serde(default = "default_priority_aging_ms", skip_serializing_if = "is_default_priority_aging_ms")]
     pub priority_aging_ms: i64,
+    /// How long a ready job may wait to be handed out before the queue is late: its
+    /// objective, exported as `tally_jobs_wait_slo_seconds`, which the
+    /// `TallyJobsWaiting` alert compares the oldest ready job's age with.
+    #[serde(default = "default_wait_slo_ms", skip_serializing_if = "is_default_wait_slo_ms")]
+    pub wait_slo_ms: i64,
     /// Jobs in flight per concurrency key and in total (`[queue.limits]`; none by
     /// default).
     #[serde(default, skip_serializing_if = "tally_core::jobs::limits::Limits::is_empty")]
@@ -135,6 +140,13 @@ fn default_priority_aging_ms() -> i64 {
 }
 fn is_default_priority_aging_ms(ms: &i64) -> bool {
     *ms == default_priority_aging_ms()
+}
+
+fn default_wait_slo_ms() -> i64 {
+    300_000
+}
+fn is_default_wait_slo_ms(ms: &i64) -> bool {
+    *ms == default_wait_slo_ms()
 }
 
 fn default_max_lease_ms() -> i64 {
@@ -339,6 +351,12 @@ impl Declarations {
                 return Err(Error::Topics(format!(
                     "queue {}: priority_levels must be 1 to {most} (1: no priorities), priority_aging_ms not negative (0: jobs never rise)",
                     queue.name
+                )));
+            }
+            if queue.wait_slo_ms <= 0 {
+                return Err(Error::Topics(format!(
+                    "queue {}: wait_slo_ms is {}: how long a ready job may wait, in ms (at least 1)",
+                    queue.name, queue.wait_slo_ms
                 )));
             }
         }
@@ -837,6 +855,21 @@ mod tests {
             let err = Declarations::parse(&queue(bad)).unwrap_err().to_string();
             assert!(err.contains("queue q: priority_levels must be 1 to 10"), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn a_queues_wait_objective_is_five_minutes_unless_declared() {
+        let queue = |extra: &str| format!("[[queue]]\nname='q'\npartitions=1\n{extra}");
+        let slo = |extra: &str| Declarations::parse(&queue(extra)).map(|d| d.queue("q").unwrap().wait_slo_ms);
+        assert_eq!(slo("").unwrap(), 300_000);
+        assert_eq!(slo("wait_slo_ms=1200000\n").unwrap(), 1_200_000);
+        for bad in ["wait_slo_ms=0\n", "wait_slo_ms=-5\n"] {
+            let err = slo(bad).unwrap_err().to_string();
+            assert!(err.contains("queue q: wait_slo_ms is"), "{bad}: {err}");
+        }
+        // Left out when written with the default (older brokers read it).
+        let written = serde_json::to_value(Declarations::parse(&queue("")).unwrap().queue("q").unwrap()).unwrap();
+        assert!(written.get("wait_slo_ms").is_none(), "{written}");
     }
 
     #[test]

@@ -295,7 +295,7 @@ queues.toml: |
   {{- if hasKey $q "fifo" }}
   fifo = {{ if $q.fifo }}true{{ else }}false{{ end }}
   {{- end }}
-  {{- range $key := list "rate_limit_per_sec" "max_attempts" "backoff_ms" "backoff_max_ms" "lease_ms" "max_lease_ms" "max_retry_ms" "buffer" "delayed_buffer" "buffer_bytes" "retention_ms" "priority_levels" "priority_aging_ms" "unique_for_ms" "debounce_ms" }}
+  {{- range $key := list "rate_limit_per_sec" "max_attempts" "backoff_ms" "backoff_max_ms" "lease_ms" "max_lease_ms" "max_retry_ms" "buffer" "delayed_buffer" "buffer_bytes" "retention_ms" "priority_levels" "priority_aging_ms" "wait_slo_ms" "unique_for_ms" "debounce_ms" }}
   {{- if hasKey $q $key }}
   {{ $key }} = {{ index $q $key | int64 }}
   {{- end }}

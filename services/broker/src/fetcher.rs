@@ -411,6 +411,8 @@ pub fn spawn_reporter(
             broker.metrics.held_partitions.with_label_values(&[name]).set(held as i64);
             let oldest = stats.oldest_ready_age_ms.unwrap_or(0) as f64 / 1e3;
             broker.metrics.oldest_ready_age.with_label_values(&[name]).set(oldest);
+            let slo = queue.decl().wait_slo_ms as f64 / 1e3;
+            broker.metrics.wait_slo.with_label_values(&[name]).set(slo);
         }
     })?;
     Ok(thread)

@@ -19,6 +19,7 @@ pub struct Metrics {
     pub delayed: IntGaugeVec,
     pub retrying: IntGaugeVec,
     pub oldest_ready_age: GaugeVec,
+    pub wait_slo: GaugeVec,
     pub consumer_lag: IntGaugeVec,
     pub dequeue_seconds: HistogramVec,
 }
@@ -72,6 +73,18 @@ impl Metrics {
                          (0: none waits; on a FIFO queue, jobs held behind their key count too, and a rate \
                          limit holds jobs back by design): when it grows, workers fall behind — add workers \
                          or concurrency",
+                    ),
+                    &["queue"],
+                )
+                .expect("valid metric"),
+            ),
+            wait_slo: register(
+                registry,
+                GaugeVec::new(
+                    Opts::new(
+                        "tally_jobs_wait_slo_seconds",
+                        "The queue's declared wait_slo_ms in seconds: how long a ready job may wait to be handed \
+                         out; TallyJobsWaiting fires while the oldest ready job waits longer",
                     ),
                     &["queue"],
                 )
