@@ -145,4 +145,22 @@ async fn every_panel_query_returns_data_from_a_live_deployment() {
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
     println!("{} panel queries over {} dashboards return data", all.len(), dashboards().len());
+
+    // Every consuming service says its lag in seconds per group and partition; the
+    // broker for each partition of each queue it serves.
+    let lag = r#"count by (job) ({__name__=~"tally_(ingester|counter|graph|broker)_consumer_lag_seconds"})"#;
+    let jobs: BTreeSet<String> =
+        prometheus.query(lag).await.iter().map(|(labels, _)| labels["job"].as_str().unwrap().to_string()).collect();
+    assert_eq!(jobs, BTreeSet::from(["tally-broker", "tally-counter", "tally-ingester"].map(String::from)));
+    let partitions: BTreeSet<(String, String)> = prometheus
+        .query("tally_broker_consumer_lag_seconds")
+        .await
+        .iter()
+        .map(|(labels, _)| (labels["queue"].as_str().unwrap().into(), labels["partition"].as_str().unwrap().into()))
+        .collect();
+    let want: BTreeSet<(String, String)> = [("default", 4), ("work", 2)]
+        .iter()
+        .flat_map(|&(queue, count)| (0..count).map(move |p| (queue.to_string(), p.to_string())))
+        .collect();
+    assert_eq!(partitions, want);
 }

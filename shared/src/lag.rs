@@ -49,7 +49,7 @@ pub fn spawn_lag_reporter(
     ahead: impl Fn(u32, i64, String) + Send + 'static,
 ) -> Result<std::thread::JoinHandle<()>> {
     let client: BaseConsumer = client_config(kafka)?.create()?;
-    let peek = Peek::new(kafka, &topic)?;
+    let peek = Peek::new(kafka)?;
     Ok(crate::shutdown::every(name, period, shutdown, move || {
         let mut lags = Vec::new();
         for (partition, next) in positions() {
@@ -62,7 +62,7 @@ pub fn spawn_lag_reporter(
         }
         let behind: Vec<(u32, i64)> =
             lags.iter().filter(|l| l.2 > 0).map(|&(partition, next, _)| (partition, next)).collect();
-        let times = peek.timestamps(&behind);
+        let times = peek.timestamps(&topic, &behind);
         let now = now_ms();
         for (partition, _, records) in lags {
             let seconds = match records {
@@ -74,14 +74,14 @@ pub fn spawn_lag_reporter(
     })?)
 }
 
-/// A consumer that reads single records at given offsets of one topic.
-struct Peek {
+/// A consumer that reads single records at given offsets: how old the oldest
+/// records not yet processed are.
+pub struct Peek {
     consumer: BaseConsumer,
-    topic: String,
 }
 
 impl Peek {
-    fn new(kafka: &KafkaConfig, topic: &str) -> Result<Self> {
+    pub fn new(kafka: &KafkaConfig) -> Result<Self> {
         let mut config = client_config(kafka)?;
         // It commits nothing and wants one record per partition, not a prefetch.
         config
@@ -94,24 +94,24 @@ impl Peek {
         if !kafka.client.contains_key("fetch.wait.max.ms") {
             config.set("fetch.wait.max.ms", "10");
         }
-        Ok(Self { consumer: config.create()?, topic: topic.to_string() })
+        Ok(Self { consumer: config.create()? })
     }
 
-    /// The timestamp of the record at each (partition, offset), as far as a look of
-    /// at most [`PEEK_WAIT`] finds them (none for a record gone meanwhile).
-    fn timestamps(&self, at: &[(u32, i64)]) -> HashMap<u32, i64> {
+    /// The timestamp of the record at each (partition, offset) of `topic`, as far as
+    /// a look of at most [`PEEK_WAIT`] finds them (none for a record gone meanwhile).
+    pub fn timestamps(&self, topic: &str, at: &[(u32, i64)]) -> HashMap<u32, i64> {
         let mut found = HashMap::new();
         if at.is_empty() {
             return found;
         }
         let mut assignment = TopicPartitionList::new();
         for &(partition, offset) in at {
-            if assignment.add_partition_offset(&self.topic, partition as i32, Offset::Offset(offset)).is_err() {
+            if assignment.add_partition_offset(topic, partition as i32, Offset::Offset(offset)).is_err() {
                 return found;
             }
         }
         if let Err(err) = self.consumer.assign(&assignment) {
-            tracing::debug!(topic = %self.topic, error = %err, "looking at the oldest records not processed");
+            tracing::debug!(topic, error = %err, "looking at the oldest records not processed");
             return found;
         }
         let deadline = Instant::now() + PEEK_WAIT;
@@ -123,7 +123,7 @@ impl Peek {
             }
         }
         if let Err(err) = self.consumer.unassign() {
-            tracing::debug!(topic = %self.topic, error = %err, "unassigning the lag look");
+            tracing::debug!(topic, error = %err, "unassigning the lag look");
         }
         found
     }
@@ -152,10 +152,10 @@ mod tests {
             }
         }
         producer.flush(Duration::from_secs(10)).unwrap();
-        let peek = Peek::new(&kafka, "t").unwrap();
-        let found = peek.timestamps(&[(0, 1), (1, 2)]);
+        let peek = Peek::new(&kafka).unwrap();
+        let found = peek.timestamps("t", &[(0, 1), (1, 2)]);
         assert_eq!(found, HashMap::from([(0, 2_000), (1, 7_000)]));
-        assert_eq!(peek.timestamps(&[(0, 0)]), HashMap::from([(0, 1_000)]), "looked at again, elsewhere");
-        assert_eq!(peek.timestamps(&[]), HashMap::new());
+        assert_eq!(peek.timestamps("t", &[(0, 0)]), HashMap::from([(0, 1_000)]), "looked at again, elsewhere");
+        assert_eq!(peek.timestamps("t", &[]), HashMap::new());
     }
 }

@@ -384,18 +384,43 @@ pub fn spawn_reporter(
     shutdown: CancellationToken,
 ) -> Result<std::thread::JoinHandle<()>> {
     let client: BaseConsumer = client_config(&config.kafka)?.create()?;
+    let peek = tally_shared::lag::Peek::new(&config.kafka)?;
+    let group = config.broker.group_id.clone();
+    // The (queue, partition) lags last reported: one no longer served is removed.
+    let mut reported: HashSet<(String, String)> = HashSet::new();
     let thread = tally_shared::shutdown::every("broker-report", Duration::from_secs(1), shutdown, move || {
+        let mut reporting = HashSet::new();
         for queue in broker.queues() {
             let served: Vec<(i32, i64)> = lock(&queue.partitions, PARTITIONS)
                 .iter()
                 .map(|(k, b)| (*k, lock(b, BUFFER).fetched_until()))
                 .collect();
             let (mut lag, mut ends) = (HashMap::new(), HashMap::new());
-            for (partition, fetched) in served {
+            let mut behind = Vec::new();
+            for &(partition, fetched) in &served {
                 if let Ok((_, high)) = client.fetch_watermarks(&queue.topic, partition, Duration::from_secs(2)) {
                     lag.insert(partition, (high - fetched).max(0));
                     ends.insert(partition, high);
+                    if high > fetched {
+                        behind.push((partition as u32, fetched));
+                    }
                 }
+            }
+            // How old the oldest record not yet fetched is (kafka-lag-exporter's measure).
+            let times = peek.timestamps(&queue.topic, &behind);
+            let now = now_ms();
+            for (partition, records) in &lag {
+                let seconds = match records {
+                    0 => Some(0.0),
+                    _ => times.get(&(*partition as u32)).map(|at| (now - at).max(0) as f64 / 1000.0),
+                };
+                let key = (queue.name.clone(), partition.to_string());
+                let labels = [group.as_str(), key.0.as_str(), key.1.as_str()];
+                broker.metrics.partition_lag.with_label_values(&labels).set(*records);
+                if let Some(seconds) = seconds {
+                    broker.metrics.partition_lag_seconds.with_label_values(&labels).set(seconds);
+                }
+                reporting.insert(key);
             }
             let total: i64 = lag.values().sum();
             *lock(&queue.lag, LAG) = lag;
@@ -414,6 +439,12 @@ pub fn spawn_reporter(
             let slo = queue.decl().wait_slo_ms as f64 / 1e3;
             broker.metrics.wait_slo.with_label_values(&[name]).set(slo);
         }
+        for (queue, partition) in reported.difference(&reporting) {
+            let labels = [group.as_str(), queue.as_str(), partition.as_str()];
+            broker.metrics.partition_lag.remove_label_values(&labels).ok();
+            broker.metrics.partition_lag_seconds.remove_label_values(&labels).ok();
+        }
+        reported = reporting;
     })?;
     Ok(thread)
 }

@@ -21,6 +21,10 @@ pub struct Metrics {
     pub oldest_ready_age: GaugeVec,
     pub wait_slo: GaugeVec,
     pub consumer_lag: IntGaugeVec,
+    /// Per consumer group, queue and partition: records not yet fetched, and how old
+    /// the oldest of them is.
+    pub partition_lag: IntGaugeVec,
+    pub partition_lag_seconds: GaugeVec,
     pub dequeue_seconds: HistogramVec,
 }
 
@@ -91,6 +95,30 @@ impl Metrics {
                 .expect("valid metric"),
             ),
             consumer_lag: gauge("tally_broker_consumer_lag_records", "Queue records not yet fetched"),
+            partition_lag: register(
+                registry,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "tally_broker_partition_lag_records",
+                        "Queue records not yet fetched, per consumer group, queue and partition: a broker fetches \
+                         while its buffer has room, so a lag that stays means full buffers (workers behind)",
+                    ),
+                    &["group", "queue", "partition"],
+                )
+                .expect("valid metric"),
+            ),
+            partition_lag_seconds: register(
+                registry,
+                GaugeVec::new(
+                    Opts::new(
+                        "tally_broker_consumer_lag_seconds",
+                        "How old the oldest queue record not yet fetched is (0: none), per consumer group, queue and \
+                         partition: growing, the broker's buffers are full — add workers, or raise the queue's buffer",
+                    ),
+                    &["group", "queue", "partition"],
+                )
+                .expect("valid metric"),
+            ),
             dequeue_seconds: register(
                 registry,
                 HistogramVec::new(
