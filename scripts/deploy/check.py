@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import copy
 import hashlib
 import json
 import os
@@ -957,8 +958,16 @@ def check_monitoring(report: Report, all_objects) -> None:
     rendered = [(case, o) for case, _, o in all_objects if o["kind"] == "PrometheusRule"]
     report.check("the CI values render a PrometheusRule", bool(rendered), "none enables monitoring.prometheusRule")
     for case, rule in rendered:
-        report.check(f"{case}: PrometheusRule/{rule['metadata']['name']}: the groups of deploy/prometheus/tally-rules.yaml",
-                     rule["spec"] == {"groups": rules["groups"]}, "it differs")
+        values = yaml.safe_load((ROOT / "helm" / "tally" / "ci" / case).read_text()) or {}
+        base = ((values.get("monitoring") or {}).get("prometheusRule") or {}).get("runbookBaseUrl", "")
+        expected = copy.deepcopy(rules["groups"])
+        for group in expected:
+            for alert in group["rules"]:
+                if base:
+                    alert["annotations"]["runbook_url"] = base.rstrip("/") + "/" + alert["annotations"]["runbook_url"]
+        report.check(f"{case}: PrometheusRule/{rule['metadata']['name']}: the groups of deploy/prometheus/tally-rules.yaml"
+                     + (f", runbooks under {base}" if base else ""),
+                     rule["spec"] == {"groups": expected}, "it differs")
         with tempfile.NamedTemporaryFile("w", suffix=".yaml") as file:
             yaml.safe_dump(rule["spec"], file)
             file.flush()

@@ -37,11 +37,25 @@ impl Metrics {
             register(registry, IntGaugeVec::new(Opts::new(name, help), &["queue"]).expect("valid metric"))
         };
         Self {
-            dequeued: counter("tally_broker_dequeued_total", "Jobs handed to workers"),
-            acked: counter("tally_broker_acked_total", "Jobs acked"),
-            nacked: counter("tally_broker_nacked_total", "Attempts nacked by workers"),
-            expired: counter("tally_broker_lease_expired_total", "Leases that expired"),
-            dead: counter("tally_broker_dead_total", "Jobs sent to the dead topic"),
+            dequeued: counter("tally_broker_dequeued_total", "Jobs handed to workers, each attempt once"),
+            acked: counter("tally_broker_acked_total", "Jobs acked by workers (done): the queue's throughput"),
+            nacked: counter(
+                "tally_broker_nacked_total",
+                "Attempts nacked by workers (failed: retried later, dead after max_attempts): rising, jobs \
+                 fail — read the errors in the workers' logs or on dead jobs (tally jobs dead)",
+            ),
+            expired: counter(
+                "tally_broker_lease_expired_total",
+                "Job leases that expired before an ack or nack (the job runs again, or is dead after \
+                 max_attempts): workers extend a running job's lease, so a rise means workers died, lost the \
+                 broker or abandoned jobs — look at their logs",
+            ),
+            dead: counter(
+                "tally_broker_dead_total",
+                "Jobs sent to the dead topic: out of attempts, dropped or cancelled. Rising beyond \
+                 tally_broker_dropped_total and tally_broker_cancelled_total, jobs fail every attempt — read \
+                 their errors (tally jobs dead), fix the cause, then requeue them",
+            ),
             dropped: counter(
                 "tally_broker_dropped_total",
                 "Jobs dropped at their concurrency key's limit (limits.at_limit = \"drop_newest\"), written to \
@@ -59,10 +73,19 @@ impl Metrics {
             held_partitions: gauge(
                 "tally_broker_held_partitions",
                 "Partitions of a limited queue taken over and waiting out their previous owner's leases (they \
-                 hand out nothing): a hold lasts at most max_lease_ms plus member_timeout_ms",
+                 hand out nothing): a hold lasts at most max_lease_ms plus member_timeout_ms — keep a limited \
+                 queue's max_lease_ms short",
             ),
-            depth: gauge("tally_broker_depth_jobs", "Jobs waiting (in memory and not yet fetched)"),
-            in_flight: gauge("tally_broker_in_flight_jobs", "Jobs leased to workers"),
+            depth: gauge(
+                "tally_broker_depth_jobs",
+                "Jobs waiting in the partitions this broker serves: ready, delayed and not yet fetched. \
+                 Growing while tally_broker_delayed_jobs does not: workers fall behind (see TallyJobsWaiting)",
+            ),
+            in_flight: gauge(
+                "tally_broker_in_flight_jobs",
+                "Jobs leased to workers and not yet acked, nacked or expired: summed over brokers, steady at the \
+                 workers' total concurrency while jobs wait, workers are the bottleneck — add workers or concurrency",
+            ),
             delayed: gauge("tally_broker_delayed_jobs", "Jobs waiting for run_at or a retry"),
             retrying: gauge(
                 "tally_broker_retrying_jobs",
@@ -94,7 +117,11 @@ impl Metrics {
                 )
                 .expect("valid metric"),
             ),
-            consumer_lag: gauge("tally_broker_consumer_lag_records", "Queue records not yet fetched"),
+            consumer_lag: gauge(
+                "tally_broker_consumer_lag_records",
+                "Queue records not yet fetched, over the partitions this broker serves (per partition: \
+                 tally_broker_partition_lag_records)",
+            ),
             partition_lag: register(
                 registry,
                 IntGaugeVec::new(
@@ -113,7 +140,8 @@ impl Metrics {
                     Opts::new(
                         "tally_broker_consumer_lag_seconds",
                         "How old the oldest queue record not yet fetched is (0: none), per consumer group, queue and \
-                         partition: growing, the broker's buffers are full — add workers, or raise the queue's buffer",
+                         partition: growing, the broker's buffers are full — add workers, or raise the queue's \
+                         buffer",
                     ),
                     &["group", "queue", "partition"],
                 )
@@ -122,8 +150,11 @@ impl Metrics {
             dequeue_seconds: register(
                 registry,
                 HistogramVec::new(
-                    HistogramOpts::new("tally_broker_dequeue_seconds", "Time to serve a dequeue that handed out jobs")
-                        .buckets(prometheus::exponential_buckets(0.00005, 2.0, 16).expect("valid buckets")),
+                    HistogramOpts::new(
+                        "tally_broker_dequeue_seconds",
+                        "Time to hand out jobs for a dequeue that got some (a long poll's wait not included)",
+                    )
+                    .buckets(prometheus::exponential_buckets(0.00005, 2.0, 16).expect("valid buckets")),
                     &["queue"],
                 )
                 .expect("valid metric"),

@@ -67,34 +67,57 @@ impl Metrics {
         Self {
             applied_increments: register(
                 registry,
-                IntCounter::new("tally_counter_applied_increments_total", "Increments applied to shard stores")
-                    .expect("valid metric"),
+                IntCounter::new(
+                    "tally_counter_applied_increments_total",
+                    "Increments applied to shard stores, standbys' copies included (duplicates not): a counter whose \
+                     rate fell to 0 while its consumer lag grows is stuck, see its log (TallyConsumerLagHigh)",
+                )
+                .expect("valid metric"),
             ),
             duplicates: register(
                 registry,
                 IntCounterVec::new(
-                    Opts::new("tally_counter_duplicates_total", "Increments dropped as duplicates"),
+                    Opts::new(
+                        "tally_counter_duplicates_total",
+                        "Increments dropped as duplicates, by reason: redelivered (an ingester's replay after a \
+                         restart or rebalance) or id (a producer's retry of an entity and id seen within \
+                         counting.dedupe_window). Expected after restarts and retries; a steady id rate: producers \
+                         retry often, or reuse ids for different events (those are not counted) — check them",
+                    ),
                     &["reason"],
                 )
                 .expect("valid metric"),
             ),
-            batch_records: histogram("tally_counter_batch_records", "Shard records per applied batch", sizes.clone()),
-            batch_keys: histogram("tally_counter_batch_keys", "Distinct bucket keys written per batch", sizes),
+            batch_records: histogram(
+                "tally_counter_batch_records",
+                "Shard records applied per shard and batch (standbys' included): large while a backlog drains",
+                sizes.clone(),
+            ),
+            batch_keys: histogram(
+                "tally_counter_batch_keys",
+                "Distinct bucket keys written per shard and batch: each is written once however many increments \
+                 of the batch it holds",
+                sizes,
+            ),
             apply_seconds: histogram(
                 "tally_counter_apply_seconds",
-                "Time to apply and persist one shard batch",
+                "Time to apply one shard's records of a batch and commit them to its store: rising with the consumer \
+                 lag, the counter is short of CPU or disk — give it more, or add counters (TallyConsumerLagHigh)",
                 prometheus::exponential_buckets(0.0001, 4.0, 9).expect("valid buckets"),
             ),
             store_flush_seconds: histogram(
                 "tally_counter_store_flush_seconds",
-                "Time to flush one shard store that runs without the WAL (its commits wait meanwhile)",
+                "Time to flush one shard store that runs without the WAL (its commits wait meanwhile): long \
+                 flushes hold up that shard's batches — a slow disk",
                 prometheus::exponential_buckets(0.001, 4.0, 8).expect("valid buckets"),
             ),
             store_flush_failures: register(
                 registry,
                 IntCounter::new(
                     "tally_counter_store_flush_failures_total",
-                    "Flushes of shard stores that failed (their commits stay to be replayed from the shard topic)",
+                    "Flushes of shard stores that failed (their commits stay to be replayed from the shard topic): \
+                     rising, a crash replays ever more of the topic, and cannot past its retention — the counter's \
+                     log names the store's error",
                 )
                 .expect("valid metric"),
             ),
@@ -124,26 +147,39 @@ impl Metrics {
             ),
             undecodable_records: register(
                 registry,
-                IntCounter::new("tally_counter_undecodable_records_total", "Shard records that could not be decoded")
-                    .expect("valid metric"),
+                IntCounter::new(
+                    "tally_counter_undecodable_records_total",
+                    "Shard records that could not be decoded: each stops its shard — see TallyShardFailed (fix \
+                     the producer writing to the shard topic, then tally shards skip)",
+                )
+                .expect("valid metric"),
             ),
             failed_shards: register(
                 registry,
-                IntGauge::new("tally_counter_failed_shards", "Owned shards stopped by a failure (see /readyz)")
-                    .expect("valid metric"),
+                IntGauge::new(
+                    "tally_counter_failed_shards",
+                    "Shards this counter holds (owned or standby) stopped by a failure: /readyz names an owned one's \
+                     shard, offset and reason, the log a standby's. Above 0: see TallyShardFailed",
+                )
+                .expect("valid metric"),
             ),
             skipped_records: register(
                 registry,
                 IntCounter::new(
                     "tally_counter_skipped_records_total",
-                    "Shard records an operator skipped to the dead-letter topic",
+                    "Shard records an operator skipped (tally shards skip) to the dead-letter topic: what they held \
+                     is not counted",
                 )
                 .expect("valid metric"),
             ),
             restored_shards: register(
                 registry,
-                IntCounter::new("tally_counter_restored_shards_total", "Shards restored from a snapshot")
-                    .expect("valid metric"),
+                IntCounter::new(
+                    "tally_counter_restored_shards_total",
+                    "Shards restored from a snapshot instead of replaying their whole log (taken with no usable store \
+                     here)",
+                )
+                .expect("valid metric"),
             ),
             restore_seconds: long_duration_histogram(
                 registry,
@@ -163,23 +199,38 @@ impl Metrics {
                 registry,
                 IntCounter::new(
                     "tally_counter_lapsed_leases_total",
-                    "Times this counter's lease lapsed and it dropped every shard",
+                    "Times this counter's lease lapsed and it dropped every shard: 3 or more in 30 minutes fire \
+                     TallyLeaseLapsing — raise counter.member_timeout_ms, or give the broker and the counter more \
+                     room",
                 )
                 .expect("valid metric"),
             ),
             snapshots_taken: register(
                 registry,
-                IntCounter::new("tally_counter_snapshots_total", "Shard snapshots stored").expect("valid metric"),
+                IntCounter::new(
+                    "tally_counter_snapshots_total",
+                    "Shard snapshots stored: a shard's once snapshots.every_records records or snapshots.interval_ms \
+                     passed since its last one (if it applied anything), or on request (tally snapshot)",
+                )
+                .expect("valid metric"),
             ),
             snapshot_failures: register(
                 registry,
-                IntCounter::new("tally_counter_snapshot_failures_total", "Shard snapshots that failed (tried again)")
-                    .expect("valid metric"),
+                IntCounter::new(
+                    "tally_counter_snapshot_failures_total",
+                    "Shard snapshots that failed (tried again): any in 30 minutes fires TallySnapshotsFailing — \
+                     check the object store (credentials, bucket, network) in the counter's log",
+                )
+                .expect("valid metric"),
             ),
             consumer_lag: register(
                 registry,
                 IntGaugeVec::new(
-                    Opts::new("tally_counter_consumer_lag_records", "Shard-topic records not yet applied"),
+                    Opts::new(
+                        "tally_counter_consumer_lag_records",
+                        "Shard-topic records not yet applied, per owned shard: growing, the counter falls behind \
+                         (see TallyConsumerLagHigh)",
+                    ),
                     &["shard"],
                 )
                 .expect("valid metric"),
@@ -189,7 +240,9 @@ impl Metrics {
                 prometheus::GaugeVec::new(
                     Opts::new(
                         "tally_counter_consumer_lag_seconds",
-                        "How old the oldest shard-topic record not yet applied is (0: none), per consumer group and shard",
+                        "How old the oldest shard-topic record not yet applied is (0: none), per consumer group and \
+                         owned shard: over 60 s for 5 minutes fires TallyConsumerLagHigh (reads with max_staleness_ms \
+                         answer 503) — add counters if the load outgrew them, read the log of one that stopped",
                     ),
                     &["group", "shard"],
                 )
@@ -202,7 +255,8 @@ impl Metrics {
                         "tally_freshness_lag_seconds",
                         "How much newer input a shard's counts may be missing, sampled every second per owned \
                          shard: up to when it was last seen caught up with its log, else the age of the newest \
-                         input it applied",
+                         input it applied. Reads with a max_staleness_ms below it answer 503 too_stale: when its upper \
+                         quantiles rise, see TallyConsumerLagHigh",
                     )
                     .buckets(vec![0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0]),
                     &["shard"],
@@ -211,24 +265,38 @@ impl Metrics {
             ),
             owned_shards: register(
                 registry,
-                IntGauge::new("tally_counter_owned_shards", "Shards this process owns").expect("valid metric"),
+                IntGauge::new(
+                    "tally_counter_owned_shards",
+                    "Shards this counter owns, standbys not counted: it changes as counters join, leave or lose \
+                     their lease (see TallyLeaseLapsing)",
+                )
+                .expect("valid metric"),
             ),
             fetch_resting: register(
                 registry,
                 IntGauge::new(
                     "tally_counter_fetch_resting",
-                    "1 while the shard consumer rests: its shards' logs had nothing new for a second, no fetches until a look at their ends finds records",
+                    "1 while the shard consumer rests: its shards' logs had nothing new for 5 s, no fetches until a \
+                     look at their ends (every 100 ms) finds records; normal while no input comes",
                 )
                 .expect("valid metric"),
             ),
             reads: register(
                 registry,
-                IntCounter::new("tally_counter_read_queries_total", "Queries answered").expect("valid metric"),
+                IntCounter::new(
+                    "tally_counter_read_queries_total",
+                    "Count queries answered from this counter's shards, owned or standby: one per entity, metric, \
+                     kind and window (or series) a read asks",
+                )
+                .expect("valid metric"),
             ),
             rollups_published: register(
                 registry,
-                IntCounter::new("tally_counter_rollups_published_total", "Rollup records published")
-                    .expect("valid metric"),
+                IntCounter::new(
+                    "tally_counter_rollups_published_total",
+                    "Rollup records published to the rollups topic: changed buckets' newest values",
+                )
+                .expect("valid metric"),
             ),
             rollup_tombstones: register(
                 registry,
@@ -242,22 +310,30 @@ impl Metrics {
                 registry,
                 IntCounter::new(
                     "tally_counter_rollups_failed_total",
-                    "Rounds of rollups not acknowledged by the broker (published again later)",
+                    "Rounds of rollups not acknowledged by the broker (published again later): rising, rollup \
+                     consumers see values late — the counter's log names the broker's error",
                 )
                 .expect("valid metric"),
             ),
             graph_entries: register(
                 registry,
                 IntCounterVec::new(
-                    Opts::new("tally_counter_graph_entries_total", "Descendant changes and remote totals applied"),
+                    Opts::new(
+                        "tally_counter_graph_entries_total",
+                        "Graph entries applied, by kind: desc_change (descendant-set changes from tally-graph) or \
+                         remote_total (totals other shards relayed)",
+                    ),
                     &["kind"],
                 )
                 .expect("valid metric"),
             ),
             outbox_relayed: register(
                 registry,
-                IntCounter::new("tally_counter_outbox_relayed_total", "Totals messages relayed to other shards")
-                    .expect("valid metric"),
+                IntCounter::new(
+                    "tally_counter_outbox_relayed_total",
+                    "Totals messages relayed from this counter's shards to other shards through the shard topic",
+                )
+                .expect("valid metric"),
             ),
         }
     }

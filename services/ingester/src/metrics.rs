@@ -33,8 +33,12 @@ impl Metrics {
         Self {
             input_records: register(
                 registry,
-                IntCounter::new("tally_ingester_input_records_total", "Producer records consumed")
-                    .expect("valid metric"),
+                IntCounter::new(
+                    "tally_ingester_input_records_total",
+                    "Producer records consumed from the increments and graph topics: flat while \
+                     tally_ingester_consumer_lag_records is above 0, ingestion stalled (see TallyIngestionStalled)",
+                )
+                .expect("valid metric"),
             ),
             input_bytes: register(
                 registry,
@@ -44,7 +48,10 @@ impl Metrics {
             output_bytes: register(
                 registry,
                 IntCounterVec::new(
-                    Opts::new("tally_ingester_output_bytes_total", "Payload bytes produced, per topic"),
+                    Opts::new(
+                        "tally_ingester_output_bytes_total",
+                        "Payload bytes produced, per topic: shard records, graph updates and dead letters",
+                    ),
                     &["topic"],
                 )
                 .expect("valid metric"),
@@ -54,7 +61,8 @@ impl Metrics {
                 IntCounterVec::new(
                     Opts::new(
                         "tally_ingester_accepted_total",
-                        "Valid elements routed on: increments and graph updates",
+                        "Valid elements routed on, by kind: increment (to the shard topic) or graph_update (to \
+                         graph-updates)",
                     ),
                     &["kind"],
                 )
@@ -68,7 +76,8 @@ impl Metrics {
                         "Rejected elements sent to the dead-letter topic, by the field their reason names (reason: \
                          entity, metric, delta, ts, id, op, from, to; element or message for a malformed one; other \
                          for a field tally does not know). Rising: a producer writes what tally refuses; each letter \
-                         on tally.dead-letter says exactly why: fix the producer (nothing of a refused element was counted)",
+                         on tally.dead-letter says exactly why: fix the producer (nothing of a refused element was \
+                         counted)",
                     ),
                     &["reason"],
                 )
@@ -77,8 +86,13 @@ impl Metrics {
             batch_records: register(
                 registry,
                 Histogram::with_opts(
-                    HistogramOpts::new("tally_ingester_batch_records", "Input records per batch")
-                        .buckets(vec![1.0, 10.0, 100.0, 1_000.0, 10_000.0, 20_000.0, 100_000.0]),
+                    HistogramOpts::new(
+                        "tally_ingester_batch_records",
+                        "Input records per batch, closed at ingester.batch_max_records or batch_max_bytes (sooner when \
+                         the input is read to its end): full batches mean a backlog; full while the consumer lag \
+                         grows, the load exceeds the ingesters — scale their consumer group",
+                    )
+                    .buckets(vec![1.0, 10.0, 100.0, 1_000.0, 10_000.0, 20_000.0, 100_000.0]),
                 )
                 .expect("valid metric"),
             ),
@@ -86,7 +100,8 @@ impl Metrics {
                 registry,
                 IntGauge::new(
                     "tally_ingester_fetch_resting",
-                    "1 while the input consumer rests: its inputs had nothing new for 5 s, no fetches until a look at their ends finds records",
+                    "1 while the input consumer rests: its inputs had nothing new for 5 s, no fetches until a look at \
+                     their ends (every 100 ms) finds records; normal while producers are idle",
                 )
                 .expect("valid metric"),
             ),
@@ -95,7 +110,9 @@ impl Metrics {
                 prometheus::GaugeVec::new(
                     Opts::new(
                         "tally_ingester_consumer_lag_seconds",
-                        "How old the oldest input record not yet consumed is (0: none), per consumer group, topic and partition",
+                        "How old the oldest input record not yet consumed is (0: none), per consumer group, topic and \
+                         partition: over 60 s for 5 minutes fires TallyConsumerLagHigh — scale the ingesters' \
+                         consumer group if the input outgrew them, read the log if their input rate fell to 0",
                     ),
                     &["group", "topic", "partition"],
                 )
@@ -106,7 +123,9 @@ impl Metrics {
                 IntGaugeVec::new(
                     Opts::new(
                         "tally_ingester_consumer_lag_records",
-                        "Input records not yet consumed, per topic and partition",
+                        "Input records not yet consumed, per topic and partition: above 0 while \
+                         tally_ingester_input_records_total stays flat, the ingester is stuck (see \
+                         TallyIngestionStalled)",
                     ),
                     &["topic", "partition"],
                 )

@@ -21,7 +21,13 @@ impl Metrics {
             request_seconds: register(
                 registry,
                 HistogramVec::new(
-                    HistogramOpts::new("tally_query_request_seconds", "Read latency per endpoint").buckets(buckets),
+                    HistogramOpts::new(
+                        "tally_query_request_seconds",
+                        "Read latency per endpoint (counter, series, batch, contributors), waits for write tokens \
+                         included: rising, if tally_query_token_wait_seconds rose too, reads wait for fresh writes; \
+                         else look at the counters (their apply time and lag)",
+                    )
+                    .buckets(buckets),
                     &["endpoint"],
                 )
                 .expect("valid metric"),
@@ -31,7 +37,9 @@ impl Metrics {
                 HistogramVec::new(
                     HistogramOpts::new(
                         "tally_query_token_wait_seconds",
-                        "How long reads waited for their write tokens",
+                        "How long reads waited for their write tokens, by outcome: held, not_fresh_enough (504 after \
+                         max_wait_ms) or refused (another error). Long waits or many 504s: the ingester, graph or \
+                         counters trail the writes — see their consumer lag",
                     )
                     .buckets(vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0]),
                     &["outcome"],

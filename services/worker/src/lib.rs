@@ -201,8 +201,16 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     let registry = Registry::new();
     let outcomes = register(
         &registry,
-        IntCounterVec::new(Opts::new("tally_worker_jobs_total", "Jobs run, by outcome"), &["outcome"])
-            .expect("valid metric"),
+        IntCounterVec::new(
+            Opts::new(
+                "tally_worker_jobs_total",
+                "Jobs this worker ran, by outcome: ack, retry (the command or webhook failed: run again, dead \
+                 after max_attempts; or the job was cancelled) or abandon (left to its lease's expiry). A rising \
+                 retry rate: the worker's log names each error — fix the handler or what it calls",
+            ),
+            &["outcome"],
+        )
+        .expect("valid metric"),
     );
     let readiness = Readiness::default();
     let admin = serve_admin(&config.worker.admin_listen, registry, readiness.clone(), shutdown.clone())
