@@ -5,8 +5,9 @@
 #
 # The build is the one BENCHMARKS.md measures and the image ships: release, with RocksDB
 # compiled from source (Debian's library has its assertions on and runs the counters at up
-# to half the speed), in target/compiled, where `tally-bench` builds too. The first build
-# compiles RocksDB's C++ once; later ones reuse it.
+# to half the speed), in target/compiled, with the same command as the benchmarks (the
+# whole workspace: one set of features, so neither rebuilds the other's crates). The first
+# build compiles RocksDB's C++ once; later ones reuse it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/common.sh
@@ -15,5 +16,5 @@ export CARGO_TARGET_DIR=target/compiled
 if [ ! -x "$CARGO_TARGET_DIR/release/tally" ]; then
   echo "==> first build: compiling RocksDB from source into $CARGO_TARGET_DIR (about 10-15 min on 2 cores, once)"
 fi
-ROCKSDB_COMPILE=1 cargo build --release --workspace --bins --exclude tally-bench
+ROCKSDB_COMPILE=1 cargo build --release --workspace --bins
 exec "$CARGO_TARGET_DIR/release/tally" up "$@"
