@@ -14,7 +14,7 @@ source scripts/common.sh
 install_native_packages
 export CARGO_TARGET_DIR=target/compiled
 if [ ! -x "$CARGO_TARGET_DIR/release/tally" ]; then
-  echo "==> first build: compiling RocksDB from source into $CARGO_TARGET_DIR (about 10-15 min on 2 cores, once)"
+  echo "==> first build: compiling RocksDB from source into $CARGO_TARGET_DIR (about 13 min on 2 cores, once)"
 fi
 ROCKSDB_COMPILE=1 cargo build --release --workspace --bins
 exec "$CARGO_TARGET_DIR/release/tally" up "$@"

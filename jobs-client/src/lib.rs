@@ -344,7 +344,7 @@ async fn run_one<H, F>(
     H: Fn(DequeuedJob, CancellationToken) -> F,
     F: Future<Output = Outcome>,
 {
-    let run_span = spans.and(run_span(&client.queue, &job));
+    let run_span = spans.and_then(|_| run_span(&client.queue, &job));
     if let Some(span) = &run_span {
         job.traceparent = Some(span.context.header_value());
     }

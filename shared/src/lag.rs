@@ -60,16 +60,9 @@ pub fn spawn_lag_reporter(
                 lags.push((partition, next, (high - next).max(0)));
             }
         }
-        let behind: Vec<(u32, i64)> =
-            lags.iter().filter(|l| l.2 > 0).map(|&(partition, next, _)| (partition, next)).collect();
-        let times = peek.timestamps(&topic, &behind);
-        let now = now_ms();
+        let seconds = peek.seconds(&topic, &lags);
         for (partition, _, records) in lags {
-            let seconds = match records {
-                0 => Some(0.0),
-                _ => times.get(&partition).map(|at| (now - at).max(0) as f64 / 1000.0),
-            };
-            report(partition, Lag { records, seconds });
+            report(partition, Lag { records, seconds: seconds.get(&partition).copied().flatten() });
         }
     })?)
 }
@@ -95,6 +88,21 @@ impl Peek {
             config.set("fetch.wait.max.ms", "10");
         }
         Ok(Self { consumer: config.create()? })
+    }
+
+    /// The lag in seconds of each (partition, next offset, records behind) of
+    /// `topic`: 0 with none behind, else how old the record at the next offset is
+    /// (`None` when a look did not find it).
+    pub fn seconds(&self, topic: &str, lags: &[(u32, i64, i64)]) -> HashMap<u32, Option<f64>> {
+        let behind: Vec<(u32, i64)> =
+            lags.iter().filter(|lag| lag.2 > 0).map(|&(partition, next, _)| (partition, next)).collect();
+        let times = self.timestamps(topic, &behind);
+        let now = now_ms();
+        let seconds = |&(partition, _, records): &(u32, i64, i64)| match records {
+            0 => Some(0.0),
+            _ => times.get(&partition).map(|at| (now - at).max(0) as f64 / 1000.0),
+        };
+        lags.iter().map(|lag| (lag.0, seconds(lag))).collect()
     }
 
     /// The timestamp of the record at each (partition, offset) of `topic`, as far as

@@ -421,8 +421,8 @@ pub struct Snapshotter {
     orphan_grace_ms: i64,
     /// Unreadable manifests met since the last round (reported as failures).
     unreadable: u64,
-    /// Per name, its newest snapshot: its offset, when this snapshotter learned of
-    /// it (what `interval` counts from) and when it was taken (ms since the epoch).
+    /// Per name, its newest snapshot: its offset and when it was taken (what
+    /// `interval` counts from, and in ms since the epoch what its age does).
     last: HashMap<String, Option<(i64, Instant, i64)>>,
     /// When each name was first looked at (ms since the epoch): the age of a store
     /// never snapshot counts from then.
@@ -525,8 +525,13 @@ impl Snapshotter {
         let Some(next) = store.next_offset() else { return Ok(None) };
         self.first_seen.entry(name.to_string()).or_insert_with(now_ms);
         if !self.last.contains_key(name) {
-            let newest =
-                self.snapshots.latest(name)?.map(|m| (m.next_offset.unwrap_or(0), Instant::now(), m.created_ms));
+            // Its interval counts from when it was taken, also across a restart.
+            let taken_at = |created_ms: i64| {
+                let ago = Duration::from_millis((now_ms() - created_ms).max(0) as u64);
+                Instant::now().checked_sub(ago).unwrap_or_else(Instant::now)
+            };
+            let newest = (self.snapshots.latest(name)?)
+                .map(|m| (m.next_offset.unwrap_or(0), taken_at(m.created_ms), m.created_ms));
             self.last.insert(name.to_string(), newest);
         }
         let due = match self.last.get(name).copied().flatten() {
@@ -888,9 +893,21 @@ mod tests {
         let age = snapshotter.age_seconds(name, &store);
         assert!((0.05..60.0).contains(&age), "{age}");
         // A snapshotter started later counts from the manifest's time.
-        let mut restarted = Snapshotter::new(snapshots, &config, dir.path().join("scratch"));
+        let mut restarted = Snapshotter::new(snapshots.clone(), &config, dir.path().join("scratch"));
         assert!(restarted.consider(name, &store).unwrap().is_none());
         assert!(restarted.age_seconds(name, &store) >= age);
         assert_eq!(snapshotter.interval_seconds(), 3_600.0);
+
+        // The interval counts from when the newest snapshot was taken, across restarts:
+        // a store ahead of one older than the interval is snapshot at once.
+        let quick = SnapshotsConfig { every_records: 1_000, interval_ms: 100, ..Default::default() };
+        let other = "t.shards/shard-0002";
+        let mut first = Snapshotter::new(snapshots.clone(), &quick, dir.path().join("scratch"));
+        assert!(first.consider(other, &store).unwrap().is_some());
+        std::thread::sleep(Duration::from_millis(150));
+        commit(&store, b"c", 30);
+        let mut second = Snapshotter::new(snapshots, &quick, dir.path().join("scratch"));
+        assert!(second.consider(other, &store).unwrap().is_some(), "due: taken over 100 ms ago");
+        assert_eq!(second.age_seconds(other, &store), 0.0);
     }
 }

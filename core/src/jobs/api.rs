@@ -63,9 +63,9 @@ pub struct DequeuedJob {
     pub partition: i32,
     #[serde(default)]
     pub offset: i64,
-    /// The W3C `traceparent` of the broker's span of this handout, when its record
-    /// carried a trace context and the broker exports spans: a worker's span of the
-    /// job is its child.
+    /// The W3C `traceparent` a worker's span of the job descends from, when its record
+    /// carried a trace context: the broker's span of this handout when the broker
+    /// exports spans, else the record's own context.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traceparent: Option<String>,
 }

@@ -396,29 +396,22 @@ pub fn spawn_reporter(
                 .map(|(k, b)| (*k, lock(b, BUFFER).fetched_until()))
                 .collect();
             let (mut lag, mut ends) = (HashMap::new(), HashMap::new());
-            let mut behind = Vec::new();
+            let mut lags = Vec::new();
             for &(partition, fetched) in &served {
                 if let Ok((_, high)) = client.fetch_watermarks(&queue.topic, partition, Duration::from_secs(2)) {
                     lag.insert(partition, (high - fetched).max(0));
                     ends.insert(partition, high);
-                    if high > fetched {
-                        behind.push((partition as u32, fetched));
-                    }
+                    lags.push((partition as u32, fetched, (high - fetched).max(0)));
                 }
             }
             // How old the oldest record not yet fetched is (kafka-lag-exporter's measure).
-            let times = peek.timestamps(&queue.topic, &behind);
-            let now = now_ms();
-            for (partition, records) in &lag {
-                let seconds = match records {
-                    0 => Some(0.0),
-                    _ => times.get(&(*partition as u32)).map(|at| (now - at).max(0) as f64 / 1000.0),
-                };
+            let seconds = peek.seconds(&queue.topic, &lags);
+            for (partition, _, records) in lags {
                 let key = (queue.name.clone(), partition.to_string());
                 let labels = [group.as_str(), key.0.as_str(), key.1.as_str()];
-                broker.metrics.partition_lag.with_label_values(&labels).set(*records);
-                if let Some(seconds) = seconds {
-                    broker.metrics.partition_lag_seconds.with_label_values(&labels).set(seconds);
+                broker.metrics.lag_records_by_partition.with_label_values(&labels).set(records);
+                if let Some(seconds) = seconds.get(&partition).copied().flatten() {
+                    broker.metrics.lag_seconds_by_partition.with_label_values(&labels).set(seconds);
                 }
                 reporting.insert(key);
             }
@@ -441,8 +434,8 @@ pub fn spawn_reporter(
         }
         for (queue, partition) in reported.difference(&reporting) {
             let labels = [group.as_str(), queue.as_str(), partition.as_str()];
-            broker.metrics.partition_lag.remove_label_values(&labels).ok();
-            broker.metrics.partition_lag_seconds.remove_label_values(&labels).ok();
+            broker.metrics.lag_records_by_partition.remove_label_values(&labels).ok();
+            broker.metrics.lag_seconds_by_partition.remove_label_values(&labels).ok();
         }
         reported = reporting;
     })?;

@@ -23,8 +23,8 @@ pub struct Metrics {
     pub consumer_lag: IntGaugeVec,
     /// Per consumer group, queue and partition: records not yet fetched, and how old
     /// the oldest of them is.
-    pub partition_lag: IntGaugeVec,
-    pub partition_lag_seconds: GaugeVec,
+    pub lag_records_by_partition: IntGaugeVec,
+    pub lag_seconds_by_partition: GaugeVec,
     pub dequeue_seconds: HistogramVec,
 }
 
@@ -122,7 +122,7 @@ impl Metrics {
                 "Queue records not yet fetched, over the partitions this broker serves (per partition: \
                  tally_broker_partition_lag_records)",
             ),
-            partition_lag: register(
+            lag_records_by_partition: register(
                 registry,
                 IntGaugeVec::new(
                     Opts::new(
@@ -134,7 +134,7 @@ impl Metrics {
                 )
                 .expect("valid metric"),
             ),
-            partition_lag_seconds: register(
+            lag_seconds_by_partition: register(
                 registry,
                 GaugeVec::new(
                     Opts::new(

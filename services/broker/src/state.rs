@@ -544,26 +544,15 @@ impl Broker {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn rate_shares_add_up_to_the_limit() {
-        for (rate, owned) in [(10u32, vec![2usize, 1, 1]), (2, vec![1, 1, 1, 1]), (100, vec![3, 0, 1]), (7, vec![4])] {
-            let partitions = owned.iter().sum::<usize>() as i32;
-            let total: f64 = owned.iter().map(|&n| rate_share(rate, n, partitions)).sum();
-            assert!((total - f64::from(rate)).abs() < 1e-9, "{rate} over {owned:?}: {total}");
-        }
-        assert_eq!(rate_share(2, 1, 4), 0.5, "less than one a second is still a rate");
-    }
-}
-
-/// The broker's span of a handout, when its job's record carried a trace context
-/// and spans are exported: from the job's enqueue to its handout, a child of the
-/// producer's context; its own context, for the worker's span to descend from.
+/// The trace context a handout passes on to its worker, when its job's record
+/// carried one: with spans exported, the broker's span of the handout (from the
+/// job's enqueue to its handout, a child of the producer's context); otherwise the
+/// producer's context as it came.
 fn handout_span(queue: &QueueRuntime, partition: i32, handout: &Handout) -> Option<String> {
-    let trace = handout.job.trace.filter(|_| tally_shared::otel::enabled())?;
+    let trace = handout.job.trace?;
+    if !tally_shared::otel::enabled() {
+        return Some(trace.parent.header_value());
+    }
     let mut span = Span::start(format!("deliver {}", queue.topic), SpanKind::Consumer, Some(&trace.parent))
         .attribute("messaging.system", "kafka")
         .attribute("messaging.operation.type", "receive")
@@ -579,4 +568,34 @@ fn handout_span(queue: &QueueRuntime, partition: i32, handout: &Handout) -> Opti
     let context = span.context.header_value();
     tally_shared::otel::record(span);
     Some(context)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rate_shares_add_up_to_the_limit() {
+        for (rate, owned) in [(10u32, vec![2usize, 1, 1]), (2, vec![1, 1, 1, 1]), (100, vec![3, 0, 1]), (7, vec![4])] {
+            let partitions = owned.iter().sum::<usize>() as i32;
+            let total: f64 = owned.iter().map(|&n| rate_share(rate, n, partitions)).sum();
+            assert!((total - f64::from(rate)).abs() < 1e-9, "{rate} over {owned:?}: {total}");
+        }
+        assert_eq!(rate_share(2, 1, 4), 0.5, "less than one a second is still a rate");
+    }
+
+    /// Without span export (none is set up in unit tests) a job's trace context goes
+    /// on to its worker as the producer wrote it; a job without one passes none.
+    #[test]
+    fn a_handout_passes_its_jobs_trace_context_on_without_export() {
+        let decl = tally_shared::topics::Declarations::load(None).unwrap().queue("default").unwrap().clone();
+        let queue = QueueRuntime::new(decl, "t.jobs.default".into(), "t.jobs.default.dead".into());
+        let job = tally_core::jobs::Job::parse(br#"{"id":"j1","payload":{}}"#).unwrap();
+        let handout = |job| Handout { offset: 7, lease: 1, attempt: 1, deadline: 0, job, ckey: None };
+        assert_eq!(handout_span(&queue, 0, &handout(job.clone())), None);
+        let parent = tally_core::trace::TraceContext::root();
+        let traced =
+            tally_core::jobs::Job { trace: Some(tally_core::jobs::JobTrace { parent, enqueued_at_ms: 5 }), ..job };
+        assert_eq!(handout_span(&queue, 0, &handout(traced)), Some(parent.header_value()));
+    }
 }

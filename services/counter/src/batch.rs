@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rdkafka::consumer::ConsumerContext;
-use tally_core::trace::{Span, SpanKind};
+use tally_core::trace::{sampled, Span, SpanKind};
 use tally_shared::consume::Polled;
 use tally_shared::failures::Failure;
 use tally_shared::kafka::now_ms;
@@ -83,11 +83,11 @@ pub(crate) fn apply_batch<C: ConsumerContext>(
 /// records'): it links them, as OpenTelemetry's messaging conventions have a batch
 /// consumer do; an error when a shard failed in it.
 pub(crate) fn batch_span(topic: &str, group: &str, started: u64, batch: &[Polled], failed: &[u32]) -> Option<Span> {
-    let contexts = batch.iter().flat_map(|polled| polled.traces.iter().copied());
-    let mut span = Span::start(format!("process {topic}"), SpanKind::Consumer, None).link(contexts);
-    if span.links.is_empty() {
+    let contexts = sampled(batch.iter().flat_map(|polled| polled.traces.iter().copied()));
+    if contexts.is_empty() {
         return None;
     }
+    let mut span = Span::start(format!("process {topic}"), SpanKind::Consumer, None).link(contexts);
     let mut shards: Vec<u32> = batch.iter().map(|polled| polled.partition as u32).collect();
     shards.sort_unstable();
     shards.dedup();

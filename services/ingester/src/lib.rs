@@ -36,7 +36,7 @@ use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, T
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::ClientContext;
 use tally_core::format::{INPUT_DRAINED_HEADER, RECORD_TIME_HEADER};
-use tally_core::trace::{Span, SpanKind, TraceContext};
+use tally_core::trace::{sampled, Span, SpanKind};
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{consumer_config, producer_config, wait_for_topic, TopicNames};
 use tally_shared::lock::lock;
@@ -395,12 +395,10 @@ impl Pipeline {
     /// The span of routing a batch with traced records: it links their contexts
     /// (which travel on in the shard records' headers).
     fn record_route_span(&self, started: u64, records: usize, outgoing: &[Outgoing]) {
-        let mut contexts: Vec<TraceContext> = outgoing.iter().flat_map(|out| out.traces.iter().copied()).collect();
+        let contexts = sampled(outgoing.iter().flat_map(|out| out.traces.iter().copied()));
         if contexts.is_empty() {
             return;
         }
-        contexts.sort_unstable_by_key(|context| (context.trace_id, context.span_id));
-        contexts.dedup();
         let mut span = Span::start(format!("route {}", self.inputs.join(",")), SpanKind::Consumer, None)
             .attribute("messaging.system", "kafka")
             .attribute("messaging.operation.type", "process")

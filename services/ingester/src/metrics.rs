@@ -74,8 +74,9 @@ impl Metrics {
                     Opts::new(
                         "tally_ingester_dead_letters_total",
                         "Rejected elements sent to the dead-letter topic, by the field their reason names (reason: \
-                         entity, metric, delta, ts, id, op, from, to; element or message for a malformed one; other \
-                         for a field tally does not know). Rising: a producer writes what tally refuses; each letter \
+                         entity, metric, delta, ts, id, op, from, to; element for one not an object of known fields or \
+                         lacking a required one, message for a message that is not JSON; other for a field tally does \
+                         not know). Rising: a producer writes what tally refuses; each letter \
                          on tally.dead-letter says exactly why: fix the producer (nothing of a refused element was \
                          counted)",
                     ),

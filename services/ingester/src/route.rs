@@ -51,11 +51,12 @@ impl<'a> From<&'a BorrowedMessage<'a>> for InputRecord<'a> {
 }
 
 /// The trace contexts of a batch's input records, by the shards their increments
-/// went to: each shard record carries its own records' contexts on.
+/// went to: each shard record carries on those of its shard (the counter's batch
+/// span links each once).
 #[derive(Default)]
-struct Traced(BTreeMap<usize, Vec<TraceContext>>);
+struct ShardTraces(BTreeMap<usize, Vec<TraceContext>>);
 
-impl Traced {
+impl ShardTraces {
     fn note(&mut self, shard: usize, trace: TraceContext) {
         let contexts = self.0.entry(shard).or_default();
         // A record's increments come one after another.
@@ -170,7 +171,7 @@ impl Router {
         let mut outgoing = Vec::new();
         let mut counts = RouteCounts::default();
         let mut unencodable: Option<tally_shared::Error> = None;
-        let mut traced = Traced::default();
+        let mut traced = ShardTraces::default();
         let graph_topic = self.names.graph();
         let bounds = self.limits.at(now_ms());
         for record in records {
@@ -512,8 +513,9 @@ mod tests {
         ];
         let (out, counts) = router.route_records(&records).unwrap();
         let mut by_field = [0; REASON_FIELDS.len()];
-        by_field[3] = 1; // metric
-        by_field[0] = 1; // message
+        for field in ["metric", "message"] {
+            by_field[REASON_FIELDS.iter().position(|known| *known == field).unwrap()] = 1;
+        }
         assert_eq!(counts, RouteCounts { increments: 3, graph_updates: 0, rejected: 2, rejected_by_field: by_field });
         let letters: Vec<DeadLetter> = out
             .iter()
@@ -561,7 +563,8 @@ mod tests {
     }
 
     /// A shard record carries on the trace contexts of the input records whose
-    /// increments it holds, and only theirs, in every record format.
+    /// increments went to its shard in the batch, and only theirs, in every record
+    /// format.
     #[test]
     fn shard_records_carry_their_input_records_trace_contexts() {
         let shards = 4;

@@ -7,8 +7,8 @@ use tally_core::trace::{Span, Value};
 
 /// The instrumentation scope every span is reported under.
 const SCOPE: &str = "tally";
-/// `SpanFlags`: the W3C trace flags, plus "whether the context is remote" (known) and
-/// "it is" for links, which always point at another process's span.
+/// `SpanFlags`: the W3C trace flags, plus for links "whether the context is remote"
+/// (known) and "it is": a link always points at another process's span.
 const HAS_IS_REMOTE: u32 = 0x100;
 const IS_REMOTE: u32 = 0x200;
 
@@ -101,8 +101,8 @@ fn span(buf: &mut Vec<u8>, span: &Span) {
             uint(status, 3, 2);
         });
     }
-    // The span's own context is this process's (not remote); its parent may be.
-    fixed32(buf, 16, u32::from(span.context.flags) | HAS_IS_REMOTE);
+    // The W3C flags; whether the parent is remote is left unknown (no HAS_IS_REMOTE).
+    fixed32(buf, 16, u32::from(span.context.flags));
 }
 
 /// `ExportTraceServiceRequest { repeated ResourceSpans resource_spans = 1 }` of one
