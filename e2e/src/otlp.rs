@@ -123,15 +123,15 @@ mod proto {
         #[derive(Clone, PartialEq, prost::Oneof)]
         pub enum Value {
             #[prost(string, tag = "1")]
-            StringValue(String),
+            String(String),
             #[prost(bool, tag = "2")]
-            BoolValue(bool),
+            Bool(bool),
             #[prost(int64, tag = "3")]
-            IntValue(i64),
+            Int(i64),
             #[prost(double, tag = "4")]
-            DoubleValue(f64),
+            Double(f64),
             #[prost(bytes, tag = "7")]
-            BytesValue(Vec<u8>),
+            Bytes(Vec<u8>),
         }
     }
 }
@@ -185,11 +185,11 @@ fn hex(bytes: &[u8]) -> String {
 fn text(value: Option<&proto::AnyValue>) -> String {
     use proto::any_value::Value;
     match value.and_then(|value| value.value.as_ref()) {
-        Some(Value::StringValue(text)) => text.clone(),
-        Some(Value::BoolValue(flag)) => flag.to_string(),
-        Some(Value::IntValue(number)) => number.to_string(),
-        Some(Value::DoubleValue(number)) => number.to_string(),
-        Some(Value::BytesValue(bytes)) => hex(bytes),
+        Some(Value::String(text)) => text.clone(),
+        Some(Value::Bool(flag)) => flag.to_string(),
+        Some(Value::Int(number)) => number.to_string(),
+        Some(Value::Double(number)) => number.to_string(),
+        Some(Value::Bytes(bytes)) => hex(bytes),
         None => String::new(),
     }
 }
