@@ -60,9 +60,10 @@ pub struct ConsumerSetup {
     pub shard_count: u32,
     /// Announced as the read address of owned shards.
     pub read_addr: String,
-    /// Where shard snapshots are kept (`None`: snapshots off), and the registry
-    /// their gauges go in.
-    pub snapshots: Option<(SnapshotStore, prometheus::Registry)>,
+    /// Where shard snapshots are kept (`None`: snapshots off).
+    pub snapshots: Option<SnapshotStore>,
+    /// The service's metrics registry (the snapshot gauges go in it).
+    pub registry: prometheus::Registry,
     /// How the shard stores' commits survive a crash (from the config and the shard
     /// topic's retention: [`tally_shared::config::CounterConfig::durability`]).
     pub durability: Durability,
@@ -85,7 +86,8 @@ fn shard_consumer_config(config: &TallyConfig) -> Result<rdkafka::ClientConfig> 
 
 /// Runs until `shutdown`; finishes and persists the batch in hand before returning.
 pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
-    let ConsumerSetup { config, shards, metrics, readiness, read_addr, shard_count, snapshots, durability } = setup;
+    let ConsumerSetup { config, shards, metrics, readiness, read_addr, shard_count, snapshots, registry, durability } =
+        setup;
     let names = TopicNames::new(&config.kafka.topic_prefix);
     let shard_topic = names.shards();
     let resolutions = config.counting.resolutions()?;
@@ -102,7 +104,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             direct_cache_bytes: config.counter.direct_cache_bytes,
             ..StoreOptions::default()
         },
-        snapshots: snapshots.as_ref().map(|(store, _)| store.clone()),
+        snapshots: snapshots.clone(),
         topic: shard_topic.clone(),
         metrics: metrics.clone(),
     };
@@ -171,8 +173,8 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         },
     )?;
     threads.push(("lag reporter", lag_reporter));
-    if let Some((snapshots, registry)) = snapshots {
-        let snapshotter = ShardSnapshots::new(snapshots, &config, (shards.clone(), metrics.clone(), &registry));
+    if let Some(snapshots) = snapshots {
+        let snapshotter = ShardSnapshots::new(snapshots, &config, shards.clone(), metrics.clone(), &registry);
         let every =
             tally_shared::shutdown::every("counter-snapshots", SNAPSHOT_CHECK, shutdown.clone(), snapshotter.run());
         threads.push(("snapshots", every?));

@@ -106,14 +106,23 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
     tally_shared::http::spawn_serve("read API", listener, app, shutdown.clone());
 
     let snapshots = match config.snapshots.enabled {
-        true => Some((
-            tally_shared::snapshot::SnapshotStore::from_config(&config.snapshots, tokio::runtime::Handle::current())?,
-            registry,
-        )),
+        true => Some(tally_shared::snapshot::SnapshotStore::from_config(
+            &config.snapshots,
+            tokio::runtime::Handle::current(),
+        )?),
         false => None,
     };
-    let setup =
-        consumer::ConsumerSetup { snapshots, config, shards, metrics, readiness, shard_count, read_addr, durability };
+    let setup = consumer::ConsumerSetup {
+        snapshots,
+        registry,
+        config,
+        shards,
+        metrics,
+        readiness,
+        shard_count,
+        read_addr,
+        durability,
+    };
     let consumer_shutdown = shutdown.clone();
     let result =
         tally_shared::sched::spawn_background("counter-apply", move || consumer::run(setup, consumer_shutdown))

@@ -31,7 +31,9 @@ impl ShardSnapshots {
     pub(crate) fn new(
         snapshots: SnapshotStore,
         config: &TallyConfig,
-        (shards, metrics, registry): (Arc<Shards>, Metrics, &prometheus::Registry),
+        shards: Arc<Shards>,
+        metrics: Metrics,
+        registry: &prometheus::Registry,
     ) -> Self {
         let scratch = config.counter.data_dir.join(".checkpoints");
         let snapshotter = Snapshotter::new(snapshots, &config.snapshots, scratch);
