@@ -67,6 +67,11 @@ pub const RECORD_TIME_HEADER: &str = "tally.record-time.v1";
 /// value is empty, and a record without it is one among more to come.
 pub const INPUT_DRAINED_HEADER: &str = "tally.input-drained.v1";
 
+/// `bytes` as lowercase hex: how tally writes ids, tags and hashes as text.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
 /// The value of [`RECORD_TIME_HEADER`].
 pub fn record_time_value(ms: i64) -> [u8; 8] {
     ms.to_be_bytes()

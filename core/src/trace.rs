@@ -12,6 +12,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use crate::format::hex;
+
 /// The header (Kafka record, HTTP request) that carries a [`TraceContext`].
 pub const TRACEPARENT: &str = "traceparent";
 /// Most trace contexts one shard record carries on (the ingester's), and most links
@@ -74,11 +76,6 @@ impl TraceContext {
     pub fn header_value(&self) -> String {
         format!("00-{}-{}-{:02x}", hex(&self.trace_id), hex(&self.span_id), self.flags)
     }
-
-    /// The trace id in hex, as trace viewers show it.
-    pub fn trace_hex(&self) -> String {
-        hex(&self.trace_id)
-    }
 }
 
 /// `text` when it is lowercase hex only.
@@ -88,10 +85,6 @@ fn lower_hex(text: &str) -> Option<&str> {
 
 fn hex_bytes(text: &str) -> Option<Vec<u8>> {
     (0..text.len()).step_by(2).map(|at| u8::from_str_radix(text.get(at..at + 2)?, 16).ok()).collect()
-}
-
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 
 /// 64 random bits: SipHash, keyed by the process's random hasher keys, of a counter
@@ -250,7 +243,7 @@ mod tests {
     fn reads_the_specifications_examples_and_refuses_the_rest() {
         let valid = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
         let context = TraceContext::parse(valid.as_bytes()).unwrap();
-        assert_eq!(context.trace_hex(), "0af7651916cd43dd8448eb211c80319c");
+        assert_eq!(hex(&context.trace_id), "0af7651916cd43dd8448eb211c80319c");
         assert_eq!(hex(&context.span_id), "b7ad6b7169203331");
         assert!(context.sampled());
         assert_eq!(context.header_value(), valid);

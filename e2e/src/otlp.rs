@@ -13,6 +13,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use prost::Message;
+use tally_core::format::hex;
 use tokio_util::sync::CancellationToken;
 
 /// opentelemetry-proto's messages, as far as a receiver of tally's spans reads them.
@@ -176,10 +177,6 @@ pub struct OtlpReceiver {
     pub endpoint: String,
     received: Arc<Mutex<Received>>,
     stop: CancellationToken,
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 
 fn text(value: Option<&proto::AnyValue>) -> String {

@@ -90,7 +90,7 @@ pub struct Listing {
 
 /// The SHA-256 of `bytes`, hex.
 fn sha256_hex(bytes: &[u8]) -> String {
-    ring::digest::digest(&ring::digest::SHA256, bytes).as_ref().iter().map(|b| format!("{b:02x}")).collect()
+    tally_core::format::hex(ring::digest::digest(&ring::digest::SHA256, bytes).as_ref())
 }
 
 impl Manifest {

@@ -6,6 +6,7 @@
 
 use ring::hmac;
 use subtle::ConstantTimeEq;
+use tally_core::format::hex;
 
 /// Bytes of the HMAC a token carries (128 bits, hex in the token).
 const TAG_BYTES: usize = 16;
@@ -56,10 +57,6 @@ impl LeaseSigner {
         tag.copy_from_slice(&hmac::sign(&self.key, fields.as_bytes()).as_ref()[..TAG_BYTES]);
         tag
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 
 fn unhex<const N: usize>(text: &str) -> Option<[u8; N]> {
