@@ -8,11 +8,13 @@
 mod scan;
 
 use std::borrow::Cow;
+use std::collections::BTreeMap;
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use crate::graph::{EdgeOp, EdgeUpdate};
+use crate::segments::Dimensions;
 use crate::validate::{check_entity, check_id, check_metric};
 use crate::wire::{GraphUpdate, IncrementCow};
 
@@ -30,14 +32,15 @@ pub struct Rejection<'a> {
 
 /// The fields a rejection can name, as the bounded label that counts rejections
 /// by reason (`tally_ingester_dead_letters_total{reason}`); `other` for any not listed.
-pub const REASON_FIELDS: [&str; 11] =
-    ["message", "element", "entity", "metric", "delta", "ts", "id", "op", "from", "to", "other"];
+pub const REASON_FIELDS: [&str; 12] =
+    ["message", "element", "entity", "metric", "delta", "ts", "id", "segments", "op", "from", "to", "other"];
 
 impl Rejection<'_> {
     /// The index in [`REASON_FIELDS`] of the field its reason names (the reason's
-    /// text up to its first `:`).
+    /// text up to its first `:`, a path's first part: `segments.country`).
     pub fn field(&self) -> usize {
-        let named = self.reason.split(':').next().unwrap_or_default();
+        let path = self.reason.split(':').next().unwrap_or_default();
+        let named = path.split('.').next().unwrap_or_default();
         let other = REASON_FIELDS.len() - 1;
         REASON_FIELDS[..other].iter().position(|field| *field == named).unwrap_or(other)
     }
@@ -137,6 +140,9 @@ struct RawIncrement<'a> {
     ts: Option<i64>,
     #[serde(default, borrow)]
     id: Option<Cow<'a, str>>,
+    /// Dimension → value ([`crate::segments`]); a JSON object of strings.
+    #[serde(default, borrow)]
+    segments: Option<BTreeMap<Cow<'a, str>, Cow<'a, str>>>,
 }
 
 /// A struct read only from a JSON object. serde's derived structs also take an array
@@ -165,11 +171,13 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for ObjectOnly<T> {
 /// `reject(rejection)` for each invalid one, in message order.
 ///
 /// `record_ts` is the Kafka record's timestamp: the event time of increments that
-/// carry no `ts`; `bounds` are what their numbers must keep.
+/// carry no `ts`; `bounds` are what their numbers must keep; `dimensions` what
+/// segments each metric may carry.
 pub fn parse_increments<'a>(
     payload: &'a [u8],
     record_ts: i64,
     bounds: &Bounds,
+    dimensions: &Dimensions,
     mut accept: impl FnMut(u32, IncrementCow<'a>),
     reject: impl FnMut(Rejection<'a>),
 ) {
@@ -180,12 +188,14 @@ pub fn parse_increments<'a>(
     // A single plain object read by the scanner and valid is accepted as it is;
     // anything else about it the general way decides.
     if first_significant_byte(payload) == Some(b'{') {
-        if let Some(increment) = scan::plain_increment(payload).and_then(|raw| checked(raw, record_ts, bounds).ok()) {
+        if let Some(increment) =
+            scan::plain_increment(payload).and_then(|raw| checked(raw, record_ts, bounds, dimensions).ok())
+        {
             return accept(0, increment);
         }
     } else if first_significant_byte(payload) == Some(b'[') {
         let all_checked = |raws: Vec<RawIncrement<'a>>| -> Option<Vec<IncrementCow<'a>>> {
-            raws.into_iter().map(|raw| checked(raw, record_ts, bounds)).collect::<Result<Vec<_>, _>>().ok()
+            raws.into_iter().map(|raw| checked(raw, record_ts, bounds, dimensions)).collect::<Result<Vec<_>, _>>().ok()
         };
         let all_valid = match scan::plain_increments(payload) {
             Some(raws) => all_checked(raws),
@@ -200,7 +210,7 @@ pub fn parse_increments<'a>(
             return;
         }
     }
-    parse_elements(payload, |raw| parse_one(raw, record_ts, bounds), accept, reject);
+    parse_elements(payload, |raw| parse_one(raw, record_ts, bounds, dimensions), accept, reject);
 }
 
 /// Parses a graph message (`add_edge` / `remove_edge` objects) like
@@ -316,12 +326,23 @@ fn parse_graph_update(raw: &str) -> Result<GraphUpdate, String> {
     })
 }
 
-fn parse_one<'a>(raw: &'a str, record_ts: i64, bounds: &Bounds) -> Result<IncrementCow<'a>, String> {
-    checked(deserialize_object(raw)?, record_ts, bounds)
+fn parse_one<'a>(
+    raw: &'a str,
+    record_ts: i64,
+    bounds: &Bounds,
+    dimensions: &Dimensions,
+) -> Result<IncrementCow<'a>, String> {
+    checked(deserialize_object(raw)?, record_ts, bounds, dimensions)
 }
 
 /// An increment as parsed, once its names, id and numbers are checked.
-fn checked<'a>(parsed: RawIncrement<'a>, record_ts: i64, bounds: &Bounds) -> Result<IncrementCow<'a>, String> {
+/// With segments, its metric is the segmented one ([`crate::segments`]).
+fn checked<'a>(
+    parsed: RawIncrement<'a>,
+    record_ts: i64,
+    bounds: &Bounds,
+    dimensions: &Dimensions,
+) -> Result<IncrementCow<'a>, String> {
     check_entity(&parsed.entity)?;
     check_metric(&parsed.metric)?;
     if let Some(id) = &parsed.id {
@@ -329,7 +350,13 @@ fn checked<'a>(parsed: RawIncrement<'a>, record_ts: i64, bounds: &Bounds) -> Res
     }
     let (delta, ts) = (parsed.delta.unwrap_or(1), parsed.ts.unwrap_or(record_ts));
     bounds.check(delta, ts)?;
-    Ok(IncrementCow { entity: parsed.entity, metric: parsed.metric, delta, ts, id: parsed.id })
+    let segments: Vec<(&str, &str)> =
+        parsed.segments.iter().flatten().map(|(name, value)| (name.as_ref(), value.as_ref())).collect();
+    let metric = match dimensions.segmented(&parsed.metric, &segments)? {
+        Some(segmented) => Cow::Owned(segmented),
+        None => parsed.metric,
+    };
+    Ok(IncrementCow { entity: parsed.entity, metric, delta, ts, id: parsed.id })
 }
 
 #[cfg(test)]
@@ -346,6 +373,39 @@ mod tests {
             .at(1_000)
     }
 
+    /// `v` declares `country` and `state`.
+    fn test_dimensions() -> Dimensions {
+        let declared = [("v".to_string(), vec!["country".to_string(), "state".to_string()])];
+        Dimensions::new(declared.into_iter().collect()).unwrap()
+    }
+
+    #[test]
+    fn segments_make_a_segmented_metric_and_bad_ones_are_rejected_naming_segments() {
+        let (ok, bad) = run(r#"[{"entity":"a","metric":"v","segments":{"state":"CA","country":"US"}},
+            {"entity":"a","metric":"v","segments":{}},
+            {"entity":"a","metric":"v","segments":{"colour":"red"}},
+            {"entity":"a","metric":"w","segments":{"country":"US"}},
+            {"entity":"a","metric":"v","segments":{"country":""}},
+            {"entity":"a","metric":"v","segments":{"country":1}},
+            {"entity":"a","metric":"v","segments":["US"]}]"#);
+        let metrics: Vec<(u32, &str)> = ok.iter().map(|(i, inc)| (*i, inc.metric.as_str())).collect();
+        assert_eq!(metrics, vec![(0, "v\u{1}country\u{1e}US\u{1f}state\u{1e}CA"), (1, "v")]);
+        let reasons: Vec<(Option<u32>, &str)> = bad.iter().map(|(i, r, _)| (*i, r.as_str())).collect();
+        assert_eq!(reasons[0], (Some(2), "segments: v has no dimension \"colour\"; it has country, state"));
+        assert_eq!(reasons[1], (Some(3), "segments: metric w declares no dimensions (counting.dimensions)"));
+        assert_eq!(reasons[2], (Some(4), "segments: country's value must be 1-64 bytes of UTF-8"));
+        assert!(reasons[3].1.starts_with("segments.country: invalid type"), "{}", reasons[3].1);
+        assert!(reasons[4].1.starts_with("segments: invalid type"), "{}", reasons[4].1);
+        let fields: Vec<&str> = bad
+            .iter()
+            .map(|(index, reason, raw)| {
+                let rejection = Rejection { index: *index, reason: reason.clone(), raw: raw.as_bytes() };
+                REASON_FIELDS[rejection.field()]
+            })
+            .collect();
+        assert_eq!(fields, ["segments"; 5]);
+    }
+
     fn run(payload: &str) -> (Vec<(u32, Increment)>, Rejected) {
         let mut accepted = Vec::new();
         let mut rejected = Vec::new();
@@ -353,6 +413,7 @@ mod tests {
             payload.as_bytes(),
             1_000,
             &test_bounds(),
+            &test_dimensions(),
             |i, inc| accepted.push((i, inc.into_owned())),
             |r| rejected.push((r.index, r.reason, String::from_utf8(r.raw.to_vec()).unwrap())),
         );
@@ -377,7 +438,14 @@ mod tests {
             let mut note = |r: Rejection<'_>| fields.push(REASON_FIELDS[r.field()]);
             match graph_updates {
                 true => parse_graph_updates(payload.as_bytes(), |_, _| {}, &mut note),
-                false => parse_increments(payload.as_bytes(), 1_000, &test_bounds(), |_, _| {}, &mut note),
+                false => parse_increments(
+                    payload.as_bytes(),
+                    1_000,
+                    &test_bounds(),
+                    &test_dimensions(),
+                    |_, _| {},
+                    &mut note,
+                ),
             }
             fields
         };
@@ -391,7 +459,7 @@ mod tests {
         let graph_updates = r#"[{"op":"rename","from":"a","to":"b"},{"op":"add_edge","from":"","to":"b"},
             {"op":"add_edge","from":"a","to":"a"}]"#;
         assert_eq!(fields(graph_updates, true), ["op", "from", "to"]);
-        let unnamed = Rejection { index: None, reason: "segments.country: too long".into(), raw: b"" };
+        let unnamed = Rejection { index: None, reason: "colour.red: unknown".into(), raw: b"" };
         assert_eq!(REASON_FIELDS[unnamed.field()], "other");
     }
 
@@ -430,7 +498,7 @@ mod tests {
         let mut rejected = Vec::new();
         parse_elements(
             payload.as_bytes(),
-            |raw| parse_one(raw, 1_000, &test_bounds()),
+            |raw| parse_one(raw, 1_000, &test_bounds(), &test_dimensions()),
             |i, inc: IncrementCow| accepted.push((i, inc.into_owned())),
             |r| rejected.push((r.index, r.reason, String::from_utf8(r.raw.to_vec()).unwrap())),
         );
@@ -643,6 +711,7 @@ mod tests {
                 payload.as_bytes(),
                 now,
                 &limits.at(now),
+                &Dimensions::default(),
                 |_, inc| accepted.push((inc.delta, inc.ts)),
                 |r| rejected.push(r.reason),
             );
@@ -684,7 +753,14 @@ mod tests {
             assert_eq!(bad[0].2, payload);
         }
         let mut rejected = Vec::new();
-        parse_increments(&[0xff, 0xfe], 0, &Bounds::none(), |_, _| {}, |r| rejected.push(r.reason));
+        parse_increments(
+            &[0xff, 0xfe],
+            0,
+            &Bounds::none(),
+            &Dimensions::default(),
+            |_, _| {},
+            |r| rejected.push(r.reason),
+        );
         assert_eq!(rejected.len(), 1);
     }
 

@@ -14,6 +14,8 @@
 //!   records of increments in the [`compact`] encoding),
 //!   [`keys`] (RocksDB keys and values), [`records`] (every record fits the broker);
 //! - [`rollups`]: what a consumer of the rollups topic keeps (the newest by position);
+//! - [`segments`]: segmented counters (an increment's dimensions, their combinations
+//!   as segmented metrics, what a segment query selects);
 //! - [`model`]: the brute-force model every test compares with;
 //! - [`trace`]: the W3C trace context records carry and the spans services report.
 
@@ -30,6 +32,7 @@ pub mod position;
 pub mod propagation;
 pub mod records;
 pub mod rollups;
+pub mod segments;
 pub mod sharding;
 pub mod time;
 pub mod trace;

@@ -17,6 +17,7 @@ use tally_core::graph::{DescChange, EdgeOp, EdgeUpdate};
 use tally_core::jobs::{DeadJob, DeadJobAction, DeadJobDecision, Job};
 use tally_core::keys::{decode_mark, decode_names, decode_stamp, encode_mark, encode_names, encode_stamp, Counts};
 use tally_core::records::Truncated;
+use tally_core::segments::Selector;
 use tally_core::time::WindowSpec;
 use tally_core::wire::{
     DeadLetter, FreshReadResponse, GraphMessage, GraphUpdate, Heartbeat, Increment, Kind, ReadRequest, ReadResponse,
@@ -208,7 +209,7 @@ fn mark_records() {
 /// must still be understood by a newer counter, and the other way round.
 #[test]
 fn read_link_messages() {
-    let query = |entity: &str, kind, spec| ShardQuery { entity: entity.into(), metric: "views".into(), kind, spec };
+    let query = |entity: &str, kind, spec| ShardQuery::plain(entity.into(), "views".into(), kind, spec);
     let request = ReadRequest {
         now_ms: 1_700_000_000_000,
         shards: vec![
@@ -225,6 +226,15 @@ fn read_link_messages() {
     let bytes = golden("read-request.bin", &request.encode().unwrap());
     assert_eq!(bytes[..2], [format::RECORD_MAGIC, format::RECORD_V1]);
     assert_eq!(ReadRequest::decode(&bytes).unwrap(), request);
+    // Version 2: a query selecting segments (a version-1 reader refuses it).
+    let mut segmented = request.clone();
+    segmented.shards[1].queries[1].segments = Some(Selector {
+        filters: vec![("country".into(), Some("US".into())), ("device".into(), None)],
+        by: Some("state".into()),
+    });
+    let bytes = golden("read-request-v2.bin", &segmented.encode().unwrap());
+    assert_eq!(bytes[..2], [format::RECORD_MAGIC, format::RECORD_V2]);
+    assert_eq!(ReadRequest::decode(&bytes).unwrap(), segmented);
 
     let response = ReadResponse {
         shards: vec![
@@ -242,6 +252,20 @@ fn read_link_messages() {
     };
     let bytes = golden("read-response.bin", &response.encode().unwrap());
     assert_eq!(ReadResponse::decode(&bytes).unwrap(), response);
+    let segments = ReadResponse {
+        shards: vec![ShardOutcome::Answers {
+            answers: vec![ShardAnswer::Segments {
+                resolution: "1h".into(),
+                from: 3_600_000,
+                to: 10_800_000,
+                step: 3_600_000,
+                groups: vec![("CA".into(), vec![3, 0]), ("NY".into(), vec![0, -2])],
+                overflow: vec![1, 0],
+            }],
+        }],
+    };
+    let segments_bytes = golden("read-response-segments.bin", &segments.encode().unwrap());
+    assert_eq!(ReadResponse::decode(&segments_bytes).unwrap(), segments);
     let mut trailing = bytes.clone();
     trailing.push(0);
     assert!(ReadResponse::decode(&trailing).is_err(), "trailing bytes are refused");

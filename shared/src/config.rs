@@ -266,6 +266,12 @@ pub struct CountingConfig {
     pub resolutions: Vec<ResolutionConfig>,
     /// How long an idempotency `id` is remembered.
     pub dedupe_window: String,
+    /// The dimensions each metric's increments may carry as `segments`
+    /// (`views = ["country", "state"]`); a metric not listed takes none.
+    pub dimensions: BTreeMap<String, Vec<String>>,
+    /// Combinations of segments one entity's metric keeps; later ones count under
+    /// its overflow combination.
+    pub max_segment_combinations: u32,
 }
 
 impl Default for CountingConfig {
@@ -274,6 +280,8 @@ impl Default for CountingConfig {
         Self {
             resolutions: vec![resolution("1m", "6h"), resolution("1h", "35d"), resolution("1d", "400d")],
             dedupe_window: "24h".into(),
+            dimensions: BTreeMap::new(),
+            max_segment_combinations: tally_core::segments::DEFAULT_MAX_COMBINATIONS,
         }
     }
 }
@@ -290,6 +298,12 @@ impl CountingConfig {
 
     pub fn dedupe_window_ms(&self) -> Result<i64> {
         Ok(tally_core::time::parse_duration(&self.dedupe_window)? as i64)
+    }
+
+    /// The declared dimensions, checked.
+    pub fn dimensions(&self) -> Result<tally_core::segments::Dimensions> {
+        tally_core::segments::Dimensions::new(self.dimensions.clone())
+            .map_err(|reason| Error::Config(format!("counting.dimensions: {reason}")))
     }
 }
 
@@ -696,6 +710,10 @@ impl TallyConfig {
         })?;
         config.counting.resolutions()?;
         config.counting.dedupe_window_ms()?;
+        config.counting.dimensions()?;
+        if config.counting.max_segment_combinations == 0 {
+            return Err(Error::Config("counting.max_segment_combinations: must be at least 1".into()));
+        }
         if config.runtime.worker_threads == 0 {
             return Err(Error::Config("runtime.worker_threads: must be at least 1".into()));
         }

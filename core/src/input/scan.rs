@@ -143,6 +143,7 @@ impl<'a> Scanner<'a> {
             delta,
             ts,
             id: id.map(Cow::Borrowed),
+            segments: None,
         })
     }
 }

@@ -3,8 +3,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::codec::{decode, encode};
+use super::codec::{decode, decode_body, encode, encode_version};
 use crate::keys::Count;
+use crate::segments::Selector;
 use crate::time::WindowSpec;
 use crate::Result;
 
@@ -33,6 +34,33 @@ pub struct ShardQuery {
     pub metric: String,
     pub kind: Kind,
     pub spec: WindowSpec,
+    /// A segment query ([`crate::segments`]): answered with
+    /// [`ShardAnswer::Segments`], the shard summing the combinations it selects.
+    #[serde(default)]
+    pub segments: Option<Selector>,
+}
+
+impl ShardQuery {
+    /// A question about the counter itself, no segments.
+    pub fn plain(entity: String, metric: String, kind: Kind, spec: WindowSpec) -> Self {
+        Self { entity, metric, kind, spec, segments: None }
+    }
+}
+
+/// A [`ShardQuery`] as version 1 of a read request holds it (no segments).
+#[derive(Serialize, Deserialize)]
+struct ShardQueryV1<E, M> {
+    entity: E,
+    metric: M,
+    kind: Kind,
+    spec: WindowSpec,
+}
+
+/// A [`ReadRequest`] in version 1.
+#[derive(Serialize, Deserialize)]
+struct ReadRequestV1<E, M> {
+    now_ms: i64,
+    shards: Vec<(u32, Vec<ShardQueryV1<E, M>>)>,
 }
 
 /// The internal read API tally-query uses: the questions for every shard one
@@ -97,13 +125,49 @@ impl FreshReadResponse {
 
 impl ReadRequest {
     /// The binary form the read link carries (`tally_shared::read_link`): the
-    /// record header ([`crate::format`], version 1), then bincode.
+    /// record header ([`crate::format`]), then bincode. Version 1 (what every
+    /// counter reads) unless a query selects segments; then version 2, which adds
+    /// each query's `segments` (a counter that reads only version 1 refuses it).
     pub fn encode(&self) -> Result<Vec<u8>> {
-        encode(self)
+        if self.shards.iter().any(|shard| shard.queries.iter().any(|query| query.segments.is_some())) {
+            return encode_version(self, crate::format::RECORD_V2);
+        }
+        let shards = self
+            .shards
+            .iter()
+            .map(|shard| {
+                let queries = shard
+                    .queries
+                    .iter()
+                    .map(|q| ShardQueryV1 {
+                        entity: q.entity.as_str(),
+                        metric: q.metric.as_str(),
+                        kind: q.kind,
+                        spec: q.spec,
+                    })
+                    .collect();
+                (shard.shard, queries)
+            })
+            .collect();
+        encode(&ReadRequestV1 { now_ms: self.now_ms, shards })
     }
 
+    /// Decodes version 1 or 2.
     pub fn decode(bytes: &[u8]) -> Result<Self> {
-        decode(bytes, "read request")
+        const WHAT: &str = "read request";
+        if let [crate::format::RECORD_MAGIC, crate::format::RECORD_V2, body @ ..] = bytes {
+            return decode_body(body, WHAT);
+        }
+        let v1: ReadRequestV1<String, String> = decode(bytes, WHAT)?;
+        let shards = v1
+            .shards
+            .into_iter()
+            .map(|(shard, queries)| ShardQueries {
+                shard,
+                queries: queries.into_iter().map(|q| ShardQuery::plain(q.entity, q.metric, q.kind, q.spec)).collect(),
+            })
+            .collect();
+        Ok(Self { now_ms: v1.now_ms, shards })
     }
 }
 
@@ -135,9 +199,32 @@ pub enum ShardOutcome {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ShardAnswer {
-    Window { value: Count, resolution: String, from: i64, to: i64 },
-    Series { resolution: String, points: Vec<(i64, Count)> },
-    Error { code: String, message: String },
+    Window {
+        value: Count,
+        resolution: String,
+        from: i64,
+        to: i64,
+    },
+    Series {
+        resolution: String,
+        points: Vec<(i64, Count)>,
+    },
+    Error {
+        code: String,
+        message: String,
+    },
+    /// A segment query's sums: per group (the value of its `by` dimension, or one
+    /// group "" without), one count per point — a window's one, a series' each, the
+    /// points `step` apart from `from` — and what its metric's overflow combination
+    /// holds over the same points (counts past the cap of combinations, of any segment).
+    Segments {
+        resolution: String,
+        from: i64,
+        to: i64,
+        step: i64,
+        groups: Vec<(String, Vec<Count>)>,
+        overflow: Vec<Count>,
+    },
 }
 
 /// The internal metrics-listing API of a shard.

@@ -153,6 +153,7 @@ fn record_metrics(metrics: &Metrics, report: &ApplyReport) {
     metrics.applied_increments.inc_by(report.increments);
     metrics.duplicates.with_label_values(&["redelivered"]).inc_by(report.redelivered);
     metrics.duplicates.with_label_values(&["id"]).inc_by(report.duplicate_ids);
+    metrics.segment_overflows.inc_by(report.segment_overflows);
     metrics.batch_records.observe(report.records as f64);
     metrics.batch_keys.observe(report.keys as f64);
     metrics.graph_entries.with_label_values(&["desc_change"]).inc_by(report.desc_changes);
@@ -228,12 +229,7 @@ mod tests {
                 let store = shards.get(shard).unwrap();
                 let queries: Vec<ShardQuery> = entities
                     .iter()
-                    .map(|entity| ShardQuery {
-                        entity: entity.to_string(),
-                        metric: "views".into(),
-                        kind: Kind::Total,
-                        spec: WindowSpec::All,
-                    })
+                    .map(|entity| ShardQuery::plain(entity.to_string(), "views".into(), Kind::Total, WindowSpec::All))
                     .collect();
                 let totals = store.read(&queries, NOW).unwrap().into_iter().map(|answer| match answer {
                     ShardAnswer::Window { value, .. } => value,

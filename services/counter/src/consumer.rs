@@ -102,6 +102,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             shards: shard_count,
             record_budget: config.kafka.record_budget(),
             direct_cache_bytes: config.counter.direct_cache_bytes,
+            max_segment_combinations: config.counting.max_segment_combinations,
             ..StoreOptions::default()
         },
         snapshots: snapshots.clone(),

@@ -7,6 +7,9 @@ use tally_shared::telemetry::{long_duration_histogram, register};
 pub struct Metrics {
     pub applied_increments: IntCounter,
     pub duplicates: IntCounterVec,
+    /// Increments counted under their metric's overflow combination (an origin's
+    /// combinations at `counting.max_segment_combinations`).
+    pub segment_overflows: IntCounter,
     pub batch_records: Histogram,
     pub batch_keys: Histogram,
     pub apply_seconds: Histogram,
@@ -85,6 +88,17 @@ impl Metrics {
                          retry often, or reuse ids for different events (those are not counted) — check them",
                     ),
                     &["reason"],
+                )
+                .expect("valid metric"),
+            ),
+            segment_overflows: register(
+                registry,
+                IntCounter::new(
+                    "tally_counter_segment_overflows_total",
+                    "Segmented increments counted under their metric's overflow combination: their entity's metric \
+                     already had counting.max_segment_combinations combinations, so filters and breakdowns miss \
+                     them (breakdowns report them as overflow). A producer is sending a dimension of unbounded \
+                     values (ids, timestamps): fix it, or raise the cap if the combinations are real",
                 )
                 .expect("valid metric"),
             ),

@@ -205,7 +205,7 @@ mod tests {
     }
 
     fn query(entity: &str, spec: WindowSpec) -> ShardQuery {
-        ShardQuery { entity: entity.into(), metric: "views".into(), kind: Kind::Total, spec }
+        ShardQuery::plain(entity.into(), "views".into(), Kind::Total, spec)
     }
 
     fn window(value: i64, resolution: &str, from: i64, to: i64) -> ShardAnswer {

@@ -140,7 +140,8 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
 
     let router = Router::new(names.clone(), shards, config.kafka.record_budget())
         .writing_shard_records_in(config.ingester.shard_record_format)?
-        .limiting(config.ingester.limits(&config.counting)?);
+        .limiting(config.ingester.limits(&config.counting)?)
+        .with_dimensions(config.counting.dimensions()?);
     let marks = PendingMarks::new(&names, shards as u32, config.ingester.marks_every_ms);
     let pipeline = Pipeline {
         marks: RefCell::new(marks),

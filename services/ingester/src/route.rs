@@ -12,6 +12,7 @@ use rustc_hash::FxHashMap;
 use tally_core::format::{RECORD_V2, RECORD_V4};
 use tally_core::input::{parse_graph_updates, parse_increments, Limits, Rejection, REASON_FIELDS};
 use tally_core::records::split_by_size;
+use tally_core::segments::Dimensions;
 use tally_core::sharding::shard_of;
 use tally_core::trace::{TraceContext, MAX_LINKS};
 use tally_core::wire::bundle::{BUNDLE_OVERHEAD, SECTION_OVERHEAD};
@@ -114,12 +115,21 @@ pub struct Router {
     /// `ingester.max_future_ms`, the longest retention), checked against the clock
     /// once per batch.
     limits: Limits,
+    /// The dimensions each metric's segments may name (`counting.dimensions`).
+    dimensions: Dimensions,
 }
 
 impl Router {
     pub fn new(names: TopicNames, shards: u32, record_budget: usize) -> Self {
         let limits = Limits::new(&tally_core::time::Resolutions::default());
-        Self { names, shards, shard_record_format: RECORD_V4, record_budget, limits }
+        let dimensions = Dimensions::default();
+        Self { names, shards, shard_record_format: RECORD_V4, record_budget, limits, dimensions }
+    }
+
+    /// Accepts segments of the `dimensions` declared (none by default).
+    pub fn with_dimensions(mut self, dimensions: Dimensions) -> Self {
+        self.dimensions = dimensions;
+        self
     }
 
     /// Checks increments against `limits` instead of the defaults.
@@ -207,6 +217,7 @@ impl Router {
                 record.payload,
                 record_time,
                 &bounds,
+                &self.dimensions,
                 |index, increment| {
                     counts.increments += 1;
                     let shard = shard_of(&increment.entity, self.shards) as usize;

@@ -284,7 +284,7 @@ async fn counter(
     let (spec, window) = parse_window(params.window.as_deref())?;
     let staleness = check_staleness(params.max_staleness_ms)?;
     let after = crate::after::parse(params.after.as_deref(), params.max_wait_ms)?;
-    let query = ShardQuery { entity, metric, kind, spec };
+    let query = ShardQuery::plain(entity, metric, kind, spec);
     let timer = state.metrics.request_seconds.with_label_values(&["counter"]).start_timer();
     let Answered { mut answers, as_of } =
         state.fanout.read(vec![query.clone()], now_ms(), staleness, after.as_ref()).await?;
@@ -311,7 +311,7 @@ async fn series(
         .map_err(|e| ApiError::bad_request("invalid_range", format!("range: {e}")))?;
     let staleness = check_staleness(params.max_staleness_ms)?;
     let after = crate::after::parse(params.after.as_deref(), params.max_wait_ms)?;
-    let query = ShardQuery { entity, metric, kind, spec: WindowSpec::Series { step_ms, range_ms } };
+    let query = ShardQuery::plain(entity, metric, kind, WindowSpec::Series { step_ms, range_ms });
     let timer = state.metrics.request_seconds.with_label_values(&["series"]).start_timer();
     let Answered { mut answers, as_of } =
         state.fanout.read(vec![query.clone()], now_ms(), staleness, after.as_ref()).await?;
@@ -352,7 +352,7 @@ async fn batch(
         check_counter(&q.entity, &q.metric).map_err(in_query)?;
         let kind = parse_kind(q.kind.as_deref()).map_err(in_query)?;
         let (spec, window) = parse_window(q.window.as_deref()).map_err(in_query)?;
-        queries.push(ShardQuery { entity: q.entity, metric: q.metric, kind, spec });
+        queries.push(ShardQuery::plain(q.entity, q.metric, kind, spec));
         windows.push(window);
     }
     let staleness = check_staleness(body.max_staleness_ms)?;
@@ -470,8 +470,7 @@ mod tests {
 
     #[test]
     fn window_answers_serialize_as_they_always_did() {
-        let query =
-            ShardQuery { entity: "user:7".into(), metric: "views".into(), kind: Kind::Total, spec: WindowSpec::All };
+        let query = ShardQuery::plain("user:7".into(), "views".into(), Kind::Total, WindowSpec::All);
         let answer = ShardAnswer::Window { value: 42, resolution: "all".into(), from: 0, to: 9 };
         assert_eq!(
             serde_json::to_string(&window_result(&query, "all", answer)).unwrap(),

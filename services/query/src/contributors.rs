@@ -158,7 +158,7 @@ pub async fn contributors(
     }
     // Ancestors' names come from the graph, which checked them when they arrived.
     debug_assert!(graph.entities.iter().all(|a| check_entity(a).is_ok()));
-    let query = |entity: &str, kind| ShardQuery { entity: entity.to_string(), metric: metric.clone(), kind, spec };
+    let query = |entity: &str, kind| ShardQuery::plain(entity.to_string(), metric.clone(), kind, spec);
     let mut queries = vec![query(&entity, Kind::Total), query(&entity, Kind::Direct)];
     queries.extend(graph.entities.iter().map(|ancestor| query(ancestor, Kind::Direct)));
     let mut answers = Vec::with_capacity(queries.len());

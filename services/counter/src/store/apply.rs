@@ -42,6 +42,7 @@ use tally_core::keys::{
 };
 use tally_core::propagation::{change_deltas, stamp_totals};
 use tally_core::records::split_by_size;
+use tally_core::segments::Combination;
 use tally_core::sharding::shard_of;
 use tally_core::wire::{ShardMessage, ShardMessageRef, Source, Stamp, TotalDelta};
 use tally_shared::dedupe::DedupeWindow;
@@ -54,6 +55,7 @@ use tally_shared::outbox::outbox_key;
 
 use tally_shared::progress::Progress;
 
+use crate::store::segments::Admissions;
 use crate::store::{ShardStore, CF_COUNTS, CF_DEDUPE, CF_DESC, CF_DESC_LOG, CF_OUTBOX, CF_ROLLUPS};
 
 /// One record of the shard topic.
@@ -95,6 +97,9 @@ pub struct ApplyReport {
     /// before they are published leaves them to publish after restart), unless its
     /// mark is known to be there already ([`crate::marks`]).
     pub marked: usize,
+    /// Increments counted under their metric's overflow combination (the origin's
+    /// combinations at their cap: [`crate::store::segments`]).
+    pub segment_overflows: u64,
 }
 
 /// An origin's direct value per `(metric, width_ms, bucket)`; the metric is a
@@ -138,8 +143,12 @@ struct Marking<'s> {
 }
 
 impl Marking<'_> {
-    /// Marks `key` in `batch` unless its mark is known to be committed already.
-    fn mark(&mut self, batch: &mut WriteBatch, rollups_cf: &rocksdb::ColumnFamily, key: &[u8]) {
+    /// Marks `key` (of `metric`) in `batch` unless its mark is known to be committed
+    /// already. Segment combinations have no rollups: their metric's key has.
+    fn mark(&mut self, batch: &mut WriteBatch, rollups_cf: &rocksdb::ColumnFamily, metric: &str, key: &[u8]) {
+        if Combination::of(metric).is_some() {
+            return;
+        }
         if let Some(marked) = &self.marked {
             let hash = marked.hash(key);
             if !marked.contains(hash) {
@@ -276,6 +285,7 @@ impl ShardStore {
         report: &mut ApplyReport,
     ) -> Result<()> {
         let descendants = self.views();
+        let mut admissions = Admissions::new(self);
         let mut coalescer = Coalescer::new(&self.options.resolutions, now);
         if mark_rollups {
             coalescer = coalescer.noting_expired(crate::store::rollup_book::TOMBSTONE_WINDOW_MS);
@@ -316,17 +326,27 @@ impl ShardStore {
                             batch.put_cf(dedupe_cf, &key, DedupeWindow::mark(*record_time, *source));
                         }
                         report.increments += 1;
-                        let (entity, metric, ts, delta) =
-                            (increment.entity, increment.metric, increment.ts, increment.delta);
-                        coalescer.add(entity, metric, ts, Counts::increment(delta));
-                        for d in descendants.map.get(entity).into_iter().flatten() {
-                            let counts = Counts::descendant(delta.into());
-                            match shard_of(d, self.options.shards) {
-                                target if target == self.shard => coalescer.add(d, metric, ts, counts),
-                                target => remote
-                                    .entry(target)
-                                    .or_insert_with(|| Coalescer::new(&self.options.resolutions, now))
-                                    .add(d, metric, ts, counts),
+                        let (entity, ts, delta) = (increment.entity, increment.ts, increment.delta);
+                        // A segmented increment counts under its metric and under its
+                        // combination (or the overflow, past the cap).
+                        let metrics = match Combination::of(increment.metric) {
+                            None => [Some(increment.metric), None],
+                            Some(combination) => {
+                                let counted = admissions.admit(&mut batch, entity, combination)?;
+                                [Some(combination.metric), Some(counted)]
+                            }
+                        };
+                        for metric in metrics.into_iter().flatten() {
+                            coalescer.add(entity, metric, ts, Counts::increment(delta));
+                            for d in descendants.map.get(entity).into_iter().flatten() {
+                                let counts = Counts::descendant(delta.into());
+                                match shard_of(d, self.options.shards) {
+                                    target if target == self.shard => coalescer.add(d, metric, ts, counts),
+                                    target => remote
+                                        .entry(target)
+                                        .or_insert_with(|| Coalescer::new(&self.options.resolutions, now))
+                                        .add(d, metric, ts, counts),
+                                }
                             }
                         }
                     }
@@ -383,7 +403,7 @@ impl ShardStore {
             key.clear();
             encode_count_key(&mut key, entity, metric, width_ms, bucket);
             writes.add(&mut batch, counts_cf, &key, counts);
-            marking.mark(&mut batch, rollups_cf, &key);
+            marking.mark(&mut batch, rollups_cf, metric, &key);
             if caching && counts.direct != 0 {
                 // Deltas come entity by entity: each is looked up once.
                 let cached = match last_entity {
@@ -402,13 +422,16 @@ impl ShardStore {
         coalescer.for_each_expired(|entity, metric, width_ms, bucket| {
             key.clear();
             encode_count_key(&mut key, entity, metric, width_ms, bucket);
-            marking.mark(&mut batch, rollups_cf, &key);
+            marking.mark(&mut batch, rollups_cf, metric, &key);
         });
         self.commit(batch, progress.clone())?;
         for (entity, metric, width_ms, bucket, delta) in cached_deltas {
             cache.add(entity, metric, width_ms, bucket, delta);
         }
-        drop((cache, descendants));
+        drop(cache);
+        report.segment_overflows += admissions.overflowed;
+        admissions.committed();
+        drop(descendants);
         marking.committed(report);
         // Only producers' increments move their sources' stream time.
         for (_, record_time, message) in run {
@@ -489,12 +512,12 @@ impl ShardStore {
         }
         drop((cache, counts));
         report.keys += local.len();
-        let mut sums: Vec<(Vec<u8>, Count)> = local
+        let mut sums: Vec<(Vec<u8>, u32, Count)> = local
             .into_iter()
             .map(|((d, metric, width_ms, bucket), delta)| {
                 let mut key = Vec::new();
                 encode_count_key(&mut key, d, &scratch.metric_names[metric as usize], width_ms, bucket);
-                (key, delta)
+                (key, metric, delta)
             })
             .collect();
         sums.sort_unstable();
@@ -510,9 +533,9 @@ impl ShardStore {
         let persisted = descendants.persist(&mut batch, view_cfs, offset, logged, self.options.view_log_bytes)?;
         let mut marking = self.marking(mark_rollups)?;
         let mut writes = self.count_writes()?;
-        for (key, delta) in sums {
+        for (key, metric, delta) in sums {
             writes.add(&mut batch, counts_cf, &key, Counts::descendant(delta));
-            marking.mark(&mut batch, rollups_cf, &key);
+            marking.mark(&mut batch, rollups_cf, &scratch.metric_names[metric as usize], &key);
         }
         writes.finish(self, &mut batch, counts_cf)?;
         for (target, deltas) in remote {

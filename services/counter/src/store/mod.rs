@@ -9,18 +9,20 @@
 //! `outbox` (totals for other shards, written with the state that produced them and
 //! deleted once relayed), `rollups` (count keys whose latest values are still to be
 //! published, marked in the same write batch as the counts), `rollup_deadlines` (when
-//! each published bucket expires: [`crate::store::rollup_book`]), and the default one for
+//! each published bucket expires: [`crate::store::rollup_book`]), `segments` (the
+//! segment combinations origins registered: [`crate::store::segments`]), and the default one for
 //! progress: the next shard-topic offset to consume, the high-water stamp of every
 //! source and, while a rebuild runs, the offset it must reach. Expired buckets and
 //! marks are dropped by compaction filters; reads never look at them.
 //!
 //! [`ShardStore`] lives here whole: opening, progress and persisting in this file,
 //! the apply path in [`apply`], reads in [`read`], rollup pages and deadlines in
-//! [`rollup_book`].
+//! [`rollup_book`], the cap on segment combinations and segment reads in [`segments`].
 
 pub mod apply;
 pub mod read;
 pub mod rollup_book;
+pub mod segments;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -85,6 +87,9 @@ pub struct StoreOptions {
     /// Bytes of records of descendant changes logged before they are folded into
     /// the views ([`crate::views`]): what a store replays when it opens.
     pub view_log_bytes: usize,
+    /// Segment combinations one origin's metric registers before new ones
+    /// overflow (`counting.max_segment_combinations`, [`crate::store::segments`]).
+    pub max_segment_combinations: u32,
 }
 
 impl Default for StoreOptions {
@@ -97,6 +102,7 @@ impl Default for StoreOptions {
             record_budget: tally_shared::config::KafkaConfig::default().record_budget(),
             direct_cache_bytes: tally_shared::config::CounterConfig::default().direct_cache_bytes,
             view_log_bytes: 4 << 20,
+            max_segment_combinations: tally_core::segments::DEFAULT_MAX_COMBINATIONS,
         }
     }
 }
@@ -113,9 +119,10 @@ const LAST_PERSIST: &str = "a shard's last persist time";
 ///
 /// **Lock order.** A thread that holds several of its locks took them in this
 /// order, and takes none of them while it holds [`crate::shards::Shards`]'
-/// ownership lock for writing: `descendants` ([`ShardStore::views`]), `marked`
-/// ([`ShardStore::marked`]), `direct` ([`ShardStore::direct_cache`]), `operands`
-/// ([`ShardStore::operand_tally`]); `last_persist` alone. The apply path takes
+/// ownership lock for writing: `descendants` ([`ShardStore::views`]), `segments`
+/// ([`segments::Admissions`]), `marked` ([`ShardStore::marked`]), `direct`
+/// ([`ShardStore::direct_cache`]), `operands` ([`ShardStore::operand_tally`]);
+/// `last_persist` alone. The apply path takes
 /// them all, in that order, for a batch; readers take `descendants` alone and
 /// the rollups thread `marked` alone. All are taken through
 /// [`tally_shared::lock`]: a poisoned one stops the process.
@@ -138,6 +145,9 @@ pub struct ShardStore {
     /// Merge operands stacked per count key ([`crate::operands`]); only the thread
     /// applying this shard's batch touches it.
     pub(crate) operands: Mutex<OperandTally>,
+    /// How many segment combinations origins registered ([`crate::store::segments`]);
+    /// only the thread applying this shard's batch touches it.
+    pub(crate) segments: Mutex<segments::Registered>,
     /// A store built from scratch must reach this shard-topic offset (the log's end
     /// when it was assigned) before it serves: until then its totals are partial.
     /// `i64::MIN`: serving.
@@ -247,6 +257,8 @@ impl ShardStore {
             ColumnFamilyDescriptor::new(CF_OUTBOX, Options::default()),
             ColumnFamilyDescriptor::new(CF_ROLLUPS, Options::default()),
             ColumnFamilyDescriptor::new(CF_ROLLUP_DEADLINES, Options::default()),
+            // Created empty when a store written before segments opens.
+            ColumnFamilyDescriptor::new(segments::CF_SEGMENTS, Options::default()),
         ];
         let store = Store::open(path, db_options, families, options.durability)?;
         let descendants = Views::load(&store)?;
@@ -265,6 +277,7 @@ impl ShardStore {
             marked: Mutex::new(MarkedKeys::new(crate::marks::MAX_MARKED)),
             direct,
             operands: Mutex::default(),
+            segments: Mutex::default(),
             rebuild_until: AtomicI64::new(rebuild_until),
             catching_up: Mutex::new(match rebuild_until {
                 i64::MIN => CatchingUp::No,
@@ -286,12 +299,12 @@ impl ShardStore {
         lock::lock(&self.descendants, "a shard's descendant views")
     }
 
-    /// The direct counts cached (third in the lock order).
+    /// The direct counts cached (fourth in the lock order).
     pub(crate) fn direct_cache(&self) -> MutexGuard<'_, DirectCache> {
         lock::lock(&self.direct, "a shard's direct-count cache")
     }
 
-    /// The merge-operand tally (fourth in the lock order).
+    /// The merge-operand tally (fifth in the lock order).
     pub(crate) fn operand_tally(&self) -> MutexGuard<'_, OperandTally> {
         lock::lock(&self.operands, "a shard's operand tally")
     }
@@ -319,7 +332,7 @@ impl ShardStore {
         Ok(self.store.positions(CF_OUTBOX, sources)?)
     }
 
-    /// The count keys known to be marked for rollups (second in the lock order); held
+    /// The count keys known to be marked for rollups (third in the lock order); held
     /// by a batch from its first look-up until it committed.
     pub(crate) fn marked(&self) -> MutexGuard<'_, MarkedKeys> {
         lock::lock(&self.marked, "a shard's rollup marks")

@@ -5,6 +5,8 @@ use rocksdb::{Direction, IteratorMode, ReadOptions};
 use tally_core::keys::{
     encode_count_key, encode_entity_prefix, encode_resolution_prefix, parse_count_key, Count, Counts, ALL_TIME_WIDTH,
 };
+use tally_core::segments::plain_metric;
+use tally_core::time::Plan;
 use tally_core::wire::{Kind, MetricTotals, ShardAnswer, ShardMetricsResponse, ShardQuery};
 
 use crate::error::Result;
@@ -24,8 +26,6 @@ impl ShardStore {
     /// Answers `queries` at time `now`, in order.
     pub fn read(&self, queries: &[ShardQuery], now: i64) -> Result<Vec<ShardAnswer>> {
         let snapshot = self.store.db().snapshot();
-        let cf = self.cf(CF_COUNTS)?;
-        let mut key = Vec::with_capacity(128);
         let mut answers = Vec::with_capacity(queries.len());
         for query in queries {
             let plan = match self.options.resolutions.plan(query.spec, now) {
@@ -35,53 +35,19 @@ impl ShardStore {
                     continue;
                 }
             };
-            let Some(resolution) = &plan.resolution else {
-                key.clear();
-                encode_count_key(&mut key, &query.entity, &query.metric, ALL_TIME_WIDTH, 0);
-                let counts =
-                    snapshot.get_pinned_cf(cf, &key)?.map(|v| Counts::decode(&v)).transpose()?.unwrap_or_default();
-                answers.push(ShardAnswer::Window {
-                    value: pick(counts, query.kind),
-                    resolution: "all".into(),
-                    from: 0,
-                    to: plan.to,
-                });
+            let counter = (query.entity.as_str(), query.metric.as_str(), query.kind);
+            if let Some(selector) = &query.segments {
+                answers.push(self.read_segments(&snapshot, counter, selector, &plan, now)?);
                 continue;
-            };
-            let end = plan.start + plan.step * plan.points as i64;
-            let mut points: Vec<Count> = vec![0; plan.points as usize];
-            key.clear();
-            encode_count_key(&mut key, &query.entity, &query.metric, resolution.width_ms, end);
-            let mut read_options = ReadOptions::default();
-            read_options.set_iterate_upper_bound(key.clone());
-            key.clear();
-            encode_count_key(&mut key, &query.entity, &query.metric, resolution.width_ms, plan.start);
-            let mut prefix = Vec::with_capacity(key.len());
-            encode_resolution_prefix(&mut prefix, &query.entity, &query.metric, resolution.width_ms);
-            for item in snapshot.iterator_cf_opt(cf, read_options, IteratorMode::From(&key, Direction::Forward)) {
-                let (stored_key, value) = item?;
-                if !stored_key.starts_with(&prefix) {
-                    break;
-                }
-                let decoded = parse_count_key(&stored_key)?;
-                if decoded.bucket >= end {
-                    break;
-                }
-                if !resolution.retains(decoded.bucket, now) {
-                    // Expired: whether compaction dropped it yet must not change answers.
-                    continue;
-                }
-                let index = ((decoded.bucket - plan.start) / plan.step) as usize;
-                if let Some(point) = points.get_mut(index) {
-                    *point = point.saturating_add(pick(Counts::decode(&value)?, query.kind));
-                }
             }
-            let answer = match query.spec {
-                tally_core::time::WindowSpec::Series { .. } => ShardAnswer::Series {
+            let points = self.points(&snapshot, counter, &plan, now)?;
+            let answer = match (&plan.resolution, query.spec) {
+                (None, _) => ShardAnswer::Window { value: points[0], resolution: "all".into(), from: 0, to: plan.to },
+                (Some(resolution), tally_core::time::WindowSpec::Series { .. }) => ShardAnswer::Series {
                     resolution: resolution.name.clone(),
                     points: points.iter().enumerate().map(|(i, v)| (plan.start + i as i64 * plan.step, *v)).collect(),
                 },
-                _ => ShardAnswer::Window {
+                (Some(resolution), _) => ShardAnswer::Window {
                     value: points[0],
                     resolution: resolution.name.clone(),
                     from: plan.start,
@@ -91,6 +57,53 @@ impl ShardStore {
             answers.push(answer);
         }
         Ok(answers)
+    }
+
+    /// The value of each point of `plan` for (entity, metric, kind), from `snapshot`:
+    /// the all-time bucket's, or the sums of the retained buckets of the plan's
+    /// resolution in each point's span.
+    pub(crate) fn points(
+        &self,
+        snapshot: &rocksdb::Snapshot<'_>,
+        (entity, metric, kind): (&str, &str, Kind),
+        plan: &Plan,
+        now: i64,
+    ) -> Result<Vec<Count>> {
+        let cf = self.cf(CF_COUNTS)?;
+        let mut key = Vec::with_capacity(128);
+        let Some(resolution) = &plan.resolution else {
+            encode_count_key(&mut key, entity, metric, ALL_TIME_WIDTH, 0);
+            let counts = snapshot.get_pinned_cf(cf, &key)?.map(|v| Counts::decode(&v)).transpose()?.unwrap_or_default();
+            return Ok(vec![pick(counts, kind)]);
+        };
+        let end = plan.start + plan.step * plan.points as i64;
+        let mut points: Vec<Count> = vec![0; plan.points as usize];
+        encode_count_key(&mut key, entity, metric, resolution.width_ms, end);
+        let mut read_options = ReadOptions::default();
+        read_options.set_iterate_upper_bound(key.clone());
+        key.clear();
+        encode_count_key(&mut key, entity, metric, resolution.width_ms, plan.start);
+        let mut prefix = Vec::with_capacity(key.len());
+        encode_resolution_prefix(&mut prefix, entity, metric, resolution.width_ms);
+        for item in snapshot.iterator_cf_opt(cf, read_options, IteratorMode::From(&key, Direction::Forward)) {
+            let (stored_key, value) = item?;
+            if !stored_key.starts_with(&prefix) {
+                break;
+            }
+            let decoded = parse_count_key(&stored_key)?;
+            if decoded.bucket >= end {
+                break;
+            }
+            if !resolution.retains(decoded.bucket, now) {
+                // Expired: whether compaction dropped it yet must not change answers.
+                continue;
+            }
+            let index = ((decoded.bucket - plan.start) / plan.step) as usize;
+            if let Some(point) = points.get_mut(index) {
+                *point = point.saturating_add(pick(Counts::decode(&value)?, kind));
+            }
+        }
+        Ok(points)
     }
 
     /// The metrics of `entity` after `after` (exclusive) with their all-time counts,
@@ -103,9 +116,10 @@ impl ShardStore {
         encode_entity_prefix(&mut prefix, entity);
         let mut seek = prefix.clone();
         if let Some(after) = after {
-            // Just past every key of metric `after`: its keys continue with 0x00.
+            // Just past every key of metric `after`: its keys continue with 0x00, its
+            // segment combinations' with 0x01.
             seek.extend_from_slice(after.as_bytes());
-            seek.push(0x01);
+            seek.push(0x02);
         }
         let mut iterator = snapshot.raw_iterator_cf(cf);
         iterator.seek(&seek);
@@ -119,14 +133,14 @@ impl ShardStore {
             if metrics.len() == limit {
                 return Ok(ShardMetricsResponse { metrics, more: true });
             }
-            let metric = decoded.metric.to_string();
-            if decoded.width_ms == ALL_TIME_WIDTH {
+            let metric = plain_metric(decoded.metric).to_string();
+            if decoded.width_ms == ALL_TIME_WIDTH && metric.len() == decoded.metric.len() {
                 let counts = iterator.value().map(Counts::decode).transpose()?.unwrap_or_default();
                 metrics.push(MetricTotals { metric: metric.clone(), total: counts.total, direct: counts.direct });
             }
             let mut next = prefix.clone();
             next.extend_from_slice(metric.as_bytes());
-            next.push(0x01);
+            next.push(0x02);
             iterator.seek(&next);
         }
         iterator.status()?;
@@ -168,7 +182,7 @@ mod tests {
     }
 
     fn query(entity: &str, metric: &str, spec: WindowSpec) -> ShardQuery {
-        ShardQuery { entity: entity.into(), metric: metric.into(), kind: Kind::Total, spec }
+        ShardQuery::plain(entity.into(), metric.into(), Kind::Total, spec)
     }
 
     #[test]
