@@ -2,10 +2,11 @@
 //! answers. Every mistake in a request is a 400 with a JSON error; nothing a client
 //! sends can cause a 500.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, Query, RawQuery, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -13,6 +14,7 @@ use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tally_core::keys::Count;
+use tally_core::segments::Dimensions;
 use tally_core::time::{format_duration, parse_duration, WindowSpec};
 use tally_core::validate::{check_entity, check_metric};
 use tally_core::wire::{GraphNeighboursRequest, Kind, ShardAnswer, ShardQuery};
@@ -23,6 +25,7 @@ use crate::fanout::Answered;
 use crate::fanout::Fanout;
 use crate::freshness::{check_staleness, AsOf};
 use crate::metrics::Metrics;
+use crate::segments::{split_query, Group, GroupSeries, SegmentParams};
 
 /// Largest request body accepted.
 pub const MAX_BODY_BYTES: usize = 1 << 20;
@@ -33,6 +36,9 @@ pub struct ApiState {
     pub metrics: Metrics,
     pub auth: tally_shared::auth::AuthConfig,
     pub max_batch: usize,
+    /// The dimensions each metric declares (`counting.dimensions`): what segment
+    /// queries may name.
+    pub dimensions: Dimensions,
 }
 
 pub fn router(state: Arc<ApiState>) -> Router {
@@ -125,6 +131,10 @@ struct BatchQuery {
     metric: String,
     window: Option<String>,
     kind: Option<String>,
+    /// Filters: dimension → value (`*`: any).
+    segments: Option<BTreeMap<String, String>>,
+    /// A breakdown by this dimension (every group, largest first).
+    by: Option<String>,
 }
 
 pub(crate) fn path_error(rejection: PathRejection) -> ApiError {
@@ -187,9 +197,56 @@ enum WindowResult<'a> {
         value: Count,
         window: &'a str,
     },
+    Segmented(SegmentWindow<'a>),
     Error {
         error: ErrorBody,
     },
+}
+
+/// A segment query's answer over a window: the filtered `value`, or with `by` a page
+/// of the `breakdown`; `overflow` is what the metric's overflow combination holds
+/// (counts past the cap of combinations, which no filter selects).
+#[derive(Debug, Serialize)]
+struct SegmentWindow<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    breakdown: Option<Vec<Group>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    by: Option<&'a str>,
+    entity: &'a str,
+    from: i64,
+    kind: &'static str,
+    metric: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    next_page_token: Option<String>,
+    overflow: Count,
+    resolution: String,
+    segments: &'a BTreeMap<String, String>,
+    to: i64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    value: Option<Count>,
+    window: &'a str,
+}
+
+/// A segment query's answer over a series: the filtered `points`, or with `by` a
+/// page of `series` per group.
+#[derive(Debug, Serialize)]
+struct SegmentSeries<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    by: Option<&'a str>,
+    entity: &'a str,
+    kind: &'static str,
+    metric: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    next_page_token: Option<String>,
+    overflow: Vec<Point>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    points: Option<Vec<Point>>,
+    range: String,
+    resolution: String,
+    segments: &'a BTreeMap<String, String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    series: Option<Vec<GroupSeries<Point>>>,
+    step: String,
 }
 
 /// An answer and how fresh the shards it read were (`as_of` first, in the
@@ -253,8 +310,39 @@ pub(crate) fn json_response(answer: &impl Serialize) -> Result<Response, ApiErro
     Ok(([(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response())
 }
 
-fn window_result<'a>(query: &'a ShardQuery, window: &'a str, answer: ShardAnswer) -> WindowResult<'a> {
+fn window_result<'a>(
+    query: &'a ShardQuery,
+    window: &'a str,
+    segments: &'a SegmentParams,
+    answer: ShardAnswer,
+) -> WindowResult<'a> {
     match answer {
+        ShardAnswer::Segments { resolution, from, to, groups, overflow, .. } => {
+            let (value, breakdown, next_page_token) = match &segments.by {
+                None => (Some(groups.first().and_then(|g| g.1.first().copied()).unwrap_or(0)), None, None),
+                Some(_) => {
+                    let shape =
+                        |segment, points: Vec<Count>| Group { segment, value: points.first().copied().unwrap_or(0) };
+                    let (page, token) = crate::segments::page(groups, segments, shape);
+                    (None, Some(page), token)
+                }
+            };
+            WindowResult::Segmented(SegmentWindow {
+                breakdown,
+                by: segments.by.as_deref(),
+                entity: &query.entity,
+                from,
+                kind: query.kind.as_str(),
+                metric: &query.metric,
+                next_page_token,
+                overflow: overflow.first().copied().unwrap_or(0),
+                resolution,
+                segments: &segments.filters,
+                to,
+                value,
+                window,
+            })
+        }
         ShardAnswer::Window { value, resolution, from, to } => WindowResult::Window {
             entity: &query.entity,
             from,
@@ -275,16 +363,17 @@ fn window_result<'a>(query: &'a ShardQuery, window: &'a str, answer: ShardAnswer
 async fn counter(
     State(state): State<Arc<ApiState>>,
     path: Result<Path<(String, String)>, PathRejection>,
-    params: Result<Query<WindowParams>, QueryRejection>,
+    RawQuery(raw): RawQuery,
 ) -> Result<Response, ApiError> {
     let Path((entity, metric)) = path.map_err(path_error)?;
-    let Query(params) = params.map_err(query_error)?;
+    let (params, segments): (WindowParams, _) = split_query(raw.as_deref())?;
     check_counter(&entity, &metric)?;
     let kind = parse_kind(params.kind.as_deref())?;
     let (spec, window) = parse_window(params.window.as_deref())?;
     let staleness = check_staleness(params.max_staleness_ms)?;
     let after = crate::after::parse(params.after.as_deref(), params.max_wait_ms)?;
-    let query = ShardQuery::plain(entity, metric, kind, spec);
+    let selector = segments.selector(&state.dimensions, &metric)?;
+    let query = ShardQuery { segments: selector, ..ShardQuery::plain(entity, metric, kind, spec) };
     let timer = state.metrics.request_seconds.with_label_values(&["counter"]).start_timer();
     let Answered { mut answers, as_of } =
         state.fanout.read(vec![query.clone()], now_ms(), staleness, after.as_ref()).await?;
@@ -293,16 +382,16 @@ async fn counter(
     if let Some(err) = answer_error(&answer) {
         return Err(err);
     }
-    json_response(&Fresh { as_of, answer: window_result(&query, &window, answer) })
+    json_response(&Fresh { as_of, answer: window_result(&query, &window, &segments, answer) })
 }
 
 async fn series(
     State(state): State<Arc<ApiState>>,
     path: Result<Path<(String, String)>, PathRejection>,
-    params: Result<Query<SeriesParams>, QueryRejection>,
+    RawQuery(raw): RawQuery,
 ) -> Result<Response, ApiError> {
     let Path((entity, metric)) = path.map_err(path_error)?;
-    let Query(params) = params.map_err(query_error)?;
+    let (params, segments): (SeriesParams, _) = split_query(raw.as_deref())?;
     check_counter(&entity, &metric)?;
     let kind = parse_kind(params.kind.as_deref())?;
     let step_ms = parse_duration(params.step.as_deref().unwrap_or("1h"))
@@ -311,7 +400,11 @@ async fn series(
         .map_err(|e| ApiError::bad_request("invalid_range", format!("range: {e}")))?;
     let staleness = check_staleness(params.max_staleness_ms)?;
     let after = crate::after::parse(params.after.as_deref(), params.max_wait_ms)?;
-    let query = ShardQuery::plain(entity, metric, kind, WindowSpec::Series { step_ms, range_ms });
+    let selector = segments.selector(&state.dimensions, &metric)?;
+    let query = ShardQuery {
+        segments: selector,
+        ..ShardQuery::plain(entity, metric, kind, WindowSpec::Series { step_ms, range_ms })
+    };
     let timer = state.metrics.request_seconds.with_label_values(&["series"]).start_timer();
     let Answered { mut answers, as_of } =
         state.fanout.read(vec![query.clone()], now_ms(), staleness, after.as_ref()).await?;
@@ -329,6 +422,36 @@ async fn series(
                 step: format_duration(step_ms),
             },
         }),
+        Some(ShardAnswer::Segments { resolution, from, step, groups, overflow, .. }) => {
+            let points = |values: Vec<Count>| -> Vec<Point> {
+                values.into_iter().zip(0i64..).map(|(value, i)| Point { t: from + i * step, value }).collect()
+            };
+            let (filtered, series, next_page_token) = match &segments.by {
+                None => (Some(points(groups.into_iter().next().map(|g| g.1).unwrap_or_default())), None, None),
+                Some(_) => {
+                    let shape = |segment, values| GroupSeries { points: points(values), segment };
+                    let (page, token) = crate::segments::page(groups, &segments, shape);
+                    (None, Some(page), token)
+                }
+            };
+            json_response(&Fresh {
+                as_of,
+                answer: SegmentSeries {
+                    by: segments.by.as_deref(),
+                    entity: &query.entity,
+                    kind: kind.as_str(),
+                    metric: &query.metric,
+                    next_page_token,
+                    overflow: points(overflow),
+                    points: filtered,
+                    range: format_duration(range_ms),
+                    resolution,
+                    segments: &segments.filters,
+                    series,
+                    step: format_duration(step_ms),
+                },
+            })
+        }
         Some(answer) => Err(answer_error(&answer).unwrap_or_else(|| ApiError::unavailable("unexpected answer"))),
         None => Err(ApiError::unavailable("no answer")),
     }
@@ -347,13 +470,17 @@ async fn batch(
     }
     let mut queries = Vec::with_capacity(body.queries.len());
     let mut windows = Vec::with_capacity(body.queries.len());
+    let mut selections = Vec::with_capacity(body.queries.len());
     for (index, q) in body.queries.into_iter().enumerate() {
         let in_query = |err: ApiError| ApiError { message: format!("queries[{index}]: {}", err.message), ..err };
         check_counter(&q.entity, &q.metric).map_err(in_query)?;
         let kind = parse_kind(q.kind.as_deref()).map_err(in_query)?;
         let (spec, window) = parse_window(q.window.as_deref()).map_err(in_query)?;
-        queries.push(ShardQuery::plain(q.entity, q.metric, kind, spec));
+        let segments = SegmentParams::of(q.segments, q.by);
+        let selector = segments.selector(&state.dimensions, &q.metric).map_err(in_query)?;
+        queries.push(ShardQuery { segments: selector, ..ShardQuery::plain(q.entity, q.metric, kind, spec) });
         windows.push(window);
+        selections.push(segments);
     }
     let staleness = check_staleness(body.max_staleness_ms)?;
     let after = crate::after::parse(body.after.and_then(Tokens::joined).as_deref(), body.max_wait_ms)?;
@@ -363,8 +490,9 @@ async fn batch(
     let results = queries
         .iter()
         .zip(&windows)
+        .zip(&selections)
         .zip(answers)
-        .map(|((query, window), answer)| window_result(query, window, answer))
+        .map(|(((query, window), segments), answer)| window_result(query, window, segments, answer))
         .collect();
     json_response(&Fresh { as_of, answer: BatchResults { results } })
 }
@@ -473,12 +601,12 @@ mod tests {
         let query = ShardQuery::plain("user:7".into(), "views".into(), Kind::Total, WindowSpec::All);
         let answer = ShardAnswer::Window { value: 42, resolution: "all".into(), from: 0, to: 9 };
         assert_eq!(
-            serde_json::to_string(&window_result(&query, "all", answer)).unwrap(),
+            serde_json::to_string(&window_result(&query, "all", &SegmentParams::default(), answer)).unwrap(),
             r#"{"entity":"user:7","from":0,"kind":"total","metric":"views","resolution":"all","to":9,"value":42,"window":"all"}"#
         );
         let refused = ShardAnswer::Error { code: "invalid_window".into(), message: "too long".into() };
         assert_eq!(
-            serde_json::to_string(&window_result(&query, "all", refused)).unwrap(),
+            serde_json::to_string(&window_result(&query, "all", &SegmentParams::default(), refused)).unwrap(),
             r#"{"error":{"code":"invalid_window","message":"too long"}}"#
         );
     }

@@ -18,6 +18,7 @@ pub mod jobs;
 pub mod metrics;
 pub mod owners;
 pub mod read_link;
+pub mod segments;
 pub mod standbys;
 pub mod status;
 
@@ -99,6 +100,7 @@ pub async fn run(config: TallyConfig, shutdown: CancellationToken) -> Result<()>
         metrics,
         auth: config.auth.clone(),
         max_batch: config.query.max_batch,
+        dimensions: config.counting.dimensions()?,
     });
     let listener = TcpListener::bind(&config.query.listen).await?;
     let addr = listener.local_addr()?;
