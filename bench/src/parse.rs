@@ -57,7 +57,8 @@ fn parse_all(messages: &[String], per_message: usize, rejected_per_message: usiz
     let (mut accepted, mut rejected) = (0usize, 0usize);
     let started = thread_cpu_seconds();
     for message in messages {
-        parse_increments(message.as_bytes(), 0, &Bounds::none(), |_, _| accepted += 1, |_| rejected += 1);
+        let dimensions = tally_core::segments::Dimensions::default();
+        parse_increments(message.as_bytes(), 0, &Bounds::none(), &dimensions, |_, _| accepted += 1, |_| rejected += 1);
     }
     let spent = thread_cpu_seconds() - started;
     let want = (messages.len() * per_message, messages.len() * rejected_per_message);
