@@ -412,6 +412,119 @@ async fn counters_page_plots_totals_and_explains_what_the_api_answers() {
     browser.close().await;
 }
 
+/// A segmented view of `entity` with its `state` and `device`.
+fn segmented(entity: &str, delta: i64, ts: i64, state: &str, device: &str) -> Record {
+    let payload = json!({"entity": entity, "metric": "views", "delta": delta, "ts": ts,
+        "segments": {"state": state, "device": device}});
+    Record { graph: false, key: entity.into(), payload: payload.to_string().into_bytes(), timestamp: ts }
+}
+
+/// A breakdown opened from its URL: the chart draws the top states of user:7's
+/// views on ios as the API's breakdown answers, the rest as "other" (the filtered
+/// series less the states shown), the controls show the URL's choices, the totals
+/// are filtered, and the explain view lists the filtered contributors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_breakdown_chart_opens_from_its_url() {
+    let mut sandbox = Sandbox::start().await;
+    let dimensions = vec!["state".to_string(), "device".to_string()];
+    sandbox.config.counting.dimensions = BTreeMap::from([("views".to_string(), dimensions)]);
+    for service in READ_SERVICES {
+        sandbox.spawn(service);
+    }
+    let now = tally_shared::kafka::now_ms();
+    let mut records = vec![edge("answer:1", "user:7", now), edge("answer:2", "user:7", now)];
+    for (i, (state, device, delta)) in
+        [("CA", "ios", 5), ("NY", "ios", 3), ("TX", "ios", 2), ("WA", "ios", 1), ("CA", "web", 7), ("NY", "ios", 4)]
+            .into_iter()
+            .enumerate()
+    {
+        let entity = if i % 2 == 0 { "answer:1" } else { "answer:2" };
+        records.push(segmented(entity, delta, now - i as i64 * HOUR, state, device));
+    }
+    sandbox.produce(&records).await;
+    eventually("user:7 counted", || async {
+        let (status, body) = sandbox.get("/v1/counters/user:7/views").await;
+        (status == 200 && body["value"] == 22).then_some(()).ok_or(format!("{status} {body}"))
+    })
+    .await;
+    let browser = Browser::start().await;
+    let query = "entity=user%3A7&metric=views&range=24h&step=1h&kind=total&segment.device=ios&by=state&top=2";
+    browser.open(&format!("{}/?{query}", sandbox.query_url)).await;
+    let series = "/v1/counters/user:7/views/series?step=1h&range=24h&kind=total&segment.device=ios";
+    eventually("the breakdown chart equals the API", || async {
+        let (_, top) = sandbox.get(&format!("{series}&by=state&limit=2")).await;
+        let (_, whole) = sandbox.get(series).await;
+        let points = |points: &Value| -> Vec<(i64, i64)> {
+            points
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| (p["t"].as_i64().unwrap(), p["value"].as_i64().unwrap()))
+                .collect()
+        };
+        let mut want: Vec<(String, Vec<(i64, i64)>)> = top["series"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| (format!("state={}", g["segment"].as_str().unwrap()), points(&g["points"])))
+            .collect();
+        let other: Vec<(i64, i64)> = points(&whole["points"])
+            .into_iter()
+            .map(|(t, v)| {
+                (t, v - want.iter().map(|(_, p)| p.iter().find(|q| q.0 == t).map_or(0, |q| q.1)).sum::<i64>())
+            })
+            .collect();
+        want.push(("other".into(), other));
+        let labels = browser.texts(".legend span[data-label]").await;
+        let mut drawn = Vec::new();
+        for label in &labels {
+            let data = browser.attr(&format!("path.series[data-label='{label}']"), "data-points").await;
+            drawn.push((label.clone(), serde_json::from_str::<Vec<(i64, i64)>>(&data).unwrap()));
+        }
+        (drawn == want).then_some(()).ok_or(format!("drawn {drawn:?}, API {want:?}"))
+    })
+    .await;
+    // NY (7 on ios) and CA (5) are the top two; TX and WA (3) are "other".
+    assert_eq!(browser.texts(".legend span[data-label]").await, ["state=NY", "state=CA", "other"]);
+    let mut controls = Vec::new();
+    for css in ["#by", "#segments"] {
+        controls.push(browser.wait_for(css).await.prop("value").await.unwrap().unwrap_or_default());
+    }
+    assert_eq!(controls, ["state", "device=ios"], "the controls show the URL's choices");
+    let cell = browser.text("td[data-entity='user:7'][data-window='all']").await;
+    assert_eq!(shown(&cell), Some(15), "the filtered all-time total: {cell}");
+    // The explain view explains the selection.
+    let (_, explained) = sandbox.get("/v1/counters/user:7/views/contributors?window=all&segment.device=ios").await;
+    let want: Vec<(String, Option<i64>)> = explained["contributors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["entity"].as_str().unwrap().to_string(), c["value"].as_i64()))
+        .collect();
+    assert_eq!(want, vec![("answer:2".to_string(), Some(8)), ("answer:1".to_string(), Some(7))]);
+    eventually("the explain view lists the filtered contributors", || async {
+        let title = browser.text("#explain-title").await;
+        let mut listed = Vec::new();
+        for row in browser
+            .client
+            .find_all(Locator::Css("#contributor-list li[data-entity]:not([data-entity=''])"))
+            .await
+            .unwrap()
+        {
+            let entity = row.attr("data-entity").await.ok().flatten().unwrap_or_default();
+            let value = match row.find(Locator::Css("span.num")).await {
+                Ok(cell) => shown(&cell.text().await.unwrap_or_default()),
+                Err(_) => None,
+            };
+            listed.push((entity, value));
+        }
+        (title.contains("(device=ios)") && listed == want).then_some(()).ok_or(format!("{title}: {listed:?}"))
+    })
+    .await;
+    browser.screenshot("breakdown.png").await;
+    browser.close().await;
+}
+
 /// The roles' tokens of the jobs console's test.
 const WORKER_TOKEN: &str = "worker-token-of-the-mail-queue";
 const OPERATOR_TOKEN: &str = "operator-token-for-dead-jobs";

@@ -16,8 +16,8 @@
 
 use std::sync::Arc;
 
-use axum::extract::rejection::{PathRejection, QueryRejection};
-use axum::extract::{Path, Query, State};
+use axum::extract::rejection::PathRejection;
+use axum::extract::{Path, RawQuery, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use serde::{Deserialize, Serialize};
@@ -26,7 +26,7 @@ use tally_core::validate::check_entity;
 use tally_core::wire::{Kind, ShardAnswer, ShardQuery};
 use tally_shared::http::page_token;
 
-use crate::api::{answer_error, check_counter, json_response, now_ms, parse_window, path_error, query_error, ApiState};
+use crate::api::{answer_error, check_counter, json_response, now_ms, parse_window, path_error, ApiState};
 use crate::error::ApiError;
 use crate::freshness::{check_staleness, AsOf};
 
@@ -66,6 +66,10 @@ struct Contributors<'a> {
     direct: Count,
     contributors: Vec<Contributor<'a>>,
     next_page_token: Option<String>,
+    /// The segment filters explained (`segment.<dimension>=<value>`), if any: every
+    /// count above is of the combinations they select.
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    segments: &'a std::collections::BTreeMap<String, String>,
 }
 
 /// How old a page token's read time may be: a listing is read page after page
@@ -121,11 +125,18 @@ fn rank<'a>(ancestors: &'a [String], values: &[Count]) -> Vec<Contributor<'a>> {
 pub async fn contributors(
     State(state): State<Arc<ApiState>>,
     path: Result<Path<(String, String)>, PathRejection>,
-    params: Result<Query<ContributorsParams>, QueryRejection>,
+    RawQuery(raw): RawQuery,
 ) -> Result<Response, ApiError> {
     let Path((entity, metric)) = path.map_err(path_error)?;
-    let Query(params) = params.map_err(query_error)?;
+    let (params, segments): (ContributorsParams, _) = crate::segments::split_query_unpaged(raw.as_deref())?;
     check_counter(&entity, &metric)?;
+    if segments.by.is_some() {
+        return Err(ApiError::bad_request(
+            "invalid_segment",
+            "contributors explain one selection: give segment.<dimension> filters, not by",
+        ));
+    }
+    let selector = segments.selector(&state.dimensions, &metric)?;
     let (spec, window) = parse_window(params.window.as_deref())?;
     let limit = params.limit.unwrap_or(100);
     if !(1..=1_000).contains(&limit) {
@@ -158,7 +169,10 @@ pub async fn contributors(
     }
     // Ancestors' names come from the graph, which checked them when they arrived.
     debug_assert!(graph.entities.iter().all(|a| check_entity(a).is_ok()));
-    let query = |entity: &str, kind| ShardQuery::plain(entity.to_string(), metric.clone(), kind, spec);
+    let query = |entity: &str, kind| ShardQuery {
+        segments: selector.clone(),
+        ..ShardQuery::plain(entity.to_string(), metric.clone(), kind, spec)
+    };
     let mut queries = vec![query(&entity, Kind::Total), query(&entity, Kind::Direct)];
     queries.extend(graph.entities.iter().map(|ancestor| query(ancestor, Kind::Direct)));
     let mut answers = Vec::with_capacity(queries.len());
@@ -184,6 +198,11 @@ pub async fn contributors(
             ShardAnswer::Window { value, resolution, from, to } => {
                 window_of_total.get_or_insert((resolution, from, to));
                 values.push(value);
+            }
+            // Filters only: one group, one point.
+            ShardAnswer::Segments { resolution, from, to, groups, .. } => {
+                window_of_total.get_or_insert((resolution, from, to));
+                values.push(groups.first().and_then(|(_, points)| points.first().copied()).unwrap_or(0));
             }
             _ => return Err(ApiError::unavailable("unexpected answer")),
         }
@@ -218,6 +237,7 @@ pub async fn contributors(
         direct: *direct,
         contributors: page,
         next_page_token,
+        segments: &segments.filters,
     })
 }
 

@@ -54,9 +54,20 @@ impl SegmentParams {
     }
 }
 
+/// Splits a query string into its segment filters and `by` and the rest (its own
+/// `limit` and `page_token` included), which is parsed as `T`.
+pub(crate) fn split_query_unpaged<T: DeserializeOwned>(raw: Option<&str>) -> Result<(T, SegmentParams), ApiError> {
+    split(raw, false)
+}
+
 /// Splits a query string into its segment parameters and the rest, which is parsed
 /// as `T` (whose own rules refuse unknown parameters).
 pub(crate) fn split_query<T: DeserializeOwned>(raw: Option<&str>) -> Result<(T, SegmentParams), ApiError> {
+    split(raw, true)
+}
+
+/// [`split_query`]; `paged`: `limit` and `page_token` page a breakdown.
+fn split<T: DeserializeOwned>(raw: Option<&str>, paged: bool) -> Result<(T, SegmentParams), ApiError> {
     let invalid = |message: String| ApiError::bad_request("invalid_parameter", message);
     let pairs: Vec<(String, String)> = serde_urlencoded::from_str(raw.unwrap_or_default())
         .map_err(|err| invalid(format!("Failed to deserialize query string: {err}")))?;
@@ -71,13 +82,13 @@ pub(crate) fn split_query<T: DeserializeOwned>(raw: Option<&str>) -> Result<(T, 
         }
         match name.as_str() {
             "by" => segments.by = Some(value),
-            "limit" => {
+            "limit" if paged => {
                 segments.limit =
                     value.parse().ok().filter(|limit| (1..=MAX_LIMIT).contains(limit)).ok_or_else(|| {
                         ApiError::bad_request("invalid_limit", format!("limit: must be 1-{MAX_LIMIT}"))
                     })?;
             }
-            "page_token" => page = Some(value),
+            "page_token" if paged => page = Some(value),
             _ => rest.push((name, value)),
         }
     }
