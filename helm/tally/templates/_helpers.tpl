@@ -215,11 +215,16 @@ tally.toml: |
 
   [counting]
   dedupe_window = {{ .Values.counting.dedupeWindow | toString | toJson }}
+  max_segment_combinations = {{ .Values.counting.maxSegmentCombinations | int64 }}
   resolutions = [
   {{- range .Values.counting.resolutions }}
     { width = {{ .width | toString | toJson }}, retention = {{ .retention | toString | toJson }} },
   {{- end }}
   ]
+  [counting.dimensions]
+  {{- range $metric, $names := .Values.counting.dimensions }}
+  {{ $metric | toJson }} = {{ $names | toJson }}
+  {{- end }}
 
   [log]
   format = {{ .Values.log.format | toJson }}
