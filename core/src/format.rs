@@ -27,7 +27,8 @@ pub const RECORD_MAGIC: u8 = 0xA7;
 /// record but a shard record of increments is still written in it.
 pub const RECORD_V1: u8 = 1;
 /// Version 2: a shard record of increments in the compact encoding
-/// ([`crate::wire::compact`]: names once per record, small differences).
+/// ([`crate::wire::compact`]: names once per record, small differences); for a read
+/// request ([`crate::wire::ReadRequest`]), one whose queries may select segments.
 pub const RECORD_V2: u8 = 2;
 /// Version 3: a version 2 or version 4 record compressed whole with zstd
 /// ([`crate::wire::packed`]; holding a version 4 record since version 4 exists). Counters
