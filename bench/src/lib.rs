@@ -15,6 +15,7 @@ pub mod parse;
 pub mod pipeline;
 pub mod read_phase;
 pub mod restore;
+pub mod segments;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -87,6 +88,17 @@ enum Command {
         rounds: usize,
     },
     /// The counter apply path vs a per-event, no-coalescing baseline.
+    /// Segmented counters in process: parse and apply of segmented increments vs plain
+    /// ones, a breakdown by state vs one filtered read per state, bytes per combination.
+    Segments {
+        #[arg(long, default_value_t = 1_000_000)]
+        increments: usize,
+        #[arg(long, default_value_t = 10_000)]
+        entities: usize,
+        /// Breakdowns timed, each against its 50 filtered reads.
+        #[arg(long, default_value_t = 300)]
+        reads: usize,
+    },
     Counter {
         #[arg(long, default_value_t = 5_000_000)]
         increments: usize,
@@ -147,6 +159,9 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Restore { history, tail } => bench_restore(history, tail).await,
+        Command::Segments { increments, entities, reads } => {
+            bench_segments(segments::SegmentBenchOptions { increments, entities, reads }).await
+        }
         Command::Graph { ancestors, bystanders, increments, shards, repeats } => {
             let options = counter_graph::GraphBenchOptions { ancestors, bystanders, increments, shards };
             hierarchy::run(options, repeats).await
@@ -189,6 +204,49 @@ async fn bench_restore(histories: Vec<usize>, tail: usize) -> anyhow::Result<()>
             f.ratio()
         );
     }
+    Ok(())
+}
+
+async fn bench_segments(options: segments::SegmentBenchOptions) -> anyhow::Result<()> {
+    println!(
+        "segments bench: {} increments over {} entities (Zipf s=1.1), each with a state of {} and a device of 5 (Zipf, uniform) or none; one thread; RocksDB on disk",
+        options.increments, options.entities, segments::STATES
+    );
+    let dir = tempfile::Builder::new().prefix("tally-bench").tempdir_in(".")?;
+    let path = dir.path().to_path_buf();
+    let f = tokio::task::spawn_blocking(move || segments::run(&options, &path)).await??;
+    let cost = |(plain, segmented): (f64, f64)| plain / segmented.max(f64::MIN_POSITIVE);
+    println!(
+        "parse : {:>10.0} plain, {:>10.0} segmented increments per CPU-second: segmented cost {:.2}x",
+        f.parse.0,
+        f.parse.1,
+        cost(f.parse)
+    );
+    println!(
+        "apply : {:>10.0} plain, {:>10.0} segmented increments per CPU-second: segmented cost {:.2}x",
+        f.apply.0,
+        f.apply.1,
+        cost(f.apply)
+    );
+    let q = segments::quantile;
+    println!(
+        "breakdown by state ({:.0} groups on average): p50 {:.0} µs, p99 {:.0} µs; {} filtered reads: p50 {:.0} µs, p99 {:.0} µs: {:.1}x faster at p50",
+        f.groups,
+        q(&f.breakdown_us, 0.5),
+        q(&f.breakdown_us, 0.99),
+        segments::STATES,
+        q(&f.filtered_us, 0.5),
+        q(&f.filtered_us, 0.99),
+        q(&f.filtered_us, 0.5) / q(&f.breakdown_us, 0.5).max(f64::MIN_POSITIVE)
+    );
+    let added = f.disk_bytes.1.saturating_sub(f.disk_bytes.0);
+    println!(
+        "disk  : {} bytes plain, {} segmented (flushed): {:.0} bytes per combination ({} combinations)",
+        f.disk_bytes.0,
+        f.disk_bytes.1,
+        added as f64 / f.combinations.max(1) as f64,
+        f.combinations
+    );
     Ok(())
 }
 
