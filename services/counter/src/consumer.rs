@@ -103,6 +103,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             record_budget: config.kafka.record_budget(),
             direct_cache_bytes: config.counter.direct_cache_bytes,
             max_segment_combinations: config.counting.max_segment_combinations,
+            increments_topic: names.increments(),
             ..StoreOptions::default()
         },
         snapshots: snapshots.clone(),
@@ -137,7 +138,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         false => None,
     };
 
-    let letters = Relay::unstamped(&config.kafka, names.dead_letter())?;
+    let letters = Arc::new(Relay::unstamped(&config.kafka, names.dead_letter())?);
     let lag_shards = shards.clone();
     let lag_shards_reported = shards.clone();
     let lag_metrics = metrics.clone();
@@ -213,6 +214,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
         announcer,
         rollups,
         relay: Relay::new(&config.kafka, shard_topic.clone())?,
+        letters: letters.clone(),
         topic: shard_topic.clone(),
         serving: Vec::new(),
         outbox_written: 0,
@@ -253,6 +255,8 @@ struct Counter {
     rollups: Option<Arc<Rollups>>,
     /// Sends the shards' outboxes (totals for other shards).
     relay: Relay,
+    /// Sends owned shards' dead letters (and skipped records, from the consume loop).
+    letters: Arc<Relay>,
     topic: String,
     /// The assignment last seen ([`Shards::epoch`]).
     epoch: u64,
@@ -377,7 +381,7 @@ impl Processor<CounterContext> for Counter {
         if self.outbox_written > 0 || heartbeat {
             self.outbox_written = 0;
             self.moved = true;
-            if let Err(err) = relay_outboxes(&self.relay, &self.shards, &self.metrics) {
+            if let Err(err) = relay_outboxes((&self.relay, &self.letters), &self.shards, &self.metrics) {
                 tracing::warn!(error = %err, "relaying the outbox");
             }
         }
@@ -393,7 +397,7 @@ impl Processor<CounterContext> for Counter {
             // A producer that hit a fatal error delivers nothing more: stop loudly
             // (the stores hold everything; the next start relays it).
             let rollup_relay = self.rollups.as_ref().map(|r| r.relay());
-            let relays = std::iter::once(&self.relay).chain(rollup_relay).find_map(Relay::fatal);
+            let relays = [&self.relay, &*self.letters].into_iter().chain(rollup_relay).find_map(Relay::fatal);
             if let Some(fatal) = relays.or_else(|| self.announcer.fatal()) {
                 return Err(Error::Consumer(format!("a producer failed for good: {fatal}")));
             }
@@ -482,7 +486,7 @@ impl Counter {
     /// the lease ended (no more reads or rollups), the shards released, and only
     /// then the heartbeat says this counter leaves.
     fn stop(&mut self) {
-        if let Err(err) = relay_outboxes(&self.relay, &self.shards, &self.metrics) {
+        if let Err(err) = relay_outboxes((&self.relay, &self.letters), &self.shards, &self.metrics) {
             tracing::warn!(error = %err, "relaying the outbox before stopping; the next owner sends it");
         }
         for shard in self.shards.stores() {

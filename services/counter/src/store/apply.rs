@@ -55,7 +55,7 @@ use tally_shared::outbox::outbox_key;
 
 use tally_shared::progress::Progress;
 
-use crate::store::segments::Admissions;
+use crate::store::segments::{Admissions, Origin};
 use crate::store::{ShardStore, CF_COUNTS, CF_DEDUPE, CF_DESC, CF_DESC_LOG, CF_OUTBOX, CF_ROLLUPS};
 
 /// One record of the shard topic.
@@ -332,7 +332,8 @@ impl ShardStore {
                         let metrics = match Combination::of(increment.metric) {
                             None => [Some(increment.metric), None],
                             Some(combination) => {
-                                let counted = admissions.admit(&mut batch, entity, combination)?;
+                                let origin = Origin { offset: *offset, source: *source, stamp: *stamp, increment };
+                                let counted = admissions.admit(&mut batch, entity, combination, origin)?;
                                 [Some(combination.metric), Some(counted)]
                             }
                         };

@@ -10,7 +10,9 @@
 //! deleted once relayed), `rollups` (count keys whose latest values are still to be
 //! published, marked in the same write batch as the counts), `rollup_deadlines` (when
 //! each published bucket expires: [`crate::store::rollup_book`]), `segments` (the
-//! segment combinations origins registered: [`crate::store::segments`]), and the default one for
+//! segment combinations origins registered: [`crate::store::segments`]), `letters` (dead
+//! letters of the first overflowing combination of each origin's metric, relayed by owners),
+//! and the default one for
 //! progress: the next shard-topic offset to consume, the high-water stamp of every
 //! source and, while a rebuild runs, the offset it must reach. Expired buckets and
 //! marks are dropped by compaction filters; reads never look at them.
@@ -90,6 +92,9 @@ pub struct StoreOptions {
     /// Segment combinations one origin's metric registers before new ones
     /// overflow (`counting.max_segment_combinations`, [`crate::store::segments`]).
     pub max_segment_combinations: u32,
+    /// The producers' increments topic, which the dead letters of overflowing
+    /// combinations name.
+    pub increments_topic: String,
 }
 
 impl Default for StoreOptions {
@@ -103,6 +108,7 @@ impl Default for StoreOptions {
             direct_cache_bytes: tally_shared::config::CounterConfig::default().direct_cache_bytes,
             view_log_bytes: 4 << 20,
             max_segment_combinations: tally_core::segments::DEFAULT_MAX_COMBINATIONS,
+            increments_topic: tally_shared::kafka::TopicNames::new("tally.").increments(),
         }
     }
 }
@@ -259,6 +265,7 @@ impl ShardStore {
             ColumnFamilyDescriptor::new(CF_ROLLUP_DEADLINES, Options::default()),
             // Created empty when a store written before segments opens.
             ColumnFamilyDescriptor::new(segments::CF_SEGMENTS, Options::default()),
+            ColumnFamilyDescriptor::new(segments::CF_LETTERS, Options::default()),
         ];
         let store = Store::open(path, db_options, families, options.durability)?;
         let descendants = Views::load(&store)?;
@@ -314,6 +321,16 @@ impl ShardStore {
     #[cfg(test)]
     pub fn outbox(&self) -> Result<Vec<tally_shared::outbox::OutboxEntry>> {
         Ok(self.store.outbox(CF_OUTBOX)?)
+    }
+
+    /// The dead letters not yet relayed ([`crate::store::segments`]), in order.
+    pub fn letters(&self) -> Result<Vec<tally_shared::outbox::OutboxEntry>> {
+        Ok(self.store.outbox(segments::CF_LETTERS)?)
+    }
+
+    /// Drops relayed dead letters.
+    pub fn delete_letters(&self, entries: &[tally_shared::outbox::OutboxEntry]) -> Result<()> {
+        Ok(self.store.delete_outbox(segments::CF_LETTERS, entries)?)
     }
 
     /// Drops relayed outbox entries.

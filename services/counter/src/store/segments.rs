@@ -10,7 +10,8 @@
 //! increment in log order (those of the batch so far included), so a replay cut into
 //! other batches, a standby and a new owner all decide the same. Only origins'
 //! increments register: a descendant's combinations are those its ancestors' caps
-//! admitted.
+//! admitted. The first increment that overflows an (entity, metric) also writes a dead
+//! letter (once: the overflow combination is then registered too, beyond the count).
 //!
 //! **Reads.** An (entity, metric)'s combinations are count keys right after its own
 //! (`metric 0x01 …`): a segment read walks them once, seeking past each combination's
@@ -31,8 +32,12 @@ use tally_core::wire::{Kind, ShardAnswer};
 use crate::error::Result;
 use crate::store::{ShardStore, CF_COUNTS};
 
-/// Combinations registered by origins' increments: `entity 0x00 segmented-metric`.
+/// Combinations registered by origins' increments: `entity 0x00 segmented-metric`;
+/// an (entity, metric) that overflowed also holds its overflow combination's key.
 pub(crate) const CF_SEGMENTS: &str = "segments";
+/// Dead letters of the first increment that overflowed each (entity, metric),
+/// written with it and relayed to the dead-letter topic by the shard's owner.
+pub(crate) const CF_LETTERS: &str = "letters";
 /// Most (entity, metric) counts of registered combinations kept in memory; past it
 /// the cache starts again (a count is read again from the store when needed).
 const MAX_CACHED: usize = 100_000;
@@ -57,12 +62,24 @@ pub(crate) struct Admissions<'s, 'a> {
     store: &'s ShardStore,
     registered: MutexGuard<'s, Registered>,
     max: u32,
-    /// Registered in this batch: `(entity, segmented metric)`.
-    new: FxHashSet<(&'a str, &'a str)>,
+    /// Registered, in this batch or before it (as far as this batch looked):
+    /// `(entity, segmented metric)`.
+    known: FxHashSet<(&'a str, &'a str)>,
     /// How many each (entity, metric) registered in this batch.
     added: FxHashMap<(&'a str, &'a str), u32>,
     /// Increments counted under their overflow combination.
     pub overflowed: u64,
+    /// Dead letters written in this batch (their keys' numbers).
+    letters: u32,
+}
+
+/// Where an increment came from, for its dead letter.
+pub(crate) struct Origin<'a> {
+    /// The shard record holding it.
+    pub offset: i64,
+    pub source: tally_core::wire::Source,
+    pub stamp: tally_core::wire::Stamp,
+    pub increment: &'a tally_core::wire::IncrementRef<'a>,
 }
 
 impl<'s, 'a> Admissions<'s, 'a> {
@@ -71,9 +88,10 @@ impl<'s, 'a> Admissions<'s, 'a> {
             store,
             registered: tally_shared::lock::lock(&store.segments, "a shard's registered segment combinations"),
             max: store.options.max_segment_combinations.max(1),
-            new: FxHashSet::default(),
+            known: FxHashSet::default(),
             added: FxHashMap::default(),
             overflowed: 0,
+            letters: 0,
         }
     }
 
@@ -85,13 +103,15 @@ impl<'s, 'a> Admissions<'s, 'a> {
         batch: &mut WriteBatch,
         entity: &'a str,
         combination: Combination<'a>,
+        origin: Origin<'_>,
     ) -> Result<&'a str> {
-        if combination.is_overflow() || self.new.contains(&(entity, combination.full)) {
+        if combination.is_overflow() || self.known.contains(&(entity, combination.full)) {
             return Ok(combination.full);
         }
         let cf = self.store.cf(CF_SEGMENTS)?;
         let key = registration_key(entity, combination.full);
         if self.store.store.db().get_pinned_cf(cf, &key)?.is_some() {
+            self.known.insert((entity, combination.full));
             return Ok(combination.full);
         }
         let before = self.registered_before(entity, combination.metric)?;
@@ -107,10 +127,17 @@ impl<'s, 'a> Admissions<'s, 'a> {
                 );
             }
             self.overflowed += 1;
+            let overflow = (entity, combination.overflow());
+            let marker = registration_key(entity, combination.overflow());
+            if !self.known.contains(&overflow) && self.store.store.db().get_pinned_cf(cf, &marker)?.is_none() {
+                self.known.insert(overflow);
+                batch.put_cf(cf, &marker, PRESENT);
+                self.put_letter(batch, combination, origin)?;
+            }
             return Ok(combination.overflow());
         }
         *added += 1;
-        self.new.insert((entity, combination.full));
+        self.known.insert((entity, combination.full));
         batch.put_cf(cf, &key, PRESENT);
         Ok(combination.full)
     }
@@ -126,8 +153,9 @@ impl<'s, 'a> Admissions<'s, 'a> {
         let mut iterator = self.store.store.db().raw_iterator_cf(cf);
         iterator.seek(&prefix);
         let mut count = 0u32;
-        while iterator.valid() && iterator.key().is_some_and(|key| key.starts_with(&prefix)) {
-            count += 1;
+        while let Some(key) = iterator.key().filter(|key| key.starts_with(&prefix)) {
+            // The overflow combination's key marks its letter, not a combination.
+            count += u32::from(key.len() > prefix.len());
             iterator.next();
         }
         iterator.status()?;
@@ -136,6 +164,38 @@ impl<'s, 'a> Admissions<'s, 'a> {
         }
         self.registered.counts.insert(name, count);
         Ok(count)
+    }
+
+    /// The dead letter of the first increment of (entity, metric) past its cap.
+    fn put_letter(&mut self, batch: &mut WriteBatch, combination: Combination<'_>, origin: Origin<'_>) -> Result<()> {
+        let increment = origin.increment;
+        let segments: serde_json::Map<String, serde_json::Value> =
+            combination.pairs().map(|(name, value)| (name.to_string(), value.into())).collect();
+        let mut element = serde_json::json!({
+            "entity": increment.entity, "metric": combination.metric, "delta": increment.delta, "ts": increment.ts,
+            "segments": segments,
+        });
+        if let Some(id) = increment.id {
+            element["id"] = id.into();
+        }
+        let reason = format!(
+            "segments: {}'s {} holds {} combinations (counting.max_segment_combinations): this one and every later \
+             new one count under its overflow",
+            increment.entity, combination.metric, self.max
+        );
+        let letter = tally_core::wire::DeadLetter::encode(
+            &self.store.options.increments_topic,
+            origin.source.partition as i32,
+            origin.stamp.offset,
+            Some(origin.stamp.index),
+            &reason,
+            element.to_string().as_bytes(),
+            self.store.options.record_budget,
+        )?;
+        let key = tally_shared::outbox::outbox_key(origin.offset, 0, self.letters);
+        self.letters += 1;
+        batch.put_cf(self.store.cf(CF_LETTERS)?, key, letter);
+        Ok(())
     }
 
     /// The batch is committed: its registrations join the cached counts.
@@ -399,5 +459,39 @@ mod tests {
         );
         let listing = store.metrics("e", None, 10).unwrap();
         assert_eq!(listing.metrics.iter().map(|m| (m.metric.as_str(), m.total)).collect::<Vec<_>>(), vec![("v", 7)]);
+
+        // The first overflow of (e, v) wrote a dead letter naming it; a later one writes none.
+        let letters = store.letters().unwrap();
+        assert_eq!(letters.len(), 1);
+        let letter: serde_json::Value = serde_json::from_slice(&letters[0].payload).unwrap();
+        assert_eq!(
+            (
+                letter["topic"].as_str(),
+                letter["partition"].as_i64(),
+                letter["offset"].as_i64(),
+                letter["index"].as_i64()
+            ),
+            (Some("tally.increments"), Some(0), Some(0), Some(1))
+        );
+        assert_eq!(
+            letter["reason"],
+            "segments: e's v holds 1 combinations (counting.max_segment_combinations): this one and every later new one \
+             count under its overflow"
+        );
+        use base64::Engine;
+        let element = base64::engine::general_purpose::STANDARD.decode(letter["payload"].as_str().unwrap()).unwrap();
+        let element: serde_json::Value = serde_json::from_slice(&element).unwrap();
+        assert_eq!(
+            element,
+            serde_json::json!({"entity": "e", "metric": "v", "delta": 2, "ts": NOW, "segments": {"country": "FR"}})
+        );
+        let later = vec![(Stamp { offset: 1, index: 0 }, increment("DE", 1))];
+        let payload = ShardMessage::Increments { source, entries: later }.encode().unwrap();
+        let report = store.apply(&[ShardRecord { offset: 1, payload: &payload, timestamp: None }], NOW, true).unwrap();
+        assert_eq!(
+            (report.segment_overflows, store.letters().unwrap().len()),
+            (1, 1),
+            "one letter per entity and metric"
+        );
     }
 }
