@@ -51,7 +51,7 @@ fn every_tally_bench_command_in_benchmarks_md_parses() {
     assert_eq!(refused, Vec::<String>::new());
     let shown: std::collections::BTreeSet<&str> =
         commands.iter().filter_map(|args| args.first().map(String::as_str)).collect();
-    let every = ["counter", "failover", "freshness", "graph", "ingest", "jobs", "parse", "read", "restore"];
+    let every = ["counter", "failover", "freshness", "graph", "ingest", "jobs", "parse", "read", "restore", "segments"];
     assert_eq!(shown, every.into_iter().collect(), "benchmarks without a command in BENCHMARKS.md");
 }
 

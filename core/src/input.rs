@@ -531,13 +531,23 @@ mod tests {
                 proptest::option::of("[a-z0-9-]{1,6}"),
             );
             let space = proptest::sample::select(vec!["", "", " ", "\n", "\t", "\r\n "]);
-            (entity, "[a-z0-9_.:-]{1,8}", optional, space)
-                .prop_flat_map(|(entity, metric, (delta, ts, id), space)| {
+            // `v` declares country and state; colour is declared nowhere, and a
+            // name may come twice.
+            let metric = prop_oneof![3 => Just("v".to_string()), 1 => "[a-z0-9_.:-]{1,8}"];
+            let pair = (proptest::sample::select(vec!["country", "state", "colour"]), "[A-Z]{0,2}");
+            let segments = proptest::option::weighted(0.4, proptest::collection::vec(pair, 0..4));
+            (entity, metric, optional, space, segments)
+                .prop_flat_map(|(entity, metric, (delta, ts, id), space, segments)| {
                     let mut fields =
                         vec![format!(r#""entity"{space}:{space}"{entity}""#), format!(r#""metric":"{metric}""#)];
                     fields.extend(delta.map(|delta| format!(r#""delta":{space}{delta}"#)));
                     fields.extend(ts.map(|ts| format!(r#""ts"{space}:{ts}"#)));
                     fields.extend(id.map(|id| format!(r#""id":"{id}""#)));
+                    fields.extend(segments.map(|pairs| {
+                        let pairs: Vec<String> =
+                            pairs.iter().map(|(name, value)| format!(r#""{name}"{space}:"{value}""#)).collect();
+                        format!(r#""segments":{{{space}{}}}"#, pairs.join(","))
+                    }));
                     (Just(fields).prop_shuffle(), Just(space))
                 })
                 .prop_map(|(fields, space)| format!("{{{space}{}{space}}}", fields.join(&format!("{space},"))))

@@ -1,6 +1,7 @@
 //! The quick way through the usual increments message: an array of flat objects
-//! (or one such object) whose strings hold no escapes and whose numbers are plain
-//! integers, read by a scanner that borrows every name from the payload.
+//! (or one such object; `segments` an object of strings) whose strings hold no
+//! escapes and whose numbers are plain integers, read by a scanner that borrows
+//! every name from the payload.
 //!
 //! It answers only where it reads exactly what serde_json reads. Anything else — an
 //! escape or control byte in a string, `null`, a number with a fraction, an exponent,
@@ -10,6 +11,7 @@
 //! A property test holds the two ways to the same answers.
 
 use std::borrow::Cow;
+use std::collections::BTreeMap;
 
 use super::RawIncrement;
 
@@ -115,11 +117,12 @@ impl<'a> Scanner<'a> {
         }
     }
 
-    /// One object with `entity` and `metric`, and `delta`, `ts` and `id` or not,
-    /// each at most once.
+    /// One object with `entity` and `metric`, and `delta`, `ts`, `id` and
+    /// `segments` or not, each at most once.
     fn object(&mut self) -> Option<RawIncrement<'a>> {
         self.expect(b'{')?;
         let (mut entity, mut metric, mut delta, mut ts, mut id) = (None, None, None, None, None);
+        let mut segments = None;
         loop {
             let field = self.string()?;
             self.expect(b':')?;
@@ -129,6 +132,7 @@ impl<'a> Scanner<'a> {
                 "delta" if delta.is_none() => delta = Some(self.integer()?),
                 "ts" if ts.is_none() => ts = Some(self.integer()?),
                 "id" if id.is_none() => id = Some(self.string()?),
+                "segments" if segments.is_none() => segments = Some(self.segments()?),
                 _ => return None,
             }
             match self.next_byte()? {
@@ -143,8 +147,29 @@ impl<'a> Scanner<'a> {
             delta,
             ts,
             id: id.map(Cow::Borrowed),
-            segments: None,
+            segments,
         })
+    }
+
+    /// An object of strings (`segments`), a repeated name keeping its last value
+    /// as serde_json's map does.
+    fn segments(&mut self) -> Option<BTreeMap<Cow<'a, str>, Cow<'a, str>>> {
+        self.expect(b'{')?;
+        let mut segments = BTreeMap::new();
+        if self.peek()? == b'}' {
+            self.pos += 1;
+            return Some(segments);
+        }
+        loop {
+            let name = self.string()?;
+            self.expect(b':')?;
+            segments.insert(Cow::Borrowed(name), Cow::Borrowed(self.string()?));
+            match self.next_byte()? {
+                b',' => {}
+                b'}' => return Some(segments),
+                _ => return None,
+            }
+        }
     }
 }
 
