@@ -140,21 +140,7 @@ pub fn run(options: &BenchOptions, dir: &Path) -> Result<BenchReport> {
     let store = open(dir, "coalesced")?;
     let started = Instant::now();
     let started_cpu = thread_cpu_seconds();
-    let mut batches = 0usize;
-    let mut keys = 0usize;
-    let mut offset = 0i64;
-    for chunk in batches_of(&records, options.batch_max_bytes) {
-        let shard_records: Vec<ShardRecord<'_>> = chunk
-            .iter()
-            .map(|payload| {
-                offset += 1;
-                ShardRecord { offset, payload, timestamp: None }
-            })
-            .collect();
-        let report = store.apply(&shard_records, now, false)?;
-        batches += 1;
-        keys += report.keys;
-    }
+    let (batches, keys) = apply_in_batches(&store, &records, options.batch_max_bytes, now)?;
     let coalesced_per_sec = options.increments as f64 / started.elapsed().as_secs_f64();
     let coalesced_per_cpu_sec = options.increments as f64 / (thread_cpu_seconds() - started_cpu).max(1e-9);
     drop(store);
@@ -173,6 +159,29 @@ pub fn run(options: &BenchOptions, dir: &Path) -> Result<BenchReport> {
         increments_per_batch: options.increments as f64 / batches,
         keys_per_batch: keys as f64 / batches,
     })
+}
+
+/// Applies `records` to `store` as the consumer does, in batches of `max_bytes`;
+/// how many batches, and the distinct keys they wrote.
+pub(crate) fn apply_in_batches(
+    store: &ShardStore,
+    records: &[Vec<u8>],
+    max_bytes: usize,
+    now: i64,
+) -> Result<(usize, usize)> {
+    let (mut batches, mut keys, mut offset) = (0usize, 0usize, 0i64);
+    for chunk in batches_of(records, max_bytes) {
+        let shard_records: Vec<ShardRecord<'_>> = chunk
+            .iter()
+            .map(|payload| {
+                offset += 1;
+                ShardRecord { offset, payload, timestamp: None }
+            })
+            .collect();
+        keys += store.apply(&shard_records, now, false)?.keys;
+        batches += 1;
+    }
+    Ok((batches, keys))
 }
 
 /// CPU time the calling thread has used.

@@ -18,10 +18,9 @@ use tally_core::input::{parse_increments, Bounds};
 use tally_core::segments::{Dimensions, Selector};
 use tally_core::time::WindowSpec;
 use tally_core::wire::{Kind, ShardMessage, ShardQuery, Source, Stamp};
-use tally_counter::store::apply::ShardRecord;
 use tally_counter::store::{ShardStore, StoreOptions};
 
-use crate::counter_apply::{batches_of, thread_cpu_seconds, Zipf};
+use crate::counter_apply::{apply_in_batches, thread_cpu_seconds, Zipf};
 
 /// States and devices a segmented increment draws from.
 pub const STATES: usize = 50;
@@ -132,17 +131,7 @@ fn apply(
 ) -> tally_counter::error::Result<(ShardStore, f64)> {
     let store = ShardStore::open(0, path, StoreOptions::default())?;
     let started = thread_cpu_seconds();
-    let mut offset = 0i64;
-    for chunk in batches_of(records, tally_shared::config::CounterConfig::default().batch_max_bytes) {
-        let shard_records: Vec<ShardRecord<'_>> = chunk
-            .iter()
-            .map(|payload| {
-                offset += 1;
-                ShardRecord { offset, payload, timestamp: None }
-            })
-            .collect();
-        store.apply(&shard_records, now, false)?;
-    }
+    apply_in_batches(&store, records, tally_shared::config::CounterConfig::default().batch_max_bytes, now)?;
     let rate = increments as f64 / (thread_cpu_seconds() - started).max(1e-9);
     store.persist()?;
     Ok((store, rate))

@@ -199,6 +199,33 @@ fn shown(text: &str) -> Option<i64> {
     text.lines().next()?.replace(',', "").trim().parse().ok()
 }
 
+/// A contributors listing's `(entity, value)` pairs, as the API answers them.
+async fn contributors_of(sandbox: &Sandbox, path: &str) -> Vec<(String, Option<i64>)> {
+    let (_, explained) = sandbox.get(path).await;
+    explained["contributors"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{path}: {explained}"))
+        .iter()
+        .map(|c| (c["entity"].as_str().unwrap().to_string(), c["value"].as_i64()))
+        .collect()
+}
+
+/// The explain view's ranked contributors as shown (a row redrawn meanwhile reads
+/// as nothing: the caller looks again).
+async fn listed_contributors(browser: &Browser) -> Vec<(String, Option<i64>)> {
+    let mut listed = Vec::new();
+    let css = "#contributor-list li[data-entity]:not([data-entity=''])";
+    for row in browser.client.find_all(Locator::Css(css)).await.unwrap() {
+        let entity = row.attr("data-entity").await.ok().flatten().unwrap_or_default();
+        let value = match row.find(Locator::Css("span.num")).await {
+            Ok(cell) => shown(&cell.text().await.unwrap_or_default()),
+            Err(_) => None,
+        };
+        listed.push((entity, value));
+    }
+    listed
+}
+
 /// answer:3 → answer:1 → user:7 ← answer:2, user:7 → team:1; views spread over the
 /// last day. total(user:7) = 6 + 15 + 10 + 8 = 39, and so is team:1's.
 fn scenario(now: i64) -> Vec<Record> {
@@ -350,22 +377,9 @@ async fn counters_page_plots_totals_and_explains_what_the_api_answers() {
     browser.screenshot("counters.png").await;
 
     // The explain view lists what `contributors` answers, and it adds up.
-    let (_, explained) = sandbox.get("/v1/counters/user:7/views/contributors?window=all&limit=20").await;
-    let want: Vec<(String, Option<i64>)> = explained["contributors"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| (c["entity"].as_str().unwrap().to_string(), c["value"].as_i64()))
-        .collect();
+    let want = contributors_of(&sandbox, "/v1/counters/user:7/views/contributors?window=all&limit=20").await;
     assert_eq!(want, vec![("answer:1".into(), Some(15)), ("answer:3".into(), Some(10)), ("answer:2".into(), Some(8))]);
-    let mut listed = Vec::new();
-    for row in
-        browser.client.find_all(Locator::Css("#contributor-list li[data-entity]:not([data-entity=''])")).await.unwrap()
-    {
-        let entity = row.attr("data-entity").await.unwrap().unwrap_or_default();
-        listed.push((entity, shown(&row.find(Locator::Css("span.num")).await.unwrap().text().await.unwrap())));
-    }
-    assert_eq!(listed, want, "the ranked contributors");
+    assert_eq!(listed_contributors(&browser).await, want, "the ranked contributors");
     assert_eq!(browser.attr("#contributor-list li[data-entity='']", "data-value").await, "6", "user:7's own count");
     let card = browser.client.find(Locator::XPath("//section[.//*[@id='contributors']]")).await.unwrap();
     save_screenshot("explain.png", card.screenshot().await.unwrap());
@@ -494,30 +508,12 @@ async fn a_breakdown_chart_opens_from_its_url() {
     let cell = browser.text("td[data-entity='user:7'][data-window='all']").await;
     assert_eq!(shown(&cell), Some(15), "the filtered all-time total: {cell}");
     // The explain view explains the selection.
-    let (_, explained) = sandbox.get("/v1/counters/user:7/views/contributors?window=all&segment.device=ios").await;
-    let want: Vec<(String, Option<i64>)> = explained["contributors"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| (c["entity"].as_str().unwrap().to_string(), c["value"].as_i64()))
-        .collect();
+    let path = "/v1/counters/user:7/views/contributors?window=all&segment.device=ios";
+    let want = contributors_of(&sandbox, path).await;
     assert_eq!(want, vec![("answer:2".to_string(), Some(8)), ("answer:1".to_string(), Some(7))]);
     eventually("the explain view lists the filtered contributors", || async {
         let title = browser.text("#explain-title").await;
-        let mut listed = Vec::new();
-        for row in browser
-            .client
-            .find_all(Locator::Css("#contributor-list li[data-entity]:not([data-entity=''])"))
-            .await
-            .unwrap()
-        {
-            let entity = row.attr("data-entity").await.ok().flatten().unwrap_or_default();
-            let value = match row.find(Locator::Css("span.num")).await {
-                Ok(cell) => shown(&cell.text().await.unwrap_or_default()),
-                Err(_) => None,
-            };
-            listed.push((entity, value));
-        }
+        let listed = listed_contributors(&browser).await;
         (title.contains("(device=ios)") && listed == want).then_some(()).ok_or(format!("{title}: {listed:?}"))
     })
     .await;
