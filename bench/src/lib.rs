@@ -87,7 +87,6 @@ enum Command {
         #[arg(long, default_value_t = 5)]
         rounds: usize,
     },
-    /// The counter apply path vs a per-event, no-coalescing baseline.
     /// Segmented counters in process: parse and apply of segmented increments vs plain
     /// ones, a breakdown by state vs one filtered read per state, bytes per combination.
     Segments {
@@ -99,6 +98,7 @@ enum Command {
         #[arg(long, default_value_t = 300)]
         reads: usize,
     },
+    /// The counter apply path vs a per-event, no-coalescing baseline.
     Counter {
         #[arg(long, default_value_t = 5_000_000)]
         increments: usize,
@@ -209,7 +209,7 @@ async fn bench_restore(histories: Vec<usize>, tail: usize) -> anyhow::Result<()>
 
 async fn bench_segments(options: segments::SegmentBenchOptions) -> anyhow::Result<()> {
     println!(
-        "segments bench: {} events over {} entities (Zipf s=1.1), each with a state of {} and a device of 5 (Zipf, uniform): plain (no segments), segmented, and named (today's workaround: each event also counted on an entity named after its segments); one thread; RocksDB on disk",
+        "segments bench: {} events over {} entities (Zipf s=1.1), each with a state of {} and a device of 5 (Zipf, uniform): plain (no segments), segmented, and named (segments faked with entity names: each event also counted on an entity named after its segments); one thread; RocksDB on disk",
         options.increments, options.entities, segments::STATES
     );
     let dir = tempfile::Builder::new().prefix("tally-bench").tempdir_in(".")?;

@@ -37,7 +37,7 @@ pub struct SegmentBenchOptions {
 #[derive(Debug, Clone)]
 pub struct SegmentFigures {
     /// Increments (events) per CPU-second of one thread: plain, segmented, and
-    /// today's workaround (two increments per event).
+    /// named (two increments per event).
     pub parse: (f64, f64, f64),
     pub apply: (f64, f64, f64),
     /// One breakdown's latencies and those of its 50 filtered reads, sorted (µs).
@@ -55,8 +55,8 @@ pub struct SegmentFigures {
 struct Messages {
     plain: Vec<String>,
     segmented: Vec<String>,
-    /// Today's workaround: each event twice, on its entity and on an entity named
-    /// after its combination (`answer:7|s3|d1`).
+    /// Segments faked with entity names: each event twice, on its entity and on an
+    /// entity named after its combination (`answer:7|s3|d1`).
     named: Vec<String>,
     combinations: usize,
 }
@@ -87,17 +87,19 @@ fn messages(options: &SegmentBenchOptions, now: i64) -> Messages {
     Messages { plain, segmented, named, combinations: combinations.len() }
 }
 
-fn dimensions() -> Dimensions {
+fn dimensions() -> anyhow::Result<Dimensions> {
     let declared = BTreeMap::from([("views".to_string(), vec!["state".to_string(), "device".to_string()])]);
-    Dimensions::new(declared).unwrap_or_default()
+    Dimensions::new(declared).map_err(anyhow::Error::msg)
 }
 
 /// Parses `messages` as the ingester does: events per CPU-second (an event is
-/// `per_event` increments), and the shard records (format 3) they make.
-fn parse(messages: &[String], dimensions: &Dimensions, per_event: usize) -> (f64, Vec<Vec<u8>>) {
+/// `per_event` increments), and the shard records (format 3) they make. Every
+/// increment must be accepted (a rejection would time another path).
+fn parse(messages: &[String], dimensions: &Dimensions, per_event: usize) -> anyhow::Result<(f64, Vec<Vec<u8>>)> {
     let started = thread_cpu_seconds();
     let mut parsed = Vec::with_capacity(messages.len());
     let mut count = 0usize;
+    let mut rejected: Option<String> = None;
     for message in messages {
         let mut entries = Vec::with_capacity(100);
         parse_increments(
@@ -106,12 +108,17 @@ fn parse(messages: &[String], dimensions: &Dimensions, per_event: usize) -> (f64
             &Bounds::none(),
             dimensions,
             |index, increment| entries.push((Stamp { offset: parsed.len() as i64, index }, increment.into_owned())),
-            |_| {},
+            |rejection| {
+                rejected.get_or_insert(rejection.reason);
+            },
         );
         count += entries.len();
         parsed.push(entries);
     }
     let rate = (count / per_event) as f64 / (thread_cpu_seconds() - started).max(1e-9);
+    if let Some(reason) = rejected {
+        anyhow::bail!("the workload has increments the ingester rejects: {reason}");
+    }
     let source = Source { stream: Source::INCREMENTS, partition: 0 };
     let records = parsed
         .iter()
@@ -119,7 +126,7 @@ fn parse(messages: &[String], dimensions: &Dimensions, per_event: usize) -> (f64
             ShardMessage::encode_increments(source, entries, tally_core::format::RECORD_V3).unwrap_or_default()
         })
         .collect();
-    (rate, records)
+    Ok((rate, records))
 }
 
 /// Applies `records` to a new store at `path`; increments per CPU-second.
@@ -152,12 +159,12 @@ fn sst_bytes(path: &Path) -> u64 {
 pub fn run(options: &SegmentBenchOptions, dir: &Path) -> anyhow::Result<SegmentFigures> {
     let now = tally_shared::kafka::now_ms();
     let workload = messages(options, now);
-    let dimensions = dimensions();
-    // Each parsed twice, the first a warm-up.
-    let _ = parse(&workload.plain, &dimensions, 1);
-    let (parse_plain, plain_records) = parse(&workload.plain, &dimensions, 1);
-    let (parse_segmented, segmented_records) = parse(&workload.segmented, &dimensions, 1);
-    let (parse_named, named_records) = parse(&workload.named, &dimensions, 2);
+    let dimensions = dimensions()?;
+    // A warm-up parse first.
+    parse(&workload.plain, &dimensions, 1)?;
+    let (parse_plain, plain_records) = parse(&workload.plain, &dimensions, 1)?;
+    let (parse_segmented, segmented_records) = parse(&workload.segmented, &dimensions, 1)?;
+    let (parse_named, named_records) = parse(&workload.named, &dimensions, 2)?;
     let (plain_store, apply_plain) = apply(&dir.join("plain"), &plain_records, options.increments, now)?;
     let (named_store, apply_named) = apply(&dir.join("named"), &named_records, options.increments, now)?;
     let (store, apply_segmented) = apply(&dir.join("segmented"), &segmented_records, options.increments, now)?;

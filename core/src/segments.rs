@@ -42,10 +42,14 @@ pub fn check_dimension(name: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// A segment's value is 1–64 bytes of UTF-8 without control characters.
+/// A segment's value is 1–64 bytes of UTF-8 without control characters, and not
+/// `*` (a query's "any value").
 pub fn check_value(dimension: &str, value: &str) -> Result<(), String> {
     if value.is_empty() || value.len() > MAX_SEGMENT_BYTES {
         return Err(format!("segments: {dimension}'s value must be 1-64 bytes of UTF-8"));
+    }
+    if value == "*" {
+        return Err(format!("segments: {dimension}'s value must not be * (what a query says for any value)"));
     }
     if value.chars().any(char::is_control) {
         return Err(format!("segments: {dimension}'s value must not contain control characters"));
@@ -280,6 +284,7 @@ mod tests {
         assert!(refused("views", &[("country", "")]).contains("1-64 bytes"));
         assert!(refused("views", &[("country", &"x".repeat(65))]).contains("1-64 bytes"));
         assert!(refused("views", &[("country", "U\tS")]).contains("control characters"));
+        assert!(refused("views", &[("country", "*")]).contains("must not be *"));
         assert!(refused("views", &[("Bad!", "x")]).contains("[a-z0-9_]"));
         let nine: Vec<(&str, &str)> = (0..9).map(|_| ("country", "US")).collect();
         assert!(refused("views", &nine).contains("at most 8"));

@@ -106,10 +106,12 @@ const INLINE_READS: usize = 2;
 /// counter or two (a point read each, microseconds from the memtable or the block
 /// cache). Handing it to the blocking pool and back cost more than the read, in two
 /// thread wake-ups. A window (a scan of up to hundreds of buckets) or a series goes
-/// to the pool, so the runtime's thread — the only one by default — never scans.
+/// to the pool, so the runtime's thread — the only one by default — never scans;
+/// so does a segment query (a walk of the entity's combinations).
 pub(crate) fn answers_inline(request: &ReadRequest) -> bool {
     let mut queries = request.shards.iter().flat_map(|shard| &shard.queries);
-    queries.clone().count() <= INLINE_READS && queries.all(|q| matches!(q.spec, WindowSpec::All))
+    queries.clone().count() <= INLINE_READS
+        && queries.all(|q| matches!(q.spec, WindowSpec::All) && q.segments.is_none())
 }
 
 /// Which stores a read may answer from.

@@ -312,6 +312,13 @@ mod tests {
             }],
         };
         assert!(!answers_inline(&request), "answered on the blocking pool");
+        let mut segmented = ReadRequest {
+            now_ms: NOW,
+            shards: vec![ShardQueries { shard: 0, queries: vec![query("user:1", WindowSpec::All)] }],
+        };
+        assert!(answers_inline(&segmented), "one all-time total inline");
+        segmented.shards[0].queries[0].segments = Some(tally_core::segments::Selector::default());
+        assert!(!answers_inline(&segmented), "a segment query walks combinations: on the blocking pool");
         let sent = MAX_IN_FLIGHT as u64 * 2 + 17;
         let mut frames = Vec::new();
         for id in 0..sent {

@@ -176,9 +176,31 @@ pub(crate) fn now_ms() -> i64 {
 /// A shard's per-query error becomes the client's 400.
 pub(crate) fn answer_error(answer: &ShardAnswer) -> Option<ApiError> {
     match answer {
-        ShardAnswer::Error { message, .. } => Some(ApiError::bad_request("invalid_window", message.clone())),
+        ShardAnswer::Error { code, message } => Some(match code.as_str() {
+            // A segment query asking for more than one read may walk or answer.
+            "too_many_combinations" | "too_many_groups" => ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                if code == "too_many_groups" { "too_many_groups" } else { "too_many_combinations" },
+                message.clone(),
+            ),
+            _ => ApiError::bad_request("invalid_window", message.clone()),
+        }),
         _ => None,
     }
+}
+
+/// A segment query answered as a plain one: the counter predates segments (an
+/// older counter reading the JSON route ignores them). Never passed off as the
+/// filtered answer.
+pub(crate) fn unsegmented_answer(query: &ShardQuery, answer: &ShardAnswer) -> Option<ApiError> {
+    let plain = matches!(answer, ShardAnswer::Window { .. } | ShardAnswer::Series { .. });
+    (query.segments.is_some() && plain).then(|| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "segments_unsupported",
+            "the counter holding this entity does not answer segment queries: upgrade counters first",
+        )
+    })
 }
 
 /// One window's answer as clients see it: typed, so a batch of answers is written
@@ -379,7 +401,7 @@ async fn counter(
         state.fanout.read(vec![query.clone()], now_ms(), staleness, after.as_ref()).await?;
     timer.observe_duration();
     let answer = answers.pop().ok_or_else(|| ApiError::unavailable("no answer"))?;
-    if let Some(err) = answer_error(&answer) {
+    if let Some(err) = answer_error(&answer).or_else(|| unsegmented_answer(&query, &answer)) {
         return Err(err);
     }
     json_response(&Fresh { as_of, answer: window_result(&query, &window, &segments, answer) })
@@ -409,6 +431,9 @@ async fn series(
     let Answered { mut answers, as_of } =
         state.fanout.read(vec![query.clone()], now_ms(), staleness, after.as_ref()).await?;
     timer.observe_duration();
+    if let Some(err) = answers.last().and_then(|answer| unsegmented_answer(&query, answer)) {
+        return Err(err);
+    }
     match answers.pop() {
         Some(ShardAnswer::Series { resolution, points }) => json_response(&Fresh {
             as_of,
@@ -492,7 +517,10 @@ async fn batch(
         .zip(&windows)
         .zip(&selections)
         .zip(answers)
-        .map(|(((query, window), segments), answer)| window_result(query, window, segments, answer))
+        .map(|(((query, window), segments), answer)| match unsegmented_answer(query, &answer) {
+            Some(err) => WindowResult::Error { error: ErrorBody { code: err.code.into(), message: err.message } },
+            None => window_result(query, window, segments, answer),
+        })
         .collect();
     json_response(&Fresh { as_of, answer: BatchResults { results } })
 }
@@ -585,6 +613,23 @@ fn decode_token(token: &str, check: fn(&str) -> Result<(), &'static str>) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A segment query answered as a plain one (an older counter) is refused, never
+    /// passed off as filtered; a counter's refusal of too much work is a 422.
+    #[test]
+    fn unsegmented_answers_and_refused_work_are_errors() {
+        let plain = ShardQuery::plain("e".into(), "v".into(), Kind::Total, WindowSpec::All);
+        let segmented = ShardQuery { segments: Some(tally_core::segments::Selector::default()), ..plain.clone() };
+        let window = ShardAnswer::Window { value: 3, resolution: "all".into(), from: 0, to: 1 };
+        assert!(unsegmented_answer(&plain, &window).is_none());
+        let refused = unsegmented_answer(&segmented, &window).unwrap();
+        assert_eq!((refused.status, refused.code), (StatusCode::SERVICE_UNAVAILABLE, "segments_unsupported"));
+        let walked = ShardAnswer::Error { code: "too_many_combinations".into(), message: "many".into() };
+        let err = answer_error(&walked).unwrap();
+        assert_eq!((err.status, err.code), (StatusCode::UNPROCESSABLE_ENTITY, "too_many_combinations"));
+        let window_error = ShardAnswer::Error { code: "invalid_window".into(), message: "long".into() };
+        assert_eq!(answer_error(&window_error).unwrap().code, "invalid_window");
+    }
 
     #[test]
     fn windows_and_kinds_parse() {

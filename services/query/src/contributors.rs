@@ -188,7 +188,11 @@ pub async fn contributors(
         }
     }
     timer.observe_duration();
-    if let Some(err) = answers.iter().find_map(answer_error) {
+    if let Some(err) = answers
+        .iter()
+        .zip(&queries)
+        .find_map(|(answer, query)| answer_error(answer).or_else(|| crate::api::unsegmented_answer(query, answer)))
+    {
         return Err(err);
     }
     let mut values = Vec::with_capacity(answers.len());

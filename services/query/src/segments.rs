@@ -72,7 +72,7 @@ fn split<T: DeserializeOwned>(raw: Option<&str>, paged: bool) -> Result<(T, Segm
     let pairs: Vec<(String, String)> = serde_urlencoded::from_str(raw.unwrap_or_default())
         .map_err(|err| invalid(format!("Failed to deserialize query string: {err}")))?;
     let mut segments = SegmentParams { limit: DEFAULT_LIMIT, ..SegmentParams::default() };
-    let (mut rest, mut page) = (Vec::new(), None);
+    let (mut rest, mut page, mut limited) = (Vec::new(), None, false);
     for (name, value) in pairs {
         if let Some(dimension) = name.strip_prefix(FILTER_PREFIX) {
             if segments.filters.insert(dimension.to_string(), value).is_some() {
@@ -81,8 +81,10 @@ fn split<T: DeserializeOwned>(raw: Option<&str>, paged: bool) -> Result<(T, Segm
             continue;
         }
         match name.as_str() {
+            "by" if segments.by.is_some() => return Err(invalid("by: given twice".into())),
             "by" => segments.by = Some(value),
             "limit" if paged => {
+                limited = true;
                 segments.limit =
                     value.parse().ok().filter(|limit| (1..=MAX_LIMIT).contains(limit)).ok_or_else(|| {
                         ApiError::bad_request("invalid_limit", format!("limit: must be 1-{MAX_LIMIT}"))
@@ -97,7 +99,7 @@ fn split<T: DeserializeOwned>(raw: Option<&str>, paged: bool) -> Result<(T, Segm
         let fields = page_token::decode(&token, "g1", 1).ok_or_else(invalid)?;
         segments.offset = fields.first().and_then(|offset| offset.parse().ok()).ok_or_else(invalid)?;
     }
-    if segments.by.is_none() && (segments.offset > 0 || segments.limit != DEFAULT_LIMIT) {
+    if segments.by.is_none() && (segments.offset > 0 || limited) {
         return Err(invalid("limit and page_token page a breakdown: give by=<dimension>".into()));
     }
     let rest = serde_urlencoded::to_string(&rest).map_err(|err| invalid(err.to_string()))?;
@@ -184,6 +186,8 @@ mod tests {
         assert_eq!(code("by=state&limit=0"), "invalid_limit");
         assert_eq!(code("by=state&page_token=nonsense"), "invalid_page_token");
         assert_eq!(code("limit=5"), "invalid_parameter");
+        assert_eq!(code("limit=100"), "invalid_parameter");
+        assert_eq!(code("by=state&by=country"), "invalid_parameter");
         let unknown = |query: &str| {
             let (_, segments) = split_query::<Params>(Some(query)).unwrap();
             segments.selector(&dimensions(), "views").unwrap_err()

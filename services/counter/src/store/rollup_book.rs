@@ -178,7 +178,9 @@ impl ShardStore {
         read.fill_cache(false);
         for item in self.store.db().iterator_cf_opt(self.cf(CF_COUNTS)?, read, rocksdb::IteratorMode::Start) {
             let (key, _) = item?;
-            if self.live_at(&parse_count_key(&key)?, now) {
+            let count_key = parse_count_key(&key)?;
+            // Segment combinations have no rollups (their metric's keys have).
+            if tally_core::segments::Combination::of(count_key.metric).is_none() && self.live_at(&count_key, now) {
                 batch.put_cf(rollups_cf, &key, PRESENT);
                 marked += 1;
             }
@@ -292,5 +294,31 @@ mod tests {
         assert_eq!(live.len(), marked.len() - 2, "the two minute buckets expired");
         assert_eq!(store.pending_rollups(usize::MAX).unwrap(), live);
         assert_eq!(store.refresh_rollups(later + 1, every).unwrap(), None, "once per interval");
+    }
+
+    /// A segmented increment marks its metric's buckets, never its combination's,
+    /// when applied and when refreshed.
+    #[test]
+    fn segment_combinations_are_never_marked_for_rollups() {
+        use tally_core::wire::{Increment, ShardMessage, Source, Stamp};
+        let dir = tempfile::tempdir().unwrap();
+        let store = crate::store::ShardStore::open(0, dir.path(), crate::store::StoreOptions::default()).unwrap();
+        let metric = "views\u{1}state\u{1e}CA".to_string();
+        let increment = Increment { entity: "e".into(), metric, delta: 1, ts: NOW, id: None };
+        let source = Source { stream: Source::INCREMENTS, partition: 0 };
+        let payload = ShardMessage::Increments { source, entries: vec![(Stamp { offset: 0, index: 0 }, increment)] }
+            .encode()
+            .unwrap();
+        store
+            .apply(&[crate::store::apply::ShardRecord { offset: 0, payload: &payload, timestamp: None }], NOW, true)
+            .unwrap();
+        let metrics = |keys: &[Vec<u8>]| -> Vec<String> {
+            keys.iter().map(|k| parse_count_key(k).unwrap().metric.to_string()).collect()
+        };
+        let marked = store.pending_rollups(usize::MAX).unwrap();
+        assert_eq!(metrics(&marked), vec!["views"; 4], "the metric's all-time and three buckets");
+        store.rollups_published(store.rollup_page(marked.clone()).unwrap(), NOW).unwrap();
+        assert_eq!(store.refresh_rollups(NOW, 86_400_000).unwrap(), Some(4));
+        assert_eq!(metrics(&store.pending_rollups(usize::MAX).unwrap()), vec!["views"; 4]);
     }
 }

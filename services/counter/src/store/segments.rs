@@ -41,6 +41,12 @@ pub(crate) const CF_LETTERS: &str = "letters";
 /// Most (entity, metric) counts of registered combinations kept in memory; past it
 /// the cache starts again (a count is read again from the store when needed).
 const MAX_CACHED: usize = 100_000;
+/// Most combinations one segment query walks: an entity fed by many ancestors holds
+/// the union of theirs. Past it the query is refused (`too_many_combinations`).
+pub const MAX_COMBINATIONS_READ: usize = 100_000;
+/// Most counts one segment answer holds (groups × points): a breakdown of a long
+/// series by a dimension of many values is refused (`too_many_groups`).
+pub const MAX_SEGMENT_CELLS: usize = 1_000_000;
 
 /// How many combinations each (entity, metric) registered, as far as read.
 #[derive(Default)]
@@ -129,8 +135,7 @@ impl<'s, 'a> Admissions<'s, 'a> {
             self.overflowed += 1;
             let overflow = (entity, combination.overflow());
             let marker = registration_key(entity, combination.overflow());
-            if !self.known.contains(&overflow) && self.store.store.db().get_pinned_cf(cf, &marker)?.is_none() {
-                self.known.insert(overflow);
+            if self.known.insert(overflow) && self.store.store.db().get_pinned_cf(cf, &marker)?.is_none() {
                 batch.put_cf(cf, &marker, PRESENT);
                 self.put_letter(batch, combination, origin)?;
             }
@@ -230,7 +235,21 @@ impl ShardStore {
         let mut overflow = vec![0; points];
         let mut iterator = snapshot.raw_iterator_cf(cf);
         iterator.seek(&prefix);
+        let mut walked = 0usize;
         while let Some(stored_key) = iterator.key().filter(|key| key.starts_with(&prefix)) {
+            walked += 1;
+            if walked > MAX_COMBINATIONS_READ {
+                let message = format!(
+                    "{entity}'s {metric} holds more than {MAX_COMBINATIONS_READ} segment combinations: too many for one read"
+                );
+                return Ok(ShardAnswer::Error { code: "too_many_combinations".into(), message });
+            }
+            if groups.len().saturating_add(1).saturating_mul(points) > MAX_SEGMENT_CELLS {
+                let message = format!(
+                    "more than {MAX_SEGMENT_CELLS} counts (groups × points): break down a shorter series or filter more"
+                );
+                return Ok(ShardAnswer::Error { code: "too_many_groups".into(), message });
+            }
             let segmented = parse_count_key(stored_key)?.metric.to_string();
             let combination = Combination::of(&segmented)
                 .ok_or_else(|| tally_core::Error::Format(format!("combination key {stored_key:?}: no combination")))?;
@@ -413,6 +432,37 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A breakdown whose answer would pass the bound of counts is refused, naming it.
+    #[test]
+    fn a_breakdown_past_the_bound_of_counts_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ShardStore::open(0, dir.path(), StoreOptions::default()).unwrap();
+        let dims = dimensions();
+        let entries = (0..1_200u32)
+            .map(|i| {
+                let metric = dims.segmented("v", &[("state", &format!("s{i}"))]).unwrap().unwrap();
+                (Stamp { offset: 0, index: i }, Increment { entity: "e".into(), metric, delta: 1, ts: NOW, id: None })
+            })
+            .collect();
+        let source = Source { stream: Source::INCREMENTS, partition: 0 };
+        let payload = ShardMessage::Increments { source, entries }.encode().unwrap();
+        store.apply(&[ShardRecord { offset: 0, payload: &payload, timestamp: None }], NOW, false).unwrap();
+        let by_state = Some(Selector { filters: vec![], by: Some("state".into()) });
+        // 840 hourly points × 1 200 states: past the bound; a day of them is not.
+        let read = |range_ms: u64| {
+            let spec = WindowSpec::Series { step_ms: 3_600_000, range_ms };
+            let query = ShardQuery {
+                segments: by_state.clone(),
+                ..ShardQuery::plain("e".into(), "v".into(), Kind::Total, spec)
+            };
+            store.read(&[query], NOW).unwrap().remove(0)
+        };
+        let ShardAnswer::Error { code, message } = read(35 * 86_400_000) else { panic!("answered") };
+        assert_eq!(code, "too_many_groups", "{message}");
+        let ShardAnswer::Segments { groups, .. } = read(86_400_000) else { panic!("refused") };
+        assert_eq!(groups.len(), 1_200);
     }
 
     #[test]
