@@ -433,9 +433,9 @@ fn segmented(entity: &str, delta: i64, ts: i64, state: &str, device: &str) -> Re
     Record { graph: false, key: entity.into(), payload: payload.to_string().into_bytes(), timestamp: ts }
 }
 
-/// A breakdown opened from its URL: the chart draws the top states of user:7's
-/// views on ios as the API's breakdown answers, the rest as "other" (the filtered
-/// series less the states shown), the controls show the URL's choices, the totals
+/// A breakdown opened from its URL: the chart draws the top three states of
+/// user:7's views on ios as the API's breakdown answers, the rest as "other" (the
+/// filtered series less the states shown: here the fourth state alone), the controls show the URL's choices, the totals
 /// are filtered, and the explain view lists the filtered contributors.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_breakdown_chart_opens_from_its_url() {
@@ -462,11 +462,11 @@ async fn a_breakdown_chart_opens_from_its_url() {
     })
     .await;
     let browser = Browser::start().await;
-    let query = "entity=user%3A7&metric=views&range=24h&step=1h&kind=total&segment.device=ios&by=state&top=2";
+    let query = "entity=user%3A7&metric=views&range=24h&step=1h&kind=total&segment.device=ios&by=state&top=3";
     browser.open(&format!("{}/?{query}", sandbox.query_url)).await;
     let series = "/v1/counters/user:7/views/series?step=1h&range=24h&kind=total&segment.device=ios";
     eventually("the breakdown chart equals the API", || async {
-        let (_, top) = sandbox.get(&format!("{series}&by=state&limit=2")).await;
+        let (_, top) = sandbox.get(&format!("{series}&by=state&limit=3")).await;
         let (_, whole) = sandbox.get(series).await;
         let points = |points: &Value| -> Vec<(i64, i64)> {
             points
@@ -498,13 +498,24 @@ async fn a_breakdown_chart_opens_from_its_url() {
         (drawn == want).then_some(()).ok_or(format!("drawn {drawn:?}, API {want:?}"))
     })
     .await;
-    // NY (7 on ios) and CA (5) are the top two; TX and WA (3) are "other".
-    assert_eq!(browser.texts(".legend span[data-label]").await, ["state=NY", "state=CA", "other"]);
+    // NY (7 on ios), CA (5) and TX (2) are the top three; WA (1) is "other", drawn
+    // as WA's own series.
+    assert_eq!(browser.texts(".legend span[data-label]").await, ["state=NY", "state=CA", "state=TX", "other"]);
+    let (_, wa) = sandbox.get(&format!("{series}&segment.state=WA")).await;
+    let wa: Vec<(i64, i64)> = wa["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["t"].as_i64().unwrap(), p["value"].as_i64().unwrap()))
+        .collect();
+    let other = browser.attr("path.series[data-label='other']", "data-points").await;
+    assert_eq!(serde_json::from_str::<Vec<(i64, i64)>>(&other).unwrap(), wa, "other is WA's series");
     let mut controls = Vec::new();
     for css in ["#by", "#segments"] {
         controls.push(browser.wait_for(css).await.prop("value").await.unwrap().unwrap_or_default());
     }
-    assert_eq!(controls, ["state", "device=ios"], "the controls show the URL's choices");
+    controls.push(browser.wait_for("#top").await.prop("value").await.unwrap().unwrap_or_default());
+    assert_eq!(controls, ["state", "device=ios", "3"], "the controls show the URL's choices");
     let cell = browser.text("td[data-entity='user:7'][data-window='all']").await;
     assert_eq!(shown(&cell), Some(15), "the filtered all-time total: {cell}");
     // The explain view explains the selection.
