@@ -240,6 +240,28 @@ async fn breakdowns_and_filters_equal_the_model_through_the_graph_and_a_kill9() 
     assert!(groups >= 20, "a breakdown of {groups} states");
     assert_eq!(queries().await - before, 1.0, "{groups} states read as one query");
 
+    // The command line asks the same, and writes a segmented increment.
+    let (ok, out) = sandbox.cli(&["query", "team:0", "views", "--by", "state"]);
+    let printed: Value = serde_json::from_str(out.trim()).unwrap_or_default();
+    assert!(ok && printed["breakdown"] == body["breakdown"], "{out}");
+    let device = value("device", 7);
+    let segment = format!("device={device}");
+    let (ok, out) = sandbox.cli(&[
+        "produce",
+        "--print-token",
+        "increment",
+        "cli:1",
+        "views",
+        "--delta",
+        "4",
+        "--segment",
+        &segment,
+    ]);
+    assert!(ok, "{out}");
+    let (ok, out) = sandbox.cli(&["query", "cli:1", "views", "--segment", &segment, "--after", out.trim()]);
+    let printed: Value = serde_json::from_str(out.trim()).unwrap_or_default();
+    assert!(ok && printed["value"] == 4 && printed["segments"]["device"] == device.as_str(), "{out}");
+
     // POST /v1/query answers the same as the GET.
     let (status, batch) = sandbox
         .post(

@@ -112,6 +112,10 @@ enum ProduceCommand {
         /// Idempotency key.
         #[arg(long)]
         id: Option<String>,
+        /// A segment, `dimension=value` (repeat for several): the metric must declare the
+        /// dimension (`counting.dimensions`).
+        #[arg(long = "segment", value_parser = dimension_and_value)]
+        segments: Vec<(String, String)>,
     },
     /// Produce one graph update (`add` or `remove` the edge from → to) to the graph topic.
     Edge {
@@ -165,9 +169,23 @@ struct QueryArgs {
     /// How long to wait for `--after` (default 10 000).
     #[arg(long)]
     max_wait_ms: Option<i64>,
+    /// A segment filter, `dimension=value` or `dimension=*` (any value); repeat for several.
+    #[arg(long = "segment", value_parser = dimension_and_value)]
+    segments: Vec<(String, String)>,
+    /// Break the answer down by this dimension (largest first).
+    #[arg(long)]
+    by: Option<String>,
     /// tally-query's base URL (default: from the config's query.listen).
     #[arg(long)]
     url: Option<String>,
+}
+
+/// `dimension=value`, split.
+fn dimension_and_value(text: &str) -> Result<(String, String), String> {
+    match text.split_once('=') {
+        Some((dimension, value)) if !dimension.is_empty() => Ok((dimension.to_string(), value.to_string())),
+        _ => Err(format!("{text:?}: expected dimension=value")),
+    }
 }
 
 /// Whether `args` (the words after `tally`) is a command line `tally` accepts; the
@@ -198,13 +216,19 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Up(args) => up::run(config, args).await,
         Command::Topics { command: TopicsCommand::Apply { file } } => topics_apply(&config, file).await,
-        Command::Produce { print_token, command: ProduceCommand::Increment { entity, metric, delta, ts, id } } => {
+        Command::Produce {
+            print_token,
+            command: ProduceCommand::Increment { entity, metric, delta, ts, id, segments },
+        } => {
             let mut body = serde_json::json!({"entity": entity, "metric": metric, "delta": delta});
             if let Some(ts) = ts {
                 body["ts"] = ts.into();
             }
             if let Some(id) = id {
                 body["id"] = id.into();
+            }
+            if !segments.is_empty() {
+                body["segments"] = segments.into_iter().map(|(d, v)| (d, serde_json::Value::from(v))).collect();
             }
             let topic = TopicNames::new(&config.kafka.topic_prefix).increments();
             produce(&config, (&topic, TokenTopic::Increments), &entity, &serde_json::to_vec(&body)?, print_token).await
@@ -348,6 +372,14 @@ async fn query(config: &TallyConfig, args: QueryArgs) -> anyhow::Result<()> {
     }
     if let Some(ms) = args.max_wait_ms {
         url.push_str(&format!("&max_wait_ms={ms}"));
+    }
+    for (dimension, value) in &args.segments {
+        let (dimension, value) =
+            (utf8_percent_encode(dimension, NON_ALPHANUMERIC), utf8_percent_encode(value, NON_ALPHANUMERIC));
+        url.push_str(&format!("&segment.{dimension}={value}"));
+    }
+    if let Some(by) = &args.by {
+        url.push_str(&format!("&by={}&limit=1000", utf8_percent_encode(by, NON_ALPHANUMERIC)));
     }
     get_and_print(config, &url).await
 }
