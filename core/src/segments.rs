@@ -87,11 +87,6 @@ impl Dimensions {
         self.0.get(metric).map_or(&[], Vec::as_slice)
     }
 
-    /// Whether any metric declares a dimension.
-    pub fn is_empty(&self) -> bool {
-        self.0.values().all(Vec::is_empty)
-    }
-
     /// Checks `dimension` for a query of `metric`.
     pub fn check_query(&self, metric: &str, dimension: &str) -> Result<(), String> {
         if self.of(metric).iter().any(|d| d == dimension) {
@@ -238,9 +233,6 @@ impl Selector {
         }
         if let Some(by) = &self.by {
             dimensions.check_query(metric, by)?;
-        }
-        if self.filters.len() > MAX_DIMENSIONS {
-            return Err(format!("at most {MAX_DIMENSIONS} segment filters"));
         }
         Ok(())
     }

@@ -176,13 +176,12 @@ pub(crate) fn now_ms() -> i64 {
 /// A shard's per-query error becomes the client's 400.
 pub(crate) fn answer_error(answer: &ShardAnswer) -> Option<ApiError> {
     match answer {
+        // A segment query asking for more than one read may walk or answer: a 422.
         ShardAnswer::Error { code, message } => Some(match code.as_str() {
-            // A segment query asking for more than one read may walk or answer.
-            "too_many_combinations" | "too_many_groups" => ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                if code == "too_many_groups" { "too_many_groups" } else { "too_many_combinations" },
-                message.clone(),
-            ),
+            "too_many_combinations" => {
+                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "too_many_combinations", message.clone())
+            }
+            "too_many_groups" => ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "too_many_groups", message.clone()),
             _ => ApiError::bad_request("invalid_window", message.clone()),
         }),
         _ => None,
@@ -627,6 +626,9 @@ mod tests {
         let walked = ShardAnswer::Error { code: "too_many_combinations".into(), message: "many".into() };
         let err = answer_error(&walked).unwrap();
         assert_eq!((err.status, err.code), (StatusCode::UNPROCESSABLE_ENTITY, "too_many_combinations"));
+        let groups = ShardAnswer::Error { code: "too_many_groups".into(), message: "long".into() };
+        let err = answer_error(&groups).unwrap();
+        assert_eq!((err.status, err.code), (StatusCode::UNPROCESSABLE_ENTITY, "too_many_groups"));
         let window_error = ShardAnswer::Error { code: "invalid_window".into(), message: "long".into() };
         assert_eq!(answer_error(&window_error).unwrap().code, "invalid_window");
     }

@@ -194,6 +194,8 @@ mod tests {
         };
         assert!(unknown("segment.colour=red").message.contains("has no dimension \"colour\""));
         assert!(unknown("by=device").message.contains("has no dimension \"device\""));
+        let long = format!("segment.country={}", "x".repeat(65));
+        assert!(unknown(&long).message.contains("1-64 bytes"), "an oversized value");
         let (_, segments) = split_query::<Params>(Some("segment.country=US")).unwrap();
         assert!(segments.selector(&dimensions(), "likes").unwrap_err().message.contains("declares no dimensions"));
     }
