@@ -91,16 +91,18 @@ async fn cancelled_jobs_never_run_and_running_ones_stop_within_a_heartbeat() {
     let cancel = |base: &str, id: &str| {
         http.post(format!("{base}/v1/queues/cancels/cancel")).json(&serde_json::json!({ "id": id })).send()
     };
-    // Once the owners report nothing left to fetch (their lag, refreshed every second)...
-    let unfetched = |base: String| async move {
+    // Once the owners hold every job (the long ones running, the others waiting for
+    // their time): nothing is left to fetch...
+    let held = |base: String| async move {
         let stats: serde_json::Value =
             reqwest::get(format!("{base}/v1/queues/cancels")).await.ok()?.json().await.ok()?;
-        let owned = stats["partitions"].as_array()?.iter().filter(|p| p["owned_here"] == true);
-        Some(owned.map(|p| p["lag"].as_i64().unwrap_or(1)).sum::<i64>())
+        Some(stats["in_flight"].as_u64()? + stats["delayed"].as_u64()?)
     };
-    while unfetched(a.clone()).await != Some(0) || unfetched(b.clone()).await != Some(0) {
-        assert!(Instant::now() < deadline, "the brokers never fetched everything");
+    let mut holding = (None, None);
+    while holding.0.zip(holding.1).map(|(a, b)| a + b) != Some((RUNNING + WAITING) as u64) {
+        assert!(Instant::now() < deadline, "the brokers never held every job: {holding:?}");
         tokio::time::sleep(Duration::from_millis(200)).await;
+        holding = (held(a.clone()).await, held(b.clone()).await);
     }
     // Garbage and oversized requests are refused, saying why.
     let garbage = http.post(format!("{a}/v1/queues/cancels/cancel")).body("not json").send().await.unwrap();

@@ -26,6 +26,9 @@ use crate::http::{body, error, find, ApiState};
 /// How long a cancel waits for each owner's answer.
 const OWNER_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long an owner waits for each partition's log end (within [`OWNER_TIMEOUT`]).
+const WATERMARK_TIMEOUT: Duration = Duration::from_secs(2);
+
 pub async fn cancel(
     State(state): State<ApiState>,
     Path(queue): Path<String>,
@@ -99,7 +102,12 @@ pub async fn held(
     };
     let state_here = state.broker.cancel_held(&queue.name, &request.id);
     state.broker.expire_leases();
-    Json(HeldCancel { state: state_here, unfetched: state.broker.unfetched(&queue) }).into_response()
+    let broker = state.broker.clone();
+    let unfetched = tokio::task::spawn_blocking(move || broker.unfetched_now(&queue, WATERMARK_TIMEOUT)).await;
+    let Ok(unfetched) = unfetched else {
+        return error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "reading the partitions' ends failed");
+    };
+    Json(HeldCancel { state: state_here, unfetched }).into_response()
 }
 
 /// The queue named and a cancel request naming a valid job id, or the 4xx answer.

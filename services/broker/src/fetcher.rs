@@ -391,14 +391,16 @@ pub fn spawn_reporter(
     let thread = tally_shared::shutdown::every("broker-report", Duration::from_secs(1), shutdown, move || {
         let mut reporting = HashSet::new();
         for queue in broker.queues() {
-            let served: Vec<(i32, i64)> = lock(&queue.partitions, PARTITIONS)
-                .iter()
-                .map(|(k, b)| (*k, lock(b, BUFFER).fetched_until()))
-                .collect();
+            let served: Vec<(i32, Arc<Mutex<PartitionQueue>>)> =
+                lock(&queue.partitions, PARTITIONS).iter().map(|(k, b)| (*k, b.clone())).collect();
             let (mut lag, mut ends) = (HashMap::new(), HashMap::new());
             let mut lags = Vec::new();
-            for &(partition, fetched) in &served {
+            for (partition, buffer) in &served {
+                let partition = *partition;
+                // The end first, then what was fetched: a slow round trip never
+                // reports records fetched meanwhile as unfetched.
                 if let Ok((_, high)) = client.fetch_watermarks(&queue.topic, partition, Duration::from_secs(2)) {
+                    let fetched = lock(buffer, BUFFER).fetched_until();
                     lag.insert(partition, (high - fetched).max(0));
                     ends.insert(partition, high);
                     lags.push((partition as u32, fetched, (high - fetched).max(0)));

@@ -362,9 +362,23 @@ impl Broker {
         Some(held)
     }
 
-    /// Records not fetched yet of the partitions of `queue` served here.
-    pub fn unfetched(&self, queue: &QueueRuntime) -> i64 {
-        lock(&queue.lag, LAG).values().sum()
+    /// The records of `queue` not fetched yet by this broker as of now: each served
+    /// partition's log end, read first, against what its buffer fetched since (the
+    /// reported lag can be a second old, or not reported yet). A partition whose end
+    /// cannot be read within `timeout` counts as one record unfetched. Blocking.
+    pub fn unfetched_now(&self, queue: &QueueRuntime, timeout: Duration) -> i64 {
+        let client = rdkafka::producer::Producer::client(&self.dead_producer);
+        queue
+            .served()
+            .into_iter()
+            .map(|(partition, buffer)| match client.fetch_watermarks(&queue.topic, partition, timeout) {
+                Ok((_, end)) => (end - lock(&buffer, BUFFER).fetched_until()).max(0),
+                Err(err) => {
+                    tracing::warn!(queue = %queue.name, partition, error = %err, "reading a partition's end");
+                    1
+                }
+            })
+            .sum()
     }
 
     /// Extends a lease; returns the new deadline, and whether its job was cancelled.
