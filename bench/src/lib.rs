@@ -74,6 +74,12 @@ enum Command {
         /// Increments after the snapshot (the tail a restore replays).
         #[arg(long, default_value_t = 100_000)]
         tail: usize,
+        /// Entities the increments spread over.
+        #[arg(long, default_value_t = 100_000)]
+        entities: usize,
+        /// Zipf exponent of their popularity (0: uniform, every entity alike).
+        #[arg(long, default_value_t = 1.1)]
+        zipf: f64,
     },
     /// The ingester's parse on one thread: arrays of valid increments (one pass) vs the
     /// same with an element to reject (element by element); with `--per-message 1`,
@@ -158,7 +164,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
             println!("ratio: {:.2}x", figures.one_pass / figures.element_by_element);
             Ok(())
         }
-        Command::Restore { history, tail } => bench_restore(history, tail).await,
+        Command::Restore { history, tail, entities, zipf } => bench_restore(history, tail, entities, zipf).await,
         Command::Segments { increments, entities, reads } => {
             bench_segments(segments::SegmentBenchOptions { increments, entities, reads }).await
         }
@@ -183,8 +189,8 @@ fn rocksdb_build() -> &'static str {
     }
 }
 
-async fn bench_restore(histories: Vec<usize>, tail: usize) -> anyhow::Result<()> {
-    let workload = counter_apply::BenchOptions::default();
+async fn bench_restore(histories: Vec<usize>, tail: usize, entities: usize, zipf: f64) -> anyhow::Result<()> {
+    let workload = counter_apply::BenchOptions { entities, zipf_exponent: zipf, ..Default::default() };
     println!(
         "restore bench: one shard's log of {histories:?} increments of history and {tail} after the snapshot, {} entities, Zipf s={}, {} increments/record; RocksDB and the snapshot store (a local directory) on disk",
         workload.entities, workload.zipf_exponent, workload.increments_per_record
@@ -196,12 +202,18 @@ async fn bench_restore(histories: Vec<usize>, tail: usize) -> anyhow::Result<()>
     let figures = tokio::task::spawn_blocking(move || restore::run(&options, &path, runtime)).await??;
     for f in figures {
         println!(
-            "history {:>10}: replay {:>7.2} s   restore {:>6.2} s (snapshot {:.1} MB + tail)   {:.1}x",
+            "history {:>10}: replay {:>7.2} s   restore {:>6.2} s (download {:.2} s of a {:.1} MB snapshot, tail replayed)   {:.1}x",
             f.history,
             f.replay_seconds,
             f.restore_seconds,
+            f.download_seconds,
             f.snapshot_bytes as f64 / 1e6,
             f.ratio()
+        );
+        let held = f.download_rss_bytes.map_or("unknown".into(), |bytes| format!("{:.1} MB", bytes as f64 / 1e6));
+        println!(
+            "                    memory held by the download (peak resident growth): {held}; the largest file: {:.1} MB",
+            f.largest_file_bytes as f64 / 1e6
         );
     }
     Ok(())

@@ -32,13 +32,35 @@ pub struct RestoreFigures {
     pub replay_seconds: f64,
     /// Seconds to restore the snapshot, open it and replay the tail.
     pub restore_seconds: f64,
+    /// Of those, the download's.
+    pub download_seconds: f64,
     pub snapshot_bytes: u64,
+    /// The snapshot's largest file: what a download holding a file in memory whole
+    /// would hold at least.
+    pub largest_file_bytes: u64,
+    /// How far the process's resident memory rose above where it stood during the
+    /// download (its peak, from `/proc/self/status`), if this system tells.
+    pub download_rss_bytes: Option<u64>,
 }
 
 impl RestoreFigures {
     pub fn ratio(&self) -> f64 {
         self.replay_seconds / self.restore_seconds.max(f64::MIN_POSITIVE)
     }
+}
+
+/// A line of `/proc/self/status` (`VmRSS:`, `VmHWM:`), in KiB.
+fn status_kib(field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|line| line.starts_with(field))?;
+    line[field.len()..].trim().trim_end_matches("kB").trim().parse().ok()
+}
+
+/// Resets the process's peak resident memory to what it holds now (Linux's
+/// `clear_refs`); that, in KiB, if this system allows it.
+fn reset_peak_rss() -> Option<u64> {
+    std::fs::write("/proc/self/clear_refs", "5").ok()?;
+    status_kib("VmRSS:")
 }
 
 /// Applies `records` (shard-topic offsets from `first`) in the consumer's batches.
@@ -84,13 +106,25 @@ pub fn run(options: &RestoreBenchOptions, dir: &Path, runtime: tokio::runtime::H
 
         // The disk is lost: restore the newest snapshot, open it, replay the tail.
         let restored_dir = dir.join(format!("restored-{history}"));
+        let before = reset_peak_rss();
         let started = Instant::now();
         Snapshotter::restore_latest(&snapshots, &name, &restored_dir)?;
+        let download_seconds = started.elapsed().as_secs_f64();
+        let download_rss_bytes =
+            before.zip(status_kib("VmHWM:")).map(|(before, peak)| peak.saturating_sub(before) * 1024);
         let restored = ShardStore::open(0, &restored_dir, StoreOptions::default())?;
         let from = restored.next_offset().unwrap_or(0);
         apply_log(&restored, &records[from as usize..], from, batch, now)?;
         let restore_seconds = started.elapsed().as_secs_f64();
-        figures.push(RestoreFigures { history, replay_seconds, restore_seconds, snapshot_bytes: manifest.bytes() });
+        figures.push(RestoreFigures {
+            history,
+            replay_seconds,
+            restore_seconds,
+            download_seconds,
+            snapshot_bytes: manifest.bytes(),
+            largest_file_bytes: manifest.files.iter().map(|f| f.bytes).max().unwrap_or(0),
+            download_rss_bytes,
+        });
     }
     Ok(figures)
 }

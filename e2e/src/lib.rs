@@ -59,6 +59,8 @@ pub struct ReadRecord {
     pub headers: Vec<String>,
     /// Its headers, with their values.
     pub header_values: Vec<(String, Vec<u8>)>,
+    /// Its Kafka timestamp, in ms since the epoch.
+    pub timestamp: Option<i64>,
 }
 
 impl ReadRecord {
@@ -523,6 +525,7 @@ impl Sandbox {
                     tombstone: message.payload().is_none(),
                     headers: header_values.iter().map(|(key, _)| key.clone()).collect(),
                     header_values,
+                    timestamp: message.timestamp().to_millis(),
                 });
             }
         }

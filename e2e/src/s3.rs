@@ -6,6 +6,11 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+/// Requests under the services' access key: moto checks no signature, only whose the
+/// objects are (an anonymous writer may not replace theirs, nor read them).
+const AUTHORIZATION: &str =
+    "AWS4-HMAC-SHA256 Credential=test/20260101/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=0";
+
 pub struct S3 {
     child: Child,
     pub endpoint: String,
@@ -57,11 +62,7 @@ impl S3 {
     /// Writes an object, as a misbehaving writer of the bucket would.
     pub async fn put(&self, key: &str, bytes: Vec<u8>) {
         let url = format!("{}/{}/{key}", self.endpoint, self.bucket);
-        // Under the services' access key: moto checks no signature, only whose the
-        // objects are (an anonymous writer may not replace theirs).
-        let authorization =
-            "AWS4-HMAC-SHA256 Credential=test/20260101/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=0";
-        let request = reqwest::Client::new().put(url).header("authorization", authorization).body(bytes);
+        let request = reqwest::Client::new().put(url).header("authorization", AUTHORIZATION).body(bytes);
         let response = request.send().await.expect("putting an object");
         assert!(response.status().is_success(), "putting {key}: {}", response.status());
     }
@@ -69,6 +70,19 @@ impl S3 {
     /// The keys stored in the bucket (its ListObjectsV2, first page).
     pub async fn keys(&self) -> Vec<String> {
         self.objects().await.into_iter().map(|(key, _)| key).collect()
+    }
+
+    /// The ETag of the object `key` (a multipart upload's ends in `-<parts>`).
+    pub async fn etag(&self, key: &str) -> String {
+        let response = reqwest::Client::new()
+            .head(format!("{}/{}/{key}", self.endpoint, self.bucket))
+            .header("authorization", AUTHORIZATION)
+            .send()
+            .await
+            .expect("a HEAD of the object");
+        assert!(response.status().is_success(), "HEAD {key}: {}", response.status());
+        let etag = response.headers().get("etag").expect("an ETag").to_str().expect("an ASCII ETag");
+        etag.trim_matches('"').to_string()
     }
 
     /// The objects stored in the bucket with their sizes (first page).

@@ -42,6 +42,17 @@ pub fn restored_marker(dir: &Path) -> PathBuf {
 /// The name of the manifest in a snapshot's directory.
 const MANIFEST: &str = "MANIFEST.json";
 
+/// A file up to this size is uploaded in one PUT; a larger one in parts of this
+/// size (S3 takes parts of 5 MiB to 5 GiB, at most 10 000 of them: files to 80 GB).
+pub const PART_BYTES: usize = 8 << 20;
+
+/// The parts of one file being uploaded at a time: with the part being filled, what
+/// an upload holds in memory is at most this many parts and one more.
+pub const PARTS_IN_FLIGHT: usize = 2;
+
+/// What a file is read in, to upload or to hash.
+const READ_BYTES: usize = 1 << 20;
+
 /// What a snapshot holds: its files and the offset it is consistent with.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Manifest {
@@ -88,9 +99,56 @@ pub struct Listing {
     pub incomplete: Vec<(String, Option<i64>)>,
 }
 
-/// The SHA-256 of `bytes`, hex.
-fn sha256_hex(bytes: &[u8]) -> String {
-    tally_core::format::hex(ring::digest::digest(&ring::digest::SHA256, bytes).as_ref())
+/// A SHA-256 being computed, and the bytes it has seen.
+struct Hashing {
+    context: ring::digest::Context,
+    bytes: u64,
+}
+
+impl Hashing {
+    fn new() -> Self {
+        Self { context: ring::digest::Context::new(&ring::digest::SHA256), bytes: 0 }
+    }
+
+    fn update(&mut self, bytes: &[u8]) {
+        self.context.update(bytes);
+        self.bytes += bytes.len() as u64;
+    }
+
+    /// The hash, hex.
+    fn finish(self) -> String {
+        tally_core::format::hex(self.context.finish().as_ref())
+    }
+}
+
+/// The next part of `file`: up to `bytes` of it, hashed; empty at its end.
+fn read_part(file: &mut std::fs::File, bytes: usize, hashing: &mut Hashing) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let mut part = Vec::new();
+    file.take(bytes as u64).read_to_end(&mut part)?;
+    hashing.update(&part);
+    Ok(part)
+}
+
+/// Sends the parts `next` reads to `upload`, at most [`PARTS_IN_FLIGHT`] at a time
+/// (and one read ahead), until it has none.
+async fn send_parts(
+    upload: &mut dyn object_store::MultipartUpload,
+    mut next: impl FnMut() -> Result<Option<Vec<u8>>>,
+) -> Result<()> {
+    let mut in_flight: futures::stream::FuturesUnordered<object_store::UploadPart> = Default::default();
+    while let Some(part) = next()? {
+        while in_flight.len() >= PARTS_IN_FLIGHT {
+            if let Some(sent) = in_flight.next().await {
+                sent.map_err(objects_error)?;
+            }
+        }
+        in_flight.push(upload.put_part(part.into()));
+    }
+    while let Some(sent) = in_flight.next().await {
+        sent.map_err(objects_error)?;
+    }
+    Ok(())
 }
 
 impl Manifest {
@@ -150,6 +208,8 @@ pub fn clear_restored_marker(dir: &Path) -> std::io::Result<()> {
 pub struct SnapshotStore {
     objects: Arc<dyn ObjectStore>,
     runtime: tokio::runtime::Handle,
+    /// [`PART_BYTES`], smaller in tests.
+    part_bytes: usize,
 }
 
 fn objects_error(err: object_store::Error) -> Error {
@@ -162,7 +222,7 @@ impl SnapshotStore {
         std::fs::create_dir_all(dir)?;
         // Pruned snapshots leave no empty directories behind.
         let objects = LocalFileSystem::new_with_prefix(dir).map_err(objects_error)?.with_automatic_cleanup(true);
-        Ok(Self { objects: Arc::new(objects), runtime })
+        Ok(Self { objects: Arc::new(objects), runtime, part_bytes: PART_BYTES })
     }
 
     /// The snapshot store `config` names: an S3-compatible object store when `url`
@@ -185,7 +245,13 @@ impl SnapshotStore {
             Some(prefix) => Arc::new(object_store::prefix::PrefixStore::new(objects, prefix)),
             None => Arc::new(objects),
         };
-        Ok(Self { objects, runtime })
+        Ok(Self { objects, runtime, part_bytes: PART_BYTES })
+    }
+
+    /// The same store, uploading files over `bytes` in parts of `bytes` (S3 takes
+    /// parts of at least 5 MiB but the last).
+    pub fn with_part_bytes(self, bytes: usize) -> Self {
+        Self { part_bytes: bytes.max(1), ..self }
     }
 
     /// Snapshots `store` as `name`: a checkpoint in `scratch` (a directory on the
@@ -214,14 +280,9 @@ impl SnapshotStore {
                 .and_then(|n| n.to_str())
                 .map(str::to_string)
                 .ok_or_else(|| Error::Snapshot(format!("{}: not a file name", path.display())))?;
-            let bytes = std::fs::read(&path)?;
-            files.push(SnapshotFile {
-                name: file.clone(),
-                bytes: bytes.len() as u64,
-                sha256: Some(sha256_hex(&bytes)),
-            });
             let location = ObjectPath::from(format!("{name}/{id}/{file}"));
-            self.runtime.block_on(self.objects.put(&location, bytes.into())).map_err(objects_error)?;
+            let (bytes, sha256) = self.upload(&location, &path)?;
+            files.push(SnapshotFile { name: file, bytes, sha256: Some(sha256) });
         }
         let manifest = Manifest {
             v: JSON_V1,
@@ -235,6 +296,44 @@ impl SnapshotStore {
         let location = ObjectPath::from(format!("{name}/{id}/{MANIFEST}"));
         self.runtime.block_on(self.objects.put(&location, body.into())).map_err(objects_error)?;
         Ok(manifest)
+    }
+
+    /// Uploads the file at `path` to `location`: its size and SHA-256 as read. The
+    /// parts' uploads run in this call (nothing is spawned on the runtime).
+    fn upload(&self, location: &ObjectPath, path: &Path) -> Result<(u64, String)> {
+        let mut file = std::fs::File::open(path)?;
+        let mut hashing = Hashing::new();
+        let first = read_part(&mut file, self.part_bytes, &mut hashing)?;
+        let second = match first.len() == self.part_bytes {
+            true => read_part(&mut file, self.part_bytes, &mut hashing)?,
+            false => Vec::new(),
+        };
+        if second.is_empty() {
+            self.runtime.block_on(self.objects.put(location, first.into())).map_err(objects_error)?;
+            return Ok((hashing.bytes, hashing.finish()));
+        }
+        self.runtime.block_on(async {
+            let mut upload = self.objects.put_multipart(location).await.map_err(objects_error)?;
+            let mut read = [first, second].into_iter();
+            let next = || match read.next() {
+                Some(part) => Ok(Some(part)),
+                None => {
+                    read_part(&mut file, self.part_bytes, &mut hashing).map(|part| Some(part).filter(|p| !p.is_empty()))
+                }
+            };
+            match send_parts(upload.as_mut(), next).await {
+                Ok(()) => upload.complete().await.map_err(objects_error)?,
+                Err(err) => {
+                    // The parts sent so far are deleted (else a store keeps them,
+                    // unlisted, until a lifecycle rule collects them).
+                    if let Err(abort) = upload.abort().await {
+                        tracing::warn!(location = %location, error = %abort, "aborting a multipart upload");
+                    }
+                    return Err(err);
+                }
+            };
+            Ok((hashing.bytes, hashing.finish()))
+        })
     }
 
     /// The complete, readable snapshots of `name`, oldest first; a manifest this
@@ -312,35 +411,7 @@ impl SnapshotStore {
         remove_dir_if_there(&partial)?;
         std::fs::create_dir_all(&partial)?;
         for file in &manifest.files {
-            let location = ObjectPath::from(format!("{}/{}/{}", manifest.name, manifest.id, file.name));
-            // The size is checked before an object is loaded (it is loaded whole).
-            let got = self.runtime.block_on(async {
-                let got = self.objects.get(&location).await?;
-                let size = got.meta.size;
-                match size == file.bytes {
-                    true => got.bytes().await.map(|bytes| (size, Some(bytes))),
-                    false => Ok((size, None)),
-                }
-            });
-            let unusable = |what: String| {
-                Error::SnapshotUnusable(format!("snapshot {}/{}: {} {what}", manifest.name, manifest.id, file.name))
-            };
-            let (size, bytes) = got.map_err(|err| match err {
-                object_store::Error::NotFound { .. } => unusable("is missing".into()),
-                err => objects_error(err),
-            })?;
-            let Some(bytes) = bytes.filter(|bytes| bytes.len() as u64 == file.bytes) else {
-                return Err(unusable(format!("is {size} bytes, the manifest says {}", file.bytes)));
-            };
-            if let Some(want) = &file.sha256 {
-                let found = sha256_hex(&bytes);
-                if found != *want {
-                    return Err(unusable(format!("has SHA-256 {found}, the manifest says {want}")));
-                }
-            }
-            let mut written = std::fs::File::create(partial.join(&file.name))?;
-            std::io::Write::write_all(&mut written, &bytes)?;
-            written.sync_all()?;
+            self.download(manifest, file, &partial.join(&file.name))?;
             progress(file.bytes);
         }
         std::fs::File::open(&partial)?.sync_all()?;
@@ -353,6 +424,45 @@ impl SnapshotStore {
             std::fs::File::open(parent)?.sync_all()?;
         }
         Ok(())
+    }
+
+    /// Downloads `file` of `manifest` to `path` as it streams in, checking its size
+    /// (before a byte is written, and as they come) and its SHA-256.
+    fn download(&self, manifest: &Manifest, file: &SnapshotFile, path: &Path) -> Result<()> {
+        let location = ObjectPath::from(format!("{}/{}/{}", manifest.name, manifest.id, file.name));
+        let unusable = |what: String| {
+            Error::SnapshotUnusable(format!("snapshot {}/{}: {} {what}", manifest.name, manifest.id, file.name))
+        };
+        let wrong_size = |size: u64| unusable(format!("is {size} bytes, the manifest says {}", file.bytes));
+        self.runtime.block_on(async {
+            let got = self.objects.get(&location).await.map_err(|err| match err {
+                object_store::Error::NotFound { .. } => unusable("is missing".into()),
+                err => objects_error(err),
+            })?;
+            if got.meta.size != file.bytes {
+                return Err(wrong_size(got.meta.size));
+            }
+            let mut written = std::io::BufWriter::with_capacity(READ_BYTES, std::fs::File::create(path)?);
+            let mut hashing = Hashing::new();
+            let mut chunks = got.into_stream();
+            while let Some(chunk) = chunks.next().await {
+                let chunk = chunk.map_err(objects_error)?;
+                hashing.update(&chunk);
+                if hashing.bytes > file.bytes {
+                    return Err(wrong_size(hashing.bytes));
+                }
+                std::io::Write::write_all(&mut written, &chunk)?;
+            }
+            if hashing.bytes != file.bytes {
+                return Err(wrong_size(hashing.bytes));
+            }
+            let found = hashing.finish();
+            if let Some(want) = file.sha256.as_ref().filter(|want| **want != found) {
+                return Err(unusable(format!("has SHA-256 {found}, the manifest says {want}")));
+            }
+            written.into_inner().map_err(|err| err.into_error())?.sync_all()?;
+            Ok(())
+        })
     }
 
     /// Deletes all but the newest `keep` snapshots of `name` (at least two stay, so
@@ -909,5 +1019,67 @@ mod tests {
         let mut second = Snapshotter::new(snapshots, &quick, dir.path().join("scratch"));
         assert!(second.consider(other, &store).unwrap().is_some(), "due: taken over 100 ms ago");
         assert_eq!(second.age_seconds(other, &store), 0.0);
+    }
+
+    /// Incompressible bytes: SHA-256 chained from `seed`.
+    fn noise(seed: u64, len: usize) -> Vec<u8> {
+        let mut bytes = Vec::with_capacity(len + 32);
+        let mut block = ring::digest::digest(&ring::digest::SHA256, &seed.to_le_bytes());
+        while bytes.len() < len {
+            bytes.extend_from_slice(block.as_ref());
+            block = ring::digest::digest(&ring::digest::SHA256, block.as_ref());
+        }
+        bytes.truncate(len);
+        bytes
+    }
+
+    /// A file larger than a part goes up part by part (a multipart upload) and comes
+    /// back whole, streamed to disk; each file as its manifest says.
+    #[test]
+    fn files_larger_than_a_part_go_up_in_parts_and_come_back_whole() {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let part = 4_096;
+        let snapshots = SnapshotStore::local(&dir.path().join("snapshots"), runtime.handle().clone())
+            .unwrap()
+            .with_part_bytes(part);
+        let store = open(&dir.path().join("store"));
+        let written: Vec<(Vec<u8>, Vec<u8>)> =
+            (0..40u64).map(|i| (format!("key{i:03}").into_bytes(), noise(i, 1_000 + i as usize))).collect();
+        let mut batch = WriteBatch::default();
+        for (key, value) in &written {
+            batch.put_cf(store.cf("state").unwrap(), key, value);
+        }
+        store.commit(batch, Progress { next_offset: Some(7), ..Default::default() }).unwrap();
+        let manifest = snapshots.take(&store, "t.shards/shard-0001", dir.path()).unwrap();
+        let largest = manifest.files.iter().map(|f| f.bytes).max().unwrap();
+        assert!(largest > 8 * part as u64, "a file of many parts: {largest} bytes");
+        for file in &manifest.files {
+            let stored =
+                std::fs::read(dir.path().join("snapshots").join(&manifest.name).join(&manifest.id).join(&file.name));
+            let stored = stored.unwrap();
+            assert_eq!(
+                (stored.len() as u64, file.sha256.clone()),
+                (file.bytes, Some(sha256(&stored))),
+                "{}",
+                file.name
+            );
+        }
+
+        let restored_dir = dir.path().join("restored");
+        snapshots.restore(&manifest, &restored_dir).unwrap();
+        let restored = open(&restored_dir);
+        let state = restored.cf("state").unwrap();
+        let read: Vec<(Vec<u8>, Vec<u8>)> = restored
+            .db()
+            .iterator_cf(state, rocksdb::IteratorMode::Start)
+            .map(|entry| entry.map(|(key, value)| (key.to_vec(), value.to_vec())).unwrap())
+            .collect();
+        assert_eq!(read, written);
+        assert_eq!(restored.progress().next_offset, Some(7));
+    }
+
+    fn sha256(bytes: &[u8]) -> String {
+        tally_core::format::hex(ring::digest::digest(&ring::digest::SHA256, bytes).as_ref())
     }
 }

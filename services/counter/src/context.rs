@@ -23,6 +23,11 @@ use crate::metrics::Metrics;
 use crate::shards::{Roles, Shards};
 use crate::store::{ShardStore, StoreOptions};
 
+/// Shards restored from their snapshots at a time: downloads overlap (an object
+/// store answers each request after a round trip) while a restore's memory stays
+/// bounded (a few parts per file: [`tally_shared::snapshot`]).
+pub(crate) const PARALLEL_RESTORES: usize = 4;
+
 /// The context of the shard consumer ([`crate::consumer`]).
 pub(crate) struct CounterContext {
     pub(crate) shards: Arc<Shards>,
@@ -96,6 +101,33 @@ impl CounterContext {
         Ok(())
     }
 
+    /// Restores, [`PARALLEL_RESTORES`] at a time, the newest snapshots of the
+    /// `shards` this process has no store of (a counter that lost its disk, or
+    /// taking over shards new to it), so their opening one by one does not wait for
+    /// each download in turn. A restore that fails is logged and left to the
+    /// shard's opening, which tries once more and fails the shard if it fails again.
+    fn restore_missing(&self, shards: &[u32]) {
+        let Some(snapshots) = self.snapshots.as_ref() else { return };
+        let missing: Vec<(u32, PathBuf)> = {
+            let opened = lock::lock(&self.opened, "the counter's opened stores");
+            (shards.iter().filter(|shard| !opened.contains_key(shard)))
+                .map(|&shard| (shard, self.data_dir.join(store_name(&self.topic, shard).dir_name())))
+                .filter(|(_, path)| !path.exists())
+                .collect()
+        };
+        for wave in missing.chunks(PARALLEL_RESTORES) {
+            std::thread::scope(|scope| {
+                for (shard, path) in wave {
+                    scope.spawn(move || {
+                        if let Err(err) = self.restore(snapshots, *shard, path) {
+                            tracing::warn!(shard, error = %err, "restoring the shard's snapshot; trying again as it opens");
+                        }
+                    });
+                }
+            });
+        }
+    }
+
     /// Holds exactly the shards `wanted` (owned and standby): opens their stores,
     /// positions each at its store's next offset, assigns them and publishes the
     /// new ownership. A store that does not open (corrupt, or of another format)
@@ -114,6 +146,7 @@ impl CounterContext {
         let mut failures = BTreeMap::new();
         let mut assigned = TopicPartitionList::new();
         let standby_before = self.shards.standbys();
+        self.restore_missing(wanted);
         for &shard in wanted {
             let partition = shard as i32;
             // Owned before and still, or a standby before and still (or owned before
