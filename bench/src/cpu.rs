@@ -34,6 +34,11 @@ impl CpuWatch {
             .collect()
     }
 
+    /// The CPU seconds of every process together, if each is known.
+    pub fn total(&self) -> Option<f64> {
+        self.spent().iter().map(|(_, spent)| *spent).sum()
+    }
+
     /// `name 0.52 s, …` per `per` units of work.
     pub fn per_unit(&self, per: f64) -> String {
         self.divided(per, " s")

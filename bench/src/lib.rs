@@ -16,6 +16,7 @@ pub mod pipeline;
 pub mod read_phase;
 pub mod restore;
 pub mod segments;
+pub mod shapes;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

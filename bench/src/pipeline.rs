@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::counter_apply::Zipf;
+use crate::shapes::Shape;
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::rngs::StdRng;
@@ -53,6 +54,10 @@ pub struct IngestBenchArgs {
     /// the machine, one run's raw rate can be a tenth off the next one's.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub repeat: u32,
+    /// The backlogs' shapes, comma-separated, each run on every case; with more than
+    /// one, the run ends with each shape's cost per increment against zipf's.
+    #[arg(long, value_delimiter = ',', default_values_t = [Shape::Zipf])]
+    pub shapes: Vec<Shape>,
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -242,18 +247,27 @@ impl Case {
     }
 }
 
-/// Entities drawn with a Zipf(1.1) skew, as producers' traffic is.
+/// Entities drawn with a Zipf(1.1) skew, as producers' traffic is (and for
+/// [`Shape::Hot`], half of the draws the first entity).
 pub(crate) struct Entities {
     zipf: Zipf,
     rng: StdRng,
+    shape: Shape,
 }
 
 impl Entities {
     pub(crate) fn new(count: usize, seed: u64) -> Self {
-        Self { zipf: Zipf::new(count, 1.1), rng: StdRng::seed_from_u64(seed) }
+        Self::shaped(count, seed, Shape::Zipf)
+    }
+
+    pub(crate) fn shaped(count: usize, seed: u64, shape: Shape) -> Self {
+        Self { zipf: Zipf::new(count, 1.1), rng: StdRng::seed_from_u64(seed), shape }
     }
 
     fn next(&mut self) -> usize {
+        if self.shape == Shape::Hot && rand::Rng::random_bool(&mut self.rng, 0.5) {
+            return 0;
+        }
         self.zipf.sample(&mut self.rng)
     }
 
@@ -582,11 +596,11 @@ async fn produce_backlog(
     config: &TallyConfig,
     topic: &str,
     case: Case,
-    entities: usize,
+    (entities, shape): (usize, Shape),
     seed: u64,
 ) -> anyhow::Result<()> {
     let producer: FutureProducer = producer_config(&config.kafka)?.create()?;
-    let mut draw = Entities::new(entities, seed);
+    let mut draw = Entities::shaped(entities, seed, shape);
     let progress = bar(case.messages as u64, "producing the backlog");
     let mut pending = futures::stream::FuturesUnordered::new();
     use futures::StreamExt;
@@ -667,7 +681,15 @@ struct Throughput {
 /// Starts the ingester on a backlog (the counter already running) and measures
 /// increments/s from the ingester's first record to the counter having applied
 /// `expected` increments in total.
-async fn ingest_backlog(rig: &mut Rig, expected: u64, messages: u64, label: &str) -> anyhow::Result<Throughput> {
+/// With `totals`, the end is when the totals other shards relay stopped arriving
+/// too (the counter's log read to its end and nothing new for a second).
+async fn ingest_backlog(
+    rig: &mut Rig,
+    expected: u64,
+    messages: u64,
+    label: &str,
+    totals: bool,
+) -> anyhow::Result<Throughput> {
     const APPLIED: &str = "tally_counter_applied_increments_total";
     let applied_before = rig.scrape(rig.ports.counter_admin, APPLIED).await?;
     let ingester_admin = rig.ports.ingester_admin;
@@ -694,7 +716,10 @@ async fn ingest_backlog(rig: &mut Rig, expected: u64, messages: u64, label: &str
                 Some((started, at_start, cpu)) => (started, at_start, Some(cpu)),
                 None => (Instant::now(), 0.0, None),
             };
-            let elapsed = started.elapsed();
+            let elapsed = match totals {
+                true => relayed_totals_settled(rig, started, deadline).await?,
+                false => started.elapsed(),
+            };
             let (routed_after, applied_when_routed) = routed_all.unwrap_or((elapsed, 1.0));
             return Ok(Throughput {
                 per_sec: (applied - at_start) / elapsed.as_secs_f64().max(1e-9),
@@ -706,6 +731,25 @@ async fn ingest_backlog(rig: &mut Rig, expected: u64, messages: u64, label: &str
         }
         anyhow::ensure!(Instant::now() < deadline, "{label}: {applied} of {expected} increments applied in 900 s");
         tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// When, since `started`, the counter last applied totals relayed by other shards,
+/// once its log is read to the end and none came for a second (polled every 20 ms).
+async fn relayed_totals_settled(rig: &Rig, started: Instant, deadline: Instant) -> anyhow::Result<Duration> {
+    const QUIET: Duration = Duration::from_secs(1);
+    let admin = rig.ports.counter_admin;
+    let mut last = (f64::NAN, started.elapsed());
+    loop {
+        let received = rig.scrape_labelled(admin, "tally_counter_graph_entries_total", "remote_total").await?;
+        let lag = rig.scrape(admin, "tally_counter_consumer_lag_records").await?;
+        if received != last.0 {
+            last = (received, started.elapsed());
+        } else if lag == 0.0 && started.elapsed() > last.1 + QUIET {
+            return Ok(last.1);
+        }
+        anyhow::ensure!(Instant::now() < deadline, "relayed totals still arriving after 900 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -726,39 +770,67 @@ pub async fn ingest(config: TallyConfig, args: IngestBenchArgs) -> anyhow::Resul
         },
         harness::sibling_binary("tally-counter")?.parent().unwrap_or(Path::new("?")).display()
     );
-    let mut ratios: Vec<Vec<Ratios>> = vec![Vec::new(); cases.len()];
+    let shapes = &args.shapes;
+    let mut ratios: Vec<Vec<Vec<Ratios>>> = vec![vec![Vec::new(); shapes.len()]; cases.len()];
     for round in 0..args.repeat as usize {
         for (i, case) in cases.iter().enumerate() {
-            let run = round * cases.len() + i;
-            if run > 0 {
-                rig.fresh_local_broker(run).await?;
+            for (j, shape) in shapes.iter().enumerate() {
+                let run = (round * cases.len() + i) * shapes.len() + j;
+                if run > 0 {
+                    rig.fresh_local_broker(run).await?;
+                }
+                // The same backlog in every round: the seed is the case's.
+                ratios[i][j].push(ingest_case(&mut rig, *case, (args.entities, *shape), i as u64).await?);
             }
-            // The same backlog in every round: the seed is the case's.
-            ratios[i].push(ingest_case(&mut rig, *case, args.entities, i as u64).await?);
         }
     }
     if args.repeat > 1 {
         for (case, ratios) in cases.iter().zip(&ratios) {
-            let before = Spread::of(ratios.iter().map(|r| r.before));
-            let after = Spread::of(ratios.iter().map(|r| r.after));
-            println!(
-                "{:>3} {}/message, {} runs: tally end to end {} raw before, {} after",
-                case.per_message,
-                case.increment_word(),
-                ratios.len(),
-                before,
-                after
-            );
+            for (shape, ratios) in shapes.iter().zip(ratios) {
+                let before = Spread::of(ratios.iter().map(|r| r.before));
+                let after = Spread::of(ratios.iter().map(|r| r.after));
+                println!(
+                    "{:>3} {}/message, {shape}, {} runs: tally end to end {} raw before, {} after",
+                    case.per_message,
+                    case.increment_word(),
+                    ratios.len(),
+                    before,
+                    after
+                );
+            }
+        }
+    }
+    // Each shape's cost per increment against the zipf backlog's, case by case.
+    if let Some(zipf) = shapes.iter().position(|shape| *shape == Shape::Zipf).filter(|_| shapes.len() > 1) {
+        for (case, ratios) in cases.iter().zip(&ratios) {
+            let cost = |runs: &[Ratios]| Spread::of(runs.iter().filter_map(|r| r.cpu_per_million));
+            let rate = |runs: &[Ratios]| Spread::of(runs.iter().map(|r| r.per_sec));
+            let (base_cost, base_rate) = (cost(&ratios[zipf]).median, rate(&ratios[zipf]).median);
+            for (shape, runs) in shapes.iter().zip(ratios) {
+                let (cost, rate) = (cost(runs), rate(runs));
+                println!(
+                    "{:>3} {}/message, {shape}: {:.2} CPU-s per million increments (all processes; {:.2}x zipf's), {:.0} increments/s ({:.2}x zipf's)",
+                    case.per_message,
+                    case.increment_word(),
+                    cost.median,
+                    cost.median / base_cost,
+                    rate.median,
+                    rate.median / base_rate,
+                );
+            }
         }
     }
     rig.finish().await
 }
 
-/// One run's end-to-end rate against the raw rate before and after it.
+/// One run's end-to-end rate against the raw rate before and after it, the rate
+/// itself, and the CPU seconds all processes spent per million increments.
 #[derive(Debug, Clone, Copy)]
 struct Ratios {
     before: f64,
     after: f64,
+    per_sec: f64,
+    cpu_per_million: Option<f64>,
 }
 
 /// The median of several runs' ratios, and their range.
@@ -794,9 +866,21 @@ impl std::fmt::Display for Spread {
 
 /// One run of a case on the rig's broker as it is: the backlog, the raw rate, tally
 /// end to end, the raw rate again and the counter's rebuild, each printed.
-async fn ingest_case(rig: &mut Rig, case: Case, entities: usize, seed: u64) -> anyhow::Result<Ratios> {
+async fn ingest_case(
+    rig: &mut Rig,
+    case: Case,
+    (entities, shape): (usize, Shape),
+    seed: u64,
+) -> anyhow::Result<Ratios> {
     let names = rig.fresh_topics().await?;
-    produce_backlog(&rig.config, &names.increments(), case, entities, seed).await?;
+    if shape == Shape::Subtree {
+        let changes = crate::shapes::write_subtree(&rig.config, &names, entities).await?;
+        println!(
+            "    {shape}: {changes} entities under {} (their changes on the shard topic)",
+            crate::shapes::ANCESTOR
+        );
+    }
+    produce_backlog(&rig.config, &names.increments(), case, (entities, shape), seed).await?;
     let raw_cpu = CpuWatch::start(
         &[("consumer", std::process::id())].into_iter().chain(rig.broker_process()).collect::<Vec<_>>(),
     );
@@ -804,10 +888,11 @@ async fn ingest_case(rig: &mut Rig, case: Case, entities: usize, seed: u64) -> a
     let raw_cpu = raw_cpu.per_unit(case.increments() as f64 / 1e6);
     let counter_admin = rig.ports.counter_admin;
     rig.run("tally-counter", counter_admin).await?;
-    let label = format!("{} per message, end to end", case.per_message);
-    let through = ingest_backlog(rig, case.increments(), case.messages as u64, &label).await?;
+    let label = format!("{} per message, {shape}, end to end", case.per_message);
+    let through = ingest_backlog(rig, case.increments(), case.messages as u64, &label, shape == Shape::Subtree).await?;
     let tally_cpu =
         through.cpu.as_ref().map_or_else(|| "unknown".into(), |cpu| cpu.per_unit(case.increments() as f64 / 1e6));
+    let cpu_per_million = through.cpu.as_ref().and_then(CpuWatch::total).map(|s| s / (case.increments() as f64 / 1e6));
     let rollups = rig.scrape(counter_admin, "tally_counter_rollups_published_total").await?;
     let live_batches = rig.batches(counter_admin).await?;
     let late_records = rig.scrape(counter_admin, "tally_counter_late_records_total").await?;
@@ -827,9 +912,11 @@ async fn ingest_case(rig: &mut Rig, case: Case, entities: usize, seed: u64) -> a
     let ratios = Ratios {
         before: through.per_sec / (raw * per).max(1e-9),
         after: through.per_sec / (raw_after * per).max(1e-9),
+        per_sec: through.per_sec,
+        cpu_per_million,
     };
     println!(
-        "{:>3} {}/message: raw consume {:>9.0} records/s before, {:>9.0} after ({:.0} and {:.0} increments/s); tally end to end {:>9.0} increments/s = {:.2}x raw before, {:.2}x after (the ingester read it all after {:.2} s, when the counter had applied {:.0} %; the counter applied it all after {:.2} s)",
+        "{:>3} {}/message, {shape}: raw consume {:>9.0} records/s before, {:>9.0} after ({:.0} and {:.0} increments/s); tally end to end {:>9.0} increments/s = {:.2}x raw before, {:.2}x after (the ingester read it all after {:.2} s, when the counter had applied {:.0} %; the counter applied it all after {:.2} s)",
         case.per_message,
         case.increment_word(),
         raw,
@@ -1174,10 +1261,11 @@ pub async fn read(config: TallyConfig, args: ReadBenchArgs) -> anyhow::Result<()
     // Every entity exists (and more counts on the popular ones); the warm-up's apply
     // rate is the capacity the steady load is a share of.
     let warm = Case { per_message, messages: args.warm_messages.max((args.entities * 3).div_ceil(per_message)) };
-    produce_backlog(&rig.config, &names.increments(), warm, args.entities, 7).await?;
+    produce_backlog(&rig.config, &names.increments(), warm, (args.entities, Shape::Zipf), 7).await?;
     let (counter_admin, query_admin) = (rig.ports.counter_admin, rig.ports.query_admin);
     rig.run("tally-counter", counter_admin).await?;
-    let capacity = ingest_backlog(&mut rig, warm.increments(), warm.messages as u64, "writing the counters").await?;
+    let capacity =
+        ingest_backlog(&mut rig, warm.increments(), warm.messages as u64, "writing the counters", false).await?;
     let offered = args.ingest_rate.unwrap_or((capacity.per_sec / 2.0) as u64).max(1);
     println!(
         "capacity (the warm-up's apply rate): {:.0} increments/s; offered while ingesting: {offered} increments/s",
