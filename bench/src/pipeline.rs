@@ -676,6 +676,8 @@ struct Throughput {
     /// The ingester's, the counter's and the local broker's CPU over the same span
     /// (`None` if the ingester was never seen reading).
     cpu: Option<CpuWatch>,
+    /// Their CPU seconds together, read when the end was seen.
+    cpu_total: Option<f64>,
 }
 
 /// Starts the ingester on a backlog (the counter already running) and measures
@@ -716,9 +718,9 @@ async fn ingest_backlog(
                 Some((started, at_start, cpu)) => (started, at_start, Some(cpu)),
                 None => (Instant::now(), 0.0, None),
             };
-            let elapsed = match totals {
-                true => relayed_totals_settled(rig, started, deadline).await?,
-                false => started.elapsed(),
+            let (elapsed, cpu_total) = match totals {
+                true => relayed_totals_settled(rig, (started, cpu.as_ref()), deadline).await?,
+                false => (started.elapsed(), cpu.as_ref().and_then(CpuWatch::total)),
             };
             let (routed_after, applied_when_routed) = routed_all.unwrap_or((elapsed, 1.0));
             return Ok(Throughput {
@@ -727,6 +729,7 @@ async fn ingest_backlog(
                 applied_when_routed,
                 applied_after: elapsed,
                 cpu,
+                cpu_total,
             });
         }
         anyhow::ensure!(Instant::now() < deadline, "{label}: {applied} of {expected} increments applied in 900 s");
@@ -735,20 +738,25 @@ async fn ingest_backlog(
 }
 
 /// When, since `started`, the counter last applied totals relayed by other shards,
-/// once its log is read to the end and none came for a second (polled every 20 ms).
-async fn relayed_totals_settled(rig: &Rig, started: Instant, deadline: Instant) -> anyhow::Result<Duration> {
+/// once its log is read to the end and none came for a second (polled every 20 ms),
+/// and what `cpu` watched had spent by then.
+async fn relayed_totals_settled(
+    rig: &Rig,
+    (started, cpu): (Instant, Option<&CpuWatch>),
+    deadline: Instant,
+) -> anyhow::Result<(Duration, Option<f64>)> {
     const QUIET: Duration = Duration::from_secs(1);
     let admin = rig.ports.counter_admin;
-    let mut last = (f64::NAN, started.elapsed());
+    let mut last = (f64::NAN, started.elapsed(), None);
     loop {
         let received = rig.scrape_labelled(admin, "tally_counter_graph_entries_total", "remote_total").await?;
         let lag = rig.scrape(admin, "tally_counter_consumer_lag_records").await?;
         if received != last.0 {
-            last = (received, started.elapsed());
+            last = (received, started.elapsed(), cpu.and_then(CpuWatch::total));
         } else if lag == 0.0 && started.elapsed() > last.1 + QUIET {
-            return Ok(last.1);
+            return Ok((last.1, last.2));
         }
-        anyhow::ensure!(Instant::now() < deadline, "relayed totals still arriving after 900 s");
+        anyhow::ensure!(Instant::now() < deadline, "relayed totals still arriving at the run's deadline");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -892,7 +900,7 @@ async fn ingest_case(
     let through = ingest_backlog(rig, case.increments(), case.messages as u64, &label, shape == Shape::Subtree).await?;
     let tally_cpu =
         through.cpu.as_ref().map_or_else(|| "unknown".into(), |cpu| cpu.per_unit(case.increments() as f64 / 1e6));
-    let cpu_per_million = through.cpu.as_ref().and_then(CpuWatch::total).map(|s| s / (case.increments() as f64 / 1e6));
+    let cpu_per_million = through.cpu_total.map(|seconds| seconds / (case.increments() as f64 / 1e6));
     let rollups = rig.scrape(counter_admin, "tally_counter_rollups_published_total").await?;
     let live_batches = rig.batches(counter_admin).await?;
     let late_records = rig.scrape(counter_admin, "tally_counter_late_records_total").await?;

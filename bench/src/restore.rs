@@ -38,8 +38,8 @@ pub struct RestoreFigures {
     /// The snapshot's largest file: what a download holding a file in memory whole
     /// would hold at least.
     pub largest_file_bytes: u64,
-    /// How far the process's resident memory rose above where it stood during the
-    /// download (its peak, from `/proc/self/status`), if this system tells.
+    /// How far the process's resident memory rose, at its peak during the download,
+    /// above where it stood before it (from `/proc/self/status`), if this system tells.
     pub download_rss_bytes: Option<u64>,
 }
 

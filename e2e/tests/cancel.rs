@@ -92,13 +92,14 @@ async fn cancelled_jobs_never_run_and_running_ones_stop_within_a_heartbeat() {
         http.post(format!("{base}/v1/queues/cancels/cancel")).json(&serde_json::json!({ "id": id })).send()
     };
     // Once the owners hold every job (the long ones running, the others waiting for
-    // their time): nothing is left to fetch...
+    // their time, or ready once it came): nothing is left to fetch...
     let held = |base: String| async move {
         let stats: serde_json::Value =
             reqwest::get(format!("{base}/v1/queues/cancels")).await.ok()?.json().await.ok()?;
-        Some(stats["in_flight"].as_u64()? + stats["delayed"].as_u64()?)
+        let owned = stats["partitions"].as_array()?.iter().filter(|p| p["owned_here"] == true);
+        owned.map(|p| Some(p["ready"].as_u64()? + p["delayed"].as_u64()? + p["in_flight"].as_u64()?)).sum()
     };
-    let mut holding = (None, None);
+    let mut holding: (Option<u64>, Option<u64>) = (None, None);
     while holding.0.zip(holding.1).map(|(a, b)| a + b) != Some((RUNNING + WAITING) as u64) {
         assert!(Instant::now() < deadline, "the brokers never held every job: {holding:?}");
         tokio::time::sleep(Duration::from_millis(200)).await;

@@ -9,12 +9,16 @@
 //! once older than `snapshots.orphan_grace_ms`). Ids sort by the offset the snapshot
 //! is consistent with, so the newest is the last.
 //!
+//! Files move in bounded memory whatever their size: one up to [`PART_BYTES`] goes
+//! up in one PUT, a larger one as a multipart upload of parts of that size (at most
+//! [`PARTS_IN_FLIGHT`] at a time), and a download is written to disk as it streams
+//! in. Stores are restored [`PARALLEL_RESTORES`] at a time.
+//!
 //! The store is read from outside and degrades gracefully: a manifest this build
 //! cannot read is skipped and reported (the newest readable one is used); each file
 //! is checked against its manifest's size and SHA-256 (when the manifest has it) as
-//! it is downloaded, and a
-//! restore that meets a missing or damaged file falls back to the next older
-//! snapshot, then to the log.
+//! it is downloaded, and a restore that meets a missing or damaged file falls back
+//! to the next older snapshot, then to the log.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -50,8 +54,13 @@ pub const PART_BYTES: usize = 8 << 20;
 /// an upload holds in memory is at most this many parts and one more.
 pub const PARTS_IN_FLIGHT: usize = 2;
 
-/// What a file is read in, to upload or to hash.
-const READ_BYTES: usize = 1 << 20;
+/// The buffer a download is written to disk through.
+const WRITE_BYTES: usize = 1 << 20;
+
+/// Stores restored at a time (a counter taking shards it has no store of, `tally
+/// restore`): downloads overlap (an object store answers each request after a round
+/// trip) while memory stays bounded (a few parts per file).
+pub const PARALLEL_RESTORES: usize = 4;
 
 /// What a snapshot holds: its files and the offset it is consistent with.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -121,10 +130,12 @@ impl Hashing {
     }
 }
 
-/// The next part of `file`: up to `bytes` of it, hashed; empty at its end.
-fn read_part(file: &mut std::fs::File, bytes: usize, hashing: &mut Hashing) -> Result<Vec<u8>> {
+/// The next part of `file` (`len` bytes long): up to `bytes` of it, hashed; empty
+/// at its end.
+fn read_part(file: &mut std::fs::File, (bytes, len): (usize, u64), hashing: &mut Hashing) -> Result<Vec<u8>> {
     use std::io::Read;
-    let mut part = Vec::new();
+    // Allocated once: the part's size, or what is left of the file if less.
+    let mut part = Vec::with_capacity(len.saturating_sub(hashing.bytes).min(bytes as u64) as usize);
     file.take(bytes as u64).read_to_end(&mut part)?;
     hashing.update(&part);
     Ok(part)
@@ -302,10 +313,11 @@ impl SnapshotStore {
     /// parts' uploads run in this call (nothing is spawned on the runtime).
     fn upload(&self, location: &ObjectPath, path: &Path) -> Result<(u64, String)> {
         let mut file = std::fs::File::open(path)?;
+        let size = (self.part_bytes, file.metadata()?.len());
         let mut hashing = Hashing::new();
-        let first = read_part(&mut file, self.part_bytes, &mut hashing)?;
+        let first = read_part(&mut file, size, &mut hashing)?;
         let second = match first.len() == self.part_bytes {
-            true => read_part(&mut file, self.part_bytes, &mut hashing)?,
+            true => read_part(&mut file, size, &mut hashing)?,
             false => Vec::new(),
         };
         if second.is_empty() {
@@ -317,22 +329,20 @@ impl SnapshotStore {
             let mut read = [first, second].into_iter();
             let next = || match read.next() {
                 Some(part) => Ok(Some(part)),
-                None => {
-                    read_part(&mut file, self.part_bytes, &mut hashing).map(|part| Some(part).filter(|p| !p.is_empty()))
-                }
+                None => read_part(&mut file, size, &mut hashing).map(|part| Some(part).filter(|p| !p.is_empty())),
             };
-            match send_parts(upload.as_mut(), next).await {
-                Ok(()) => upload.complete().await.map_err(objects_error)?,
-                Err(err) => {
-                    // The parts sent so far are deleted (else a store keeps them,
-                    // unlisted, until a lifecycle rule collects them).
-                    if let Err(abort) = upload.abort().await {
-                        tracing::warn!(location = %location, error = %abort, "aborting a multipart upload");
-                    }
-                    return Err(err);
-                }
+            let sent = match send_parts(upload.as_mut(), next).await {
+                Ok(()) => upload.complete().await.map(drop).map_err(objects_error),
+                Err(err) => Err(err),
             };
-            Ok((hashing.bytes, hashing.finish()))
+            if sent.is_err() {
+                // The parts sent so far are deleted (else a store keeps them,
+                // unlisted, until a lifecycle rule collects them).
+                if let Err(abort) = upload.abort().await {
+                    tracing::warn!(location = %location, error = %abort, "aborting a multipart upload");
+                }
+            }
+            sent.map(|()| (hashing.bytes, hashing.finish()))
         })
     }
 
@@ -426,6 +436,28 @@ impl SnapshotStore {
         Ok(())
     }
 
+    /// Restores into `dir` the first of `manifests` (newest first) that restores
+    /// whole, calling `progress(bytes)` after each file and `passed_over` for each
+    /// one with a file missing or damaged (and why); none, and what was downloaded
+    /// is removed.
+    pub fn restore_first<'m>(
+        &self,
+        manifests: impl IntoIterator<Item = &'m Manifest>,
+        dir: &Path,
+        mut progress: impl FnMut(u64),
+        mut passed_over: impl FnMut(&Manifest, &str),
+    ) -> Result<Option<&'m Manifest>> {
+        for manifest in manifests {
+            match self.restore_with_progress(manifest, dir, &mut progress) {
+                Ok(()) => return Ok(Some(manifest)),
+                Err(Error::SnapshotUnusable(reason)) => passed_over(manifest, &reason),
+                Err(err) => return Err(err),
+            }
+        }
+        remove_dir_if_there(&dir.with_extension("restoring"))?;
+        Ok(None)
+    }
+
     /// Downloads `file` of `manifest` to `path` as it streams in, checking its size
     /// (before a byte is written, and as they come) and its SHA-256.
     fn download(&self, manifest: &Manifest, file: &SnapshotFile, path: &Path) -> Result<()> {
@@ -442,7 +474,7 @@ impl SnapshotStore {
             if got.meta.size != file.bytes {
                 return Err(wrong_size(got.meta.size));
             }
-            let mut written = std::io::BufWriter::with_capacity(READ_BYTES, std::fs::File::create(path)?);
+            let mut written = std::io::BufWriter::with_capacity(WRITE_BYTES, std::fs::File::create(path)?);
             let mut hashing = Hashing::new();
             let mut chunks = got.into_stream();
             while let Some(chunk) = chunks.next().await {
@@ -678,25 +710,41 @@ impl Snapshotter {
     /// older; none, and the store rebuilds from the log. The snapshot restored, if any.
     pub fn restore_latest(snapshots: &SnapshotStore, name: &str, dir: &Path) -> Result<Option<Manifest>> {
         let manifests = snapshots.list(name)?;
-        for manifest in manifests.iter().rev() {
-            let started = Instant::now();
-            match snapshots.restore(manifest, dir) {
-                Ok(()) => {
-                    tracing::info!(snapshot = %manifest.name, id = %manifest.id, next_offset = ?manifest.next_offset, bytes = manifest.bytes(), seconds = started.elapsed().as_secs_f64(), "restored from a snapshot; replaying the log after it");
-                    return Ok(Some(manifest.clone()));
+        let passed_over = |manifest: &Manifest, reason: &str| {
+            tracing::warn!(snapshot = %manifest.name, id = %manifest.id, %reason, "a snapshot that cannot be restored; trying the next older one");
+        };
+        let started = Instant::now();
+        match snapshots.restore_first(manifests.iter().rev(), dir, |_| {}, passed_over)? {
+            Some(manifest) => {
+                tracing::info!(snapshot = %manifest.name, id = %manifest.id, next_offset = ?manifest.next_offset, bytes = manifest.bytes(), seconds = started.elapsed().as_secs_f64(), "restored from a snapshot; replaying the log after it");
+                Ok(Some(manifest.clone()))
+            }
+            None => {
+                if !manifests.is_empty() {
+                    tracing::warn!(snapshot = %name, "no snapshot restores whole: rebuilding from the log");
                 }
-                Err(Error::SnapshotUnusable(reason)) => {
-                    tracing::warn!(snapshot = %manifest.name, id = %manifest.id, %reason, "a snapshot that cannot be restored; trying the next older one");
-                }
-                Err(err) => return Err(err),
+                Ok(None)
             }
         }
-        remove_dir_if_there(&dir.with_extension("restoring"))?;
-        if !manifests.is_empty() {
-            tracing::warn!(snapshot = %name, "no snapshot restores whole: rebuilding from the log");
-        }
-        Ok(None)
     }
+}
+
+/// `f` of each of `items`, [`PARALLEL_RESTORES`] at a time (each thread taking the
+/// next item as it is done with one), in the items' order.
+pub fn restore_in_parallel<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<std::sync::Mutex<Option<R>>> = items.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    std::thread::scope(|scope| {
+        for _ in 0..PARALLEL_RESTORES.min(items.len()) {
+            scope.spawn(|| loop {
+                let at = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(item) = items.get(at) else { break };
+                let result = f(item);
+                *crate::lock::lock(&results[at], "a parallel restore's result") = Some(result);
+            });
+        }
+    });
+    results.into_iter().filter_map(|result| result.into_inner().ok().flatten()).collect()
 }
 
 /// A service's snapshot gauges: the age of each store's newest snapshot

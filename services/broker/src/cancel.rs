@@ -26,8 +26,8 @@ use crate::http::{body, error, find, ApiState};
 /// How long a cancel waits for each owner's answer.
 const OWNER_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// How long an owner waits for each partition's log end (within [`OWNER_TIMEOUT`]).
-const WATERMARK_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long an owner reads its partitions' log ends for (within [`OWNER_TIMEOUT`]).
+const ENDS_TIMEOUT: Duration = Duration::from_secs(2);
 
 pub async fn cancel(
     State(state): State<ApiState>,
@@ -100,13 +100,15 @@ pub async fn held(
         Ok(checked) => checked,
         Err(response) => return response,
     };
-    let state_here = state.broker.cancel_held(&queue.name, &request.id);
-    state.broker.expire_leases();
-    let broker = state.broker.clone();
-    let unfetched = tokio::task::spawn_blocking(move || broker.unfetched_now(&queue, WATERMARK_TIMEOUT)).await;
-    let Ok(unfetched) = unfetched else {
+    // What is left to fetch first, then the cancel: a job fetched in between is
+    // found by the cancel, never missed by both.
+    let (broker, served) = (state.broker.clone(), queue.clone());
+    let deadline = std::time::Instant::now() + ENDS_TIMEOUT;
+    let Ok(unfetched) = tokio::task::spawn_blocking(move || broker.unfetched_now(&served, deadline)).await else {
         return error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "reading the partitions' ends failed");
     };
+    let state_here = state.broker.cancel_held(&queue.name, &request.id);
+    state.broker.expire_leases();
     Json(HeldCancel { state: state_here, unfetched }).into_response()
 }
 

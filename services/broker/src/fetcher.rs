@@ -33,7 +33,7 @@ use tally_shared::lock::lock;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::Result;
-use crate::state::{Broker, QueueRuntime, BUFFER, LAG, OWNERS, PARTITIONS};
+use crate::state::{unfetched, Broker, QueueRuntime, BUFFER, LAG, OWNERS, PARTITIONS};
 use tally_shared::membership::Membership;
 
 const COMMIT_EVERY: Duration = Duration::from_secs(1);
@@ -391,19 +391,14 @@ pub fn spawn_reporter(
     let thread = tally_shared::shutdown::every("broker-report", Duration::from_secs(1), shutdown, move || {
         let mut reporting = HashSet::new();
         for queue in broker.queues() {
-            let served: Vec<(i32, Arc<Mutex<PartitionQueue>>)> =
-                lock(&queue.partitions, PARTITIONS).iter().map(|(k, b)| (*k, b.clone())).collect();
             let (mut lag, mut ends) = (HashMap::new(), HashMap::new());
             let mut lags = Vec::new();
-            for (partition, buffer) in &served {
-                let partition = *partition;
-                // The end first, then what was fetched: a slow round trip never
-                // reports records fetched meanwhile as unfetched.
-                if let Ok((_, high)) = client.fetch_watermarks(&queue.topic, partition, Duration::from_secs(2)) {
-                    let fetched = lock(buffer, BUFFER).fetched_until();
-                    lag.insert(partition, (high - fetched).max(0));
+            for (partition, buffer) in queue.served() {
+                let read = unfetched(client.client(), &queue.topic, (partition, &buffer), Duration::from_secs(2));
+                if let Ok((high, unfetched)) = read {
+                    lag.insert(partition, unfetched);
                     ends.insert(partition, high);
-                    lags.push((partition as u32, fetched, (high - fetched).max(0)));
+                    lags.push((partition as u32, high - unfetched, unfetched));
                 }
             }
             // How old the oldest record not yet fetched is (kafka-lag-exporter's measure).

@@ -109,7 +109,7 @@ impl QueueRuntime {
         *lock(&self.limiter, LIMITER) = limiter;
     }
 
-    fn served(&self) -> Vec<(i32, Arc<Mutex<PartitionQueue>>)> {
+    pub(crate) fn served(&self) -> Vec<(i32, Arc<Mutex<PartitionQueue>>)> {
         lock(&self.partitions, PARTITIONS).iter().map(|(k, v)| (*k, v.clone())).collect()
     }
 
@@ -362,20 +362,23 @@ impl Broker {
         Some(held)
     }
 
-    /// The records of `queue` not fetched yet by this broker as of now: each served
-    /// partition's log end, read first, against what its buffer fetched since (the
-    /// reported lag can be a second old, or not reported yet). A partition whose end
-    /// cannot be read within `timeout` counts as one record unfetched. Blocking.
-    pub fn unfetched_now(&self, queue: &QueueRuntime, timeout: Duration) -> i64 {
+    /// The records of `queue` not fetched yet by this broker as of now (the reported
+    /// lag can be a second old, or not reported yet): [`unfetched`] of each served
+    /// partition. A partition whose end cannot be read by `deadline` counts as one
+    /// record unfetched. Blocking.
+    pub fn unfetched_now(&self, queue: &QueueRuntime, deadline: std::time::Instant) -> i64 {
         let client = rdkafka::producer::Producer::client(&self.dead_producer);
         queue
             .served()
             .into_iter()
-            .map(|(partition, buffer)| match client.fetch_watermarks(&queue.topic, partition, timeout) {
-                Ok((_, end)) => (end - lock(&buffer, BUFFER).fetched_until()).max(0),
-                Err(err) => {
-                    tracing::warn!(queue = %queue.name, partition, error = %err, "reading a partition's end");
-                    1
+            .map(|(partition, buffer)| {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                match unfetched(client, &queue.topic, (partition, &buffer), left) {
+                    Ok((_, unfetched)) => unfetched,
+                    Err(err) => {
+                        tracing::warn!(queue = %queue.name, partition, error = %err, "reading a partition's end");
+                        1
+                    }
                 }
             })
             .sum()
@@ -582,6 +585,19 @@ fn handout_span(queue: &QueueRuntime, partition: i32, handout: &Handout) -> Opti
     let context = span.context.header_value();
     tally_shared::otel::record(span);
     Some(context)
+}
+
+/// A served partition's log end and how many records below it its buffer has not
+/// fetched: the end is read first, then the buffer's position, so a slow round trip
+/// never counts records fetched meanwhile as unfetched.
+pub(crate) fn unfetched<C: rdkafka::ClientContext>(
+    client: &rdkafka::client::Client<C>,
+    topic: &str,
+    (partition, buffer): (i32, &Mutex<PartitionQueue>),
+    timeout: Duration,
+) -> rdkafka::error::KafkaResult<(i64, i64)> {
+    let (_, end) = client.fetch_watermarks(topic, partition, timeout)?;
+    Ok((end, (end - lock(buffer, BUFFER).fetched_until()).max(0)))
 }
 
 #[cfg(test)]

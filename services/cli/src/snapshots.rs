@@ -9,7 +9,7 @@ use clap::Subcommand;
 use indicatif::{ProgressBar, ProgressStyle};
 use tally_shared::config::TallyConfig;
 use tally_shared::kafka::{now_ms, TopicNames};
-use tally_shared::snapshot::{Manifest, SnapshotStore};
+use tally_shared::snapshot::{restore_in_parallel, Manifest, SnapshotStore};
 use tally_shared::store_name::StoreName;
 
 /// `tally snapshot`: asks every counter and tally-graph (found on the shard-owners
@@ -140,39 +140,6 @@ pub async fn list(config: &TallyConfig) -> anyhow::Result<()> {
     .await?
 }
 
-/// Stores `tally restore` restores at a time.
-const PARALLEL_RESTORES: usize = 4;
-
-/// Restores into `dir` the newest of `manifests` (newest first) that restores whole;
-/// one with a file missing or damaged is passed over for the next older (marked
-/// beside it, so the service serves it only once caught up). None: the service
-/// rebuilds the store from the log.
-fn restore_one<'m>(
-    snapshots: &SnapshotStore,
-    manifests: &'m [Manifest],
-    dir: &Path,
-    bar: &ProgressBar,
-) -> anyhow::Result<Option<&'m Manifest>> {
-    std::fs::create_dir_all(dir.parent().unwrap_or(Path::new(".")))?;
-    for manifest in manifests {
-        match snapshots.restore_with_progress(manifest, dir, |bytes| bar.inc(bytes)) {
-            Ok(()) => return Ok(Some(manifest)),
-            Err(tally_shared::Error::SnapshotUnusable(reason)) => {
-                bar.println(format!("{}: {reason}; trying the next older snapshot", manifest.name));
-            }
-            Err(err) => return Err(err.into()),
-        }
-    }
-    let partial = dir.with_extension("restoring");
-    match std::fs::remove_dir_all(&partial) {
-        Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
-            bar.println(format!("{}: not removed ({err}); delete it by hand", partial.display()));
-        }
-        _ => {}
-    }
-    Ok(None)
-}
-
 pub async fn restore(config: &TallyConfig, args: RestoreArgs) -> anyhow::Result<()> {
     let config = config.clone();
     tokio::task::spawn_blocking(move || {
@@ -194,20 +161,21 @@ pub async fn restore(config: &TallyConfig, args: RestoreArgs) -> anyhow::Result<
         );
         bar.set_message(format!("{} stores", found.len()));
         // A few stores at a time: their downloads overlap, each in bounded memory.
+        // The newest snapshot that restores whole; one with a file missing or
+        // damaged is passed over for the next older (marked beside it, so the
+        // service serves it only once caught up).
+        let chosen = restore_in_parallel(&found, |(manifests, _, dir)| {
+            std::fs::create_dir_all(dir.parent().unwrap_or(Path::new(".")))?;
+            let passed_over = |manifest: &Manifest, reason: &str| {
+                bar.println(format!("{}: {reason}; trying the next older snapshot", manifest.name));
+            };
+            Ok::<_, anyhow::Error>(
+                snapshots.restore_first(manifests, dir, |bytes| bar.inc(bytes), passed_over)?.cloned(),
+            )
+        });
         let mut restored = Vec::new();
-        for wave in found.chunks(PARALLEL_RESTORES) {
-            let results: Vec<anyhow::Result<Option<&Manifest>>> = std::thread::scope(|scope| {
-                let restoring: Vec<_> = (wave.iter())
-                    .map(|(manifests, _, dir)| scope.spawn(|| restore_one(&snapshots, manifests, dir, &bar)))
-                    .collect();
-                restoring
-                    .into_iter()
-                    .map(|t| t.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a restore panicked"))))
-                    .collect()
-            });
-            for ((_, store, dir), chosen) in wave.iter().zip(results) {
-                restored.push((store.to_string(), chosen?, dir));
-            }
+        for ((_, store, dir), chosen) in found.iter().zip(chosen) {
+            restored.push((store.to_string(), chosen?, dir));
         }
         bar.finish_with_message("restored");
         for (name, manifest, dir) in &restored {

@@ -4,7 +4,7 @@
 //! store's topic id checked, and its partition positioned at the store's next
 //! offset; the group's committed offsets are only advisory.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -15,18 +15,13 @@ use rdkafka::ClientContext;
 use tally_shared::consume::{ahead_of_log, committed_offsets, unreplayable, LogCheck};
 use tally_shared::failures::Failure;
 use tally_shared::lock;
-use tally_shared::snapshot::{clear_restored_marker, restored_marker, SnapshotStore, Snapshotter};
+use tally_shared::snapshot::{clear_restored_marker, restore_in_parallel, restored_marker, SnapshotStore, Snapshotter};
 use tally_shared::store_name::StoreName;
 
 use crate::error::Result;
 use crate::metrics::Metrics;
 use crate::shards::{Roles, Shards};
 use crate::store::{ShardStore, StoreOptions};
-
-/// Shards restored from their snapshots at a time: downloads overlap (an object
-/// store answers each request after a round trip) while a restore's memory stays
-/// bounded (a few parts per file: [`tally_shared::snapshot`]).
-pub(crate) const PARALLEL_RESTORES: usize = 4;
 
 /// The context of the shard consumer ([`crate::consumer`]).
 pub(crate) struct CounterContext {
@@ -45,12 +40,18 @@ pub(crate) struct CounterContext {
 impl CounterContext {
     /// The shard's store, and whether it was restored from a snapshot just now.
     fn open(&self, shard: u32) -> Result<(Arc<ShardStore>, bool)> {
+        self.open_restoring(shard, true)
+    }
+
+    /// [`Self::open`], restoring the newest snapshot when there is no store only if
+    /// `may_restore` (not when [`Self::restore_missing`] just tried).
+    fn open_restoring(&self, shard: u32, may_restore: bool) -> Result<(Arc<ShardStore>, bool)> {
         let mut opened = lock::lock(&self.opened, "the counter's opened stores");
         if let Some(store) = opened.get(&shard) {
             return Ok((store.clone(), false));
         }
         let path = self.data_dir.join(store_name(&self.topic, shard).dir_name());
-        if let Some(snapshots) = self.snapshots.as_ref().filter(|_| !path.exists()) {
+        if let Some(snapshots) = self.snapshots.as_ref().filter(|_| may_restore && !path.exists()) {
             self.restore(snapshots, shard, &path)?;
         }
         // Restored just now, or by an operator (`tally restore`), or before a crash
@@ -101,13 +102,14 @@ impl CounterContext {
         Ok(())
     }
 
-    /// Restores, [`PARALLEL_RESTORES`] at a time, the newest snapshots of the
+    /// Restores, [`PARALLEL_RESTORES`](tally_shared::snapshot::PARALLEL_RESTORES) at a time, the newest snapshots of the
     /// `shards` this process has no store of (a counter that lost its disk, or
     /// taking over shards new to it), so their opening one by one does not wait for
-    /// each download in turn. A restore that fails is logged and left to the
-    /// shard's opening, which tries once more and fails the shard if it fails again.
-    fn restore_missing(&self, shards: &[u32]) {
-        let Some(snapshots) = self.snapshots.as_ref() else { return };
+    /// each download in turn. Returns the shards it tried (restored, or with no
+    /// snapshot that restores whole); one whose restore failed otherwise is logged
+    /// and left out, for its opening to try once more (and fail the shard).
+    fn restore_missing(&self, shards: &[u32]) -> HashSet<u32> {
+        let Some(snapshots) = self.snapshots.as_ref() else { return HashSet::new() };
         let missing: Vec<(u32, PathBuf)> = {
             let opened = lock::lock(&self.opened, "the counter's opened stores");
             (shards.iter().filter(|shard| !opened.contains_key(shard)))
@@ -115,17 +117,14 @@ impl CounterContext {
                 .filter(|(_, path)| !path.exists())
                 .collect()
         };
-        for wave in missing.chunks(PARALLEL_RESTORES) {
-            std::thread::scope(|scope| {
-                for (shard, path) in wave {
-                    scope.spawn(move || {
-                        if let Err(err) = self.restore(snapshots, *shard, path) {
-                            tracing::warn!(shard, error = %err, "restoring the shard's snapshot; trying again as it opens");
-                        }
-                    });
-                }
-            });
-        }
+        let restored = restore_in_parallel(&missing, |(shard, path)| match self.restore(snapshots, *shard, path) {
+            Ok(()) => Some(*shard),
+            Err(err) => {
+                tracing::warn!(shard, error = %err, "restoring the shard's snapshot; trying again as it opens");
+                None
+            }
+        });
+        restored.into_iter().flatten().collect()
     }
 
     /// Holds exactly the shards `wanted` (owned and standby): opens their stores,
@@ -146,7 +145,7 @@ impl CounterContext {
         let mut failures = BTreeMap::new();
         let mut assigned = TopicPartitionList::new();
         let standby_before = self.shards.standbys();
-        self.restore_missing(wanted);
+        let tried = self.restore_missing(wanted);
         for &shard in wanted {
             let partition = shard as i32;
             // Owned before and still, or a standby before and still (or owned before
@@ -174,7 +173,7 @@ impl CounterContext {
             let check = |store: &ShardStore| {
                 unreplayable(LogCheck { next: store.next_offset(), log_start: start, log_end: end, committed })
             };
-            let opened = self.open(shard).and_then(|(store, restored)| {
+            let opened = self.open_restoring(shard, !tried.contains(&shard)).and_then(|(store, restored)| {
                 if check(&store).is_none() || before.contains(&shard) {
                     return Ok((store, restored));
                 }
