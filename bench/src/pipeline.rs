@@ -901,6 +901,14 @@ async fn ingest_case(
     let tally_cpu =
         through.cpu.as_ref().map_or_else(|| "unknown".into(), |cpu| cpu.per_unit(case.increments() as f64 / 1e6));
     let cpu_per_million = through.cpu_total.map(|seconds| seconds / (case.increments() as f64 / 1e6));
+    if shape == Shape::Subtree {
+        // The hierarchy took: every entity's change applied, totals relayed to the ancestor.
+        let entries = "tally_counter_graph_entries_total";
+        let changes = rig.scrape_labelled(counter_admin, entries, "desc_change").await?;
+        let totals = rig.scrape_labelled(counter_admin, entries, "remote_total").await?;
+        anyhow::ensure!(changes as usize == entities && totals > 0.0, "{changes} changes applied, {totals} totals");
+        println!("    {shape}: {changes:.0} changes of ancestors applied; {totals:.0} totals relayed to the ancestor's shard");
+    }
     let rollups = rig.scrape(counter_admin, "tally_counter_rollups_published_total").await?;
     let live_batches = rig.batches(counter_admin).await?;
     let late_records = rig.scrape(counter_admin, "tally_counter_late_records_total").await?;
