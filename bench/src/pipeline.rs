@@ -882,9 +882,9 @@ async fn ingest_case(
 ) -> anyhow::Result<Ratios> {
     let names = rig.fresh_topics().await?;
     if shape == Shape::Subtree {
-        let changes = crate::shapes::write_subtree(&rig.config, &names, entities).await?;
+        crate::shapes::write_subtree(&rig.config, &names, entities).await?;
         println!(
-            "    {shape}: {changes} entities under {} (their changes on the shard topic)",
+            "    {shape}: {entities} entities under {} (their changes on the shard topic)",
             crate::shapes::ANCESTOR
         );
     }

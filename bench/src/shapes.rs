@@ -4,14 +4,13 @@
 
 use std::time::Duration;
 
-use anyhow::Context;
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::BaseConsumer;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use tally_core::graph::DescChange;
 use tally_core::sharding::shard_of;
 use tally_core::wire::{ShardMessage, Source, Stamp};
 use tally_shared::config::TallyConfig;
-use tally_shared::kafka::{client_config, producer_config, TopicNames};
+use tally_shared::kafka::{client_config, partition_count, producer_config, TopicNames};
 
 /// How a backlog's increments spread.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -45,15 +44,12 @@ const CHANGES_PER_RECORD: usize = 2_000;
 /// Writes to the shard topic what tally-graph writes for the edges `user:i →`
 /// [`ANCESTOR`], `i` below `entities`: each entity's change of ancestors, on the
 /// entity's shard. A counter started after it routes every entity's increments to
-/// the ancestor too. Returns the changes written.
-pub async fn write_subtree(config: &TallyConfig, names: &TopicNames, entities: usize) -> anyhow::Result<usize> {
+/// the ancestor too.
+pub async fn write_subtree(config: &TallyConfig, names: &TopicNames, entities: usize) -> anyhow::Result<()> {
     let topic = names.shards();
-    let shards = {
-        let client: BaseConsumer = client_config(&config.kafka)?.create()?;
-        let metadata = client.fetch_metadata(Some(&topic), Duration::from_secs(10))?;
-        metadata.topics().first().map(|t| t.partitions().len()).context("the shard topic's partitions")?
-    };
-    anyhow::ensure!(shards > 0, "{topic} has no partitions");
+    let client: BaseConsumer = client_config(&config.kafka)?.create()?;
+    // At least one: no partitions is an error.
+    let shards = partition_count(&client, &topic, Duration::from_secs(10))? as usize;
     let mut by_shard: Vec<Vec<DescChange>> = vec![Vec::new(); shards];
     for i in 0..entities {
         let origin = format!("user:{i}");
@@ -73,5 +69,5 @@ pub async fn write_subtree(config: &TallyConfig, names: &TopicNames, entities: u
             offset += 1;
         }
     }
-    Ok(entities)
+    Ok(())
 }

@@ -435,8 +435,9 @@ fn segmented(entity: &str, delta: i64, ts: i64, state: &str, device: &str) -> Re
 
 /// A breakdown opened from its URL: the chart draws the top three states of
 /// user:7's views on ios as the API's breakdown answers, the rest as "other" (the
-/// filtered series less the states shown: here the fourth state alone), the controls show the URL's choices, the totals
-/// are filtered, and the explain view lists the filtered contributors.
+/// filtered series less the states shown: here the fourth state alone), the
+/// controls show the URL's choices, the totals are filtered, and the explain view
+/// lists the filtered contributors.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_breakdown_chart_opens_from_its_url() {
     let mut sandbox = Sandbox::start().await;

@@ -176,7 +176,7 @@ pub(crate) fn now_ms() -> i64 {
 /// A shard's per-query error becomes the client's 400.
 pub(crate) fn answer_error(answer: &ShardAnswer) -> Option<ApiError> {
     match answer {
-        // A segment query asking for more than one read may walk or answer: a 422.
+        // A segment query whose read would walk or answer more than a read may: a 422.
         ShardAnswer::Error { code, message } => Some(match code.as_str() {
             "too_many_combinations" => {
                 ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "too_many_combinations", message.clone())
