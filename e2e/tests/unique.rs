@@ -81,7 +81,19 @@ async fn each_unique_key_runs_one_job_through_retries_and_a_broker_kill() {
     for r in 3..ROUNDS {
         sandbox.produce_to(&topic, &round(r)).await;
     }
-    while ran.lock().unwrap().len() < KEYS && Instant::now() < deadline {
+    while ran.lock().unwrap().len() < KEYS {
+        if Instant::now() > deadline {
+            let stats = match reqwest::get(format!("{b}/v1/queues/uniq")).await {
+                Ok(answer) => answer.text().await.unwrap_or_default(),
+                Err(err) => err.to_string(),
+            };
+            panic!(
+                "{} of {KEYS} keys ran; the queue: {stats}\nbroker-a:\n{}\nbroker-b:\n{}",
+                ran.lock().unwrap().len(),
+                sandbox.log("broker-a"),
+                sandbox.log("broker-b")
+            );
+        }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 

@@ -69,6 +69,17 @@ impl Membership {
             .collect()
     }
 
+    /// The members alive as `me` reads the log: gone once their newest heartbeat is
+    /// `timeout_ms` older than `me`'s newest one read back (before that is read, than
+    /// `now`). Time runs as the log does, so a log that falls behind — a slow
+    /// cluster, a stalled fetch — makes nobody look dead, `me` least of all; a
+    /// member that stops is gone once `me`'s own heartbeats have gone on for the
+    /// timeout without it. For members that fence nothing by lease (dequeue brokers).
+    pub fn live_as_seen_by(&self, me: &str, now: i64, timeout_ms: u64) -> Vec<Member> {
+        let log_now = self.heard_at(me).map_or(now, |mine| mine.min(now));
+        self.live(log_now, timeout_ms)
+    }
+
     /// When `instance`'s newest heartbeat read was sent.
     pub fn heard_at(&self, instance: &str) -> Option<i64> {
         let latest = read(&self.latest, LATEST);
@@ -274,6 +285,28 @@ mod tests {
         membership.record(beat("b", 5_500, true));
         let live: Vec<String> = membership.live(6_000, 3_000).into_iter().map(|m| m.instance).collect();
         assert_eq!(live, vec!["a".to_string()]);
+    }
+
+    #[test]
+    fn a_log_that_falls_behind_makes_nobody_look_dead_a_silent_member_is_gone_as_the_log_goes_on() {
+        let membership = Membership::default();
+        let names = |members: Vec<Member>| members.into_iter().map(|m| m.instance).collect::<Vec<_>>();
+        assert_eq!(names(membership.live_as_seen_by("a", 1_000, 3_000)), Vec::<String>::new());
+        membership.record(beat("a", 1_000, false));
+        membership.record(beat("b", 1_000, false));
+        // Nothing read for a minute: the log lags, nobody is dead.
+        assert_eq!(names(membership.live_as_seen_by("a", 61_000, 3_000)), ["a", "b"]);
+        assert_eq!(names(membership.live(61_000, 3_000)), Vec::<String>::new(), "by the wall clock");
+        // a's heartbeats go on, b's stopped at 1 000.
+        membership.record(beat("a", 3_900, false));
+        assert_eq!(names(membership.live_as_seen_by("a", 61_000, 3_000)), ["a", "b"]);
+        membership.record(beat("a", 4_000, false));
+        assert_eq!(names(membership.live_as_seen_by("a", 61_000, 3_000)), ["a"]);
+        // Before its own first heartbeat is read, a member sees by its clock.
+        assert_eq!(names(membership.live_as_seen_by("c", 6_000, 3_000)), ["a"]);
+        assert_eq!(names(membership.live_as_seen_by("c", 7_000, 3_000)), Vec::<String>::new());
+        // A clock behind its own heartbeats: never ahead of the wall clock.
+        assert_eq!(names(membership.live_as_seen_by("a", 2_000, 3_000)), ["a", "b"]);
     }
 
     #[test]

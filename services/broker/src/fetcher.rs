@@ -1,11 +1,16 @@
 //! The fetcher thread: follows the membership to decide which queue partitions this
-//! broker serves, fetches them into their buffers (pausing a partition whose buffer
+//! broker serves (a member is gone when its heartbeats stopped while this broker's
+//! went on: [`Membership::live_as_seen_by`]), fetches them into their buffers (pausing a partition whose buffer
 //! is full), and commits each partition's watermark.
 //!
 //! A partition that moves away stops being served at once; one that moves here is
 //! taken after a short settling delay (so its previous owner has let go) from the
 //! committed offset — everything below it is finished, everything above runs again
 //! if it was not (at-least-once).
+//!
+//! On a queue whose unique keys are held for a window, a partition taken is served
+//! once the window's finished jobs are replayed (on a thread of their own,
+//! [`crate::placement::Replays`]), so it refuses duplicates as its previous owner did.
 //!
 //! On a queue with concurrency limits a partition taken is held (hands out nothing)
 //! until the leases its previous owner may have handed out have ended: for the
@@ -68,12 +73,13 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
 
     let mut pending: HashMap<Key, Instant> = HashMap::new();
     let mut paused: HashSet<Key> = HashSet::new();
+    let mut replays = crate::placement::Replays::default();
     let mut last_commit = Instant::now();
     let mut last_reconcile = Instant::now() - Duration::from_secs(1);
     while !shutdown.is_cancelled() {
         if last_reconcile.elapsed() >= Duration::from_millis(200) {
             last_reconcile = Instant::now();
-            let live = membership.live(now_ms(), config.broker.member_timeout_ms);
+            let live = membership.live_as_seen_by(&broker.instance, now_ms(), config.broker.member_timeout_ms);
             // Queues declared since the last round join here.
             by_topic = broker.queues().into_iter().map(|q| (q.topic.clone(), q)).collect();
             for queue in by_topic.values() {
@@ -95,6 +101,7 @@ pub fn run(setup: FetcherSetup, shutdown: CancellationToken) -> Result<()> {
                     settle,
                     member_timeout_ms,
                     kafka: &config.kafka,
+                    replays: &mut replays,
                 };
                 reconcile(&consumer, &broker, queue, &desired, &mut taking)?;
             }
@@ -229,13 +236,14 @@ struct Taking<'a> {
     settle: Duration,
     member_timeout_ms: i64,
     kafka: &'a tally_shared::config::KafkaConfig,
+    replays: &'a mut crate::placement::Replays,
 }
 
 /// Serves what this broker should own, and stops serving what it should not.
 fn reconcile(
     consumer: &BaseConsumer,
     broker: &Broker,
-    queue: &QueueRuntime,
+    queue: &Arc<QueueRuntime>,
     desired: &[i32],
     taking: &mut Taking<'_>,
 ) -> Result<()> {
@@ -260,49 +268,49 @@ fn reconcile(
             changed = true;
         }
     }
+    let mut tpl = TopicPartitionList::new();
+    for (partition, replayed) in taking.replays.finished(&queue.name, desired) {
+        match replayed {
+            Ok(replayed) => {
+                tracing::info!(queue = %queue.name, partition, replayed = replayed.records,
+                    "replayed the unique keys held before the committed offset");
+                serve(queue, replayed.partition, replayed.start, replayed.buffer, taking, &mut tpl)?;
+            }
+            // Not served until its keys are known: taken again.
+            Err(err) => tracing::error!(queue = %queue.name, partition, error = %err,
+                "replaying the unique keys failed; the partition is taken again"),
+        }
+    }
+    let policy = queue.decl().policy();
+    let unique = policy.unique_for_ms > 0;
+    let mut replay_room = taking.replays.room();
     let mut acquire = Vec::new();
-    for &partition in desired.iter().filter(|p| !served.contains(p)) {
+    for &partition in desired.iter() {
+        let taken = lock(&queue.partitions, PARTITIONS).contains_key(&partition);
+        if taken || taking.replays.is_replaying(&queue.name, partition) {
+            continue;
+        }
         let key = (queue.name.clone(), partition);
         let since = *taking.pending.entry(key.clone()).or_insert_with(Instant::now);
-        if since.elapsed() >= taking.settle {
+        if since.elapsed() >= taking.settle && (!unique || replay_room > 0) {
+            replay_room -= usize::from(unique);
             taking.pending.remove(&key);
             acquire.push(partition);
         }
     }
     if !acquire.is_empty() {
-        // One round trip for all the committed offsets, then one assignment.
+        // One round trip for all the committed offsets.
         let starts = committed_offsets(consumer, &queue.topic, &acquire)?;
-        let mut tpl = TopicPartitionList::new();
-        let (policy, max_lease_ms) = {
-            let decl = queue.decl();
-            (decl.policy(), decl.max_lease_ms)
-        };
         for (partition, start) in acquire.into_iter().zip(starts) {
             let mut buffer = PartitionQueue::new(policy.clone(), start, broker.next_tenure());
             buffer.set_slots(queue.slots(partition));
-            if policy.unique_for_ms > 0 {
-                match crate::placement::replay_unique(taking.kafka, queue, partition, start, &mut buffer) {
-                    Ok(replayed) => tracing::info!(queue = %queue.name, partition, replayed,
-                        "replayed the unique keys held before the committed offset"),
-                    Err(err) => {
-                        // Not served until its keys are known: taken again next round.
-                        tracing::error!(queue = %queue.name, partition, error = %err,
-                            "replaying the unique keys failed; the partition waits");
-                        continue;
-                    }
-                }
+            match unique {
+                true => taking.replays.start(taking.kafka, queue.clone(), partition, start, buffer)?,
+                false => serve(queue, partition, start, buffer, taking, &mut tpl)?,
             }
-            if !policy.limits.is_empty() {
-                // The previous owner's leases count against the limits until they end.
-                let hold_ms = max_lease_ms.saturating_add(taking.member_timeout_ms);
-                buffer.hold_until(now_ms().saturating_add(hold_ms));
-                tracing::info!(queue = %queue.name, partition, hold_ms,
-                    "holding a limited partition until its previous owner's leases have ended");
-            }
-            lock(&queue.partitions, PARTITIONS).insert(partition, Arc::new(Mutex::new(buffer)));
-            tpl.add_partition_offset(&queue.topic, partition, Offset::Offset(start))?;
-            tracing::info!(queue = %queue.name, partition, start, "serving partition");
         }
+    }
+    if tpl.count() > 0 {
         consumer.incremental_assign(&tpl)?;
         changed = true;
     }
@@ -311,6 +319,32 @@ fn reconcile(
         let owned = lock(&queue.partitions, PARTITIONS).len();
         queue.set_rate_share(owned);
     }
+    Ok(())
+}
+
+/// Serves `partition` from `start` with `buffer` (assigned with `tpl`).
+fn serve(
+    queue: &QueueRuntime,
+    partition: i32,
+    start: i64,
+    mut buffer: PartitionQueue,
+    taking: &Taking<'_>,
+    tpl: &mut TopicPartitionList,
+) -> Result<()> {
+    let (limited, max_lease_ms) = {
+        let decl = queue.decl();
+        (!decl.policy().limits.is_empty(), decl.max_lease_ms)
+    };
+    if limited {
+        // The previous owner's leases count against the limits until they end.
+        let hold_ms = max_lease_ms.saturating_add(taking.member_timeout_ms);
+        buffer.hold_until(now_ms().saturating_add(hold_ms));
+        tracing::info!(queue = %queue.name, partition, hold_ms,
+            "holding a limited partition until its previous owner's leases have ended");
+    }
+    lock(&queue.partitions, PARTITIONS).insert(partition, Arc::new(Mutex::new(buffer)));
+    tpl.add_partition_offset(&queue.topic, partition, Offset::Offset(start))?;
+    tracing::info!(queue = %queue.name, partition, start, "serving partition");
     Ok(())
 }
 

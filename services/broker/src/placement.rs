@@ -6,6 +6,9 @@
 //! whose unique jobs hold their keys for a window replays the log's finished jobs
 //! of that window, so it decides duplicates as its predecessors did.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -16,7 +19,7 @@ use tally_core::jobs::partition::PartitionQueue;
 use tally_core::jobs::Job;
 use tally_shared::kafka::{client_config, now_ms};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::fetcher::check_delay;
 use crate::state::QueueRuntime;
 
@@ -98,6 +101,79 @@ pub fn replay_unique(
         }
     }
     Ok(records.len())
+}
+
+/// How many partitions a broker replays at once.
+pub const REPLAYS_AT_ONCE: usize = 4;
+
+/// A partition's buffer with the unique keys of its window replayed, ready to serve
+/// from `start`.
+pub struct Replayed {
+    pub partition: i32,
+    pub start: i64,
+    pub buffer: PartitionQueue,
+    /// How many records were read.
+    pub records: usize,
+}
+
+/// The replays under way of the partitions a broker is taking, each on a thread of
+/// its own: a window of many records holds up neither the fetching of the
+/// partitions served nor the rounds that follow the membership.
+#[derive(Default)]
+pub struct Replays {
+    running: HashMap<(String, i32), JoinHandle<Result<Replayed>>>,
+}
+
+impl Replays {
+    pub fn is_replaying(&self, queue: &str, partition: i32) -> bool {
+        self.running.contains_key(&(queue.to_string(), partition))
+    }
+
+    /// How many more may start now.
+    pub fn room(&self) -> usize {
+        REPLAYS_AT_ONCE.saturating_sub(self.running.len())
+    }
+
+    /// Replays `partition` of `queue` up to `start` into `buffer`, on its own thread.
+    pub fn start(
+        &mut self,
+        kafka: &tally_shared::config::KafkaConfig,
+        queue: Arc<QueueRuntime>,
+        partition: i32,
+        start: i64,
+        mut buffer: PartitionQueue,
+    ) -> Result<()> {
+        let kafka = kafka.clone();
+        let key = (queue.name.clone(), partition);
+        let replay = move || {
+            let records = replay_unique(&kafka, &queue, partition, start, &mut buffer)?;
+            Ok(Replayed { partition, start, buffer, records })
+        };
+        let thread = std::thread::Builder::new().name(format!("replay-{partition}")).spawn(replay)?;
+        self.running.insert(key, thread);
+        Ok(())
+    }
+
+    /// The replays of `queue` that ended (each an error if it failed); those of
+    /// partitions no longer `desired` are let go, their threads ending on their own.
+    pub fn finished(&mut self, queue: &str, desired: &[i32]) -> Vec<(i32, Result<Replayed>)> {
+        self.running.retain(|(name, partition), _| name != queue || desired.contains(partition));
+        let ended: Vec<(String, i32)> = self
+            .running
+            .iter()
+            .filter(|((name, _), thread)| name == queue && thread.is_finished())
+            .map(|(key, _)| key.clone())
+            .collect();
+        let mut done = Vec::with_capacity(ended.len());
+        for key in ended {
+            if let Some(thread) = self.running.remove(&key) {
+                let replayed =
+                    thread.join().unwrap_or_else(|_| Err(Error::Broker("the replay's thread panicked".into())));
+                done.push((key.1, replayed));
+            }
+        }
+        done
+    }
 }
 
 /// The records of `[from, until)` of one partition: offset, enqueue time, payload.
