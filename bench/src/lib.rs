@@ -13,8 +13,10 @@ pub mod hierarchy;
 pub mod jobs;
 pub mod parse;
 pub mod pipeline;
+pub mod plot;
 pub mod read_phase;
 pub mod restore;
+pub mod scale;
 pub mod segments;
 pub mod shapes;
 
@@ -51,6 +53,7 @@ enum Command {
     Failover(failover::FailoverBenchArgs),
     /// A dequeue broker: dequeue latency, dequeue → ack round trips and jobs/s vs the raw consume rate.
     Jobs(jobs::JobsBenchArgs),
+    Scale(scale::ScaleBenchArgs),
     /// What hierarchy costs: an edge add with many ancestors, increments with three levels of ancestors.
     Graph {
         #[arg(long, default_value_t = 10_000)]
@@ -157,6 +160,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Freshness(args) => freshness::run(config, args).await,
         Command::Failover(args) => failover::run(config, args).await,
         Command::Jobs(args) => jobs::run(config, args).await,
+        Command::Scale(args) => bench_scale(args).await,
         Command::Parse { messages, per_message, rounds } => {
             println!("parse bench: {messages} messages of {per_message} increments (Zipf entities), {rounds} rounds each way, one thread");
             let figures = tokio::task::spawn_blocking(move || parse::run(messages, per_message, rounds)).await??;
@@ -188,6 +192,33 @@ fn rocksdb_build() -> &'static str {
         Ok(_) => "compiled in from source (ROCKSDB_COMPILE=1)",
         Err(_) => "unknown (/proc/self/maps unreadable)",
     }
+}
+
+async fn bench_scale(args: scale::ScaleBenchArgs) -> anyhow::Result<()> {
+    println!(
+        "scale bench: stores of {:?} entities x {} metrics, {} increments per counter built through the counter's apply path; \
+         live streams of {} increments; {} point reads per phase; RocksDB on disk in {}",
+        args.entities,
+        args.metrics,
+        args.per_counter,
+        args.live,
+        args.reads,
+        args.dir.display()
+    );
+    let runtime = tokio::runtime::Handle::current();
+    let run_args = args.clone();
+    let figures = tokio::task::spawn_blocking(move || scale::run(&run_args, runtime)).await??;
+    println!("\n{}", scale::HEADER);
+    for size in &figures {
+        println!("{}", scale::row(size, &figures[0]));
+    }
+    std::fs::create_dir_all(&args.plots)?;
+    for (name, svg) in scale::charts(&figures) {
+        let path = args.plots.join(name);
+        std::fs::write(&path, svg)?;
+        println!("chart: {}", path.display());
+    }
+    Ok(())
 }
 
 async fn bench_restore(histories: Vec<usize>, tail: usize, entities: usize, zipf: f64) -> anyhow::Result<()> {
