@@ -125,6 +125,16 @@ enum Command {
     },
 }
 
+/// The name of every benchmark (`tally-bench <name>`).
+pub fn benchmarks() -> Vec<String> {
+    use clap::CommandFactory;
+    Cli::command()
+        .get_subcommands()
+        .map(|command| command.get_name().to_string())
+        .filter(|name| name != "help")
+        .collect()
+}
+
 /// Whether `args` (the words after `tally-bench`) is a command line it accepts; the
 /// parser's message when not.
 pub fn check_command_line(args: &[String]) -> Result<(), String> {

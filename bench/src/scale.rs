@@ -40,7 +40,8 @@ const PER_RECORD: usize = 100;
 const BATCH: usize = 100;
 /// A prime above any counter count: counter `c` is built `c * STRIDE mod n`-th.
 const STRIDE: u128 = 1_000_000_007;
-const MINUTE_RETAINED_MS: i64 = 6 * 3_600_000 - 120_000;
+/// Within the minute buckets' 6 h, an hour to spare for a long build.
+const MINUTE_RETAINED_MS: i64 = 5 * 3_600_000;
 const HOUR_RETAINED_MS: i64 = 30 * 86_400_000;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -59,7 +60,7 @@ pub struct ScaleBenchArgs {
     /// Increments of each live stream (Zipf, uniform).
     #[arg(long, default_value_t = 1_000_000)]
     pub live: usize,
-    /// Point reads per phase (and a tenth as many batches of 100).
+    /// Point reads per phase (and a tenth as many batches of 100, of keys of their own).
     #[arg(long, default_value_t = 20_000)]
     pub reads: usize,
     /// Where the stores are built (each removed once measured).
@@ -126,6 +127,7 @@ impl Feed {
 
     /// Applies `records` (the last ones [`Feed::records`] made) as the consumer does.
     fn apply(&self, store: &ShardStore, records: &[Vec<u8>], now: i64) -> anyhow::Result<()> {
+        // Every record new: none skipped as a redelivery, none refused.
         let mut offset = self.next - records.len() as i64;
         for chunk in batches_of(records, self.batch_max_bytes) {
             let batch: Vec<ShardRecord<'_>> = chunk
@@ -135,7 +137,11 @@ impl Feed {
                     ShardRecord { offset: offset - 1, payload, timestamp: None }
                 })
                 .collect();
-            store.apply(&batch, now, false)?;
+            let report = store.apply(&batch, now, false)?;
+            anyhow::ensure!(
+                report.redelivered == 0 && report.gap.is_none() && report.undecodable.is_none(),
+                "records not applied whole: {report:?}"
+            );
         }
         Ok(())
     }
@@ -158,7 +164,7 @@ fn build(store: &ShardStore, feed: &mut Feed, args: &ScaleBenchArgs, entities: u
     let counters = entities * args.metrics;
     let bar = crate::pipeline::bar((counters * args.per_counter) as u64, &format!("building {}", short(entities)));
     let mut rng = StdRng::seed_from_u64(entities as u64);
-    let started = Instant::now();
+    let mut applying = Duration::ZERO;
     for first in (0..counters).step_by(CHUNK_COUNTERS) {
         let mut increments = Vec::with_capacity(CHUNK_COUNTERS * args.per_counter);
         for counter in first..(first + CHUNK_COUNTERS).min(counters) {
@@ -180,11 +186,13 @@ fn build(store: &ShardStore, feed: &mut Feed, args: &ScaleBenchArgs, entities: u
         }
         let added = increments.len() as u64;
         let records = feed.records(increments);
+        let started = Instant::now();
         feed.apply(store, &records, now)?;
+        applying += started.elapsed();
         bar.inc(added);
     }
     bar.finish_and_clear();
-    Ok((counters * args.per_counter) as f64 / started.elapsed().as_secs_f64())
+    Ok((counters * args.per_counter) as f64 / applying.as_secs_f64().max(f64::MIN_POSITIVE))
 }
 
 /// Applies `live` increments of entities drawn by `draw`, event times within the
@@ -276,13 +284,39 @@ fn percentiles(mut took: Vec<Duration>) -> (f64, f64) {
 fn reopen_cold(store: ShardStore, path: &Path) -> anyhow::Result<ShardStore> {
     store.persist()?;
     drop(store);
-    for entry in std::fs::read_dir(path)? {
-        let file = std::fs::File::open(entry?.path())?;
+    uncache(path)?;
+    open(path)
+}
+
+/// Drops every file under `dir` from the page cache (written to disk first).
+fn uncache(dir: &Path) -> anyhow::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_dir() {
+            uncache(&path)?;
+            continue;
+        }
+        let file = std::fs::File::open(&path)?;
         file.sync_all()?;
         // SAFETY: a valid descriptor of an open file; advice only.
         unsafe { libc::posix_fadvise(std::os::fd::AsRawFd::as_raw_fd(&file), 0, 0, libc::POSIX_FADV_DONTNEED) };
     }
-    open(path)
+    Ok(())
+}
+
+/// Waits (at most ten minutes) until the store's memtables are flushed and RocksDB
+/// owes no compaction.
+fn settle(store: &ShardStore) -> anyhow::Result<()> {
+    store.persist()?;
+    let db = store.rocks().db();
+    let cf = store.counts_family()?;
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let owed = |name: &str| db.property_int_value_cf(cf, name).map(|value| value.unwrap_or(0));
+    while owed("rocksdb.estimate-pending-compaction-bytes")? > 0 || owed("rocksdb.num-running-compactions")? > 0 {
+        anyhow::ensure!(Instant::now() < deadline, "compactions still owed after ten minutes");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
 }
 
 /// The `W-Amp` of the `Sum` row of RocksDB's compaction stats (`rocksdb.cfstats`).
@@ -294,7 +328,11 @@ pub fn write_amp(stats: &str) -> Option<f64> {
     sum.split_whitespace().nth(column + 1)?.parse().ok()
 }
 
+/// The process's resident memory once the allocator returned what it holds free (so
+/// what the bench built and dropped does not count).
 fn resident_bytes() -> Option<u64> {
+    // SAFETY: glibc's malloc_trim takes no pointers; it only returns free memory.
+    unsafe { libc::malloc_trim(0) };
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|line| line.starts_with("VmRSS:"))?;
     line["VmRSS:".len()..].trim().trim_end_matches("kB").trim().parse::<u64>().ok().map(|kib| kib * 1024)
@@ -320,10 +358,13 @@ fn measure(
     figures.build_rate = build(&store, &mut feed, args, entities, now)?;
     let cf = store.counts_family()?;
     let db = store.rocks().db();
+    // Each live stream starts with no compaction owed from before it.
+    settle(&store)?;
     figures.write_amp = db.property_value_cf(cf, "rocksdb.cfstats")?.as_deref().and_then(write_amp);
 
     let zipf = Zipf::new(entities, 1.1);
     figures.zipf_rate = live_rate(&store, &mut feed, args, |rng| zipf.sample(rng), now)?;
+    settle(&store)?;
     figures.uniform_rate = live_rate(&store, &mut feed, args, |rng| rng.random_range(0..entities), now)?;
 
     store.persist()?;
@@ -344,7 +385,8 @@ fn measure(
     // Cold: uniform keys, every cache dropped before each phase.
     let cold = keys(args.reads, args.metrics, 29, |rng| rng.random_range(0..entities));
     let singles: Vec<&[(String, String)]> = cold.chunks(1).collect();
-    let batches: Vec<&[(String, String)]> = cold.chunks(BATCH).take(args.reads / 10).collect();
+    let batch_keys = keys(args.reads / 10 * BATCH, args.metrics, 31, |rng| rng.random_range(0..entities));
+    let batches: Vec<&[(String, String)]> = batch_keys.chunks(BATCH).collect();
     let store = reopen_cold(store, &path)?;
     figures.cold.read = percentiles(read_path(&store, &singles, now)?);
     let store = reopen_cold(store, &path)?;
@@ -363,11 +405,14 @@ fn measure(
     std::fs::remove_dir_all(&path)?;
     let restored = dir.join(format!("restored-{entities}"));
     let started = Instant::now();
-    Snapshotter::restore_latest(&snapshots, &name, &restored)?;
+    uncache(&dir.join("snapshots"))?;
+    let restored_from = Snapshotter::restore_latest(&snapshots, &name, &restored)?;
+    anyhow::ensure!(restored_from.is_some(), "no snapshot of {name} to restore");
     let store = open(&restored)?;
     figures.restore_seconds = started.elapsed().as_secs_f64();
     drop(store);
     std::fs::remove_dir_all(&restored)?;
+    std::fs::remove_file(tally_shared::snapshot::restored_marker(&restored))?;
     std::fs::remove_dir_all(dir.join("snapshots"))?;
     Ok(figures)
 }
@@ -403,19 +448,20 @@ pub fn short(n: usize) -> String {
 }
 
 /// The table's header.
-pub const HEADER: &str = "| entities | counts | apply Zipf /s (× first) | apply uniform /s (× first) | \
+pub const HEADER: &str = "| entities | counts | build /s | apply Zipf /s (× first) | apply uniform /s (× first) | \
 warm read p50/p99 µs (× get p99) | cold read p50/p99 µs (× get p99) | cold batch-100 p99 µs (× multi-get) | \
 disk B/count (× value) | W-amp | RSS MB | restore s (snapshot MB) |\n\
-|---|---|---|---|---|---|---|---|---|---|---|";
+|---|---|---|---|---|---|---|---|---|---|---|---|";
 
 /// One size's row, ratios against `first`'s rates and the same run's plain gets.
 pub fn row(size: &SizeFigures, first: &SizeFigures) -> String {
     let ratio = |a: f64, b: f64| a / b.max(f64::MIN_POSITIVE);
     let value_bytes = Counts::increment(1).encode().as_ref().len() as f64;
     format!(
-        "| {} | {} | {:.0} ({:.2}) | {:.0} ({:.2}) | {:.0}/{:.0} ({:.2}) | {:.0}/{:.0} ({:.2}) | {:.0} ({:.2}) | {:.1} ({:.2}) | {} | {} | {:.1} ({:.0}) |",
+        "| {} | {:.1} M | {:.0} | {:.0} ({:.2}) | {:.0} ({:.2}) | {:.0}/{:.0} ({:.2}) | {:.0}/{:.0} ({:.2}) | {:.0} ({:.2}) | {:.1} ({:.2}) | {} | {} | {:.1} ({:.0}) |",
         short(size.entities),
-        short(size.counts as usize),
+        size.counts as f64 / 1e6,
+        size.build_rate,
         size.zipf_rate,
         ratio(size.zipf_rate, first.zipf_rate),
         size.uniform_rate,
@@ -537,7 +583,8 @@ mod tests {
             assert!(size.cold.read.1 >= size.cold.read.0 && size.warm.get.1 > 0.0, "{size:?}");
             assert!(size.restore_seconds > 0.0 && size.snapshot_bytes > 0, "{size:?}");
         }
-        assert!(!args.dir.join("store-600").exists(), "each store removed once measured");
+        let left: Vec<_> = std::fs::read_dir(&args.dir).unwrap().map(|entry| entry.unwrap().file_name()).collect();
+        assert!(left.is_empty(), "each store removed once measured: {left:?}");
         assert_eq!(charts(&figures).len(), 5);
 
         // The build alone, read back whole.

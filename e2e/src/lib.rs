@@ -337,6 +337,7 @@ impl Sandbox {
         config.broker.heartbeat_ms = 500;
         config.broker.member_timeout_ms = 3000;
         change(&mut config);
+        self.admin.insert(name, config.broker.admin_listen.clone());
         self.spawn_configured(name, "tally-broker", &config, &[], &[]);
         format!("http://127.0.0.1:{port}")
     }

@@ -40,6 +40,9 @@ async fn cancelled_jobs_never_run_and_running_ones_stop_within_a_heartbeat() {
     let a = sandbox.spawn_broker("broker-a", &declarations);
     let b = sandbox.spawn_broker("broker-b", &declarations);
     sandbox.config.broker.listen = a.trim_start_matches("http://").to_string();
+    // Each sees itself in the membership: the partitions move only once, as both join.
+    sandbox.wait_ready("broker-a", Duration::from_secs(60)).await;
+    sandbox.wait_ready("broker-b", Duration::from_secs(60)).await;
     let later = now_ms() + 12_000;
     let mut records = Vec::new();
     for i in 0..RUNNING {
@@ -96,12 +99,31 @@ async fn cancelled_jobs_never_run_and_running_ones_stop_within_a_heartbeat() {
     let held = |base: String| async move {
         let stats: serde_json::Value =
             reqwest::get(format!("{base}/v1/queues/cancels")).await.ok()?.json().await.ok()?;
-        let owned = stats["partitions"].as_array()?.iter().filter(|p| p["owned_here"] == true);
-        owned.map(|p| Some(p["ready"].as_u64()? + p["delayed"].as_u64()? + p["in_flight"].as_u64()?)).sum()
+        let every = stats["partitions"].as_array()?;
+        let owned: Vec<&serde_json::Value> = every.iter().filter(|p| p["owned_here"] == true).collect();
+        let jobs: Option<u64> =
+            owned.iter().map(|p| Some(p["ready"].as_u64()? + p["delayed"].as_u64()? + p["in_flight"].as_u64()?)).sum();
+        let partitions: BTreeSet<u64> = owned.iter().filter_map(|p| p["partition"].as_u64()).collect();
+        let owners: Vec<String> = every.iter().map(|p| p["owner"].to_string()).collect();
+        Some((jobs?, partitions, owners))
     };
-    let mut holding: (Option<u64>, Option<u64>) = (None, None);
-    while holding.0.zip(holding.1).map(|(a, b)| a + b) != Some((RUNNING + WAITING) as u64) {
-        assert!(Instant::now() < deadline, "the brokers never held every job: {holding:?}");
+    // Both brokers name the same owner of each partition, each partition is served by
+    // one of them (none changing owner), and they hold every job between them.
+    let settled = |a: &(u64, BTreeSet<u64>, Vec<String>), b: &(u64, BTreeSet<u64>, Vec<String>)| {
+        let every: BTreeSet<u64> = (0..a.2.len() as u64).collect();
+        a.0 + b.0 == (RUNNING + WAITING) as u64
+            && a.2 == b.2
+            && a.1.is_disjoint(&b.1)
+            && a.1.union(&b.1).copied().collect::<BTreeSet<u64>>() == every
+    };
+    let mut holding = (held(a.clone()).await, held(b.clone()).await);
+    while !holding.0.as_ref().zip(holding.1.as_ref()).is_some_and(|(a, b)| settled(a, b)) {
+        assert!(
+            Instant::now() < deadline,
+            "the brokers never held every job: {holding:?}\nbroker-a:\n{}\nbroker-b:\n{}",
+            sandbox.log("broker-a"),
+            sandbox.log("broker-b")
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
         holding = (held(a.clone()).await, held(b.clone()).await);
     }
@@ -136,7 +158,8 @@ async fn cancelled_jobs_never_run_and_running_ones_stop_within_a_heartbeat() {
         let id = format!("later{i}");
         if i < 5 {
             let (ok, out) = sandbox.cli(&["jobs", "cancel", "cancels", &id]);
-            assert!(ok && out.contains(&format!("cancelled {id} on cancels: it will not run")), "{out}");
+            let logs = || format!("broker-a:\n{}\nbroker-b:\n{}", sandbox.log("broker-a"), sandbox.log("broker-b"));
+            assert!(ok && out.contains(&format!("cancelled {id} on cancels: it will not run")), "{out}\n{}", logs());
             continue;
         }
         let response = cancel(if i % 2 == 0 { &a } else { &b }, &id).await.unwrap();

@@ -41,6 +41,10 @@ use crate::Result;
 const LATEST: &str = "the membership's heartbeats";
 const LEASE: &str = "a membership lease";
 
+/// How many membership timeouts a member's own heartbeats may be read back behind
+/// the clock and still time the others ([`Membership::live_as_seen_by`]).
+pub const MOST_LOG_LAG_TIMEOUTS: i64 = 5;
+
 /// The members seen on a membership topic, and how far it was read.
 #[derive(Default)]
 pub struct Membership {
@@ -74,9 +78,13 @@ impl Membership {
     /// `now`). Time runs as the log does, so a log that falls behind — a slow
     /// cluster, a stalled fetch — makes nobody look dead, `me` least of all; a
     /// member that stops is gone once `me`'s own heartbeats have gone on for the
-    /// timeout without it. For members that fence nothing by lease (dequeue brokers).
+    /// timeout without it. A log [`MOST_LOG_LAG_TIMEOUTS`] timeouts behind the clock
+    /// is a member cut off from it: the clock judges from there, `me` included. For
+    /// members that fence nothing by lease (dequeue brokers), on a membership topic
+    /// of one partition (one order for every heartbeat).
     pub fn live_as_seen_by(&self, me: &str, now: i64, timeout_ms: u64) -> Vec<Member> {
-        let log_now = self.heard_at(me).map_or(now, |mine| mine.min(now));
+        let floor = now.saturating_sub(MOST_LOG_LAG_TIMEOUTS.saturating_mul(timeout_ms as i64));
+        let log_now = self.heard_at(me).map_or(now, |mine| mine.max(floor).min(now));
         self.live(log_now, timeout_ms)
     }
 
@@ -294,14 +302,17 @@ mod tests {
         assert_eq!(names(membership.live_as_seen_by("a", 1_000, 3_000)), Vec::<String>::new());
         membership.record(beat("a", 1_000, false));
         membership.record(beat("b", 1_000, false));
-        // Nothing read for a minute: the log lags, nobody is dead.
-        assert_eq!(names(membership.live_as_seen_by("a", 61_000, 3_000)), ["a", "b"]);
-        assert_eq!(names(membership.live(61_000, 3_000)), Vec::<String>::new(), "by the wall clock");
+        // Nothing read for 12 s: the log lags, nobody is dead.
+        assert_eq!(names(membership.live_as_seen_by("a", 13_000, 3_000)), ["a", "b"]);
+        assert_eq!(names(membership.live(13_000, 3_000)), Vec::<String>::new(), "by the wall clock");
         // a's heartbeats go on, b's stopped at 1 000.
         membership.record(beat("a", 3_900, false));
-        assert_eq!(names(membership.live_as_seen_by("a", 61_000, 3_000)), ["a", "b"]);
+        assert_eq!(names(membership.live_as_seen_by("a", 13_000, 3_000)), ["a", "b"]);
         membership.record(beat("a", 4_000, false));
-        assert_eq!(names(membership.live_as_seen_by("a", 61_000, 3_000)), ["a"]);
+        assert_eq!(names(membership.live_as_seen_by("a", 13_000, 3_000)), ["a"]);
+        // Its own heartbeats 5 timeouts behind: a is cut off, the clock judges.
+        assert_eq!(names(membership.live_as_seen_by("a", 21_999, 3_000)), ["a"]);
+        assert_eq!(names(membership.live_as_seen_by("a", 22_000, 3_000)), Vec::<String>::new());
         // Before its own first heartbeat is read, a member sees by its clock.
         assert_eq!(names(membership.live_as_seen_by("c", 6_000, 3_000)), ["a"]);
         assert_eq!(names(membership.live_as_seen_by("c", 7_000, 3_000)), Vec::<String>::new());

@@ -107,11 +107,15 @@ pub struct CancelRequest {
 }
 
 /// One broker's answer to `/held/cancel`: what the job was doing there (none: not
-/// held there), and how many records of its partitions it has not fetched yet.
+/// held there), how many records of its partitions it has not fetched yet, and which
+/// partitions it looked in (none from a broker before they were said: then nobody
+/// may answer that the job is unknown).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct HeldCancel {
     pub state: Option<super::partition::Cancelled>,
     pub unfetched: i64,
+    #[serde(default)]
+    pub served: Vec<i32>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -302,8 +302,7 @@ fn reconcile(
         // One round trip for all the committed offsets.
         let starts = committed_offsets(consumer, &queue.topic, &acquire)?;
         for (partition, start) in acquire.into_iter().zip(starts) {
-            let mut buffer = PartitionQueue::new(policy.clone(), start, broker.next_tenure());
-            buffer.set_slots(queue.slots(partition));
+            let buffer = PartitionQueue::new(policy.clone(), start, broker.next_tenure());
             match unique {
                 true => taking.replays.start(taking.kafka, queue.clone(), partition, start, buffer)?,
                 false => serve(queue, partition, start, buffer, taking, &mut tpl)?,
@@ -331,10 +330,14 @@ fn serve(
     taking: &Taking<'_>,
     tpl: &mut TopicPartitionList,
 ) -> Result<()> {
-    let (limited, max_lease_ms) = {
+    // The queue's settings now: a declaration may have changed them while it replayed.
+    let (policy, max_lease_ms) = {
         let decl = queue.decl();
-        (!decl.policy().limits.is_empty(), decl.max_lease_ms)
+        (decl.policy(), decl.max_lease_ms)
     };
+    let limited = !policy.limits.is_empty();
+    buffer.set_policy(policy);
+    buffer.set_slots(queue.slots(partition));
     if limited {
         // The previous owner's leases count against the limits until they end.
         let hold_ms = max_lease_ms.saturating_add(taking.member_timeout_ms);

@@ -174,7 +174,8 @@ fn watch(
                 break Some(NAMES[index]);
             }
             let now = tally_shared::kafka::now_ms();
-            readiness.set(membership.live(now, timeout_ms).iter().any(|member| member.instance == instance));
+            let live = membership.live_as_seen_by(&instance, now, timeout_ms);
+            readiness.set(live.iter().any(|member| member.instance == instance));
         };
         readiness.set(false);
         let joined = tokio::task::spawn_blocking(move || {

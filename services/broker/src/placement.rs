@@ -122,6 +122,9 @@ pub struct Replayed {
 #[derive(Default)]
 pub struct Replays {
     running: HashMap<(String, i32), JoinHandle<Result<Replayed>>>,
+    /// Replays of partitions let go before they ended: they count against the bound
+    /// until their threads end.
+    let_go: Vec<JoinHandle<Result<Replayed>>>,
 }
 
 impl Replays {
@@ -130,8 +133,9 @@ impl Replays {
     }
 
     /// How many more may start now.
-    pub fn room(&self) -> usize {
-        REPLAYS_AT_ONCE.saturating_sub(self.running.len())
+    pub fn room(&mut self) -> usize {
+        self.let_go.retain(|thread| !thread.is_finished());
+        REPLAYS_AT_ONCE.saturating_sub(self.running.len() + self.let_go.len())
     }
 
     /// Replays `partition` of `queue` up to `start` into `buffer`, on its own thread.
@@ -157,7 +161,15 @@ impl Replays {
     /// The replays of `queue` that ended (each an error if it failed); those of
     /// partitions no longer `desired` are let go, their threads ending on their own.
     pub fn finished(&mut self, queue: &str, desired: &[i32]) -> Vec<(i32, Result<Replayed>)> {
-        self.running.retain(|(name, partition), _| name != queue || desired.contains(partition));
+        let undesired: Vec<(String, i32)> = self
+            .running
+            .keys()
+            .filter(|(name, partition)| name == queue && !desired.contains(partition))
+            .cloned()
+            .collect();
+        for key in undesired {
+            self.let_go.extend(self.running.remove(&key));
+        }
         let ended: Vec<(String, i32)> = self
             .running
             .iter()

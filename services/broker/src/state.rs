@@ -364,12 +364,13 @@ impl Broker {
 
     /// The records of `queue` not fetched yet by this broker as of now (the reported
     /// lag can be a second old, or not reported yet): [`unfetched`] of each served
-    /// partition. A partition whose end cannot be read by `deadline` counts as one
-    /// record unfetched. Blocking.
-    pub fn unfetched_now(&self, queue: &QueueRuntime, deadline: std::time::Instant) -> i64 {
+    /// partition, and those partitions. A partition whose end cannot be read by
+    /// `deadline` counts as one record unfetched. Blocking.
+    pub fn unfetched_now(&self, queue: &QueueRuntime, deadline: std::time::Instant) -> (i64, Vec<i32>) {
         let client = rdkafka::producer::Producer::client(&self.dead_producer);
-        queue
-            .served()
+        let served = queue.served();
+        let partitions = served.iter().map(|(partition, _)| *partition).collect();
+        let unfetched = served
             .into_iter()
             .map(|(partition, buffer)| {
                 let left = deadline.saturating_duration_since(std::time::Instant::now());
@@ -381,7 +382,8 @@ impl Broker {
                     }
                 }
             })
-            .sum()
+            .sum();
+        (unfetched, partitions)
     }
 
     /// Extends a lease; returns the new deadline, and whether its job was cancelled.
