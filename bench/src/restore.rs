@@ -10,7 +10,7 @@ use tally_shared::snapshot::{SnapshotStore, Snapshotter};
 
 use crate::counter_apply::{batches_of, workload, BenchOptions};
 use tally_counter::error::Result;
-use tally_counter::store::apply::ShardRecord;
+use tally_counter::store::apply::{ApplyReport, ShardRecord};
 use tally_counter::store::{ShardStore, StoreOptions};
 
 /// The shape of the bench.
@@ -63,9 +63,17 @@ fn reset_peak_rss() -> Option<u64> {
     status_kib("VmRSS:")
 }
 
-/// Applies `records` (shard-topic offsets from `first`) in the consumer's batches.
-fn apply_log(store: &ShardStore, records: &[Vec<u8>], first: i64, batch_max_bytes: usize, now: i64) -> Result<()> {
+/// Applies `records` (shard-topic offsets from `first`) in the consumer's batches;
+/// what each batch did.
+pub(crate) fn apply_log(
+    store: &ShardStore,
+    records: &[Vec<u8>],
+    first: i64,
+    batch_max_bytes: usize,
+    now: i64,
+) -> Result<Vec<ApplyReport>> {
     let mut offset = first;
+    let mut reports = Vec::new();
     for chunk in batches_of(records, batch_max_bytes) {
         let batch: Vec<ShardRecord<'_>> = chunk
             .iter()
@@ -74,9 +82,9 @@ fn apply_log(store: &ShardStore, records: &[Vec<u8>], first: i64, batch_max_byte
                 ShardRecord { offset: offset - 1, payload, timestamp: None }
             })
             .collect();
-        store.apply(&batch, now, false)?;
+        reports.push(store.apply(&batch, now, false)?);
     }
-    Ok(())
+    Ok(reports)
 }
 
 /// Runs every history size in `dir` (a scratch directory), the snapshot store a

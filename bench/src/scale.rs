@@ -25,11 +25,10 @@ use tally_core::format::RECORD_V3;
 use tally_core::keys::{encode_count_key, Counts, ALL_TIME_WIDTH};
 use tally_core::time::WindowSpec;
 use tally_core::wire::{Increment, Kind, ShardMessage, ShardQuery, Source, Stamp};
-use tally_counter::store::apply::ShardRecord;
 use tally_counter::store::{ShardStore, StoreOptions};
 use tally_shared::snapshot::{SnapshotStore, Snapshotter};
 
-use crate::counter_apply::{batches_of, Zipf};
+use crate::counter_apply::Zipf;
 use crate::plot::{line_chart, Series};
 
 /// Counters built per applied chunk.
@@ -127,17 +126,9 @@ impl Feed {
 
     /// Applies `records` (the last ones [`Feed::records`] made) as the consumer does.
     fn apply(&self, store: &ShardStore, records: &[Vec<u8>], now: i64) -> anyhow::Result<()> {
+        let first = self.next - records.len() as i64;
         // Every record new: none skipped as a redelivery, none refused.
-        let mut offset = self.next - records.len() as i64;
-        for chunk in batches_of(records, self.batch_max_bytes) {
-            let batch: Vec<ShardRecord<'_>> = chunk
-                .iter()
-                .map(|payload| {
-                    offset += 1;
-                    ShardRecord { offset: offset - 1, payload, timestamp: None }
-                })
-                .collect();
-            let report = store.apply(&batch, now, false)?;
+        for report in crate::restore::apply_log(store, records, first, self.batch_max_bytes, now)? {
             anyhow::ensure!(
                 report.redelivered == 0 && report.gap.is_none() && report.undecodable.is_none(),
                 "records not applied whole: {report:?}"
