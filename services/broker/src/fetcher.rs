@@ -1,7 +1,8 @@
 //! The fetcher thread: follows the membership to decide which queue partitions this
 //! broker serves (a member is gone when its heartbeats stopped while this broker's
-//! went on: [`Membership::live_as_seen_by`]), fetches them into their buffers (pausing a partition whose buffer
-//! is full), and commits each partition's watermark.
+//! went on: [`Membership::live_as_seen_by`]), fetches them into their buffers
+//! (pausing a partition whose buffer is full), and commits each partition's
+//! watermark.
 //!
 //! A partition that moves away stops being served at once; one that moves here is
 //! taken after a short settling delay (so its previous owner has let go) from the
