@@ -50,7 +50,7 @@ impl RestoreFigures {
 }
 
 /// A line of `/proc/self/status` (`VmRSS:`, `VmHWM:`), in KiB.
-fn status_kib(field: &str) -> Option<u64> {
+pub(crate) fn status_kib(field: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|line| line.starts_with(field))?;
     line[field.len()..].trim().trim_end_matches("kB").trim().parse().ok()

@@ -324,9 +324,7 @@ pub fn write_amp(stats: &str) -> Option<f64> {
 fn resident_bytes() -> Option<u64> {
     // SAFETY: glibc's malloc_trim takes no pointers; it only returns free memory.
     unsafe { libc::malloc_trim(0) };
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|line| line.starts_with("VmRSS:"))?;
-    line["VmRSS:".len()..].trim().trim_end_matches("kB").trim().parse::<u64>().ok().map(|kib| kib * 1024)
+    crate::restore::status_kib("VmRSS:").map(|kib| kib * 1024)
 }
 
 /// Builds and measures one size in `dir`.
