@@ -17,11 +17,13 @@
 //! sets contain the true components): components are independent, and their
 //! traversals run in parallel on scoped threads.
 
+mod adjacency;
 mod bounded;
+mod names;
 
-use std::sync::Arc;
-
+use adjacency::Adjacency;
 pub use bounded::Refusal;
+use names::Names;
 use rustc_hash::{FxHashMap, FxHashSet};
 use serde::{Deserialize, Serialize};
 
@@ -67,13 +69,13 @@ impl DescChangeRef<'_> {
 
 type NodeId = u32;
 
-/// A directed graph over interned entity names, with out- and in-edges.
+/// A directed graph over interned entity names, with out- and in-edges, held in
+/// about 50 bytes per node of one parent ([`names`], [`adjacency`]).
 #[derive(Debug, Default, Clone)]
 pub struct Graph {
-    ids: FxHashMap<Arc<str>, NodeId>,
-    names: Vec<Arc<str>>,
-    out: Vec<FxHashSet<NodeId>>,
-    inn: Vec<FxHashSet<NodeId>>,
+    names: Names,
+    out: Adjacency,
+    inn: Adjacency,
     /// Union-find parents: nodes ever joined by an edge share a root.
     parent: Vec<NodeId>,
     edges: usize,
@@ -87,25 +89,25 @@ const MAX_GROUP_THREADS: usize = 4;
 
 impl Graph {
     fn intern(&mut self, name: &str) -> NodeId {
-        if let Some(&id) = self.ids.get(name) {
-            return id;
+        // Past 2³¹ entities (a hundred GB of graph) ids would collide with the
+        // adjacency's tags: stop loudly rather than mix nodes up.
+        let Some((id, new)) = self.names.intern(name) else {
+            panic!("no room for entity {name:?}: the graph holds {} entities, the most one graph can", self.names.len())
+        };
+        if new {
+            self.out.push();
+            self.inn.push();
+            self.parent.push(id);
         }
-        let id = self.names.len() as NodeId;
-        let name: Arc<str> = Arc::from(name);
-        self.ids.insert(name.clone(), id);
-        self.names.push(name);
-        self.out.push(FxHashSet::default());
-        self.inn.push(FxHashSet::default());
-        self.parent.push(id);
         id
     }
 
     fn id(&self, name: &str) -> Option<NodeId> {
-        self.ids.get(name).copied()
+        self.names.id(name)
     }
 
     fn name(&self, id: NodeId) -> &str {
-        &self.names[id as usize]
+        self.names.name(id)
     }
 
     fn root(&self, mut id: NodeId) -> NodeId {
@@ -129,10 +131,10 @@ impl Graph {
     /// Adds `from → to`; false when it already existed.
     pub fn add_edge(&mut self, from: &str, to: &str) -> bool {
         let (f, t) = (self.intern(from), self.intern(to));
-        if !self.out[f as usize].insert(t) {
+        if !self.out.insert(f, t) {
             return false;
         }
-        self.inn[t as usize].insert(f);
+        self.inn.insert(t, f);
         self.union(f, t);
         self.edges += 1;
         true
@@ -141,17 +143,17 @@ impl Graph {
     /// Removes `from → to`; false when it did not exist.
     pub fn remove_edge(&mut self, from: &str, to: &str) -> bool {
         let (Some(f), Some(t)) = (self.id(from), self.id(to)) else { return false };
-        if !self.out[f as usize].remove(&t) {
+        if !self.out.remove(f, t) {
             return false;
         }
-        self.inn[t as usize].remove(&f);
+        self.inn.remove(t, f);
         self.edges -= 1;
         true
     }
 
     pub fn has_edge(&self, from: &str, to: &str) -> bool {
         match (self.id(from), self.id(to)) {
-            (Some(f), Some(t)) => self.out[f as usize].contains(&t),
+            (Some(f), Some(t)) => self.out.contains(f, t),
             _ => false,
         }
     }
@@ -165,8 +167,8 @@ impl Graph {
     /// direction) or in-edges (`ancestors`).
     pub fn neighbours(&self, entity: &str, outgoing: bool) -> Vec<&str> {
         let Some(id) = self.id(entity) else { return Vec::new() };
-        let edges = if outgoing { &self.out[id as usize] } else { &self.inn[id as usize] };
-        let mut names: Vec<&str> = edges.iter().map(|&n| self.name(n)).collect();
+        let edges = if outgoing { &self.out } else { &self.inn };
+        let mut names: Vec<&str> = edges.of(id).map(|n| self.name(n)).collect();
         names.sort_unstable();
         names
     }
@@ -222,7 +224,7 @@ impl Graph {
         while next < reached.len() && reached.len() - from < bound {
             let node = reached[next];
             next += 1;
-            for &neighbour in &adjacency[node as usize] {
+            for neighbour in adjacency.of(node) {
                 if visited.first_visit(neighbour) {
                     reached.push(neighbour);
                     if reached.len() - from >= bound {
