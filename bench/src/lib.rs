@@ -9,6 +9,7 @@ pub mod cpu;
 pub mod differential;
 pub mod failover;
 pub mod freshness;
+pub mod graph_scale;
 pub mod hierarchy;
 pub mod jobs;
 pub mod parse;
@@ -54,6 +55,9 @@ enum Command {
     /// A dequeue broker: dequeue latency, dequeue → ack round trips and jobs/s vs the raw consume rate.
     Jobs(jobs::JobsBenchArgs),
     Scale(scale::ScaleBenchArgs),
+    /// The graph service at 100 k to 100 M edges in two shapes: resident bytes per edge,
+    /// single-update latency, snapshot and restore, an update against differential-dataflow.
+    GraphScale(graph_scale::GraphScaleArgs),
     /// What hierarchy costs: an edge add with many ancestors, increments with three levels of ancestors.
     Graph {
         #[arg(long, default_value_t = 10_000)]
@@ -171,6 +175,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Failover(args) => failover::run(config, args).await,
         Command::Jobs(args) => jobs::run(config, args).await,
         Command::Scale(args) => bench_scale(args).await,
+        Command::GraphScale(args) => bench_graph_scale(args).await,
         Command::Parse { messages, per_message, rounds } => {
             println!("parse bench: {messages} messages of {per_message} increments (Zipf entities), {rounds} rounds each way, one thread");
             let figures = tokio::task::spawn_blocking(move || parse::run(messages, per_message, rounds)).await??;
@@ -204,6 +209,38 @@ fn rocksdb_build() -> &'static str {
     }
 }
 
+async fn bench_graph_scale(args: graph_scale::GraphScaleArgs) -> anyhow::Result<()> {
+    println!(
+        "graph-scale bench: graphs of {:?} edges, forest and dag, built through the graph service's apply path; \
+         {} single updates timed per size; differential-dataflow up to {} edges; RocksDB on disk in {}",
+        args.edges,
+        args.updates,
+        args.differential_up_to,
+        args.dir.display()
+    );
+    let runtime = tokio::runtime::Handle::current();
+    let run_args = args.clone();
+    let shapes = tokio::task::spawn_blocking(move || graph_scale::run(&run_args, runtime)).await??;
+    println!("\n{}", graph_scale::HEADER);
+    for (shape, sizes) in &shapes {
+        for size in sizes {
+            println!("{}", graph_scale::row(*shape, size, &sizes[0]));
+        }
+    }
+    write_charts(&args.plots, graph_scale::charts(&shapes))
+}
+
+/// Writes each (file name, SVG) into `dir`.
+fn write_charts(dir: &std::path::Path, charts: Vec<(&'static str, String)>) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    for (name, svg) in charts {
+        let path = dir.join(name);
+        std::fs::write(&path, svg)?;
+        println!("chart: {}", path.display());
+    }
+    Ok(())
+}
+
 async fn bench_scale(args: scale::ScaleBenchArgs) -> anyhow::Result<()> {
     println!(
         "scale bench: stores of {:?} entities x {} metrics, {} increments per counter built through the counter's apply path; \
@@ -222,13 +259,7 @@ async fn bench_scale(args: scale::ScaleBenchArgs) -> anyhow::Result<()> {
     for size in &figures {
         println!("{}", scale::row(size, &figures[0]));
     }
-    std::fs::create_dir_all(&args.plots)?;
-    for (name, svg) in scale::charts(&figures) {
-        let path = args.plots.join(name);
-        std::fs::write(&path, svg)?;
-        println!("chart: {}", path.display());
-    }
-    Ok(())
+    write_charts(&args.plots, scale::charts(&figures))
 }
 
 async fn bench_restore(histories: Vec<usize>, tail: usize, entities: usize, zipf: f64) -> anyhow::Result<()> {

@@ -86,6 +86,9 @@ pub struct SizeFigures {
     pub build_rate: f64,
     pub zipf_rate: f64,
     pub uniform_rate: f64,
+    /// Count keys the uniform stream's batches wrote per second: the store's own
+    /// rate, whatever a batch's repeats of a counter coalesced.
+    pub uniform_keys_rate: f64,
     pub warm: Latencies,
     pub cold: Latencies,
     /// Cold batches of 100: p99 µs through the read path and of plain multi-gets.
@@ -124,17 +127,20 @@ impl Feed {
         records
     }
 
-    /// Applies `records` (the last ones [`Feed::records`] made) as the consumer does.
-    fn apply(&self, store: &ShardStore, records: &[Vec<u8>], now: i64) -> anyhow::Result<()> {
+    /// Applies `records` (the last ones [`Feed::records`] made) as the consumer does;
+    /// the count keys its batches wrote.
+    fn apply(&self, store: &ShardStore, records: &[Vec<u8>], now: i64) -> anyhow::Result<usize> {
         let first = self.next - records.len() as i64;
+        let mut keys = 0;
         // Every record new: none skipped as a redelivery, none refused.
         for report in crate::restore::apply_log(store, records, first, self.batch_max_bytes, now)? {
             anyhow::ensure!(
                 report.redelivered == 0 && report.gap.is_none() && report.undecodable.is_none(),
                 "records not applied whole: {report:?}"
             );
+            keys += report.keys;
         }
-        Ok(())
+        Ok(keys)
     }
 }
 
@@ -187,14 +193,14 @@ fn build(store: &ShardStore, feed: &mut Feed, args: &ScaleBenchArgs, entities: u
 }
 
 /// Applies `live` increments of entities drawn by `draw`, event times within the
-/// last 10 s; their rate.
+/// last 10 s; their rate, and the rate of the count keys written.
 fn live_rate(
     store: &ShardStore,
     feed: &mut Feed,
     args: &ScaleBenchArgs,
     mut draw: impl FnMut(&mut StdRng) -> usize,
     now: i64,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<(f64, f64)> {
     let mut rng = StdRng::seed_from_u64(17);
     let increments: Vec<Increment> = (0..args.live)
         .map(|_| Increment {
@@ -207,8 +213,9 @@ fn live_rate(
         .collect();
     let records = feed.records(increments);
     let started = Instant::now();
-    feed.apply(store, &records, now)?;
-    Ok(args.live as f64 / started.elapsed().as_secs_f64())
+    let keys = feed.apply(store, &records, now)?;
+    let seconds = started.elapsed().as_secs_f64();
+    Ok((args.live as f64 / seconds, keys as f64 / seconds))
 }
 
 /// The keys of the counters read: (entity, metric) drawn by `draw`.
@@ -263,7 +270,7 @@ fn plain_gets(store: &ShardStore, groups: &[&[(String, String)]]) -> anyhow::Res
 }
 
 /// p50 and p99 in µs.
-fn percentiles(mut took: Vec<Duration>) -> (f64, f64) {
+pub(crate) fn percentiles(mut took: Vec<Duration>) -> (f64, f64) {
     took.sort_unstable();
     let at = |q: f64| took.get(((took.len() as f64 * q) as usize).min(took.len().saturating_sub(1)));
     let micros = |d: Option<&Duration>| d.map_or(0.0, |d| d.as_secs_f64() * 1e6);
@@ -280,7 +287,7 @@ fn reopen_cold(store: ShardStore, path: &Path) -> anyhow::Result<ShardStore> {
 }
 
 /// Drops every file under `dir` from the page cache (written to disk first).
-fn uncache(dir: &Path) -> anyhow::Result<()> {
+pub(crate) fn uncache(dir: &Path) -> anyhow::Result<()> {
     for entry in std::fs::read_dir(dir)? {
         let path = entry?.path();
         if path.is_dir() {
@@ -321,7 +328,7 @@ pub fn write_amp(stats: &str) -> Option<f64> {
 
 /// The process's resident memory once the allocator returned what it holds free (so
 /// what the bench built and dropped does not count).
-fn resident_bytes() -> Option<u64> {
+pub(crate) fn resident_bytes() -> Option<u64> {
     // SAFETY: glibc's malloc_trim takes no pointers; it only returns free memory.
     unsafe { libc::malloc_trim(0) };
     crate::restore::status_kib("VmRSS:").map(|kib| kib * 1024)
@@ -352,9 +359,10 @@ fn measure(
     figures.write_amp = db.property_value_cf(cf, "rocksdb.cfstats")?.as_deref().and_then(write_amp);
 
     let zipf = Zipf::new(entities, 1.1);
-    figures.zipf_rate = live_rate(&store, &mut feed, args, |rng| zipf.sample(rng), now)?;
+    figures.zipf_rate = live_rate(&store, &mut feed, args, |rng| zipf.sample(rng), now)?.0;
     settle(&store)?;
-    figures.uniform_rate = live_rate(&store, &mut feed, args, |rng| rng.random_range(0..entities), now)?;
+    (figures.uniform_rate, figures.uniform_keys_rate) =
+        live_rate(&store, &mut feed, args, |rng| rng.random_range(0..entities), now)?;
 
     store.persist()?;
     db.compact_range_cf(cf, None::<&[u8]>, None::<&[u8]>);
@@ -438,16 +446,16 @@ pub fn short(n: usize) -> String {
 
 /// The table's header.
 pub const HEADER: &str = "| entities | counts | build /s | apply Zipf /s (× first) | apply uniform /s (× first) | \
-warm read p50/p99 µs (× get p99) | cold read p50/p99 µs (× get p99) | cold batch-100 p99 µs (× multi-get) | \
+uniform keys written /s (× first) | warm read p50/p99 µs (× get p99) | cold read p50/p99 µs (× get p99) | cold batch-100 p99 µs (× multi-get) | \
 disk B/count (× value) | W-amp | RSS MB | restore s (snapshot MB) |\n\
-|---|---|---|---|---|---|---|---|---|---|---|---|";
+|---|---|---|---|---|---|---|---|---|---|---|---|---|";
 
 /// One size's row, ratios against `first`'s rates and the same run's plain gets.
 pub fn row(size: &SizeFigures, first: &SizeFigures) -> String {
     let ratio = |a: f64, b: f64| a / b.max(f64::MIN_POSITIVE);
     let value_bytes = Counts::increment(1).encode().as_ref().len() as f64;
     format!(
-        "| {} | {:.1} M | {:.0} | {:.0} ({:.2}) | {:.0} ({:.2}) | {:.0}/{:.0} ({:.2}) | {:.0}/{:.0} ({:.2}) | {:.0} ({:.2}) | {:.1} ({:.2}) | {} | {} | {:.1} ({:.0}) |",
+        "| {} | {:.1} M | {:.0} | {:.0} ({:.2}) | {:.0} ({:.2}) | {:.0} ({:.2}) | {:.0}/{:.0} ({:.2}) | {:.0}/{:.0} ({:.2}) | {:.0} ({:.2}) | {:.1} ({:.2}) | {} | {} | {:.1} ({:.0}) |",
         short(size.entities),
         size.counts as f64 / 1e6,
         size.build_rate,
@@ -455,6 +463,8 @@ pub fn row(size: &SizeFigures, first: &SizeFigures) -> String {
         ratio(size.zipf_rate, first.zipf_rate),
         size.uniform_rate,
         ratio(size.uniform_rate, first.uniform_rate),
+        size.uniform_keys_rate,
+        ratio(size.uniform_keys_rate, first.uniform_keys_rate),
         size.warm.read.0,
         size.warm.read.1,
         ratio(size.warm.read.1, size.warm.get.1),
@@ -486,11 +496,12 @@ pub fn charts(figures: &[SizeFigures]) -> Vec<(&'static str, String)> {
             line_chart(
                 "Apply rate",
                 "entities",
-                "increments per second",
+                "per second",
                 &xs,
                 &[
-                    curve("live Zipf", &|f| Some(f.zipf_rate)),
-                    curve("live uniform", &|f| Some(f.uniform_rate)),
+                    curve("live Zipf increments", &|f| Some(f.zipf_rate)),
+                    curve("live uniform increments", &|f| Some(f.uniform_rate)),
+                    curve("live uniform count keys written", &|f| Some(f.uniform_keys_rate)),
                     curve("build", &|f| Some(f.build_rate)),
                 ],
             ),
@@ -569,6 +580,8 @@ mod tests {
             // Each counter's all-time, minute, hour and day keys, at least.
             assert!(size.counts >= (size.entities * args.metrics * 4) as u64, "{size:?}");
             assert!(size.zipf_rate > 0.0 && size.uniform_rate > 0.0 && size.build_rate > 0.0, "{size:?}");
+            // Every increment writes its counter's keys, some coalesced with others'.
+            assert!(size.uniform_keys_rate > 0.0 && size.uniform_keys_rate < 5.0 * size.uniform_rate, "{size:?}");
             assert!(size.cold.read.1 >= size.cold.read.0 && size.warm.get.1 > 0.0, "{size:?}");
             assert!(size.restore_seconds > 0.0 && size.snapshot_bytes > 0, "{size:?}");
         }
