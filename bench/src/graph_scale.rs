@@ -5,11 +5,12 @@
 //! processor applies them), then measures on it:
 //! - the resident memory the graph takes per edge: the process's growth while the
 //!   store opens and loads every edge into memory (after `malloc_trim`, so nothing
-//!   freed counts; RocksDB's block cache is included, as the service holds it);
+//!   freed counts; RocksDB's block cache is included, as the service holds it; the
+//!   visit stamps a batch's traversals keep, 4 bytes per node and thread, are not);
 //! - the latency of single edge updates, each a record of its own through the apply
 //!   path (the descendant changes computed, the edges and outbox committed): a new
 //!   leaf added under a random middle node and removed, and a middle node given a
-//!   second parent and losing it again, p50 and p99 against the first size's;
+//!   second parent and losing it again: p50 and p99, the p99 against the first size's;
 //! - a snapshot of the store and its restore (download from disk, not the page
 //!   cache, and the load into memory);
 //! - on the forest, up to `--differential-up-to` edges: an edge that gives a top
@@ -91,7 +92,7 @@ impl Shape {
                 let mids = edges.div_ceil(FOREST_LEAVES + 1).max(1);
                 (edges - mids, mids, mids.div_ceil(FOREST_MIDS))
             }
-            // A middle node has two parents on average.
+            // A middle node has two parents drawn, fewer once repeats are dropped.
             Shape::Dag => {
                 let mids = edges.div_ceil(DAG_LEAVES + 2).max(1);
                 (edges.saturating_sub(2 * mids), mids, mids.div_ceil(DAG_MIDS))
@@ -168,7 +169,8 @@ struct Feed {
 }
 
 impl Feed {
-    /// Applies `updates` as one record; checks each took effect.
+    /// Applies `updates` as one record; checks each was applied (none refused, none
+    /// skipped as a redelivery).
     fn apply(&mut self, store: &GraphStore, updates: &[EdgeUpdate], now: i64) -> anyhow::Result<()> {
         let source = Source { stream: Source::GRAPH, partition: 0 };
         let offset = self.next;
@@ -192,7 +194,7 @@ fn add(from: &str, to: &str) -> EdgeUpdate {
     EdgeUpdate { op: EdgeOp::Add, from: from.into(), to: to.into() }
 }
 
-/// Builds `shape` at `edges` in `path` through the apply path; the build rate.
+/// Builds `shape`'s `edges` in `store` through the apply path; the build rate.
 fn build(
     store: &GraphStore,
     feed: &mut Feed,
@@ -215,8 +217,9 @@ fn build(
     Ok(edges.len() as f64 / applying.as_secs_f64().max(f64::MIN_POSITIVE))
 }
 
-/// Times `updates` single updates, each applied and undone: a new leaf under a random
-/// middle node, and a random middle node under a second top node.
+/// Times `updates` single updates and the removes that undo them (`2 × updates`
+/// records): a new leaf under a random middle node, and a random middle node under
+/// a second top node.
 fn time_updates(
     store: &GraphStore,
     feed: &mut Feed,
@@ -320,7 +323,7 @@ fn measure(
 
 /// Measures every size of both shapes, smallest first, in `args.dir`.
 pub fn run(args: &GraphScaleArgs, runtime: tokio::runtime::Handle) -> anyhow::Result<Vec<(Shape, Vec<GraphFigures>)>> {
-    anyhow::ensure!(!args.edges.is_empty() && args.updates >= 2, "nothing to measure");
+    anyhow::ensure!(!args.edges.is_empty() && args.edges[0] > 0 && args.updates >= 2, "nothing to measure");
     anyhow::ensure!(args.edges.windows(2).all(|w| w[0] < w[1]), "--edges: smallest first");
     std::fs::create_dir_all(&args.dir)?;
     let mut shapes = Vec::new();
@@ -387,7 +390,7 @@ mod tests {
 
     use super::*;
 
-    /// Everything `child` reaches, by brute force over `edges`.
+    /// Everything `child` reaches, by brute force over `parents`.
     fn reach(parents: &BTreeMap<&str, Vec<&str>>, child: &str) -> Vec<String> {
         let mut seen = BTreeSet::new();
         let mut stack = vec![child];
@@ -401,9 +404,9 @@ mod tests {
         seen.into_iter().map(str::to_string).collect()
     }
 
-    /// A small run: each shape's graph, restored from its snapshot after the timed
-    /// updates, holds exactly the built edges: every entity's descendants equal
-    /// brute-force reachability over the shape's edges.
+    /// A small run measures both shapes (its restores hold every edge built); and a
+    /// graph built, updated by the timed updates and reopened holds exactly the
+    /// built edges: every entity's descendants equal brute-force reachability.
     #[test]
     fn a_small_run_restores_each_shape_exactly_and_measures_it() {
         let dir = tempfile::tempdir().unwrap();

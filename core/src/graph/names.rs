@@ -1,6 +1,5 @@
 //! The graph's interned entity names: every name's bytes once, one after another in
-//! a single arena, found through a hash table of node ids (4 bytes a name, not a map
-//! holding a second copy of each and a pointer per node).
+//! a single arena, found through a hash table of node ids (4 bytes a name).
 //!
 //! A name's end is kept relative to its block of [`BLOCK`] ids, so a block's offsets
 //! fit 32 bits while the arena grows past 4 GiB.
@@ -14,9 +13,10 @@ use super::NodeId;
 /// Ids per block of relative offsets.
 const BLOCK: usize = 1 << 16;
 
-/// The most nodes one graph holds: ids at and above it are the adjacency's tags
-/// ([`super::adjacency`]).
-pub(super) const MAX_NODES: usize = 1 << 31;
+/// The most nodes one graph holds: ids stay below the adjacency's tag bit, and so do
+/// its sets' indexes, one per node at most, so a tagged index never reads as its
+/// empty slot ([`super::adjacency`]).
+pub(super) const MAX_NODES: usize = (1 << 31) - 1;
 
 /// Interned names, ids in the order they came.
 #[derive(Debug, Default, Clone)]
@@ -56,7 +56,7 @@ impl Names {
         };
         let end = u32::try_from(self.bytes.len() as u64 + name.len() as u64 - base).ok();
         let end = end.filter(|_| id < MAX_NODES)?;
-        if id % BLOCK == 0 {
+        if id.is_multiple_of(BLOCK) {
             self.bases.push(base);
         }
         self.bytes.push_str(name);
@@ -76,7 +76,7 @@ impl Names {
 fn slice<'a>(bytes: &'a str, ends: &[u32], bases: &[u64], id: NodeId) -> &'a str {
     let id = id as usize;
     let base = bases[id / BLOCK] as usize;
-    let start = if id % BLOCK == 0 { 0 } else { ends[id - 1] as usize };
+    let start = if id.is_multiple_of(BLOCK) { 0 } else { ends[id - 1] as usize };
     &bytes[base + start..base + ends[id] as usize]
 }
 
