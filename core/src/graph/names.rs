@@ -38,7 +38,10 @@ impl Names {
 
     /// The id of `name`, if interned.
     pub(super) fn id(&self, name: &str) -> Option<NodeId> {
-        let hash = self.hasher.hash_one(name);
+        self.find(self.hasher.hash_one(name), name)
+    }
+
+    fn find(&self, hash: u64, name: &str) -> Option<NodeId> {
         self.ids.find(hash, |&id| self.name(id) == name).copied()
     }
 
@@ -46,7 +49,8 @@ impl Names {
     /// when it is new and the graph holds [`MAX_NODES`] already, or its block's
     /// names would pass 4 GiB (entity names are at most 256 bytes: never).
     pub(super) fn intern(&mut self, name: &str) -> Option<(NodeId, bool)> {
-        if let Some(id) = self.id(name) {
+        let hash = self.hasher.hash_one(name);
+        if let Some(id) = self.find(hash, name) {
             return Some((id, false));
         }
         let id = self.len();
@@ -62,7 +66,6 @@ impl Names {
         self.bytes.push_str(name);
         self.ends.push(end);
         let id = id as NodeId;
-        let hash = self.hasher.hash_one(name);
         let (bytes, ends, bases, hasher) = (&self.bytes, &self.ends, &self.bases, &self.hasher);
         self.ids.insert_unique(hash, id, |&known| hasher.hash_one(slice(bytes, ends, bases, known)));
         Some((id, true))
