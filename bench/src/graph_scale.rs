@@ -32,11 +32,11 @@ use rand::{Rng, SeedableRng};
 use tally_core::graph::{EdgeOp, EdgeUpdate};
 use tally_core::wire::{GraphMessage, GraphUpdate, Source, Stamp};
 use tally_graph::store::{GraphOptions, GraphStore, UpdateRecord, GRAPH};
-use tally_shared::snapshot::{SnapshotStore, Snapshotter};
 
 use crate::counter_apply::Zipf;
 use crate::plot::{line_chart, Series};
-use crate::scale::{percentiles, resident_bytes, short, uncache};
+use crate::restore::lose_and_restore;
+use crate::scale::{percentiles, resident_bytes, short};
 
 /// Updates per record while building.
 const BUILD_RECORD: usize = 1_000;
@@ -288,26 +288,23 @@ fn measure(
         before.zip(resident_bytes()).map(|(before, after)| after.saturating_sub(before) as f64 / loaded as f64);
     figures.update = percentiles(time_updates(&store, &mut feed, shape, edges, args.updates / 2, now)?);
 
-    let snapshots = SnapshotStore::local(&dir.join("snapshots"), runtime.clone())?;
-    let name = format!("graph-scale/{}-{edges}", shape.name());
-    let started = Instant::now();
-    let manifest = snapshots.take(store.store(), &name, dir)?;
-    figures.snapshot_seconds = started.elapsed().as_secs_f64();
-    figures.snapshot_bytes = manifest.bytes();
-    drop(store);
-    std::fs::remove_dir_all(&path)?;
-    let restored = dir.join(format!("restored-{}-{edges}", shape.name()));
-    uncache(&dir.join("snapshots"))?;
-    let started = Instant::now();
-    anyhow::ensure!(Snapshotter::restore_latest(&snapshots, &name, &restored)?.is_some(), "no snapshot of {name}");
-    let store = GraphStore::open(&restored, options())?;
-    figures.restore_seconds = started.elapsed().as_secs_f64();
-    let loaded = tally_shared::lock::read(&store.graph, GRAPH).edge_count();
-    anyhow::ensure!(loaded == figures.edges, "{loaded} edges restored of {}", figures.edges);
-    drop(store);
-    std::fs::remove_dir_all(&restored)?;
-    std::fs::remove_file(tally_shared::snapshot::restored_marker(&restored))?;
-    std::fs::remove_dir_all(dir.join("snapshots"))?;
+    let edges_built = figures.edges;
+    let trip = lose_and_restore(
+        store,
+        GraphStore::store,
+        &path,
+        (&format!("graph-scale/{}-{edges}", shape.name()), dir),
+        runtime,
+        |restored| Ok(GraphStore::open(restored, options())?),
+        |store| {
+            let loaded = tally_shared::lock::read(&store.graph, GRAPH).edge_count();
+            anyhow::ensure!(loaded == edges_built, "{loaded} edges restored of {edges_built}");
+            Ok(())
+        },
+    )?;
+    figures.snapshot_seconds = trip.snapshot_seconds;
+    figures.snapshot_bytes = trip.snapshot_bytes;
+    figures.restore_seconds = trip.restore_seconds;
 
     if shape == Shape::Forest && edges <= args.differential_up_to {
         let (leaves, mids, tops) = shape.counts(edges);

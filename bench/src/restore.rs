@@ -63,6 +63,65 @@ fn reset_peak_rss() -> Option<u64> {
     status_kib("VmRSS:")
 }
 
+/// What [`lose_and_restore`] measured.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct SnapshotTrip {
+    pub snapshot_seconds: f64,
+    pub snapshot_bytes: u64,
+    /// The download, from disk and not from the page cache, and the open.
+    pub restore_seconds: f64,
+}
+
+/// A store that lost its disk: snapshots `store` (its RocksDB through `rocks`) into a
+/// local-directory snapshot store under `dir` as `name`, drops it and deletes `path`,
+/// then restores the snapshot into a directory of its own and opens it with `reopen`,
+/// timed from once the snapshot's files left the page cache; `check` then looks at
+/// what opened (untimed), and everything restored is deleted.
+pub(crate) fn lose_and_restore<S, R>(
+    store: S,
+    rocks: fn(&S) -> &tally_shared::store::Store,
+    path: &Path,
+    (name, dir): (&str, &Path),
+    runtime: &tokio::runtime::Handle,
+    reopen: impl FnOnce(&Path) -> anyhow::Result<R>,
+    check: impl FnOnce(&R) -> anyhow::Result<()>,
+) -> anyhow::Result<SnapshotTrip> {
+    let snapshots = SnapshotStore::local(&dir.join("snapshots"), runtime.clone())?;
+    let started = Instant::now();
+    let manifest = snapshots.take(rocks(&store), name, dir)?;
+    let snapshot_seconds = started.elapsed().as_secs_f64();
+    drop(store);
+    std::fs::remove_dir_all(path)?;
+    let restored = dir.join(format!("restored-{}", name.replace('/', "-")));
+    uncache(&dir.join("snapshots"))?;
+    let started = Instant::now();
+    anyhow::ensure!(Snapshotter::restore_latest(&snapshots, name, &restored)?.is_some(), "no snapshot of {name}");
+    let opened = reopen(&restored)?;
+    let restore_seconds = started.elapsed().as_secs_f64();
+    check(&opened)?;
+    drop(opened);
+    std::fs::remove_dir_all(&restored)?;
+    std::fs::remove_file(tally_shared::snapshot::restored_marker(&restored))?;
+    std::fs::remove_dir_all(dir.join("snapshots"))?;
+    Ok(SnapshotTrip { snapshot_seconds, snapshot_bytes: manifest.bytes(), restore_seconds })
+}
+
+/// Drops every file under `dir` from the page cache (written to disk first).
+pub(crate) fn uncache(dir: &Path) -> anyhow::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_dir() {
+            uncache(&path)?;
+            continue;
+        }
+        let file = std::fs::File::open(&path)?;
+        file.sync_all()?;
+        // SAFETY: a valid descriptor of an open file; advice only.
+        unsafe { libc::posix_fadvise(std::os::fd::AsRawFd::as_raw_fd(&file), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    }
+    Ok(())
+}
+
 /// Applies `records` (shard-topic offsets from `first`) in the consumer's batches;
 /// what each batch did.
 pub(crate) fn apply_log(

@@ -26,10 +26,10 @@ use tally_core::keys::{encode_count_key, Counts, ALL_TIME_WIDTH};
 use tally_core::time::WindowSpec;
 use tally_core::wire::{Increment, Kind, ShardMessage, ShardQuery, Source, Stamp};
 use tally_counter::store::{ShardStore, StoreOptions};
-use tally_shared::snapshot::{SnapshotStore, Snapshotter};
 
 use crate::counter_apply::Zipf;
 use crate::plot::{line_chart, Series};
+use crate::restore::{lose_and_restore, uncache};
 
 /// Counters built per applied chunk.
 const CHUNK_COUNTERS: usize = 20_000;
@@ -286,22 +286,6 @@ fn reopen_cold(store: ShardStore, path: &Path) -> anyhow::Result<ShardStore> {
     open(path)
 }
 
-/// Drops every file under `dir` from the page cache (written to disk first).
-pub(crate) fn uncache(dir: &Path) -> anyhow::Result<()> {
-    for entry in std::fs::read_dir(dir)? {
-        let path = entry?.path();
-        if path.is_dir() {
-            uncache(&path)?;
-            continue;
-        }
-        let file = std::fs::File::open(&path)?;
-        file.sync_all()?;
-        // SAFETY: a valid descriptor of an open file; advice only.
-        unsafe { libc::posix_fadvise(std::os::fd::AsRawFd::as_raw_fd(&file), 0, 0, libc::POSIX_FADV_DONTNEED) };
-    }
-    Ok(())
-}
-
 /// Waits (at most ten minutes) until the store's memtables are flushed and RocksDB
 /// owes no compaction.
 fn settle(store: &ShardStore) -> anyhow::Result<()> {
@@ -394,23 +378,16 @@ fn measure(
     figures.batch_p99 = (batch_read, percentiles(plain_gets(&store, &batches)?).1);
 
     // A shard that lost its disk: its snapshot restored.
-    let snapshots = SnapshotStore::local(&dir.join("snapshots"), runtime.clone())?;
-    let name = format!("scale/shard-{entities}");
-    let manifest = snapshots.take(store.rocks(), &name, dir)?;
-    figures.snapshot_bytes = manifest.bytes();
-    drop(store);
-    std::fs::remove_dir_all(&path)?;
-    let restored = dir.join(format!("restored-{entities}"));
-    let started = Instant::now();
-    uncache(&dir.join("snapshots"))?;
-    let restored_from = Snapshotter::restore_latest(&snapshots, &name, &restored)?;
-    anyhow::ensure!(restored_from.is_some(), "no snapshot of {name} to restore");
-    let store = open(&restored)?;
-    figures.restore_seconds = started.elapsed().as_secs_f64();
-    drop(store);
-    std::fs::remove_dir_all(&restored)?;
-    std::fs::remove_file(tally_shared::snapshot::restored_marker(&restored))?;
-    std::fs::remove_dir_all(dir.join("snapshots"))?;
+    let trip = lose_and_restore(
+        store,
+        ShardStore::rocks,
+        &path,
+        (&format!("scale/shard-{entities}"), dir),
+        runtime,
+        open,
+        |_| Ok(()),
+    )?;
+    (figures.snapshot_bytes, figures.restore_seconds) = (trip.snapshot_bytes, trip.restore_seconds);
     Ok(figures)
 }
 

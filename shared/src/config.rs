@@ -526,6 +526,12 @@ pub struct CounterConfig {
     /// none). An origin with many buckets takes more: a busy counter has a bucket per
     /// minute for 6 hours, per hour for 35 days and per day for 400 days.
     pub direct_cache_bytes: usize,
+    /// Bytes of RocksDB's block cache, one for every shard store of the counter (owned
+    /// and standby): the tables' data blocks and their index blocks alike, so what the
+    /// stores hold in memory is this, their memtables (up to about 40 MiB per store)
+    /// and the pinned top of each table's index (tens of bytes per MiB on disk),
+    /// whatever their size on disk.
+    pub block_cache_bytes: usize,
     /// Own every shard without the counters' membership (one instance only).
     pub static_assignment: bool,
     /// This counter's name among the counters: unique, and stable across restarts
@@ -619,6 +625,7 @@ impl Default for CounterConfig {
             sync_writes: false,
             write_ahead_log: false,
             direct_cache_bytes: 8 << 20,
+            block_cache_bytes: 64 << 20,
             static_assignment: false,
             instance: String::new(),
             heartbeat_ms: 500,

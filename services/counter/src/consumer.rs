@@ -47,6 +47,7 @@ use crate::relay::relay_outboxes;
 use crate::rollups::Rollups;
 use crate::shards::{Roles, Shards};
 use crate::snapshots::{ShardSnapshots, SNAPSHOT_CHECK};
+use crate::store::tables::BlockCache;
 use crate::store::{ShardStore, StoreOptions};
 
 /// Everything the consumer thread needs.
@@ -104,6 +105,7 @@ pub fn run(setup: ConsumerSetup, shutdown: CancellationToken) -> Result<()> {
             direct_cache_bytes: config.counter.direct_cache_bytes,
             max_segment_combinations: config.counting.max_segment_combinations,
             increments_topic: names.increments(),
+            block_cache: BlockCache::new(config.counter.block_cache_bytes)?,
             ..StoreOptions::default()
         },
         snapshots: snapshots.clone(),

@@ -25,6 +25,7 @@ pub mod apply;
 pub mod read;
 pub mod rollup_book;
 pub mod segments;
+pub mod tables;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -95,6 +96,9 @@ pub struct StoreOptions {
     /// The producers' increments topic, which the dead letters of overflowing
     /// combinations name.
     pub increments_topic: String,
+    /// The block cache the store reads its tables through, shared by every store
+    /// opened with a clone of these options ([`tables`]).
+    pub block_cache: tables::BlockCache,
 }
 
 impl Default for StoreOptions {
@@ -109,6 +113,8 @@ impl Default for StoreOptions {
             view_log_bytes: 4 << 20,
             max_segment_combinations: tally_core::segments::DEFAULT_MAX_COMBINATIONS,
             increments_topic: tally_shared::kafka::TopicNames::new("tally.").increments(),
+            block_cache: tables::BlockCache::new(tally_shared::config::CounterConfig::default().block_cache_bytes)
+                .expect("RocksDB allocates an LRU cache's handle"),
         }
     }
 }
@@ -218,6 +224,10 @@ impl ShardStore {
         let mut db_options = Options::default();
         db_options.set_max_background_jobs(BACKGROUND_JOBS);
 
+        let tables = |mut family: Options| {
+            options.block_cache.apply_to(&mut family);
+            family
+        };
         let mut counts = Options::default();
         counts.set_write_buffer_size(16 << 20);
         counts.set_merge_operator_associative("tally_add_counts", add_counts);
@@ -256,18 +266,19 @@ impl ShardStore {
         db_options.set_allow_concurrent_memtable_write(false);
 
         let families = vec![
-            ColumnFamilyDescriptor::new(CF_COUNTS, counts),
-            ColumnFamilyDescriptor::new(CF_DEDUPE, dedupe),
-            ColumnFamilyDescriptor::new(CF_DESC, desc.clone()),
-            ColumnFamilyDescriptor::new(CF_DESC_LOG, desc),
-            ColumnFamilyDescriptor::new(CF_OUTBOX, Options::default()),
-            ColumnFamilyDescriptor::new(CF_ROLLUPS, Options::default()),
-            ColumnFamilyDescriptor::new(CF_ROLLUP_DEADLINES, Options::default()),
+            ColumnFamilyDescriptor::new(CF_COUNTS, tables(counts)),
+            ColumnFamilyDescriptor::new(CF_DEDUPE, tables(dedupe)),
+            ColumnFamilyDescriptor::new(CF_DESC, tables(desc.clone())),
+            ColumnFamilyDescriptor::new(CF_DESC_LOG, tables(desc)),
+            ColumnFamilyDescriptor::new(CF_OUTBOX, tables(Options::default())),
+            ColumnFamilyDescriptor::new(CF_ROLLUPS, tables(Options::default())),
+            ColumnFamilyDescriptor::new(CF_ROLLUP_DEADLINES, tables(Options::default())),
             // Created empty when a store written before segments opens.
-            ColumnFamilyDescriptor::new(segments::CF_SEGMENTS, Options::default()),
-            ColumnFamilyDescriptor::new(segments::CF_LETTERS, Options::default()),
+            ColumnFamilyDescriptor::new(segments::CF_SEGMENTS, tables(Options::default())),
+            ColumnFamilyDescriptor::new(segments::CF_LETTERS, tables(Options::default())),
         ];
-        let store = Store::open(path, db_options, families, options.durability)?;
+        // The default family (progress) reads through the cache too.
+        let store = Store::open(path, tables(db_options), families, options.durability)?;
         let descendants = Views::load(&store)?;
         let rebuild_until = match store.db().get(KEY_REBUILD_UNTIL)? {
             Some(bytes) => tally_core::format::decode_i64_value(&bytes, "rebuild_until")?,
