@@ -89,6 +89,9 @@ pub struct SizeFigures {
     /// Count keys the uniform stream's batches wrote per second: the store's own
     /// rate, whatever a batch's repeats of a counter coalesced.
     pub uniform_keys_rate: f64,
+    /// The share of the uniform stream's time its writes stood stalled by RocksDB
+    /// (compaction behind: `Cumulative stall` in its DB stats).
+    pub uniform_stalled: Option<f64>,
     pub warm: Latencies,
     pub cold: Latencies,
     /// Cold batches of 100: p99 µs through the read path and of plain multi-gets.
@@ -192,15 +195,19 @@ fn build(store: &ShardStore, feed: &mut Feed, args: &ScaleBenchArgs, entities: u
     Ok((counters * args.per_counter) as f64 / applying.as_secs_f64().max(f64::MIN_POSITIVE))
 }
 
+/// What a live stream did: increments and count keys written per second, and the
+/// share of its time writes stood stalled.
+type LiveRates = (f64, f64, Option<f64>);
+
 /// Applies `live` increments of entities drawn by `draw`, event times within the
-/// last 10 s; their rate, and the rate of the count keys written.
+/// last 10 s.
 fn live_rate(
     store: &ShardStore,
     feed: &mut Feed,
     args: &ScaleBenchArgs,
     mut draw: impl FnMut(&mut StdRng) -> usize,
     now: i64,
-) -> anyhow::Result<(f64, f64)> {
+) -> anyhow::Result<LiveRates> {
     let mut rng = StdRng::seed_from_u64(17);
     let increments: Vec<Increment> = (0..args.live)
         .map(|_| Increment {
@@ -212,10 +219,23 @@ fn live_rate(
         })
         .collect();
     let records = feed.records(increments);
+    let stalled = || store.rocks().db().property_value("rocksdb.dbstats").ok().flatten().as_deref().and_then(stall);
+    let stalled_before = stalled();
     let started = Instant::now();
     let keys = feed.apply(store, &records, now)?;
     let seconds = started.elapsed().as_secs_f64();
-    Ok((args.live as f64 / seconds, keys as f64 / seconds))
+    let share = stalled_before.zip(stalled()).map(|(before, after)| (after - before) / seconds);
+    Ok((args.live as f64 / seconds, keys as f64 / seconds, share))
+}
+
+/// The seconds writes stood stalled since the database opened, from RocksDB's DB
+/// stats (`Cumulative stall: 00:00:1.500 H:M:S, 2.5 percent`).
+pub fn stall(stats: &str) -> Option<f64> {
+    let line = stats.lines().find_map(|line| line.trim_start().strip_prefix("Cumulative stall:"))?;
+    let clock = line.split_whitespace().next()?;
+    let mut parts = clock.split(':').map(str::parse::<f64>);
+    let (hours, minutes, seconds) = (parts.next()?.ok()?, parts.next()?.ok()?, parts.next()?.ok()?);
+    Some(hours * 3600.0 + minutes * 60.0 + seconds)
 }
 
 /// The keys of the counters read: (entity, metric) drawn by `draw`.
@@ -345,7 +365,7 @@ fn measure(
     let zipf = Zipf::new(entities, 1.1);
     figures.zipf_rate = live_rate(&store, &mut feed, args, |rng| zipf.sample(rng), now)?.0;
     settle(&store)?;
-    (figures.uniform_rate, figures.uniform_keys_rate) =
+    (figures.uniform_rate, figures.uniform_keys_rate, figures.uniform_stalled) =
         live_rate(&store, &mut feed, args, |rng| rng.random_range(0..entities), now)?;
 
     store.persist()?;
@@ -423,16 +443,16 @@ pub fn short(n: usize) -> String {
 
 /// The table's header.
 pub const HEADER: &str = "| entities | counts | build /s | apply Zipf /s (× first) | apply uniform /s (× first) | \
-uniform keys written /s (× first) | warm read p50/p99 µs (× get p99) | cold read p50/p99 µs (× get p99) | cold batch-100 p99 µs (× multi-get) | \
+uniform keys written /s (× first) | uniform stalled | warm read p50/p99 µs (× get p99) | cold read p50/p99 µs (× get p99) | cold batch-100 p99 µs (× multi-get) | \
 disk B/count (× value) | W-amp | RSS MB | restore s (snapshot MB) |\n\
-|---|---|---|---|---|---|---|---|---|---|---|---|---|";
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|";
 
 /// One size's row, ratios against `first`'s rates and the same run's plain gets.
 pub fn row(size: &SizeFigures, first: &SizeFigures) -> String {
     let ratio = |a: f64, b: f64| a / b.max(f64::MIN_POSITIVE);
     let value_bytes = Counts::increment(1).encode().as_ref().len() as f64;
     format!(
-        "| {} | {:.1} M | {:.0} | {:.0} ({:.2}) | {:.0} ({:.2}) | {:.0} ({:.2}) | {:.0}/{:.0} ({:.2}) | {:.0}/{:.0} ({:.2}) | {:.0} ({:.2}) | {:.1} ({:.2}) | {} | {} | {:.1} ({:.0}) |",
+        "| {} | {:.1} M | {:.0} | {:.0} ({:.2}) | {:.0} ({:.2}) | {:.0} ({:.2}) | {} | {:.0}/{:.0} ({:.2}) | {:.0}/{:.0} ({:.2}) | {:.0} ({:.2}) | {:.1} ({:.2}) | {} | {} | {:.1} ({:.0}) |",
         short(size.entities),
         size.counts as f64 / 1e6,
         size.build_rate,
@@ -442,6 +462,7 @@ pub fn row(size: &SizeFigures, first: &SizeFigures) -> String {
         ratio(size.uniform_rate, first.uniform_rate),
         size.uniform_keys_rate,
         ratio(size.uniform_keys_rate, first.uniform_keys_rate),
+        size.uniform_stalled.map_or("-".into(), |share| format!("{:.0} %", share * 100.0)),
         size.warm.read.0,
         size.warm.read.1,
         ratio(size.warm.read.1, size.warm.get.1),
@@ -560,6 +581,7 @@ mod tests {
             // Every increment writes its counter's keys, some coalesced with others'.
             assert!(size.uniform_keys_rate > 0.0 && size.uniform_keys_rate < 5.0 * size.uniform_rate, "{size:?}");
             assert!(size.cold.read.1 >= size.cold.read.0 && size.warm.get.1 > 0.0, "{size:?}");
+            assert!(size.uniform_stalled.is_some_and(|share| (0.0..=1.0).contains(&share)), "{size:?}");
             assert!(size.restore_seconds > 0.0 && size.snapshot_bytes > 0, "{size:?}");
         }
         let left: Vec<_> = std::fs::read_dir(&args.dir).unwrap().map(|entry| entry.unwrap().file_name()).collect();
@@ -588,5 +610,14 @@ Level    Files   Size     Score Read(GB)  Rn(GB) Rnp1(GB) Write(GB) Wnew(GB) Mov
  Sum      9/0   80.10 MB   0.0      0.4     0.1      0.3       0.6      0.5       0.0   4.7     10.0\n";
         assert_eq!(write_amp(stats), Some(4.7));
         assert_eq!(write_amp("no stats"), None);
+    }
+
+    #[test]
+    fn the_stall_time_is_read_from_the_db_stats() {
+        let stats = "\n** DB Stats **\nUptime(secs): 93.2 total, 10.0 interval\n\
+Cumulative stall: 01:02:3.250 H:M:S, 2.5 percent\n\
+Interval stall: 00:00:0.000 H:M:S, 0.0 percent\n";
+        assert_eq!(stall(stats), Some(3723.25));
+        assert_eq!(stall("Interval stall: 00:00:1.000 H:M:S, 0.0 percent"), None);
     }
 }
