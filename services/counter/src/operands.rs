@@ -9,16 +9,24 @@
 //! "Reads"). RocksDB's own bound
 //! (`max_successive_merges`) counts a key's operands with a seek into the memtable at
 //! every merge write, a second skiplist search next to the insert's; here the count
-//! is a byte in a fixed table indexed by the key's hash, so a write costs a hash.
+//! is a slot of a fixed table indexed by the key's hash, so a write costs a hash.
+//!
+//! A write batch writes each count key once (its increments coalesced), so a key has
+//! at most one operand per batch. A slot therefore counts the *batches* that wrote
+//! any of its keys, once each, not the writes: however many keys share it, none has
+//! stacked more operands than its slot counted, and a batch of millions of distinct
+//! keys (a uniform backlog) fills no slot, where counting writes would have filled
+//! them all and turned the rest of the batch into reads of cold keys.
 //!
 //! Like RocksDB's, the bound counts a key's operands in the mutable memtable only: the
 //! table starts over when the memtable is switched for a new one, so a key written a
 //! few times per memtable is never read on the write path (a sum is a read, from the
-//! files too). Once a slot has counted [`MAX_OPERANDS`] writes, every later write of a
-//! key in it is a sum until the memtable is switched: whichever keys share a slot,
-//! none stacks more than the bound in the memtable (a count that started over at each
-//! sum could land every sum on one key and leave another unbounded). A hot key's sums
-//! then read it from the memtable, where its last value is, much as RocksDB's seek did.
+//! files too). Once a slot has counted [`MAX_OPERANDS`] batches, every write of a
+//! key in it in a later batch is a sum until the memtable is switched: whichever keys
+//! share a slot, none stacks more than the bound in the memtable (a count that started
+//! over at each sum could land every sum on one key and leave another unbounded). A
+//! hot key's sums then read it from the memtable, where its last value is, much as
+//! RocksDB's seek did.
 //!
 //! The table only decides when a key is summed, never what a sum is. It is
 //! approximate: the memtable is seen switched between batches (a batch that fills one
@@ -37,23 +45,42 @@ use rustc_hash::FxHasher;
 /// another writes its sum instead.
 pub const MAX_OPERANDS: u8 = 8;
 
-/// Slots of the table: 256 KiB per shard, allocated lazily by the kernel.
+/// Slots of the table: 1 MiB per shard, allocated lazily by the kernel.
 const SLOT_BITS: u32 = 18;
 
-/// Operands written per count key (by hash slot) since its value was last summed.
+/// A slot's low byte: the batches it counted; the rest: the last batch it counted.
+const COUNT_BITS: u32 = 8;
+const COUNT_MASK: u32 = (1 << COUNT_BITS) - 1;
+/// Batch numbers wrap after this many (then every slot is taken as full: safe).
+const BATCHES: u32 = 1 << (32 - COUNT_BITS);
+
+/// Write batches counted per count key's slot since the key was last summed.
 pub struct OperandTally {
-    slots: Box<[u8]>,
+    slots: Box<[u32]>,
+    /// The number of the write batch being counted, 1 and up (a slot's 0: none).
+    batch: u32,
     /// Entries in the mutable memtable when last told.
     memtable_entries: u64,
 }
 
 impl Default for OperandTally {
     fn default() -> Self {
-        Self { slots: vec![0; 1 << SLOT_BITS].into_boxed_slice(), memtable_entries: 0 }
+        Self { slots: vec![0; 1 << SLOT_BITS].into_boxed_slice(), batch: 1, memtable_entries: 0 }
     }
 }
 
 impl OperandTally {
+    /// A new write batch begins: each slot counts it once, whatever its keys.
+    pub fn begin_batch(&mut self) {
+        self.batch += 1;
+        if self.batch == BATCHES {
+            // Numbers wrap: a slot counted long ago could pass for this batch's, so
+            // every slot is taken as full until the memtable is switched.
+            self.slots.fill(u32::from(MAX_OPERANDS));
+            self.batch = 1;
+        }
+    }
+
     /// How many entries the mutable memtable holds now: fewer than when last told
     /// means it was switched for an empty one, and every count starts over.
     pub fn memtable_holds(&mut self, entries: u64) {
@@ -63,17 +90,22 @@ impl OperandTally {
         self.memtable_entries = entries;
     }
 
-    /// Counts a write of `key`: true when this write is to store the key's sum (its
-    /// stored value plus the write's delta), false when it is to add a merge operand.
+    /// Counts a write of `key` in the current batch: true when this write is to store
+    /// the key's sum (its stored value plus the write's delta), false when it is to
+    /// add a merge operand.
     pub fn write_sum(&mut self, key: &[u8]) -> bool {
         let mut hasher = FxHasher::default();
         hasher.write(key);
         // The product's high bits are the well-mixed ones.
         let slot = &mut self.slots[(hasher.finish() >> (64 - SLOT_BITS)) as usize];
-        if *slot >= MAX_OPERANDS {
+        let (last, counted) = (*slot >> COUNT_BITS, *slot & COUNT_MASK);
+        if last == self.batch {
+            return false; // counted for this batch already, by another of its keys
+        }
+        if counted >= u32::from(MAX_OPERANDS) {
             return true;
         }
-        *slot += 1;
+        *slot = (self.batch << COUNT_BITS) | (counted + 1);
         false
     }
 }
@@ -85,7 +117,12 @@ mod tests {
     #[test]
     fn a_key_stacks_the_bound_then_every_write_is_a_sum() {
         let mut tally = OperandTally::default();
-        let pattern: Vec<bool> = (0..3 * (MAX_OPERANDS as usize + 1)).map(|_| tally.write_sum(b"hot")).collect();
+        let pattern: Vec<bool> = (0..3 * (MAX_OPERANDS as usize + 1))
+            .map(|_| {
+                tally.begin_batch();
+                tally.write_sum(b"hot")
+            })
+            .collect();
         let mut want = vec![false; MAX_OPERANDS as usize];
         want.resize(pattern.len(), true);
         assert_eq!(pattern, want);
@@ -100,6 +137,7 @@ mod tests {
         // would land every ninth write on `b` and never sum `a`.
         let mut stacked = [0u32; 2];
         for round in 0..200 {
+            tally.begin_batch();
             for (n, key) in [(0, &a), (1, &b)] {
                 if n == 1 && round % 2 == 1 {
                     continue;
@@ -135,12 +173,14 @@ mod tests {
     fn keys_in_other_slots_count_on_their_own() {
         let mut tally = OperandTally::default();
         for _ in 0..MAX_OPERANDS {
+            tally.begin_batch();
             assert!(!tally.write_sum(b"hot"));
         }
         // Other keys (in other slots: the hash is fixed) have stacked nothing yet.
         let others: Vec<String> = (0..100).map(|n| format!("cold-{n}")).collect();
         let summed: Vec<&String> = others.iter().filter(|key| tally.write_sum(key.as_bytes())).collect();
         assert_eq!(summed, Vec::<&String>::new());
+        tally.begin_batch();
         assert!(tally.write_sum(b"hot"), "the hot key's ninth write is its sum");
     }
 
@@ -149,13 +189,51 @@ mod tests {
         let mut tally = OperandTally::default();
         tally.memtable_holds(10);
         for _ in 0..MAX_OPERANDS {
+            tally.begin_batch();
             assert!(!tally.write_sum(b"hot"));
         }
         tally.memtable_holds(10 + u64::from(MAX_OPERANDS));
         tally.memtable_holds(3);
-        let after: Vec<bool> = (0..=MAX_OPERANDS).map(|_| tally.write_sum(b"hot")).collect();
+        let after: Vec<bool> = (0..=MAX_OPERANDS)
+            .map(|_| {
+                tally.begin_batch();
+                tally.write_sum(b"hot")
+            })
+            .collect();
         let mut want = vec![false; MAX_OPERANDS as usize];
         want.push(true);
         assert_eq!(after, want, "a new memtable: the bound again, from zero");
+    }
+
+    /// A batch writes each key once: a slot counts the batch once, however many of
+    /// its keys the batch writes, so a batch of more distinct keys than the table
+    /// holds writes no sum, and the batches after it stack to the bound as before.
+    #[test]
+    fn a_batch_of_many_distinct_keys_counts_each_slot_once() {
+        let mut tally = OperandTally::default();
+        let keys: Vec<String> = (0..(MAX_OPERANDS as usize + 2) << SLOT_BITS).map(|n| format!("user:{n}")).collect();
+        tally.begin_batch();
+        let summed = keys.iter().filter(|key| tally.write_sum(key.as_bytes())).count();
+        assert_eq!(summed, 0, "one batch: one operand per key at most");
+        for batch in 1..MAX_OPERANDS {
+            tally.begin_batch();
+            assert!(!tally.write_sum(b"user:0"), "batch {batch}");
+        }
+        tally.begin_batch();
+        assert!(tally.write_sum(b"user:0"), "its slot counted the bound's batches");
+    }
+
+    /// Batch numbers wrap: every slot is then taken as full (a sum) until the
+    /// memtable is switched, never as fresh.
+    #[test]
+    fn wrapped_batch_numbers_sum_until_the_memtable_is_switched() {
+        let mut tally = OperandTally::default();
+        tally.memtable_holds(5);
+        tally.batch = BATCHES - 1;
+        tally.begin_batch();
+        assert!(tally.write_sum(b"any"), "wrapped: a sum");
+        tally.memtable_holds(1);
+        tally.begin_batch();
+        assert!(!tally.write_sum(b"any"), "a new memtable: an operand again");
     }
 }

@@ -678,6 +678,7 @@ impl ShardStore {
         if let Ok(Some(entries)) = entries {
             tally.memtable_holds(entries);
         }
+        tally.begin_batch();
         Ok(CountWrites { tally, sums: Vec::new() })
     }
 
