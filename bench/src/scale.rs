@@ -90,7 +90,7 @@ pub struct SizeFigures {
     /// rate, whatever a batch's repeats of a counter coalesced.
     pub uniform_keys_rate: f64,
     /// The share of the uniform stream's time its writes stood stalled by RocksDB
-    /// (compaction behind: `Cumulative stall` in its DB stats).
+    /// (flushes or compactions behind: `Cumulative stall` in its DB stats).
     pub uniform_stalled: Option<f64>,
     pub warm: Latencies,
     pub cold: Latencies,

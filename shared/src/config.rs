@@ -527,10 +527,13 @@ pub struct CounterConfig {
     /// minute for 6 hours, per hour for 35 days and per day for 400 days.
     pub direct_cache_bytes: usize,
     /// Bytes of RocksDB's block cache, one for every shard store of the counter (owned
-    /// and standby): the tables' data blocks and their index blocks alike, so what the
-    /// stores hold in memory is this, their memtables (up to about 40 MiB per store)
-    /// and the pinned top of each table's index (tens of bytes per MiB on disk),
-    /// whatever their size on disk.
+    /// and standby), at least [`MIN_BLOCK_CACHE_BYTES`]: the tables' data blocks and
+    /// their index blocks alike, so what the tables hold in memory is this whatever
+    /// their size on disk. Counted in it but never evicted: the top level of each
+    /// table's index and the index of each store's newest (level 0) tables, a few
+    /// hundred bytes per MiB of tables. Beside it each store has its memtables (up to
+    /// 2 × 16 MiB of counts and 2 × 4 MiB of idempotency marks; the other families
+    /// hold few records).
     pub block_cache_bytes: usize,
     /// Own every shard without the counters' membership (one instance only).
     pub static_assignment: bool,
@@ -550,6 +553,9 @@ pub struct CounterConfig {
     /// counters; 0: none, a new owner restores and replays).
     pub standby_replicas: u32,
 }
+
+/// The smallest `counter.block_cache_bytes`.
+pub const MIN_BLOCK_CACHE_BYTES: usize = 1 << 20;
 
 /// The most standbys a shard may have.
 pub const MAX_STANDBY_REPLICAS: u32 = 4;
@@ -743,6 +749,12 @@ impl TallyConfig {
         }
         if config.counter.apply_threads == 0 {
             return Err(Error::Config("counter.apply_threads: must be at least 1".into()));
+        }
+        if config.counter.block_cache_bytes < MIN_BLOCK_CACHE_BYTES {
+            return Err(Error::Config(format!(
+                "counter.block_cache_bytes: at least {MIN_BLOCK_CACHE_BYTES} (the tables' index blocks live there too; \
+                 a smaller cache reads them again for every lookup)"
+            )));
         }
         if config.counter.standby_replicas > MAX_STANDBY_REPLICAS {
             return Err(Error::Config(format!("counter.standby_replicas: 0 to {MAX_STANDBY_REPLICAS}")));
@@ -967,6 +979,20 @@ mod tests {
         }
         let refused = threads(&[("TALLY__COUNTER__APPLY_THREADS", "0")]).unwrap_err().to_string();
         assert_eq!(refused, "config: counter.apply_threads: must be at least 1");
+    }
+
+    #[test]
+    fn the_block_cache_is_64_mib_unless_configured_and_at_least_1_mib() {
+        let cache =
+            |pairs: &[(&str, &str)]| TallyConfig::load_with_env(None, env(pairs)).map(|c| c.counter.block_cache_bytes);
+        assert_eq!(cache(&[]).unwrap(), 64 << 20);
+        assert_eq!(cache(&[("TALLY__COUNTER__BLOCK_CACHE_BYTES", "1048576")]).unwrap(), 1 << 20);
+        let refused = cache(&[("TALLY__COUNTER__BLOCK_CACHE_BYTES", "1048575")]).unwrap_err().to_string();
+        assert_eq!(
+            refused,
+            "config: counter.block_cache_bytes: at least 1048576 (the tables' index blocks live there too; \
+             a smaller cache reads them again for every lookup)"
+        );
     }
 
     #[test]

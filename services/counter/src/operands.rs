@@ -15,8 +15,9 @@
 //! at most one operand per batch. A slot therefore counts the *batches* that wrote
 //! any of its keys, once each, not the writes: however many keys share it, none has
 //! stacked more operands than its slot counted, and a batch of millions of distinct
-//! keys (a uniform backlog) fills no slot, where counting writes would have filled
-//! them all and turned the rest of the batch into reads of cold keys.
+//! keys (a uniform backlog) counts each slot once and reads none of them (a slot
+//! counting writes would fill up within such a batch, and turn the rest of its writes
+//! into reads of cold keys).
 //!
 //! Like RocksDB's, the bound counts a key's operands in the mutable memtable only: the
 //! table starts over when the memtable is switched for a new one, so a key written a
@@ -51,7 +52,7 @@ const SLOT_BITS: u32 = 18;
 /// A slot's low byte: the batches it counted; the rest: the last batch it counted.
 const COUNT_BITS: u32 = 8;
 const COUNT_MASK: u32 = (1 << COUNT_BITS) - 1;
-/// Batch numbers wrap after this many (then every slot is taken as full: safe).
+/// Batch numbers wrap after this many (then every slot's last batch is forgotten).
 const BATCHES: u32 = 1 << (32 - COUNT_BITS);
 
 /// Write batches counted per count key's slot since the key was last summed.
@@ -74,9 +75,9 @@ impl OperandTally {
     pub fn begin_batch(&mut self) {
         self.batch += 1;
         if self.batch == BATCHES {
-            // Numbers wrap: a slot counted long ago could pass for this batch's, so
-            // every slot is taken as full until the memtable is switched.
-            self.slots.fill(u32::from(MAX_OPERANDS));
+            // Numbers wrap: a slot counted long ago must not pass for this batch's.
+            // Its count stays; its last batch becomes none (0).
+            self.slots.iter_mut().for_each(|slot| *slot &= COUNT_MASK);
             self.batch = 1;
         }
     }
@@ -223,17 +224,20 @@ mod tests {
         assert!(tally.write_sum(b"user:0"), "its slot counted the bound's batches");
     }
 
-    /// Batch numbers wrap: every slot is then taken as full (a sum) until the
-    /// memtable is switched, never as fresh.
+    /// Batch numbers wrap: a slot counted in the batch that had the new batch's
+    /// number counts it again, and keeps what it counted.
     #[test]
-    fn wrapped_batch_numbers_sum_until_the_memtable_is_switched() {
-        let mut tally = OperandTally::default();
-        tally.memtable_holds(5);
+    fn wrapped_batch_numbers_count_again_and_keep_the_counts() {
+        let mut tally = OperandTally { batch: BATCHES - MAX_OPERANDS as u32, ..OperandTally::default() };
+        for _ in 1..MAX_OPERANDS {
+            tally.begin_batch();
+            assert!(!tally.write_sum(b"hot"));
+        }
+        tally.batch = 0;
+        tally.begin_batch(); // batch 1, the number before the wrap's first
+        assert!(!tally.write_sum(b"hot"), "the bound's last operand");
         tally.batch = BATCHES - 1;
-        tally.begin_batch();
-        assert!(tally.write_sum(b"any"), "wrapped: a sum");
-        tally.memtable_holds(1);
-        tally.begin_batch();
-        assert!(!tally.write_sum(b"any"), "a new memtable: an operand again");
+        tally.begin_batch(); // wraps to 1 again
+        assert!(tally.write_sum(b"hot"), "counted the bound's batches: a sum, not a batch 1 already counted");
     }
 }

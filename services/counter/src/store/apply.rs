@@ -174,10 +174,19 @@ impl Marking<'_> {
 struct CountWrites<'s> {
     tally: MutexGuard<'s, OperandTally>,
     sums: Vec<(Vec<u8>, Counts)>,
+    /// The key last added (debug builds check the tally's premise: each key once per
+    /// write batch; both callers add them in key order).
+    #[cfg(debug_assertions)]
+    last: Option<Vec<u8>>,
 }
 
 impl CountWrites<'_> {
     fn add(&mut self, batch: &mut WriteBatch, counts_cf: &rocksdb::ColumnFamily, key: &[u8], delta: Counts) {
+        #[cfg(debug_assertions)]
+        {
+            debug_assert!(self.last.as_deref().is_none_or(|last| last < key), "count keys repeat in a write batch");
+            self.last = Some(key.to_vec());
+        }
         match self.tally.write_sum(key) {
             true => self.sums.push((key.to_vec(), delta)),
             false => batch.merge_cf(counts_cf, key, delta.encode()),
@@ -679,7 +688,12 @@ impl ShardStore {
             tally.memtable_holds(entries);
         }
         tally.begin_batch();
-        Ok(CountWrites { tally, sums: Vec::new() })
+        Ok(CountWrites {
+            tally,
+            sums: Vec::new(),
+            #[cfg(debug_assertions)]
+            last: None,
+        })
     }
 
     /// The marks of one write batch; `rollups` off: none.

@@ -266,6 +266,8 @@ impl ShardStore {
         db_options.set_allow_concurrent_memtable_write(false);
 
         let families = vec![
+            // Named, or RocksDB opens it with default options (a cache of its own).
+            ColumnFamilyDescriptor::new(rocksdb::DEFAULT_COLUMN_FAMILY_NAME, tables(Options::default())),
             ColumnFamilyDescriptor::new(CF_COUNTS, tables(counts)),
             ColumnFamilyDescriptor::new(CF_DEDUPE, tables(dedupe)),
             ColumnFamilyDescriptor::new(CF_DESC, tables(desc.clone())),
@@ -277,8 +279,7 @@ impl ShardStore {
             ColumnFamilyDescriptor::new(segments::CF_SEGMENTS, tables(Options::default())),
             ColumnFamilyDescriptor::new(segments::CF_LETTERS, tables(Options::default())),
         ];
-        // The default family (progress) reads through the cache too.
-        let store = Store::open(path, tables(db_options), families, options.durability)?;
+        let store = Store::open(path, db_options, families, options.durability)?;
         let descendants = Views::load(&store)?;
         let rebuild_until = match store.db().get(KEY_REBUILD_UNTIL)? {
             Some(bytes) => tally_core::format::decode_i64_value(&bytes, "rebuild_until")?,
