@@ -244,6 +244,7 @@ tally.toml: |
   read_listen = "0.0.0.0:7000"
   data_dir = "/var/lib/tally/counter"
   standby_replicas = {{ .Values.counter.standbyReplicas | default 0 | int64 }}
+  block_cache_bytes = {{ .Values.counter.blockCacheBytes | default 67108864 | int64 }}
 
   [snapshots]
   {{- $snap := .Values.snapshots }}
