@@ -530,10 +530,11 @@ pub struct CounterConfig {
     /// and standby), at least [`MIN_BLOCK_CACHE_BYTES`]: the tables' data blocks and
     /// their index blocks alike, so what the tables hold in memory is this whatever
     /// their size on disk. Counted in it but never evicted: the top level of each
-    /// table's index and the index of each store's newest (level 0) tables, a few
-    /// hundred bytes per MiB of tables. Beside it each store has its memtables (up to
-    /// 2 × 16 MiB of counts and 2 × 4 MiB of idempotency marks; the other families
-    /// hold few records).
+    /// table's index (a few hundred bytes per MiB of tables) and the whole index of
+    /// each store's newest (level 0) tables (about 3.5 % of them: some 2 MiB for a
+    /// store's usual four). Beside it each store has its memtables (up to 2 × 16 MiB
+    /// of counts and 2 × 4 MiB of idempotency marks; the other families hold few
+    /// records).
     pub block_cache_bytes: usize,
     /// Own every shard without the counters' membership (one instance only).
     pub static_assignment: bool,

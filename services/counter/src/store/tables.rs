@@ -9,8 +9,9 @@
 //! entry per 4 KiB of index) stays pinned in the cache, the partitions come and go with
 //! the data blocks; the index of level-0 tables, the newest, which every read looks
 //! at, stays pinned too. Pinned blocks count in the cache's capacity but are never
-//! evicted: a few hundred bytes per MiB of tables. What a counter's stores hold in
-//! memory is then the cache and each store's memtables (bounded per column family).
+//! evicted: a few hundred bytes per MiB of tables for the top levels, some 2 MiB per
+//! store for its level-0 tables' indexes. What a counter's stores hold in memory is
+//! then the cache and each store's memtables (bounded per column family).
 
 use std::fmt;
 use std::sync::Arc;
