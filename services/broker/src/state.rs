@@ -1,7 +1,7 @@
 //! The broker's queues and the partitions it serves: dequeue, ack, nack, extend,
 //! lease expiry and dead jobs, over the pure [`PartitionQueue`] of each partition.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
@@ -179,8 +179,9 @@ pub struct Broker {
     /// Tenures handed out so far: each partition taken gets the next one, so its
     /// lease numbers never repeat those of an earlier tenure in this process.
     pub tenures: AtomicU32,
-    /// The ids of the cancelled jobs of each queue ([`crate::cancels`]).
-    cancelled: RwLock<HashMap<String, HashSet<String>>>,
+    /// The ids of the cancelled jobs of each queue ([`crate::cancels`]), each with
+    /// what it was doing when cancelled here (none: not held here).
+    cancelled: RwLock<HashMap<String, HashMap<String, Option<Cancelled>>>>,
     /// The offset after the last cancellation read ([`crate::cancels`]).
     pub cancels_read: std::sync::atomic::AtomicI64,
 }
@@ -330,16 +331,25 @@ impl Broker {
     }
 
     /// Remembers that job `id` of `queue` is cancelled, and cancels it in the
-    /// partitions served here: what it was doing here (none: not held here).
+    /// partitions served here: what it was doing here when this broker cancelled it
+    /// (none: not held here). A cancellation is both read from its topic and asked
+    /// of the owners by the broker that wrote it, in either order: whichever comes
+    /// second reports what the first found, so the answer never calls a job it just
+    /// cancelled unknown.
     pub fn cancel_held(&self, queue: &str, id: &str) -> Option<Cancelled> {
-        write(&self.cancelled, CANCELS).entry(queue.to_string()).or_default().insert(id.to_string());
-        let runtime = self.queue(queue)?;
+        // Remembered first: a copy fetched meanwhile is dropped as cancelled.
+        write(&self.cancelled, CANCELS).entry(queue.to_string()).or_default().entry(id.to_string()).or_insert(None);
         // Every partition: copies of one id may sit in several.
-        let state = runtime.served().into_iter().filter_map(|(_, buffer)| lock(&buffer, BUFFER).cancel(id)).max();
-        if state.is_some() {
-            tracing::info!(queue, job = id, ?state, "job cancelled");
+        let found = self.queue(queue).and_then(|runtime| {
+            runtime.served().into_iter().filter_map(|(_, buffer)| lock(&buffer, BUFFER).cancel(id)).max()
+        });
+        if found.is_some() {
+            tracing::info!(queue, job = id, state = ?found, "job cancelled");
         }
-        state
+        let mut cancelled = write(&self.cancelled, CANCELS);
+        let seen = cancelled.entry(queue.to_string()).or_default().entry(id.to_string()).or_insert(None);
+        *seen = (*seen).max(found);
+        *seen
     }
 
     /// Forgets the cancellation of job `id` of `queue` (it was requeued).
@@ -351,7 +361,7 @@ impl Broker {
 
     /// Whether job `id` of `queue` was cancelled.
     pub fn is_cancelled(&self, queue: &str, id: &str) -> bool {
-        read(&self.cancelled, CANCELS).get(queue).is_some_and(|ids| ids.contains(id))
+        read(&self.cancelled, CANCELS).get(queue).is_some_and(|ids| ids.contains_key(id))
     }
 
     /// Until when `key` is held in `partition` of `queue` (the inner none: free),
@@ -605,6 +615,35 @@ pub(crate) fn unfetched<C: rdkafka::ClientContext>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A cancellation reaches an owner twice — read from its topic, and asked by the
+    /// broker that wrote it — in either order: both report what the first found.
+    #[test]
+    fn a_cancel_asked_after_the_topic_applied_it_reports_what_it_found() {
+        let producer: FutureProducer =
+            rdkafka::ClientConfig::new().set("bootstrap.servers", "127.0.0.1:9").create().unwrap();
+        let broker = Broker::new("test".into(), Metrics::new(&prometheus::Registry::new()), producer, 1 << 20).unwrap();
+        let decl = tally_shared::topics::Declarations::load(None).unwrap().queue("default").unwrap().clone();
+        broker.declare(decl, &TopicNames::new("t."));
+        let queue = broker.queue("default").unwrap();
+        let mut buffer = PartitionQueue::new(queue.decl().policy(), 0, 0);
+        for (offset, id) in ["waits", "runs"].into_iter().enumerate() {
+            let job = tally_core::jobs::Job::parse(format!(r#"{{"id":"{id}","payload":{{}}}}"#).as_bytes()).unwrap();
+            buffer.push(offset as i64, job, now_ms());
+        }
+        lock(&queue.partitions, PARTITIONS).insert(0, Arc::new(Mutex::new(buffer)));
+        let handed = broker.dequeue(&queue, 1, 60_000, now_ms());
+        let running = handed.first().map(|job| job.id.clone()).unwrap();
+        let waiting = ["waits", "runs"].into_iter().find(|id| *id != running).unwrap();
+
+        let twice = |id: &str| (broker.cancel_held("default", id), broker.cancel_held("default", id));
+        let answers = [twice(waiting), twice(&running), twice("unknown")];
+        let (w, r) = (Some(Cancelled::Waiting), Some(Cancelled::Running));
+        assert_eq!(answers, [(w, w), (r, r), (None, None)]);
+        assert!(broker.is_cancelled("default", "unknown"), "kept, should it be enqueued later");
+        broker.uncancel("default", waiting);
+        assert!(!broker.is_cancelled("default", waiting));
+    }
 
     #[test]
     fn rate_shares_add_up_to_the_limit() {

@@ -185,7 +185,9 @@ impl CountWrites<'_> {
         #[cfg(debug_assertions)]
         {
             debug_assert!(self.last.as_deref().is_none_or(|last| last < key), "count keys repeat in a write batch");
-            self.last = Some(key.to_vec());
+            let last = self.last.get_or_insert_with(Vec::new);
+            last.clear();
+            last.extend_from_slice(key);
         }
         match self.tally.write_sum(key) {
             true => self.sums.push((key.to_vec(), delta)),
