@@ -4,8 +4,9 @@
 //! after the kill, one increment is written to an entity of each shard it owned and
 //! read back through tally-query with the write's token until the answer holds it:
 //! that shard is fresh again. A kill's figure is its slowest shard's; the counter
-//! then comes back and the next kill waits until every shard is served and has a
-//! standby again. One case per `--standbys` value (1 and 0: with a standby per
+//! then comes back and the next kill waits until every shard is served, the
+//! counters own as many as one another (the one started again took its share) and
+//! every shard has a standby again. One case per `--standbys` value (1 and 0: with a standby per
 //! shard, which only catches up, and without, where the new owner restores a
 //! snapshot, if any, and replays the log after it), each on topics of its own.
 //!
@@ -155,19 +156,25 @@ async fn case(
     let progress = crate::pipeline::bar(args.kills, &format!("kills, {standbys} standbys"));
     let outcome: anyhow::Result<()> = async {
         for _ in 0..args.kills {
-            // Every shard served and with a standby again, on two looks a settle apart
-            // (standbys are placed anew a second after a move).
+            // Every shard served, by counters that own as many as one another (the
+            // one started again took its share: a kill while it joins would lose a
+            // shard it is still taking), and with a standby again, on two looks a
+            // settle apart (standbys are placed anew a second after a move).
             let deadline = Instant::now() + GIVE_UP;
             let mut looks = 0;
             let owners = loop {
                 let owners = served(&client, &query, GIVE_UP).await?;
                 let ports = counters.iter().map(|(_, read, _)| *read);
-                let placed = standbys == 0 || standbys_placed(&client, ports).await >= shards as usize;
-                looks = if placed { looks + 1 } else { 0 };
+                let placed = standbys == 0 || standbys_placed(&client, ports.clone()).await >= shards as usize;
+                let settled = placed && balanced(&owners, ports);
+                looks = if settled { looks + 1 } else { 0 };
                 if looks == 2 {
                     break owners;
                 }
-                anyhow::ensure!(Instant::now() < deadline, "not every shard got a standby within {GIVE_UP:?}");
+                anyhow::ensure!(
+                    Instant::now() < deadline,
+                    "the shards were not spread evenly, each with a standby, within {GIVE_UP:?}: {owners:?}"
+                );
                 tokio::time::sleep(Duration::from_millis(1_500)).await;
             };
             let (victim, read_port, _) = *counters
@@ -249,6 +256,14 @@ async fn served(client: &reqwest::Client, query: &str, within: Duration) -> anyh
         anyhow::ensure!(Instant::now() < deadline, "not every shard served within {within:?}: {status}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Whether the counters reading on `ports` own as many shards as one another, give or
+/// take one, by `owners` (shard → read address).
+fn balanced(owners: &BTreeMap<u32, String>, ports: impl Iterator<Item = u16>) -> bool {
+    let owned: Vec<usize> =
+        ports.map(|port| owners.values().filter(|addr| addr.ends_with(&format!(":{port}"))).count()).collect();
+    owned.iter().max().zip(owned.iter().min()).is_some_and(|(most, least)| most - least <= 1)
 }
 
 /// How many shards the counters reading on `ports` hold as standbys (a counter
@@ -347,4 +362,29 @@ async fn steady_load(
         sent += per_message as u64;
     }
     Ok(sent)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owners_are_balanced_when_no_counter_owns_two_more_than_another() {
+        let owners = |counts: &[(u16, u32)]| -> BTreeMap<u32, String> {
+            let mut shard = 0;
+            let mut owners = BTreeMap::new();
+            for &(port, count) in counts {
+                for _ in 0..count {
+                    owners.insert(shard, format!("127.0.0.1:{port}"));
+                    shard += 1;
+                }
+            }
+            owners
+        };
+        let ports = [1u16, 11, 111];
+        assert!(balanced(&owners(&[(1, 3), (11, 3), (111, 2)]), ports.into_iter()));
+        assert!(!balanced(&owners(&[(1, 4), (11, 2), (111, 2)]), ports.into_iter()));
+        // A counter started again that owns nothing yet.
+        assert!(!balanced(&owners(&[(1, 4), (11, 4)]), ports.into_iter()));
+    }
 }
