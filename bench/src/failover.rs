@@ -5,8 +5,8 @@
 //! read back through tally-query with the write's token until the answer holds it:
 //! that shard is fresh again. A kill's figure is its slowest shard's; the counter
 //! then comes back and the next kill waits until every shard is served, the
-//! counters own as many as one another (the one started again took its share) and
-//! every shard has a standby again. One case per `--standbys` value (1 and 0: with a standby per
+//! counters own within one shard of one another (the one started again took its
+//! share) and every shard has a standby again. One case per `--standbys` value (1 and 0: with a standby per
 //! shard, which only catches up, and without, where the new owner restores a
 //! snapshot, if any, and replays the log after it), each on topics of its own.
 //!
@@ -156,33 +156,36 @@ async fn case(
     let progress = crate::pipeline::bar(args.kills, &format!("kills, {standbys} standbys"));
     let outcome: anyhow::Result<()> = async {
         for _ in 0..args.kills {
-            // Every shard served, by counters that own as many as one another (the
-            // one started again took its share: a kill while it joins would lose a
-            // shard it is still taking), and with a standby again, on two looks a
-            // settle apart (standbys are placed anew a second after a move).
+            // Every shard served, by counters that own within one shard of one
+            // another (the one started again took its share: a kill while it joins
+            // would lose a shard it is still taking), and with a standby again, on
+            // two looks a settle apart (standbys are placed anew a second after a move).
             let deadline = Instant::now() + GIVE_UP;
             let mut looks = 0;
             let owners = loop {
                 let owners = served(&client, &query, GIVE_UP).await?;
                 let ports = counters.iter().map(|(_, read, _)| *read);
-                let placed = standbys == 0 || standbys_placed(&client, ports.clone()).await >= shards as usize;
-                let settled = placed && balanced(&owners, ports);
+                let placed = match standbys {
+                    0 => shards as usize,
+                    _ => standbys_placed(&client, ports.clone()).await,
+                };
+                let owned: Vec<(&str, usize)> =
+                    counters.iter().map(|(name, read, _)| (*name, owned_by(&owners, *read))).collect();
+                let settled = placed >= shards as usize && evenly_owned(&owners, ports);
                 looks = if settled { looks + 1 } else { 0 };
                 if looks == 2 {
                     break owners;
                 }
                 anyhow::ensure!(
                     Instant::now() < deadline,
-                    "the shards were not spread evenly, each with a standby, within {GIVE_UP:?}: {owners:?}"
+                    "not settled within {GIVE_UP:?}: shards owned {owned:?} (each within one of the others \
+                     wanted), {placed} of {shards} shards with a standby"
                 );
                 tokio::time::sleep(Duration::from_millis(1_500)).await;
             };
-            let (victim, read_port, _) = *counters
-                .iter()
-                .max_by_key(|(_, read, _)| owners.values().filter(|addr| addr.ends_with(&format!(":{read}"))).count())
-                .context("no counters")?;
-            let lost: Vec<u32> =
-                owners.iter().filter(|(_, addr)| addr.ends_with(&format!(":{read_port}"))).map(|(s, _)| *s).collect();
+            let (victim, read_port, _) =
+                *counters.iter().max_by_key(|(_, read, _)| owned_by(&owners, *read)).context("no counters")?;
+            let lost: Vec<u32> = owners.iter().filter(|(_, addr)| is_at(addr, read_port)).map(|(s, _)| *s).collect();
             rig.kill(victim).await?;
             let killed = Instant::now();
             let reads = lost.iter().map(|shard| {
@@ -258,12 +261,21 @@ async fn served(client: &reqwest::Client, query: &str, within: Duration) -> anyh
     }
 }
 
-/// Whether the counters reading on `ports` own as many shards as one another, give or
-/// take one, by `owners` (shard → read address).
-fn balanced(owners: &BTreeMap<u32, String>, ports: impl Iterator<Item = u16>) -> bool {
-    let owned: Vec<usize> =
-        ports.map(|port| owners.values().filter(|addr| addr.ends_with(&format!(":{port}"))).count()).collect();
+/// Whether the counters reading on `ports` own within one shard of one another, by
+/// `owners` (shard → read address); false for no counters.
+fn evenly_owned(owners: &BTreeMap<u32, String>, ports: impl Iterator<Item = u16>) -> bool {
+    let owned: Vec<usize> = ports.map(|port| owned_by(owners, port)).collect();
     owned.iter().max().zip(owned.iter().min()).is_some_and(|(most, least)| most - least <= 1)
+}
+
+/// How many shards the counter reading on `port` owns, by `owners`.
+fn owned_by(owners: &BTreeMap<u32, String>, port: u16) -> usize {
+    owners.values().filter(|addr| is_at(addr, port)).count()
+}
+
+/// Whether the read address `addr` is on `port`.
+fn is_at(addr: &str, port: u16) -> bool {
+    addr.rsplit_once(':').is_some_and(|(_, at)| at == port.to_string())
 }
 
 /// How many shards the counters reading on `ports` hold as standbys (a counter
@@ -369,7 +381,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn owners_are_balanced_when_no_counter_owns_two_more_than_another() {
+    fn shards_are_evenly_owned_when_no_counter_owns_two_more_than_another() {
         let owners = |counts: &[(u16, u32)]| -> BTreeMap<u32, String> {
             let mut shard = 0;
             let mut owners = BTreeMap::new();
@@ -382,9 +394,13 @@ mod tests {
             owners
         };
         let ports = [1u16, 11, 111];
-        assert!(balanced(&owners(&[(1, 3), (11, 3), (111, 2)]), ports.into_iter()));
-        assert!(!balanced(&owners(&[(1, 4), (11, 2), (111, 2)]), ports.into_iter()));
+        assert!(evenly_owned(&owners(&[(1, 3), (11, 3), (111, 2)]), ports.into_iter()));
+        assert!(evenly_owned(&owners(&[(1, 3), (11, 3), (111, 3)]), ports.into_iter()));
+        assert!(!evenly_owned(&owners(&[(1, 4), (11, 2), (111, 2)]), ports.into_iter()));
         // A counter started again that owns nothing yet.
-        assert!(!balanced(&owners(&[(1, 4), (11, 4)]), ports.into_iter()));
+        assert!(!evenly_owned(&owners(&[(1, 4), (11, 4)]), ports.into_iter()));
+        assert!(!evenly_owned(&owners(&[]), std::iter::empty()));
+        let spread = owners(&[(1, 4), (11, 3), (111, 1)]);
+        assert_eq!(ports.map(|port| owned_by(&spread, port)), [4, 3, 1]);
     }
 }
