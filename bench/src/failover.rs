@@ -6,9 +6,10 @@
 //! that shard is fresh again. A kill's figure is its slowest shard's; the counter
 //! then comes back and the next kill waits until every shard is served, the
 //! counters own within one shard of one another (the one started again took its
-//! share) and every shard has a standby again. One case per `--standbys` value (1 and 0: with a standby per
-//! shard, which only catches up, and without, where the new owner restores a
-//! snapshot, if any, and replays the log after it), each on topics of its own.
+//! share) and every shard has a standby again. One case per `--standbys` value (1
+//! and 0: with a standby per shard, which only catches up, and without, where the
+//! new owner restores a snapshot, if any, and replays the log after it), each on
+//! topics of its own.
 //!
 //! The floor is `--member-timeout-ms`: nothing can tell a dead counter from a slow
 //! one sooner. Rollups are off: on the local broker their records would be most of
