@@ -165,14 +165,13 @@ async fn case(
             let mut looks = 0;
             let owners = loop {
                 let owners = served(&client, &query, GIVE_UP).await?;
-                let ports = counters.iter().map(|(_, read, _)| *read);
                 let placed = match standbys {
                     0 => shards as usize,
-                    _ => standbys_placed(&client, ports.clone()).await,
+                    _ => standbys_placed(&client, counters.iter().map(|(_, read, _)| *read)).await,
                 };
                 let owned: Vec<(&str, usize)> =
                     counters.iter().map(|(name, read, _)| (*name, owned_by(&owners, *read))).collect();
-                let settled = placed >= shards as usize && evenly_owned(&owners, ports);
+                let settled = placed >= shards as usize && evenly_owned(owned.iter().map(|(_, count)| *count));
                 looks = if settled { looks + 1 } else { 0 };
                 if looks == 2 {
                     break owners;
@@ -262,11 +261,11 @@ async fn served(client: &reqwest::Client, query: &str, within: Duration) -> anyh
     }
 }
 
-/// Whether the counters reading on `ports` own within one shard of one another, by
-/// `owners` (shard → read address); false for no counters.
-fn evenly_owned(owners: &BTreeMap<u32, String>, ports: impl Iterator<Item = u16>) -> bool {
-    let owned: Vec<usize> = ports.map(|port| owned_by(owners, port)).collect();
-    owned.iter().max().zip(owned.iter().min()).is_some_and(|(most, least)| most - least <= 1)
+/// Whether counters owning `owned` shards each own within one shard of one another;
+/// false for no counters.
+fn evenly_owned(owned: impl Iterator<Item = usize>) -> bool {
+    let (least, most) = owned.fold((usize::MAX, None), |(least, most), n| (least.min(n), most.max(Some(n))));
+    most.is_some_and(|most| most - least <= 1)
 }
 
 /// How many shards the counter reading on `port` owns, by `owners`.
@@ -395,12 +394,16 @@ mod tests {
             owners
         };
         let ports = [1u16, 11, 111];
-        assert!(evenly_owned(&owners(&[(1, 3), (11, 3), (111, 2)]), ports.into_iter()));
-        assert!(evenly_owned(&owners(&[(1, 3), (11, 3), (111, 3)]), ports.into_iter()));
-        assert!(!evenly_owned(&owners(&[(1, 4), (11, 2), (111, 2)]), ports.into_iter()));
+        let even = |counts: &[(u16, u32)]| {
+            let owners = owners(counts);
+            evenly_owned(ports.into_iter().map(|port| owned_by(&owners, port)))
+        };
+        assert!(even(&[(1, 3), (11, 3), (111, 2)]));
+        assert!(even(&[(1, 3), (11, 3), (111, 3)]));
+        assert!(!even(&[(1, 4), (11, 2), (111, 2)]));
         // A counter started again that owns nothing yet.
-        assert!(!evenly_owned(&owners(&[(1, 4), (11, 4)]), ports.into_iter()));
-        assert!(!evenly_owned(&owners(&[]), std::iter::empty()));
+        assert!(!even(&[(1, 4), (11, 4)]));
+        assert!(!evenly_owned(std::iter::empty()));
         let spread = owners(&[(1, 4), (11, 3), (111, 1)]);
         assert_eq!(ports.map(|port| owned_by(&spread, port)), [4, 3, 1]);
     }
