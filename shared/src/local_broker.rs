@@ -4,6 +4,11 @@
 //! Installed once per machine with `cargo install` into a cache directory outside the
 //! repository (`$TALLY_TANSU_ROOT`, default `~/.cache/tally/tansu-0.6.0`), started on a
 //! chosen port with its data in a chosen directory, and stopped with SIGTERM on drop.
+//!
+//! Once started, its database gets one index Tansu's schema lacks
+//! ([`HEADERS_INDEX`]): without it every record a fetch returns scans the table of
+//! every record header ever written, so a broker fed headers (tally's routed records
+//! carry some) slows as it fills until its clients' sessions time out.
 
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -15,6 +20,11 @@ use crate::{Error, Result};
 
 /// The Tansu release tally is tested with.
 pub const TANSU_VERSION: &str = "0.6.0";
+
+/// The index on Tansu's record headers, by the record they belong to: the one its
+/// fetch looks them up by. Made with Debian's `sqlite3` (the scripts install it) on
+/// every start; a no-op when there.
+pub const HEADERS_INDEX: &str = "create index if not exists tally_header_by_record on header (topition, offset_id)";
 
 /// Where Tansu is installed: `$TALLY_TANSU_ROOT`, else `~/.cache/tally/tansu-0.6.0`.
 pub fn install_root() -> PathBuf {
@@ -105,7 +115,31 @@ impl LocalBroker {
         let bootstrap_servers = format!("127.0.0.1:{advertised}");
         let mut broker = Self { child, bootstrap_servers, data_dir: data_dir.to_path_buf() };
         broker.wait_ready(port, Duration::from_secs(60))?;
+        broker.index_headers()?;
         Ok(broker)
+    }
+
+    /// Adds [`HEADERS_INDEX`] to the database Tansu made on start-up, waiting up to
+    /// 10 s for Tansu's own writes.
+    fn index_headers(&self) -> Result<()> {
+        let output = Command::new("sqlite3")
+            .arg(self.data_dir.join("tansu.db"))
+            .args([".timeout 10000", HEADERS_INDEX])
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|err| {
+                Error::LocalBroker(format!(
+                    "running sqlite3 to index the local broker's record headers (Debian's `sqlite3`; scripts/test.sh and scripts/up.sh install it): {err}"
+                ))
+            })?;
+        if !output.status.success() {
+            return Err(Error::LocalBroker(format!(
+                "indexing the local broker's record headers: sqlite3 {}: {}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr).trim()
+            )));
+        }
+        Ok(())
     }
 
     fn wait_ready(&mut self, port: u16, timeout: Duration) -> Result<()> {
@@ -180,5 +214,31 @@ mod tests {
         let distinct: BTreeSet<u16> = ports.iter().copied().collect();
         assert_eq!(distinct.len(), ports.len());
         assert!(ports.iter().all(|port| (12_000..32_000).contains(port)), "below the ephemeral range");
+    }
+
+    /// Tansu 0.6.0's own query for a fetched record's headers
+    /// (`tansu-storage/src/sql/header_fetch.sql`): once the broker has started, sqlite
+    /// answers it through the index, not by reading every header written.
+    #[test]
+    fn a_started_broker_finds_a_records_headers_by_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = LocalBroker::start(&ensure_installed().unwrap(), free_port().unwrap(), dir.path()).unwrap();
+        let header_fetch = "select h.k, h.v from header h \
+            join record r on h.topition = r.topition and h.offset_id = r.offset_id \
+            join topition tp on tp.id = r.topition join topic t on tp.topic = t.id \
+            join cluster c on t.cluster = c.id \
+            where c.name = 'c' and t.name = 't' and tp.partition = 0 and r.offset_id = 7";
+        let plan = Command::new("sqlite3")
+            .arg(broker.data_dir().join("tansu.db"))
+            .arg(format!("explain query plan {header_fetch}"))
+            .output()
+            .unwrap();
+        let plan = String::from_utf8(plan.stdout).unwrap();
+        let headers: Vec<&str> = plan.lines().filter(|line| line.contains(" h ") || line.ends_with(" h")).collect();
+        assert_eq!(
+            headers.iter().map(|line| line.trim_start_matches(|c: char| !c.is_ascii_alphabetic())).collect::<Vec<_>>(),
+            ["SEARCH h USING INDEX tally_header_by_record (topition=? AND offset_id=?)"],
+            "{plan}"
+        );
     }
 }
