@@ -22,7 +22,7 @@ use tally_core::position::token::{TokenTopic, WriteToken};
 use tally_e2e::{children, encode, signal, Sandbox};
 
 const PAIRS: usize = 10_000;
-const SESSIONS: usize = 20;
+const SESSIONS: usize = 40;
 const LEAVES: usize = 6;
 const PARENTS: usize = 3;
 /// How long a read may wait for its tokens (a killed owner's shards move within
