@@ -2,10 +2,9 @@
 # Sourced, not run.
 
 # Installs the Debian packages RocksDB and librdkafka (TLS, SASL, gzip, zstd) build
-# against, and sqlite3 (the local broker's database is indexed with it), when
-# missing; more packages (e.g. test tools) may be passed as arguments.
+# against, when missing; more packages (e.g. test tools) may be passed as arguments.
 install_native_packages() {
-  local packages=(cmake pkg-config libclang-dev libcurl4-openssl-dev librocksdb-dev libsnappy-dev libssl-dev libsasl2-dev zlib1g-dev libzstd-dev sqlite3 "$@") missing=() p
+  local packages=(cmake pkg-config libclang-dev libcurl4-openssl-dev librocksdb-dev libsnappy-dev libssl-dev libsasl2-dev zlib1g-dev libzstd-dev "$@") missing=() p
   for p in "${packages[@]}"; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
   done

@@ -11,8 +11,9 @@ source scripts/common.sh
 # openssl and stunnel4: the TLS-only Kafka of the e2e tests; python3-venv: moto's S3
 # server (below); chromium and chromium-driver: the dashboard's browser tests
 # (headless, driven over WebDriver; screenshots land in target/tmp/screenshots/);
-# prometheus: promtool, which checks and unit-tests the alerting rules.
-install_native_packages openssl stunnel4 python3-venv chromium chromium-driver prometheus
+# prometheus: promtool, which checks and unit-tests the alerting rules; sqlite3: the
+# local broker's database is indexed with it (shared/src/local_broker.rs).
+install_native_packages openssl stunnel4 python3-venv chromium chromium-driver prometheus sqlite3
 
 # The e2e tests start Tansu themselves and would install it too; installing it here
 # first keeps parallel tests from racing to install it (same path and version as

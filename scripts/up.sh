@@ -11,7 +11,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/common.sh
-install_native_packages
+# sqlite3: the local broker's database is indexed with it (shared/src/local_broker.rs).
+install_native_packages sqlite3
 export CARGO_TARGET_DIR=target/compiled
 if [ ! -x "$CARGO_TARGET_DIR/release/tally" ]; then
   echo "==> first build: compiling RocksDB from source into $CARGO_TARGET_DIR (about 13 min on 2 cores, once)"
