@@ -210,7 +210,7 @@ async fn run_session(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_with_a_write_token_never_miss_it_while_counters_die_and_pause() {
     let mut sandbox = Sandbox::start().await;
-    // Rollups every 10 s: the local broker is the bottleneck, and they are not
+    // Rollups every 10 s: their records load the local broker, and they are not
     // what is tested here.
     let up = sandbox.spawn_up(3, &[("TALLY__COUNTER__ROLLUP_INTERVAL_MS", "10000".to_string())]);
     let counters = move || children(up, "tally-counter", |config| config.counter.instance.clone());

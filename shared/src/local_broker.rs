@@ -123,13 +123,15 @@ impl LocalBroker {
     /// 10 s for Tansu's own writes.
     fn index_headers(&self) -> Result<()> {
         let output = Command::new("sqlite3")
+            // No ~/.sqliterc; the first error ends it.
+            .args(["-init", "/dev/null", "-bail"])
             .arg(self.data_dir.join("tansu.db"))
             .args([".timeout 10000", HEADERS_INDEX])
             .stdin(Stdio::null())
             .output()
             .map_err(|err| {
                 Error::LocalBroker(format!(
-                    "running sqlite3 to index the local broker's record headers (Debian's `sqlite3`; scripts/test.sh and scripts/up.sh install it): {err}"
+                    "running sqlite3 to index the local broker's record headers (`apt-get install sqlite3`; scripts/test.sh and scripts/up.sh install it): {err}"
                 ))
             })?;
         if !output.status.success() {
@@ -227,13 +229,15 @@ mod tests {
             join record r on h.topition = r.topition and h.offset_id = r.offset_id \
             join topition tp on tp.id = r.topition join topic t on tp.topic = t.id \
             join cluster c on t.cluster = c.id \
-            where c.name = 'c' and t.name = 't' and tp.partition = 0 and r.offset_id = 7";
-        let plan = Command::new("sqlite3")
+            where c.name = ?1 and t.name = ?2 and tp.partition = ?3 and r.offset_id = ?4";
+        let output = Command::new("sqlite3")
+            .args(["-init", "/dev/null", "-bail"])
             .arg(broker.data_dir().join("tansu.db"))
             .arg(format!("explain query plan {header_fetch}"))
             .output()
             .unwrap();
-        let plan = String::from_utf8(plan.stdout).unwrap();
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        let plan = String::from_utf8(output.stdout).unwrap();
         let headers: Vec<&str> = plan.lines().filter(|line| line.contains(" h ") || line.ends_with(" h")).collect();
         assert_eq!(
             headers.iter().map(|line| line.trim_start_matches(|c: char| !c.is_ascii_alphabetic())).collect::<Vec<_>>(),
