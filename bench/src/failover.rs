@@ -264,8 +264,8 @@ async fn served(client: &reqwest::Client, query: &str, within: Duration) -> anyh
 /// Whether counters owning `owned` shards each own within one shard of one another;
 /// false for no counters.
 fn evenly_owned(owned: impl Iterator<Item = usize>) -> bool {
-    let (least, most) = owned.fold((usize::MAX, None), |(least, most), n| (least.min(n), most.max(Some(n))));
-    most.is_some_and(|most| most - least <= 1)
+    let owned: Vec<usize> = owned.collect();
+    owned.iter().max().zip(owned.iter().min()).is_some_and(|(most, least)| most - least <= 1)
 }
 
 /// How many shards the counter reading on `port` owns, by `owners`.
